@@ -1,0 +1,1 @@
+"""The HTTP edge: accepts jobs, answers at once, serves their state."""

@@ -1,0 +1,67 @@
+"""The FastAPI application: create_app(settings) wires the store, the submitter and the routes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from api.limits import BodyLimitMiddleware
+from api.routes import router
+from stoker.errors import StokerError
+from stoker.settings import ApiSettings
+from stoker.store import JobStore
+from tasks.pipeline import CelerySubmitter, Submitter
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: ApiSettings | None = None, submitter: Submitter | None = None) -> FastAPI:
+    """Build the API for these settings; the submitter is the seam to the queue (Celery by default)."""
+    settings = settings or ApiSettings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.aioredis = aioredis.Redis.from_url(settings.result_url, socket_connect_timeout=2)
+        yield
+        await app.state.aioredis.aclose()
+        app.state.store.redis.close()
+
+    app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.store = JobStore.from_url(settings.result_url, blob_ttl_s=settings.blob_ttl_s, job_ttl_s=settings.job_ttl_s)
+    app.state.submitter = submitter or CelerySubmitter()
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.include_router(router)
+    _add_error_handlers(app)
+    return app
+
+
+def error_response(exc: StokerError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The structured error envelope with the error's HTTP status."""
+    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StokerError)
+    async def stoker_error(_: Request, exc: StokerError) -> JSONResponse:
+        headers = {"Retry-After": "5"} if not exc.permanent else None
+        return error_response(exc, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        body = {"error": {"code": "invalid_request", "message": f"{where}: {err['msg']}"}}
+        return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        code = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code)

@@ -1,0 +1,50 @@
+"""Request body limit enforced while the body streams in, whatever Content-Length claims."""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from stoker.errors import PayloadTooLarge
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over max_bytes: at once from Content-Length, or as soon as the stream passes the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Wrap receive so that reading past the limit raises PayloadTooLarge."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _reject(send, self.max_bytes)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def _reject(send: Send, limit: int) -> None:
+    body = PayloadTooLarge(f"request body exceeds {limit} bytes").to_dict()
+    payload = ('{"error": {"code": "%s", "message": "%s"}}' % (body["code"], body["message"])).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,129 @@
+"""HTTP routes: submit a job, read it (optionally long-polling), health and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Annotated
+
+import redis
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+from kombu import Connection
+from starlette.concurrency import run_in_threadpool
+
+from api.intake import AcceptedRequest, read_request
+from api.schemas import ErrorPublic, JobPublic
+from stoker.errors import BrokerUnavailable, JobNotFound
+from stoker.jobs import InputRecord, Job
+from stoker.settings import ApiSettings
+from stoker.store import JobStore, done_channel
+from tasks.pipeline import Submitter
+
+router = APIRouter()
+MAX_WAIT_S = 30.0
+
+
+@router.post(
+    "/v1/jobs",
+    status_code=202,
+    response_model=JobPublic,
+    responses={413: {"model": ErrorPublic}, 415: {"model": ErrorPublic}, 422: {"model": ErrorPublic}},
+)
+async def create_job(request: Request) -> JSONResponse:
+    """Accept a job: validate, store inputs and the job record, enqueue, answer 202 at once."""
+    settings: ApiSettings = request.app.state.settings
+    accepted = await read_request(request, settings)
+    job = await run_in_threadpool(_admit, request.app.state.store, request.app.state.submitter, accepted)
+    return JSONResponse(
+        job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"}
+    )
+
+
+def _admit(store: JobStore, submitter: Submitter, accepted: AcceptedRequest) -> Job:
+    """Write inputs and record before enqueueing, so no worker can see a job that is not stored."""
+    job_id = uuid.uuid4().hex
+    records = [
+        InputRecord(index=i, kind="image", content_hash=item.digest, size_bytes=len(item.data))
+        for i, item in enumerate(accepted.inputs)
+    ]
+    try:
+        for item in accepted.inputs:
+            store.put_blob(item.digest, item.data)
+        store.create_job(job_id, accepted.prompt, records, accepted=time.time())
+    except redis.RedisError as exc:
+        raise BrokerUnavailable("the job store cannot be reached") from exc
+    try:
+        submitter.submit(job_id, records)
+    except Exception as exc:
+        store.delete_job(job_id)
+        raise BrokerUnavailable("the broker cannot be reached") from exc
+    job = store.load_job(job_id)
+    assert job is not None
+    return job
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobPublic, responses={404: {"model": ErrorPublic}})
+async def get_job(
+    request: Request, job_id: str, wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0
+) -> JobPublic:
+    """The job; with ?wait=S, hold the answer until the job is terminal or S seconds pass."""
+    store: JobStore = request.app.state.store
+    if wait > 0:
+        return await _wait_terminal(request, store, job_id, wait)
+    return _found(job_id, await run_in_threadpool(store.load_job, job_id))
+
+
+async def _wait_terminal(request: Request, store: JobStore, job_id: str, wait: float) -> JobPublic:
+    deadline = time.monotonic() + wait
+    pubsub = request.app.state.aioredis.pubsub()
+    try:
+        await pubsub.subscribe(done_channel(job_id))  # subscribe first, then look: no missed announcement
+        job = _found(job_id, await run_in_threadpool(store.load_job, job_id))
+        while not job.terminal and (remaining := deadline - time.monotonic()) > 0:
+            await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(remaining, 1.0))
+            job = _found(job_id, await run_in_threadpool(store.load_job, job_id))
+        return job
+    finally:
+        await pubsub.aclose()
+
+
+def _found(job_id: str, job: Job | None) -> JobPublic:
+    if job is None:
+        raise JobNotFound(f"no job {job_id}")
+    return JobPublic.model_validate(job.model_dump())
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    """Ready when both the broker and the job store answer."""
+    settings: ApiSettings = request.app.state.settings
+    broker, store = await asyncio.gather(
+        run_in_threadpool(_broker_ok, settings.broker_url),
+        run_in_threadpool(_store_ok, request.app.state.store),
+    )
+    body = {"broker": "ok" if broker else "unreachable", "store": "ok" if store else "unreachable"}
+    return JSONResponse(body, status_code=200 if broker and store else 503)
+
+
+def _broker_ok(url: str) -> bool:
+    try:
+        with Connection(url, connect_timeout=2) as conn:
+            conn.ensure_connection(max_retries=1, timeout=2)
+        return True
+    except Exception:
+        return False
+
+
+def _store_ok(store: JobStore) -> bool:
+    try:
+        return bool(store.redis.ping())
+    except redis.RedisError:
+        return False

@@ -1,0 +1,41 @@
+"""Request and response schemas of the HTTP API."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from stoker.jobs import Job
+
+
+class InputCreate(BaseModel):
+    """One input of a JSON job request: media as base64."""
+
+    kind: Literal["image"]
+    data: str = Field(description="base64-encoded bytes")
+
+
+class JobCreate(BaseModel):
+    """A JSON job request."""
+
+    prompt: str = Field(min_length=1)
+    inputs: list[InputCreate] = Field(default_factory=list)
+
+
+class JobPublic(Job):
+    """A job as the API returns it."""
+
+
+class ErrorBody(BaseModel):
+    """The structured error every 4xx and 5xx carries."""
+
+    code: str
+    message: str
+    stage: str | None = None
+
+
+class ErrorPublic(BaseModel):
+    """Error envelope."""
+
+    error: ErrorBody

@@ -1,0 +1,45 @@
+"""Celery configuration: flat, lowercase settings computed from stoker's WorkerSettings. Queues and routes live here."""
+
+from kombu import Queue
+
+from stoker.settings import WorkerSettings
+
+_s = WorkerSettings()
+
+broker_url = _s.broker_url
+result_backend = _s.result_url
+
+# JSON only: a pickled message is refused, and messages carry keys, never media.
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+result_accept_content = ["json"]
+
+# One queue per stage, so each can be watched and scaled on its own.
+task_queues = [Queue(name, routing_key=name, durable=True) for name in ("decode", "ocr", "tokenize", "infer")]
+task_default_queue = "tokenize"
+task_routes = {
+    "stoker.decode": {"queue": "decode"},
+    "stoker.ocr": {"queue": "ocr"},
+    "stoker.tokenize": {"queue": "tokenize"},
+    "stoker.infer": {"queue": "infer"},
+}
+task_annotations = {
+    "stoker.decode": {"soft_time_limit": _s.decode_soft_s, "time_limit": _s.decode_hard_s},
+    "stoker.ocr": {"soft_time_limit": _s.ocr_soft_s, "time_limit": _s.ocr_hard_s},
+    "stoker.tokenize": {"soft_time_limit": _s.tokenize_soft_s, "time_limit": _s.tokenize_hard_s},
+}
+
+# An accepted job is never lost: ack after the work, requeue when a worker dies mid-task.
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+broker_transport_options = {"visibility_timeout": 300}
+broker_connection_retry_on_startup = True
+broker_connection_max_retries = None
+
+result_expires = 3600
+task_track_started = True
+worker_send_task_events = True
+task_send_sent_event = True
+worker_hijack_root_logger = False

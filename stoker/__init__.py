@@ -1,0 +1,3 @@
+"""stoker: keeps inference accelerators fed."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,87 @@
+"""The `stoker` command: run the stack, a worker or the API; submit jobs; fetch the model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    args, extra = _parser().parse_known_args(argv)
+    if extra and args.command != "worker":
+        _parser().error(f"unrecognised arguments: {' '.join(extra)}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = _HANDLERS[args.command]
+    return int(handler(args, extra) or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stoker", description="Keeps inference accelerators fed.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start API, workers and Flower locally (and a broker if none answers)")
+    up.add_argument("--port", type=int, default=None)
+    worker = sub.add_parser("worker", help="start a celery worker for a queue group; extra args go to celery")
+    worker.add_argument("kind", choices=["cpu", "infer"])
+    api = sub.add_parser("api", help="serve the HTTP API")
+    api.add_argument("--host", default=None)
+    api.add_argument("--port", type=int, default=None)
+    submit = sub.add_parser("submit", help="submit files and a prompt, wait, print the answer and timings")
+    submit.add_argument("files", nargs="*", type=Path)
+    submit.add_argument("--prompt", required=True)
+    submit.add_argument("--url", default="http://127.0.0.1:8000")
+    submit.add_argument("--timeout", type=float, default=300.0)
+    model = sub.add_parser("model", help="manage the model cache")
+    model.add_argument("action", choices=["fetch", "path"])
+    return parser
+
+
+def _up(args: argparse.Namespace, _: list[str]) -> int:
+    from workers.stack import run_stack
+
+    return run_stack(args.port)
+
+
+def _worker(args: argparse.Namespace, extra: list[str]) -> int:
+    from workers.launch import exec_worker
+
+    exec_worker(args.kind, extra)
+    return 0
+
+
+def _api(args: argparse.Namespace, _: list[str]) -> int:
+    import uvicorn
+
+    from api.app import create_app
+    from stoker.settings import ApiSettings
+
+    overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
+    settings = ApiSettings(**overrides)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
+    return 0
+
+
+def _submit(args: argparse.Namespace, _: list[str]) -> int:
+    from stoker.client import render_job, submit_files
+
+    job = submit_files(args.url, args.prompt, args.files, args.timeout)
+    render_job(job)
+    return 0 if job["status"] in ("succeeded", "degraded") else 1
+
+
+def _model(args: argparse.Namespace, _: list[str]) -> int:
+    from stoker.modelstore import resolve_model
+    from stoker.settings import CommonSettings
+
+    settings = CommonSettings()
+    print(resolve_model(settings.model, settings.model_cache, fetch=args.action == "fetch"))
+    return 0
+
+
+_HANDLERS = {"up": _up, "worker": _worker, "api": _api, "submit": _submit, "model": _model}
+
+if __name__ == "__main__":
+    sys.exit(main())

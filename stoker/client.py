@@ -1,0 +1,59 @@
+"""A small HTTP client for stoker's API, and the terminal rendering of a finished job."""
+
+from __future__ import annotations
+
+import mimetypes
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from stoker.jobs import TERMINAL
+
+
+def submit_files(base_url: str, prompt: str, files: list[Path], timeout_s: float = 300.0) -> dict[str, Any]:
+    """Submit a job with these files, long-poll until it is terminal, return the job JSON."""
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        parts = [("image", (f.name, f.read_bytes(), mimetypes.guess_type(f.name)[0] or "application/octet-stream"))
+                 for f in files]  # fmt: skip
+        response = http.post("/v1/jobs", data={"prompt": prompt}, files=parts)
+        if response.status_code != 202:
+            raise SystemExit(f"rejected ({response.status_code}): {response.text}")
+        job: dict[str, Any] = response.json()
+        deadline = time.monotonic() + timeout_s
+        while job["status"] not in TERMINAL and time.monotonic() < deadline:
+            job = http.get(f"/v1/jobs/{job['id']}", params={"wait": 30}).json()
+        return job
+
+
+def render_job(job: dict[str, Any], console: Console | None = None) -> None:
+    """Print a job's answer, its inputs and its stage timings."""
+    console = console or Console()
+    console.print(f"[bold]job[/] {job['id']}  [bold]status[/] {job['status']}")
+    for item in job["inputs"]:
+        head = f"input {item['index']} ({item['kind']}, {item['content_hash'][:12]}): {item['status']}"
+        if item.get("error"):
+            head += f" [red]{item['error']['code']}[/]: {item['error']['message']}"
+        console.print(head)
+        if item.get("text"):
+            console.print(f"  text: {item['text']!r}")
+    if job.get("result"):
+        console.print(f"[bold green]answer[/] ({job['result']['model']}):\n{job['result']['text']}")
+    if job.get("error"):
+        console.print(f"[red]error[/] {job['error']['code']}: {job['error']['message']}")
+    console.print(_timings_table(job))
+
+
+def _timings_table(job: dict[str, Any]) -> Table:
+    table = Table(title="timings (ms)")
+    table.add_column("stage")
+    table.add_column("ms", justify="right")
+    for item in job["inputs"]:
+        for stage, ms in item.get("timings_ms", {}).items():
+            table.add_row(f"input {item['index']} {stage}", f"{ms:.1f}")
+    for name, ms in job.get("timings_ms", {}).items():
+        table.add_row(name, f"{ms:.1f}")
+    return table

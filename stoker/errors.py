@@ -1,0 +1,132 @@
+"""The one error taxonomy: every failure that reaches a job record or a client is one of these."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class StokerError(Exception):
+    """Something went wrong in stoker."""
+
+    code: ClassVar[str] = "internal_error"
+    #: A permanent error is not retried: the input is bad, or the request can never succeed.
+    permanent: ClassVar[bool] = True
+    #: HTTP status when the error reaches a client synchronously.
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str | None = None, *, stage: str | None = None) -> None:
+        self.message = message or (self.__doc__ or self.code).strip()
+        self.stage = stage
+        super().__init__(self.message)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The structured form that job records and API answers carry."""
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.stage:
+            body["stage"] = self.stage
+        return body
+
+
+class InputError(StokerError):
+    """The input cannot be processed."""
+
+    code = "invalid_input"
+    http_status = 400
+
+
+class UnsupportedMediaType(InputError):
+    """The file's content is not an allowed media format."""
+
+    code = "unsupported_media_type"
+    http_status = 415
+
+
+class PayloadTooLarge(InputError):
+    """The request body is larger than the configured limit."""
+
+    code = "payload_too_large"
+    http_status = 413
+
+
+class TooManyInputs(InputError):
+    """The request carries more inputs than allowed."""
+
+    code = "too_many_inputs"
+    http_status = 422
+
+
+class ImageCorrupt(InputError):
+    """The image data is corrupt or truncated."""
+
+    code = "image_corrupt"
+    http_status = 422
+
+
+class ImageTooLarge(InputError):
+    """The image has more pixels than the configured limit."""
+
+    code = "image_too_large"
+    http_status = 422
+
+
+class InputExpired(InputError):
+    """The input's bytes are no longer in the store."""
+
+    code = "input_expired"
+
+
+class OcrTimeout(InputError):
+    """OCR did not finish within its time limit."""
+
+    code = "ocr_timeout"
+
+
+class OcrFailed(InputError):
+    """OCR failed on this image."""
+
+    code = "ocr_failed"
+
+
+class StageTimeout(InputError):
+    """The stage did not finish within its time limit."""
+
+    code = "stage_timeout"
+
+
+class UpstreamFailed(InputError):
+    """An earlier stage failed for this input."""
+
+    code = "upstream_failed"
+
+
+class JobNotFound(StokerError):
+    """No job with that id."""
+
+    code = "job_not_found"
+    http_status = 404
+
+
+class TransientError(StokerError):
+    """A temporary failure; retrying later may succeed."""
+
+    code = "transient_error"
+    permanent = False
+    http_status = 503
+
+
+class BrokerUnavailable(TransientError):
+    """The broker or the job store cannot be reached."""
+
+    code = "broker_unavailable"
+
+
+class ModelUnavailable(TransientError):
+    """The model is not available yet."""
+
+    code = "model_unavailable"
+
+
+class InferenceFailed(StokerError):
+    """The model failed on this request."""
+
+    code = "inference_failed"

@@ -1,0 +1,92 @@
+"""The job: its states, its record, and the timings derived from its timestamps. Pure values, no I/O."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+JobStatus = Literal["queued", "preprocessing", "inferring", "succeeded", "degraded", "failed"]
+InputStatus = Literal["pending", "ok", "failed"]
+TERMINAL: frozenset[str] = frozenset({"succeeded", "degraded", "failed"})
+
+#: Timestamps a job collects on its way, in order (seconds since the epoch).
+STAMPS = ("accepted", "started", "preprocessed", "infer_start", "infer_end", "done")
+
+
+class ErrorInfo(BaseModel):
+    """A structured error: a stable machine code, a human message, the stage it came from."""
+
+    code: str
+    message: str
+    stage: str | None = None
+
+
+class InputRecord(BaseModel):
+    """One input of a job and what preprocessing made of it."""
+
+    index: int
+    kind: Literal["image"]
+    content_hash: str
+    size_bytes: int
+    status: InputStatus = "pending"
+    text: str | None = None
+    features: dict[str, Any] | None = None
+    error: ErrorInfo | None = None
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+
+
+class ResultInfo(BaseModel):
+    """The model's answer."""
+
+    text: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class BatchInfo(BaseModel):
+    """Which batch the request rode in on the device."""
+
+    id: str
+    size: int
+    wait_ms: float
+
+
+class Job(BaseModel):
+    """A job as clients see it."""
+
+    id: str
+    status: JobStatus
+    prompt: str
+    inputs: list[InputRecord]
+    result: ResultInfo | None = None
+    error: ErrorInfo | None = None
+    batch: BatchInfo | None = None
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        """True once the job will not change any more."""
+        return self.status in TERMINAL
+
+
+def compute_timings(stamps: dict[str, float]) -> dict[str, float]:
+    """Job-level durations in ms from its timestamps; a duration appears once both ends are known."""
+    spans = {
+        "queued": ("accepted", "started"),
+        "preprocess": ("accepted", "preprocessed"),
+        "infer_wait": ("preprocessed", "infer_start"),
+        "infer": ("infer_start", "infer_end"),
+        "total": ("accepted", "done"),
+    }
+    return {
+        name: round(max(stamps[end] - stamps[start], 0.0) * 1000, 2)
+        for name, (start, end) in spans.items()
+        if start in stamps and end in stamps
+    }
+
+
+def final_status(inputs: list[InputRecord]) -> JobStatus:
+    """A job whose model run succeeded is degraded when any of its inputs failed."""
+    return "degraded" if any(i.status == "failed" for i in inputs) else "succeeded"

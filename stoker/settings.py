@@ -1,0 +1,87 @@
+"""Settings: one pydantic-settings class per process kind, all read from STOKER_* environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: The model shipped with stoker: SmolLM2-135M-Instruct, fetched from PyPI and cached as safetensors.
+BUILTIN_MODEL = "smollm2-135m-instruct"
+MiB = 1024 * 1024
+
+
+class CommonSettings(BaseSettings):
+    """What every stoker process needs: where the broker and the job store are, and which model serves."""
+
+    model_config = SettingsConfigDict(env_prefix="STOKER_", extra="ignore", protected_namespaces=())
+
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    #: Job records, input bytes, stage artefacts and Celery results.
+    result_url: str = "redis://127.0.0.1:6379/1"
+    blob_ttl_s: int = Field(3600, ge=60, description="How long input bytes and artefacts live in the store.")
+    job_ttl_s: int = Field(86400, ge=60, description="How long a job record lives after it was accepted.")
+    model: str = Field(BUILTIN_MODEL, description="Built-in model name, a local HF directory or a hub id.")
+    model_cache: Path = Path("~/.cache/stoker").expanduser()
+    max_new_tokens: int = Field(64, ge=1, le=4096)
+    log_level: str = "INFO"
+
+
+class ApiSettings(CommonSettings):
+    """The API process."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = Field(20 * MiB, ge=1024)
+    max_images: int = Field(4, ge=0)
+    max_prompt_chars: int = Field(32_000, ge=1)
+    max_long_poll_s: float = Field(30.0, ge=0)
+
+
+class WorkerSettings(CommonSettings):
+    """Celery workers: CPU preprocessing and the inference consumer."""
+
+    # Per-stage time limits (soft limit becomes a structured stage failure; hard limit kills the child).
+    decode_soft_s: float = 3.0
+    decode_hard_s: float = 5.0
+    ocr_soft_s: float = 10.0
+    ocr_hard_s: float = 15.0
+    tokenize_soft_s: float = 2.0
+    tokenize_hard_s: float = 4.0
+
+    # Decode.
+    max_image_pixels: int = Field(40_000_000, ge=1)
+    image_size: int = Field(224, ge=16, description="Side of the square model-ready image.")
+    ocr_max_side: int = Field(2048, ge=64, description="Longest side of the image handed to OCR.")
+
+    # OCR.
+    ocr_langs: str = "eng"
+    ocr_timeout_s: float = 8.0
+
+    # Inference consumer.
+    max_batch_size: int = Field(8, ge=1)
+    max_wait_ms: int = Field(50, ge=1)
+    prefetch_batches: int = Field(2, ge=1)
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_context_tokens: int = Field(2048, ge=64)
+
+    # Worker processes.
+    cpu_concurrency: int = Field(2, ge=1)
+    infer_pool: Literal["threads", "solo"] = "threads"
+
+    @property
+    def infer_prefetch(self) -> int:
+        """Messages the inference worker may hold: never fewer than one full batch."""
+        return self.max_batch_size * self.prefetch_batches
+
+
+class StackSettings(ApiSettings):
+    """`stoker up`: the API's settings plus what the local stack supervisor needs."""
+
+    flower_port: int = 5555
+    #: "user:password" for Flower's basic auth; without it Flower binds to loopback only.
+    flower_basic_auth: str | None = None
+    ready_timeout_s: float = Field(300.0, ge=1)

@@ -1,0 +1,6 @@
+"""The Celery application shared by the API (to send) and the workers (to run)."""
+
+from celery import Celery
+
+app = Celery("stoker", include=["tasks.preprocess", "tasks.inference"])
+app.config_from_object("celeryconfig")

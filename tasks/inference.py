@@ -1,0 +1,114 @@
+"""The inference consumer: a celery-batches task that runs one model call per collected batch."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from celery.signals import celeryd_after_setup
+from celery_batches import Batches, SimpleRequest
+
+from stoker.errors import InferenceFailed, StokerError
+from stoker.jobs import BatchInfo, ErrorInfo, ResultInfo, final_status
+from stoker.predictor import Prediction, Predictor, run_predictor
+from tasks import resources
+from tasks.app import app
+
+log = logging.getLogger(__name__)
+_settings = resources.settings()
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One job in a batch, with its tokenized prompt."""
+
+    job_id: str
+    prompt_ids: list[int]
+    preprocessed_at: float
+
+
+@app.task(
+    base=Batches,
+    name="stoker.infer",
+    flush_every=_settings.max_batch_size,
+    flush_interval=_settings.max_wait_ms / 1000,
+    acks_late=True,
+    ignore_result=True,
+)
+def infer(requests: list[SimpleRequest]) -> None:
+    """Serve one batch of jobs; messages are acked when this returns, after every result is written."""
+    serve_batch([str(r.kwargs["job_id"]) for r in requests])
+
+
+def serve_batch(job_ids: Sequence[str]) -> None:
+    """Load the batch's prompts, run the model once, write each job's result."""
+    store = resources.store()
+    items = _load_items(job_ids)
+    if not items:
+        return
+    batch_id, started = uuid.uuid4().hex[:12], time.time()
+    for item in items:
+        store.stamp(item.job_id, "infer_start", at=started)
+    outcomes = predict_isolated(resources.predictor(), [i.prompt_ids for i in items])
+    ended = time.time()
+    for item, outcome in zip(items, outcomes, strict=True):
+        store.stamp(item.job_id, "infer_end", at=ended)
+        batch = BatchInfo(id=batch_id, size=len(items), wait_ms=round((started - item.preprocessed_at) * 1000, 2))
+        _finish(item.job_id, outcome, batch)
+    log.info("batch %s: %d jobs in %.0f ms", batch_id, len(items), (ended - started) * 1000)
+
+
+def _load_items(job_ids: Sequence[str]) -> list[BatchItem]:
+    """Jobs still waiting for the model; a redelivered message of a finished job has no prompt left."""
+    store = resources.store()
+    items = []
+    for job_id in dict.fromkeys(job_ids):
+        ids = store.get_tokens(job_id)
+        if ids is None:
+            log.info("job %s has no pending prompt; skipping", job_id)
+            continue
+        preprocessed = store.get_stamp(job_id, "preprocessed")
+        items.append(BatchItem(job_id, ids, preprocessed or time.time()))
+    return items
+
+
+def predict_isolated(predictor: Predictor, prompts: list[list[int]]) -> list[Prediction | StokerError]:
+    """Run the batch; if it fails, retry each prompt alone so one bad item fails alone."""
+    try:
+        return list(run_predictor(predictor, prompts))
+    except Exception:
+        if len(prompts) == 1:
+            log.exception("inference failed")
+            return [InferenceFailed("the model failed on this request", stage="infer")]
+        log.exception("batch of %d failed; retrying items one by one", len(prompts))
+    outcomes: list[Prediction | StokerError] = []
+    for prompt in prompts:
+        outcomes.extend(predict_isolated(predictor, [prompt]))
+    return outcomes
+
+
+def _finish(job_id: str, outcome: Prediction | StokerError, batch: BatchInfo) -> None:
+    store = resources.store()
+    if isinstance(outcome, StokerError):
+        store.finish(job_id, "failed", error=ErrorInfo(**outcome.to_dict()), batch=batch)
+        return
+    job = store.load_job(job_id)
+    status = final_status(job.inputs) if job else "succeeded"
+    result = ResultInfo(
+        text=outcome.text,
+        model=_settings.model,
+        prompt_tokens=outcome.prompt_tokens,
+        completion_tokens=outcome.completion_tokens,
+    )
+    store.finish(job_id, status, result=result, batch=batch)
+
+
+@celeryd_after_setup.connect
+def _preload(sender: str, instance: Any, **_: Any) -> None:
+    """Load the model when this worker consumes the inference queue, before the first batch arrives."""
+    if "infer" in set(instance.app.amqp.queues.consume_from or {}):
+        resources.predictor()

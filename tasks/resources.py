@@ -1,0 +1,55 @@
+"""Per-process resources of a worker, created on first use and never at import."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from stoker.core.imaging import DecodeParams
+from stoker.modelstore import resolve_model
+from stoker.predictor import Predictor, TransformersPredictor
+from stoker.settings import WorkerSettings
+from stoker.store import JobStore
+
+
+@functools.cache
+def settings() -> WorkerSettings:
+    """This worker's settings."""
+    return WorkerSettings()
+
+
+@functools.cache
+def store() -> JobStore:
+    """This worker's connection to the job store."""
+    s = settings()
+    return JobStore.from_url(s.result_url, blob_ttl_s=s.blob_ttl_s, job_ttl_s=s.job_ttl_s)
+
+
+def decode_params() -> DecodeParams:
+    """Decode parameters from settings."""
+    s = settings()
+    return DecodeParams(max_pixels=s.max_image_pixels, image_size=s.image_size, ocr_max_side=s.ocr_max_side)
+
+
+@functools.cache
+def model_path() -> str:
+    """Local path (or hub id) of the configured model."""
+    s = settings()
+    return resolve_model(s.model, s.model_cache)
+
+
+@functools.cache
+def tokenizer() -> Any:
+    """The model's fast tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path())
+
+
+@functools.cache
+def predictor() -> Predictor:
+    """The loaded model, set up on the configured device."""
+    s = settings()
+    p = TransformersPredictor(model_path(), max_new_tokens=s.max_new_tokens, dtype=s.dtype, name=s.model)
+    p.setup(s.device)
+    return p

