@@ -47,12 +47,12 @@ class AcceptedRequest:
 async def read_request(request: Request, settings: ApiSettings) -> AcceptedRequest:
     """Parse and validate a job request; raises an InputError for anything that must not be enqueued."""
     content_type = request.headers.get("content-type", "")
-    if content_type.startswith("multipart/form-data"):
+    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         prompt, raw = await _read_multipart(request, settings)
     elif content_type.startswith("application/json"):
         prompt, raw = _read_json(await request.body())
     else:
-        raise UnsupportedMediaType("send multipart/form-data or application/json")
+        raise UnsupportedMediaType("send multipart/form-data, a url-encoded form or application/json")
     return validate(prompt, raw, settings)
 
 

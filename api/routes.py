@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Annotated
@@ -21,6 +22,7 @@ from stoker.settings import ApiSettings
 from stoker.store import JobStore, done_channel
 from tasks.pipeline import Submitter
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 MAX_WAIT_S = 30.0
 
@@ -57,6 +59,7 @@ def _admit(store: JobStore, submitter: Submitter, accepted: AcceptedRequest) -> 
     try:
         submitter.submit(job_id, records)
     except Exception as exc:
+        log.warning("could not enqueue job %s: %r", job_id, exc)
         store.delete_job(job_id)
         raise BrokerUnavailable("the broker cannot be reached") from exc
     job = store.load_job(job_id)

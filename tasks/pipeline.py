@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from celery import chain, chord, group
+from celery import Celery, chain, chord, group
 from celery.canvas import Signature
 
 from stoker.jobs import InputRecord
-from tasks.app import app
+from tasks.app import app as default_app
 
 
 class Submitter(Protocol):
@@ -19,7 +19,7 @@ class Submitter(Protocol):
         """Enqueue the job's work; raises if the broker cannot take it."""
 
 
-def job_canvas(job_id: str, inputs: Sequence[InputRecord]) -> Signature:
+def job_canvas(job_id: str, inputs: Sequence[InputRecord], app: Celery = default_app) -> Signature:
     """The Celery canvas for one job."""
     tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id})
     if not inputs:
@@ -34,6 +34,9 @@ def job_canvas(job_id: str, inputs: Sequence[InputRecord]) -> Signature:
 class CelerySubmitter:
     """Submits jobs to the broker as Celery canvases."""
 
+    def __init__(self, app: Celery = default_app) -> None:
+        self.app = app
+
     def submit(self, job_id: str, inputs: Sequence[InputRecord]) -> None:
         """Publish the job's canvas."""
-        job_canvas(job_id, inputs).apply_async()
+        job_canvas(job_id, inputs, self.app).apply_async()

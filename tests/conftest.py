@@ -1,0 +1,46 @@
+"""Test tiers by folder, and one real Redis for every test that needs one (started here if none answers)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from workers.broker import redis_answers, start_embedded
+
+TIERS = ("unit", "integration", "e2e")
+_embedded: list[subprocess.Popen[bytes]] = []
+
+#: Redis databases the suite owns; the default stack uses 0 and 1.
+TEST_DBS = {"integration": (12, 13), "e2e": (14, 15)}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point every process the tests start at a Redis that answers, before any stoker module reads settings."""
+    base = os.environ.get("STOKER_TEST_REDIS", "redis://127.0.0.1:6379")
+    if not redis_answers(f"{base}/0"):
+        proc, port = start_embedded()
+        _embedded.append(proc)
+        base = f"redis://127.0.0.1:{port}"
+    os.environ["STOKER_TEST_REDIS"] = base
+    broker_db, store_db = TEST_DBS["integration"]
+    os.environ["STOKER_BROKER_URL"] = f"{base}/{broker_db}"
+    os.environ["STOKER_RESULT_URL"] = f"{base}/{store_db}"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the Redis this session started, if any."""
+    for proc in _embedded:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its tier, from the folder it lives in."""
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        for tier in TIERS:
+            if tier in parts:
+                item.add_marker(getattr(pytest.mark, tier))

@@ -1,0 +1,87 @@
+"""Real Redis, real `celery worker` processes, and the API app in this process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from stoker.jobs import InputRecord
+from tests.procs import spawn, stop, tail, wait_for
+
+
+@pytest.fixture(scope="session")
+def store_redis() -> Iterator[redis.Redis]:
+    """The test store database, flushed at start."""
+    client = redis.Redis.from_url(os.environ["STOKER_RESULT_URL"])
+    broker = redis.Redis.from_url(os.environ["STOKER_BROKER_URL"])
+    client.flushdb()
+    broker.flushdb()
+    yield client
+    client.close()
+    broker.close()
+
+
+@pytest.fixture(scope="session")
+def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """A CPU worker (prefork) and an inference worker, as real processes."""
+    from tasks.app import app
+
+    logs = tmp_path_factory.mktemp("workers")
+    env = dict(os.environ)
+    procs = {
+        "cpu": spawn(["worker", "cpu", "--concurrency", "2"], env, logs / "cpu.log"),
+        "infer": spawn(["worker", "infer"], env, logs / "infer.log"),
+    }
+
+    def both_answer() -> bool:
+        names = {name.split("@")[0] for reply in app.control.ping(timeout=0.5) for name in reply}
+        return {"cpu", "infer"} <= names
+
+    try:
+        wait_for(both_answer, 180, "workers", list(procs.values()))
+    except (TimeoutError, RuntimeError) as exc:
+        details = "\n".join(f"--- {k}\n{tail(logs / f'{k}.log')}" for k in procs)
+        for proc in procs.values():
+            stop(proc)
+        raise RuntimeError(f"{exc}\n{details}") from exc
+    yield {k: logs / f"{k}.log" for k in procs}
+    for proc in procs.values():
+        stop(proc)
+
+
+class SpySubmitter:
+    """Records submissions and passes them on to Celery (or nowhere)."""
+
+    def __init__(self, forward: bool = True) -> None:
+        from tasks.pipeline import CelerySubmitter
+
+        self.calls: list[tuple[str, list[InputRecord]]] = []
+        self._next = CelerySubmitter() if forward else None
+
+    def submit(self, job_id: str, inputs: Any) -> None:
+        """Record, then forward."""
+        self.calls.append((job_id, list(inputs)))
+        if self._next:
+            self._next.submit(job_id, inputs)
+
+
+@pytest.fixture
+def spy() -> SpySubmitter:
+    """A submitter that records what was enqueued."""
+    return SpySubmitter()
+
+
+@pytest.fixture
+def client(workers: dict[str, Path], spy: SpySubmitter) -> Iterator[TestClient]:
+    """The API, in this process, submitting to the real workers."""
+    from api.app import create_app
+    from stoker.settings import ApiSettings
+
+    with TestClient(create_app(ApiSettings(max_body_bytes=2 * 1024 * 1024), submitter=spy)) as test_client:
+        yield test_client

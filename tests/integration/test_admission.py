@@ -1,0 +1,150 @@
+"""Bad requests get a structured 4xx and nothing is written or enqueued; a dead broker gets 503."""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Iterator
+
+import pytest
+import redis
+from celery import Celery
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from stoker.settings import ApiSettings
+from tasks.pipeline import CelerySubmitter
+from tests.integration.conftest import SpySubmitter
+from tests.media import text_image
+from workers.broker import free_port
+
+LIMIT = 256 * 1024
+QUEUES = ("decode", "ocr", "tokenize", "infer")
+
+
+@pytest.fixture
+def idle_spy() -> SpySubmitter:
+    """Records submissions without forwarding them."""
+    return SpySubmitter(forward=False)
+
+
+@pytest.fixture
+def api(idle_spy: SpySubmitter, store_redis: redis.Redis) -> Iterator[TestClient]:
+    """The API with a small body limit, its submitter a spy."""
+    with TestClient(create_app(ApiSettings(max_body_bytes=LIMIT), submitter=idle_spy)) as test_client:
+        yield test_client
+
+
+def _job_keys(store: redis.Redis) -> int:
+    return sum(1 for _ in store.scan_iter("stoker:job:*"))
+
+
+def _queued(broker_url: str) -> int:
+    with redis.Redis.from_url(broker_url) as broker:
+        return sum(int(broker.llen(q)) for q in QUEUES)
+
+
+PNG = text_image("OK")
+BAD_REQUESTS = {
+    "missing prompt (form)": ({"files": [("image", ("a.png", PNG, "image/png"))]}, 422, "invalid_request"),
+    "blank prompt (form)": ({"data": {"prompt": "  "}}, 422, "invalid_request"),
+    "missing prompt (json)": ({"json": {"inputs": []}}, 422, "invalid_request"),
+    "not base64 (json)": (
+        {"json": {"prompt": "x", "inputs": [{"kind": "image", "data": "%%%"}]}},
+        422,
+        "invalid_request",
+    ),
+    "unknown kind (json)": (
+        {"json": {"prompt": "x", "inputs": [{"kind": "hologram", "data": "AAAA"}]}},
+        422,
+        "invalid_request",
+    ),
+    "text posing as png": (
+        {"data": {"prompt": "x"}, "files": [("image", ("cat.png", b"just some text, honest", "image/png"))]},
+        415,
+        "unsupported_media_type",
+    ),
+    "pdf posing as jpeg (json)": (
+        {"json": {"prompt": "x", "inputs": [{"kind": "image", "data": base64.b64encode(b"%PDF-1.7 ...").decode()}]}},
+        415,
+        "unsupported_media_type",
+    ),
+    "too many images": (
+        {"data": {"prompt": "x"}, "files": [("image", (f"{i}.png", PNG, "image/png")) for i in range(5)]},
+        422,
+        "too_many_inputs",
+    ),
+    "body over the limit": (
+        {"data": {"prompt": "x"}, "files": [("image", ("big.png", PNG + b"\0" * LIMIT, "image/png"))]},
+        413,
+        "payload_too_large",
+    ),
+    "unknown field": ({"data": {"prompt": "x", "colour": "red"}}, 422, "invalid_request"),
+    "plain text body": ({"content": b"prompt=hi", "headers": {"content-type": "text/plain"}}, 415,
+                        "unsupported_media_type"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("kwargs", "status", "code"), BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_request_is_refused_and_nothing_is_enqueued(
+    api: TestClient, idle_spy: SpySubmitter, store_redis: redis.Redis, kwargs: dict, status: int, code: str
+) -> None:
+    before = _job_keys(store_redis)
+    queued_before = _queued(os.environ["STOKER_BROKER_URL"])
+    response = api.post("/v1/jobs", **kwargs)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == code
+    assert response.json()["error"]["message"]
+    assert idle_spy.calls == []
+    assert _job_keys(store_redis) == before
+    assert _queued(os.environ["STOKER_BROKER_URL"]) == queued_before
+
+
+def test_chunked_body_over_the_limit_is_cut_off(api: TestClient, idle_spy: SpySubmitter) -> None:
+    def chunks() -> Iterator[bytes]:
+        boundary = b"--xyz\r\n"
+        yield boundary + b'Content-Disposition: form-data; name="prompt"\r\n\r\nhi\r\n'
+        yield boundary + b'Content-Disposition: form-data; name="image"; filename="a.png"\r\n\r\n'
+        for _ in range(2 * LIMIT // 4096):
+            yield b"\0" * 4096
+
+    response = api.post(
+        "/v1/jobs", content=chunks(), headers={"content-type": "multipart/form-data; boundary=xyz"}
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "payload_too_large"
+    assert idle_spy.calls == []
+
+
+def test_accepted_job_is_stored_before_the_answer(api: TestClient, idle_spy: SpySubmitter,
+                                                  store_redis: redis.Redis) -> None:  # fmt: skip
+    response = api.post("/v1/jobs", data={"prompt": "x"}, files=[("image", ("a.png", PNG, "image/png"))])
+    assert response.status_code == 202
+    job_id = response.json()["id"]
+    assert [c[0] for c in idle_spy.calls] == [job_id]
+    assert store_redis.exists(f"stoker:job:{job_id}")
+    assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+
+
+def test_unreachable_broker_gets_503_and_no_job(store_redis: redis.Redis) -> None:
+    dead = Celery("dead", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)
+    dead.conf.broker_connection_timeout = 0.5
+    dead.conf.task_publish_retry_policy = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1}
+    before = _job_keys(store_redis)
+    app = create_app(ApiSettings(), submitter=CelerySubmitter(dead))
+    with TestClient(app) as test_client:
+        response = test_client.post("/v1/jobs", data={"prompt": "anyone there?"})
+        ready = test_client.get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "broker_unavailable"
+    assert "retry-after" in response.headers
+    assert _job_keys(store_redis) == before
+    assert ready.status_code == 200  # the API's own broker is fine; only this submitter's is dead
+
+
+def test_readyz_is_503_when_the_broker_is_unreachable(store_redis: redis.Redis) -> None:
+    settings = ApiSettings(broker_url=f"redis://127.0.0.1:{free_port()}/0")
+    with TestClient(create_app(settings, submitter=SpySubmitter(forward=False))) as test_client:
+        response = test_client.get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["broker"] == "unreachable"

@@ -1,0 +1,110 @@
+"""The core pipeline through the API, on real Redis and real worker processes with the real model."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from tests.media import text_image, truncated
+
+
+def _wait(client: TestClient, job_id: str) -> dict[str, Any]:
+    for _ in range(10):
+        job: dict[str, Any] = client.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()
+        if job["status"] in ("succeeded", "degraded", "failed"):
+            return job
+    raise AssertionError(f"job {job_id} not terminal: {job}")
+
+
+def test_image_job_reads_the_text_and_the_model_answers(client: TestClient) -> None:
+    image = text_image("INVOICE 4711")
+    response = client.post(
+        "/v1/jobs",
+        data={"prompt": "What is the invoice number?"},
+        files=[("image", ("scan.png", image, "image/png"))],
+    )
+    assert response.status_code == 202, response.text
+    accepted = response.json()
+    assert response.headers["location"] == f"/v1/jobs/{accepted['id']}"
+    assert accepted["status"] in ("queued", "preprocessing")
+    job = _wait(client, accepted["id"])
+    assert job["status"] == "succeeded", job
+    item = job["inputs"][0]
+    assert item["status"] == "ok"
+    assert "INVOICE" in item["text"]
+    assert "4711" in item["text"]
+    assert item["features"]["width"] == 800
+    assert item["features"]["format"] == "PNG"
+    assert set(item["timings_ms"]) == {"decode", "ocr"}
+    assert job["result"]["text"].strip()
+    assert job["result"]["model"] == "smollm2-135m-instruct"
+    assert job["result"]["completion_tokens"] > 0
+    assert set(job["timings_ms"]) == {"queued", "preprocess", "infer_wait", "infer", "total"}
+    assert job["timings_ms"]["total"] >= job["timings_ms"]["preprocess"]
+    assert job["batch"]["size"] >= 1
+
+
+def test_json_job_with_two_images_reads_both(client: TestClient) -> None:
+    images = [text_image("ALPHA 12"), text_image("BRAVO 34", fmt="JPEG")]
+    body = {
+        "prompt": "List the words.",
+        "inputs": [{"kind": "image", "data": base64.b64encode(i).decode()} for i in images],
+    }
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    job = _wait(client, response.json()["id"])
+    assert job["status"] == "succeeded", job
+    texts = [i["text"] for i in job["inputs"]]
+    assert "ALPHA" in texts[0]
+    assert "BRAVO" in texts[1]
+    assert job["inputs"][1]["features"]["format"] == "JPEG"
+
+
+def test_text_only_job_skips_image_stages(client: TestClient) -> None:
+    response = client.post("/v1/jobs", data={"prompt": "Say hello."})
+    assert response.status_code == 202, response.text
+    job = _wait(client, response.json()["id"])
+    assert job["status"] == "succeeded", job
+    assert job["inputs"] == []
+    assert job["result"]["text"].strip()
+
+
+def test_corrupt_image_fails_alone_and_the_job_degrades(client: TestClient) -> None:
+    broken = truncated(text_image("LOST", size=(1600, 1200)), keep=0.3)
+    good = text_image("KEPT 99")
+    response = client.post(
+        "/v1/jobs",
+        data={"prompt": "What can you read?"},
+        files=[("image", ("a.png", broken, "image/png")), ("image", ("b.png", good, "image/png"))],
+    )
+    assert response.status_code == 202, response.text
+    job = _wait(client, response.json()["id"])
+    assert job["status"] == "degraded", job
+    failed, ok = job["inputs"]
+    assert failed["status"] == "failed"
+    assert failed["error"]["code"] == "image_corrupt"
+    assert failed["error"]["stage"] == "decode"
+    assert ok["status"] == "ok"
+    assert "KEPT" in ok["text"]
+    assert job["result"]["text"].strip()
+
+
+def test_unknown_job_is_404(client: TestClient) -> None:
+    response = client.get("/v1/jobs/does-not-exist")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "job_not_found"
+
+
+def test_wait_over_the_limit_is_rejected(client: TestClient) -> None:
+    response = client.get("/v1/jobs/anything", params={"wait": 31})
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "invalid_request"
+
+
+def test_ready_when_broker_and_store_answer(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    response = client.get("/readyz")
+    assert response.status_code == 200
+    assert response.json() == {"broker": "ok", "store": "ok"}
