@@ -12,18 +12,11 @@ from starlette.requests import Request
 
 from api.schemas import JobCreate
 from stoker.core.media import ContentHash, content_hash, sniff_image_format
-from stoker.errors import InputError, TooManyInputs, UnsupportedMediaType
+from stoker.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType
 from stoker.settings import ApiSettings
 
 FILE_FIELDS = ("image",)
 TEXT_FIELDS = ("prompt",)
-
-
-class InvalidRequest(InputError):
-    """The request is malformed or misses a required field."""
-
-    code = "invalid_request"
-    http_status = 422
 
 
 @dataclass(frozen=True)

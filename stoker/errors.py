@@ -34,6 +34,13 @@ class InputError(StokerError):
     http_status = 400
 
 
+class InvalidRequest(InputError):
+    """The request is malformed or misses a required field."""
+
+    code = "invalid_request"
+    http_status = 422
+
+
 class UnsupportedMediaType(InputError):
     """The file's content is not an allowed media format."""
 

@@ -52,7 +52,7 @@ class WorkerSettings(CommonSettings):
     tokenize_hard_s: float = 4.0
 
     # Decode.
-    max_image_pixels: int = Field(40_000_000, ge=1)
+    max_image_pixels: int = Field(90_000_000, ge=1, description="Header pixel cap (Pillow's default is 89.5M).")
     image_size: int = Field(224, ge=16, description="Side of the square model-ready image.")
     ocr_max_side: int = Field(2048, ge=64, description="Longest side of the image handed to OCR.")
 

@@ -42,6 +42,7 @@ def start_embedded(port: int | None = None, data_dir: Path | None = None) -> tup
         ],  # fmt: skip
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):

@@ -19,6 +19,7 @@ from workers.broker import redis_answers, start_embedded
 from workers.launch import worker_argv, worker_env
 
 console = Console()
+BROKER = "valkey"
 
 
 @dataclass
@@ -36,16 +37,24 @@ class Stack:
         return [name for name, p in self.procs.items() if p.poll() is not None]
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM everything (workers finish their current task), then SIGKILL what is left."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        """Stop the services first and the embedded broker last, so workers can ack and requeue on the way out."""
+        services = [p for name, p in self.procs.items() if name != BROKER]
+        _terminate(services, grace_s)
+        _terminate([self.procs[BROKER]] if BROKER in self.procs else [], grace_s)
+
+
+def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM each process group (workers finish their current task), then SIGKILL what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def run_stack(port: int | None = None) -> int:
@@ -77,7 +86,7 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> None:
         return
     console.print(f"no broker answers at {settings.broker_url}: starting an embedded Valkey")
     proc, port = start_embedded()
-    stack.procs["valkey"] = proc
+    stack.procs[BROKER] = proc
     os.environ["STOKER_BROKER_URL"] = f"redis://127.0.0.1:{port}/0"
     os.environ["STOKER_RESULT_URL"] = f"redis://127.0.0.1:{port}/1"
     settings.broker_url, settings.result_url = os.environ["STOKER_BROKER_URL"], os.environ["STOKER_RESULT_URL"]

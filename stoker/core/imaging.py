@@ -23,7 +23,7 @@ _STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
 class DecodeParams:
     """Everything that changes what decode produces."""
 
-    max_pixels: int = 40_000_000
+    max_pixels: int = 90_000_000
     image_size: int = 224
     ocr_max_side: int = 2048
 

@@ -1,0 +1,117 @@
+"""The whole stack as a user runs it: `stoker up`, then HTTP and `stoker submit`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from tests.conftest import TEST_DBS
+from tests.media import text_image
+from tests.procs import ROOT, spawn, stop, tail, wait_for
+from workers.broker import free_port
+
+TERMINAL = {"succeeded", "degraded", "failed"}
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _start_stack(env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**env, "STOKER_PORT": str(port), "STOKER_FLOWER_PORT": str(free_port())}
+    proc = spawn(["up"], env, log)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: "stoker is ready" in log.read_text(errors="replace"), 240, "stoker up", [proc])
+    except (TimeoutError, RuntimeError) as exc:
+        stop(proc, signal.SIGINT)
+        raise RuntimeError(f"{exc}\n{tail(log)}") from exc
+    return proc, base
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`stoker up` against the machine's Redis, on databases of its own."""
+    redis_base = os.environ["STOKER_TEST_REDIS"]
+    broker_db, store_db = TEST_DBS["e2e"]
+    for db in (broker_db, store_db):
+        with redis.Redis.from_url(f"{redis_base}/{db}") as client:
+            client.flushdb()
+    env = {
+        **os.environ,
+        "STOKER_BROKER_URL": f"{redis_base}/{broker_db}",
+        "STOKER_RESULT_URL": f"{redis_base}/{store_db}",
+    }
+    log = tmp_path_factory.mktemp("stack") / "up.log"
+    proc, base = _start_stack(env, log)
+    yield base
+    assert stop(proc, signal.SIGINT, grace_s=60) == 0, tail(log)
+    assert not _ready(base), "the API outlived stoker up"
+
+
+def _poll(base: str, job_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        job: dict[str, Any] = httpx.get(f"{base}/v1/jobs/{job_id}", params={"wait": 10}, timeout=30).json()
+        if job["status"] in TERMINAL:
+            return job
+    raise AssertionError(f"job {job_id} did not finish")
+
+
+def test_invoice_image_is_read_and_answered(stack: str) -> None:
+    response = httpx.post(
+        f"{stack}/v1/jobs",
+        data={"prompt": "What is the invoice number in the image?"},
+        files=[("image", ("invoice.png", text_image("INVOICE 4711"), "image/png"))],
+        timeout=30,
+    )
+    assert response.status_code == 202, response.text
+    job = _poll(stack, response.json()["id"])
+    assert job["status"] == "succeeded", job
+    assert "INVOICE" in job["inputs"][0]["text"]
+    assert "4711" in job["inputs"][0]["text"]
+    assert job["result"]["text"].strip()
+    assert job["result"]["model"] == "smollm2-135m-instruct"
+    assert job["result"]["completion_tokens"] > 0
+
+
+def test_submit_command_prints_the_answer_and_timings(stack: str, tmp_path: Path) -> None:
+    image = tmp_path / "receipt.png"
+    image.write_bytes(text_image("RECEIPT 2024"))
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "submit", str(image), "--prompt", "What does it say?", "--url", stack],
+        cwd=ROOT, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "status succeeded" in out.stdout
+    assert "RECEIPT" in out.stdout
+    assert "answer" in out.stdout
+    assert "ocr" in out.stdout
+    assert "total" in out.stdout
+
+
+def test_up_starts_an_embedded_broker_when_none_answers(tmp_path: Path) -> None:
+    nobody = f"redis://127.0.0.1:{free_port()}"
+    env = {**os.environ, "STOKER_BROKER_URL": f"{nobody}/0", "STOKER_RESULT_URL": f"{nobody}/1"}
+    proc, base = _start_stack(env, tmp_path / "up.log")
+    try:
+        assert "starting an embedded Valkey" in (tmp_path / "up.log").read_text()
+        response = httpx.post(f"{base}/v1/jobs", data={"prompt": "Say hi."}, timeout=30)
+        assert response.status_code == 202
+        assert _poll(base, response.json()["id"])["status"] == "succeeded"
+    finally:
+        assert stop(proc, signal.SIGINT, grace_s=60) == 0, tail(tmp_path / "up.log")

@@ -1,0 +1,80 @@
+"""Image decode: safe opening, fast downscale, orientation, the two outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stoker.core.imaging import DecodeParams, decode_image
+from stoker.errors import ImageCorrupt, ImageTooLarge
+from tests.media import encode, png_bomb, text_image, truncated
+
+PARAMS = DecodeParams(max_pixels=90_000_000, image_size=224, ocr_max_side=2048)
+
+
+def test_decode_yields_features_ocr_image_and_model_input() -> None:
+    decoded = decode_image(text_image("HELLO", size=(800, 200)), PARAMS)
+    assert decoded.features.format == "PNG"
+    assert (decoded.features.width, decoded.features.height) == (800, 200)
+    assert decoded.ocr_image.shape == (200, 800)
+    assert decoded.ocr_image.dtype == np.uint8
+    assert decoded.model_input.shape == (3, 224, 224)
+    assert decoded.model_input.dtype == np.float16
+    assert decoded.ocr_image.min() < 50 < 200 < decoded.ocr_image.max()  # black text on white survived
+
+
+def test_big_jpeg_is_downscaled_while_decoding() -> None:
+    big = Image.new("RGB", (8000, 6000), "white")
+    decoded = decode_image(encode(big, "JPEG", quality=70), PARAMS)
+    assert (decoded.features.width, decoded.features.height) == (8000, 6000)
+    assert max(decoded.ocr_image.shape) <= 2048
+    assert decoded.features.megapixels == 48.0
+
+
+def test_exif_orientation_is_applied() -> None:
+    image = Image.new("RGB", (300, 100), "white")
+    exif = image.getexif()
+    exif[0x0112] = 6  # rotate 90° clockwise to view
+    decoded = decode_image(encode(image, "JPEG", exif=exif), PARAMS)
+    assert (decoded.features.width, decoded.features.height) == (100, 300)
+    assert decoded.ocr_image.shape == (300, 100)
+
+
+def test_transparent_pixels_become_white() -> None:
+    decoded = decode_image(encode(Image.new("RGBA", (20, 20), (0, 0, 0, 0)), "PNG"), PARAMS)
+    assert decoded.ocr_image.min() == 255
+
+
+def test_animated_gif_is_flagged_and_its_first_frame_used() -> None:
+    frames = [Image.new("L", (32, 32), v) for v in (0, 255, 128)]
+    data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    decoded = decode_image(data, PARAMS)
+    assert decoded.features.animated is True
+    assert decoded.ocr_image.max() == 0
+
+
+def test_decompression_bomb_is_refused_before_decoding() -> None:
+    with pytest.raises(ImageTooLarge) as info:
+        decode_image(png_bomb(50_000, 50_000), PARAMS)
+    assert info.value.code == "image_too_large"
+
+
+def test_one_pixel_over_the_cap_is_refused() -> None:
+    data = encode(Image.new("L", (101, 100)), "PNG")
+    with pytest.raises(ImageTooLarge):
+        decode_image(data, DecodeParams(max_pixels=100 * 100, image_size=16, ocr_max_side=64))
+    decode_image(data, DecodeParams(max_pixels=101 * 100, image_size=16, ocr_max_side=64))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_truncated_image_is_corrupt(fmt: str) -> None:
+    data = truncated(text_image("CUT", size=(1200, 900), fmt=fmt), keep=0.3)
+    with pytest.raises(ImageCorrupt) as info:
+        decode_image(data, PARAMS)
+    assert info.value.stage == "decode"
+
+
+def test_garbage_is_corrupt() -> None:
+    with pytest.raises(ImageCorrupt):
+        decode_image(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100, PARAMS)

@@ -1,0 +1,104 @@
+"""Prompt assembly: attachments in the user turn, the model's template, trimming to the context budget."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from stoker.core.prompting import Attachment, build_prompt_ids, render_user_message
+from stoker.errors import ModelUnavailable
+from stoker.modelstore import resolve_model
+from stoker.settings import CommonSettings
+
+
+class WordTokenizer:
+    """One token per word; the template wraps turns in markers. Enough to test the trimming logic."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.words: dict[int, str] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = []
+        for word in text.split():
+            if word not in self.vocab:
+                self.vocab[word] = len(self.vocab)
+                self.words[self.vocab[word]] = word
+            ids.append(self.vocab[word])
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(self.words[i] for i in token_ids)
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> list[int]:
+        text = " ".join(f"<{m['role']}> {m['content']} </turn>" for m in conversation) + " <assistant>"
+        return self.encode(text)
+
+
+def test_attachments_come_before_the_question() -> None:
+    message = render_user_message(
+        "What is the total?",
+        [
+            Attachment("image", 0, text="TOTAL 12", features={"width": 10, "height": 20}),
+            Attachment("image", 1, error_code="image_corrupt"),
+        ],
+    )
+    assert message.index("TOTAL 12") < message.index("could not be processed: image_corrupt")
+    assert message.endswith("What is the total?")
+    assert "[image 1: height=20, width=10]" in message
+
+
+def test_long_attachment_text_is_trimmed_and_the_question_kept() -> None:
+    tok = WordTokenizer()
+    page = " ".join(f"w{i}" for i in range(500))
+    ids = build_prompt_ids(tok, "what is the total", [Attachment("image", 0, text=page)], budget=120)
+    assert len(ids) <= 120
+    text = tok.decode(ids)
+    assert text.endswith("what is the total </turn> <assistant>")
+    assert "w0" in text
+    assert "w499" not in text
+
+
+def test_fitting_prompt_is_untouched() -> None:
+    tok = WordTokenizer()
+    ids = build_prompt_ids(tok, "hello there", [Attachment("image", 0, text="short text")], budget=1000)
+    assert "short text" in tok.decode(ids)
+
+
+def test_overlong_prompt_without_attachments_still_fits() -> None:
+    tok = WordTokenizer()
+    ids = build_prompt_ids(tok, " ".join(f"p{i}" for i in range(400)), [], budget=100)
+    assert len(ids) <= 100
+    assert tok.decode(ids).endswith("<assistant>")
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer() -> Any:
+    """SmolLM2's own fast tokenizer from the model cache (`make test` fetches it)."""
+    settings = CommonSettings()
+    try:
+        path = resolve_model(settings.model, settings.model_cache, fetch=False)
+    except ModelUnavailable as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_real_chat_template_ends_with_the_assistant_turn(real_tokenizer: Any) -> None:
+    ids = build_prompt_ids(real_tokenizer, "Read it.", [Attachment("image", 0, text="INVOICE 4711")], budget=512)
+    text = real_tokenizer.decode(ids)
+    assert "INVOICE 4711" in text
+    assert text.rstrip().endswith("<|im_start|>assistant")
+
+
+def test_real_tokenizer_trims_to_budget(real_tokenizer: Any) -> None:
+    page = "lorem ipsum dolor sit amet " * 400
+    ids = build_prompt_ids(real_tokenizer, "Summarise.", [Attachment("image", 0, text=page)], budget=256)
+    assert len(ids) <= 256
+    assert real_tokenizer.decode(ids).rstrip().endswith("<|im_start|>assistant")

@@ -1,0 +1,81 @@
+"""How jobs become canvases and workers become command lines: checked without a broker."""
+
+from __future__ import annotations
+
+from celery import chord
+
+from stoker.errors import ImageCorrupt, StokerError
+from stoker.jobs import InputRecord
+from stoker.settings import WorkerSettings
+from tasks.pipeline import job_canvas
+from tasks.stage import input_stage
+from workers.launch import worker_argv
+
+
+def _inputs(n: int) -> list[InputRecord]:
+    return [InputRecord(index=i, kind="image", content_hash=f"h{i}", size_bytes=1) for i in range(n)]
+
+
+def test_images_are_preprocessed_in_parallel_then_tokenized_once() -> None:
+    canvas = job_canvas("j", _inputs(3))
+    assert isinstance(canvas, chord)
+    chains = canvas.tasks
+    assert len(chains) == 3
+    for index, link in enumerate(chains):
+        decode, ocr = link.tasks
+        assert (decode.task, ocr.task) == ("stoker.decode", "stoker.ocr")
+        assert decode.args == ("j", index)
+        assert decode.immutable
+    assert canvas.body.task == "stoker.tokenize"
+    assert canvas.body.kwargs == {"job_id": "j"}
+
+
+def test_text_only_job_goes_straight_to_tokenize() -> None:
+    canvas = job_canvas("j", [])
+    assert canvas.task == "stoker.tokenize"
+    assert canvas.args == (None,)
+
+
+def test_inference_worker_may_hold_whole_batches() -> None:
+    settings = WorkerSettings(max_batch_size=8, prefetch_batches=3)
+    argv = worker_argv("infer", settings)
+    assert argv[argv.index("--queues") + 1] == "infer"
+    assert int(argv[argv.index("--prefetch-multiplier") + 1]) == 24
+    assert argv[argv.index("--concurrency") + 1] == "1"
+
+
+def test_cpu_worker_runs_prefork_so_time_limits_apply() -> None:
+    argv = worker_argv("cpu", WorkerSettings(cpu_concurrency=3), ["--loglevel", "DEBUG"])
+    assert argv[argv.index("--pool") + 1] == "prefork"
+    assert argv[argv.index("--queues") + 1] == "decode,ocr,tokenize"
+    assert argv[argv.index("--concurrency") + 1] == "3"
+    assert argv[-2:] == ["--loglevel", "DEBUG"]
+
+
+def test_stage_failures_become_structured_input_errors() -> None:
+    record = _inputs(1)[0]
+    with input_stage(record, "decode"):
+        raise ImageCorrupt("bad bytes")
+    assert record.status == "failed"
+    assert record.error is not None
+    assert (record.error.code, record.error.stage) == ("image_corrupt", "decode")
+    assert "decode" in record.timings_ms
+
+
+def test_unexpected_stage_crash_fails_only_that_input() -> None:
+    record = _inputs(1)[0]
+    with input_stage(record, "ocr"):
+        raise KeyError("boom")
+    assert record.status == "failed"
+    assert record.error is not None
+    assert record.error.code == StokerError.code
+
+
+def test_error_codes_are_unique() -> None:
+    def walk(cls: type[StokerError]) -> list[type[StokerError]]:
+        return [cls, *(c for sub in cls.__subclasses__() for c in walk(sub))]
+
+    classes = walk(StokerError)
+    codes = [c.code for c in classes]
+    assert len(codes) == len(set(codes))
+    assert all(c.__doc__ for c in classes)
