@@ -1,6 +1,6 @@
 """Celery configuration: flat, lowercase settings computed from stoker's WorkerSettings. Queues and routes live here."""
 
-from kombu import Queue
+from kombu.entity import Queue
 
 from stoker.settings import WorkerSettings
 
@@ -16,7 +16,8 @@ accept_content = ["json"]
 result_accept_content = ["json"]
 
 # One queue per stage, so each can be watched and scaled on its own.
-task_queues = [Queue(name, routing_key=name, durable=True) for name in ("decode", "ocr", "tokenize", "infer")]
+_QUEUE_NAMES = ("decode", "ocr", "tokenize", "infer")
+task_queues = [Queue(name, routing_key=name, durable=True) for name in _QUEUE_NAMES]  # type: ignore[no-untyped-call]
 task_default_queue = "tokenize"
 task_routes = {
     "stoker.decode": {"queue": "decode"},

@@ -35,7 +35,9 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
 
     app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    app.state.store = JobStore.from_url(settings.result_url, blob_ttl_s=settings.blob_ttl_s, job_ttl_s=settings.job_ttl_s)
+    app.state.store = JobStore.from_url(
+        settings.result_url, blob_ttl_s=settings.blob_ttl_s, job_ttl_s=settings.job_ttl_s
+    )
     app.state.submitter = submitter or CelerySubmitter()
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(router)

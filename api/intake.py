@@ -72,11 +72,11 @@ async def _read_multipart(request: Request, settings: ApiSettings) -> tuple[str 
 
 
 def _read_json(body: bytes) -> tuple[str, list[tuple[str, bytes]]]:
+    inputs: list[tuple[str, bytes]] = []
     try:
         spec = JobCreate.model_validate_json(body)
     except ValidationError as exc:
         raise InvalidRequest(_first_error(exc)) from exc
-    inputs = []
     for position, item in enumerate(spec.inputs):
         try:
             inputs.append((item.kind, base64.b64decode(item.data, validate=True)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.errors import PayloadTooLarge
@@ -38,8 +40,7 @@ class BodyLimitMiddleware:
 
 
 async def _reject(send: Send, limit: int) -> None:
-    body = PayloadTooLarge(f"request body exceeds {limit} bytes").to_dict()
-    payload = ('{"error": {"code": "%s", "message": "%s"}}' % (body["code"], body["message"])).encode()
+    payload = json.dumps({"error": PayloadTooLarge(f"request body exceeds {limit} bytes").to_dict()}).encode()
     await send(
         {
             "type": "http.response.start",

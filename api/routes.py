@@ -11,7 +11,7 @@ from typing import Annotated
 import redis
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
-from kombu import Connection
+from kombu.connection import Connection
 from starlette.concurrency import run_in_threadpool
 
 from api.intake import AcceptedRequest, read_request
@@ -38,9 +38,7 @@ async def create_job(request: Request) -> JSONResponse:
     settings: ApiSettings = request.app.state.settings
     accepted = await read_request(request, settings)
     job = await run_in_threadpool(_admit, request.app.state.store, request.app.state.submitter, accepted)
-    return JSONResponse(
-        job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"}
-    )
+    return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
 
 def _admit(store: JobStore, submitter: Submitter, accepted: AcceptedRequest) -> Job:
@@ -68,9 +66,7 @@ def _admit(store: JobStore, submitter: Submitter, accepted: AcceptedRequest) -> 
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobPublic, responses={404: {"model": ErrorPublic}})
-async def get_job(
-    request: Request, job_id: str, wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0
-) -> JobPublic:
+async def get_job(request: Request, job_id: str, wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0) -> JobPublic:
     """The job; with ?wait=S, hold the answer until the job is terminal or S seconds pass."""
     store: JobStore = request.app.state.store
     if wait > 0:
@@ -118,7 +114,7 @@ async def readyz(request: Request) -> JSONResponse:
 
 def _broker_ok(url: str) -> bool:
     try:
-        with Connection(url, connect_timeout=2) as conn:
+        with Connection(url, connect_timeout=2) as conn:  # type: ignore[no-untyped-call]
             conn.ensure_connection(max_retries=1, timeout=2)
         return True
     except Exception:

@@ -17,8 +17,10 @@ from stoker.jobs import TERMINAL
 def submit_files(base_url: str, prompt: str, files: list[Path], timeout_s: float = 300.0) -> dict[str, Any]:
     """Submit a job with these files, long-poll until it is terminal, return the job JSON."""
     with httpx.Client(base_url=base_url, timeout=60) as http:
-        parts = [("image", (f.name, f.read_bytes(), mimetypes.guess_type(f.name)[0] or "application/octet-stream"))
-                 for f in files]  # fmt: skip
+        parts = [
+            ("image", (f.name, f.read_bytes(), mimetypes.guess_type(f.name)[0] or "application/octet-stream"))
+            for f in files
+        ]
         response = http.post("/v1/jobs", data={"prompt": prompt}, files=parts)
         if response.status_code != 202:
             raise SystemExit(f"rejected ({response.status_code}): {response.text}")

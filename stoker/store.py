@@ -42,7 +42,7 @@ def artifact_key(kind: str, digest: ContentHash, fingerprint: str) -> str:
 class JobStore:
     """Synchronous access to jobs, blobs and artefacts in Redis."""
 
-    def __init__(self, client: redis.Redis, *, blob_ttl_s: int, job_ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis[bytes], *, blob_ttl_s: int, job_ttl_s: int) -> None:
         self.redis = client
         self.blob_ttl_s = blob_ttl_s
         self.job_ttl_s = job_ttl_s
@@ -79,14 +79,13 @@ class JobStore:
     # -- jobs ---------------------------------------------------------------------------------------------
     def create_job(self, job_id: str, prompt: str, inputs: Iterable[InputRecord], accepted: float) -> None:
         """Write a new job record atomically, in status queued."""
-        fields: dict[str, str] = {
+        fields: dict[str | bytes, str | bytes | float | int] = {
             "prompt": prompt,
             "status": "queued",
             "ts:accepted": repr(accepted),
         }
         for record in inputs:
             fields[f"input:{record.index}"] = record.model_dump_json()
-        fields["n_inputs"] = str(sum(1 for k in fields if k.startswith("input:")))
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(job_key(job_id), mapping=fields)
             pipe.expire(job_key(job_id), self.job_ttl_s)
@@ -107,7 +106,7 @@ class JobStore:
 
     def stamp(self, job_id: str, name: str, at: float | None = None, status: JobStatus | None = None) -> None:
         """Record a timestamp, and optionally a status change, in one round trip."""
-        fields = {f"ts:{name}": repr(time.time() if at is None else at)}
+        fields: dict[str | bytes, str | bytes | float | int] = {f"ts:{name}": repr(time.time() if at is None else at)}
         if status:
             fields["status"] = status
         self.redis.hset(job_key(job_id), mapping=fields)
@@ -145,7 +144,7 @@ class JobStore:
         batch: BatchInfo | None = None,
     ) -> None:
         """Write a terminal status with its result or error, then announce it."""
-        fields = {"status": status, "ts:done": repr(time.time())}
+        fields: dict[str | bytes, str | bytes | float | int] = {"status": status, "ts:done": repr(time.time())}
         if result:
             fields["result"] = result.model_dump_json()
         if error:
@@ -174,7 +173,7 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
     stamps = {name: float(fields[f"ts:{name}"]) for name in STAMPS if f"ts:{name}" in fields}
     return Job(
         id=job_id,
-        status=fields.get("status", "queued"),  # type: ignore[arg-type]
+        status=fields.get("status", "queued"),
         prompt=fields.get("prompt", ""),
         inputs=inputs,
         result=ResultInfo.model_validate_json(fields["result"]) if "result" in fields else None,

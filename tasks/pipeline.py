@@ -25,7 +25,10 @@ def job_canvas(job_id: str, inputs: Sequence[InputRecord], app: Celery = default
     if not inputs:
         return tokenize.clone(args=(None,))
     per_image = [
-        chain(app.signature("stoker.decode", args=(job_id, r.index), immutable=True), app.signature("stoker.ocr"))
+        chain(
+            app.signature("stoker.decode", args=(job_id, r.index), immutable=True),
+            app.signature("stoker.ocr"),
+        )
         for r in inputs
     ]
     return chord(group(per_image), tokenize)

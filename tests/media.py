@@ -12,8 +12,9 @@ from PIL import Image, ImageDraw, ImageFont
 def text_image(text: str, size: tuple[int, int] = (800, 200), fmt: str = "PNG", font_size: int = 64) -> bytes:
     """An image of black text on white, encoded as fmt."""
     image = Image.new("RGB", size, "white")
-    ImageDraw.Draw(image).text((40, size[1] // 2 - font_size // 2), text, fill="black",
-                               font=ImageFont.load_default(size=font_size))  # fmt: skip
+    ImageDraw.Draw(image).text(
+        (40, size[1] // 2 - font_size // 2), text, fill="black", font=ImageFont.load_default(size=font_size)
+    )
     return encode(image, fmt)
 
 

@@ -36,10 +36,20 @@ def start_embedded(port: int | None = None, data_dir: Path | None = None) -> tup
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="stoker-valkey-"))
     proc = subprocess.Popen(
         [
-            str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1",
-            "--dir", str(data_dir), "--appendonly", "yes", "--save", "",
-            "--maxmemory-policy", "noeviction",
-        ],  # fmt: skip
+            str(get_binary_path()),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(data_dir),
+            "--appendonly",
+            "yes",
+            "--save",
+            "",
+            "--maxmemory-policy",
+            "noeviction",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -32,12 +32,21 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
     """The full `celery worker` command for a worker kind."""
     spec = worker_kinds(settings)[kind]
     argv = [
-        sys.executable, "-m", "celery", "-A", "tasks.app", "worker",
-        "--queues", ",".join(spec.queues),
-        "--pool", spec.pool,
-        "--hostname", f"{kind}@{socket.gethostname()}-{os.getpid()}",
-        "--loglevel", settings.log_level,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "tasks.app",
+        "worker",
+        "--queues",
+        ",".join(spec.queues),
+        "--pool",
+        spec.pool,
+        "--hostname",
+        f"{kind}@{socket.gethostname()}-{os.getpid()}",
+        "--loglevel",
+        settings.log_level,
+    ]
     if kind == "cpu":
         argv += ["--concurrency", str(settings.cpu_concurrency)]
     else:

@@ -59,7 +59,9 @@ def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
 
 def run_stack(port: int | None = None) -> int:
     """Start the whole stack and supervise it until Ctrl-C or a child dies."""
-    settings = StackSettings(**({"port": port} if port else {}))
+    settings = StackSettings()
+    if port:
+        settings.port = port
     stack = Stack()
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -89,13 +91,26 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> None:
     stack.procs[BROKER] = proc
     os.environ["STOKER_BROKER_URL"] = f"redis://127.0.0.1:{port}/0"
     os.environ["STOKER_RESULT_URL"] = f"redis://127.0.0.1:{port}/1"
-    settings.broker_url, settings.result_url = os.environ["STOKER_BROKER_URL"], os.environ["STOKER_RESULT_URL"]
+    settings.broker_url, settings.result_url = (
+        os.environ["STOKER_BROKER_URL"],
+        os.environ["STOKER_RESULT_URL"],
+    )
 
 
 def _start_all(settings: StackSettings, stack: Stack) -> None:
     workers = WorkerSettings()
     py = sys.executable
-    api = [py, "-m", "uvicorn", "--factory", "api.app:create_app", "--host", settings.host, "--port", str(settings.port)]
+    api = [
+        py,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "api.app:create_app",
+        "--host",
+        settings.host,
+        "--port",
+        str(settings.port),
+    ]
     stack.start("api", api, dict(os.environ))
     stack.start("cpu-worker", worker_argv("cpu", workers), worker_env("cpu"))
     stack.start("infer-worker", worker_argv("infer", workers), worker_env("infer"))

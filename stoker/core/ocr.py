@@ -20,7 +20,11 @@ def read_text(gray: npt.NDArray[np.uint8], langs: str, timeout_s: float) -> str:
     image = Image.fromarray(gray)
     try:
         raw = pytesseract.image_to_string(image, lang=langs, timeout=timeout_s)
-    except (pytesseract.TesseractError, pytesseract.TesseractNotFoundError, subprocess.SubprocessError) as exc:
+    except (
+        pytesseract.TesseractError,
+        pytesseract.TesseractNotFoundError,
+        subprocess.SubprocessError,
+    ) as exc:
         raise OcrFailed(f"tesseract failed: {exc}", stage="ocr") from exc
     except RuntimeError as exc:  # pytesseract signals its timeout with a bare RuntimeError
         raise OcrTimeout(f"tesseract exceeded {timeout_s:g}s", stage="ocr") from exc

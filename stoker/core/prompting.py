@@ -90,9 +90,7 @@ def _trim_text(tokenizer: ChatTokenizer, text: str, keep_tokens: int) -> str:
     return tokenizer.decode(ids[:keep_tokens], skip_special_tokens=True) + " …"
 
 
-def _trim_attachments(
-    tokenizer: ChatTokenizer, attachments: Sequence[Attachment], overflow: int
-) -> list[Attachment]:
+def _trim_attachments(tokenizer: ChatTokenizer, attachments: Sequence[Attachment], overflow: int) -> list[Attachment]:
     """Cut attachment texts, longest first, until overflow tokens (plus slack for markers) are gone."""
     lengths = [_token_len(tokenizer, a.text) for a in attachments]
     to_cut = overflow + 4 * len(attachments)

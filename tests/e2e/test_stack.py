@@ -94,8 +94,12 @@ def test_submit_command_prints_the_answer_and_timings(stack: str, tmp_path: Path
     image.write_bytes(text_image("RECEIPT 2024"))
     out = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "submit", str(image), "--prompt", "What does it say?", "--url", stack],
-        cwd=ROOT, capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "status succeeded" in out.stdout
     assert "RECEIPT" in out.stdout

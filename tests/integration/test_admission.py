@@ -80,9 +80,12 @@ BAD_REQUESTS = {
         "payload_too_large",
     ),
     "unknown field": ({"data": {"prompt": "x", "colour": "red"}}, 422, "invalid_request"),
-    "plain text body": ({"content": b"prompt=hi", "headers": {"content-type": "text/plain"}}, 415,
-                        "unsupported_media_type"),
-}  # fmt: skip
+    "plain text body": (
+        {"content": b"prompt=hi", "headers": {"content-type": "text/plain"}},
+        415,
+        "unsupported_media_type",
+    ),
+}
 
 
 @pytest.mark.parametrize(("kwargs", "status", "code"), BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
@@ -108,16 +111,15 @@ def test_chunked_body_over_the_limit_is_cut_off(api: TestClient, idle_spy: SpySu
         for _ in range(2 * LIMIT // 4096):
             yield b"\0" * 4096
 
-    response = api.post(
-        "/v1/jobs", content=chunks(), headers={"content-type": "multipart/form-data; boundary=xyz"}
-    )
+    response = api.post("/v1/jobs", content=chunks(), headers={"content-type": "multipart/form-data; boundary=xyz"})
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "payload_too_large"
     assert idle_spy.calls == []
 
 
-def test_accepted_job_is_stored_before_the_answer(api: TestClient, idle_spy: SpySubmitter,
-                                                  store_redis: redis.Redis) -> None:  # fmt: skip
+def test_accepted_job_is_stored_before_the_answer(
+    api: TestClient, idle_spy: SpySubmitter, store_redis: redis.Redis
+) -> None:
     response = api.post("/v1/jobs", data={"prompt": "x"}, files=[("image", ("a.png", PNG, "image/png"))])
     assert response.status_code == 202
     job_id = response.json()["id"]
