@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
         "--pool",
         spec.pool,
         "--hostname",
-        f"{kind}@{socket.gethostname()}-{os.getpid()}",
+        f"{kind}@%h",  # %h: this host; add --hostname to run two of a kind on one host
         "--loglevel",
         settings.log_level,
     ]

@@ -1,0 +1,58 @@
+# stoker: `make up` sets everything up and runs the local stack; `make test` runs lint, types and every test tier.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU build of torch; set TORCH_SPEC to a CUDA build's spec on a GPU host.
+TORCH_SPEC ?= torch==2.13.0
+APT_PACKAGES ?= tesseract-ocr tesseract-ocr-eng tesseract-ocr-chi-sim
+PYTEST_ARGS ?=
+
+.PHONY: help install system-deps model up test lint typecheck unit integration e2e clean
+
+help:
+	@echo "make up    - install everything (venv, Debian packages, model) and start the stack"
+	@echo "make test  - install everything, then ruff, mypy and all tests (unit, integration, e2e)"
+
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
+	  { echo "stoker needs Python 3.11 (found $$($(PYTHON) --version)); set PYTHON=/path/to/python3.11"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed system-deps
+
+# tesseract with English and Simplified Chinese; installed with apt-get when missing and run as root.
+system-deps:
+	@langs=$$(tesseract --list-langs 2>/dev/null); \
+	if grep -qx eng <<<"$$langs" && grep -qx chi_sim <<<"$$langs"; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); \
+	else echo "tesseract (eng, chi_sim) is missing: sudo apt-get install $(APT_PACKAGES)"; exit 1; fi
+
+model: $(VENV)/.installed
+	$(BIN)/stoker model fetch
+
+up: install model
+	$(BIN)/stoker up
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(VENV)/.installed
+	$(BIN)/mypy
+
+test: install model lint typecheck
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+unit integration e2e: install model
+	$(BIN)/pytest tests/$@ $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
