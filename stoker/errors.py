@@ -76,6 +76,33 @@ class ImageTooLarge(InputError):
     http_status = 422
 
 
+class MediaCorrupt(InputError):
+    """The audio or video data is corrupt or unreadable."""
+
+    code = "media_corrupt"
+    http_status = 422
+
+
+class MediaTooLong(InputError):
+    """The media is longer than the configured limit."""
+
+    code = "media_too_long"
+    http_status = 422
+
+
+class MediaEmpty(InputError):
+    """The media holds nothing to process."""
+
+    code = "media_empty"
+    http_status = 422
+
+
+class AsrFailed(InputError):
+    """Transcription failed on this audio."""
+
+    code = "asr_failed"
+
+
 class InputExpired(InputError):
     """The input's bytes are no longer in the store."""
 

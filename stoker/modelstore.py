@@ -82,7 +82,7 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are dequantized in memory; drop the GGUF marker so they save as plain safetensors.
-    model.hf_quantizer = None  # type: ignore[assignment]
+    model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

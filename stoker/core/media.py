@@ -10,11 +10,46 @@ ContentHash = NewType("ContentHash", str)
 
 #: Image formats accepted at the door, by magic bytes. Names match Pillow's format identifiers.
 IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+AUDIO_FORMATS: tuple[str, ...] = ("WAV", "MP3", "FLAC", "OGG", "MP4")
+VIDEO_FORMATS: tuple[str, ...] = ("MP4", "MOV", "MATROSKA")
+#: What each input kind may be, judged by content.
+KIND_FORMATS: dict[str, tuple[str, ...]] = {"image": IMAGE_FORMATS, "audio": AUDIO_FORMATS, "video": VIDEO_FORMATS}
 
 
 def content_hash(data: bytes) -> ContentHash:
     """BLAKE3 of the bytes, hex: the identity of an input wherever it goes."""
     return ContentHash(blake3.blake3(data).hexdigest())
+
+
+def sniff_format(kind: str, data: bytes) -> str | None:
+    """The format of data if it is one that inputs of this kind may have, else None."""
+    fmt = sniff_image_format(data) if kind == "image" else sniff_av_format(data)
+    return fmt if fmt in KIND_FORMATS.get(kind, ()) else None
+
+
+def sniff_av_format(data: bytes) -> str | None:
+    """The audio/video container named by the leading bytes, or None."""
+    head = data[:16]
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return "WAV"
+    if head[:4] == b"fLaC":
+        return "FLAC"
+    if head[:4] == b"OggS":
+        return "OGG"
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "MATROSKA"  # also WebM
+    if head[4:8] == b"ftyp":
+        return "MOV" if head[8:12] == b"qt  " else "MP4"
+    if head[4:8] in (b"moov", b"mdat", b"wide", b"free"):
+        return "MOV"
+    if head[:3] == b"ID3" or _mpeg_audio_sync(head):
+        return "MP3"
+    return None
+
+
+def _mpeg_audio_sync(head: bytes) -> bool:
+    """An MPEG audio frame header: 11 sync bits, and a layer that is not the reserved 00 (ADTS AAC)."""
+    return len(head) >= 2 and head[0] == 0xFF and (head[1] & 0xE0) == 0xE0 and (head[1] & 0x06) != 0
 
 
 def sniff_image_format(data: bytes) -> str | None:

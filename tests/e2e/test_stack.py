@@ -30,9 +30,12 @@ def _ready(base: str) -> bool:
         return False
 
 
-def _start_stack(env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+FLOWER_PORT = free_port()
+
+
+def _start_stack(env: dict[str, str], log: Path, flower_port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    env = {**env, "STOKER_PORT": str(port), "STOKER_FLOWER_PORT": str(free_port())}
+    env = {**env, "STOKER_PORT": str(port), "STOKER_FLOWER_PORT": str(flower_port or free_port())}
     proc = spawn(["up"], env, log)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -57,7 +60,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "STOKER_RESULT_URL": f"{redis_base}/{store_db}",
     }
     log = tmp_path_factory.mktemp("stack") / "up.log"
-    proc, base = _start_stack(env, log)
+    proc, base = _start_stack(env, log, FLOWER_PORT)
     yield base
     assert stop(proc, signal.SIGINT, grace_s=60) == 0, tail(log)
     assert not _ready(base), "the API outlived stoker up"
@@ -87,6 +90,13 @@ def test_invoice_image_is_read_and_answered(stack: str) -> None:
     assert job["result"]["text"].strip()
     assert job["result"]["model"] == "smollm2-135m-instruct"
     assert job["result"]["completion_tokens"] > 0
+
+
+def test_flower_watches_the_workers(stack: str) -> None:
+    flower = f"http://127.0.0.1:{FLOWER_PORT}"
+    assert httpx.get(f"{flower}/healthcheck", timeout=10).text == "OK"
+    workers = httpx.get(f"{flower}/api/workers", params={"refresh": "true"}, timeout=30).json()
+    assert {name.split("@")[0] for name in workers} >= {"cpu", "infer"}
 
 
 def test_submit_command_prints_the_answer_and_timings(stack: str, tmp_path: Path) -> None:

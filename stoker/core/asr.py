@@ -1,0 +1,42 @@
+"""Speech to text with a faster-whisper model: samples in, a transcript with timed segments out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+
+class SpeechModel(Protocol):
+    """The slice of faster_whisper.WhisperModel that transcription needs."""
+
+    def transcribe(self, audio: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Return (segment generator, info)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of speech and its text."""
+
+    start: float
+    end: float
+    text: str
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """The whole transcript and its segments."""
+
+    text: str
+    segments: list[Segment]
+    language: str | None = None
+
+
+def transcribe(model: SpeechModel, audio: npt.NDArray[np.float32], beam_size: int, vad: bool = True) -> Transcript:
+    """Transcribe, consuming the lazy segment generator here, so the caller's time limit covers all the work."""
+    generator, info = model.transcribe(audio, beam_size=beam_size, vad_filter=vad, condition_on_previous_text=False)
+    segments = [Segment(round(s.start, 2), round(s.end, 2), s.text.strip()) for s in generator]
+    text = " ".join(s.text for s in segments if s.text)
+    return Transcript(text=text, segments=segments, language=getattr(info, "language", None))

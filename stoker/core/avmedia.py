@@ -1,0 +1,112 @@
+"""Audio and video: probe a container without decoding it, decode audio for ASR, sample keyframes by seeking."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any
+
+import av
+import numpy as np
+import numpy.typing as npt
+
+from stoker.errors import MediaCorrupt, MediaEmpty, MediaTooLong
+
+ASR_SAMPLE_RATE = 16_000
+
+
+@dataclass(frozen=True)
+class MediaInfo:
+    """What the container header says: enough to refuse a file before decoding a sample."""
+
+    container: str
+    duration_s: float
+    audio_streams: int
+    video_streams: int
+    width: int | None = None
+    height: int | None = None
+    sample_rate: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form for JSON."""
+        return asdict(self)
+
+
+def probe(data: bytes, max_seconds: float) -> MediaInfo:
+    """Read duration and streams from the header; refuse empty, unreadable or over-long media."""
+    try:
+        with av.open(io.BytesIO(data), metadata_errors="ignore") as container:
+            info = _info(container)
+    except (av.FFmpegError, ValueError, EOFError) as exc:
+        raise MediaCorrupt(f"cannot read the container: {exc}", stage="probe") from exc
+    if info.duration_s > max_seconds:
+        raise MediaTooLong(f"{info.duration_s:.0f}s exceeds the {max_seconds:.0f}s limit", stage="probe")
+    if not info.audio_streams and not info.video_streams:
+        raise MediaEmpty("no audio or video stream", stage="probe")
+    if info.duration_s <= 0:
+        raise MediaEmpty("the media has no duration", stage="probe")
+    return info
+
+
+def _info(container: Any) -> MediaInfo:
+    audio = list(container.streams.audio)
+    video = list(container.streams.video)
+    first_video = video[0] if video else None
+    return MediaInfo(
+        container=str(container.format.name),
+        duration_s=round(_duration(container), 3),
+        audio_streams=len(audio),
+        video_streams=len(video),
+        width=int(first_video.codec_context.width) if first_video else None,
+        height=int(first_video.codec_context.height) if first_video else None,
+        sample_rate=int(audio[0].codec_context.sample_rate) if audio else None,
+    )
+
+
+def _duration(container: Any) -> float:
+    if container.duration is not None and container.duration > 0:
+        return float(container.duration) / av.time_base
+    spans = [
+        float(s.duration * s.time_base) for s in container.streams if s.duration is not None and s.time_base is not None
+    ]
+    return float(max(spans, default=0.0))
+
+
+def decode_audio(data: bytes) -> npt.NDArray[np.float32]:
+    """Decode the first audio stream to 16 kHz mono float32, what Whisper models take."""
+    from faster_whisper.audio import decode_audio as fw_decode
+
+    try:
+        samples = fw_decode(io.BytesIO(data), sampling_rate=ASR_SAMPLE_RATE)
+    except (av.FFmpegError, ValueError, IndexError, EOFError) as exc:
+        raise MediaCorrupt(f"cannot decode audio: {exc}", stage="transcribe") from exc
+    if samples.size == 0:
+        raise MediaEmpty("the audio has no samples", stage="transcribe")
+    return np.asarray(samples, dtype=np.float32)
+
+
+def keyframe_times(duration_s: float, count: int) -> list[float]:
+    """count instants spread evenly over the media, each in the middle of its share."""
+    if count <= 0 or duration_s <= 0:
+        return []
+    return [round(duration_s * (k + 0.5) / count, 3) for k in range(count)]
+
+
+def extract_frame(data: bytes, at_s: float) -> tuple[float, bytes] | None:
+    """The first frame at or after the keyframe before at_s, as PNG bytes with its time; None if none decodes."""
+    try:
+        with av.open(io.BytesIO(data), metadata_errors="ignore") as container:
+            if not container.streams.video:
+                return None
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            if stream.time_base is not None:
+                container.seek(int(Fraction(at_s) / stream.time_base), stream=stream, backward=True, any_frame=False)
+            for frame in container.decode(stream):
+                buffer = io.BytesIO()
+                frame.to_image().save(buffer, format="PNG")
+                return float(frame.time or at_s), buffer.getvalue()
+    except (av.FFmpegError, ValueError, EOFError) as exc:
+        raise MediaCorrupt(f"cannot decode video: {exc}", stage="keyframes") from exc
+    return None
