@@ -66,7 +66,7 @@ def _info(container: Any) -> MediaInfo:
 
 def _duration(container: Any) -> float:
     if container.duration is not None and container.duration > 0:
-        return float(container.duration) / av.time_base
+        return float(container.duration) / float(av.time_base)
     spans = [
         float(s.duration * s.time_base) for s in container.streams if s.duration is not None and s.time_base is not None
     ]
