@@ -16,12 +16,15 @@ accept_content = ["json"]
 result_accept_content = ["json"]
 
 # One queue per stage, so each can be watched and scaled on its own.
-_QUEUE_NAMES = ("decode", "ocr", "tokenize", "infer")
+_QUEUE_NAMES = ("decode", "ocr", "asr", "tokenize", "infer")
 task_queues = [Queue(name, routing_key=name, durable=True) for name in _QUEUE_NAMES]  # type: ignore[no-untyped-call]
 task_default_queue = "tokenize"
 task_routes = {
     "stoker.decode": {"queue": "decode"},
     "stoker.ocr": {"queue": "ocr"},
+    "stoker.probe": {"queue": "decode"},
+    "stoker.keyframe": {"queue": "decode"},
+    "stoker.transcribe": {"queue": "asr"},
     "stoker.tokenize": {"queue": "tokenize"},
     "stoker.infer": {"queue": "infer"},
 }
@@ -29,6 +32,9 @@ task_annotations = {
     "stoker.decode": {"soft_time_limit": _s.decode_soft_s, "time_limit": _s.decode_hard_s},
     "stoker.ocr": {"soft_time_limit": _s.ocr_soft_s, "time_limit": _s.ocr_hard_s},
     "stoker.tokenize": {"soft_time_limit": _s.tokenize_soft_s, "time_limit": _s.tokenize_hard_s},
+    "stoker.probe": {"soft_time_limit": _s.probe_soft_s, "time_limit": _s.probe_hard_s},
+    "stoker.keyframe": {"soft_time_limit": _s.keyframes_soft_s, "time_limit": _s.keyframes_hard_s},
+    "stoker.transcribe": {"soft_time_limit": _s.transcribe_soft_s, "time_limit": _s.transcribe_hard_s},
 }
 
 # An accepted job is never lost: ack after the work, requeue when a worker dies mid-task.

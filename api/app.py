@@ -38,7 +38,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app.state.store = JobStore.from_url(
         settings.result_url, blob_ttl_s=settings.blob_ttl_s, job_ttl_s=settings.job_ttl_s
     )
-    app.state.submitter = submitter or CelerySubmitter()
+    app.state.submitter = submitter or CelerySubmitter(keyframes=settings.video_keyframes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(router)
     _add_error_handlers(app)

@@ -11,11 +11,12 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from api.schemas import JobCreate
-from stoker.core.media import ContentHash, content_hash, sniff_image_format
+from stoker.core.media import KIND_FORMATS, ContentHash, content_hash, sniff_format
 from stoker.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType
+from stoker.jobs import InputKind
 from stoker.settings import ApiSettings
 
-FILE_FIELDS = ("image",)
+FILE_FIELDS: tuple[InputKind, ...] = ("image", "audio", "video")
 TEXT_FIELDS = ("prompt",)
 
 
@@ -23,7 +24,7 @@ TEXT_FIELDS = ("prompt",)
 class AcceptedInput:
     """An input that passed the door: its kind, bytes, identity and sniffed format."""
 
-    kind: str
+    kind: InputKind
     data: bytes
     digest: ContentHash
     format: str
@@ -49,9 +50,9 @@ async def read_request(request: Request, settings: ApiSettings) -> AcceptedReque
     return validate(prompt, raw, settings)
 
 
-async def _read_multipart(request: Request, settings: ApiSettings) -> tuple[str | None, list[tuple[str, bytes]]]:
+async def _read_multipart(request: Request, settings: ApiSettings) -> tuple[str | None, list[tuple[InputKind, bytes]]]:
     form = await request.form(
-        max_files=settings.max_images + 1,
+        max_files=settings.max_images + settings.max_audio + settings.max_video + 1,
         max_fields=len(TEXT_FIELDS) + 8,
         max_part_size=settings.max_prompt_chars * 4,
     )
@@ -61,7 +62,7 @@ async def _read_multipart(request: Request, settings: ApiSettings) -> tuple[str 
     prompt = form.get("prompt")
     if isinstance(prompt, UploadFile):
         raise InvalidRequest("prompt must be a text field")
-    files: list[tuple[str, bytes]] = []
+    files: list[tuple[InputKind, bytes]] = []
     for kind in FILE_FIELDS:
         for item in form.getlist(kind):
             if not isinstance(item, UploadFile):
@@ -71,8 +72,8 @@ async def _read_multipart(request: Request, settings: ApiSettings) -> tuple[str 
     return prompt, files
 
 
-def _read_json(body: bytes) -> tuple[str, list[tuple[str, bytes]]]:
-    inputs: list[tuple[str, bytes]] = []
+def _read_json(body: bytes) -> tuple[str, list[tuple[InputKind, bytes]]]:
+    inputs: list[tuple[InputKind, bytes]] = []
     try:
         spec = JobCreate.model_validate_json(body)
     except ValidationError as exc:
@@ -91,21 +92,24 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {err['msg']}"
 
 
-def validate(prompt: str | None, raw: list[tuple[str, bytes]], settings: ApiSettings) -> AcceptedRequest:
+def validate(prompt: str | None, raw: list[tuple[InputKind, bytes]], settings: ApiSettings) -> AcceptedRequest:
     """Check the prompt and sniff every input by its magic bytes."""
     if prompt is None or not prompt.strip():
         raise InvalidRequest("prompt is required")
     if len(prompt) > settings.max_prompt_chars:
         raise InvalidRequest(f"prompt exceeds {settings.max_prompt_chars} characters")
-    if len(raw) > settings.max_images:
-        raise TooManyInputs(f"at most {settings.max_images} images per job")
+    limits = {"image": settings.max_images, "audio": settings.max_audio, "video": settings.max_video}
+    for kind, limit in limits.items():
+        if sum(1 for k, _ in raw if k == kind) > limit:
+            raise TooManyInputs(f"at most {limit} {kind} input(s) per job")
     return AcceptedRequest(prompt=prompt, inputs=[_accept(i, kind, data) for i, (kind, data) in enumerate(raw)])
 
 
-def _accept(position: int, kind: str, data: bytes) -> AcceptedInput:
-    fmt = sniff_image_format(data)
+def _accept(position: int, kind: InputKind, data: bytes) -> AcceptedInput:
+    fmt = sniff_format(kind, data)
     if fmt is None:
+        allowed = ", ".join(KIND_FORMATS[kind])
         raise UnsupportedMediaType(
-            f"input {position} is not a JPEG, PNG, WEBP, GIF, BMP or TIFF image (judged by its content)"
+            f"input {position} is not {kind} in an allowed format ({allowed}), judged by its content"
         )
     return AcceptedInput(kind=kind, data=data, digest=content_hash(data), format=fmt)

@@ -45,7 +45,7 @@ def _admit(store: JobStore, submitter: Submitter, accepted: AcceptedRequest) -> 
     """Write inputs and record before enqueueing, so no worker can see a job that is not stored."""
     job_id = uuid.uuid4().hex
     records = [
-        InputRecord(index=i, kind="image", content_hash=item.digest, size_bytes=len(item.data))
+        InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data))
         for i, item in enumerate(accepted.inputs)
     ]
     try:

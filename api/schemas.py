@@ -12,7 +12,7 @@ from stoker.jobs import Job
 class InputCreate(BaseModel):
     """One input of a JSON job request: media as base64."""
 
-    kind: Literal["image"]
+    kind: Literal["image", "audio", "video"]
     data: str = Field(description="base64-encoded bytes")
 
 

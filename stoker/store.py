@@ -19,6 +19,16 @@ def job_key(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"
 
 
+def input_ref(index: int) -> str:
+    """Field of a job's hash holding one input's record."""
+    return f"input:{index}"
+
+
+def frame_ref(index: int, frame: int) -> str:
+    """Field holding one keyframe of a video input."""
+    return f"input:{index}:frame:{frame}"
+
+
 def tokens_key(job_id: str) -> str:
     """The job's tokenized prompt, ready for the model."""
     return f"{PREFIX}:job:{job_id}:tokens"
@@ -85,7 +95,7 @@ class JobStore:
             "ts:accepted": repr(accepted),
         }
         for record in inputs:
-            fields[f"input:{record.index}"] = record.model_dump_json()
+            fields[input_ref(record.index)] = record.model_dump_json()
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(job_key(job_id), mapping=fields)
             pipe.expire(job_key(job_id), self.job_ttl_s)
@@ -116,14 +126,14 @@ class JobStore:
         raw = self.redis.hget(job_key(job_id), f"ts:{name}")
         return float(raw) if raw else None
 
-    def get_input(self, job_id: str, index: int) -> InputRecord | None:
-        """One input's record."""
-        raw = self.redis.hget(job_key(job_id), f"input:{index}")
+    def get_input(self, job_id: str, ref: str) -> InputRecord | None:
+        """One input's (or keyframe's) record, by its field name."""
+        raw = self.redis.hget(job_key(job_id), ref)
         return InputRecord.model_validate_json(raw) if raw else None
 
-    def put_input(self, job_id: str, record: InputRecord) -> None:
-        """Replace one input's record; each input has a single writer at a time (its own chain)."""
-        self.redis.hset(job_key(job_id), f"input:{record.index}", record.model_dump_json())
+    def put_input(self, job_id: str, ref: str, record: InputRecord) -> None:
+        """Replace one record; each has a single writer at a time (its own chain)."""
+        self.redis.hset(job_key(job_id), ref, record.model_dump_json())
 
     def put_tokens(self, job_id: str, ids: list[int]) -> None:
         """Store the tokenized prompt for the inference consumer."""
@@ -166,10 +176,7 @@ class JobStore:
 def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
     """Assemble a Job from the fields of its Redis hash."""
     fields = {k.decode(): v.decode() for k, v in raw.items()}
-    inputs = sorted(
-        (InputRecord.model_validate_json(v) for k, v in fields.items() if k.startswith("input:")),
-        key=lambda r: r.index,
-    )
+    inputs = _nest_inputs({k: InputRecord.model_validate_json(v) for k, v in fields.items() if k.startswith("input:")})
     stamps = {name: float(fields[f"ts:{name}"]) for name in STAMPS if f"ts:{name}" in fields}
     return Job(
         id=job_id,
@@ -181,3 +188,13 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
         batch=BatchInfo.model_validate_json(fields["batch"]) if "batch" in fields else None,
         timings_ms=compute_timings(stamps),
     )
+
+
+def _nest_inputs(records: dict[str, InputRecord]) -> list[InputRecord]:
+    """Top-level inputs in order, each video carrying its filled keyframes."""
+    top = {ref: r for ref, r in records.items() if ref.count(":") == 1}
+    for ref, frame in sorted(records.items(), key=lambda item: item[1].index):
+        parent = ref.rsplit(":frame:", 1)[0]
+        if ref.count(":") == 3 and parent in top and frame.status != "skipped":
+            top[parent].frames = [*(top[parent].frames or []), frame]
+    return sorted(top.values(), key=lambda r: r.index)

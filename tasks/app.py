@@ -2,5 +2,5 @@
 
 from celery import Celery
 
-app = Celery("stoker", include=["tasks.preprocess", "tasks.inference"])
+app = Celery("stoker", include=["tasks.preprocess", "tasks.media", "tasks.inference"])
 app.config_from_object("celeryconfig")

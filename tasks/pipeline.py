@@ -1,4 +1,9 @@
-"""The canvas of a job: per image decode → OCR (images in parallel), then tokenize, which hands off to infer."""
+"""The canvas of a job: every input's branch in parallel (a chord header), then tokenize, which hands off to infer.
+
+image  decode → ocr
+audio  probe → transcribe
+video  probe → transcribe, and per keyframe slot: keyframe → decode → ocr
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from celery import Celery, chain, chord, group
 from celery.canvas import Signature
 
 from stoker.jobs import InputRecord
+from stoker.store import frame_ref, input_ref
 from tasks.app import app as default_app
 
 
@@ -19,27 +25,43 @@ class Submitter(Protocol):
         """Enqueue the job's work; raises if the broker cannot take it."""
 
 
-def job_canvas(job_id: str, inputs: Sequence[InputRecord], app: Celery = default_app) -> Signature:
+def job_canvas(job_id: str, inputs: Sequence[InputRecord], app: Celery = default_app, keyframes: int = 3) -> Signature:
     """The Celery canvas for one job."""
     tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id})
-    if not inputs:
+    branches = [branch for record in inputs for branch in _branches(app, job_id, record, keyframes)]
+    if not branches:
         return tokenize.clone(args=(None,))
-    per_image = [
+    return chord(group(branches), tokenize)
+
+
+def _branches(app: Celery, job_id: str, record: InputRecord, keyframes: int) -> list[Signature]:
+    ref = input_ref(record.index)
+    if record.kind == "image":
+        return [_image_branch(app, job_id, ref)]
+    sound = chain(app.signature("stoker.probe", args=(job_id, ref), immutable=True), app.signature("stoker.transcribe"))
+    if record.kind == "audio":
+        return [sound]
+    frames = [
         chain(
-            app.signature("stoker.decode", args=(job_id, r.index), immutable=True),
-            app.signature("stoker.ocr"),
+            app.signature("stoker.keyframe", args=(job_id, record.index, slot, keyframes), immutable=True),
+            _image_branch(app, job_id, frame_ref(record.index, slot)),
         )
-        for r in inputs
+        for slot in range(keyframes)
     ]
-    return chord(group(per_image), tokenize)
+    return [sound, *frames]
+
+
+def _image_branch(app: Celery, job_id: str, ref: str) -> Signature:
+    return chain(app.signature("stoker.decode", args=(job_id, ref), immutable=True), app.signature("stoker.ocr"))
 
 
 class CelerySubmitter:
     """Submits jobs to the broker as Celery canvases."""
 
-    def __init__(self, app: Celery = default_app) -> None:
+    def __init__(self, app: Celery = default_app, keyframes: int = 3) -> None:
         self.app = app
+        self.keyframes = keyframes
 
     def submit(self, job_id: str, inputs: Sequence[InputRecord]) -> None:
         """Publish the job's canvas."""
-        job_canvas(job_id, inputs, self.app).apply_async()
+        job_canvas(job_id, inputs, self.app, self.keyframes).apply_async()

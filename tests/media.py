@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import io
 import struct
+import subprocess
 import zlib
+from collections.abc import Iterable, Iterator
+from typing import Any
 
+import av
 from PIL import Image, ImageDraw, ImageFont
 
 
@@ -39,3 +43,89 @@ def png_bomb(width: int, height: int) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     body = zlib.compress(b"\x00" * 1024)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
+
+
+SENTENCE = "please send the quarterly report to the finance team by friday"
+KEY_WORDS = ("please", "send", "quarterly", "report", "finance", "team", "friday")
+
+
+def speech_wav(text: str = SENTENCE) -> bytes:
+    """Spoken text as a WAV file, by espeak-ng."""
+    out = subprocess.run(["espeak-ng", "-s", "120", "--stdout", text], capture_output=True, check=True, timeout=60)
+    return out.stdout
+
+
+def _audio_frames(wav: bytes, resampler: av.AudioResampler) -> Iterator[av.AudioFrame]:
+    with av.open(io.BytesIO(wav)) as src:
+        for frame in src.decode(audio=0):
+            yield from resampler.resample(frame)
+    yield from resampler.resample(None)
+
+
+def _mux(dst: Any, stream: Any, frames: Iterable[Any]) -> None:
+    for frame in frames:
+        for packet in stream.encode(frame):
+            dst.mux(packet)
+    for packet in stream.encode(None):
+        dst.mux(packet)
+
+
+def to_mp3(wav: bytes) -> bytes:
+    """Re-encode WAV as MP3 with PyAV."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp3") as dst:
+        stream = dst.add_stream("libmp3lame", rate=22050, layout="mono")
+        resampler = av.AudioResampler(format=stream.codec_context.format.name, layout="mono", rate=22050)
+        _mux(dst, stream, _audio_frames(wav, resampler))
+    return out.getvalue()
+
+
+def text_video(text: str, wav: bytes | None, seconds: float = 4.0, fmt: str = "mp4") -> bytes:
+    """A video of rendered text (H.264), with the speech as its AAC sound track when given."""
+    out = io.BytesIO()
+    fps = 10
+    picture = Image.open(io.BytesIO(text_image(text, size=(640, 360), font_size=56))).convert("RGB")
+    with av.open(out, "w", format=fmt) as dst:
+        video = dst.add_stream("libx264", rate=fps)
+        video.width, video.height, video.pix_fmt = 640, 360, "yuv420p"
+        audio = dst.add_stream("aac", rate=22050, layout="mono") if wav else None
+        frames = (av.VideoFrame.from_image(picture) for _ in range(int(seconds * fps)))
+        _mux(dst, video, frames)
+        if audio is not None and wav is not None:
+            resampler = av.AudioResampler(format=audio.codec_context.format.name, layout="mono", rate=22050)
+            _mux(dst, audio, _audio_frames(wav, resampler))
+    return out.getvalue()
+
+
+def wav_header(seconds: float, rate: int = 8000, payload: bytes = b"") -> bytes:
+    """A PCM WAV whose header claims `seconds` of 8-bit mono sound, followed by only `payload`."""
+    size = int(seconds * rate)
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate, 1, 8)
+    return (
+        b"RIFF"
+        + struct.pack("<I", 36 + size)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<I", 16)
+        + fmt
+        + b"data"
+        + struct.pack("<I", size)
+        + payload
+    )
+
+
+def flac_claiming(seconds: float, rate: int = 8000) -> bytes:
+    """One second of silent FLAC whose STREAMINFO claims `seconds` of sound: long media in a tiny file."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="flac") as dst:
+        stream = dst.add_stream("flac", rate=rate, layout="mono")
+        frame = av.AudioFrame(format="s16", layout="mono", samples=rate)
+        frame.planes[0].update(b"\0\0" * rate)
+        frame.sample_rate = rate
+        _mux(dst, stream, [frame])
+    data = bytearray(out.getvalue())
+    at = 18  # "fLaC", block header, then STREAMINFO's rate/channels/bits/total-samples word
+    word = int.from_bytes(data[at : at + 8], "big")
+    word = (word & ~((1 << 36) - 1)) | int(seconds * rate)
+    data[at : at + 8] = word.to_bytes(8, "big")
+    return bytes(data)

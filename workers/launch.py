@@ -20,9 +20,10 @@ class WorkerKind:
 
 
 def worker_kinds(settings: WorkerSettings) -> dict[str, WorkerKind]:
-    """The queue groups: CPU stages on prefork (where time limits are enforced), inference on one thread."""
+    """The queue groups: CPU stages and ASR on prefork (where time limits are enforced), inference on one thread."""
     return {
         "cpu": WorkerKind(("decode", "ocr", "tokenize"), "prefork", "cpu"),
+        "asr": WorkerKind(("asr",), "prefork", settings.asr_device),
         "infer": WorkerKind(("infer",), settings.infer_pool, settings.device),
     }
 
@@ -48,6 +49,8 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
     ]
     if kind == "cpu":
         argv += ["--concurrency", str(settings.cpu_concurrency)]
+    elif kind == "asr":
+        argv += ["--concurrency", str(settings.asr_concurrency)]
     else:
         # celery-batches acks at flush: the worker must be allowed to hold whole batches.
         argv += ["--concurrency", "1", "--prefetch-multiplier", str(settings.infer_prefetch)]

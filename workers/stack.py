@@ -113,6 +113,7 @@ def _start_all(settings: StackSettings, stack: Stack) -> None:
     ]
     stack.start("api", api, dict(os.environ))
     stack.start("cpu-worker", worker_argv("cpu", workers), worker_env("cpu"))
+    stack.start("asr-worker", worker_argv("asr", workers), worker_env("asr"))
     stack.start("infer-worker", worker_argv("infer", workers), worker_env("infer"))
     flower = [py, "-m", "celery", "-A", "tasks.app", "flower", f"--port={settings.flower_port}"]
     if settings.flower_basic_auth:
@@ -123,7 +124,7 @@ def _start_all(settings: StackSettings, stack: Stack) -> None:
 
 
 def _wait_ready(settings: StackSettings, stack: Stack) -> None:
-    """Ready when /readyz answers 200 and both workers answer a ping."""
+    """Ready when /readyz answers 200 and every worker answers a ping."""
     from tasks.app import app
 
     deadline = time.monotonic() + settings.ready_timeout_s
@@ -146,7 +147,7 @@ def _http_ok(url: str) -> bool:
 
 def _workers_up(replies: list[dict[str, Any]]) -> bool:
     names = {name.split("@")[0] for reply in replies for name in reply}
-    return {"cpu", "infer"} <= names
+    return {"cpu", "asr", "infer"} <= names
 
 
 def _announce(settings: StackSettings) -> None:

@@ -103,10 +103,16 @@ def extract_frame(data: bytes, at_s: float) -> tuple[float, bytes] | None:
             stream.thread_type = "AUTO"
             if stream.time_base is not None:
                 container.seek(int(Fraction(at_s) / stream.time_base), stream=stream, backward=True, any_frame=False)
+            # Seeking lands on the keyframe before at_s; decode forward (at most one GOP) to the wanted instant.
+            last = None
             for frame in container.decode(stream):
+                last = frame
+                if frame.time is None or frame.time >= at_s:
+                    break
+            if last is not None:
                 buffer = io.BytesIO()
-                frame.to_image().save(buffer, format="PNG")
-                return float(frame.time or at_s), buffer.getvalue()
+                last.to_image().save(buffer, format="PNG")
+                return float(last.time if last.time is not None else at_s), buffer.getvalue()
     except (av.FFmpegError, ValueError, EOFError) as exc:
         raise MediaCorrupt(f"cannot decode video: {exc}", stage="keyframes") from exc
     return None

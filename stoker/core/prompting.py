@@ -41,7 +41,8 @@ class Attachment:
         head = f"[{self.kind} {self.index + 1}" + (f": {props}" if props else "") + "]"
         if self.error_code:
             return f"{head}\n(could not be processed: {self.error_code})"
-        return f"{head}\nText read from it:\n{self.text or '(no text found)'}"
+        label = {"audio": "Transcript", "video": "Transcript and on-screen text"}.get(self.kind, "Text read from it")
+        return f"{head}\n{label}:\n{self.text or '(no text found)'}"
 
 
 def render_user_message(prompt: str, attachments: Sequence[Attachment]) -> str:

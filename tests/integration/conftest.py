@@ -29,22 +29,23 @@ def store_redis() -> Iterator[redis.Redis]:
 
 @pytest.fixture(scope="session")
 def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """A CPU worker (prefork) and an inference worker, as real processes."""
+    """A CPU worker and an ASR worker (prefork) and an inference worker, as real processes."""
     from tasks.app import app
 
     logs = tmp_path_factory.mktemp("workers")
     env = dict(os.environ)
     procs = {
         "cpu": spawn(["worker", "cpu", "--concurrency", "2"], env, logs / "cpu.log"),
+        "asr": spawn(["worker", "asr"], env, logs / "asr.log"),
         "infer": spawn(["worker", "infer"], env, logs / "infer.log"),
     }
 
-    def both_answer() -> bool:
+    def all_answer() -> bool:
         names = {name.split("@")[0] for reply in app.control.ping(timeout=0.5) for name in reply}
-        return {"cpu", "infer"} <= names
+        return set(procs) <= names
 
     try:
-        wait_for(both_answer, 180, "workers", list(procs.values()))
+        wait_for(all_answer, 180, "workers", list(procs.values()))
     except (TimeoutError, RuntimeError) as exc:
         details = "\n".join(f"--- {k}\n{tail(logs / f'{k}.log')}" for k in procs)
         for proc in procs.values():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import chord
 
 from stoker.errors import ImageCorrupt, StokerError
@@ -24,10 +26,35 @@ def test_images_are_preprocessed_in_parallel_then_tokenized_once() -> None:
     for index, link in enumerate(chains):
         decode, ocr = link.tasks
         assert (decode.task, ocr.task) == ("stoker.decode", "stoker.ocr")
-        assert decode.args == ("j", index)
+        assert decode.args == ("j", f"input:{index}")
         assert decode.immutable
     assert canvas.body.task == "stoker.tokenize"
     assert canvas.body.kwargs == {"job_id": "j"}
+
+
+def _names(signature: Any) -> list[str]:
+    return [t.task for t in signature.tasks] if hasattr(signature, "tasks") else [signature.task]
+
+
+def test_audio_is_probed_then_transcribed() -> None:
+    audio = InputRecord(index=0, kind="audio", content_hash="a", size_bytes=1)
+    canvas = job_canvas("j", [audio])
+    assert [_names(c) for c in canvas.tasks] == [["stoker.probe", "stoker.transcribe"]]
+    assert canvas.tasks[0].tasks[0].args == ("j", "input:0")
+
+
+def test_video_gets_its_sound_and_each_keyframe_slot_through_the_image_branch() -> None:
+    video = InputRecord(index=1, kind="video", content_hash="v", size_bytes=1)
+    canvas = job_canvas("j", [_inputs(1)[0], video], keyframes=2)
+    branches = [_names(c) for c in canvas.tasks]
+    assert branches == [
+        ["stoker.decode", "stoker.ocr"],
+        ["stoker.probe", "stoker.transcribe"],
+        ["stoker.keyframe", "stoker.decode", "stoker.ocr"],
+        ["stoker.keyframe", "stoker.decode", "stoker.ocr"],
+    ]
+    assert canvas.tasks[3].tasks[0].args == ("j", 1, 1, 2)
+    assert canvas.tasks[3].tasks[1].args == ("j", "input:1:frame:1")
 
 
 def test_text_only_job_goes_straight_to_tokenize() -> None:
