@@ -11,16 +11,14 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from stoker.core.media import guess_kind
 from stoker.jobs import TERMINAL
 
 
 def submit_files(base_url: str, prompt: str, files: list[Path], timeout_s: float = 300.0) -> dict[str, Any]:
     """Submit a job with these files, long-poll until it is terminal, return the job JSON."""
     with httpx.Client(base_url=base_url, timeout=60) as http:
-        parts = [
-            ("image", (f.name, f.read_bytes(), mimetypes.guess_type(f.name)[0] or "application/octet-stream"))
-            for f in files
-        ]
+        parts = [_part(f) for f in files]
         response = http.post("/v1/jobs", data={"prompt": prompt}, files=parts)
         if response.status_code != 202:
             raise SystemExit(f"rejected ({response.status_code}): {response.text}")
@@ -29,6 +27,14 @@ def submit_files(base_url: str, prompt: str, files: list[Path], timeout_s: float
         while job["status"] not in TERMINAL and time.monotonic() < deadline:
             job = http.get(f"/v1/jobs/{job['id']}", params={"wait": 30}).json()
         return job
+
+
+def _part(path: Path) -> tuple[str, tuple[str, bytes, str]]:
+    data = path.read_bytes()
+    kind = guess_kind(data, path.name)
+    if kind is None:
+        raise SystemExit(f"{path}: not an image, audio or video file stoker accepts")
+    return kind, (path.name, data, mimetypes.guess_type(path.name)[0] or "application/octet-stream")
 
 
 def render_job(job: dict[str, Any], console: Console | None = None) -> None:
@@ -40,8 +46,11 @@ def render_job(job: dict[str, Any], console: Console | None = None) -> None:
         if item.get("error"):
             head += f" [red]{item['error']['code']}[/]: {item['error']['message']}"
         console.print(head)
+        label = "transcript" if item["kind"] in ("audio", "video") else "text"
         if item.get("text"):
-            console.print(f"  text: {item['text']!r}")
+            console.print(f"  {label}: {item['text']!r}")
+        for frame in item.get("frames") or []:
+            console.print(f"  frame at {frame['time_s']:.1f}s: {frame.get('text') or ''!r}")
     if job.get("result"):
         console.print(f"[bold green]answer[/] ({job['result']['model']}):\n{job['result']['text']}")
     if job.get("error"):

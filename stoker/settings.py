@@ -102,6 +102,6 @@ class StackSettings(ApiSettings):
     """`stoker up`: the API's settings plus what the local stack supervisor needs."""
 
     flower_port: int = 5555
-    #: "user:password" for Flower's basic auth; without it Flower binds to loopback only.
+    #: "user:password" for Flower's basic auth; without it Flower's HTTP API refuses every call.
     flower_basic_auth: str | None = None
     ready_timeout_s: float = Field(300.0, ge=1)

@@ -115,11 +115,18 @@ def _start_all(settings: StackSettings, stack: Stack) -> None:
     stack.start("cpu-worker", worker_argv("cpu", workers), worker_env("cpu"))
     stack.start("asr-worker", worker_argv("asr", workers), worker_env("asr"))
     stack.start("infer-worker", worker_argv("infer", workers), worker_env("infer"))
-    flower = [py, "-m", "celery", "-A", "tasks.app", "flower", f"--port={settings.flower_port}"]
+    flower = [
+        py,
+        "-m",
+        "celery",
+        "-A",
+        "tasks.app",
+        "flower",
+        f"--port={settings.flower_port}",
+        f"--address={settings.host}",
+    ]
     if settings.flower_basic_auth:
         flower.append(f"--basic-auth={settings.flower_basic_auth}")
-    else:
-        flower.append("--address=127.0.0.1")
     stack.start("flower", flower, dict(os.environ))
 
 
@@ -153,7 +160,8 @@ def _workers_up(replies: list[dict[str, Any]]) -> bool:
 def _announce(settings: StackSettings) -> None:
     base = f"http://{settings.host}:{settings.port}"
     console.print(f"[bold green]stoker is ready[/]\n  API      {base}  (docs {base}/docs)")
-    console.print(f"  Flower   http://127.0.0.1:{settings.flower_port}")
+    auth = "basic auth" if settings.flower_basic_auth else "no auth: its API stays closed"
+    console.print(f"  Flower   http://{settings.host}:{settings.flower_port}  ({auth})")
     console.print(f"  broker   {settings.broker_url}\n  store    {settings.result_url}")
     console.print("  try:     stoker submit IMAGE.png --prompt 'What does it say?'   (Ctrl-C stops everything)")
 

@@ -21,6 +21,16 @@ def content_hash(data: bytes) -> ContentHash:
     return ContentHash(blake3.blake3(data).hexdigest())
 
 
+def guess_kind(data: bytes, filename: str = "") -> str | None:
+    """The input kind a file most likely is, from its content (the name only splits MP4/Matroska audio from video)."""
+    if sniff_image_format(data):
+        return "image"
+    fmt = sniff_av_format(data)
+    if fmt in VIDEO_FORMATS:
+        return "audio" if filename.lower().endswith((".m4a", ".mka", ".weba", ".opus")) else "video"
+    return "audio" if fmt else None
+
+
 def sniff_format(kind: str, data: bytes) -> str | None:
     """The format of data if it is one that inputs of this kind may have, else None."""
     fmt = sniff_image_format(data) if kind == "image" else sniff_av_format(data)

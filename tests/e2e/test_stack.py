@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tests.conftest import TEST_DBS
-from tests.media import text_image
+from tests.media import speech_wav, text_image, to_mp3
 from tests.procs import ROOT, spawn, stop, tail, wait_for
 from workers.broker import free_port
 
@@ -31,6 +31,7 @@ def _ready(base: str) -> bool:
 
 
 FLOWER_PORT = free_port()
+FLOWER_AUTH = ("operator", "s3cret-for-tests")
 
 
 def _start_stack(env: dict[str, str], log: Path, flower_port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
@@ -58,6 +59,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         **os.environ,
         "STOKER_BROKER_URL": f"{redis_base}/{broker_db}",
         "STOKER_RESULT_URL": f"{redis_base}/{store_db}",
+        "STOKER_FLOWER_BASIC_AUTH": ":".join(FLOWER_AUTH),
     }
     log = tmp_path_factory.mktemp("stack") / "up.log"
     proc, base = _start_stack(env, log, FLOWER_PORT)
@@ -94,9 +96,11 @@ def test_invoice_image_is_read_and_answered(stack: str) -> None:
 
 def test_flower_watches_the_workers(stack: str) -> None:
     flower = f"http://127.0.0.1:{FLOWER_PORT}"
-    assert httpx.get(f"{flower}/healthcheck", timeout=10).text == "OK"
-    workers = httpx.get(f"{flower}/api/workers", params={"refresh": "true"}, timeout=30).json()
-    assert {name.split("@")[0] for name in workers} >= {"cpu", "infer"}
+    assert httpx.get(f"{flower}/api/workers", timeout=10).status_code == 401
+    response = httpx.get(f"{flower}/api/workers", params={"refresh": "true"}, auth=FLOWER_AUTH, timeout=30)
+    assert response.status_code == 200
+    workers = response.json()
+    assert {name.split("@")[0] for name in workers} >= {"cpu", "asr", "infer"}
 
 
 def test_submit_command_prints_the_answer_and_timings(stack: str, tmp_path: Path) -> None:
@@ -116,6 +120,24 @@ def test_submit_command_prints_the_answer_and_timings(stack: str, tmp_path: Path
     assert "answer" in out.stdout
     assert "ocr" in out.stdout
     assert "total" in out.stdout
+
+
+def test_submit_command_prints_a_transcript_and_an_answer(stack: str, tmp_path: Path) -> None:
+    speech = tmp_path / "speech.mp3"
+    speech.write_bytes(to_mp3(speech_wav()))
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "submit", str(speech), "--prompt", "Who gets the report?", "--url", stack],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "transcript:" in out.stdout
+    assert "quarterly" in out.stdout.lower()
+    assert "answer" in out.stdout
+    assert "transcribe" in out.stdout
 
 
 def test_up_starts_an_embedded_broker_when_none_answers(tmp_path: Path) -> None:

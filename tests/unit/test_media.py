@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from stoker.core.media import IMAGE_FORMATS, content_hash, sniff_image_format
+from stoker.core.media import IMAGE_FORMATS, content_hash, guess_kind, sniff_image_format
 from tests.media import encode
 
 
@@ -28,3 +28,12 @@ def test_hash_depends_on_content_only() -> None:
     assert content_hash(b"abc") == content_hash(b"abc")
     assert content_hash(b"abc") != content_hash(b"abd")
     assert len(content_hash(b"")) == 64
+
+
+def test_kind_is_guessed_from_content_not_name() -> None:
+    png = encode(Image.new("RGB", (8, 8)), "PNG")
+    assert guess_kind(png, "song.mp3") == "image"
+    assert guess_kind(b"ID3\x04rest", "photo.png") == "audio"
+    assert guess_kind(b"\x00\x00\x00\x18ftypisom", "clip.mp4") == "video"
+    assert guess_kind(b"\x00\x00\x00\x18ftypM4A ", "voice.m4a") == "audio"
+    assert guess_kind(b"plain text", "a.txt") is None
