@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--prompt", required=True)
     submit.add_argument("--url", default="http://127.0.0.1:8000")
     submit.add_argument("--timeout", type=float, default=300.0)
+    cache = sub.add_parser("cache", help="stage-result cache: hit/miss counters, or clear it")
+    cache.add_argument("action", choices=["stats", "clear"])
+    cache.add_argument("--stage", default=None, help="only this stage (decode, ocr, transcribe, keyframes, tokenize)")
+    sub.add_parser("stats", help="operator counters (the cache's, for now)")
     model = sub.add_parser("model", help="manage the model cache")
     model.add_argument("action", choices=["fetch", "path"])
     return parser
@@ -81,7 +85,48 @@ def _model(args: argparse.Namespace, _: list[str]) -> int:
     return 0
 
 
-_HANDLERS = {"up": _up, "worker": _worker, "api": _api, "submit": _submit, "model": _model}
+def _cache(args: argparse.Namespace, _: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from stoker.cache import StageCache
+    from stoker.settings import CommonSettings
+
+    settings = CommonSettings()
+    cache = StageCache.from_url(settings.cache_url, ttl_s=settings.cache_ttl_s, max_value_bytes=1)
+    if getattr(args, "action", "stats") == "clear":
+        print(f"deleted {cache.clear(args.stage)} cached entries")
+        return 0
+    table = Table(title=f"stage cache at {settings.cache_url}")
+    for column in ("stage", "hits", "misses", "hit rate", "CPU s saved", "CPU s spent", "oversize"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for stage, c in sorted(cache.stats().items()):
+        if getattr(args, "stage", None) not in (None, stage):
+            continue
+        hits, misses = c.get("hits", 0), c.get("misses", 0)
+        rate = f"{hits / (hits + misses):.0%}" if hits + misses else "-"
+        table.add_row(
+            stage,
+            f"{hits:.0f}",
+            f"{misses:.0f}",
+            rate,
+            f"{c.get('saved_s', 0):.1f}",
+            f"{c.get('spent_s', 0):.1f}",
+            f"{c.get('oversize', 0):.0f}",
+        )
+    Console().print(table)
+    return 0
+
+
+_HANDLERS = {
+    "up": _up,
+    "worker": _worker,
+    "api": _api,
+    "submit": _submit,
+    "model": _model,
+    "cache": _cache,
+    "stats": _cache,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -44,6 +44,8 @@ class InputRecord(BaseModel):
     features: dict[str, Any] | None = None
     error: ErrorInfo | None = None
     timings_ms: dict[str, float] = Field(default_factory=dict)
+    #: Per stage: whether its result came from the cache.
+    cache_hit: dict[str, bool] = Field(default_factory=dict)
     segments: list[Segment] | None = None
     #: For a keyframe: where in its video it was taken.
     time_s: float | None = None

@@ -22,6 +22,11 @@ class CommonSettings(BaseSettings):
     #: Job records, input bytes, stage artefacts and Celery results.
     result_url: str = "redis://127.0.0.1:6379/1"
     blob_ttl_s: int = Field(3600, ge=60, description="How long input bytes and artefacts live in the store.")
+    #: Stage-result cache; give it its own Redis with allkeys-lru (the broker and result store keep noeviction).
+    cache_url: str = "redis://127.0.0.1:6379/2"
+    cache_ttl_s: int = Field(3600, ge=1)
+    cache_max_value_bytes: int = Field(8 * MiB, ge=1024)
+    cache_enabled: bool = True
     job_ttl_s: int = Field(86400, ge=60, description="How long a job record lives after it was accepted.")
     model: str = Field(BUILTIN_MODEL, description="Built-in model name, a local HF directory or a hub id.")
     model_cache: Path = Path("~/.cache/stoker").expanduser()

@@ -44,9 +44,17 @@ def blob_key(digest: ContentHash) -> str:
     return f"{PREFIX}:blob:{digest}"
 
 
-def artifact_key(kind: str, digest: ContentHash, fingerprint: str) -> str:
-    """A stage's output for some content under some parameters."""
-    return f"{PREFIX}:art:{kind}:{digest}:{fingerprint}"
+def cache_key(stage: str, version: str, digest: str, fingerprint: str, part: str = "value") -> str:
+    """A cached stage result: stage : stage version : content BLAKE3 : parameter fingerprint (: part)."""
+    return f"{PREFIX}:cache:{stage}:{version}:{digest}:{fingerprint}:{part}"
+
+
+def cache_lease_key(stage: str, version: str, digest: str, fingerprint: str) -> str:
+    """The single-flight lease of whoever is computing that result now."""
+    return f"{PREFIX}:lease:{stage}:{version}:{digest}:{fingerprint}"
+
+
+CACHE_STATS_KEY = f"{PREFIX}:cache-stats"
 
 
 class JobStore:
@@ -73,14 +81,6 @@ class JobStore:
     def get_blob(self, digest: ContentHash) -> bytes | None:
         """Input bytes, or None when they expired."""
         return self._get_bytes(blob_key(digest))
-
-    def put_artifact(self, kind: str, digest: ContentHash, fingerprint: str, data: bytes) -> None:
-        """Store a stage output for later stages."""
-        self.redis.set(artifact_key(kind, digest, fingerprint), data, ex=self.blob_ttl_s)
-
-    def get_artifact(self, kind: str, digest: ContentHash, fingerprint: str) -> bytes | None:
-        """A stage output, or None."""
-        return self._get_bytes(artifact_key(kind, digest, fingerprint))
 
     def _get_bytes(self, key: str) -> bytes | None:
         value = self.redis.get(key)

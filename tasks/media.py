@@ -3,27 +3,38 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import Any
 
+import faster_whisper
+
+from stoker.cache import CacheAddress, fingerprint
+from stoker.core import asr
 from stoker.core.asr import transcribe as transcribe_samples
-from stoker.core.avmedia import decode_audio, extract_frame, keyframe_times
+from stoker.core.avmedia import KEYFRAMES_VERSION, decode_audio, extract_frame, keyframe_times
 from stoker.core.avmedia import probe as probe_media
 from stoker.core.media import ContentHash, content_hash
-from stoker.errors import InputExpired, StokerError
+from stoker.errors import StokerError
 from stoker.jobs import InputRecord, Segment
 from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
-from tasks.stage import handoff, input_stage, runnable
+from tasks.stage import handoff, input_bytes, input_stage, runnable, through_cache
 
 log = logging.getLogger(__name__)
 
 
-def _blob(record: InputRecord, stage: str) -> bytes:
-    data = resources.store().get_blob(ContentHash(record.content_hash))
-    if data is None:
-        raise InputExpired(f"input bytes expired before {stage}", stage=stage)
-    return data
+def transcribe_address(digest: str) -> CacheAddress:
+    """Cache address of a transcript: the speech model, its beam and VAD settings."""
+    s = resources.settings()
+    parts = {"model": s.asr_model, "beam": s.asr_beam_size, "vad": True, "faster_whisper": faster_whisper.__version__}
+    return CacheAddress("transcribe", asr.VERSION, digest, fingerprint(**parts))
+
+
+def keyframe_address(digest: str, slot: int, count: int) -> CacheAddress:
+    """Cache address of one keyframe choice of a video."""
+    limit = resources.settings().max_media_seconds
+    return CacheAddress("keyframes", KEYFRAMES_VERSION, digest, fingerprint(slot=slot, count=count, limit=limit))
 
 
 @app.task(name="stoker.probe")
@@ -35,7 +46,7 @@ def probe(job_id: str, ref: str) -> dict[str, Any]:
     if record is None or not runnable(record):
         return handoff(job_id, ref, record)
     with input_stage(record, "probe"):
-        info = probe_media(_blob(record, "probe"), resources.settings().max_media_seconds)
+        info = probe_media(input_bytes(record, "probe"), resources.settings().max_media_seconds)
         record.features = info.to_dict()
     store.put_input(job_id, ref, record)
     return handoff(job_id, ref, record)
@@ -52,10 +63,16 @@ def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
     s = resources.settings()
     with input_stage(record, "transcribe"):
         if (record.features or {}).get("audio_streams", 1) > 0:
-            samples = decode_audio(_blob(record, "transcribe"))
-            transcript = transcribe_samples(resources.speech_model(), samples, s.asr_beam_size)
-            record.text = transcript.text
-            record.segments = [Segment(start=x.start, end=x.end, text=x.text) for x in transcript.segments]
+
+            def compute() -> dict[str, Any]:
+                samples = decode_audio(input_bytes(record, "transcribe"))
+                transcript = transcribe_samples(resources.speech_model(), samples, s.asr_beam_size)
+                return {"text": transcript.text, "segments": [asdict(x) for x in transcript.segments]}
+
+            wait = max(s.transcribe_soft_s - 1.0, 0.5)
+            value = through_cache(record, transcribe_address(record.content_hash), compute, wait)
+            record.text = value["text"]
+            record.segments = [Segment(**x) for x in value["segments"]]
         else:
             record.text, record.segments = "", []
         record.status = "ok"
@@ -73,19 +90,48 @@ def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     if video is None:
         return handoff(job_id, target, None)
     frame = InputRecord(index=slot, kind="image", content_hash="", size_bytes=0, status="skipped")
+    address = keyframe_address(video.content_hash, slot, count)
     try:
-        data = _blob(video, "keyframes")
-        info = probe_media(data, resources.settings().max_media_seconds)
-        times = keyframe_times(info.duration_s, count) if info.video_streams else []
-        taken = extract_frame(data, times[slot]) if slot < len(times) else None
+        chosen = through_cache(frame, address, lambda: _take_keyframe(video, address, slot, count), wait_s=5.0)
+        if chosen.get("digest") and not _restore_frame(address, ContentHash(chosen["digest"])):
+            chosen = _take_keyframe(video, address, slot, count)  # the cache lost the picture: take it again
     except StokerError as exc:
         log.info("job %s input %d: no keyframe %d (%s)", job_id, index, slot, exc.code)
-        taken = None
-    if taken is not None:
-        at, png = taken
-        digest = content_hash(png)
-        store.put_blob(digest, png)
-        update = {"content_hash": digest, "size_bytes": len(png), "status": "pending", "time_s": round(at, 3)}
+        chosen = {}
+    if chosen.get("digest"):
+        update = {
+            "content_hash": chosen["digest"],
+            "size_bytes": chosen["size"],
+            "status": "pending",
+            "time_s": chosen["time_s"],
+        }
         frame = frame.model_copy(update=update)
     store.put_input(job_id, target, frame)
     return handoff(job_id, target, frame)
+
+
+def _take_keyframe(video: InputRecord, address: CacheAddress, slot: int, count: int) -> dict[str, Any]:
+    """Seek to keyframe `slot` of `count`; store its PNG as an input blob (and in the cache)."""
+    data = input_bytes(video, "keyframes")
+    info = probe_media(data, resources.settings().max_media_seconds)
+    times = keyframe_times(info.duration_s, count) if info.video_streams else []
+    taken = extract_frame(data, times[slot]) if slot < len(times) else None
+    if taken is None:
+        return {}
+    at, png = taken
+    digest = content_hash(png)
+    resources.store().put_blob(digest, png)
+    resources.cache().put_bytes(address, png, part="png")
+    return {"digest": digest, "size": len(png), "time_s": round(at, 3)}
+
+
+def _restore_frame(address: CacheAddress, digest: ContentHash) -> bool:
+    """Make sure a cached keyframe's picture is in the job store; False if neither store has it."""
+    store = resources.store()
+    if store.get_blob(digest) is not None:
+        return True
+    png = resources.cache().get_bytes(address, part="png")
+    if png is None:
+        return False
+    store.put_blob(digest, png)
+    return True

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+from dataclasses import asdict
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+import PIL
 from celery.signals import celeryd_after_setup
 
+from stoker.cache import CacheAddress, fingerprint
+from stoker.core import imaging, prompting
+from stoker.core import ocr as ocr_core
 from stoker.core.arrays import array_from_bytes, array_to_bytes
-from stoker.core.imaging import decode_image
-from stoker.core.media import ContentHash
+from stoker.core.imaging import DecodedImage, decode_image
+from stoker.core.media import content_hash
 from stoker.core.ocr import read_text
 from stoker.core.prompting import Attachment, build_prompt_ids
-from stoker.errors import InputExpired, MediaEmpty, StokerError
+from stoker.errors import MediaEmpty, StokerError
 from stoker.jobs import ErrorInfo, InputRecord
 from stoker.store import input_ref
 from tasks import resources
 from tasks.app import app
-from tasks.stage import handoff, input_stage, runnable
+from tasks.stage import handoff, input_bytes, input_stage, runnable, through_cache
 
 log = logging.getLogger(__name__)
 
@@ -30,30 +38,56 @@ MODEL_INPUT = "model_input"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _decode_fingerprint() -> str:
-    p = resources.decode_params()
-    return f"{p.max_pixels}-{p.image_size}-{p.ocr_max_side}"
+def _follower_wait(soft_s: float) -> float:
+    """How long a stage may wait on a twin computing the same result: well inside its own soft limit."""
+    return max(soft_s - 1.0, 0.5)
+
+
+def decode_address(digest: str) -> CacheAddress:
+    """Cache address of decode's output for this content under the current parameters."""
+    params = asdict(resources.decode_params())
+    return CacheAddress("decode", imaging.VERSION, digest, fingerprint(params=params, pillow=PIL.__version__))
+
+
+def ocr_address(digest: str) -> CacheAddress:
+    """Cache address of OCR text: languages, tesseract version and the decode it reads from."""
+    s = resources.settings()
+    parts = {"langs": s.ocr_langs, "tesseract": resources.tesseract(), "decode": decode_address(digest).fingerprint}
+    return CacheAddress("ocr", ocr_core.VERSION, digest, fingerprint(**parts))
+
+
+def _decode_and_cache(record: InputRecord, address: CacheAddress) -> tuple[dict[str, Any], DecodedImage]:
+    decoded = decode_image(input_bytes(record, "decode"), resources.decode_params())
+    cache = resources.cache()
+    cache.put_bytes(address, array_to_bytes(decoded.ocr_image), part=OCR_IMAGE)
+    cache.put_bytes(address, array_to_bytes(decoded.model_input), part=MODEL_INPUT)
+    return {"features": decoded.features.to_dict()}, decoded
 
 
 @app.task(name="stoker.decode")
 def decode(job_id: str, ref: str) -> dict[str, Any]:
-    """Decode one image: model-ready array and OCR image into the store, features into the record."""
+    """Decode one image: arrays into the cache, features into the record."""
     store = resources.store()
     store.mark_started(job_id)
     record = store.get_input(job_id, ref)
     if record is None or not runnable(record):
         return handoff(job_id, ref, record)
     with input_stage(record, "decode"):
-        data = store.get_blob(ContentHash(record.content_hash))
-        if data is None:
-            raise InputExpired("input bytes expired before decode", stage="decode")
-        decoded = decode_image(data, resources.decode_params())
-        digest, fingerprint = ContentHash(record.content_hash), _decode_fingerprint()
-        store.put_artifact(OCR_IMAGE, digest, fingerprint, array_to_bytes(decoded.ocr_image))
-        store.put_artifact(MODEL_INPUT, digest, fingerprint, array_to_bytes(decoded.model_input))
-        record.features = decoded.features.to_dict()
+        address = decode_address(record.content_hash)
+        wait = _follower_wait(resources.settings().decode_soft_s)
+        value = through_cache(record, address, lambda: _decode_and_cache(record, address)[0], wait)
+        record.features = value["features"]
     store.put_input(job_id, ref, record)
     return handoff(job_id, ref, record)
+
+
+def _ocr_pixels(record: InputRecord) -> npt.NDArray[np.uint8]:
+    """The decoded grayscale image: from the cache, or decoded again if the cache lost it."""
+    address = decode_address(record.content_hash)
+    raw = resources.cache().get_bytes(address, part=OCR_IMAGE)
+    if raw is not None:
+        return array_from_bytes(raw)  # type: ignore[return-value]
+    return _decode_and_cache(record, address)[1].ocr_image
 
 
 @app.task(name="stoker.ocr")
@@ -66,10 +100,12 @@ def ocr(previous: dict[str, Any]) -> dict[str, Any]:
         return handoff(job_id, ref, record)
     s = resources.settings()
     with input_stage(record, "ocr"):
-        raw = store.get_artifact(OCR_IMAGE, ContentHash(record.content_hash), _decode_fingerprint())
-        if raw is None:
-            raise InputExpired("decoded image expired before OCR", stage="ocr")
-        record.text = read_text(array_from_bytes(raw), s.ocr_langs, s.ocr_timeout_s)  # type: ignore[arg-type]
+
+        def compute() -> dict[str, Any]:
+            return {"text": read_text(_ocr_pixels(record), s.ocr_langs, s.ocr_timeout_s)}
+
+        value = through_cache(record, ocr_address(record.content_hash), compute, _follower_wait(s.ocr_soft_s))
+        record.text = value["text"]
         record.status = "ok"
     store.put_input(job_id, ref, record)
     return handoff(job_id, ref, record)
@@ -87,7 +123,7 @@ def tokenize(_results: list[dict[str, Any]] | None, job_id: str) -> dict[str, An
         if settle_video(record):
             store.put_input(job_id, input_ref(record.index), record.model_copy(update={"frames": None}))
     try:
-        ids = _prompt_ids(job.prompt, job.inputs)
+        ids = _cached_prompt_ids(job.prompt, job.inputs)
     except StokerError as exc:
         store.finish(job_id, "failed", error=ErrorInfo(**exc.to_dict()))
         return {"job_id": job_id, "failed": exc.code}
@@ -108,12 +144,21 @@ def settle_video(record: InputRecord) -> bool:
     return True
 
 
-def _prompt_ids(prompt: str, inputs: list[InputRecord]) -> list[int]:
+def _cached_prompt_ids(prompt: str, inputs: list[InputRecord]) -> list[int]:
+    """Token ids for this prompt material, from the cache when the same material was tokenized before."""
     s = resources.settings()
     tok = resources.tokenizer()
     context = min(s.max_context_tokens, int(getattr(tok, "model_max_length", s.max_context_tokens)))
     attachments = [_attachment(r) for r in inputs]
-    return build_prompt_ids(tok, prompt, attachments, budget=context - s.max_new_tokens)
+    budget = context - s.max_new_tokens
+    material = json.dumps([prompt, [asdict(a) for a in attachments], budget], sort_keys=True).encode()
+    address = CacheAddress("tokenize", prompting.VERSION, content_hash(material), resources.tokenizer_identity())
+
+    def compute() -> dict[str, Any]:
+        return {"ids": build_prompt_ids(tok, prompt, attachments, budget=budget)}
+
+    value = through_cache(None, address, compute, _follower_wait(s.tokenize_soft_s))
+    return [int(i) for i in value["ids"]]
 
 
 def _attachment(record: InputRecord) -> Attachment:
@@ -132,9 +177,11 @@ def _attachment(record: InputRecord) -> Attachment:
 
 @celeryd_after_setup.connect
 def _preload(sender: str, instance: Any, **_: Any) -> None:
-    """Load the tokenizer in the parent before the pool forks, so no task pays for it under its time limit."""
+    """Load the tokenizer and probe tesseract in the parent before the pool forks: no task pays for them."""
     queues = set(instance.app.amqp.queues.consume_from or {})
+    started = time.perf_counter()
     if "tokenize" in queues:
-        started = time.perf_counter()
-        resources.tokenizer()
-        log.info("tokenizer preloaded in %.1fs", time.perf_counter() - started)
+        resources.tokenizer_identity()
+    if "ocr" in queues:
+        resources.tesseract()
+    log.info("worker resources preloaded in %.1fs", time.perf_counter() - started)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from stoker.cache import StageCache, fingerprint
 from stoker.core.asr import SpeechModel
 from stoker.core.imaging import DecodeParams
 from stoker.modelstore import resolve_model
@@ -24,6 +25,14 @@ def store() -> JobStore:
     """This worker's connection to the job store."""
     s = settings()
     return JobStore.from_url(s.result_url, blob_ttl_s=s.blob_ttl_s, job_ttl_s=s.job_ttl_s)
+
+
+@functools.cache
+def cache() -> StageCache:
+    """This worker's stage-result cache (disabled when STOKER_CACHE_ENABLED is false)."""
+    s = settings()
+    url = s.cache_url if s.cache_enabled else None
+    return StageCache.from_url(url, ttl_s=s.cache_ttl_s, max_value_bytes=s.cache_max_value_bytes)
 
 
 def decode_params() -> DecodeParams:
@@ -71,3 +80,21 @@ def speech_model() -> SpeechModel:
         path, device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=s.asr_cpu_threads
     )
     return model
+
+
+@functools.cache
+def tesseract() -> str:
+    """The tesseract version, part of the OCR cache fingerprint."""
+    from stoker.core.ocr import tesseract_version
+
+    return tesseract_version()
+
+
+@functools.cache
+def tokenizer_identity() -> str:
+    """What identifies the tokenizer and its chat template, part of the tokenize cache fingerprint."""
+    import transformers
+
+    tok = tokenizer()
+    template = str(getattr(tok, "chat_template", "") or "")
+    return fingerprint(path=model_path(), template=template, vocab=len(tok), transformers=transformers.__version__)

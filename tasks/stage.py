@@ -5,15 +5,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 
-from stoker.errors import StageTimeout, StokerError
+from stoker.cache import CacheAddress
+from stoker.core.media import ContentHash
+from stoker.errors import InputExpired, StageTimeout, StokerError
 from stoker.jobs import ErrorInfo, InputRecord
+from tasks import resources
 
 log = logging.getLogger(__name__)
+
+#: Single-flight lease, renewed while its holder works: a killed holder's twins take over within this.
+LEASE_S = 3.0
+#: Field in a cached value holding what computing it cost.
+COST = "_cost_s"
 
 
 @contextlib.contextmanager
@@ -47,3 +55,35 @@ def handoff(job_id: str, ref: str, record: InputRecord | None) -> dict[str, Any]
 def runnable(record: InputRecord | None) -> bool:
     """Whether a stage still has work on this record (it exists, and nothing failed or skipped it)."""
     return record is not None and record.status not in ("failed", "skipped")
+
+
+def through_cache(
+    record: InputRecord | None, address: CacheAddress, compute: Callable[[], dict[str, Any]], wait_s: float
+) -> dict[str, Any]:
+    """A stage result from the cache, from a concurrent twin (single flight), or computed here and cached."""
+    cache = resources.cache()
+    started = time.perf_counter()
+    found = cache.get_json(address)
+    if found is None:
+        with cache.single_flight(address, lease_s=LEASE_S, wait_s=wait_s) as shared:
+            if shared is None:
+                value = compute()
+                cost = time.perf_counter() - started
+                cache.put_json(address, {**value, COST: cost})
+                cache.record(address.stage, hit=False, cost_s=cost)
+                if record is not None:
+                    record.cache_hit[address.stage] = False
+                return value
+            found = shared
+    cache.record(address.stage, hit=True, cost_s=float(found.pop(COST, 0.0)))
+    if record is not None:
+        record.cache_hit[address.stage] = True
+    return found
+
+
+def input_bytes(record: InputRecord, stage: str) -> bytes:
+    """An input's bytes from the job store; they outlive every job that uses them."""
+    data = resources.store().get_blob(ContentHash(record.content_hash))
+    if data is None:
+        raise InputExpired(f"input bytes expired before {stage}", stage=stage)
+    return data

@@ -14,7 +14,7 @@ TIERS = ("unit", "integration", "e2e")
 _embedded: list[subprocess.Popen[bytes]] = []
 
 #: Redis databases the suite owns; the default stack uses 0 and 1.
-TEST_DBS = {"integration": (12, 13), "e2e": (14, 15)}
+TEST_DBS = {"integration": (12, 13, 11), "e2e": (14, 15, 10)}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,9 +25,10 @@ def pytest_configure(config: pytest.Config) -> None:
         _embedded.append(proc)
         base = f"redis://127.0.0.1:{port}"
     os.environ["STOKER_TEST_REDIS"] = base
-    broker_db, store_db = TEST_DBS["integration"]
+    broker_db, store_db, cache_db = TEST_DBS["integration"]
     os.environ["STOKER_BROKER_URL"] = f"{base}/{broker_db}"
     os.environ["STOKER_RESULT_URL"] = f"{base}/{store_db}"
+    os.environ["STOKER_CACHE_URL"] = f"{base}/{cache_db}"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

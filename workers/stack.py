@@ -91,10 +91,9 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> None:
     stack.procs[BROKER] = proc
     os.environ["STOKER_BROKER_URL"] = f"redis://127.0.0.1:{port}/0"
     os.environ["STOKER_RESULT_URL"] = f"redis://127.0.0.1:{port}/1"
-    settings.broker_url, settings.result_url = (
-        os.environ["STOKER_BROKER_URL"],
-        os.environ["STOKER_RESULT_URL"],
-    )
+    settings.broker_url, settings.result_url = os.environ["STOKER_BROKER_URL"], os.environ["STOKER_RESULT_URL"]
+    if not redis_answers(settings.cache_url):
+        os.environ["STOKER_CACHE_URL"] = settings.cache_url = f"redis://127.0.0.1:{port}/2"
 
 
 def _start_all(settings: StackSettings, stack: Stack) -> None:
@@ -162,7 +161,9 @@ def _announce(settings: StackSettings) -> None:
     console.print(f"[bold green]stoker is ready[/]\n  API      {base}  (docs {base}/docs)")
     auth = "basic auth" if settings.flower_basic_auth else "no auth: its API stays closed"
     console.print(f"  Flower   http://{settings.host}:{settings.flower_port}  ({auth})")
-    console.print(f"  broker   {settings.broker_url}\n  store    {settings.result_url}")
+    console.print(
+        f"  broker   {settings.broker_url}\n  store    {settings.result_url}\n  cache    {settings.cache_url}"
+    )
     console.print("  try:     stoker submit IMAGE.png --prompt 'What does it say?'   (Ctrl-C stops everything)")
 
 

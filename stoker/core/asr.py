@@ -8,6 +8,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+#: Bump when transcription's output changes for the same audio and parameters.
+VERSION = "1"
+
 
 class SpeechModel(Protocol):
     """The slice of faster_whisper.WhisperModel that transcription needs."""

@@ -14,6 +14,8 @@ import numpy.typing as npt
 from stoker.errors import MediaCorrupt, MediaEmpty, MediaTooLong
 
 ASR_SAMPLE_RATE = 16_000
+#: Bump when keyframe selection changes.
+KEYFRAMES_VERSION = "1"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from stoker.core.media import IMAGE_FORMATS
 from stoker.errors import ImageCorrupt, ImageTooLarge
 
+#: Bump when decode's output changes for the same input and parameters: cached results then miss.
+VERSION = "1"
+
 # CLIP's normalisation: what most vision encoders expect.
 _MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
 _STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)

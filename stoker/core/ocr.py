@@ -12,6 +12,9 @@ from PIL import Image
 
 from stoker.errors import OcrFailed, OcrTimeout
 
+#: Bump when OCR's output changes for the same image and parameters.
+VERSION = "1"
+
 _BLANK_LINES = re.compile(r"\n\s*\n+")
 
 

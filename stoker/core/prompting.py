@@ -6,6 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+#: Bump when prompt assembly changes.
+VERSION = "1"
+
 SYSTEM_PROMPT = (
     "You are a helpful assistant. The user may attach files; each attachment is given as its "
     "properties and the text that was read from it."

@@ -51,14 +51,15 @@ def _start_stack(env: dict[str, str], log: Path, flower_port: int | None = None)
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`stoker up` against the machine's Redis, on databases of its own."""
     redis_base = os.environ["STOKER_TEST_REDIS"]
-    broker_db, store_db = TEST_DBS["e2e"]
-    for db in (broker_db, store_db):
+    broker_db, store_db, cache_db = TEST_DBS["e2e"]
+    for db in (broker_db, store_db, cache_db):
         with redis.Redis.from_url(f"{redis_base}/{db}") as client:
             client.flushdb()
     env = {
         **os.environ,
         "STOKER_BROKER_URL": f"{redis_base}/{broker_db}",
         "STOKER_RESULT_URL": f"{redis_base}/{store_db}",
+        "STOKER_CACHE_URL": f"{redis_base}/{cache_db}",
         "STOKER_FLOWER_BASIC_AUTH": ":".join(FLOWER_AUTH),
     }
     log = tmp_path_factory.mktemp("stack") / "up.log"
@@ -142,10 +143,17 @@ def test_submit_command_prints_a_transcript_and_an_answer(stack: str, tmp_path: 
 
 def test_up_starts_an_embedded_broker_when_none_answers(tmp_path: Path) -> None:
     nobody = f"redis://127.0.0.1:{free_port()}"
-    env = {**os.environ, "STOKER_BROKER_URL": f"{nobody}/0", "STOKER_RESULT_URL": f"{nobody}/1"}
+    env = {
+        **os.environ,
+        "STOKER_BROKER_URL": f"{nobody}/0",
+        "STOKER_RESULT_URL": f"{nobody}/1",
+        "STOKER_CACHE_URL": f"{nobody}/2",
+    }
     proc, base = _start_stack(env, tmp_path / "up.log")
     try:
-        assert "starting an embedded Valkey" in (tmp_path / "up.log").read_text()
+        log = (tmp_path / "up.log").read_text()
+        assert "starting an embedded Valkey" in log
+        assert f"cache    {nobody}/2" not in log
         response = httpx.post(f"{base}/v1/jobs", data={"prompt": "Say hi."}, timeout=30)
         assert response.status_code == 202
         assert _poll(base, response.json()["id"])["status"] == "succeeded"

@@ -19,12 +19,12 @@ from tests.procs import spawn, stop, tail, wait_for
 def store_redis() -> Iterator[redis.Redis]:
     """The test store database, flushed at start."""
     client = redis.Redis.from_url(os.environ["STOKER_RESULT_URL"])
-    broker = redis.Redis.from_url(os.environ["STOKER_BROKER_URL"])
-    client.flushdb()
-    broker.flushdb()
+    others = [redis.Redis.from_url(os.environ[v]) for v in ("STOKER_BROKER_URL", "STOKER_CACHE_URL")]
+    for db in (client, *others):
+        db.flushdb()
     yield client
-    client.close()
-    broker.close()
+    for db in (client, *others):
+        db.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,193 @@
+"""The stage-result cache: content-addressed, fingerprinted, single-flight, and never a dependency.
+
+Every call degrades to "miss" when the cache Redis misbehaves, so a flushed or unreachable cache costs work, not jobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import redis
+
+from stoker.store import CACHE_STATS_KEY, cache_key, cache_lease_key
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint(**parts: Any) -> str:
+    """A short stable digest of everything that changes a stage's output."""
+    return blake3.blake3(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CacheAddress:
+    """Where one stage result for one content under one parameter set lives."""
+
+    stage: str
+    version: str
+    digest: str
+    fingerprint: str
+
+    def key(self, part: str = "value") -> str:
+        """Redis key of one part of the entry."""
+        return cache_key(self.stage, self.version, self.digest, self.fingerprint, part)
+
+    @property
+    def lease(self) -> str:
+        """Redis key of the single-flight lease."""
+        return cache_lease_key(self.stage, self.version, self.digest, self.fingerprint)
+
+
+class StageCache:
+    """Reads and writes stage results in the cache Redis, with hit/miss accounting."""
+
+    def __init__(self, client: redis.Redis[bytes] | None, *, ttl_s: int, max_value_bytes: int) -> None:
+        self.redis = client
+        self.ttl_s = ttl_s
+        self.max_value_bytes = max_value_bytes
+
+    @classmethod
+    def from_url(cls, url: str | None, *, ttl_s: int, max_value_bytes: int) -> StageCache:
+        """A cache at url; None disables caching."""
+        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2) if url else None
+        return cls(client, ttl_s=ttl_s, max_value_bytes=max_value_bytes)
+
+    def get_json(self, address: CacheAddress) -> dict[str, Any] | None:
+        """A cached JSON result, or None."""
+        raw = self.get_bytes(address)
+        return dict(json.loads(raw)) if raw is not None else None
+
+    def get_bytes(self, address: CacheAddress, part: str = "value") -> bytes | None:
+        """A cached binary part, or None (also when the cache is unreachable)."""
+        if self.redis is None:
+            return None
+        try:
+            value = self.redis.get(address.key(part))
+        except redis.RedisError as exc:
+            log.warning("cache read failed, treating as a miss: %s", exc)
+            return None
+        return bytes(value) if value is not None else None
+
+    def put_json(self, address: CacheAddress, value: dict[str, Any]) -> bool:
+        """Cache a JSON result; False when it is over the size cap or the cache is unavailable."""
+        return self.put_bytes(address, json.dumps(value).encode())
+
+    def put_bytes(self, address: CacheAddress, data: bytes, part: str = "value") -> bool:
+        """Cache one binary part."""
+        if self.redis is None:
+            return False
+        if len(data) > self.max_value_bytes:
+            self._count(address.stage, "oversize")
+            return False
+        try:
+            self.redis.set(address.key(part), data, ex=self.ttl_s)
+        except redis.RedisError as exc:
+            log.warning("cache write failed: %s", exc)
+            return False
+        return True
+
+    def record(self, stage: str, hit: bool, cost_s: float) -> None:
+        """Count a hit (with the seconds it saved) or a miss (with the seconds it cost)."""
+        self._count(stage, "hits" if hit else "misses", cost_s)
+
+    def _count(self, stage: str, what: str, seconds: float | None = None) -> None:
+        if self.redis is None:
+            return
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hincrby(CACHE_STATS_KEY, f"{stage}:{what}", 1)
+                if seconds is not None:
+                    field = "saved_s" if what == "hits" else "spent_s"
+                    pipe.hincrbyfloat(CACHE_STATS_KEY, f"{stage}:{field}", seconds)
+                pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("cache accounting failed: %s", exc)
+
+    @contextlib.contextmanager
+    def single_flight(self, address: CacheAddress, lease_s: float, wait_s: float) -> Iterator[dict[str, Any] | None]:
+        """Yield a result another worker just computed, or None when this caller should compute it.
+
+        One caller holds the lease and computes; the others poll for its result. When the lease expires
+        without a result (its holder died), the next poller takes over. A follower gives up after wait_s.
+        """
+        token = uuid.uuid4().hex
+        deadline = time.monotonic() + wait_s
+        held, renewing = False, threading.Event()
+        try:
+            while True:
+                found = self.get_json(address)
+                if found is not None:
+                    yield found
+                    return
+                held = self._acquire(address, token, lease_s)
+                if held:
+                    self._keep_alive(address, token, lease_s, renewing)
+                if held or self.redis is None or time.monotonic() >= deadline:
+                    yield None
+                    return
+                time.sleep(0.05)
+        finally:
+            renewing.set()
+            if held:
+                self._release(address, token)
+
+    def _keep_alive(self, address: CacheAddress, token: str, lease_s: float, stop: threading.Event) -> None:
+        """Renew a held lease until stop is set; a killed holder stops renewing and its lease lapses."""
+
+        def renew() -> None:
+            while not stop.wait(lease_s / 3):
+                with contextlib.suppress(redis.RedisError):
+                    if self.redis is not None and self.redis.get(address.lease) == token.encode():
+                        self.redis.pexpire(address.lease, int(lease_s * 1000))
+
+        if self.redis is not None:
+            threading.Thread(target=renew, name="stoker-lease", daemon=True).start()
+
+    def _acquire(self, address: CacheAddress, token: str, lease_s: float) -> bool:
+        if self.redis is None:
+            return True
+        try:
+            return bool(self.redis.set(address.lease, token, nx=True, px=int(lease_s * 1000)))
+        except redis.RedisError:
+            return True  # no cache: compute
+
+    def _release(self, address: CacheAddress, token: str) -> None:
+        assert self.redis is not None
+        with contextlib.suppress(redis.RedisError):
+            if self.redis.get(address.lease) == token.encode():
+                self.redis.delete(address.lease)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per-stage counters: hits, misses, oversize, saved_s, spent_s."""
+        if self.redis is None:
+            return {}
+        out: dict[str, dict[str, float]] = {}
+        for field, value in self.redis.hgetall(CACHE_STATS_KEY).items():
+            stage, name = field.decode().split(":", 1)
+            out.setdefault(stage, {})[name] = float(value)
+        return out
+
+    def clear(self, stage: str | None = None) -> int:
+        """Delete cached results (of one stage, or all) and reset their counters; returns keys deleted."""
+        if self.redis is None:
+            return 0
+        pattern = cache_key(stage or "*", "*", "*", "*", "*")
+        deleted = 0
+        for key in self.redis.scan_iter(pattern, count=500):
+            deleted += int(self.redis.delete(key))
+        if stage:
+            fields = [f for f in self.redis.hkeys(CACHE_STATS_KEY) if f.decode().startswith(f"{stage}:")]
+            if fields:
+                self.redis.hdel(CACHE_STATS_KEY, *fields)
+        else:
+            self.redis.delete(CACHE_STATS_KEY)
+        return deleted

@@ -1,0 +1,99 @@
+"""The stage cache on real workers: repeats hit, changed content misses, twins compute once, a lost cache costs
+only work."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import redis
+from fastapi.testclient import TestClient
+
+from stoker.cache import StageCache
+from tests.integration.test_pipeline import _wait
+from tests.media import text_image
+
+
+def _stats() -> dict[str, dict[str, float]]:
+    return StageCache.from_url(os.environ["STOKER_CACHE_URL"], ttl_s=60, max_value_bytes=1).stats()
+
+
+def _count(stats: dict[str, dict[str, float]], stage: str, what: str) -> float:
+    return stats.get(stage, {}).get(what, 0.0)
+
+
+def _post(client: TestClient, name: str, data: bytes, prompt: str = "What does it say?") -> dict[str, Any]:
+    response = client.post("/v1/jobs", data={"prompt": prompt}, files=[("image", (name, data, "image/png"))])
+    assert response.status_code == 202, response.text
+    return _wait(client, response.json()["id"])
+
+
+def test_a_repeated_image_hits_and_costs_a_fraction(client: TestClient) -> None:
+    image = text_image("REPEAT 31")
+    first = _post(client, "a.png", image)["inputs"][0]
+    second = _post(client, "b.png", image, prompt="And again?")["inputs"][0]
+    assert first["cache_hit"] == {"decode": False, "ocr": False}
+    assert second["cache_hit"] == {"decode": True, "ocr": True}
+    assert second["text"] == first["text"]
+    assert "REPEAT" in second["text"]
+    assert second["timings_ms"]["ocr"] <= 0.1 * first["timings_ms"]["ocr"]
+
+
+def test_same_name_new_bytes_misses_and_same_bytes_new_name_hits(client: TestClient) -> None:
+    one = _post(client, "scan.png", text_image("FIRST 1"))["inputs"][0]
+    two = _post(client, "scan.png", text_image("SECOND 2"))["inputs"][0]
+    three = _post(client, "renamed.png", text_image("SECOND 2"))["inputs"][0]
+    assert "FIRST" in one["text"]
+    assert two["cache_hit"]["ocr"] is False
+    assert "SECOND" in two["text"]
+    assert three["cache_hit"]["ocr"] is True
+    assert three["text"] == two["text"]
+
+
+def test_twenty_twins_run_ocr_once(client: TestClient) -> None:
+    image = text_image("TWINS 20")
+    before = _stats()
+
+    def submit(_: int) -> str:
+        response = client.post("/v1/jobs", data={"prompt": "Read."}, files=[("image", ("t.png", image, "image/png"))])
+        assert response.status_code == 202
+        return str(response.json()["id"])
+
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        ids = list(pool.map(submit, range(20)))
+    jobs = [_wait(client, job_id) for job_id in ids]
+    assert all(job["status"] == "succeeded" for job in jobs)
+    assert all("TWINS" in job["inputs"][0]["text"] for job in jobs)
+    after = _stats()
+    assert _count(after, "ocr", "misses") - _count(before, "ocr", "misses") == 1
+    assert _count(after, "ocr", "hits") - _count(before, "ocr", "hits") == 19
+    assert _count(after, "decode", "misses") - _count(before, "decode", "misses") == 1
+
+
+def test_jobs_complete_while_the_cache_is_flushed_under_them(client: TestClient) -> None:
+    cache = redis.Redis.from_url(os.environ["STOKER_CACHE_URL"])
+    stop = threading.Event()
+
+    def flush_repeatedly() -> None:
+        while not stop.is_set():
+            cache.flushdb()
+            time.sleep(0.02)
+
+    flusher = threading.Thread(target=flush_repeatedly, daemon=True)
+    flusher.start()
+    try:
+        words = [f"FLUSH {n}" for n in range(4)]
+        responses = [
+            client.post("/v1/jobs", data={"prompt": "Read."}, files=[("image", ("f.png", text_image(w), "image/png"))])
+            for w in words
+        ]
+        jobs = [_wait(client, r.json()["id"]) for r in responses]
+    finally:
+        stop.set()
+        flusher.join()
+        cache.close()
+    assert [j["status"] for j in jobs] == ["succeeded"] * 4
+    assert all("FLUSH" in j["inputs"][0]["text"] for j in jobs)
