@@ -22,7 +22,7 @@ def compose() -> dict[str, Any]:
 
 def test_every_service_is_there_with_a_health_check(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert {"redis", "api", "cpu-worker", "infer-worker", "flower"} <= set(services)
+    assert {"redis", "cache", "api", "cpu-worker", "asr-worker", "infer-worker", "flower"} <= set(services)
     for name, service in services.items():
         assert "healthcheck" in service, name
 
@@ -39,6 +39,13 @@ def test_broker_never_evicts_and_persists(compose: dict[str, Any]) -> None:
     command = compose["services"]["redis"]["command"]
     assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
     assert command[command.index("--appendonly") + 1] == "yes"
+
+
+def test_cache_is_bounded_and_evicts_least_recently_used(compose: dict[str, Any]) -> None:
+    command = compose["services"]["cache"]["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert "--maxmemory" in command
+    assert compose["x-stoker"]["environment"]["STOKER_CACHE_URL"].startswith("redis://cache:")
 
 
 def test_inference_worker_reserves_a_gpu_and_flower_requires_auth(compose: dict[str, Any]) -> None:
