@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from queue import Empty, Queue
 from typing import Any
 
 from celery.signals import celeryd_after_setup
+from celery.worker.request import Request
 from celery_batches import Batches, SimpleRequest
+from celery_batches.trace import apply_batches_task
 
 from stoker.errors import InferenceFailed, StokerError
 from stoker.jobs import BatchInfo, ErrorInfo, ResultInfo, final_status
@@ -31,8 +35,61 @@ class BatchItem:
     preprocessed_at: float
 
 
+class DeviceBatches(Batches):  # type: ignore[misc]
+    """celery-batches, flushing only when the device is free and never more than flush_every at once.
+
+    Plain celery-batches flushes whatever arrived each interval, even while the model is busy, so under load the
+    pool queues many tiny batches. Here requests wait in the buffer until the running batch returns, then the next
+    flush takes up to a full batch: the device runs back to back on batches as large as the queue allows.
+    """
+
+    abstract = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._busy = threading.Event()
+
+    def _do_flush(self) -> None:
+        if self._busy.is_set():
+            return  # the timer comes back; requests keep accumulating meanwhile
+        requests = _take(self._buffer, self.flush_every)
+        if not requests:
+            timer: Any = getattr(self, "_tref", None)
+            if timer is not None:
+                timer.cancel()
+            self._tref = None
+            return
+        self._busy.set()
+        try:
+            self.flush(requests)
+        except Exception:
+            self._busy.clear()
+            raise
+
+    def flush(self, requests: Collection[Request]) -> Any:
+        """Run one batch in the pool; ack its messages and free the device when it returns."""
+        serializable = ([SimpleRequest.from_request(r) for r in requests],)
+
+        def on_return(_: Any) -> None:
+            for request in requests:
+                request.acknowledge()
+            self._busy.clear()
+
+        return self._pool.apply_async(apply_batches_task, (self, serializable, 0, None), callback=on_return)
+
+
+def _take(buffer: Queue[Request], limit: int) -> list[Request]:
+    items: list[Request] = []
+    while len(items) < limit:
+        try:
+            items.append(buffer.get_nowait())
+        except Empty:
+            break
+    return items
+
+
 @app.task(
-    base=Batches,
+    base=DeviceBatches,
     name="stoker.infer",
     flush_every=_settings.max_batch_size,
     flush_interval=_settings.max_wait_ms / 1000,

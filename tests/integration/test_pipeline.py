@@ -108,3 +108,16 @@ def test_ready_when_broker_and_store_answer(client: TestClient) -> None:
     response = client.get("/readyz")
     assert response.status_code == 200
     assert response.json() == {"broker": "ok", "store": "ok"}
+
+
+def test_jobs_arriving_together_share_batches(client: TestClient) -> None:
+    responses = [client.post("/v1/jobs", data={"prompt": f"Count to {n}."}) for n in range(12)]
+    jobs = [_wait(client, r.json()["id"]) for r in responses]
+    assert all(job["status"] == "succeeded" for job in jobs)
+    members: dict[str, int] = {}
+    for job in jobs:
+        members[job["batch"]["id"]] = members.get(job["batch"]["id"], 0) + 1
+    sizes = {job["batch"]["id"]: job["batch"]["size"] for job in jobs}
+    assert sizes == members  # every job reports the batch it really rode in
+    assert max(sizes.values()) > 1
+    assert max(sizes.values()) <= 8  # STOKER_MAX_BATCH_SIZE
