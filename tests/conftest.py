@@ -29,6 +29,8 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["STOKER_BROKER_URL"] = f"{base}/{broker_db}"
     os.environ["STOKER_RESULT_URL"] = f"{base}/{store_db}"
     os.environ["STOKER_CACHE_URL"] = f"{base}/{cache_db}"
+    # Short answers keep the suite fast on CPU; every test still checks that the model answered.
+    os.environ.setdefault("STOKER_MAX_NEW_TOKENS", "24")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
