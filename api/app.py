@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 
 from api.limits import BodyLimitMiddleware
 from api.routes import router
+from stoker.cache import StageCache
 from stoker.errors import StokerError
 from stoker.settings import ApiSettings
 from stoker.store import JobStore
@@ -37,6 +38,11 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app.state.settings = settings
     app.state.store = JobStore.from_url(
         settings.result_url, blob_ttl_s=settings.blob_ttl_s, job_ttl_s=settings.job_ttl_s
+    )
+    app.state.cache = StageCache.from_url(
+        settings.cache_url if settings.cache_enabled else None,
+        ttl_s=settings.cache_ttl_s,
+        max_value_bytes=settings.cache_max_value_bytes,
     )
     app.state.submitter = submitter or CelerySubmitter(keyframes=settings.video_keyframes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

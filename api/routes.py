@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.intake import AcceptedRequest, read_request
 from api.schemas import ErrorPublic, JobPublic
+from stoker.cache import StageCache
 from stoker.errors import BrokerUnavailable, JobNotFound
 from stoker.jobs import InputRecord, Job
 from stoker.settings import ApiSettings
@@ -37,17 +38,25 @@ async def create_job(request: Request) -> JSONResponse:
     """Accept a job: validate, store inputs and the job record, enqueue, answer 202 at once."""
     settings: ApiSettings = request.app.state.settings
     accepted = await read_request(request, settings)
-    job = await run_in_threadpool(_admit, request.app.state.store, request.app.state.submitter, accepted)
+    state = request.app.state
+    job = await run_in_threadpool(_admit, state.store, state.cache, state.submitter, accepted)
     return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
 
-def _admit(store: JobStore, submitter: Submitter, accepted: AcceptedRequest) -> Job:
-    """Write inputs and record before enqueueing, so no worker can see a job that is not stored."""
+def _admit(store: JobStore, cache: StageCache, submitter: Submitter, accepted: AcceptedRequest) -> Job:
+    """Write inputs and record before enqueueing, so no worker can see a job that is not stored.
+
+    When every input is already preprocessed in the cache, the job skips the CPU preprocessing queues.
+    """
     job_id = uuid.uuid4().hex
     records = [
         InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data))
         for i, item in enumerate(accepted.inputs)
     ]
+    identity = cache.identity() if records else None
+    cached = cache.get_inputs(identity, records) if identity else None
+    if cached:
+        records = [c.model_copy(update={"size_bytes": r.size_bytes}) for c, r in zip(cached, records, strict=True)]
     try:
         for item in accepted.inputs:
             store.put_blob(item.digest, item.data)
@@ -55,7 +64,7 @@ def _admit(store: JobStore, submitter: Submitter, accepted: AcceptedRequest) -> 
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     try:
-        submitter.submit(job_id, records)
+        submitter.submit(job_id, records, preprocessed=cached is not None)
     except Exception as exc:
         log.warning("could not enqueue job %s: %r", job_id, exc)
         store.delete_job(job_id)

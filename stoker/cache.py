@@ -18,7 +18,8 @@ from typing import Any
 import blake3
 import redis
 
-from stoker.store import CACHE_STATS_KEY, cache_key, cache_lease_key
+from stoker.jobs import InputRecord
+from stoker.store import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY, cache_key, cache_lease_key
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,38 @@ class StageCache:
             if self.redis.get(address.lease) == token.encode():
                 self.redis.delete(address.lease)
 
+    # -- whole preprocessed inputs: what lets a fully cached job skip the CPU queues ------------------------------
+    def publish_identity(self, identity: str) -> None:
+        """Record the workers' current preprocessing fingerprint, for the API to address finished inputs by."""
+        if self.redis is not None:
+            with contextlib.suppress(redis.RedisError):
+                self.redis.set(PIPELINE_IDENTITY_KEY, identity)
+
+    def identity(self) -> str | None:
+        """The workers' preprocessing fingerprint, or None before any worker published one."""
+        if self.redis is None:
+            return None
+        try:
+            raw = self.redis.get(PIPELINE_IDENTITY_KEY)
+        except redis.RedisError:
+            return None
+        return raw.decode() if raw else None
+
+    def put_input(self, identity: str, record: InputRecord) -> None:
+        """Cache a fully preprocessed input (text, features, segments, frames), minus per-job facts."""
+        if record.status == "ok":
+            self.put_json(_input_address(identity, record), record.model_dump(mode="json"))
+
+    def get_inputs(self, identity: str, records: list[InputRecord]) -> list[InputRecord] | None:
+        """Every record filled from the cache, or None unless all of them are there."""
+        filled = []
+        for record in records:
+            found = self.get_json(_input_address(identity, record))
+            if found is None:
+                return None
+            filled.append(_as_cached(InputRecord.model_validate(found)).model_copy(update={"index": record.index}))
+        return filled
+
     def stats(self) -> dict[str, dict[str, float]]:
         """Per-stage counters: hits, misses, oversize, saved_s, spent_s."""
         if self.redis is None:
@@ -191,3 +224,14 @@ class StageCache:
         else:
             self.redis.delete(CACHE_STATS_KEY)
         return deleted
+
+
+def _input_address(identity: str, record: InputRecord) -> CacheAddress:
+    return CacheAddress("input", "1", record.content_hash, fingerprint(identity=identity, kind=record.kind))
+
+
+def _as_cached(record: InputRecord) -> InputRecord:
+    """A record reused whole: every stage it went through counts as a hit, and nothing ran for this job."""
+    stages = sorted({*record.cache_hit, *record.timings_ms})
+    frames = [_as_cached(f) for f in record.frames] if record.frames else record.frames
+    return record.model_copy(update={"timings_ms": {}, "cache_hit": dict.fromkeys(stages, True), "frames": frames})

@@ -55,6 +55,8 @@ def cache_lease_key(stage: str, version: str, digest: str, fingerprint: str) -> 
 
 
 CACHE_STATS_KEY = f"{PREFIX}:cache-stats"
+#: The fingerprint of the workers' whole preprocessing configuration, as they last published it.
+PIPELINE_IDENTITY_KEY = f"{PREFIX}:pipeline-identity"
 
 
 class JobStore:

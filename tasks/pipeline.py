@@ -21,14 +21,22 @@ from tasks.app import app as default_app
 class Submitter(Protocol):
     """Starts the processing of an accepted job. The API depends on this seam, not on Celery."""
 
-    def submit(self, job_id: str, inputs: Sequence[InputRecord]) -> None:
-        """Enqueue the job's work; raises if the broker cannot take it."""
+    def submit(self, job_id: str, inputs: Sequence[InputRecord], preprocessed: bool = False) -> None:
+        """Enqueue the job's work (only tokenize when its inputs came whole from the cache); raises if the broker
+        cannot take it."""
 
 
-def job_canvas(job_id: str, inputs: Sequence[InputRecord], app: Celery = default_app, keyframes: int = 3) -> Signature:
-    """The Celery canvas for one job."""
+def job_canvas(
+    job_id: str,
+    inputs: Sequence[InputRecord],
+    app: Celery = default_app,
+    keyframes: int = 3,
+    preprocessed: bool = False,
+) -> Signature:
+    """The Celery canvas for one job; a job whose inputs are all preprocessed already goes straight to tokenize."""
     tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id})
-    branches = [branch for record in inputs for branch in _branches(app, job_id, record, keyframes)]
+    todo = [] if preprocessed else inputs
+    branches = [branch for record in todo for branch in _branches(app, job_id, record, keyframes)]
     if not branches:
         return tokenize.clone(args=(None,))
     return chord(group(branches), tokenize)
@@ -62,6 +70,6 @@ class CelerySubmitter:
         self.app = app
         self.keyframes = keyframes
 
-    def submit(self, job_id: str, inputs: Sequence[InputRecord]) -> None:
+    def submit(self, job_id: str, inputs: Sequence[InputRecord], preprocessed: bool = False) -> None:
         """Publish the job's canvas."""
-        job_canvas(job_id, inputs, self.app, self.keyframes).apply_async()
+        job_canvas(job_id, inputs, self.app, self.keyframes, preprocessed).apply_async()

@@ -15,7 +15,7 @@ import PIL
 from celery.signals import celeryd_after_setup
 
 from stoker.cache import CacheAddress, fingerprint
-from stoker.core import imaging, prompting
+from stoker.core import asr, imaging, prompting
 from stoker.core import ocr as ocr_core
 from stoker.core.arrays import array_from_bytes, array_to_bytes
 from stoker.core.imaging import DecodedImage, decode_image
@@ -127,10 +127,27 @@ def tokenize(_results: list[dict[str, Any]] | None, job_id: str) -> dict[str, An
     except StokerError as exc:
         store.finish(job_id, "failed", error=ErrorInfo(**exc.to_dict()))
         return {"job_id": job_id, "failed": exc.code}
+    identity = pipeline_identity()
+    cache = resources.cache()
+    cache.publish_identity(identity)
+    for record in job.inputs:
+        cache.put_input(identity, record)
     store.put_tokens(job_id, ids)
     store.stamp(job_id, "preprocessed", status="inferring")
     app.signature("stoker.infer", kwargs={"job_id": job_id}).apply_async()
     return {"job_id": job_id, "prompt_tokens": len(ids)}
+
+
+def pipeline_identity() -> str:
+    """Fingerprint of every setting that shapes a preprocessed input: addresses whole inputs in the cache."""
+    s = resources.settings()
+    return fingerprint(
+        ocr=ocr_address("").fingerprint,
+        decode=decode_address("").fingerprint,
+        asr=[s.asr_model, s.asr_beam_size, asr.VERSION],
+        keyframes=[s.video_keyframes, s.max_media_seconds],
+        versions=[imaging.VERSION, ocr_core.VERSION],
+    )
 
 
 def settle_video(record: InputRecord) -> bool:

@@ -65,11 +65,11 @@ class SpySubmitter:
         self.calls: list[tuple[str, list[InputRecord]]] = []
         self._next = CelerySubmitter() if forward else None
 
-    def submit(self, job_id: str, inputs: Any) -> None:
+    def submit(self, job_id: str, inputs: Any, preprocessed: bool = False) -> None:
         """Record, then forward."""
         self.calls.append((job_id, list(inputs)))
         if self._next:
-            self._next.submit(job_id, inputs)
+            self._next.submit(job_id, inputs, preprocessed)
 
 
 @pytest.fixture

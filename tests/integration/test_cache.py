@@ -31,14 +31,31 @@ def _post(client: TestClient, name: str, data: bytes, prompt: str = "What does i
     return _wait(client, response.json()["id"])
 
 
-def test_a_repeated_image_hits_and_costs_a_fraction(client: TestClient) -> None:
+def test_a_repeated_image_skips_preprocessing(client: TestClient) -> None:
     image = text_image("REPEAT 31")
-    first = _post(client, "a.png", image)["inputs"][0]
-    second = _post(client, "b.png", image, prompt="And again?")["inputs"][0]
+    first_job = _post(client, "a.png", image)
+    before = _stats()
+    second_job = _post(client, "b.png", image, prompt="And again?")
+    first, second = first_job["inputs"][0], second_job["inputs"][0]
     assert first["cache_hit"] == {"decode": False, "ocr": False}
     assert second["cache_hit"] == {"decode": True, "ocr": True}
+    assert second["timings_ms"] == {}  # no stage ran for it: the whole input came from the cache
     assert second["text"] == first["text"]
     assert "REPEAT" in second["text"]
+    assert _stats().get("ocr") == before.get("ocr")  # no OCR task even looked
+    assert second_job["status"] == "succeeded"
+    assert second_job["timings_ms"]["preprocess"] <= 0.25 * first_job["timings_ms"]["preprocess"]
+
+
+def test_a_cached_stage_answers_in_a_fraction_of_its_cost(client: TestClient) -> None:
+    image = text_image("STAGE 77")
+    first = _post(client, "a.png", image)["inputs"][0]
+    resources_cache = redis.Redis.from_url(os.environ["STOKER_CACHE_URL"])
+    for key in resources_cache.scan_iter("stoker:cache:input:*"):
+        resources_cache.delete(key)  # forget the whole input; the per-stage results stay
+    resources_cache.close()
+    second = _post(client, "b.png", image)["inputs"][0]
+    assert second["cache_hit"] == {"decode": True, "ocr": True}
     assert second["timings_ms"]["ocr"] <= 0.1 * first["timings_ms"]["ocr"]
 
 
@@ -67,9 +84,10 @@ def test_twenty_twins_run_ocr_once(client: TestClient) -> None:
     jobs = [_wait(client, job_id) for job_id in ids]
     assert all(job["status"] == "succeeded" for job in jobs)
     assert all("TWINS" in job["inputs"][0]["text"] for job in jobs)
+    ran_ocr_task = sum(1 for job in jobs if "ocr" in job["inputs"][0]["timings_ms"])  # the rest came whole
     after = _stats()
     assert _count(after, "ocr", "misses") - _count(before, "ocr", "misses") == 1
-    assert _count(after, "ocr", "hits") - _count(before, "ocr", "hits") == 19
+    assert _count(after, "ocr", "hits") - _count(before, "ocr", "hits") == ran_ocr_task - 1
     assert _count(after, "decode", "misses") - _count(before, "decode", "misses") == 1
 
 
