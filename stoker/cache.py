@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -120,7 +121,7 @@ class StageCache:
         One caller holds the lease and computes; the others poll for its result. When the lease expires
         without a result (its holder died), the next poller takes over. A follower gives up after wait_s.
         """
-        token = uuid.uuid4().hex
+        token = f"{os.getpid()}-{uuid.uuid4().hex}"  # the pid says which process holds it, for operators
         deadline = time.monotonic() + wait_s
         held, renewing = False, threading.Event()
         try:

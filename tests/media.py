@@ -129,3 +129,8 @@ def flac_claiming(seconds: float, rate: int = 8000) -> bytes:
     word = (word & ~((1 << 36) - 1)) | int(seconds * rate)
     data[at : at + 8] = word.to_bytes(8, "big")
     return bytes(data)
+
+
+def long_speech_wav(repeats: int) -> bytes:
+    """The sentence spoken `repeats` times in one WAV: long enough to catch a transcription in the act."""
+    return speech_wav(". ".join([SENTENCE] * repeats))

@@ -36,7 +36,7 @@ def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) 
     env = dict(os.environ)
     procs = {
         "cpu": spawn(["worker", "cpu", "--concurrency", "2"], env, logs / "cpu.log"),
-        "asr": spawn(["worker", "asr"], env, logs / "asr.log"),
+        "asr": spawn(["worker", "asr", "--concurrency", "2"], env, logs / "asr.log"),
         "infer": spawn(["worker", "infer"], env, logs / "infer.log"),
     }
 

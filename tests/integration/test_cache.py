@@ -4,6 +4,7 @@ only work."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from stoker.cache import StageCache
 from tests.integration.test_pipeline import _wait
-from tests.media import text_image
+from tests.media import long_speech_wav, text_image
 
 
 def _stats() -> dict[str, dict[str, float]]:
@@ -115,3 +116,24 @@ def test_jobs_complete_while_the_cache_is_flushed_under_them(client: TestClient)
         cache.close()
     assert [j["status"] for j in jobs] == ["succeeded"] * 4
     assert all("FLUSH" in j["inputs"][0]["text"] for j in jobs)
+
+
+def test_a_killed_leader_does_not_block_its_twins(client: TestClient) -> None:
+    audio = long_speech_wav(6)
+    cache = redis.Redis.from_url(os.environ["STOKER_CACHE_URL"])
+    ids = [
+        client.post("/v1/jobs", data={"prompt": "Who?"}, files=[("audio", ("s.wav", audio, "audio/wav"))]).json()["id"]
+        for _ in range(2)
+    ]
+    deadline = time.monotonic() + 60
+    leader = None
+    while leader is None and time.monotonic() < deadline:
+        leases = [cache.get(k) for k in cache.scan_iter("stoker:lease:transcribe:*")]
+        leader = next((int(v.split(b"-")[0]) for v in leases if v), None)
+        time.sleep(0.02)
+    assert leader is not None, "no transcription lease seen"
+    os.kill(leader, signal.SIGKILL)
+    jobs = [_wait(client, job_id) for job_id in ids]
+    cache.close()
+    assert [j["status"] for j in jobs] == ["succeeded", "succeeded"], jobs
+    assert all("quarterly" in j["inputs"][0]["text"].lower() for j in jobs)

@@ -1,0 +1,1 @@
+"""Benchmarks: run by hand, never by the test suite."""
