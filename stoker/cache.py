@@ -163,7 +163,8 @@ class StageCache:
             return True  # no cache: compute
 
     def _release(self, address: CacheAddress, token: str) -> None:
-        assert self.redis is not None
+        if self.redis is None:
+            return
         with contextlib.suppress(redis.RedisError):
             if self.redis.get(address.lease) == token.encode():
                 self.redis.delete(address.lease)

@@ -124,9 +124,11 @@ def tokenize(_results: list[dict[str, Any]] | None, job_id: str) -> dict[str, An
             store.put_input(job_id, input_ref(record.index), record.model_copy(update={"frames": None}))
     try:
         ids = _cached_prompt_ids(job.prompt, job.inputs)
-    except StokerError as exc:
-        store.finish(job_id, "failed", error=ErrorInfo(**exc.to_dict()))
-        return {"job_id": job_id, "failed": exc.code}
+    except Exception as exc:  # the job must end, whatever went wrong
+        error = exc if isinstance(exc, StokerError) else StokerError(f"{type(exc).__name__}: {exc}", stage="tokenize")
+        log.exception("tokenize failed for job %s", job_id)
+        store.finish(job_id, "failed", error=ErrorInfo(**error.to_dict()))
+        return {"job_id": job_id, "failed": error.code}
     identity = pipeline_identity()
     cache = resources.cache()
     cache.publish_identity(identity)

@@ -63,3 +63,13 @@ def test_an_unreachable_cache_is_a_miss_not_an_error() -> None:
 def test_oversize_values_are_not_cached() -> None:
     cache = StageCache(None, ttl_s=10, max_value_bytes=8)
     assert cache.put_bytes(CacheAddress("decode", "1", "abc", "f"), b"0123456789") is False
+
+
+def test_a_disabled_cache_always_computes() -> None:
+    cache = StageCache(None, ttl_s=10, max_value_bytes=1024)
+    address = CacheAddress("ocr", "1", "abc", "f")
+    with cache.single_flight(address, lease_s=1, wait_s=1) as shared:
+        assert shared is None
+    assert cache.get_json(address) is None
+    assert cache.identity() is None
+    assert cache.stats() == {}
