@@ -127,6 +127,18 @@ class StageTimeout(InputError):
     code = "stage_timeout"
 
 
+class ImageDecodeTimeout(StageTimeout):
+    """Decoding the image did not finish within its time limit."""
+
+    code = "image_decode_timeout"
+
+
+class AsrTimeout(StageTimeout):
+    """Transcription did not finish within its time limit."""
+
+    code = "asr_timeout"
+
+
 class UpstreamFailed(InputError):
     """An earlier stage failed for this input."""
 

@@ -73,6 +73,7 @@ class WorkerSettings(CommonSettings):
 
     # OCR.
     ocr_langs: str = "eng"
+    tesseract_cmd: str = "tesseract"
     ocr_timeout_s: float = 8.0
 
     # Audio and video.
@@ -95,6 +96,11 @@ class WorkerSettings(CommonSettings):
 
     # Worker processes.
     cpu_concurrency: int = Field(2, ge=1)
+    #: Recycle CPU/ASR pool children after this many tasks or this much resident memory (KiB).
+    max_tasks_per_child: int = Field(500, ge=1)
+    max_memory_per_child_kb: int = Field(1_500_000, ge=10_000)
+    #: Address-space cap (MiB) per CPU pool child, so a decompression bomb fails alone; 0 turns it off.
+    cpu_address_space_mb: int = Field(6144, ge=0)
     infer_pool: Literal["threads", "solo"] = "threads"
 
     @property

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import PIL
-from celery.signals import celeryd_after_setup
+from celery.signals import celeryd_after_setup, worker_process_init
 
 from stoker.cache import CacheAddress, fingerprint
 from stoker.core import asr, imaging, prompting
@@ -28,6 +28,7 @@ from stoker.store import input_ref
 from tasks import resources
 from tasks.app import app
 from tasks.stage import handoff, input_bytes, input_stage, runnable, through_cache
+from workers.limits import cap_address_space
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def ocr(previous: dict[str, Any]) -> dict[str, Any]:
     with input_stage(record, "ocr"):
 
         def compute() -> dict[str, Any]:
-            return {"text": read_text(_ocr_pixels(record), s.ocr_langs, s.ocr_timeout_s)}
+            return {"text": read_text(_ocr_pixels(record), s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd)}
 
         value = through_cache(record, ocr_address(record.content_hash), compute, _follower_wait(s.ocr_soft_s))
         record.text = value["text"]
@@ -192,6 +193,14 @@ def _attachment(record: InputRecord) -> Attachment:
         features={k: v for k, v in (record.features or {}).items() if k in keep},
         error_code=record.error.code if record.error else None,
     )
+
+
+@worker_process_init.connect
+def _cap_memory(**_: Any) -> None:
+    """Each CPU pool child gets an address-space cap, so a decompression bomb fails alone."""
+    megabytes = resources.settings().cpu_address_space_mb
+    if os.environ.get("STOKER_WORKER_KIND") == "cpu" and megabytes:
+        cap_address_space(megabytes)
 
 
 @celeryd_after_setup.connect

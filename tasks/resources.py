@@ -87,7 +87,7 @@ def tesseract() -> str:
     """The tesseract version, part of the OCR cache fingerprint."""
     from stoker.core.ocr import tesseract_version
 
-    return tesseract_version()
+    return tesseract_version(settings().tesseract_cmd)
 
 
 @functools.cache

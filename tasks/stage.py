@@ -12,11 +12,18 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from stoker.cache import CacheAddress
 from stoker.core.media import ContentHash
-from stoker.errors import InputExpired, StageTimeout, StokerError
+from stoker.errors import AsrTimeout, ImageDecodeTimeout, InputExpired, OcrTimeout, StageTimeout, StokerError
 from stoker.jobs import ErrorInfo, InputRecord
 from tasks import resources
 
 log = logging.getLogger(__name__)
+
+#: What a soft time limit means, per stage.
+_TIMEOUTS: dict[str, type[StokerError]] = {
+    "decode": ImageDecodeTimeout,
+    "ocr": OcrTimeout,
+    "transcribe": AsrTimeout,
+}
 
 #: Single-flight lease, renewed while its holder works: a killed holder's twins take over within this.
 LEASE_S = 3.0
@@ -31,7 +38,8 @@ def input_stage(record: InputRecord, stage: str) -> Iterator[InputRecord]:
     try:
         yield record
     except SoftTimeLimitExceeded:
-        _fail(record, StageTimeout(f"{stage} exceeded its time limit", stage=stage))
+        timeout = _TIMEOUTS.get(stage, StageTimeout)
+        _fail(record, timeout(f"{stage} exceeded its time limit", stage=stage))
     except StokerError as exc:
         exc.stage = exc.stage or stage
         _fail(record, exc)

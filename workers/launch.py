@@ -47,10 +47,16 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
         "--loglevel",
         settings.log_level,
     ]
+    recycle = [
+        "--max-tasks-per-child",
+        str(settings.max_tasks_per_child),
+        "--max-memory-per-child",
+        str(settings.max_memory_per_child_kb),
+    ]
     if kind == "cpu":
-        argv += ["--concurrency", str(settings.cpu_concurrency)]
+        argv += ["--concurrency", str(settings.cpu_concurrency), *recycle]
     elif kind == "asr":
-        argv += ["--concurrency", str(settings.asr_concurrency)]
+        argv += ["--concurrency", str(settings.asr_concurrency), *recycle]
     else:
         # celery-batches acks at flush: the worker must be allowed to hold whole batches.
         argv += ["--concurrency", "1", "--prefetch-multiplier", str(settings.infer_prefetch)]
@@ -60,6 +66,7 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
 def worker_env(kind: str) -> dict[str, str]:
     """Environment for a worker process."""
     env = dict(os.environ)
+    env["STOKER_WORKER_KIND"] = kind
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if kind == "cpu":
         env.setdefault("OMP_THREAD_LIMIT", "1")  # tesseract: ~6x faster per job on small machines

@@ -1,14 +1,19 @@
-"""OCR with tesseract: grayscale pixels in, text out."""
+"""OCR with tesseract: grayscale pixels in, text out.
+
+tesseract runs in a process group of its own and is killed on every way out of read_text, a Celery soft time
+limit included (the exception lands mid-wait): no OCR process outlives its task.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 
 import numpy as np
 import numpy.typing as npt
-import pytesseract
-from PIL import Image
 
 from stoker.errors import OcrFailed, OcrTimeout
 
@@ -18,20 +23,45 @@ VERSION = "1"
 _BLANK_LINES = re.compile(r"\n\s*\n+")
 
 
-def read_text(gray: npt.NDArray[np.uint8], langs: str, timeout_s: float) -> str:
+def read_text(gray: npt.NDArray[np.uint8], langs: str, timeout_s: float, binary: str = "tesseract") -> str:
     """Run tesseract on a grayscale image and return its text with blank lines collapsed."""
-    image = Image.fromarray(gray)
+    height, width = gray.shape[:2]
+    pgm = b"P5\n%d %d\n255\n" % (width, height) + np.ascontiguousarray(gray, dtype=np.uint8).tobytes()
+    cmd = [binary, "stdin", "stdout", "-l", langs, "--psm", "3"]
+    env = {**os.environ, "OMP_THREAD_LIMIT": os.environ.get("OMP_THREAD_LIMIT", "1")}
     try:
-        raw = pytesseract.image_to_string(image, lang=langs, timeout=timeout_s)
-    except (
-        pytesseract.TesseractError,
-        pytesseract.TesseractNotFoundError,
-        subprocess.SubprocessError,
-    ) as exc:
-        raise OcrFailed(f"tesseract failed: {exc}", stage="ocr") from exc
-    except RuntimeError as exc:  # pytesseract signals its timeout with a bare RuntimeError
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env=env,
+        )
+    except OSError as exc:
+        raise OcrFailed(f"cannot run {binary}: {exc}", stage="ocr") from exc
+    try:
+        out, err = proc.communicate(pgm, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
         raise OcrTimeout(f"tesseract exceeded {timeout_s:g}s", stage="ocr") from exc
-    return normalise_text(raw)
+    finally:
+        _kill_group(proc)
+    if proc.returncode != 0:
+        detail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        raise OcrFailed(f"tesseract failed: {detail[0]}", stage="ocr")
+    return normalise_text(out.decode("utf-8", "replace"))
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill tesseract and anything it started, then reap it."""
+    if proc.poll() is None:  # still running: never signal a group whose leader was already reaped
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
 
 
 def normalise_text(raw: str) -> str:
@@ -40,6 +70,11 @@ def normalise_text(raw: str) -> str:
     return _BLANK_LINES.sub("\n", text)
 
 
-def tesseract_version() -> str:
+def tesseract_version(binary: str = "tesseract") -> str:
     """The installed tesseract's version, part of the OCR stage's identity."""
-    return str(pytesseract.get_tesseract_version())
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "unavailable"
+    first = (out.stdout or out.stderr).strip().splitlines()[:1]
+    return first[0] if first else "unknown"

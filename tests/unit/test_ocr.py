@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 
 from stoker.core.imaging import DecodeParams, decode_image
@@ -24,6 +27,31 @@ def test_timeout_is_a_structured_error() -> None:
     with pytest.raises(OcrTimeout) as info:
         read_text(_gray("SLOW"), "eng", timeout_s=0.001)
     assert info.value.code == "ocr_timeout"
+
+
+def test_a_hung_tesseract_is_killed_with_everything_it_started(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    stub = tmp_path / "tesseract"
+    stub.write_text(f"#!/bin/sh\nsleep 300 &\necho $$ $! > {pids}\nwait\n")
+    stub.chmod(0o755)
+    with pytest.raises(OcrTimeout):
+        read_text(_gray("HUNG"), "eng", timeout_s=0.5, binary=str(stub))
+    time.sleep(0.2)
+    assert [pid for pid in map(int, pids.read_text().split()) if _running(pid)] == []
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_missing_tesseract_is_a_structured_error() -> None:
+    with pytest.raises(OcrFailed):
+        read_text(_gray("X"), "eng", timeout_s=5, binary="/nonexistent/tesseract")
 
 
 def test_unknown_language_is_a_structured_error() -> None:

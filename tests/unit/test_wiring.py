@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from pathlib import Path
 from typing import Any
 
 from celery import chord
+from celery.exceptions import SoftTimeLimitExceeded
 
 from stoker.errors import ImageCorrupt, StokerError
 from stoker.jobs import InputRecord
@@ -12,6 +16,7 @@ from stoker.settings import WorkerSettings
 from tasks.pipeline import job_canvas
 from tasks.stage import input_stage
 from workers.launch import worker_argv
+from workers.limits import cap_address_space
 
 
 def _inputs(n: int) -> list[InputRecord]:
@@ -106,3 +111,41 @@ def test_error_codes_are_unique() -> None:
     codes = [c.code for c in classes]
     assert len(codes) == len(set(codes))
     assert all(c.__doc__ for c in classes)
+
+
+def _allocate_past_the_cap() -> None:
+    """In a child: cap at current size + 256 MiB, then ask for 1 GiB; exit 0 only if it was refused."""
+    in_use_mb = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+    cap_address_space(in_use_mb + 256)
+    try:
+        bytearray(1024 * 1024 * 1024)
+    except MemoryError:
+        os._exit(0)
+    os._exit(1)
+
+
+def test_address_space_cap_refuses_a_runaway_allocation() -> None:
+    child = multiprocessing.get_context("fork").Process(target=_allocate_past_the_cap)
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+
+
+def test_soft_time_limits_get_the_stage_code() -> None:
+    for stage, code in [
+        ("decode", "image_decode_timeout"),
+        ("ocr", "ocr_timeout"),
+        ("transcribe", "asr_timeout"),
+        ("probe", "stage_timeout"),
+    ]:
+        record = _inputs(1)[0]
+        with input_stage(record, stage):
+            raise SoftTimeLimitExceeded()
+        assert record.error is not None
+        assert record.error.code == code
+
+
+def test_cpu_children_are_recycled() -> None:
+    argv = worker_argv("cpu", WorkerSettings(max_tasks_per_child=7, max_memory_per_child_kb=123456))
+    assert argv[argv.index("--max-tasks-per-child") + 1] == "7"
+    assert argv[argv.index("--max-memory-per-child") + 1] == "123456"
