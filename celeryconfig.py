@@ -26,6 +26,7 @@ task_routes = {
     "stoker.keyframe": {"queue": "decode"},
     "stoker.transcribe": {"queue": "asr"},
     "stoker.tokenize": {"queue": "tokenize"},
+    "stoker.rescue": {"queue": "tokenize"},
     "stoker.infer": {"queue": "infer"},
 }
 task_annotations = {

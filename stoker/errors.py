@@ -139,6 +139,12 @@ class AsrTimeout(StageTimeout):
     code = "asr_timeout"
 
 
+class StageKilled(InputError):
+    """The stage was killed (hard time limit or lost worker) before it could report."""
+
+    code = "stage_killed"
+
+
 class UpstreamFailed(InputError):
     """An earlier stage failed for this input."""
 

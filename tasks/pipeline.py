@@ -39,6 +39,8 @@ def job_canvas(
     branches = [branch for record in todo for branch in _branches(app, job_id, record, keyframes)]
     if not branches:
         return tokenize.clone(args=(None,))
+    # Stages catch their own errors; this errback covers what they cannot (a hard time limit, a killed child).
+    tokenize.link_error(app.signature("stoker.rescue", kwargs={"job_id": job_id}))
     return chord(group(branches), tokenize)
 
 

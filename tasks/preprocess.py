@@ -22,9 +22,9 @@ from stoker.core.imaging import DecodedImage, decode_image
 from stoker.core.media import content_hash
 from stoker.core.ocr import read_text
 from stoker.core.prompting import Attachment, build_prompt_ids
-from stoker.errors import MediaEmpty, StokerError
+from stoker.errors import MediaEmpty, StageKilled, StokerError
 from stoker.jobs import ErrorInfo, InputRecord
-from stoker.store import input_ref
+from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
 from tasks.stage import handoff, input_bytes, input_stage, runnable, through_cache
@@ -115,6 +115,34 @@ def ocr(previous: dict[str, Any]) -> dict[str, Any]:
 @app.task(name="stoker.tokenize")
 def tokenize(_results: list[dict[str, Any]] | None, job_id: str) -> dict[str, Any]:
     """Assemble the chat prompt from the user's prompt and every input, tokenize it, hand it to inference."""
+    return tokenize_job(job_id)
+
+
+@app.task(name="stoker.rescue")
+def rescue(failed_task_id: str, *, job_id: str) -> dict[str, Any]:
+    """Errback of a job's chord: a stage died beyond what it could catch (hard time limit, lost worker).
+
+    Inputs still unfinished are marked failed, and the job goes on to tokenize with what it has.
+    """
+    store = resources.store()
+    job = store.load_job(job_id)
+    if job is None or job.terminal:
+        return {"job_id": job_id, "skipped": True}
+    killed = ErrorInfo(**StageKilled(f"task {failed_task_id} was killed").to_dict())
+    for record in job.inputs:
+        for ref, item in [(input_ref(record.index), record)] + [
+            (frame_ref(record.index, f.index), f) for f in record.frames or []
+        ]:
+            if item.status == "pending":
+                store.put_input(
+                    job_id, ref, item.model_copy(update={"status": "failed", "error": killed, "frames": None})
+                )
+    log.warning("job %s rescued after task %s was killed", job_id, failed_task_id)
+    return tokenize_job(job_id)
+
+
+def tokenize_job(job_id: str) -> dict[str, Any]:
+    """Tokenize a job's prompt material and hand it to the inference queue."""
     store = resources.store()
     store.mark_started(job_id)
     job = store.load_job(job_id)

@@ -1,0 +1,113 @@
+"""Faults the stages cannot simply catch, on a separate stack with tight limits: a hung tesseract, a killed stage."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from stoker.settings import ApiSettings
+from tasks.pipeline import CelerySubmitter
+from tests.media import long_speech_wav, text_image
+from tests.procs import spawn, stop, tail, wait_for
+
+DBS = (8, 9)
+
+
+@pytest.fixture(scope="module")
+def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Path]]:
+    """Workers whose tesseract hangs (OCR soft limit 1.5 s) and whose transcription is killed at 2 s."""
+    base = os.environ["STOKER_TEST_REDIS"]
+    urls = {"STOKER_BROKER_URL": f"{base}/{DBS[0]}", "STOKER_RESULT_URL": f"{base}/{DBS[1]}"}
+    for url in urls.values():
+        with redis.Redis.from_url(url) as client:
+            client.flushdb()
+    root = tmp_path_factory.mktemp("harsh")
+    pids = root / "pids"
+    pids.mkdir()
+    stub = root / "tesseract"
+    stub.write_text(f"#!/bin/sh\necho $$ > {pids}/$$\nexec sleep 600\n")
+    stub.chmod(0o755)
+    env = {
+        **os.environ,
+        **urls,
+        "STOKER_CACHE_ENABLED": "false",
+        "STOKER_TESSERACT_CMD": str(stub),
+        "STOKER_OCR_TIMEOUT_S": "60",
+        "STOKER_OCR_SOFT_S": "1.5",
+        "STOKER_OCR_HARD_S": "5",
+        "STOKER_TRANSCRIBE_SOFT_S": "60",
+        "STOKER_TRANSCRIBE_HARD_S": "2",
+    }
+    procs = {kind: spawn(["worker", kind], env, root / f"{kind}.log") for kind in ("cpu", "asr", "infer")}
+    app = Celery("stoker-harsh", set_as_current=False)
+    app.config_from_object("celeryconfig")
+    app.conf.broker_url, app.conf.result_backend = urls["STOKER_BROKER_URL"], urls["STOKER_RESULT_URL"]
+
+    def all_answer() -> bool:
+        return set(procs) <= {name.split("@")[0] for reply in app.control.ping(timeout=0.5) for name in reply}
+
+    try:
+        wait_for(all_answer, 180, "harsh workers", list(procs.values()))
+        settings = ApiSettings(broker_url=urls["STOKER_BROKER_URL"], result_url=urls["STOKER_RESULT_URL"])
+        with TestClient(create_app(settings, submitter=CelerySubmitter(app))) as client:
+            yield client, pids
+    except Exception as exc:
+        raise RuntimeError("\n".join(f"--- {k}\n{tail(root / f'{k}.log')}" for k in procs)) from exc
+    finally:
+        for proc in procs.values():
+            stop(proc)
+
+
+def _wait(client: TestClient, job_id: str) -> dict[str, Any]:
+    for _ in range(10):
+        job: dict[str, Any] = client.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()
+        if job["status"] in ("succeeded", "degraded", "failed"):
+            return job
+    raise AssertionError(f"job {job_id} stuck: {job}")
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_hung_tesseract_times_out_and_leaves_nothing_behind(harsh: tuple[TestClient, Path]) -> None:
+    client, pids = harsh
+    files = [("image", ("hung.png", text_image("HUNG"), "image/png"))]
+    response = client.post("/v1/jobs", data={"prompt": "What does it say?"}, files=files)
+    assert response.status_code == 202
+    job = _wait(client, response.json()["id"])
+    assert job["status"] == "degraded", job
+    item = job["inputs"][0]
+    assert item["error"]["code"] == "ocr_timeout"
+    assert item["features"]["width"] == 800  # decode still succeeded
+    assert job["result"]["text"].strip()  # answered from the prompt alone
+    time.sleep(0.5)
+    started = [int(p.name) for p in pids.iterdir()]
+    assert started, "the stub tesseract never ran"
+    assert [pid for pid in started if _running(pid)] == []
+
+
+def test_a_stage_killed_at_its_hard_limit_still_ends_the_job(harsh: tuple[TestClient, Path]) -> None:
+    client, _ = harsh
+    files = [("audio", ("long.wav", long_speech_wav(4), "audio/wav"))]
+    response = client.post("/v1/jobs", data={"prompt": "Summarise."}, files=files)
+    assert response.status_code == 202
+    job = _wait(client, response.json()["id"])
+    assert job["status"] == "degraded", job
+    item = job["inputs"][0]
+    assert item["status"] == "failed"
+    assert item["error"]["code"] == "stage_killed"
+    assert job["result"]["text"].strip()
