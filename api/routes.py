@@ -16,12 +16,13 @@ from starlette.concurrency import run_in_threadpool
 
 from api.intake import AcceptedRequest, read_request
 from api.schemas import ErrorPublic, JobPublic
-from stoker.cache import StageCache
+from stoker.cache import StageCache, prompt_address
+from stoker.core.prompting import attachment_for
 from stoker.errors import BrokerUnavailable, JobNotFound
 from stoker.jobs import InputRecord, Job
 from stoker.settings import ApiSettings
 from stoker.store import JobStore, done_channel
-from tasks.pipeline import Submitter
+from tasks.pipeline import Start, Submitter
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -46,25 +47,27 @@ async def create_job(request: Request) -> JSONResponse:
 def _admit(store: JobStore, cache: StageCache, submitter: Submitter, accepted: AcceptedRequest) -> Job:
     """Write inputs and record before enqueueing, so no worker can see a job that is not stored.
 
-    When every input is already preprocessed in the cache, the job skips the CPU preprocessing queues.
+    A job whose inputs are all preprocessed in the cache skips the CPU preprocessing queues; one whose whole
+    prompt was tokenized before goes straight to the inference queue.
     """
     job_id = uuid.uuid4().hex
     records = [
         InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data))
         for i, item in enumerate(accepted.inputs)
     ]
-    identity = cache.identity() if records else None
-    cached = cache.get_inputs(identity, records) if identity else None
-    if cached:
-        records = [c.model_copy(update={"size_bytes": r.size_bytes}) for c, r in zip(cached, records, strict=True)]
+    start, records, ids = _shortcut(cache, accepted.prompt, records)
     try:
         for item in accepted.inputs:
             store.put_blob(item.digest, item.data)
         store.create_job(job_id, accepted.prompt, records, accepted=time.time())
+        if ids is not None:
+            store.put_tokens(job_id, ids)
+            store.mark_started(job_id)
+            store.stamp(job_id, "preprocessed", status="inferring")
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     try:
-        submitter.submit(job_id, records, preprocessed=cached is not None)
+        submitter.submit(job_id, records, start=start)
     except Exception as exc:
         log.warning("could not enqueue job %s: %r", job_id, exc)
         store.delete_job(job_id)
@@ -72,6 +75,24 @@ def _admit(store: JobStore, cache: StageCache, submitter: Submitter, accepted: A
     job = store.load_job(job_id)
     assert job is not None
     return job
+
+
+def _shortcut(
+    cache: StageCache, prompt: str, records: list[InputRecord]
+) -> tuple[Start, list[InputRecord], list[int] | None]:
+    """How far the cache lets a job skip: to tokenize (every input cached), or to inference (its prompt too)."""
+    context = cache.context()
+    if context is None:
+        return "preprocess", records, None
+    filled = cache.get_inputs(context.identity, records) if records else []
+    if filled is None:
+        return "preprocess", records, None
+    filled = [f.model_copy(update={"size_bytes": r.size_bytes}) for f, r in zip(filled, records, strict=True)]
+    found = cache.get_json(prompt_address(context, prompt, [attachment_for(r) for r in filled]))
+    if found is None:
+        return "tokenize", filled, None
+    cache.record("tokenize", hit=True, cost_s=float(found.get("_cost_s", 0.0)))
+    return "infer", filled, [int(i) for i in found["ids"]]
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobPublic, responses={404: {"model": ErrorPublic}})

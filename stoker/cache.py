@@ -12,13 +12,15 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import blake3
 import redis
 
+from stoker.core import prompting
+from stoker.core.prompting import Attachment
 from stoker.jobs import InputRecord
 from stoker.store import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY, cache_key, cache_lease_key
 
@@ -28,6 +30,22 @@ log = logging.getLogger(__name__)
 def fingerprint(**parts: Any) -> str:
     """A short stable digest of everything that changes a stage's output."""
     return blake3.blake3(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PipelineContext:
+    """The workers' identity as published for the API: preprocessing fingerprint, tokenizer, prompt budget."""
+
+    identity: str
+    tokenizer: str
+    budget: int
+
+
+def prompt_address(context: PipelineContext, prompt: str, attachments: Sequence[Attachment]) -> CacheAddress:
+    """Cache address of a tokenized prompt: the whole prompt material under this tokenizer and budget."""
+    material = json.dumps([prompt, [asdict(a) for a in attachments], context.budget], sort_keys=True).encode()
+    digest = blake3.blake3(material).hexdigest()
+    return CacheAddress("tokenize", prompting.VERSION, digest, context.tokenizer)
 
 
 @dataclass(frozen=True)
@@ -170,21 +188,21 @@ class StageCache:
                 self.redis.delete(address.lease)
 
     # -- whole preprocessed inputs: what lets a fully cached job skip the CPU queues ------------------------------
-    def publish_identity(self, identity: str) -> None:
-        """Record the workers' current preprocessing fingerprint, for the API to address finished inputs by."""
+    def publish_context(self, context: PipelineContext) -> None:
+        """Record the workers' current preprocessing identity, for the API to address finished work by."""
         if self.redis is not None:
             with contextlib.suppress(redis.RedisError):
-                self.redis.set(PIPELINE_IDENTITY_KEY, identity)
+                self.redis.set(PIPELINE_IDENTITY_KEY, json.dumps(asdict(context)))
 
-    def identity(self) -> str | None:
-        """The workers' preprocessing fingerprint, or None before any worker published one."""
+    def context(self) -> PipelineContext | None:
+        """What the workers last published, or None before any did."""
         if self.redis is None:
             return None
         try:
             raw = self.redis.get(PIPELINE_IDENTITY_KEY)
         except redis.RedisError:
             return None
-        return raw.decode() if raw else None
+        return PipelineContext(**json.loads(raw)) if raw else None
 
     def put_input(self, identity: str, record: InputRecord) -> None:
         """Cache a fully preprocessed input (text, features, segments, frames), minus per-job facts."""

@@ -6,8 +6,6 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
-import faster_whisper
-
 from stoker.cache import CacheAddress, fingerprint
 from stoker.core import asr
 from stoker.core.asr import transcribe as transcribe_samples
@@ -27,7 +25,7 @@ log = logging.getLogger(__name__)
 def transcribe_address(digest: str) -> CacheAddress:
     """Cache address of a transcript: the speech model, its beam and VAD settings."""
     s = resources.settings()
-    parts = {"model": s.asr_model, "beam": s.asr_beam_size, "vad": True, "faster_whisper": faster_whisper.__version__}
+    parts = {"model": s.asr_model, "weights": resources.asr_model_identity(), "beam": s.asr_beam_size, "vad": True}
     return CacheAddress("transcribe", asr.VERSION, digest, fingerprint(**parts))
 
 

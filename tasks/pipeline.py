@@ -8,7 +8,7 @@ video  probe → transcribe, and per keyframe slot: keyframe → decode → ocr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 from celery import Celery, chain, chord, group
 from celery.canvas import Signature
@@ -17,13 +17,15 @@ from stoker.jobs import InputRecord
 from stoker.store import frame_ref, input_ref
 from tasks.app import app as default_app
 
+#: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached).
+Start = Literal["preprocess", "tokenize", "infer"]
+
 
 class Submitter(Protocol):
     """Starts the processing of an accepted job. The API depends on this seam, not on Celery."""
 
-    def submit(self, job_id: str, inputs: Sequence[InputRecord], preprocessed: bool = False) -> None:
-        """Enqueue the job's work (only tokenize when its inputs came whole from the cache); raises if the broker
-        cannot take it."""
+    def submit(self, job_id: str, inputs: Sequence[InputRecord], start: Start = "preprocess") -> None:
+        """Enqueue the job's work from `start` on; raises if the broker cannot take it."""
 
 
 def job_canvas(
@@ -31,11 +33,13 @@ def job_canvas(
     inputs: Sequence[InputRecord],
     app: Celery = default_app,
     keyframes: int = 3,
-    preprocessed: bool = False,
+    start: Start = "preprocess",
 ) -> Signature:
-    """The Celery canvas for one job; a job whose inputs are all preprocessed already goes straight to tokenize."""
+    """The Celery canvas for one job, from where it enters the pipeline."""
+    if start == "infer":
+        return app.signature("stoker.infer", kwargs={"job_id": job_id})
     tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id})
-    todo = [] if preprocessed else inputs
+    todo = inputs if start == "preprocess" else []
     branches = [branch for record in todo for branch in _branches(app, job_id, record, keyframes)]
     if not branches:
         return tokenize.clone(args=(None,))
@@ -72,6 +76,6 @@ class CelerySubmitter:
         self.app = app
         self.keyframes = keyframes
 
-    def submit(self, job_id: str, inputs: Sequence[InputRecord], preprocessed: bool = False) -> None:
+    def submit(self, job_id: str, inputs: Sequence[InputRecord], start: Start = "preprocess") -> None:
         """Publish the job's canvas."""
-        job_canvas(job_id, inputs, self.app, self.keyframes, preprocessed).apply_async()
+        job_canvas(job_id, inputs, self.app, self.keyframes, start).apply_async()

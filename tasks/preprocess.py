@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -14,14 +13,13 @@ import numpy.typing as npt
 import PIL
 from celery.signals import celeryd_after_setup, worker_process_init
 
-from stoker.cache import CacheAddress, fingerprint
-from stoker.core import asr, imaging, prompting
+from stoker.cache import CacheAddress, PipelineContext, fingerprint, prompt_address
+from stoker.core import asr, imaging
 from stoker.core import ocr as ocr_core
 from stoker.core.arrays import array_from_bytes, array_to_bytes
 from stoker.core.imaging import DecodedImage, decode_image
-from stoker.core.media import content_hash
 from stoker.core.ocr import read_text
-from stoker.core.prompting import Attachment, build_prompt_ids
+from stoker.core.prompting import attachment_for, build_prompt_ids
 from stoker.errors import MediaEmpty, StageKilled, StokerError
 from stoker.jobs import ErrorInfo, InputRecord
 from stoker.store import frame_ref, input_ref
@@ -152,32 +150,37 @@ def tokenize_job(job_id: str) -> dict[str, Any]:
         if settle_video(record):
             store.put_input(job_id, input_ref(record.index), record.model_copy(update={"frames": None}))
     try:
-        ids = _cached_prompt_ids(job.prompt, job.inputs)
+        context = pipeline_context()
+        ids = _cached_prompt_ids(context, job.prompt, job.inputs)
     except Exception as exc:  # the job must end, whatever went wrong
         error = exc if isinstance(exc, StokerError) else StokerError(f"{type(exc).__name__}: {exc}", stage="tokenize")
         log.exception("tokenize failed for job %s", job_id)
         store.finish(job_id, "failed", error=ErrorInfo(**error.to_dict()))
         return {"job_id": job_id, "failed": error.code}
-    identity = pipeline_identity()
     cache = resources.cache()
-    cache.publish_identity(identity)
+    cache.publish_context(context)
     for record in job.inputs:
-        cache.put_input(identity, record)
+        cache.put_input(context.identity, record)
     store.put_tokens(job_id, ids)
     store.stamp(job_id, "preprocessed", status="inferring")
     app.signature("stoker.infer", kwargs={"job_id": job_id}).apply_async()
     return {"job_id": job_id, "prompt_tokens": len(ids)}
 
 
-def pipeline_identity() -> str:
-    """Fingerprint of every setting that shapes a preprocessed input: addresses whole inputs in the cache."""
+def pipeline_context() -> PipelineContext:
+    """This worker's identity for whole cached inputs and prompts: every setting that shapes them."""
     s = resources.settings()
-    return fingerprint(
+    tok = resources.tokenizer()
+    window = min(s.max_context_tokens, int(getattr(tok, "model_max_length", s.max_context_tokens)))
+    identity = fingerprint(
         ocr=ocr_address("").fingerprint,
         decode=decode_address("").fingerprint,
-        asr=[s.asr_model, s.asr_beam_size, asr.VERSION],
+        asr=[s.asr_model, s.asr_beam_size, asr.VERSION, resources.asr_model_identity()],
         keyframes=[s.video_keyframes, s.max_media_seconds],
         versions=[imaging.VERSION, ocr_core.VERSION],
+    )
+    return PipelineContext(
+        identity=identity, tokenizer=resources.tokenizer_identity(), budget=window - s.max_new_tokens
     )
 
 
@@ -192,35 +195,16 @@ def settle_video(record: InputRecord) -> bool:
     return True
 
 
-def _cached_prompt_ids(prompt: str, inputs: list[InputRecord]) -> list[int]:
+def _cached_prompt_ids(context: PipelineContext, prompt: str, inputs: list[InputRecord]) -> list[int]:
     """Token ids for this prompt material, from the cache when the same material was tokenized before."""
-    s = resources.settings()
-    tok = resources.tokenizer()
-    context = min(s.max_context_tokens, int(getattr(tok, "model_max_length", s.max_context_tokens)))
-    attachments = [_attachment(r) for r in inputs]
-    budget = context - s.max_new_tokens
-    material = json.dumps([prompt, [asdict(a) for a in attachments], budget], sort_keys=True).encode()
-    address = CacheAddress("tokenize", prompting.VERSION, content_hash(material), resources.tokenizer_identity())
+    attachments = [attachment_for(r) for r in inputs]
 
     def compute() -> dict[str, Any]:
-        return {"ids": build_prompt_ids(tok, prompt, attachments, budget=budget)}
+        return {"ids": build_prompt_ids(resources.tokenizer(), prompt, attachments, budget=context.budget)}
 
-    value = through_cache(None, address, compute, _follower_wait(s.tokenize_soft_s))
+    address = prompt_address(context, prompt, attachments)
+    value = through_cache(None, address, compute, _follower_wait(resources.settings().tokenize_soft_s))
     return [int(i) for i in value["ids"]]
-
-
-def _attachment(record: InputRecord) -> Attachment:
-    texts = [record.text or ""] + [
-        f"On screen at {f.time_s:.1f}s: {f.text}" for f in record.frames or [] if f.status == "ok" and f.text
-    ]
-    keep = ("format", "width", "height", "duration_s")
-    return Attachment(
-        kind=record.kind,
-        index=record.index,
-        text="\n".join(t for t in texts if t),
-        features={k: v for k, v in (record.features or {}).items() if k in keep},
-        error_code=record.error.code if record.error else None,
-    )
 
 
 @worker_process_init.connect
@@ -237,7 +221,7 @@ def _preload(sender: str, instance: Any, **_: Any) -> None:
     queues = set(instance.app.amqp.queues.consume_from or {})
     started = time.perf_counter()
     if "tokenize" in queues:
-        resources.tokenizer_identity()
+        pipeline_context()
     if "ocr" in queues:
         resources.tesseract()
     log.info("worker resources preloaded in %.1fs", time.perf_counter() - started)

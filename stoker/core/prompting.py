@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from stoker.jobs import InputRecord
+
 #: Bump when prompt assembly changes.
 VERSION = "1"
 
@@ -109,3 +111,18 @@ def _trim_attachments(tokenizer: ChatTokenizer, attachments: Sequence[Attachment
         replace(a, text=_trim_text(tokenizer, a.text, k)) if k < n else a
         for a, k, n in zip(attachments, keep, lengths, strict=True)
     ]
+
+
+def attachment_for(record: InputRecord) -> Attachment:
+    """How one preprocessed input appears in the prompt: its text (and a video's on-screen text), a few facts."""
+    texts = [record.text or ""] + [
+        f"On screen at {f.time_s:.1f}s: {f.text}" for f in record.frames or [] if f.status == "ok" and f.text
+    ]
+    keep = ("format", "width", "height", "duration_s")
+    return Attachment(
+        kind=record.kind,
+        index=record.index,
+        text="\n".join(t for t in texts if t),
+        features={k: v for k, v in (record.features or {}).items() if k in keep},
+        error_code=record.error.code if record.error else None,
+    )

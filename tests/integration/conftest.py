@@ -63,13 +63,15 @@ class SpySubmitter:
         from tasks.pipeline import CelerySubmitter
 
         self.calls: list[tuple[str, list[InputRecord]]] = []
+        self.starts: dict[str, str] = {}
         self._next = CelerySubmitter() if forward else None
 
-    def submit(self, job_id: str, inputs: Any, preprocessed: bool = False) -> None:
+    def submit(self, job_id: str, inputs: Any, start: Any = "preprocess") -> None:
         """Record, then forward."""
         self.calls.append((job_id, list(inputs)))
+        self.starts[job_id] = start
         if self._next:
-            self._next.submit(job_id, inputs, preprocessed)
+            self._next.submit(job_id, inputs, start)
 
 
 @pytest.fixture

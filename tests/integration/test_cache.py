@@ -14,6 +14,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from stoker.cache import StageCache
+from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import long_speech_wav, text_image
 
@@ -32,11 +33,15 @@ def _post(client: TestClient, name: str, data: bytes, prompt: str = "What does i
     return _wait(client, response.json()["id"])
 
 
-def test_a_repeated_image_skips_preprocessing(client: TestClient) -> None:
+def test_a_repeated_image_skips_preprocessing(client: TestClient, spy: SpySubmitter) -> None:
     image = text_image("REPEAT 31")
     first_job = _post(client, "a.png", image)
     before = _stats()
     second_job = _post(client, "b.png", image, prompt="And again?")
+    third_job = _post(client, "c.png", image)  # the first job's prompt as well: nothing left to prepare
+    assert [spy.starts[j["id"]] for j in (first_job, second_job, third_job)] == ["preprocess", "tokenize", "infer"]
+    assert third_job["status"] == "succeeded"
+    assert third_job["inputs"][0]["text"] == first_job["inputs"][0]["text"]
     first, second = first_job["inputs"][0], second_job["inputs"][0]
     assert first["cache_hit"] == {"decode": False, "ocr": False}
     assert second["cache_hit"] == {"decode": True, "ocr": True}

@@ -71,5 +71,5 @@ def test_a_disabled_cache_always_computes() -> None:
     with cache.single_flight(address, lease_s=1, wait_s=1) as shared:
         assert shared is None
     assert cache.get_json(address) is None
-    assert cache.identity() is None
+    assert cache.context() is None
     assert cache.stats() == {}

@@ -68,6 +68,12 @@ def test_text_only_job_goes_straight_to_tokenize() -> None:
     assert canvas.args == (None,)
 
 
+def test_cached_jobs_enter_later() -> None:
+    assert job_canvas("j", _inputs(2), start="tokenize").task == "stoker.tokenize"
+    straight = job_canvas("j", _inputs(2), start="infer")
+    assert (straight.task, straight.kwargs) == ("stoker.infer", {"job_id": "j"})
+
+
 def test_inference_worker_may_hold_whole_batches() -> None:
     settings = WorkerSettings(max_batch_size=8, prefetch_batches=3)
     argv = worker_argv("infer", settings)
