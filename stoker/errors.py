@@ -139,6 +139,12 @@ class AsrTimeout(StageTimeout):
     code = "asr_timeout"
 
 
+class WorkerLost(InputError):
+    """The stage killed its worker on every delivery; it was given up instead of retried forever."""
+
+    code = "worker_lost"
+
+
 class StageKilled(InputError):
     """The stage was killed (hard time limit or lost worker) before it could report."""
 

@@ -94,6 +94,9 @@ class WorkerSettings(CommonSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_context_tokens: int = Field(2048, ge=64)
 
+    #: A stage message delivered this many times (its worker died each time) fails as worker_lost.
+    max_deliveries: int = Field(3, ge=1)
+
     # Worker processes.
     cpu_concurrency: int = Field(2, ge=1)
     #: Recycle CPU/ASR pool children after this many tasks or this much resident memory (KiB).

@@ -29,6 +29,11 @@ def frame_ref(index: int, frame: int) -> str:
     return f"input:{index}:frame:{frame}"
 
 
+def deliveries_key(task_id: str) -> str:
+    """How many times a task message was delivered to a worker."""
+    return f"{PREFIX}:deliveries:{task_id}"
+
+
 def tokens_key(job_id: str) -> str:
     """The job's tokenized prompt, ready for the model."""
     return f"{PREFIX}:job:{job_id}:tokens"
@@ -87,6 +92,14 @@ class JobStore:
     def _get_bytes(self, key: str) -> bytes | None:
         value = self.redis.get(key)
         return bytes(value) if value is not None else None
+
+    def count_delivery(self, task_id: str) -> int:
+        """Count one more delivery of a task message; returns how many there have been."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.incr(deliveries_key(task_id))
+            pipe.expire(deliveries_key(task_id), self.job_ttl_s)
+            count, _ = pipe.execute()
+        return int(count)
 
     # -- jobs ---------------------------------------------------------------------------------------------
     def create_job(self, job_id: str, prompt: str, inputs: Iterable[InputRecord], accepted: float) -> None:

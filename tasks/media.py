@@ -17,7 +17,7 @@ from stoker.jobs import InputRecord, Segment
 from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
-from tasks.stage import handoff, input_bytes, input_stage, runnable, through_cache
+from tasks.stage import give_up, handoff, input_bytes, input_stage, runnable, through_cache
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ def probe(job_id: str, ref: str) -> dict[str, Any]:
     record = store.get_input(job_id, ref)
     if record is None or not runnable(record):
         return handoff(job_id, ref, record)
+    if give_up(job_id, ref, record, "probe"):
+        return handoff(job_id, ref, record)
     with input_stage(record, "probe"):
         info = probe_media(input_bytes(record, "probe"), resources.settings().max_media_seconds)
         record.features = info.to_dict()
@@ -57,6 +59,8 @@ def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
     store = resources.store()
     record = store.get_input(job_id, ref)
     if record is None or not runnable(record):
+        return handoff(job_id, ref, record)
+    if give_up(job_id, ref, record, "transcribe"):
         return handoff(job_id, ref, record)
     s = resources.settings()
     with input_stage(record, "transcribe"):

@@ -8,11 +8,20 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from celery import current_task
 from celery.exceptions import SoftTimeLimitExceeded
 
 from stoker.cache import CacheAddress
 from stoker.core.media import ContentHash
-from stoker.errors import AsrTimeout, ImageDecodeTimeout, InputExpired, OcrTimeout, StageTimeout, StokerError
+from stoker.errors import (
+    AsrTimeout,
+    ImageDecodeTimeout,
+    InputExpired,
+    OcrTimeout,
+    StageTimeout,
+    StokerError,
+    WorkerLost,
+)
 from stoker.jobs import ErrorInfo, InputRecord
 from tasks import resources
 
@@ -95,3 +104,27 @@ def input_bytes(record: InputRecord, stage: str) -> bytes:
     if data is None:
         raise InputExpired(f"input bytes expired before {stage}", stage=stage)
     return data
+
+
+def poison(record: InputRecord, stage: str) -> bool:
+    """True (and the record failed as worker_lost) when this message already took its worker down too often.
+
+    Late acks requeue a task whose worker died; a task that kills every worker it lands on would loop forever.
+    """
+    request = current_task.request if current_task else None
+    if request is None or not request.id:
+        return False
+    deliveries = resources.store().count_delivery(str(request.id))
+    if deliveries <= resources.settings().max_deliveries:
+        return False
+    log.error("%s delivered %d times, its worker died each time: giving up", stage, deliveries - 1)
+    _fail(record, WorkerLost(f"{stage} killed its worker {deliveries - 1} times", stage=stage))
+    return True
+
+
+def give_up(job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
+    """Whether to stop here because the message is poison; the failed record is then written."""
+    if not poison(record, stage):
+        return False
+    resources.store().put_input(job_id, ref, record)
+    return True

@@ -34,7 +34,8 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
     pids = root / "pids"
     pids.mkdir()
     stub = root / "tesseract"
-    stub.write_text(f"#!/bin/sh\necho $$ > {pids}/$$\nexec sleep 600\n")
+    # Hangs; or, while a "poison" marker exists, kills the pool child that ran it (its parent).
+    stub.write_text(f"#!/bin/sh\necho $$ > {pids}/$$\n[ -e {root}/poison ] && kill -9 $PPID\nexec sleep 600\n")
     stub.chmod(0o755)
     env = {
         **os.environ,
@@ -111,3 +112,21 @@ def test_a_stage_killed_at_its_hard_limit_still_ends_the_job(harsh: tuple[TestCl
     assert item["status"] == "failed"
     assert item["error"]["code"] == "stage_killed"
     assert job["result"]["text"].strip()
+
+
+def test_a_stage_that_kills_its_worker_every_time_is_given_up(harsh: tuple[TestClient, Path]) -> None:
+    client, pids = harsh
+    marker = pids.parent / "poison"
+    marker.touch()
+    try:
+        files = [("image", ("poison.png", text_image("POISON"), "image/png"))]
+        poisoned = client.post("/v1/jobs", data={"prompt": "Read it."}, files=files).json()["id"]
+        bystander = client.post("/v1/jobs", data={"prompt": "Say hello."}).json()["id"]
+        job = _wait(client, poisoned)
+    finally:
+        marker.unlink()
+    assert job["status"] == "degraded", job
+    item = job["inputs"][0]
+    assert item["error"]["code"] == "worker_lost"
+    assert item["error"]["stage"] == "ocr"
+    assert _wait(client, bystander)["status"] == "succeeded"
