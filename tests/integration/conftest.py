@@ -86,5 +86,5 @@ def client(workers: dict[str, Path], spy: SpySubmitter) -> Iterator[TestClient]:
     from api.app import create_app
     from stoker.settings import ApiSettings
 
-    with TestClient(create_app(ApiSettings(max_body_bytes=2 * 1024 * 1024), submitter=spy)) as test_client:
+    with TestClient(create_app(ApiSettings(), submitter=spy)) as test_client:
         yield test_client

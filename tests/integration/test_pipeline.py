@@ -5,9 +5,11 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
+from PIL import Image
 
-from tests.media import text_image, truncated
+from tests.media import encode, png_bomb, text_image, truncated
 
 
 def _wait(client: TestClient, job_id: str) -> dict[str, Any]:
@@ -121,3 +123,40 @@ def test_jobs_arriving_together_share_batches(client: TestClient) -> None:
     assert sizes == members  # every job reports the batch it really rode in
     assert max(sizes.values()) > 1
     assert max(sizes.values()) <= 8  # STOKER_MAX_BATCH_SIZE
+
+
+def _one_image(client: TestClient, data: bytes) -> dict[str, Any]:
+    response = client.post("/v1/jobs", data={"prompt": "What is it?"}, files=[("image", ("x.img", data, "image/png"))])
+    assert response.status_code == 202, response.text
+    return _wait(client, response.json()["id"])
+
+
+BAD_IMAGES = {
+    "decompression bomb": (lambda: png_bomb(60_000, 60_000), "image_too_large"),
+    "truncated jpeg": (lambda: truncated(text_image("CUT", size=(1600, 1200), fmt="JPEG"), 0.4), "image_corrupt"),
+}
+
+
+@pytest.mark.parametrize(("make", "code"), BAD_IMAGES.values(), ids=BAD_IMAGES.keys())
+def test_bad_images_degrade_with_their_code(client: TestClient, make: Any, code: str) -> None:
+    job = _one_image(client, make())
+    assert job["status"] == "degraded", job
+    assert job["inputs"][0]["error"]["code"] == code
+    assert job["result"]["text"].strip()
+
+
+def test_a_12_megapixel_class_jpeg_decodes_within_its_limit(client: TestClient) -> None:
+    noise = Image.effect_noise((8000, 6000), 30).convert("RGB")
+    data = encode(noise, "JPEG", quality=70)
+    assert 8 * 1024 * 1024 < len(data) < 20 * 1024 * 1024
+    job = _one_image(client, data)
+    assert job["status"] == "succeeded", job
+    assert job["inputs"][0]["features"]["megapixels"] == 48.0
+    assert job["inputs"][0]["timings_ms"]["decode"] < 3000  # inside the decode soft limit, by draft decoding
+
+
+def test_an_animated_gif_with_thousands_of_frames_uses_its_first(client: TestClient) -> None:
+    frames = [Image.new("L", (64, 64), n % 256) for n in range(3000)]
+    job = _one_image(client, encode(frames[0], "GIF", save_all=True, append_images=frames[1:]))
+    assert job["status"] == "succeeded", job
+    assert job["inputs"][0]["features"]["animated"] is True
