@@ -42,7 +42,7 @@ task_annotations = {
 task_acks_late = True
 task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
-broker_transport_options = {"visibility_timeout": 300}
+broker_transport_options = {"visibility_timeout": _s.visibility_timeout_s}
 broker_connection_retry_on_startup = True
 broker_connection_max_retries = None
 

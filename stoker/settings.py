@@ -94,6 +94,8 @@ class WorkerSettings(CommonSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_context_tokens: int = Field(2048, ge=64)
 
+    #: Unacknowledged messages of a worker that vanished come back after this long (above every hard limit).
+    visibility_timeout_s: int = Field(300, ge=5)
     #: A stage message delivered this many times (its worker died each time) fails as worker_lost.
     max_deliveries: int = Field(3, ge=1)
 
