@@ -54,3 +54,12 @@ def wait_for(check: Callable[[], bool], timeout_s: float, what: str, procs: list
 def tail(path: Path, lines: int = 40) -> str:
     """The end of a log, for failure messages."""
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")

@@ -6,7 +6,6 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -16,8 +15,9 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from stoker.settings import ApiSettings
 from tasks.pipeline import CelerySubmitter
+from tests.integration.test_pipeline import _wait
 from tests.media import long_speech_wav, text_image
-from tests.procs import spawn, stop, tail, wait_for
+from tests.procs import running, spawn, stop, tail, wait_for
 
 DBS = (8, 9)
 
@@ -68,22 +68,6 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
             stop(proc)
 
 
-def _wait(client: TestClient, job_id: str) -> dict[str, Any]:
-    for _ in range(10):
-        job: dict[str, Any] = client.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()
-        if job["status"] in ("succeeded", "degraded", "failed"):
-            return job
-    raise AssertionError(f"job {job_id} stuck: {job}")
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def test_a_hung_tesseract_times_out_and_leaves_nothing_behind(harsh: tuple[TestClient, Path]) -> None:
     client, pids = harsh
     files = [("image", ("hung.png", text_image("HUNG"), "image/png"))]
@@ -98,7 +82,7 @@ def test_a_hung_tesseract_times_out_and_leaves_nothing_behind(harsh: tuple[TestC
     time.sleep(0.5)
     started = [int(p.name) for p in pids.iterdir()]
     assert started, "the stub tesseract never ran"
-    assert [pid for pid in started if _running(pid)] == []
+    assert [pid for pid in started if running(pid)] == []
 
 
 def test_a_stage_killed_at_its_hard_limit_still_ends_the_job(harsh: tuple[TestClient, Path]) -> None:

@@ -11,6 +11,7 @@ from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.ocr import normalise_text, read_text, tesseract_version
 from stoker.errors import OcrFailed, OcrTimeout
 from tests.media import text_image
+from tests.procs import running
 
 
 def _gray(text: str):  # type: ignore[no-untyped-def]
@@ -37,16 +38,7 @@ def test_a_hung_tesseract_is_killed_with_everything_it_started(tmp_path: Path) -
     with pytest.raises(OcrTimeout):
         read_text(_gray("HUNG"), "eng", timeout_s=0.5, binary=str(stub))
     time.sleep(0.2)
-    assert [pid for pid in map(int, pids.read_text().split()) if _running(pid)] == []
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie waiting to be reaped."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    assert [pid for pid in map(int, pids.read_text().split()) if running(pid)] == []
 
 
 def test_missing_tesseract_is_a_structured_error() -> None:
