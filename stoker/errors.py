@@ -97,12 +97,6 @@ class MediaEmpty(InputError):
     http_status = 422
 
 
-class AsrFailed(InputError):
-    """Transcription failed on this audio."""
-
-    code = "asr_failed"
-
-
 class InputExpired(InputError):
     """The input's bytes are no longer in the store."""
 
@@ -149,12 +143,6 @@ class StageKilled(InputError):
     """The stage was killed (hard time limit or lost worker) before it could report."""
 
     code = "stage_killed"
-
-
-class UpstreamFailed(InputError):
-    """An earlier stage failed for this input."""
-
-    code = "upstream_failed"
 
 
 class JobNotFound(StokerError):

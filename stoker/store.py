@@ -120,10 +120,6 @@ class JobStore:
         """Forget a job that was never enqueued."""
         self.redis.delete(job_key(job_id), tokens_key(job_id))
 
-    def exists(self, job_id: str) -> bool:
-        """Whether a job record exists."""
-        return bool(self.redis.exists(job_key(job_id)))
-
     def mark_started(self, job_id: str) -> None:
         """The first stage to run for a job moves it to preprocessing."""
         if self.redis.hsetnx(job_key(job_id), "ts:started", repr(time.time())):
