@@ -15,6 +15,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and args.command != "worker":
         _parser().error(f"unrecognised arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns what matters
     handler = _HANDLERS[args.command]
     return int(handler(args, extra) or 0)
 
