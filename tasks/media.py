@@ -17,7 +17,7 @@ from stoker.jobs import InputRecord, Segment
 from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
-from tasks.stage import give_up, handoff, input_bytes, input_stage, runnable, through_cache
+from tasks.stage import handoff, has_work, input_bytes, input_stage, through_cache
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,7 @@ def probe(job_id: str, ref: str) -> dict[str, Any]:
     store = resources.store()
     store.mark_started(job_id)
     record = store.get_input(job_id, ref)
-    if record is None or not runnable(record):
-        return handoff(job_id, ref, record)
-    if give_up(job_id, ref, record, "probe"):
+    if not has_work(record, job_id, ref, "probe"):
         return handoff(job_id, ref, record)
     with input_stage(record, "probe"):
         info = probe_media(input_bytes(record, "probe"), resources.settings().max_media_seconds)
@@ -58,9 +56,7 @@ def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
     job_id, ref = previous["job_id"], previous["ref"]
     store = resources.store()
     record = store.get_input(job_id, ref)
-    if record is None or not runnable(record):
-        return handoff(job_id, ref, record)
-    if give_up(job_id, ref, record, "transcribe"):
+    if not has_work(record, job_id, ref, "transcribe"):
         return handoff(job_id, ref, record)
     s = resources.settings()
     with input_stage(record, "transcribe"):

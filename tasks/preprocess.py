@@ -25,7 +25,7 @@ from stoker.jobs import ErrorInfo, InputRecord
 from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
-from tasks.stage import give_up, handoff, input_bytes, input_stage, runnable, through_cache
+from tasks.stage import handoff, has_work, input_bytes, input_stage, through_cache
 from workers.limits import cap_address_space
 
 log = logging.getLogger(__name__)
@@ -69,9 +69,7 @@ def decode(job_id: str, ref: str) -> dict[str, Any]:
     store = resources.store()
     store.mark_started(job_id)
     record = store.get_input(job_id, ref)
-    if record is None or not runnable(record):
-        return handoff(job_id, ref, record)
-    if give_up(job_id, ref, record, "decode"):
+    if not has_work(record, job_id, ref, "decode"):
         return handoff(job_id, ref, record)
     with input_stage(record, "decode"):
         address = decode_address(record.content_hash)
@@ -97,9 +95,7 @@ def ocr(previous: dict[str, Any]) -> dict[str, Any]:
     job_id, ref = previous["job_id"], previous["ref"]
     store = resources.store()
     record = store.get_input(job_id, ref)
-    if record is None or not runnable(record):
-        return handoff(job_id, ref, record)
-    if give_up(job_id, ref, record, "ocr"):
+    if not has_work(record, job_id, ref, "ocr"):
         return handoff(job_id, ref, record)
     s = resources.settings()
     with input_stage(record, "ocr"):

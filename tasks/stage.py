@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 from celery import current_task
 from celery.exceptions import SoftTimeLimitExceeded
@@ -128,3 +128,8 @@ def give_up(job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
         return False
     resources.store().put_input(job_id, ref, record)
     return True
+
+
+def has_work(record: InputRecord | None, job_id: str, ref: str, stage: str) -> TypeGuard[InputRecord]:
+    """Whether this stage has work on the record: it exists, nothing failed or skipped it, it is not poison."""
+    return record is not None and runnable(record) and not give_up(job_id, ref, record, stage)

@@ -104,17 +104,16 @@ def test_flower_watches_the_workers(stack: str) -> None:
     assert {name.split("@")[0] for name in workers} >= {"cpu", "asr", "infer"}
 
 
+def _submit_cli(stack: str, path: Path, prompt: str) -> subprocess.CompletedProcess[str]:
+    """Run `stoker submit` against the stack, as a user would."""
+    argv = [sys.executable, "-m", "stoker.cli", "submit", str(path), "--prompt", prompt, "--url", stack]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+
+
 def test_submit_command_prints_the_answer_and_timings(stack: str, tmp_path: Path) -> None:
     image = tmp_path / "receipt.png"
     image.write_bytes(text_image("RECEIPT 2024"))
-    out = subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "submit", str(image), "--prompt", "What does it say?", "--url", stack],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    out = _submit_cli(stack, image, "What does it say?")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "status succeeded" in out.stdout
     assert "RECEIPT" in out.stdout
@@ -126,14 +125,7 @@ def test_submit_command_prints_the_answer_and_timings(stack: str, tmp_path: Path
 def test_submit_command_prints_a_transcript_and_an_answer(stack: str, tmp_path: Path) -> None:
     speech = tmp_path / "speech.mp3"
     speech.write_bytes(to_mp3(speech_wav()))
-    out = subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "submit", str(speech), "--prompt", "Who gets the report?", "--url", stack],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    out = _submit_cli(stack, speech, "Who gets the report?")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "transcript:" in out.stdout
     assert "quarterly" in out.stdout.lower()
