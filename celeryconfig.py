@@ -42,11 +42,22 @@ task_annotations = {
 task_acks_late = True
 task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
-broker_transport_options = {"visibility_timeout": _s.visibility_timeout_s}
+broker_transport_options = {
+    "visibility_timeout": _s.visibility_timeout_s,
+    # kombu sweeps for expired unacked messages only every interval × throttle seconds (100 by default) and
+    # holds its sweep mutex up to 300 s if a sweeper died: sweep every 5 s, recover a dead sweeper's mutex in 30.
+    "unacked_restore_interval": 5,
+    "unacked_restore_throttle": 1,
+    "unacked_mutex_expire": 30,
+}
 broker_connection_retry_on_startup = True
 broker_connection_max_retries = None
 
 result_expires = 3600
+# Chord counters and task states live in the result backend: ride out a Redis restart instead of failing the task.
+result_backend_always_retry = True
+result_backend_max_retries = 30
+result_backend_max_sleep_between_retries_ms = 1000
 task_track_started = True
 worker_send_task_events = True
 task_send_sent_event = True

@@ -17,7 +17,7 @@ from stoker.jobs import InputKind
 from stoker.settings import ApiSettings
 
 FILE_FIELDS: tuple[InputKind, ...] = ("image", "audio", "video")
-TEXT_FIELDS = ("prompt",)
+TEXT_FIELDS = ("prompt", "deadline_ms")
 
 
 @dataclass(frozen=True)
@@ -36,21 +36,25 @@ class AcceptedRequest:
 
     prompt: str
     inputs: list[AcceptedInput]
+    deadline_ms: int
 
 
 async def read_request(request: Request, settings: ApiSettings) -> AcceptedRequest:
     """Parse and validate a job request; raises an InputError for anything that must not be enqueued."""
     content_type = request.headers.get("content-type", "")
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        prompt, raw = await _read_multipart(request, settings)
+        prompt, raw, deadline = await _read_multipart(request, settings)
     elif content_type.startswith("application/json"):
-        prompt, raw = _read_json(await request.body())
+        prompt, raw, deadline = _read_json(await request.body())
     else:
         raise UnsupportedMediaType("send multipart/form-data, a url-encoded form or application/json")
-    return validate(prompt, raw, settings)
+    return validate(prompt, raw, settings, deadline)
 
 
-async def _read_multipart(request: Request, settings: ApiSettings) -> tuple[str | None, list[tuple[InputKind, bytes]]]:
+Fields = tuple[str | None, list[tuple[InputKind, bytes]], str | int | None]
+
+
+async def _read_multipart(request: Request, settings: ApiSettings) -> Fields:
     form = await request.form(
         max_files=settings.max_images + settings.max_audio + settings.max_video + 1,
         max_fields=len(TEXT_FIELDS) + 8,
@@ -59,9 +63,9 @@ async def _read_multipart(request: Request, settings: ApiSettings) -> tuple[str 
     unknown = set(form.keys()) - set(FILE_FIELDS) - set(TEXT_FIELDS)
     if unknown:
         raise InvalidRequest(f"unknown form fields: {', '.join(sorted(unknown))}")
-    prompt = form.get("prompt")
-    if isinstance(prompt, UploadFile):
-        raise InvalidRequest("prompt must be a text field")
+    prompt, deadline = form.get("prompt"), form.get("deadline_ms")
+    if isinstance(prompt, UploadFile) or isinstance(deadline, UploadFile):
+        raise InvalidRequest("prompt and deadline_ms must be text fields")
     files: list[tuple[InputKind, bytes]] = []
     for kind in FILE_FIELDS:
         for item in form.getlist(kind):
@@ -69,10 +73,10 @@ async def _read_multipart(request: Request, settings: ApiSettings) -> tuple[str 
                 raise InvalidRequest(f"{kind} must be a file")
             files.append((kind, await item.read()))
     await form.close()
-    return prompt, files
+    return prompt, files, deadline
 
 
-def _read_json(body: bytes) -> tuple[str, list[tuple[InputKind, bytes]]]:
+def _read_json(body: bytes) -> Fields:
     inputs: list[tuple[InputKind, bytes]] = []
     try:
         spec = JobCreate.model_validate_json(body)
@@ -83,7 +87,7 @@ def _read_json(body: bytes) -> tuple[str, list[tuple[InputKind, bytes]]]:
             inputs.append((item.kind, base64.b64decode(item.data, validate=True)))
         except (binascii.Error, ValueError) as exc:
             raise InvalidRequest(f"inputs[{position}].data is not valid base64") from exc
-    return spec.prompt, inputs
+    return spec.prompt, inputs, spec.deadline_ms
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -92,8 +96,13 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {err['msg']}"
 
 
-def validate(prompt: str | None, raw: list[tuple[InputKind, bytes]], settings: ApiSettings) -> AcceptedRequest:
-    """Check the prompt and sniff every input by its magic bytes."""
+def validate(
+    prompt: str | None,
+    raw: list[tuple[InputKind, bytes]],
+    settings: ApiSettings,
+    deadline_ms: str | int | None = None,
+) -> AcceptedRequest:
+    """Check the prompt and the deadline, and sniff every input by its magic bytes."""
     if prompt is None or not prompt.strip():
         raise InvalidRequest("prompt is required")
     if len(prompt) > settings.max_prompt_chars:
@@ -102,7 +111,21 @@ def validate(prompt: str | None, raw: list[tuple[InputKind, bytes]], settings: A
     for kind, limit in limits.items():
         if sum(1 for k, _ in raw if k == kind) > limit:
             raise TooManyInputs(f"at most {limit} {kind} input(s) per job")
-    return AcceptedRequest(prompt=prompt, inputs=[_accept(i, kind, data) for i, (kind, data) in enumerate(raw)])
+    accepted = [_accept(i, kind, data) for i, (kind, data) in enumerate(raw)]
+    return AcceptedRequest(prompt=prompt, inputs=accepted, deadline_ms=_deadline_ms(deadline_ms, settings))
+
+
+def _deadline_ms(value: str | int | None, settings: ApiSettings) -> int:
+    """The requested deadline in ms (the default when none), within [100, max_deadline_ms]."""
+    if value is None or value == "":
+        return settings.deadline_ms
+    try:
+        ms = int(value)
+    except ValueError as exc:
+        raise InvalidRequest("deadline_ms must be a whole number of milliseconds") from exc
+    if not 100 <= ms <= settings.max_deadline_ms:
+        raise InvalidRequest(f"deadline_ms must be between 100 and {settings.max_deadline_ms}")
+    return ms
 
 
 def _accept(position: int, kind: InputKind, data: bytes) -> AcceptedInput:

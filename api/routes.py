@@ -18,6 +18,7 @@ from api.intake import AcceptedRequest, read_request
 from api.schemas import ErrorPublic, JobPublic
 from stoker.cache import StageCache, prompt_address
 from stoker.core.prompting import attachment_for
+from stoker.deadlines import deadline_for
 from stoker.errors import BrokerUnavailable, JobNotFound
 from stoker.jobs import InputRecord, Job
 from stoker.settings import ApiSettings
@@ -40,11 +41,13 @@ async def create_job(request: Request) -> JSONResponse:
     settings: ApiSettings = request.app.state.settings
     accepted = await read_request(request, settings)
     state = request.app.state
-    job = await run_in_threadpool(_admit, state.store, state.cache, state.submitter, accepted)
+    job = await run_in_threadpool(_admit, state.store, state.cache, state.submitter, accepted, settings)
     return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
 
-def _admit(store: JobStore, cache: StageCache, submitter: Submitter, accepted: AcceptedRequest) -> Job:
+def _admit(
+    store: JobStore, cache: StageCache, submitter: Submitter, accepted: AcceptedRequest, settings: ApiSettings
+) -> Job:
     """Write inputs and record before enqueueing, so no worker can see a job that is not stored.
 
     A job whose inputs are all preprocessed in the cache skips the CPU preprocessing queues; one whose whole
@@ -56,18 +59,18 @@ def _admit(store: JobStore, cache: StageCache, submitter: Submitter, accepted: A
         for i, item in enumerate(accepted.inputs)
     ]
     start, records, ids = _shortcut(cache, accepted.prompt, records)
+    now = time.time()
+    deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
     try:
         for item in accepted.inputs:
             store.put_blob(item.digest, item.data)
-        store.create_job(job_id, accepted.prompt, records, accepted=time.time())
+        store.create_job(job_id, accepted.prompt, records, now, deadline, accepted.deadline_ms)
         if ids is not None:
-            store.put_tokens(job_id, ids)
-            store.mark_started(job_id)
-            store.stamp(job_id, "preprocessed", status="inferring")
+            store.hand_off(job_id, ids, rev=None)
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     try:
-        submitter.submit(job_id, records, start=start)
+        submitter.submit(job_id, records, start=start, deadline=deadline.at)
     except Exception as exc:
         log.warning("could not enqueue job %s: %r", job_id, exc)
         store.delete_job(job_id)

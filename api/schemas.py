@@ -21,6 +21,7 @@ class JobCreate(BaseModel):
 
     prompt: str = Field(min_length=1)
     inputs: list[InputCreate] = Field(default_factory=list)
+    deadline_ms: int | None = Field(None, description="answer within this many ms (default from settings)")
 
 
 class JobPublic(Job):

@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=None)
     worker = sub.add_parser("worker", help="start a celery worker for a queue group; extra args go to celery")
     worker.add_argument("kind", choices=["cpu", "asr", "infer"])
+    sub.add_parser("reaper", help="move late and stalled jobs on (deadlines, lost messages); one acts at a time")
     api = sub.add_parser("api", help="serve the HTTP API")
     api.add_argument("--host", default=None)
     api.add_argument("--port", type=int, default=None)
@@ -55,6 +56,12 @@ def _worker(args: argparse.Namespace, extra: list[str]) -> int:
 
     exec_worker(args.kind, extra)
     return 0
+
+
+def _reaper(args: argparse.Namespace, _: list[str]) -> int:
+    from workers.reaper import run_reaper
+
+    return run_reaper()
 
 
 def _api(args: argparse.Namespace, _: list[str]) -> int:
@@ -122,6 +129,7 @@ def _cache(args: argparse.Namespace, _: list[str]) -> int:
 _HANDLERS = {
     "up": _up,
     "worker": _worker,
+    "reaper": _reaper,
     "api": _api,
     "submit": _submit,
     "model": _model,

@@ -133,6 +133,19 @@ class AsrTimeout(StageTimeout):
     code = "asr_timeout"
 
 
+class AsrFailed(InputError):
+    """Transcription failed on this media."""
+
+    code = "asr_failed"
+
+
+class DeadlineExceeded(InputError):
+    """The job's deadline (or its preprocessing budget) ran out before this step."""
+
+    code = "deadline_exceeded"
+    http_status = 504
+
+
 class WorkerLost(InputError):
     """The stage killed its worker on every delivery; it was given up instead of retried forever."""
 

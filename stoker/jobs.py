@@ -81,6 +81,8 @@ class Job(BaseModel):
     error: ErrorInfo | None = None
     batch: BatchInfo | None = None
     timings_ms: dict[str, float] = Field(default_factory=dict)
+    #: The deadline the job was accepted with.
+    deadline_ms: int | None = None
 
     @property
     def terminal(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: The model shipped with stoker: SmolLM2-135M-Instruct, fetched from PyPI and cached as safetensors.
@@ -47,6 +47,12 @@ class ApiSettings(CommonSettings):
     max_video: int = Field(1, ge=0)
     max_prompt_chars: int = Field(32_000, ge=1)
     max_long_poll_s: float = Field(30.0, ge=0)
+    #: A job's deadline when the request names none (form field or JSON `deadline_ms`), and the most it may ask.
+    deadline_ms: int = Field(60_000, ge=100)
+    max_deadline_ms: int = Field(3_600_000, ge=100)
+    #: Kept back from the deadline for waiting on and running the model (at most half the deadline): when the
+    #: rest is spent, the job goes to inference with the inputs that are ready.
+    infer_reserve_ms: int = Field(5_000, ge=0)
 
 
 class WorkerSettings(CommonSettings):
@@ -63,8 +69,11 @@ class WorkerSettings(CommonSettings):
     probe_hard_s: float = 5.0
     keyframes_soft_s: float = 10.0
     keyframes_hard_s: float = 15.0
+    #: The Celery limits above cap transcription; within them it gets base + per second of media.
     transcribe_soft_s: float = 150.0
     transcribe_hard_s: float = 180.0
+    transcribe_base_s: float = Field(10.0, gt=0)
+    transcribe_per_media_s: float = Field(1.0, ge=0)
 
     # Decode.
     max_image_pixels: int = Field(90_000_000, ge=1, description="Header pixel cap (Pillow's default is 89.5M).")
@@ -98,6 +107,22 @@ class WorkerSettings(CommonSettings):
     visibility_timeout_s: int = Field(300, ge=5)
     #: A stage message delivered this many times (its worker died each time) fails as worker_lost.
     max_deliveries: int = Field(3, ge=1)
+    #: Times a worker's store command rides out a lost Redis connection (backoff capped at 1 s): a Redis restart
+    #: stalls tasks instead of failing them.
+    redis_retries: int = Field(30, ge=0)
+
+    # The reaper: finds jobs that stopped making progress and moves them on.
+    reaper_interval_s: float = Field(0.25, gt=0)
+    #: A job handed to inference that has not started after this long is sent to the inference queue again.
+    redrive_after_s: float = Field(120.0, gt=0)
+    max_redrives: int = Field(3, ge=0)
+    #: Touched on every reaper loop, for health checks.
+    reaper_heartbeat: Path = Path("/tmp/stoker-reaper.alive")
+
+    # The inference watchdog: a batch running longer than its budget fails its jobs as inference_failed; one
+    # still running after the grace as well means the device is wedged, and the worker exits to be restarted.
+    infer_batch_timeout_s: float = Field(60.0, gt=0)
+    infer_wedge_grace_s: float = Field(30.0, gt=0)
 
     # Worker processes.
     cpu_concurrency: int = Field(2, ge=1)
@@ -107,6 +132,22 @@ class WorkerSettings(CommonSettings):
     #: Address-space cap (MiB) per CPU pool child, so a decompression bomb fails alone; 0 turns it off.
     cpu_address_space_mb: int = Field(6144, ge=0)
     infer_pool: Literal["threads", "solo"] = "threads"
+
+    @model_validator(mode="after")
+    def _visibility_outlasts_every_limit(self) -> WorkerSettings:
+        """A message is redelivered after the visibility timeout even if its task still runs: it must outlast all."""
+        longest = max(
+            self.decode_hard_s,
+            self.ocr_hard_s,
+            self.tokenize_hard_s,
+            self.probe_hard_s,
+            self.keyframes_hard_s,
+            self.transcribe_hard_s,
+            self.infer_batch_timeout_s + self.infer_wedge_grace_s,
+        )
+        if self.visibility_timeout_s <= longest:
+            raise ValueError(f"visibility_timeout_s ({self.visibility_timeout_s}) must exceed every limit ({longest})")
+        return self
 
     @property
     def infer_prefetch(self) -> int:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
+from typing import Literal
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from stoker.core.media import ContentHash
+from stoker.deadlines import Deadline, JobClock
 from stoker.jobs import STAMPS, BatchInfo, ErrorInfo, InputRecord, Job, JobStatus, ResultInfo, compute_timings
 
 PREFIX = "stoker"
@@ -59,9 +63,58 @@ def cache_lease_key(stage: str, version: str, digest: str, fingerprint: str) -> 
     return f"{PREFIX}:lease:{stage}:{version}:{digest}:{fingerprint}"
 
 
+#: Every job not yet terminal, scored by when the reaper should next look at it.
+ACTIVE_KEY = f"{PREFIX}:active"
+#: Lease held by the one reaper that acts at a time.
+REAPER_LEASE_KEY = f"{PREFIX}:reaper"
 CACHE_STATS_KEY = f"{PREFIX}:cache-stats"
 #: The fingerprint of the workers' whole preprocessing configuration, as they last published it.
 PIPELINE_IDENTITY_KEY = f"{PREFIX}:pipeline-identity"
+
+
+# An input record is written only while its job is still preprocessing: once the prompt was built from the
+# records, a stage finishing late must not change what the job says it used. `rev` counts the writes.
+_PUT_INPUT = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'ts:preprocessed') == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'rev', 1)
+return 1
+"""
+
+# The one hand-over from preprocessing to inference. 'stale': a record changed since the prompt was built.
+_HAND_OFF = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'ts:preprocessed') == 1 then
+  return 'done'
+end
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'succeeded' or status == 'degraded' or status == 'failed' then return 'done' end
+if ARGV[5] == '0' and (redis.call('HGET', KEYS[1], 'rev') or '0') ~= ARGV[1] then return 'stale' end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
+redis.call('HSETNX', KEYS[1], 'ts:started', ARGV[3])
+redis.call('HSET', KEYS[1], 'ts:preprocessed', ARGV[3], 'status', 'inferring')
+return 'ok'
+"""
+
+# A terminal status is written once: whoever comes second (a late batch, the reaper, the watchdog) changes nothing.
+_FINISH = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'succeeded' or status == 'degraded' or status == 'failed' then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('PUBLISH', KEYS[4], ARGV[2])
+return 1
+"""
+
+# Take or renew a lease held under a token.
+_LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+HandOff = Literal["ok", "stale", "done"]
 
 
 class JobStore:
@@ -71,11 +124,26 @@ class JobStore:
         self.redis = client
         self.blob_ttl_s = blob_ttl_s
         self.job_ttl_s = job_ttl_s
+        self._put_input = client.register_script(_PUT_INPUT)
+        self._hand_off = client.register_script(_HAND_OFF)
+        self._finish = client.register_script(_FINISH)
+        self._lease = client.register_script(_LEASE)
 
     @classmethod
-    def from_url(cls, url: str, *, blob_ttl_s: int, job_ttl_s: int) -> JobStore:
-        """Connect lazily to the store at url."""
-        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30)
+    def from_url(cls, url: str, *, blob_ttl_s: int, job_ttl_s: int, retries: int = 1) -> JobStore:
+        """Connect lazily to the store at url; each command rides out a broken connection `retries` times.
+
+        Workers pass many retries (with backoff capped at 1 s) so a Redis restart stalls them instead of failing
+        their tasks; the API passes few, so a client learns of an outage in time to retry elsewhere.
+        """
+        client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=2,
+            socket_timeout=10,
+            health_check_interval=30,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        )
         return cls(client, blob_ttl_s=blob_ttl_s, job_ttl_s=job_ttl_s)
 
     # -- blobs and artefacts -------------------------------------------------------------------------------
@@ -102,23 +170,38 @@ class JobStore:
         return int(count)
 
     # -- jobs ---------------------------------------------------------------------------------------------
-    def create_job(self, job_id: str, prompt: str, inputs: Iterable[InputRecord], accepted: float) -> None:
-        """Write a new job record atomically, in status queued."""
+    def create_job(
+        self,
+        job_id: str,
+        prompt: str,
+        inputs: Iterable[InputRecord],
+        accepted: float,
+        deadline: Deadline,
+        deadline_ms: int,
+    ) -> None:
+        """Write a new job record atomically, in status queued, and put it under the reaper's watch."""
         fields: dict[str | bytes, str | bytes | float | int] = {
             "prompt": prompt,
             "status": "queued",
             "ts:accepted": repr(accepted),
+            "deadline": repr(deadline.at),
+            "preprocess_by": repr(deadline.preprocess_by),
+            "deadline_ms": deadline_ms,
         }
         for record in inputs:
             fields[input_ref(record.index)] = record.model_dump_json()
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(job_key(job_id), mapping=fields)
             pipe.expire(job_key(job_id), self.job_ttl_s)
+            pipe.zadd(ACTIVE_KEY, {job_id: deadline.preprocess_by})
             pipe.execute()
 
     def delete_job(self, job_id: str) -> None:
         """Forget a job that was never enqueued."""
-        self.redis.delete(job_key(job_id), tokens_key(job_id))
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(job_key(job_id), tokens_key(job_id))
+            pipe.zrem(ACTIVE_KEY, job_id)
+            pipe.execute()
 
     def mark_started(self, job_id: str) -> None:
         """The first stage to run for a job moves it to preprocessing."""
@@ -142,13 +225,31 @@ class JobStore:
         raw = self.redis.hget(job_key(job_id), ref)
         return InputRecord.model_validate_json(raw) if raw else None
 
-    def put_input(self, job_id: str, ref: str, record: InputRecord) -> None:
-        """Replace one record; each has a single writer at a time (its own chain)."""
-        self.redis.hset(job_key(job_id), ref, record.model_dump_json())
+    def put_input(self, job_id: str, ref: str, record: InputRecord) -> bool:
+        """Replace one record, unless the job already went to inference (or is gone); True if written.
 
-    def put_tokens(self, job_id: str, ids: list[int]) -> None:
-        """Store the tokenized prompt for the inference consumer."""
-        self.redis.set(tokens_key(job_id), json.dumps(ids), ex=self.job_ttl_s)
+        Each record has a single writer at a time (its own chain; the reaper only after a cut-off).
+        """
+        return bool(self._put_input(keys=[job_key(job_id)], args=[ref, record.model_dump_json()]))
+
+    def load_for_handoff(self, job_id: str) -> tuple[Job | None, int]:
+        """The job, and the revision of its input records to hand over against."""
+        raw = self.redis.hgetall(job_key(job_id))
+        if not raw:
+            return None, 0
+        return job_from_fields(job_id, raw), int(raw.get(b"rev", b"0"))
+
+    def hand_off(self, job_id: str, ids: list[int], rev: int | None) -> HandOff:
+        """Store the tokenized prompt and move the job to inferring, once; rev None hands over whatever changed.
+
+        'stale' when an input record changed after `rev` (build the prompt again); 'done' when someone already
+        handed the job over or it ended.
+        """
+        args = [rev or 0, json.dumps(ids), repr(time.time()), self.job_ttl_s, "1" if rev is None else "0"]
+        result = self._hand_off(keys=[job_key(job_id), tokens_key(job_id)], args=args)
+        outcome = result.decode() if isinstance(result, bytes) else str(result)
+        assert outcome in ("ok", "stale", "done"), outcome
+        return outcome  # type: ignore[return-value]
 
     def get_tokens(self, job_id: str) -> list[int] | None:
         """The tokenized prompt, or None."""
@@ -163,20 +264,63 @@ class JobStore:
         result: ResultInfo | None = None,
         error: ErrorInfo | None = None,
         batch: BatchInfo | None = None,
-    ) -> None:
-        """Write a terminal status with its result or error, then announce it."""
-        fields: dict[str | bytes, str | bytes | float | int] = {"status": status, "ts:done": repr(time.time())}
+    ) -> bool:
+        """Write a terminal status with its result or error and announce it; False if the job had already ended."""
+        fields: dict[str, str] = {"status": status, "ts:done": repr(time.time())}
         if result:
             fields["result"] = result.model_dump_json()
         if error:
             fields["error"] = error.model_dump_json()
         if batch:
             fields["batch"] = batch.model_dump_json()
-        with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(job_key(job_id), mapping=fields)
-            pipe.delete(tokens_key(job_id))
-            pipe.publish(done_channel(job_id), status)
-            pipe.execute()
+        keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id)]
+        args = [job_id, status, *(x for pair in fields.items() for x in pair)]
+        return bool(self._finish(keys=keys, args=args))
+
+    # -- the reaper's view -----------------------------------------------------------------------------------
+    def clock(self, job_id: str) -> JobClock:
+        """Where a job stands against its deadlines."""
+        names = ("status", "deadline", "preprocess_by", "ts:preprocessed", "ts:infer_start", "redrives")
+        raw = dict(zip(names, self.redis.hmget(job_key(job_id), names), strict=True))
+
+        def number(name: str) -> float | None:
+            value = raw[name]
+            return float(value) if value is not None else None
+
+        return JobClock(
+            status=raw["status"].decode() if raw["status"] is not None else None,
+            deadline=number("deadline") or 0.0,
+            preprocess_by=number("preprocess_by") or 0.0,
+            preprocessed=number("ts:preprocessed"),
+            infer_start=number("ts:infer_start"),
+            redrives=int(number("redrives") or 0),
+        )
+
+    def preprocessing_open(self, job_id: str, now: float | None = None) -> bool:
+        """Whether a stage may still work for this job: not handed to inference, preprocessing budget left."""
+        budget, handed = self.redis.hmget(job_key(job_id), ["preprocess_by", "ts:preprocessed"])
+        if handed is not None:
+            return False
+        return budget is None or (time.time() if now is None else now) < float(budget)
+
+    def due_jobs(self, now: float, limit: int = 200) -> list[str]:
+        """Jobs the reaper should look at now."""
+        return [raw.decode() for raw in self.redis.zrangebyscore(ACTIVE_KEY, "-inf", now, start=0, num=limit)]
+
+    def watch_next(self, job_id: str, at: float | None) -> None:
+        """When the reaper looks at a job again; None forgets it. A job that ended meanwhile stays forgotten."""
+        if at is None:
+            self.redis.zrem(ACTIVE_KEY, job_id)
+        else:
+            self.redis.zadd(ACTIVE_KEY, {job_id: at}, xx=True)
+
+    def count_redrive(self, job_id: str) -> None:
+        """One more re-send of a job to the inference queue."""
+        self.redis.hincrby(job_key(job_id), "redrives", 1)
+
+    def take_lease(self, key: str, token: str, ttl_s: float) -> bool:
+        """Take or renew an exclusive lease; False while someone else holds it."""
+        return bool(self._lease(keys=[key], args=[token, int(ttl_s * 1000)]))
 
     def load_job(self, job_id: str) -> Job | None:
         """The job as clients see it, assembled from its record; None if unknown."""
@@ -198,6 +342,7 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
         error=ErrorInfo.model_validate_json(fields["error"]) if "error" in fields else None,
         batch=BatchInfo.model_validate_json(fields["batch"]) if "batch" in fields else None,
         timings_ms=compute_timings(stamps),
+        deadline_ms=int(fields["deadline_ms"]) if "deadline_ms" in fields else None,
     )
 
 

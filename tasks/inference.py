@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -16,9 +17,10 @@ from celery.worker.request import Request
 from celery_batches import Batches, SimpleRequest
 from celery_batches.trace import apply_batches_task
 
-from stoker.errors import InferenceFailed, StokerError
+from stoker.errors import DeadlineExceeded, InferenceFailed, StokerError
 from stoker.jobs import BatchInfo, ErrorInfo, ResultInfo, final_status
 from stoker.predictor import Prediction, Predictor, run_predictor
+from stoker.watchdog import BatchWatchdog, RunningBatch
 from tasks import resources
 from tasks.app import app
 
@@ -48,6 +50,7 @@ class DeviceBatches(Batches):  # type: ignore[misc]
     def __init__(self) -> None:
         super().__init__()
         self._busy = threading.Event()
+        self.running: Collection[Request] = ()
 
     def _do_flush(self) -> None:
         if self._busy.is_set():
@@ -66,6 +69,13 @@ class DeviceBatches(Batches):  # type: ignore[misc]
             self._busy.clear()
             raise
 
+    def give_back(self) -> None:
+        """Before the process is replaced: ack the running batch (its jobs have ended) and requeue the rest."""
+        for request in self.running:
+            request.acknowledge()
+        for request in _take(self._buffer, self._buffer.qsize()):
+            request.reject(requeue=True)
+
     def flush(self, requests: Collection[Request]) -> Any:
         """Run one batch in the pool; ack its messages and free the device when it returns."""
         serializable = ([SimpleRequest.from_request(r) for r in requests],)
@@ -73,8 +83,10 @@ class DeviceBatches(Batches):  # type: ignore[misc]
         def on_return(_: Any) -> None:
             for request in requests:
                 request.acknowledge()
+            self.running = ()
             self._busy.clear()
 
+        self.running = requests
         return self._pool.apply_async(apply_batches_task, (self, serializable, 0, None), callback=on_return)
 
 
@@ -110,26 +122,40 @@ def serve_batch(job_ids: Sequence[str]) -> None:
     batch_id, started = uuid.uuid4().hex[:12], time.time()
     for item in items:
         store.stamp(item.job_id, "infer_start", at=started)
-    outcomes = predict_isolated(resources.predictor(), [i.prompt_ids for i in items])
+    watchdog.begin(batch_id, [i.job_id for i in items])
+    try:
+        outcomes = predict_isolated(resources.predictor(), [i.prompt_ids for i in items])
+    finally:
+        ran = watchdog.end()
     ended = time.time()
     for item, outcome in zip(items, outcomes, strict=True):
         store.stamp(item.job_id, "infer_end", at=ended)
         batch = BatchInfo(id=batch_id, size=len(items), wait_ms=round((started - item.preprocessed_at) * 1000, 2))
         _finish(item.job_id, outcome, batch)
-    log.info("batch %s: %d jobs in %.0f ms", batch_id, len(items), (ended - started) * 1000)
+    late = " (past its budget: results dropped)" if ran and ran.overdue else ""
+    log.info("batch %s: %d jobs in %.0f ms%s", batch_id, len(items), (ended - started) * 1000, late)
 
 
 def _load_items(job_ids: Sequence[str]) -> list[BatchItem]:
-    """Jobs still waiting for the model; a redelivered message of a finished job has no prompt left."""
+    """Jobs still waiting for the model; a redelivered message of a finished job has no prompt left.
+
+    A job whose deadline passed while it waited is dropped here, before the model: no one is waiting for it.
+    """
     store = resources.store()
     items = []
+    now = time.time()
     for job_id in dict.fromkeys(job_ids):
         ids = store.get_tokens(job_id)
         if ids is None:
             log.info("job %s has no pending prompt; skipping", job_id)
             continue
-        preprocessed = store.get_stamp(job_id, "preprocessed")
-        items.append(BatchItem(job_id, ids, preprocessed or time.time()))
+        clock = store.clock(job_id)
+        if clock.deadline and now >= clock.deadline:
+            late = DeadlineExceeded("the deadline passed while the job waited for the model", stage="infer_queue")
+            store.finish(job_id, "failed", error=ErrorInfo(**late.to_dict()))
+            log.info("job %s dropped: deadline passed %.1fs ago", job_id, now - clock.deadline)
+            continue
+        items.append(BatchItem(job_id, ids, clock.preprocessed or now))
     return items
 
 
@@ -164,8 +190,32 @@ def _finish(job_id: str, outcome: Prediction | StokerError, batch: BatchInfo) ->
     store.finish(job_id, status, result=result, batch=batch)
 
 
+def _fail_overdue(batch: RunningBatch) -> None:
+    """The batch ran past its budget: its jobs fail now (a late return changes nothing)."""
+    late = InferenceFailed(f"batch {batch.id} ran past its {watchdog.budget_s:.0f}s budget", stage="infer")
+    for job_id in batch.job_ids:
+        resources.store().finish(job_id, "failed", error=ErrorInfo(**late.to_dict()))
+
+
+#: Exit status of an inference worker that gave up on a wedged device; its supervisor starts a fresh one.
+WEDGED_EXIT = 75
+
+
+def _replace_worker(batch: RunningBatch) -> None:
+    """The device is wedged: hand the queued messages back and exit, so a fresh process takes over."""
+    try:
+        infer.give_back()
+    finally:
+        logging.shutdown()
+        os._exit(WEDGED_EXIT)
+
+
+watchdog = BatchWatchdog(_settings.infer_batch_timeout_s, _settings.infer_wedge_grace_s, _fail_overdue, _replace_worker)
+
+
 @celeryd_after_setup.connect
 def _preload(sender: str, instance: Any, **_: Any) -> None:
     """Load the model when this worker consumes the inference queue, before the first batch arrives."""
     if "infer" in set(instance.app.amqp.queues.consume_from or {}):
         resources.predictor()
+        watchdog.watch()

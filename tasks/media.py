@@ -17,7 +17,7 @@ from stoker.jobs import InputRecord, Segment
 from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
-from tasks.stage import handoff, has_work, input_bytes, input_stage, through_cache
+from tasks.stage import handoff, has_work, input_bytes, input_stage, through_cache, time_limit
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
         if (record.features or {}).get("audio_streams", 1) > 0:
 
             def compute() -> dict[str, Any]:
-                samples = decode_audio(input_bytes(record, "transcribe"))
-                transcript = transcribe_samples(resources.speech_model(), samples, s.asr_beam_size)
+                with time_limit(transcribe_limit_s(record), "transcribe"):
+                    samples = decode_audio(input_bytes(record, "transcribe"))
+                    transcript = transcribe_samples(resources.speech_model(), samples, s.asr_beam_size)
                 return {"text": transcript.text, "segments": [asdict(x) for x in transcript.segments]}
 
             wait = max(s.transcribe_soft_s - 1.0, 0.5)
@@ -78,6 +79,13 @@ def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
     return handoff(job_id, ref, record)
 
 
+def transcribe_limit_s(record: InputRecord) -> float:
+    """Transcription's own limit: a base plus a share of the media's length, under the task's soft limit."""
+    s = resources.settings()
+    duration = float((record.features or {}).get("duration_s", 0.0))
+    return min(s.transcribe_base_s + s.transcribe_per_media_s * duration, s.transcribe_soft_s)
+
+
 @app.task(name="stoker.keyframe")
 def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     """Take keyframe `slot` of `count` from a video by seeking, and enter it into the image branch as an image."""
@@ -85,7 +93,7 @@ def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     store.mark_started(job_id)
     target = frame_ref(index, slot)
     video = store.get_input(job_id, input_ref(index))
-    if video is None:
+    if video is None or not store.preprocessing_open(job_id):
         return handoff(job_id, target, None)
     frame = InputRecord(index=slot, kind="image", content_hash="", size_bytes=0, status="skipped")
     address = keyframe_address(video.content_hash, slot, count)

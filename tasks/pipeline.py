@@ -8,10 +8,11 @@ video  probe → transcribe, and per keyframe slot: keyframe → decode → ocr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Literal, Protocol
 
 from celery import Celery, chain, chord, group
-from celery.canvas import Signature
+from celery.canvas import Signature, _chain
 
 from stoker.jobs import InputRecord
 from stoker.store import frame_ref, input_ref
@@ -24,7 +25,9 @@ Start = Literal["preprocess", "tokenize", "infer"]
 class Submitter(Protocol):
     """Starts the processing of an accepted job. The API depends on this seam, not on Celery."""
 
-    def submit(self, job_id: str, inputs: Sequence[InputRecord], start: Start = "preprocess") -> None:
+    def submit(
+        self, job_id: str, inputs: Sequence[InputRecord], start: Start = "preprocess", deadline: float | None = None
+    ) -> None:
         """Enqueue the job's work from `start` on; raises if the broker cannot take it."""
 
 
@@ -34,18 +37,40 @@ def job_canvas(
     app: Celery = default_app,
     keyframes: int = 3,
     start: Start = "preprocess",
+    deadline: float | None = None,
 ) -> Signature:
-    """The Celery canvas for one job, from where it enters the pipeline."""
+    """The Celery canvas for one job, from where it enters the pipeline.
+
+    Stage messages expire at the job's deadline: a worker discards one still queued by then instead of running
+    it for nobody. (The reaper has moved the job on by then; the inference consumer drops late jobs itself.)
+    """
     if start == "infer":
         return app.signature("stoker.infer", kwargs={"job_id": job_id})
     tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id})
     todo = inputs if start == "preprocess" else []
     branches = [branch for record in todo for branch in _branches(app, job_id, record, keyframes)]
     if not branches:
-        return tokenize.clone(args=(None,))
-    # Stages catch their own errors; this errback covers what they cannot (a hard time limit, a killed child).
-    tokenize.link_error(app.signature("stoker.rescue", kwargs={"job_id": job_id}))
-    return chord(group(branches), tokenize)
+        canvas: Signature = tokenize.clone(args=(None,))
+    else:
+        # Stages catch their own errors; this errback covers what they cannot (a hard time limit, a killed child).
+        tokenize.link_error(app.signature("stoker.rescue", kwargs={"job_id": job_id}))
+        canvas = chord(group(branches), tokenize)
+    if deadline is not None:
+        _expire_at(canvas, datetime.fromtimestamp(deadline, UTC))
+    return canvas
+
+
+def _expire_at(canvas: Signature, when: datetime) -> None:
+    """Set `expires` on every task of a canvas (chords, groups and chains are walked)."""
+    if isinstance(canvas, chord):
+        _expire_at(canvas.body, when)
+        for task in canvas.tasks:
+            _expire_at(task, when)
+    elif isinstance(canvas, (group, _chain)):
+        for task in canvas.tasks:
+            _expire_at(task, when)
+    else:
+        canvas.set(expires=when)
 
 
 def _branches(app: Celery, job_id: str, record: InputRecord, keyframes: int) -> list[Signature]:
@@ -69,6 +94,11 @@ def _image_branch(app: Celery, job_id: str, ref: str) -> Signature:
     return chain(app.signature("stoker.decode", args=(job_id, ref), immutable=True), app.signature("stoker.ocr"))
 
 
+def enqueue_inference(job_id: str, app: Celery = default_app) -> None:
+    """Put a tokenized job on the inference queue."""
+    app.signature("stoker.infer", kwargs={"job_id": job_id}).apply_async()
+
+
 class CelerySubmitter:
     """Submits jobs to the broker as Celery canvases."""
 
@@ -76,6 +106,8 @@ class CelerySubmitter:
         self.app = app
         self.keyframes = keyframes
 
-    def submit(self, job_id: str, inputs: Sequence[InputRecord], start: Start = "preprocess") -> None:
+    def submit(
+        self, job_id: str, inputs: Sequence[InputRecord], start: Start = "preprocess", deadline: float | None = None
+    ) -> None:
         """Publish the job's canvas."""
-        job_canvas(job_id, inputs, self.app, self.keyframes, start).apply_async()
+        job_canvas(job_id, inputs, self.app, self.keyframes, start, deadline).apply_async()

@@ -20,11 +20,12 @@ from stoker.core.arrays import array_from_bytes, array_to_bytes
 from stoker.core.imaging import DecodedImage, decode_image
 from stoker.core.ocr import read_text
 from stoker.core.prompting import attachment_for, build_prompt_ids
-from stoker.errors import MediaEmpty, StageKilled, StokerError
+from stoker.errors import DeadlineExceeded, MediaEmpty, StageKilled, StokerError
 from stoker.jobs import ErrorInfo, InputRecord
 from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
+from tasks.pipeline import enqueue_inference
 from tasks.stage import handoff, has_work, input_bytes, input_stage, through_cache
 from workers.limits import cap_address_space
 
@@ -122,49 +123,97 @@ def rescue(failed_task_id: str, *, job_id: str) -> dict[str, Any]:
 
     Inputs still unfinished are marked failed, and the job goes on to tokenize with what it has.
     """
-    store = resources.store()
-    job = store.load_job(job_id)
-    if job is None or job.terminal:
+    killed = StageKilled(f"task {failed_task_id} was killed")
+    if not fail_unfinished(job_id, killed):
         return {"job_id": job_id, "skipped": True}
-    killed = ErrorInfo(**StageKilled(f"task {failed_task_id} was killed").to_dict())
-    for record in job.inputs:
-        for ref, item in [(input_ref(record.index), record)] + [
-            (frame_ref(record.index, f.index), f) for f in record.frames or []
-        ]:
-            if item.status == "pending":
-                store.put_input(
-                    job_id, ref, item.model_copy(update={"status": "failed", "error": killed, "frames": None})
-                )
     log.warning("job %s rescued after task %s was killed", job_id, failed_task_id)
     return tokenize_job(job_id)
 
 
-def tokenize_job(job_id: str) -> dict[str, Any]:
-    """Tokenize a job's prompt material and hand it to the inference queue."""
+def cut_off(job_id: str) -> dict[str, Any]:
+    """The job's preprocessing budget is spent: fail what is unfinished and go to inference with the rest."""
+    fail_unfinished(job_id, DeadlineExceeded("the job's preprocessing budget ran out first"))
+    return tokenize_job(job_id)
+
+
+def fail_unfinished(job_id: str, error: StokerError) -> bool:
+    """Mark every input (and keyframe) still pending as failed with error; False if the job is gone or over."""
     store = resources.store()
-    store.mark_started(job_id)
     job = store.load_job(job_id)
     if job is None or job.terminal:
-        return {"job_id": job_id, "skipped": True}
+        return False
+    info = ErrorInfo(**error.to_dict())
     for record in job.inputs:
+        items = [
+            (input_ref(record.index), record),
+            *((frame_ref(record.index, f.index), f) for f in record.frames or []),
+        ]
+        for ref, item in items:
+            if item.status == "pending":
+                store.put_input(
+                    job_id, ref, item.model_copy(update={"status": "failed", "error": info, "frames": None})
+                )
+    return True
+
+
+def tokenize_job(job_id: str) -> dict[str, Any]:
+    """Build and tokenize the job's prompt from its records, and hand it to the inference queue, exactly once.
+
+    The hand-over is checked against the records' revision: a stage that wrote a record meanwhile makes the
+    prompt be built again, so the job's record always shows what the model was given.
+    """
+    store = resources.store()
+    store.mark_started(job_id)
+    for attempt in range(_HANDOFF_ATTEMPTS):
+        job, rev = store.load_for_handoff(job_id)
+        if job is None or job.terminal or job.status == "inferring":
+            return {"job_id": job_id, "skipped": True}
+        if _settle_videos(job_id, job.inputs):
+            continue
+        try:
+            context = pipeline_context()
+            ids = _cached_prompt_ids(context, job.prompt, job.inputs)
+        except Exception as exc:  # the job must end, whatever went wrong
+            return _tokenize_failed(job_id, exc)
+        outcome = store.hand_off(job_id, ids, None if attempt == _HANDOFF_ATTEMPTS - 1 else rev)
+        if outcome == "stale":
+            continue
+        if outcome == "done":
+            return {"job_id": job_id, "skipped": True}
+        _remember_inputs(context, job.inputs)
+        enqueue_inference(job_id)
+        return {"job_id": job_id, "prompt_tokens": len(ids)}
+    return {"job_id": job_id, "skipped": True}
+
+
+#: Tries at a hand-over whose records keep changing; the last one hands over regardless.
+_HANDOFF_ATTEMPTS = 8
+
+
+def _settle_videos(job_id: str, inputs: list[InputRecord]) -> bool:
+    """Settle every video input; True if a record changed (and the job must be read again)."""
+    changed = False
+    for record in inputs:
         if settle_video(record):
-            store.put_input(job_id, input_ref(record.index), record.model_copy(update={"frames": None}))
-    try:
-        context = pipeline_context()
-        ids = _cached_prompt_ids(context, job.prompt, job.inputs)
-    except Exception as exc:  # the job must end, whatever went wrong
-        error = exc if isinstance(exc, StokerError) else StokerError(f"{type(exc).__name__}: {exc}", stage="tokenize")
-        log.exception("tokenize failed for job %s", job_id)
-        store.finish(job_id, "failed", error=ErrorInfo(**error.to_dict()))
-        return {"job_id": job_id, "failed": error.code}
+            changed |= resources.store().put_input(
+                job_id, input_ref(record.index), record.model_copy(update={"frames": None})
+            )
+    return changed
+
+
+def _tokenize_failed(job_id: str, exc: Exception) -> dict[str, Any]:
+    error = exc if isinstance(exc, StokerError) else StokerError(f"{type(exc).__name__}: {exc}", stage="tokenize")
+    log.error("tokenize failed for job %s", job_id, exc_info=exc)
+    resources.store().finish(job_id, "failed", error=ErrorInfo(**error.to_dict()))
+    return {"job_id": job_id, "failed": error.code}
+
+
+def _remember_inputs(context: PipelineContext, inputs: list[InputRecord]) -> None:
+    """Cache the finished inputs whole, so a job repeating them skips preprocessing."""
     cache = resources.cache()
     cache.publish_context(context)
-    for record in job.inputs:
+    for record in inputs:
         cache.put_input(context.identity, record)
-    store.put_tokens(job_id, ids)
-    store.stamp(job_id, "preprocessed", status="inferring")
-    app.signature("stoker.infer", kwargs={"job_id": job_id}).apply_async()
-    return {"job_id": job_id, "prompt_tokens": len(ids)}
 
 
 def pipeline_context() -> PipelineContext:

@@ -26,7 +26,7 @@ def settings() -> WorkerSettings:
 def store() -> JobStore:
     """This worker's connection to the job store."""
     s = settings()
-    return JobStore.from_url(s.result_url, blob_ttl_s=s.blob_ttl_s, job_ttl_s=s.job_ttl_s)
+    return JobStore.from_url(s.result_url, blob_ttl_s=s.blob_ttl_s, job_ttl_s=s.job_ttl_s, retries=s.redis_retries)
 
 
 @functools.cache

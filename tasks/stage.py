@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
@@ -14,9 +15,12 @@ from celery.exceptions import SoftTimeLimitExceeded
 from stoker.cache import CacheAddress
 from stoker.core.media import ContentHash
 from stoker.errors import (
+    AsrFailed,
     AsrTimeout,
+    DeadlineExceeded,
     ImageDecodeTimeout,
     InputExpired,
+    OcrFailed,
     OcrTimeout,
     StageTimeout,
     StokerError,
@@ -33,6 +37,8 @@ _TIMEOUTS: dict[str, type[StokerError]] = {
     "ocr": OcrTimeout,
     "transcribe": AsrTimeout,
 }
+#: What an unexpected exception means, per stage.
+_CRASHES: dict[str, type[StokerError]] = {"ocr": OcrFailed, "transcribe": AsrFailed}
 
 #: Single-flight lease, renewed while its holder works: a killed holder's twins take over within this.
 LEASE_S = 3.0
@@ -54,9 +60,25 @@ def input_stage(record: InputRecord, stage: str) -> Iterator[InputRecord]:
         _fail(record, exc)
     except Exception as exc:  # a stage bug must fail this input, not the whole job
         log.exception("stage %s crashed on input %s", stage, record.index)
-        _fail(record, StokerError(f"{type(exc).__name__}: {exc}", stage=stage))
+        _fail(record, _CRASHES.get(stage, StokerError)(f"{type(exc).__name__}: {exc}", stage=stage))
     finally:
         record.timings_ms[stage] = round((time.perf_counter() - started) * 1000, 2)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, stage: str) -> Iterator[None]:
+    """A soft limit tighter than the task's own (SIGALRM in this pool child), raised as the stage's timeout."""
+
+    def expire(*_: Any) -> None:
+        raise _TIMEOUTS.get(stage, StageTimeout)(f"{stage} exceeded its {seconds:.1f}s limit", stage=stage)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _fail(record: InputRecord, exc: StokerError) -> None:
@@ -130,6 +152,21 @@ def give_up(job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
     return True
 
 
+def past_budget(job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
+    """Whether the job's preprocessing budget is spent (or it went on without this input): then fail the input."""
+    if resources.store().preprocessing_open(job_id):
+        return False
+    _fail(record, DeadlineExceeded(f"the job's preprocessing budget was spent before {stage}", stage=stage))
+    resources.store().put_input(job_id, ref, record)  # refused once the job went to inference: nothing to say
+    return True
+
+
 def has_work(record: InputRecord | None, job_id: str, ref: str, stage: str) -> TypeGuard[InputRecord]:
-    """Whether this stage has work on the record: it exists, nothing failed or skipped it, it is not poison."""
-    return record is not None and runnable(record) and not give_up(job_id, ref, record, stage)
+    """Whether this stage has work on the record: it exists, nothing failed or skipped it, the job's budget is
+    not spent, and the message is not poison."""
+    return (
+        record is not None
+        and runnable(record)
+        and not past_budget(job_id, ref, record, stage)
+        and not give_up(job_id, ref, record, stage)
+    )

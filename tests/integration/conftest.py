@@ -29,7 +29,7 @@ def store_redis() -> Iterator[redis.Redis]:
 
 @pytest.fixture(scope="session")
 def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """A CPU worker and an ASR worker (prefork) and an inference worker, as real processes."""
+    """A CPU worker and an ASR worker (prefork), an inference worker and the reaper, as real processes."""
     from tasks.app import app
 
     logs = tmp_path_factory.mktemp("workers")
@@ -42,8 +42,9 @@ def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) 
 
     def all_answer() -> bool:
         names = {name.split("@")[0] for reply in app.control.ping(timeout=0.5) for name in reply}
-        return set(procs) <= names
+        return set(procs) - {"reaper"} <= names
 
+    procs["reaper"] = spawn(["reaper"], env, logs / "reaper.log")
     try:
         wait_for(all_answer, 180, "workers", list(procs.values()))
     except (TimeoutError, RuntimeError) as exc:
@@ -66,12 +67,12 @@ class SpySubmitter:
         self.starts: dict[str, str] = {}
         self._next = CelerySubmitter() if forward else None
 
-    def submit(self, job_id: str, inputs: Any, start: Any = "preprocess") -> None:
+    def submit(self, job_id: str, inputs: Any, start: Any = "preprocess", deadline: float | None = None) -> None:
         """Record, then forward."""
         self.calls.append((job_id, list(inputs)))
         self.starts[job_id] = start
         if self._next:
-            self._next.submit(job_id, inputs, start)
+            self._next.submit(job_id, inputs, start, deadline)
 
 
 @pytest.fixture

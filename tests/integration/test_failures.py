@@ -24,7 +24,7 @@ DBS = (8, 9)
 
 @pytest.fixture(scope="module")
 def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Path]]:
-    """Workers whose tesseract hangs (OCR soft limit 1.5 s) and whose transcription is killed at 2 s."""
+    """Workers whose tesseract hangs (OCR soft limit 3 s) and whose transcription is killed at 2 s."""
     base = os.environ["STOKER_TEST_REDIS"]
     urls = {"STOKER_BROKER_URL": f"{base}/{DBS[0]}", "STOKER_RESULT_URL": f"{base}/{DBS[1]}"}
     for url in urls.values():
@@ -43,12 +43,13 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
         "STOKER_CACHE_ENABLED": "false",
         "STOKER_TESSERACT_CMD": str(stub),
         "STOKER_OCR_TIMEOUT_S": "60",
-        "STOKER_OCR_SOFT_S": "1.5",
+        "STOKER_OCR_SOFT_S": "3",
         "STOKER_OCR_HARD_S": "5",
         "STOKER_TRANSCRIBE_SOFT_S": "60",
         "STOKER_TRANSCRIBE_HARD_S": "2",
     }
     procs = {kind: spawn(["worker", kind], env, root / f"{kind}.log") for kind in ("cpu", "asr", "infer")}
+    reaper = spawn(["reaper"], env, root / "reaper.log")
     app = Celery("stoker-harsh", set_as_current=False)
     app.config_from_object("celeryconfig")
     app.conf.broker_url, app.conf.result_backend = urls["STOKER_BROKER_URL"], urls["STOKER_RESULT_URL"]
@@ -57,14 +58,14 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
         return set(procs) <= {name.split("@")[0] for reply in app.control.ping(timeout=0.5) for name in reply}
 
     try:
-        wait_for(all_answer, 180, "harsh workers", list(procs.values()))
+        wait_for(all_answer, 180, "harsh workers", [*procs.values(), reaper])
         settings = ApiSettings(broker_url=urls["STOKER_BROKER_URL"], result_url=urls["STOKER_RESULT_URL"])
         with TestClient(create_app(settings, submitter=CelerySubmitter(app))) as client:
             yield client, pids
     except Exception as exc:
-        raise RuntimeError("\n".join(f"--- {k}\n{tail(root / f'{k}.log')}" for k in procs)) from exc
+        raise RuntimeError("\n".join(f"--- {k}\n{tail(root / f'{k}.log')}" for k in [*procs, "reaper"])) from exc
     finally:
-        for proc in procs.values():
+        for proc in [*procs.values(), reaper]:
             stop(proc)
 
 
@@ -114,3 +115,38 @@ def test_a_stage_that_kills_its_worker_every_time_is_given_up(harsh: tuple[TestC
     assert item["error"]["code"] == "worker_lost"
     assert item["error"]["stage"] == "ocr"
     assert _wait(client, bystander)["status"] == "succeeded"
+
+
+def test_a_short_deadline_answers_from_the_text_before_the_slow_stage_ends(harsh: tuple[TestClient, Path]) -> None:
+    client, _ = harsh
+    files = [("image", ("slow.png", text_image("SLOW"), "image/png"))]
+    response = client.post("/v1/jobs", data={"prompt": "Say hello.", "deadline_ms": "1000"}, files=files)
+    assert response.status_code == 202
+    assert response.json()["deadline_ms"] == 1000
+    job = _wait(client, response.json()["id"])
+    assert job["status"] == "degraded", job
+    item = job["inputs"][0]
+    assert item["error"]["code"] == "deadline_exceeded"
+    assert job["result"]["text"].strip()
+    # Handed to the model at the preprocessing budget (0.5 s), not when OCR hit its 3 s limit.
+    assert job["timings_ms"]["preprocess"] < 2000, job["timings_ms"]
+    time.sleep(3)  # OCR's soft limit fires now; its late record must not rewrite what the job used
+    assert client.get(f"/v1/jobs/{job['id']}").json()["inputs"][0]["error"]["code"] == "deadline_exceeded"
+
+
+def test_a_job_whose_deadline_passes_in_the_inference_queue_is_never_computed(
+    harsh: tuple[TestClient, Path],
+) -> None:
+    client, _ = harsh
+    filler = client.post("/v1/jobs", data={"prompt": "Count from one to twenty."}).json()["id"]
+    for _ in range(200):  # until the filler's batch is on the device
+        if "infer_wait" in client.get(f"/v1/jobs/{filler}").json()["timings_ms"]:
+            break
+        time.sleep(0.05)
+    late = client.post("/v1/jobs", data={"prompt": "Say hello.", "deadline_ms": "300"}).json()["id"]
+    job = _wait(client, late)
+    assert job["status"] == "failed", job
+    assert job["error"]["code"] == "deadline_exceeded"
+    assert job["result"] is None
+    assert job["batch"] is None  # dropped before the model
+    assert _wait(client, filler)["status"] == "succeeded"

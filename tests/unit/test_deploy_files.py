@@ -22,7 +22,7 @@ def compose() -> dict[str, Any]:
 
 def test_every_service_is_there_with_a_health_check(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert {"redis", "cache", "api", "cpu-worker", "asr-worker", "infer-worker", "flower"} <= set(services)
+    assert {"redis", "cache", "api", "cpu-worker", "asr-worker", "infer-worker", "reaper", "flower"} <= set(services)
     for name, service in services.items():
         assert "healthcheck" in service, name
 

@@ -34,3 +34,15 @@ def test_valid_request_is_hashed_and_sniffed() -> None:
 def test_invalid_requests_raise_their_error(prompt: str | None, raw: list[tuple[str, bytes]], error: type) -> None:
     with pytest.raises(error):
         validate(prompt, raw, SETTINGS)
+
+
+def test_deadline_defaults_from_settings_and_accepts_form_text() -> None:
+    assert validate("hi", [], SETTINGS).deadline_ms == SETTINGS.deadline_ms
+    assert validate("hi", [], SETTINGS, "1500").deadline_ms == 1500
+    assert validate("hi", [], SETTINGS, 2500).deadline_ms == 2500
+
+
+@pytest.mark.parametrize("deadline", ["soon", "1.5", "99", str(SETTINGS.max_deadline_ms + 1), -5])
+def test_bad_deadlines_are_refused(deadline: str | int) -> None:
+    with pytest.raises(InvalidRequest, match="deadline_ms"):
+        validate("hi", [], SETTINGS, deadline)

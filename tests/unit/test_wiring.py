@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
 from celery import chord
 from celery.exceptions import SoftTimeLimitExceeded
 
 from stoker.errors import ImageCorrupt, StokerError
 from stoker.jobs import InputRecord
 from stoker.settings import WorkerSettings
+from tasks import resources
+from tasks.media import transcribe_limit_s
 from tasks.pipeline import job_canvas
-from tasks.stage import input_stage
+from tasks.stage import input_stage, time_limit
 from workers.launch import worker_argv
 from workers.limits import cap_address_space
 
@@ -102,11 +107,65 @@ def test_stage_failures_become_structured_input_errors() -> None:
 
 def test_unexpected_stage_crash_fails_only_that_input() -> None:
     record = _inputs(1)[0]
-    with input_stage(record, "ocr"):
+    with input_stage(record, "decode"):
         raise KeyError("boom")
     assert record.status == "failed"
     assert record.error is not None
     assert record.error.code == StokerError.code
+
+
+def test_stage_crashes_name_the_stage_where_the_taxonomy_has_a_code() -> None:
+    for stage, code in [("ocr", "ocr_failed"), ("transcribe", "asr_failed")]:
+        record = _inputs(1)[0]
+        with input_stage(record, stage):
+            raise RuntimeError("boom")
+        assert record.error is not None
+        assert record.error.code == code
+
+
+def test_every_stage_message_expires_at_the_job_deadline() -> None:
+    video = InputRecord(index=1, kind="video", content_hash="v", size_bytes=1)
+    canvas = job_canvas("j", [_inputs(1)[0], video], keyframes=2, deadline=1_900_000_000.0)
+    tasks = [canvas.body, *(t for link in canvas.tasks for t in link.tasks)]
+    assert len(tasks) == 1 + 2 + 2 + 3 + 3
+    assert {t.options["expires"] for t in tasks} == {datetime.fromtimestamp(1_900_000_000.0, UTC)}
+    alone = job_canvas("j", [], deadline=1_900_000_000.0)
+    assert alone.options["expires"] == datetime.fromtimestamp(1_900_000_000.0, UTC)
+
+
+def test_a_tighter_limit_inside_a_stage_raises_its_timeout() -> None:
+    record = _inputs(1)[0]
+    started = time.monotonic()
+    with input_stage(record, "transcribe"), time_limit(0.2, "transcribe"):
+        time.sleep(5)
+    assert time.monotonic() - started < 2
+    assert record.error is not None
+    assert record.error.code == "asr_timeout"
+
+
+def test_transcription_gets_time_in_proportion_to_the_media_under_a_cap() -> None:
+    s = resources.settings()
+    short = InputRecord(index=0, kind="audio", content_hash="a", size_bytes=1, features={"duration_s": 20.0})
+    long = short.model_copy(update={"features": {"duration_s": 590.0}})
+    assert transcribe_limit_s(short) == s.transcribe_base_s + 20.0 * s.transcribe_per_media_s
+    assert transcribe_limit_s(long) == s.transcribe_soft_s
+
+
+def test_visibility_timeout_must_outlast_every_limit() -> None:
+    with pytest.raises(ValueError, match="visibility_timeout_s"):
+        WorkerSettings(visibility_timeout_s=100, transcribe_hard_s=180)
+    assert (
+        WorkerSettings(
+            visibility_timeout_s=10,
+            transcribe_hard_s=8,
+            transcribe_soft_s=6,
+            keyframes_hard_s=8,
+            ocr_hard_s=8,
+            infer_batch_timeout_s=5,
+            infer_wedge_grace_s=2,
+        ).visibility_timeout_s
+        == 10
+    )
 
 
 def test_error_codes_are_unique() -> None:

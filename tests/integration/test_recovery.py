@@ -1,0 +1,204 @@
+"""Whole processes die under load, and Redis itself: every accepted job still reaches its end.
+
+A stack of its own (own Valkey with AOF, short visibility timeout, prompt re-drive) so processes can be killed
+without disturbing the other tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from stoker.settings import ApiSettings
+from tasks.pipeline import CelerySubmitter
+from tests.integration.test_pipeline import _wait
+from tests.media import text_image
+from tests.procs import spawn, stop, tail, wait_for
+from workers.broker import start_embedded
+
+KINDS = ("cpu", "infer")
+TERMINAL = ("succeeded", "degraded", "failed")
+
+
+@dataclass
+class Fleet:
+    """Valkey, workers, a reaper and an API, each replaceable by a test."""
+
+    root: Path
+    port: int
+    env: dict[str, str]
+    app: Celery
+    client: TestClient
+    valkey: subprocess.Popen[bytes]
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, kind: str, **env: str) -> None:
+        """Start (or replace) a worker or the reaper, with optional extra settings."""
+        args = ["reaper"] if kind == "reaper" else ["worker", kind]
+        self.procs[kind] = spawn(args, {**self.env, **env}, self.root / f"{kind}.log")
+
+    def kill(self, kind: str) -> None:
+        """SIGKILL a worker's whole process group: parent and pool children, no goodbye."""
+        os.killpg(self.procs[kind].pid, signal.SIGKILL)
+        self.procs[kind].wait(10)
+
+    def wait_workers(self, kinds: tuple[str, ...] = KINDS) -> None:
+        """Until every named worker answers a ping."""
+
+        def answer() -> bool:
+            # A fresh connection each time: pooled ones may date from before a Redis restart.
+            with self.app.connection_for_write() as connection:
+                replies = self.app.control.ping(timeout=0.5, connection=connection)
+            return set(kinds) <= {n.split("@")[0] for reply in replies for n in reply}
+
+        wait_for(answer, 180, f"workers {kinds}", [self.procs[k] for k in kinds])
+
+    def store(self) -> redis.Redis[bytes]:
+        """A client on the fleet's job store."""
+        return redis.Redis.from_url(self.env["STOKER_RESULT_URL"])
+
+    def logs(self) -> str:
+        """The end of every log, for failure messages."""
+        return "\n".join(f"--- {k}\n{tail(self.root / f'{k}.log')}" for k in self.procs)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    """A stack on its own Valkey: messages of a dead worker come back after 20 s, lost ones are re-sent after 30."""
+    root = Path(tempfile.mkdtemp(prefix="stoker-recovery-"))
+    valkey, port = start_embedded(data_dir=root)
+    base = f"redis://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "STOKER_BROKER_URL": f"{base}/0",
+        "STOKER_RESULT_URL": f"{base}/1",
+        "STOKER_CACHE_URL": f"{base}/2",
+        "STOKER_CACHE_ENABLED": "false",  # every job does its own work: nothing rides on a cache hit
+        "STOKER_VISIBILITY_TIMEOUT_S": "20",
+        "STOKER_TRANSCRIBE_SOFT_S": "12",
+        "STOKER_TRANSCRIBE_HARD_S": "15",
+        "STOKER_INFER_BATCH_TIMEOUT_S": "12",
+        "STOKER_INFER_WEDGE_GRACE_S": "5",
+        "STOKER_REDRIVE_AFTER_S": "30",
+    }
+    app = Celery("stoker-recovery", set_as_current=False)
+    app.config_from_object("celeryconfig")
+    app.conf.broker_url, app.conf.result_backend = env["STOKER_BROKER_URL"], env["STOKER_RESULT_URL"]
+    settings = ApiSettings(
+        broker_url=env["STOKER_BROKER_URL"], result_url=env["STOKER_RESULT_URL"], cache_url=env["STOKER_CACHE_URL"]
+    )
+    with TestClient(create_app(settings, submitter=CelerySubmitter(app))) as client:
+        crew = Fleet(root, port, env, app, client, valkey)
+        try:
+            for kind in (*KINDS, "reaper"):
+                crew.start(kind)
+            crew.wait_workers()
+            yield crew
+        except Exception as exc:
+            raise RuntimeError(crew.logs()) from exc
+        finally:
+            for proc in crew.procs.values():
+                stop(proc)
+            crew.valkey.kill()
+            crew.valkey.wait(10)
+
+
+def _submit(fleet: Fleet, count: int, image: bool = True) -> list[str]:
+    ids = []
+    for n in range(count):
+        files = (
+            [("image", (f"{n}.png", text_image(f"ORDER {n}{time.time_ns() % 10000}"), "image/png"))] if image else []
+        )
+        data = {"prompt": f"Job {n}: what is the order number?", "deadline_ms": "240000"}
+        response = fleet.client.post("/v1/jobs", data=data, files=files)
+        assert response.status_code == 202, response.text
+        ids.append(response.json()["id"])
+    return ids
+
+
+def _until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _statuses(fleet: Fleet, ids: list[str]) -> list[str]:
+    return [fleet.client.get(f"/v1/jobs/{i}").json()["status"] for i in ids]
+
+
+def _all_answered(fleet: Fleet, ids: list[str]) -> list[dict[str, Any]]:
+    jobs = [_wait(fleet.client, i) for i in ids]
+    for job in jobs:
+        assert job["status"] in ("succeeded", "degraded"), (job, fleet.logs())
+        assert job["result"]["text"].strip()
+    return jobs
+
+
+def test_killing_the_whole_inference_worker_mid_batch_loses_no_job(fleet: Fleet) -> None:
+    ids = _submit(fleet, 6, image=False)
+    _until(lambda: "inferring" in _statuses(fleet, ids) and _any_on_device(fleet, ids), 120, "a batch on the device")
+    fleet.kill("infer")
+    fleet.start("infer")
+    fleet.wait_workers(("infer",))
+    jobs = _all_answered(fleet, ids)
+    assert all(j["status"] == "succeeded" for j in jobs)
+
+
+def _any_on_device(fleet: Fleet, ids: list[str]) -> bool:
+    with fleet.store() as store:
+        return any(store.hexists(f"stoker:job:{i}", "ts:infer_start") for i in ids)
+
+
+def test_killing_the_whole_cpu_worker_mid_preprocessing_loses_no_job(fleet: Fleet) -> None:
+    ids = _submit(fleet, 4)
+    _until(lambda: "preprocessing" in _statuses(fleet, ids), 60, "preprocessing to start")
+    fleet.kill("cpu")
+    fleet.start("cpu")
+    fleet.wait_workers(("cpu",))
+    _all_answered(fleet, ids)
+
+
+def test_a_redis_crash_and_restart_mid_run_loses_no_job(fleet: Fleet) -> None:
+    ids = _submit(fleet, 5)
+    _until(lambda: "preprocessing" in _statuses(fleet, ids), 60, "preprocessing to start")
+    fleet.valkey.kill()  # SIGKILL: a crash, not a clean shutdown
+    fleet.valkey.wait(10)
+    refused = fleet.client.post("/v1/jobs", data={"prompt": "anyone there?"})
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "broker_unavailable"
+    time.sleep(2)
+    fleet.valkey, _ = start_embedded(port=fleet.port, data_dir=fleet.root)
+    jobs = _all_answered(fleet, ids)
+    assert [j["status"] for j in jobs] == ["succeeded"] * len(ids), [j["inputs"] for j in jobs]
+    assert all(p.poll() is None for p in fleet.procs.values()), fleet.logs()  # everyone reconnected, no one died
+
+
+def test_a_wedged_batch_fails_its_jobs_and_the_worker_is_replaced(fleet: Fleet) -> None:
+    fleet.kill("infer")
+    fleet.start("infer", STOKER_INFER_BATCH_TIMEOUT_S="0.5", STOKER_INFER_WEDGE_GRACE_S="1")
+    fleet.wait_workers(("infer",))
+    started = time.monotonic()
+    (job_id,) = _submit(fleet, 1, image=False)
+    job = _wait(fleet.client, job_id)
+    assert job["status"] == "failed", job
+    assert job["error"]["code"] == "inference_failed"
+    assert time.monotonic() - started < 20
+    assert fleet.procs["infer"].wait(30) == 75  # WEDGED_EXIT: replace me
+    fleet.start("infer")
+    fleet.wait_workers(("infer",))
+    _all_answered(fleet, _submit(fleet, 1, image=False))

@@ -1,0 +1,53 @@
+"""`stoker reaper`: the process that moves late and stalled jobs on. Run one or more; one acts at a time."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from types import FrameType
+
+import redis
+
+from stoker.store import REAPER_LEASE_KEY
+
+log = logging.getLogger(__name__)
+
+
+def run_reaper() -> int:
+    """Take the reaper lease (or wait for it) and reap every interval until SIGTERM or SIGINT."""
+    from tasks import resources
+    from tasks.preprocess import pipeline_context
+    from tasks.reaper import reap_once
+
+    settings, store = resources.settings(), resources.store()
+    stopping = threading.Event()
+
+    def stop(signum: int, _: FrameType | None) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    pipeline_context()  # a cut-off tokenizes at once: load the tokenizer now
+    token = f"{socket.gethostname()}:{os.getpid()}"
+    lease_s = max(settings.reaper_interval_s * 8, 2.0)
+    log.info("reaper %s ready (every %.2fs)", token, settings.reaper_interval_s)
+    leading = False
+    while not stopping.is_set():
+        try:
+            held = store.take_lease(REAPER_LEASE_KEY, token, lease_s)
+            if held != leading:
+                log.info("reaper %s %s the lease", token, "holds" if held else "lost")
+                leading = held
+            if held:
+                done = reap_once()
+                if set(done) - {"wait"}:
+                    log.info("reaped: %s", dict(done))
+        except redis.RedisError as exc:
+            log.warning("reaper cannot reach the store: %s", exc)
+        settings.reaper_heartbeat.touch()
+        stopping.wait(settings.reaper_interval_s)
+    log.info("reaper %s stopped", token)
+    return 0
