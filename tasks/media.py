@@ -17,7 +17,7 @@ from stoker.jobs import InputRecord, Segment
 from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
-from tasks.stage import handoff, has_work, input_bytes, input_stage, through_cache, time_limit
+from tasks.stage import RETRY, handoff, has_work, input_bytes, input_stage, through_cache, time_limit
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def keyframe_address(digest: str, slot: int, count: int) -> CacheAddress:
     return CacheAddress("keyframes", KEYFRAMES_VERSION, digest, fingerprint(slot=slot, count=count, limit=limit))
 
 
-@app.task(name="stoker.probe")
+@app.task(name="stoker.probe", **RETRY)
 def probe(job_id: str, ref: str) -> dict[str, Any]:
     """Read duration and streams from the header; over-long, empty or unreadable media fail here, undecoded."""
     store = resources.store()
@@ -50,7 +50,7 @@ def probe(job_id: str, ref: str) -> dict[str, Any]:
     return handoff(job_id, ref, record)
 
 
-@app.task(name="stoker.transcribe")
+@app.task(name="stoker.transcribe", **RETRY)
 def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
     """Transcribe the audio track with faster-whisper; a video without sound gets an empty transcript."""
     job_id, ref = previous["job_id"], previous["ref"]
@@ -86,7 +86,7 @@ def transcribe_limit_s(record: InputRecord) -> float:
     return min(s.transcribe_base_s + s.transcribe_per_media_s * duration, s.transcribe_soft_s)
 
 
-@app.task(name="stoker.keyframe")
+@app.task(name="stoker.keyframe", **RETRY)
 def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     """Take keyframe `slot` of `count` from a video by seeking, and enter it into the image branch as an image."""
     store = resources.store()

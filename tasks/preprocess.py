@@ -26,7 +26,7 @@ from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
 from tasks.pipeline import enqueue_inference
-from tasks.stage import handoff, has_work, input_bytes, input_stage, through_cache
+from tasks.stage import RETRY, handoff, has_work, input_bytes, input_stage, through_cache
 from workers.limits import cap_address_space
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def _decode_and_cache(record: InputRecord, address: CacheAddress) -> tuple[dict[
     return {"features": decoded.features.to_dict()}, decoded
 
 
-@app.task(name="stoker.decode")
+@app.task(name="stoker.decode", **RETRY)
 def decode(job_id: str, ref: str) -> dict[str, Any]:
     """Decode one image: arrays into the cache, features into the record."""
     store = resources.store()
@@ -90,7 +90,7 @@ def _ocr_pixels(record: InputRecord) -> npt.NDArray[np.uint8]:
     return _decode_and_cache(record, address)[1].ocr_image
 
 
-@app.task(name="stoker.ocr")
+@app.task(name="stoker.ocr", **RETRY)
 def ocr(previous: dict[str, Any]) -> dict[str, Any]:
     """Read the text of one decoded image; a record that failed or was skipped passes straight through."""
     job_id, ref = previous["job_id"], previous["ref"]
@@ -111,7 +111,7 @@ def ocr(previous: dict[str, Any]) -> dict[str, Any]:
     return handoff(job_id, ref, record)
 
 
-@app.task(name="stoker.tokenize")
+@app.task(name="stoker.tokenize", **RETRY)
 def tokenize(_results: list[dict[str, Any]] | None, job_id: str) -> dict[str, Any]:
     """Assemble the chat prompt from the user's prompt and every input, tokenize it, hand it to inference."""
     return tokenize_job(job_id)

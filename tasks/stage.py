@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
+import redis
 from celery import current_task
 from celery.exceptions import SoftTimeLimitExceeded
 
@@ -17,6 +18,7 @@ from stoker.core.media import ContentHash
 from stoker.errors import (
     AsrFailed,
     AsrTimeout,
+    BrokerUnavailable,
     DeadlineExceeded,
     ImageDecodeTimeout,
     InputExpired,
@@ -24,6 +26,7 @@ from stoker.errors import (
     OcrTimeout,
     StageTimeout,
     StokerError,
+    TransientError,
     WorkerLost,
 )
 from stoker.jobs import ErrorInfo, InputRecord
@@ -39,6 +42,16 @@ _TIMEOUTS: dict[str, type[StokerError]] = {
 }
 #: What an unexpected exception means, per stage.
 _CRASHES: dict[str, type[StokerError]] = {"ocr": OcrFailed, "transcribe": AsrFailed}
+
+#: Options of every stage task: a transient failure (the store away, a model not loaded yet) is retried with
+#: exponential backoff a bounded number of times; permanent ones become the input's structured error.
+RETRY: dict[str, Any] = {
+    "autoretry_for": (TransientError,),
+    "retry_backoff": 1,
+    "retry_backoff_max": 30,
+    "retry_jitter": True,
+    "max_retries": 3,
+}
 
 #: Single-flight lease, renewed while its holder works: a killed holder's twins take over within this.
 LEASE_S = 3.0
@@ -56,8 +69,12 @@ def input_stage(record: InputRecord, stage: str) -> Iterator[InputRecord]:
         timeout = _TIMEOUTS.get(stage, StageTimeout)
         _fail(record, timeout(f"{stage} exceeded its time limit", stage=stage))
     except StokerError as exc:
+        if not exc.permanent:
+            raise  # transient: the task retries with backoff (RETRY)
         exc.stage = exc.stage or stage
         _fail(record, exc)
+    except redis.RedisError as exc:  # the store stayed away past the client's own retries
+        raise BrokerUnavailable(f"the store cannot be reached during {stage}", stage=stage) from exc
     except Exception as exc:  # a stage bug must fail this input, not the whole job
         log.exception("stage %s crashed on input %s", stage, record.index)
         _fail(record, _CRASHES.get(stage, StokerError)(f"{type(exc).__name__}: {exc}", stage=stage))
@@ -136,7 +153,8 @@ def poison(record: InputRecord, stage: str) -> bool:
     request = current_task.request if current_task else None
     if request is None or not request.id:
         return False
-    deliveries = resources.store().count_delivery(str(request.id))
+    # A retry re-sends the same task id: only deliveries beyond the retries mean a worker died.
+    deliveries = resources.store().count_delivery(str(request.id)) - int(request.retries or 0)
     if deliveries <= resources.settings().max_deliveries:
         return False
     log.error("%s delivered %d times, its worker died each time: giving up", stage, deliveries - 1)

@@ -10,15 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import chord
 from celery.exceptions import SoftTimeLimitExceeded
 
-from stoker.errors import ImageCorrupt, StokerError
+from stoker.errors import BrokerUnavailable, ImageCorrupt, ModelUnavailable, StokerError, TransientError
 from stoker.jobs import InputRecord
 from stoker.settings import WorkerSettings
 from tasks import resources
 from tasks.media import transcribe_limit_s
 from tasks.pipeline import job_canvas
+from tasks.preprocess import decode
 from tasks.stage import input_stage, time_limit
 from workers.launch import worker_argv
 from workers.limits import cap_address_space
@@ -121,6 +123,17 @@ def test_stage_crashes_name_the_stage_where_the_taxonomy_has_a_code() -> None:
             raise RuntimeError("boom")
         assert record.error is not None
         assert record.error.code == code
+
+
+def test_transient_failures_escape_the_stage_so_the_task_retries() -> None:
+    record = _inputs(1)[0]
+    with pytest.raises(BrokerUnavailable), input_stage(record, "decode"):
+        raise redis.ConnectionError("store restarting")
+    with pytest.raises(ModelUnavailable), input_stage(record, "decode"):
+        raise ModelUnavailable()
+    assert record.status == "pending"
+    assert decode.autoretry_for == (TransientError,)
+    assert decode.max_retries == 3
 
 
 def test_every_stage_message_expires_at_the_job_deadline() -> None:

@@ -1,0 +1,81 @@
+"""Queue pressure: depth against limits, drain rates, and what admission and the tokenize stage make of them.
+
+Pure values and decisions; sampling the broker and the counters happens at the edges (api/, tasks/).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """One queue at one moment."""
+
+    name: str
+    depth: int
+    limit: int
+    #: Messages taken off this queue per second, measured over the recent window (0 when nothing drained).
+    drain_per_s: float
+
+    @property
+    def over(self) -> bool:
+        """At or past its limit: new work is refused."""
+        return self.depth >= self.limit
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a job was refused, and when to come back."""
+
+    queue: str
+    depth: int
+    limit: int
+    retry_after_s: int
+
+
+def admit(states: Sequence[QueueState], resume_ratio: float, min_s: int = 1, max_s: int = 120) -> Refusal | None:
+    """None when every queue is under its limit; else the refusal for the queue that needs longest to recover.
+
+    Retry-After is the time that queue needs, at its measured drain rate, to fall back to `resume_ratio` of its
+    limit; with nothing draining, the longest wait.
+    """
+    refusals = [_refusal(s, resume_ratio, min_s, max_s) for s in states if s.over]
+    return max(refusals, key=lambda r: r.retry_after_s) if refusals else None
+
+
+def _refusal(state: QueueState, resume_ratio: float, min_s: int, max_s: int) -> Refusal:
+    excess = state.depth - math.floor(state.limit * resume_ratio)
+    wait = math.ceil(excess / state.drain_per_s) if state.drain_per_s > 0 else max_s
+    return Refusal(state.name, state.depth, state.limit, min(max(wait, min_s), max_s))
+
+
+def room_to_enqueue(depth: int, high: int, low: int, waiting: bool) -> bool:
+    """The inference queue's watermarks: a producer stops above `high` and starts again at or below `low`."""
+    return depth <= (low if waiting else high)
+
+
+class DrainMeter:
+    """Drain rates from monotonically growing per-queue counters, sampled over a sliding window."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, dict[str, int]]] = deque()
+
+    def add(self, now: float, counters: Mapping[str, int]) -> None:
+        """Record the counters as read at `now`."""
+        self._samples.append((now, dict(counters)))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+
+    def rate(self, queue: str) -> float:
+        """Messages per second drained from `queue` across the window."""
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, first), (t1, last) = self._samples[0], self._samples[-1]
+        if t1 <= t0:
+            return 0.0
+        return max(last.get(queue, 0) - first.get(queue, 0), 0) / (t1 - t0)
