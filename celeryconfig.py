@@ -32,7 +32,11 @@ task_routes = {
 task_annotations = {
     "stoker.decode": {"soft_time_limit": _s.decode_soft_s, "time_limit": _s.decode_hard_s},
     "stoker.ocr": {"soft_time_limit": _s.ocr_soft_s, "time_limit": _s.ocr_hard_s},
-    "stoker.tokenize": {"soft_time_limit": _s.tokenize_soft_s, "time_limit": _s.tokenize_hard_s},
+    # Tokenize may also wait for room in the inference queue (backpressure); its own work has tokenize_soft_s.
+    "stoker.tokenize": {
+        "soft_time_limit": _s.tokenize_soft_s + _s.handoff_max_wait_s,
+        "time_limit": _s.tokenize_hard_s + _s.handoff_max_wait_s,
+    },
     "stoker.probe": {"soft_time_limit": _s.probe_soft_s, "time_limit": _s.probe_hard_s},
     "stoker.keyframe": {"soft_time_limit": _s.keyframes_soft_s, "time_limit": _s.keyframes_hard_s},
     "stoker.transcribe": {"soft_time_limit": _s.transcribe_soft_s, "time_limit": _s.transcribe_hard_s},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from api.limits import BodyLimitMiddleware
+from api.pressure import QueueMonitor
 from api.routes import router
 from stoker.cache import StageCache
 from stoker.errors import StokerError
@@ -30,7 +32,10 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.aioredis = aioredis.Redis.from_url(settings.result_url, socket_connect_timeout=2)
+        watching = asyncio.create_task(app.state.monitor.run())
         yield
+        watching.cancel()
+        app.state.monitor.close()
         await app.state.aioredis.aclose()
         app.state.store.redis.close()
 
@@ -45,6 +50,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
         max_value_bytes=settings.cache_max_value_bytes,
     )
     app.state.submitter = submitter or CelerySubmitter(keyframes=settings.video_keyframes)
+    app.state.monitor = QueueMonitor(settings, app.state.store)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(router)
     _add_error_handlers(app)
@@ -59,7 +65,7 @@ def error_response(exc: StokerError, headers: dict[str, str] | None = None) -> J
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StokerError)
     async def stoker_error(_: Request, exc: StokerError) -> JSONResponse:
-        headers = {"Retry-After": "5"} if not exc.permanent else None
+        headers = None if exc.permanent else {"Retry-After": str(getattr(exc, "retry_after_s", 5))}
         return error_response(exc, headers)
 
     @app.exception_handler(RequestValidationError)

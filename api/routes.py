@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 import redis
 from fastapi import APIRouter, Query, Request
@@ -15,12 +15,14 @@ from kombu.connection import Connection
 from starlette.concurrency import run_in_threadpool
 
 from api.intake import AcceptedRequest, read_request
+from api.pressure import QueueMonitor
 from api.schemas import ErrorPublic, JobPublic
 from stoker.cache import StageCache, prompt_address
 from stoker.core.prompting import attachment_for
 from stoker.deadlines import deadline_for
-from stoker.errors import BrokerUnavailable, JobNotFound
-from stoker.jobs import InputRecord, Job
+from stoker.errors import BrokerUnavailable, JobNotFound, Overloaded
+from stoker.jobs import InputRecord, Job, image_hashes
+from stoker.predictor import ModelRequest
 from stoker.settings import ApiSettings
 from stoker.store import JobStore, done_channel
 from tasks.pipeline import Start, Submitter
@@ -34,11 +36,28 @@ MAX_WAIT_S = 30.0
     "/v1/jobs",
     status_code=202,
     response_model=JobPublic,
-    responses={413: {"model": ErrorPublic}, 415: {"model": ErrorPublic}, 422: {"model": ErrorPublic}},
+    responses={
+        413: {"model": ErrorPublic},
+        415: {"model": ErrorPublic},
+        422: {"model": ErrorPublic},
+        429: {"model": ErrorPublic},
+        503: {"model": ErrorPublic},
+    },
 )
 async def create_job(request: Request) -> JSONResponse:
-    """Accept a job: validate, store inputs and the job record, enqueue, answer 202 at once."""
+    """Accept a job: validate, store inputs and the job record, enqueue, answer 202 at once.
+
+    While a queue is over its limit the job is refused before its body is read: 429 with Retry-After from the
+    queue's measured drain rate, and nothing written.
+    """
     settings: ApiSettings = request.app.state.settings
+    refusal = request.app.state.monitor.refusal()
+    if refusal is not None:
+        await run_in_threadpool(request.app.state.store.count_refusal, refusal.queue)
+        raise Overloaded(
+            f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})",
+            retry_after_s=refusal.retry_after_s,
+        )
     accepted = await read_request(request, settings)
     state = request.app.state
     job = await run_in_threadpool(_admit, state.store, state.cache, state.submitter, accepted, settings)
@@ -58,19 +77,20 @@ def _admit(
         InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data))
         for i, item in enumerate(accepted.inputs)
     ]
-    start, records, ids = _shortcut(cache, accepted.prompt, records)
+    start, records, request = _shortcut(cache, accepted.prompt, records)
     now = time.time()
     deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
     try:
         for item in accepted.inputs:
             store.put_blob(item.digest, item.data)
         store.create_job(job_id, accepted.prompt, records, now, deadline, accepted.deadline_ms)
-        if ids is not None:
-            store.hand_off(job_id, ids, rev=None)
+        if request is not None:
+            store.hand_off(job_id, request, rev=None)
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     try:
-        submitter.submit(job_id, records, start=start, deadline=deadline.at)
+        tokens = len(request.prompt_ids) if request else None
+        submitter.submit(job_id, records, start=start, deadline=deadline.at, prompt_tokens=tokens)
     except Exception as exc:
         log.warning("could not enqueue job %s: %r", job_id, exc)
         store.delete_job(job_id)
@@ -82,7 +102,7 @@ def _admit(
 
 def _shortcut(
     cache: StageCache, prompt: str, records: list[InputRecord]
-) -> tuple[Start, list[InputRecord], list[int] | None]:
+) -> tuple[Start, list[InputRecord], ModelRequest | None]:
     """How far the cache lets a job skip: to tokenize (every input cached), or to inference (its prompt too)."""
     context = cache.context()
     if context is None:
@@ -95,7 +115,8 @@ def _shortcut(
     if found is None:
         return "tokenize", filled, None
     cache.record("tokenize", hit=True, cost_s=float(found.get("_cost_s", 0.0)))
-    return "infer", filled, [int(i) for i in found["ids"]]
+    request = ModelRequest([int(i) for i in found["ids"]], found.get("messages", []), image_hashes(filled))
+    return "infer", filled, request
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobPublic, responses={404: {"model": ErrorPublic}})
@@ -125,6 +146,26 @@ def _found(job_id: str, job: Job | None) -> JobPublic:
     if job is None:
         raise JobNotFound(f"no job {job_id}")
     return JobPublic.model_validate(job.model_dump())
+
+
+@router.get("/v1/stats")
+async def stats(request: Request) -> dict[str, Any]:
+    """Queue depths, limits and drain rates; the inference watermarks; device time; refusals."""
+    monitor: QueueMonitor = request.app.state.monitor
+    snapshot = monitor.fresh()
+    if snapshot is None:
+        try:
+            snapshot = await run_in_threadpool(monitor.sample)
+        except Exception as exc:
+            raise BrokerUnavailable("the broker cannot be reached") from exc
+    settings: ApiSettings = request.app.state.settings
+    counters = await run_in_threadpool(request.app.state.store.counters)
+    return {
+        "sampled_at": snapshot.at,
+        "queues": {q.name: {"depth": q.depth, "limit": q.limit, "drain_per_s": q.drain_per_s} for q in snapshot.queues},
+        "infer_watermarks": {"high": settings.infer_high_watermark, "low": settings.infer_low_watermark},
+        **counters,
+    }
 
 
 @router.get("/healthz")

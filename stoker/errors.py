@@ -173,6 +173,17 @@ class TransientError(StokerError):
     http_status = 503
 
 
+class Overloaded(TransientError):
+    """The queues are full: come back after Retry-After seconds."""
+
+    code = "overloaded"
+    http_status = 429
+
+    def __init__(self, message: str | None = None, *, retry_after_s: int = 5, stage: str | None = None) -> None:
+        super().__init__(message, stage=stage)
+        self.retry_after_s = retry_after_s
+
+
 class BrokerUnavailable(TransientError):
     """The broker or the job store cannot be reached."""
 

@@ -106,6 +106,12 @@ def compute_timings(stamps: dict[str, float]) -> dict[str, float]:
     }
 
 
+def image_hashes(inputs: list[InputRecord]) -> list[str]:
+    """Content hashes of the pictures a job's model may look at: decoded images and video keyframes."""
+    pictures = [f for r in inputs for f in ([r] if r.kind == "image" else r.frames or [])]
+    return [p.content_hash for p in pictures if p.status == "ok" and p.content_hash]
+
+
 def final_status(inputs: list[InputRecord]) -> JobStatus:
     """A job whose model run succeeded is degraded when any of its inputs failed."""
     return "degraded" if any(i.status == "failed" for i in inputs) else "succeeded"

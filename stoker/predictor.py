@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from stoker.core.batching import Collated, collate_left, strip_generated
+from stoker.errors import StokerError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """One job as the model gets it: token ids for a local model; the chat as text, and the content hashes of its
+    decoded images, for a server that templates and sees images itself."""
+
+    prompt_ids: list[int]
+    messages: list[dict[str, str]] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        """The stored form."""
+        return json.dumps({"ids": self.prompt_ids, "messages": self.messages, "images": self.images})
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> ModelRequest:
+        """Back from the stored form."""
+        data = json.loads(raw)
+        return cls([int(i) for i in data["ids"]], list(data.get("messages", [])), list(data.get("images", [])))
 
 
 @dataclass(frozen=True)
@@ -22,6 +44,10 @@ class Prediction:
     completion_tokens: int
 
 
+#: What a backend makes of one request: its answer, or the error that request alone ran into.
+Outcome = Prediction | StokerError
+
+
 class Predictor(Protocol):
     """What the inference consumer drives. setup() loads the model; it never happens at import."""
 
@@ -30,24 +56,33 @@ class Predictor(Protocol):
     def setup(self, device: str) -> None:
         """Load the model onto device."""
 
-    def batch(self, prompts: Sequence[Sequence[int]]) -> Any:
-        """Collate tokenized prompts into one model input."""
+    def batch(self, requests: Sequence[ModelRequest]) -> Any:
+        """Collate the requests into one model input."""
 
     def predict(self, batch: Any) -> Any:
         """Run the model once over the batch."""
 
-    def unbatch(self, output: Any) -> list[Prediction]:
-        """Split the model output into one prediction per request, in order."""
+    def unbatch(self, output: Any) -> Sequence[Outcome]:
+        """Split the model output into one outcome per request, in order."""
 
 
 class TransformersPredictor:
     """A local Hugging Face causal LM: batched greedy generate with left padding."""
 
-    def __init__(self, model_path: str, *, max_new_tokens: int, dtype: str = "auto", name: str = "") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_new_tokens: int,
+        dtype: str = "auto",
+        name: str = "",
+        vram_budget_gb: float | None = None,
+    ) -> None:
         self.model_path = model_path
         self.max_new_tokens = max_new_tokens
         self.dtype = dtype
         self.name = name or model_path
+        self.vram_budget_gb = vram_budget_gb
         self._model: Any = None
         self._tokenizer: Any = None
         self._device = "cpu"
@@ -59,10 +94,21 @@ class TransformersPredictor:
 
         started = time.perf_counter()
         self._device = device
+        if device.startswith("cuda") and self.vram_budget_gb:
+            self._cap_vram(torch, device, self.vram_budget_gb)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self._model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._torch_dtype(torch, device))
         self._model.to(device).eval()
         log.info("model %s on %s loaded in %.1fs", self.name, device, time.perf_counter() - started)
+
+    @staticmethod
+    def _cap_vram(torch: Any, device: str, budget_gb: float) -> None:
+        """Keep this process within budget_gb of the GPU's memory (the rest stays free for other tenants)."""
+        index = torch.device(device).index or 0
+        total = torch.cuda.get_device_properties(index).total_memory
+        fraction = min(budget_gb * 1024**3 / total, 1.0)
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
+        log.info("VRAM capped at %.1f GiB (%.0f%% of %s)", budget_gb, fraction * 100, device)
 
     def _torch_dtype(self, torch: Any, device: str) -> Any:
         if self.dtype != "auto":
@@ -75,9 +121,9 @@ class TransformersPredictor:
         tok = self._tokenizer
         return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 
-    def batch(self, prompts: Sequence[Sequence[int]]) -> Collated:
+    def batch(self, requests: Sequence[ModelRequest]) -> Collated:
         """Left-pad the prompts so generation starts at the same column for all."""
-        return collate_left(prompts, self.pad_id)
+        return collate_left([r.prompt_ids for r in requests], self.pad_id)
 
     def predict(self, batch: Collated) -> tuple[Collated, list[list[int]]]:
         """Greedy generation for the whole batch in one call."""
@@ -110,6 +156,39 @@ class TransformersPredictor:
         ]
 
 
-def run_predictor(predictor: Predictor, prompts: Sequence[Sequence[int]]) -> list[Prediction]:
+class SimPredictor:
+    """A simulated accelerator, for benchmarks and tests: a batch takes `base_ms + per_item_ms × items`.
+
+    The time is spent asleep, so the device is busy while the CPU stays free, as with a real GPU. The answers are
+    placeholders saying what was simulated: nothing here is a model.
+    """
+
+    def __init__(self, base_ms: float, per_item_ms: float, name: str = "sim") -> None:
+        self.base_ms = base_ms
+        self.per_item_ms = per_item_ms
+        self.name = name
+
+    def setup(self, device: str) -> None:
+        """Nothing to load."""
+        log.info("simulated device: %.1f ms + %.1f ms per item", self.base_ms, self.per_item_ms)
+
+    def batch(self, requests: Sequence[ModelRequest]) -> list[int]:
+        """The batch is each request's prompt length."""
+        return [len(r.prompt_ids) for r in requests]
+
+    def predict(self, batch: list[int]) -> list[int]:
+        """Keep the simulated device busy for this batch's time."""
+        time.sleep((self.base_ms + self.per_item_ms * len(batch)) / 1000)
+        return batch
+
+    def unbatch(self, output: list[int]) -> list[Prediction]:
+        """One placeholder answer per request."""
+        return [
+            Prediction(text=f"[sim] batch of {len(output)}, {n} prompt tokens", prompt_tokens=n, completion_tokens=0)
+            for n in output
+        ]
+
+
+def run_predictor(predictor: Predictor, requests: Sequence[ModelRequest]) -> list[Outcome]:
     """One full pass of the hook contract."""
-    return predictor.unbatch(predictor.predict(predictor.batch(prompts)))
+    return list(predictor.unbatch(predictor.predict(predictor.batch(requests))))

@@ -17,8 +17,8 @@ def queue_depths(connection: Connection, names: Iterable[str] = QUEUES) -> dict[
     depths = {}
     for name in names:
         try:
-            depths[name] = int(channel.queue_declare(queue=name, passive=True).message_count)
+            depths[name] = int(channel.queue_declare(queue=name, passive=True).message_count)  # type: ignore[no-untyped-call]
         except connection.channel_errors:  # not declared yet (RabbitMQ): nothing waits in it
-            channel = connection.channel()
+            channel = connection.channel()  # type: ignore[no-untyped-call]
             depths[name] = 0
     return depths

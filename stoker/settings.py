@@ -31,6 +31,17 @@ class CommonSettings(BaseSettings):
     model: str = Field(BUILTIN_MODEL, description="Built-in model name, a local HF directory or a hub id.")
     model_cache: Path = Path("~/.cache/stoker").expanduser()
     max_new_tokens: int = Field(64, ge=1, le=4096)
+
+    # Queue limits, shared by the API (admission) and the tokenize stage (watermarks).
+    #: A job is refused (429) while any CPU queue (decode, ocr, asr, tokenize) holds this many messages.
+    cpu_queue_limit: int = Field(500, ge=1)
+    #: … or while the inference queue holds this many.
+    infer_queue_limit: int = Field(200, ge=1)
+    #: Tokenize stops handing jobs to the inference queue above the high watermark, until it drains to the low.
+    infer_high_watermark: int = Field(64, ge=1)
+    infer_low_watermark: int = Field(32, ge=0)
+    #: After a 429, admission resumes once the queue is back under this share of its limit (sets Retry-After).
+    admission_resume_ratio: float = Field(0.8, gt=0, le=1)
     #: Keyframes sampled from each video and sent through the image branch.
     video_keyframes: int = Field(3, ge=0, le=16)
     log_level: str = "INFO"
@@ -96,12 +107,31 @@ class WorkerSettings(CommonSettings):
     asr_concurrency: int = Field(1, ge=1)
 
     # Inference consumer.
+    backend: Literal["transformers", "openai", "sim"] = "transformers"
     max_batch_size: int = Field(8, ge=1)
+    #: A batch closes early when its prompts add up to this many tokens (requests differ wildly in size).
+    max_batch_tokens: int = Field(16_384, ge=1)
+    #: A batch that is not full goes this long after its first request arrived.
     max_wait_ms: int = Field(50, ge=1)
     prefetch_batches: int = Field(2, ge=1)
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: On CUDA: the share of GPU memory this worker may take, in GiB (unset: all of it).
+    vram_budget_gb: float | None = Field(None, gt=0)
     max_context_tokens: int = Field(2048, ge=64)
+    #: How long tokenize may hold a job while the inference queue is above its high watermark.
+    handoff_max_wait_s: float = Field(60.0, ge=0)
+
+    # The `sim` backend: a simulated accelerator, a batch takes base + per item (ms), asleep.
+    sim_base_ms: float = Field(20.0, ge=0)
+    sim_per_item_ms: float = Field(5.0, ge=0)
+
+    # The `openai` backend: an OpenAI-compatible server (e.g. `vllm serve`).
+    openai_base_url: str = "http://127.0.0.1:8001/v1"
+    openai_model: str = "default"
+    openai_api_key: str | None = None
+    openai_max_in_flight: int = Field(8, ge=1)
+    openai_timeout_s: float = Field(60.0, gt=0)
 
     #: Unacknowledged messages of a worker that vanished come back after this long (above every hard limit).
     visibility_timeout_s: int = Field(300, ge=5)
@@ -139,7 +169,7 @@ class WorkerSettings(CommonSettings):
         longest = max(
             self.decode_hard_s,
             self.ocr_hard_s,
-            self.tokenize_hard_s,
+            self.tokenize_hard_s + self.handoff_max_wait_s,
             self.probe_hard_s,
             self.keyframes_hard_s,
             self.transcribe_hard_s,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from typing import Literal
@@ -14,6 +13,7 @@ from redis.retry import Retry
 from stoker.core.media import ContentHash
 from stoker.deadlines import Deadline, JobClock
 from stoker.jobs import STAMPS, BatchInfo, ErrorInfo, InputRecord, Job, JobStatus, ResultInfo, compute_timings
+from stoker.predictor import ModelRequest
 
 PREFIX = "stoker"
 
@@ -68,6 +68,12 @@ ACTIVE_KEY = f"{PREFIX}:active"
 #: Lease held by the one reaper that acts at a time.
 REAPER_LEASE_KEY = f"{PREFIX}:reaper"
 CACHE_STATS_KEY = f"{PREFIX}:cache-stats"
+#: Per queue: messages drained, ever (workers count, the API turns it into rates).
+DRAINED_KEY = f"{PREFIX}:drained"
+#: Per queue: jobs refused at admission because of it.
+REFUSED_KEY = f"{PREFIX}:refused"
+#: The inference device's accounting (busy seconds).
+DEVICE_KEY = f"{PREFIX}:device"
 #: The fingerprint of the workers' whole preprocessing configuration, as they last published it.
 PIPELINE_IDENTITY_KEY = f"{PREFIX}:pipeline-identity"
 
@@ -239,22 +245,44 @@ class JobStore:
             return None, 0
         return job_from_fields(job_id, raw), int(raw.get(b"rev", b"0"))
 
-    def hand_off(self, job_id: str, ids: list[int], rev: int | None) -> HandOff:
-        """Store the tokenized prompt and move the job to inferring, once; rev None hands over whatever changed.
+    def hand_off(self, job_id: str, request: ModelRequest, rev: int | None) -> HandOff:
+        """Store the model request and move the job to inferring, once; rev None hands over whatever changed.
 
         'stale' when an input record changed after `rev` (build the prompt again); 'done' when someone already
         handed the job over or it ended.
         """
-        args = [rev or 0, json.dumps(ids), repr(time.time()), self.job_ttl_s, "1" if rev is None else "0"]
+        args = [rev or 0, request.to_json(), repr(time.time()), self.job_ttl_s, "1" if rev is None else "0"]
         result = self._hand_off(keys=[job_key(job_id), tokens_key(job_id)], args=args)
         outcome = result.decode() if isinstance(result, bytes) else str(result)
         assert outcome in ("ok", "stale", "done"), outcome
         return outcome  # type: ignore[return-value]
 
-    def get_tokens(self, job_id: str) -> list[int] | None:
-        """The tokenized prompt, or None."""
+    def get_request(self, job_id: str) -> ModelRequest | None:
+        """The job's model request, or None once it ended (or was never handed over)."""
         raw = self.redis.get(tokens_key(job_id))
-        return [int(i) for i in json.loads(raw)] if raw else None
+        return ModelRequest.from_json(raw) if raw else None
+
+    def count_drained(self, queue: str, n: int = 1) -> None:
+        """n more messages taken off a queue and done with: the drain rate is measured from this counter."""
+        self.redis.hincrby(DRAINED_KEY, queue, n)
+
+    def drained(self) -> dict[str, int]:
+        """How many messages each queue has drained, ever."""
+        return {k.decode(): int(v) for k, v in self.redis.hgetall(DRAINED_KEY).items()}
+
+    def count_refusal(self, queue: str) -> None:
+        """One more job refused (429) because of this queue."""
+        self.redis.hincrby(REFUSED_KEY, queue, 1)
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        """Operator counters: refusals per queue, device seconds busy."""
+        refused = {k.decode(): int(v) for k, v in self.redis.hgetall(REFUSED_KEY).items()}
+        device = {k.decode(): float(v) for k, v in self.redis.hgetall(DEVICE_KEY).items()}
+        return {"refused": refused, "device": device}  # type: ignore[dict-item]
+
+    def add_device_time(self, busy_s: float) -> None:
+        """Seconds the inference device spent on batches."""
+        self.redis.hincrbyfloat(DEVICE_KEY, "busy_s", busy_s)
 
     def finish(
         self,

@@ -17,9 +17,10 @@ from celery.worker.request import Request
 from celery_batches import Batches, SimpleRequest
 from celery_batches.trace import apply_batches_task
 
+from stoker.core.batching import BatchPolicy, Waiting, plan_batch
 from stoker.errors import DeadlineExceeded, InferenceFailed, StokerError
 from stoker.jobs import BatchInfo, ErrorInfo, ResultInfo, final_status
-from stoker.predictor import Prediction, Predictor, run_predictor
+from stoker.predictor import ModelRequest, Prediction, Predictor, run_predictor
 from stoker.watchdog import BatchWatchdog, RunningBatch
 from tasks import resources
 from tasks.app import app
@@ -30,19 +31,21 @@ _settings = resources.settings()
 
 @dataclass(frozen=True)
 class BatchItem:
-    """One job in a batch, with its tokenized prompt."""
+    """One job in a batch, with its model request."""
 
     job_id: str
-    prompt_ids: list[int]
+    request: ModelRequest
     preprocessed_at: float
 
 
 class DeviceBatches(Batches):  # type: ignore[misc]
-    """celery-batches, flushing only when the device is free and never more than flush_every at once.
+    """celery-batches driven by stoker's batching policy, flushing only when the device is free.
 
     Plain celery-batches flushes whatever arrived each interval, even while the model is busy, so under load the
-    pool queues many tiny batches. Here requests wait in the buffer until the running batch returns, then the next
-    flush takes up to a full batch: the device runs back to back on batches as large as the queue allows.
+    pool queues many tiny batches. Here every request waits until the policy (`plan_batch`: size, token budget,
+    wait since the first arrival, deadlines) says its batch goes, and never while a batch runs: the device runs
+    back to back on batches as large as the queue allows. Requests whose deadline passed are answered and
+    acked without reaching the model.
     """
 
     abstract = True
@@ -50,30 +53,49 @@ class DeviceBatches(Batches):  # type: ignore[misc]
     def __init__(self) -> None:
         super().__init__()
         self._busy = threading.Event()
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[Waiting, Request]] = {}
         self.running: Collection[Request] = ()
+        self.policy = BatchPolicy(
+            max_batch_size=_settings.max_batch_size,
+            max_batch_tokens=_settings.max_batch_tokens,
+            max_wait_s=_settings.max_wait_ms / 1000,
+        )
 
     def _do_flush(self) -> None:
-        if self._busy.is_set():
-            return  # the timer comes back; requests keep accumulating meanwhile
-        requests = _take(self._buffer, self.flush_every)
-        if not requests:
-            timer: Any = getattr(self, "_tref", None)
-            if timer is not None:
-                timer.cancel()
-            self._tref = None
-            return
-        self._busy.set()
-        try:
-            self.flush(requests)
-        except Exception:
-            self._busy.clear()
-            raise
+        with self._lock:
+            now = time.time()
+            for request in _take(self._buffer, self._buffer.qsize()):
+                self._waiting[request.id] = (_as_waiting(request, now), request)
+            plan = plan_batch([w for w, _ in self._waiting.values()], now, self.policy, not self._busy.is_set())
+            expired = [self._waiting.pop(w.key)[1] for w in plan.expired]
+            batch = [self._waiting.pop(w.key)[1] for w in plan.run]
+            if not self._waiting and not batch:
+                self._stop_timer()
+        for request in expired:
+            _drop_expired(request)
+        if batch:
+            self._busy.set()
+            try:
+                self.flush(batch)
+            except Exception:
+                self._busy.clear()
+                raise
+
+    def _stop_timer(self) -> None:
+        timer: Any = getattr(self, "_tref", None)
+        if timer is not None:
+            timer.cancel()
+        self._tref = None
 
     def give_back(self) -> None:
         """Before the process is replaced: ack the running batch (its jobs have ended) and requeue the rest."""
         for request in self.running:
             request.acknowledge()
-        for request in _take(self._buffer, self._buffer.qsize()):
+        with self._lock:
+            waiting = [r for _, r in self._waiting.values()] + _take(self._buffer, self._buffer.qsize())
+            self._waiting.clear()
+        for request in waiting:
             request.reject(requeue=True)
 
     def flush(self, requests: Collection[Request]) -> Any:
@@ -90,6 +112,29 @@ class DeviceBatches(Batches):  # type: ignore[misc]
         return self._pool.apply_async(apply_batches_task, (self, serializable, 0, None), callback=on_return)
 
 
+def _as_waiting(request: Request, now: float) -> Waiting:
+    """What the policy needs to know of a request: its size and deadline travel in the message."""
+    kwargs = request.kwargs or {}
+    tokens, deadline = kwargs.get("prompt_tokens"), kwargs.get("deadline")
+    return Waiting(request.id, int(tokens or 0), now, float(deadline) if deadline else None)
+
+
+def _drop_expired(request: Request) -> None:
+    """A request whose deadline passed before its batch: the job fails, the message is done with."""
+    job_id = str((request.kwargs or {}).get("job_id"))
+    try:
+        _expire(job_id, time.time())
+        resources.store().count_drained("infer")
+    finally:
+        request.acknowledge()
+
+
+def _expire(job_id: str, now: float) -> None:
+    late = DeadlineExceeded("the deadline passed while the job waited for the model", stage="infer_queue")
+    if resources.store().finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
+        log.info("job %s dropped before the model: its deadline passed", job_id)
+
+
 def _take(buffer: Queue[Request], limit: int) -> list[Request]:
     items: list[Request] = []
     while len(items) < limit:
@@ -100,11 +145,15 @@ def _take(buffer: Queue[Request], limit: int) -> list[Request]:
     return items
 
 
+#: How often the consumer looks at what waits: well inside max_wait_ms, cheap when nothing does.
+TICK_S = min(_settings.max_wait_ms / 4000, 0.01)
+
+
 @app.task(
     base=DeviceBatches,
     name="stoker.infer",
     flush_every=_settings.max_batch_size,
-    flush_interval=_settings.max_wait_ms / 1000,
+    flush_interval=TICK_S,
     acks_late=True,
     ignore_result=True,
 )
@@ -114,9 +163,10 @@ def infer(requests: list[SimpleRequest]) -> None:
 
 
 def serve_batch(job_ids: Sequence[str]) -> None:
-    """Load the batch's prompts, run the model once, write each job's result."""
+    """Load the batch's requests, run the model once, write each job's result."""
     store = resources.store()
     items = _load_items(job_ids)
+    store.count_drained("infer", len(job_ids))
     if not items:
         return
     batch_id, started = uuid.uuid4().hex[:12], time.time()
@@ -124,10 +174,11 @@ def serve_batch(job_ids: Sequence[str]) -> None:
         store.stamp(item.job_id, "infer_start", at=started)
     watchdog.begin(batch_id, [i.job_id for i in items])
     try:
-        outcomes = predict_isolated(resources.predictor(), [i.prompt_ids for i in items])
+        outcomes = predict_isolated(resources.predictor(), [i.request for i in items])
     finally:
         ran = watchdog.end()
     ended = time.time()
+    store.add_device_time(ended - started)
     for item, outcome in zip(items, outcomes, strict=True):
         store.stamp(item.job_id, "infer_end", at=ended)
         batch = BatchInfo(id=batch_id, size=len(items), wait_ms=round((started - item.preprocessed_at) * 1000, 2))
@@ -137,7 +188,7 @@ def serve_batch(job_ids: Sequence[str]) -> None:
 
 
 def _load_items(job_ids: Sequence[str]) -> list[BatchItem]:
-    """Jobs still waiting for the model; a redelivered message of a finished job has no prompt left.
+    """Jobs still waiting for the model; a redelivered message of a finished job has no request left.
 
     A job whose deadline passed while it waited is dropped here, before the model: no one is waiting for it.
     """
@@ -145,32 +196,35 @@ def _load_items(job_ids: Sequence[str]) -> list[BatchItem]:
     items = []
     now = time.time()
     for job_id in dict.fromkeys(job_ids):
-        ids = store.get_tokens(job_id)
-        if ids is None:
-            log.info("job %s has no pending prompt; skipping", job_id)
+        request = store.get_request(job_id)
+        if request is None:
+            log.info("job %s has no pending request; skipping", job_id)
             continue
         clock = store.clock(job_id)
         if clock.deadline and now >= clock.deadline:
-            late = DeadlineExceeded("the deadline passed while the job waited for the model", stage="infer_queue")
-            store.finish(job_id, "failed", error=ErrorInfo(**late.to_dict()))
-            log.info("job %s dropped: deadline passed %.1fs ago", job_id, now - clock.deadline)
+            _expire(job_id, now)
             continue
-        items.append(BatchItem(job_id, ids, clock.preprocessed or now))
+        items.append(BatchItem(job_id, request, clock.preprocessed or now))
     return items
 
 
-def predict_isolated(predictor: Predictor, prompts: list[list[int]]) -> list[Prediction | StokerError]:
-    """Run the batch; if it fails, retry each prompt alone so one bad item fails alone."""
+def predict_isolated(predictor: Predictor, requests: list[ModelRequest]) -> list[Prediction | StokerError]:
+    """Run the batch; if it fails, retry each request alone so one bad item fails alone."""
     try:
-        return list(run_predictor(predictor, prompts))
+        return list(run_predictor(predictor, requests))
+    except StokerError as exc:
+        if len(requests) == 1:
+            log.warning("inference failed: %s", exc)
+            return [exc]
+        log.warning("batch of %d failed (%s); retrying items one by one", len(requests), exc.code)
     except Exception:
-        if len(prompts) == 1:
+        if len(requests) == 1:
             log.exception("inference failed")
             return [InferenceFailed("the model failed on this request", stage="infer")]
-        log.exception("batch of %d failed; retrying items one by one", len(prompts))
+        log.exception("batch of %d failed; retrying items one by one", len(requests))
     outcomes: list[Prediction | StokerError] = []
-    for prompt in prompts:
-        outcomes.extend(predict_isolated(predictor, [prompt]))
+    for request in requests:
+        outcomes.extend(predict_isolated(predictor, [request]))
     return outcomes
 
 
@@ -183,7 +237,7 @@ def _finish(job_id: str, outcome: Prediction | StokerError, batch: BatchInfo) ->
     status = final_status(job.inputs) if job else "succeeded"
     result = ResultInfo(
         text=outcome.text,
-        model=_settings.model,
+        model=resources.predictor().name,
         prompt_tokens=outcome.prompt_tokens,
         completion_tokens=outcome.completion_tokens,
     )

@@ -26,7 +26,12 @@ class Submitter(Protocol):
     """Starts the processing of an accepted job. The API depends on this seam, not on Celery."""
 
     def submit(
-        self, job_id: str, inputs: Sequence[InputRecord], start: Start = "preprocess", deadline: float | None = None
+        self,
+        job_id: str,
+        inputs: Sequence[InputRecord],
+        start: Start = "preprocess",
+        deadline: float | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         """Enqueue the job's work from `start` on; raises if the broker cannot take it."""
 
@@ -38,6 +43,7 @@ def job_canvas(
     keyframes: int = 3,
     start: Start = "preprocess",
     deadline: float | None = None,
+    prompt_tokens: int | None = None,
 ) -> Signature:
     """The Celery canvas for one job, from where it enters the pipeline.
 
@@ -45,7 +51,7 @@ def job_canvas(
     it for nobody. (The reaper has moved the job on by then; the inference consumer drops late jobs itself.)
     """
     if start == "infer":
-        return app.signature("stoker.infer", kwargs={"job_id": job_id})
+        return infer_signature(job_id, prompt_tokens, deadline, app)
     tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id})
     todo = inputs if start == "preprocess" else []
     branches = [branch for record in todo for branch in _branches(app, job_id, record, keyframes)]
@@ -94,9 +100,20 @@ def _image_branch(app: Celery, job_id: str, ref: str) -> Signature:
     return chain(app.signature("stoker.decode", args=(job_id, ref), immutable=True), app.signature("stoker.ocr"))
 
 
-def enqueue_inference(job_id: str, app: Celery = default_app) -> None:
+def infer_signature(
+    job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery = default_app
+) -> Signature:
+    """The inference message: the job, and what the batching policy needs without a store lookup."""
+    return app.signature(
+        "stoker.infer", kwargs={"job_id": job_id, "prompt_tokens": prompt_tokens, "deadline": deadline}
+    )
+
+
+def enqueue_inference(
+    job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery = default_app
+) -> None:
     """Put a tokenized job on the inference queue."""
-    app.signature("stoker.infer", kwargs={"job_id": job_id}).apply_async()
+    infer_signature(job_id, prompt_tokens, deadline, app).apply_async()
 
 
 class CelerySubmitter:
@@ -107,7 +124,12 @@ class CelerySubmitter:
         self.keyframes = keyframes
 
     def submit(
-        self, job_id: str, inputs: Sequence[InputRecord], start: Start = "preprocess", deadline: float | None = None
+        self,
+        job_id: str,
+        inputs: Sequence[InputRecord],
+        start: Start = "preprocess",
+        deadline: float | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         """Publish the job's canvas."""
-        job_canvas(job_id, inputs, self.app, self.keyframes, start, deadline).apply_async()
+        job_canvas(job_id, inputs, self.app, self.keyframes, start, deadline, prompt_tokens).apply_async()

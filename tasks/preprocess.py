@@ -19,14 +19,17 @@ from stoker.core import ocr as ocr_core
 from stoker.core.arrays import array_from_bytes, array_to_bytes
 from stoker.core.imaging import DecodedImage, decode_image
 from stoker.core.ocr import read_text
-from stoker.core.prompting import attachment_for, build_prompt_ids
+from stoker.core.prompting import attachment_for, build_prompt
 from stoker.errors import DeadlineExceeded, MediaEmpty, StageKilled, StokerError
-from stoker.jobs import ErrorInfo, InputRecord
+from stoker.jobs import ErrorInfo, InputRecord, image_hashes
+from stoker.predictor import ModelRequest
+from stoker.pressure import room_to_enqueue
+from stoker.queues import queue_depths
 from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
 from tasks.pipeline import enqueue_inference
-from tasks.stage import RETRY, handoff, has_work, input_bytes, input_stage, through_cache
+from tasks.stage import RETRY, handoff, has_work, input_bytes, input_stage, through_cache, time_limit
 from workers.limits import cap_address_space
 
 log = logging.getLogger(__name__)
@@ -133,7 +136,7 @@ def rescue(failed_task_id: str, *, job_id: str) -> dict[str, Any]:
 def cut_off(job_id: str) -> dict[str, Any]:
     """The job's preprocessing budget is spent: fail what is unfinished and go to inference with the rest."""
     fail_unfinished(job_id, DeadlineExceeded("the job's preprocessing budget ran out first"))
-    return tokenize_job(job_id)
+    return tokenize_job(job_id, backpressure=False)  # the reaper must not stall on one job
 
 
 def fail_unfinished(job_id: str, error: StokerError) -> bool:
@@ -156,11 +159,12 @@ def fail_unfinished(job_id: str, error: StokerError) -> bool:
     return True
 
 
-def tokenize_job(job_id: str) -> dict[str, Any]:
+def tokenize_job(job_id: str, backpressure: bool = True) -> dict[str, Any]:
     """Build and tokenize the job's prompt from its records, and hand it to the inference queue, exactly once.
 
     The hand-over is checked against the records' revision: a stage that wrote a record meanwhile makes the
-    prompt be built again, so the job's record always shows what the model was given.
+    prompt be built again, so the job's record always shows what the model was given. With `backpressure`, the
+    job waits here while the inference queue is above its high watermark (bounded by its deadline).
     """
     store = resources.store()
     store.mark_started(job_id)
@@ -172,18 +176,45 @@ def tokenize_job(job_id: str) -> dict[str, Any]:
             continue
         try:
             context = pipeline_context()
-            ids = _cached_prompt_ids(context, job.prompt, job.inputs)
+            with time_limit(resources.settings().tokenize_soft_s, "tokenize"):
+                request = _model_request(context, job.prompt, job.inputs)
         except Exception as exc:  # the job must end, whatever went wrong
             return _tokenize_failed(job_id, exc)
-        outcome = store.hand_off(job_id, ids, None if attempt == _HANDOFF_ATTEMPTS - 1 else rev)
+        outcome = store.hand_off(job_id, request, None if attempt == _HANDOFF_ATTEMPTS - 1 else rev)
         if outcome == "stale":
             continue
         if outcome == "done":
             return {"job_id": job_id, "skipped": True}
         _remember_inputs(context, job.inputs)
-        enqueue_inference(job_id)
-        return {"job_id": job_id, "prompt_tokens": len(ids)}
+        deadline = store.clock(job_id).deadline or None
+        if backpressure:
+            wait_for_room(job_id, deadline)
+        enqueue_inference(job_id, len(request.prompt_ids), deadline)
+        return {"job_id": job_id, "prompt_tokens": len(request.prompt_ids)}
     return {"job_id": job_id, "skipped": True}
+
+
+def wait_for_room(job_id: str, deadline: float | None) -> float:
+    """Hold the job while the inference queue is above its high watermark, until it drains to the low one, the
+    wait limit passes or the job's deadline does; returns the seconds waited.
+
+    Holding it here stalls this CPU worker: its prefetch bounds what it takes, and the CPU queues grow in the
+    broker (where admission control sees them) instead of the inference queue or any worker's memory.
+    """
+    s = resources.settings()
+    started = time.time()
+    until = min(started + s.handoff_max_wait_s, deadline or float("inf"))
+    waiting = False
+    while True:
+        with app.pool.acquire(block=True) as connection:
+            depth = queue_depths(connection, ["infer"])["infer"]
+        if room_to_enqueue(depth, s.infer_high_watermark, s.infer_low_watermark, waiting) or time.time() >= until:
+            break
+        if not waiting:
+            log.info("inference queue at %d (> %d): holding job %s", depth, s.infer_high_watermark, job_id)
+        waiting = True
+        time.sleep(0.2)
+    return time.time() - started
 
 
 #: Tries at a hand-over whose records keep changing; the last one hands over regardless.
@@ -244,16 +275,17 @@ def settle_video(record: InputRecord) -> bool:
     return True
 
 
-def _cached_prompt_ids(context: PipelineContext, prompt: str, inputs: list[InputRecord]) -> list[int]:
-    """Token ids for this prompt material, from the cache when the same material was tokenized before."""
+def _model_request(context: PipelineContext, prompt: str, inputs: list[InputRecord]) -> ModelRequest:
+    """The model request for this prompt material: the prompt from the cache when it was built before."""
     attachments = [attachment_for(r) for r in inputs]
 
     def compute() -> dict[str, Any]:
-        return {"ids": build_prompt_ids(resources.tokenizer(), prompt, attachments, budget=context.budget)}
+        built = build_prompt(resources.tokenizer(), prompt, attachments, budget=context.budget)
+        return {"ids": built.ids, "messages": built.messages}
 
     address = prompt_address(context, prompt, attachments)
     value = through_cache(None, address, compute, _follower_wait(resources.settings().tokenize_soft_s))
-    return [int(i) for i in value["ids"]]
+    return ModelRequest([int(i) for i in value["ids"]], value["messages"], image_hashes(inputs))
 
 
 @worker_process_init.connect

@@ -61,8 +61,9 @@ def act(job_id: str, clock: JobClock, verdict: Verdict) -> None:
         fail_unfinished(job_id, late)
         store.finish(job_id, "failed", error=ErrorInfo(**late.to_dict()))
     elif verdict.action == "redrive":
+        request = store.get_request(job_id)
         store.count_redrive(job_id)
-        enqueue_inference(job_id)
+        enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None)
     elif verdict.action == "abandon":
         lost = InferenceFailed("the inference worker never reported back on this job's batch", stage="infer")
         store.finish(job_id, "failed", error=ErrorInfo(**lost.to_dict()))

@@ -11,7 +11,7 @@ from stoker.cache import StageCache, fingerprint
 from stoker.core.asr import SpeechModel
 from stoker.core.imaging import DecodeParams
 from stoker.modelstore import resolve_model
-from stoker.predictor import Predictor, TransformersPredictor
+from stoker.predictor import Predictor, SimPredictor, TransformersPredictor
 from stoker.settings import WorkerSettings
 from stoker.store import JobStore
 
@@ -60,11 +60,39 @@ def tokenizer() -> Any:
 
 @functools.cache
 def predictor() -> Predictor:
-    """The loaded model, set up on the configured device."""
+    """The configured backend (STOKER_BACKEND), set up on the configured device."""
     s = settings()
-    p = TransformersPredictor(model_path(), max_new_tokens=s.max_new_tokens, dtype=s.dtype, name=s.model)
-    p.setup(s.device)
-    return p
+    chosen: Predictor
+    if s.backend == "sim":
+        chosen = SimPredictor(s.sim_base_ms, s.sim_per_item_ms)
+    elif s.backend == "openai":
+        from stoker.remote import OpenAIPredictor
+
+        chosen = OpenAIPredictor(
+            s.openai_base_url,
+            s.openai_model,
+            max_new_tokens=s.max_new_tokens,
+            max_in_flight=s.openai_max_in_flight,
+            timeout_s=s.openai_timeout_s,
+            api_key=s.openai_api_key,
+            images=picture,
+        )
+    else:
+        chosen = TransformersPredictor(
+            model_path(), max_new_tokens=s.max_new_tokens, dtype=s.dtype, name=s.model, vram_budget_gb=s.vram_budget_gb
+        )
+    chosen.setup(s.device)
+    return chosen
+
+
+def picture(digest: str) -> bytes | None:
+    """A decoded image as the model sees it (letterboxed, resized), as JPEG; None if the cache no longer has it."""
+    from stoker.core.arrays import array_from_bytes
+    from stoker.core.imaging import model_input_jpeg
+    from tasks.preprocess import MODEL_INPUT, decode_address
+
+    raw = cache().get_bytes(decode_address(digest), part=MODEL_INPUT)
+    return model_input_jpeg(array_from_bytes(raw)) if raw is not None else None  # type: ignore[arg-type]
 
 
 @functools.cache

@@ -12,6 +12,7 @@ from typing import Any, TypeGuard
 import redis
 from celery import current_task
 from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import task_postrun
 
 from stoker.cache import CacheAddress
 from stoker.core.media import ContentHash
@@ -188,3 +189,17 @@ def has_work(record: InputRecord | None, job_id: str, ref: str, stage: str) -> T
         and not past_budget(job_id, ref, record, stage)
         and not give_up(job_id, ref, record, stage)
     )
+
+
+@task_postrun.connect
+def _count_drained(task: Any = None, **_: Any) -> None:
+    """Count every stage message done with, per queue: the API derives drain rates (and Retry-After) from it."""
+    if task is None or task.name == "stoker.infer":  # the inference consumer counts whole batches itself
+        return
+    queue = (task.request.delivery_info or {}).get("routing_key")
+    if not queue:
+        return
+    try:
+        resources.store().count_drained(str(queue))
+    except redis.RedisError:
+        log.warning("could not count a drained %s message", queue)

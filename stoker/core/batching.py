@@ -1,4 +1,7 @@
-"""Batch collation for the model: pure lists in, pure lists out (the predictor turns them into tensors)."""
+"""Batching: when waiting requests form a batch (the policy), and how a batch is collated for the model.
+
+Pure values in, pure values out; the inference consumer applies the policy, the predictor makes tensors.
+"""
 
 from __future__ import annotations
 
@@ -37,3 +40,59 @@ def strip_generated(rows: Sequence[Sequence[int]], prompt_width: int, stop_ids: 
         cut = next((i for i, t in enumerate(new) if t in stop_ids), len(new))
         out.append(new[:cut])
     return out
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A request waiting for the device: its size in prompt tokens, when it arrived, when it is due."""
+
+    key: str
+    tokens: int
+    arrived: float
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """When a batch goes to the device: `max_batch_size` items, `max_batch_tokens` prompt tokens, or `max_wait_s`
+    after its first item arrived, whichever comes first."""
+
+    max_batch_size: int
+    max_batch_tokens: int
+    max_wait_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do with the waiting requests now."""
+
+    run: list[Waiting]
+    expired: list[Waiting]
+    keep: list[Waiting]
+    #: When to look again if nothing changes (the oldest waiting item's flush time); None when nothing waits.
+    next_at: float | None
+
+
+def plan_batch(waiting: Sequence[Waiting], now: float, policy: BatchPolicy, device_free: bool = True) -> Plan:
+    """Drop what is past its deadline, then decide whether the oldest requests form a batch now.
+
+    Requests are served in arrival order. A batch is full at `max_batch_size` items or when the next item would
+    take it past `max_batch_tokens` (a single item larger than the budget still runs, alone). A batch that is
+    not full runs once its first item has waited `max_wait_s`. Nothing runs while the device is busy.
+    """
+    expired = [w for w in waiting if w.deadline is not None and w.deadline <= now]
+    alive = sorted((w for w in waiting if w.deadline is None or w.deadline > now), key=lambda w: w.arrived)
+    if not alive:
+        return Plan([], expired, [], None)
+    take, tokens = 0, 0
+    while take < min(len(alive), policy.max_batch_size):
+        if take and tokens + alive[take].tokens > policy.max_batch_tokens:
+            break
+        tokens += alive[take].tokens
+        take += 1
+    full = take == policy.max_batch_size or take < len(alive)
+    due = alive[0].arrived + policy.max_wait_s
+    if not device_free or not (full or now >= due):
+        return Plan([], expired, alive, due)
+    rest = alive[take:]
+    return Plan(alive[:take], expired, rest, rest[0].arrived + policy.max_wait_s if rest else None)

@@ -141,3 +141,12 @@ def model_ready(rgb: Image.Image, size: int) -> npt.NDArray[np.float16]:
     pixels = np.asarray(boxed, dtype=np.float32) / 255.0
     normalised = (pixels - _MEAN) / _STD
     return np.ascontiguousarray(normalised.transpose(2, 0, 1), dtype=np.float16)
+
+
+def model_input_jpeg(model_input: npt.NDArray[np.float16], quality: int = 90) -> bytes:
+    """The model-ready array back as a JPEG picture (un-normalised, channels last): for servers that take images."""
+    pixels = model_input.astype(np.float32).transpose(1, 2, 0) * _STD + _MEAN
+    rgb = Image.fromarray(np.clip(pixels * 255.0 + 0.5, 0, 255).astype(np.uint8), "RGB")
+    out = io.BytesIO()
+    rgb.save(out, "JPEG", quality=quality)
+    return out.getvalue()

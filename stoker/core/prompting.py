@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from stoker.jobs import InputRecord
 
 #: Bump when prompt assembly changes.
-VERSION = "1"
+VERSION = "2"
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. The user may attach files; each attachment is given as its "
@@ -56,29 +56,48 @@ def render_user_message(prompt: str, attachments: Sequence[Attachment]) -> str:
     return "\n\n".join([*blocks, prompt]) if blocks else prompt
 
 
-def build_prompt_ids(
-    tokenizer: ChatTokenizer, prompt: str, attachments: Sequence[Attachment], budget: int
-) -> list[int]:
-    """Token ids of the whole chat prompt, fitted into budget by trimming attachment text, then the prompt."""
-    ids = _render(tokenizer, prompt, attachments)
+@dataclass(frozen=True)
+class BuiltPrompt:
+    """A chat prompt fitted to the budget: as token ids for a local model, and as text messages for a server."""
+
+    ids: list[int]
+    messages: list[dict[str, str]]
+
+
+def build_prompt(tokenizer: ChatTokenizer, prompt: str, attachments: Sequence[Attachment], budget: int) -> BuiltPrompt:
+    """The whole chat prompt, fitted into budget by trimming attachment text, then the prompt."""
+    messages = _messages(prompt, attachments)
+    ids = _render(tokenizer, messages)
     overflow = len(ids) - budget
     if overflow > 0 and any(a.text for a in attachments):
         attachments = _trim_attachments(tokenizer, attachments, overflow)
-        ids = _render(tokenizer, prompt, attachments)
+        messages = _messages(prompt, attachments)
+        ids = _render(tokenizer, messages)
         overflow = len(ids) - budget
     if overflow > 0:
         prompt = _trim_text(tokenizer, prompt, _token_len(tokenizer, prompt) - overflow)
-        ids = _render(tokenizer, prompt, attachments)
+        messages = _messages(prompt, attachments)
+        ids = _render(tokenizer, messages)
     if len(ids) > budget:  # the template alone does not fit: keep the generation prompt at the end
         ids = ids[len(ids) - budget :]
-    return ids
+    return BuiltPrompt(ids, messages)
 
 
-def _render(tokenizer: ChatTokenizer, prompt: str, attachments: Sequence[Attachment]) -> list[int]:
-    messages = [
+def build_prompt_ids(
+    tokenizer: ChatTokenizer, prompt: str, attachments: Sequence[Attachment], budget: int
+) -> list[int]:
+    """Token ids of the whole chat prompt, fitted into budget."""
+    return build_prompt(tokenizer, prompt, attachments, budget).ids
+
+
+def _messages(prompt: str, attachments: Sequence[Attachment]) -> list[dict[str, str]]:
+    return [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": render_user_message(prompt, attachments)},
     ]
+
+
+def _render(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> list[int]:
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     return [int(i) for i in out]
 

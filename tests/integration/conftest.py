@@ -67,12 +67,19 @@ class SpySubmitter:
         self.starts: dict[str, str] = {}
         self._next = CelerySubmitter() if forward else None
 
-    def submit(self, job_id: str, inputs: Any, start: Any = "preprocess", deadline: float | None = None) -> None:
+    def submit(
+        self,
+        job_id: str,
+        inputs: Any,
+        start: Any = "preprocess",
+        deadline: float | None = None,
+        prompt_tokens: int | None = None,
+    ) -> None:
         """Record, then forward."""
         self.calls.append((job_id, list(inputs)))
         self.starts[job_id] = start
         if self._next:
-            self._next.submit(job_id, inputs, start, deadline)
+            self._next.submit(job_id, inputs, start, deadline, prompt_tokens)
 
 
 @pytest.fixture

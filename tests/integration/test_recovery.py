@@ -6,86 +6,22 @@ without disturbing the other tests.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
-from celery import Celery
-from fastapi.testclient import TestClient
 
-from api.app import create_app
-from stoker.settings import ApiSettings
-from tasks.pipeline import CelerySubmitter
+from tests.fleet import Fleet, own_fleet
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
-from tests.procs import spawn, stop, tail, wait_for
 from workers.broker import start_embedded
-
-KINDS = ("cpu", "infer")
-TERMINAL = ("succeeded", "degraded", "failed")
-
-
-@dataclass
-class Fleet:
-    """Valkey, workers, a reaper and an API, each replaceable by a test."""
-
-    root: Path
-    port: int
-    env: dict[str, str]
-    app: Celery
-    client: TestClient
-    valkey: subprocess.Popen[bytes]
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    def start(self, kind: str, **env: str) -> None:
-        """Start (or replace) a worker or the reaper, with optional extra settings."""
-        args = ["reaper"] if kind == "reaper" else ["worker", kind]
-        self.procs[kind] = spawn(args, {**self.env, **env}, self.root / f"{kind}.log")
-
-    def kill(self, kind: str) -> None:
-        """SIGKILL a worker's whole process group: parent and pool children, no goodbye."""
-        os.killpg(self.procs[kind].pid, signal.SIGKILL)
-        self.procs[kind].wait(10)
-
-    def wait_workers(self, kinds: tuple[str, ...] = KINDS) -> None:
-        """Until every named worker answers a ping."""
-
-        def answer() -> bool:
-            # A fresh connection each time: pooled ones may date from before a Redis restart.
-            with self.app.connection_for_write() as connection:
-                replies = self.app.control.ping(timeout=0.5, connection=connection)
-            return set(kinds) <= {n.split("@")[0] for reply in replies for n in reply}
-
-        wait_for(answer, 180, f"workers {kinds}", [self.procs[k] for k in kinds])
-
-    def store(self) -> redis.Redis[bytes]:
-        """A client on the fleet's job store."""
-        return redis.Redis.from_url(self.env["STOKER_RESULT_URL"])
-
-    def logs(self) -> str:
-        """The end of every log, for failure messages."""
-        return "\n".join(f"--- {k}\n{tail(self.root / f'{k}.log')}" for k in self.procs)
 
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
-    """A stack on its own Valkey: messages of a dead worker come back after 20 s, lost ones are re-sent after 30."""
-    root = Path(tempfile.mkdtemp(prefix="stoker-recovery-"))
-    valkey, port = start_embedded(data_dir=root)
-    base = f"redis://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "STOKER_BROKER_URL": f"{base}/0",
-        "STOKER_RESULT_URL": f"{base}/1",
-        "STOKER_CACHE_URL": f"{base}/2",
+    """Messages of a dead worker come back after 20 s, lost inference messages are re-sent after 30."""
+    settings = {
         "STOKER_CACHE_ENABLED": "false",  # every job does its own work: nothing rides on a cache hit
         "STOKER_VISIBILITY_TIMEOUT_S": "20",
         "STOKER_TRANSCRIBE_SOFT_S": "12",
@@ -93,27 +29,10 @@ def fleet() -> Iterator[Fleet]:
         "STOKER_INFER_BATCH_TIMEOUT_S": "12",
         "STOKER_INFER_WEDGE_GRACE_S": "5",
         "STOKER_REDRIVE_AFTER_S": "30",
+        "STOKER_HANDOFF_MAX_WAIT_S": "10",
     }
-    app = Celery("stoker-recovery", set_as_current=False)
-    app.config_from_object("celeryconfig")
-    app.conf.broker_url, app.conf.result_backend = env["STOKER_BROKER_URL"], env["STOKER_RESULT_URL"]
-    settings = ApiSettings(
-        broker_url=env["STOKER_BROKER_URL"], result_url=env["STOKER_RESULT_URL"], cache_url=env["STOKER_CACHE_URL"]
-    )
-    with TestClient(create_app(settings, submitter=CelerySubmitter(app))) as client:
-        crew = Fleet(root, port, env, app, client, valkey)
-        try:
-            for kind in (*KINDS, "reaper"):
-                crew.start(kind)
-            crew.wait_workers()
-            yield crew
-        except Exception as exc:
-            raise RuntimeError(crew.logs()) from exc
-        finally:
-            for proc in crew.procs.values():
-                stop(proc)
-            crew.valkey.kill()
-            crew.valkey.wait(10)
+    with own_fleet(settings) as crew:
+        yield crew
 
 
 def _submit(fleet: Fleet, count: int, image: bool = True) -> list[str]:

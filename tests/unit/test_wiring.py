@@ -77,8 +77,8 @@ def test_text_only_job_goes_straight_to_tokenize() -> None:
 
 def test_cached_jobs_enter_later() -> None:
     assert job_canvas("j", _inputs(2), start="tokenize").task == "stoker.tokenize"
-    straight = job_canvas("j", _inputs(2), start="infer")
-    assert (straight.task, straight.kwargs) == ("stoker.infer", {"job_id": "j"})
+    straight = job_canvas("j", _inputs(2), start="infer", deadline=9.0, prompt_tokens=42)
+    assert (straight.task, straight.kwargs) == ("stoker.infer", {"job_id": "j", "prompt_tokens": 42, "deadline": 9.0})
 
 
 def test_inference_worker_may_hold_whole_batches() -> None:
@@ -176,6 +176,7 @@ def test_visibility_timeout_must_outlast_every_limit() -> None:
             ocr_hard_s=8,
             infer_batch_timeout_s=5,
             infer_wedge_grace_s=2,
+            handoff_max_wait_s=2,
         ).visibility_timeout_s
         == 10
     )

@@ -1,0 +1,85 @@
+"""The API's view of queue pressure: sampled in the background, read by admission control and /v1/stats."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from kombu.connection import Connection
+from starlette.concurrency import run_in_threadpool
+
+from stoker.pressure import DrainMeter, QueueState, Refusal, admit
+from stoker.queues import CPU_QUEUES, QUEUES, queue_depths
+from stoker.settings import ApiSettings
+from stoker.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every queue at one moment."""
+
+    at: float
+    queues: list[QueueState]
+
+
+class QueueMonitor:
+    """Samples queue depths (from the broker) and drain counters (from the store) every `interval_s`."""
+
+    def __init__(self, settings: ApiSettings, store: JobStore, interval_s: float = 0.5, stale_s: float = 5.0) -> None:
+        self.settings = settings
+        self.store = store
+        self.interval_s = interval_s
+        self.stale_s = stale_s
+        self.meter = DrainMeter(window_s=10.0)
+        self.latest: Snapshot | None = None
+        self._connection: Connection | None = None
+
+    def limit(self, queue: str) -> int:
+        """The admission limit of a queue."""
+        return self.settings.cpu_queue_limit if queue in CPU_QUEUES else self.settings.infer_queue_limit
+
+    def sample(self) -> Snapshot:
+        """Read every queue's depth and drain counter now (blocking)."""
+        if self._connection is None:
+            self._connection = Connection(self.settings.broker_url, connect_timeout=2)  # type: ignore[no-untyped-call]
+        try:
+            depths = queue_depths(self._connection, QUEUES)
+        except Exception:
+            self.close()
+            raise
+        now = time.time()
+        self.meter.add(now, self.store.drained())
+        states = [QueueState(q, depths[q], self.limit(q), round(self.meter.rate(q), 3)) for q in QUEUES]
+        self.latest = Snapshot(now, states)
+        return self.latest
+
+    async def run(self) -> None:
+        """Sample forever; a failed sample leaves no snapshot (admission then lets the broker decide)."""
+        while True:
+            try:
+                await run_in_threadpool(self.sample)
+            except Exception as exc:
+                if self.latest is not None:
+                    log.warning("cannot sample the queues: %s", exc)
+                self.latest = None
+            await asyncio.sleep(self.interval_s)
+
+    def fresh(self) -> Snapshot | None:
+        """The latest snapshot, if recent enough to act on."""
+        latest = self.latest
+        return latest if latest and time.time() - latest.at <= self.stale_s else None
+
+    def refusal(self) -> Refusal | None:
+        """Why a new job must be refused now, if it must."""
+        snapshot = self.fresh()
+        return admit(snapshot.queues, self.settings.admission_resume_ratio) if snapshot else None
+
+    def close(self) -> None:
+        """Drop the broker connection."""
+        if self._connection is not None:
+            self._connection.release()  # type: ignore[no-untyped-call]
+            self._connection = None

@@ -1,0 +1,89 @@
+"""A small OpenAI-compatible chat-completions server on loopback, for testing the `openai` backend."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from workers.broker import free_port
+
+JPEG_MAGIC = b"\xff\xd8"
+
+
+@dataclass
+class FakeServer:
+    """What the fake saw, and how it should behave."""
+
+    url: str = ""
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    delay_s: float = 0.0
+    #: Answer this status to any request whose text contains the key.
+    fail_on: dict[str, int] = field(default_factory=dict)
+    in_flight: int = 0
+    most_in_flight: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _app(state: FakeServer) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def complete(request: Request) -> JSONResponse:
+        body = await request.json()
+        with state.lock:
+            state.bodies.append(body)
+            state.in_flight += 1
+            state.most_in_flight = max(state.most_in_flight, state.in_flight)
+        try:
+            if state.delay_s:
+                await _sleep(state.delay_s)
+            user = body["messages"][-1]["content"]
+            text = user if isinstance(user, str) else " ".join(p.get("text", "") for p in user)
+            for key, status in state.fail_on.items():
+                if key in text:
+                    return JSONResponse({"error": {"message": "no"}}, status_code=status)
+            images = [] if isinstance(user, str) else [p for p in user if p["type"] == "image_url"]
+            jpegs = [base64.b64decode(p["image_url"]["url"].split(",", 1)[1]) for p in images]
+            all_jpeg = all(j[:2] == JPEG_MAGIC for j in jpegs)
+            answer = f"fake saw {len(jpegs)} image(s); jpeg={all_jpeg}"
+            usage = {"prompt_tokens": len(text.split()), "completion_tokens": 5}
+            return JSONResponse({"choices": [{"message": {"role": "assistant", "content": answer}}], "usage": usage})
+        finally:
+            with state.lock:
+                state.in_flight -= 1
+
+    return app
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+@contextmanager
+def fake_openai_server() -> Iterator[FakeServer]:
+    """Serve the fake on a free loopback port for the duration of the block."""
+    state = FakeServer()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state.url = f"http://127.0.0.1:{port}/v1"
+    try:
+        yield state
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -1,0 +1,104 @@
+"""A stoker stack on a Valkey of its own, for tests that kill, stop or reconfigure its processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from celery import Celery
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from stoker.settings import ApiSettings
+from tasks.pipeline import CelerySubmitter
+from tests.procs import spawn, stop, tail, wait_for
+from workers.broker import start_embedded
+
+KINDS = ("cpu", "infer")
+
+
+@dataclass
+class Fleet:
+    """Valkey, workers, a reaper and an API, each replaceable by a test."""
+
+    root: Path
+    port: int
+    env: dict[str, str]
+    app: Celery
+    client: TestClient
+    valkey: subprocess.Popen[bytes]
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, kind: str, **env: str) -> None:
+        """Start (or replace) a worker or the reaper, with optional extra settings."""
+        args = ["reaper"] if kind == "reaper" else ["worker", kind]
+        self.procs[kind] = spawn(args, {**self.env, **env}, self.root / f"{kind}.log")
+
+    def kill(self, kind: str, sig: int = signal.SIGKILL) -> None:
+        """Signal a worker's whole process group (SIGKILL: parent and pool children, no goodbye) and reap it."""
+        os.killpg(self.procs[kind].pid, sig)
+        self.procs[kind].wait(30)
+
+    def wait_workers(self, kinds: tuple[str, ...] = KINDS) -> None:
+        """Until every named worker answers a ping."""
+
+        def answer() -> bool:
+            # A fresh connection each time: pooled ones may date from before a Redis restart.
+            with self.app.connection_for_write() as connection:
+                replies = self.app.control.ping(timeout=0.5, connection=connection)
+            return set(kinds) <= {n.split("@")[0] for reply in replies for n in reply}
+
+        wait_for(answer, 180, f"workers {kinds}", [self.procs[k] for k in kinds])
+
+    def api(self, **settings: object) -> TestClient:
+        """Another API on this fleet, with other settings (enter it as a context manager)."""
+        urls = {k: self.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
+        return TestClient(create_app(ApiSettings(**{**urls, **settings}), submitter=CelerySubmitter(self.app)))
+
+    def store(self) -> redis.Redis[bytes]:
+        """A client on the fleet's job store."""
+        return redis.Redis.from_url(self.env["STOKER_RESULT_URL"])
+
+    def logs(self) -> str:
+        """The end of every log, for failure messages."""
+        return "\n".join(f"--- {k}\n{tail(self.root / f'{k}.log')}" for k in self.procs)
+
+
+@contextmanager
+def own_fleet(settings: dict[str, str], kinds: tuple[str, ...] = KINDS) -> Iterator[Fleet]:
+    """Valkey (AOF) on a free port, the given workers and a reaper, and an API in this process."""
+    root = Path(tempfile.mkdtemp(prefix="stoker-fleet-"))
+    valkey, port = start_embedded(data_dir=root)
+    base = f"redis://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "STOKER_BROKER_URL": f"{base}/0",
+        "STOKER_RESULT_URL": f"{base}/1",
+        "STOKER_CACHE_URL": f"{base}/2",
+        **settings,
+    }
+    app = Celery("stoker-fleet", set_as_current=False)
+    app.config_from_object("celeryconfig")
+    app.conf.broker_url, app.conf.result_backend = env["STOKER_BROKER_URL"], env["STOKER_RESULT_URL"]
+    crew = Fleet(root, port, env, app, None, valkey)  # type: ignore[arg-type]
+    try:
+        with crew.api() as client:
+            crew.client = client
+            for kind in (*kinds, "reaper"):
+                crew.start(kind)
+            crew.wait_workers(kinds)
+            yield crew
+    except Exception as exc:
+        raise RuntimeError(crew.logs()) from exc
+    finally:
+        for proc in crew.procs.values():
+            stop(proc)
+        crew.valkey.kill()
+        crew.valkey.wait(10)

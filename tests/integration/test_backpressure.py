@@ -1,0 +1,128 @@
+"""The inference consumer under load, on the simulated device: batches fill up, queues stay bounded, overload
+is pushed back to clients as 429, and nothing accepted is lost."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.fakeopenai import fake_openai_server
+from tests.fleet import Fleet, own_fleet
+from tests.integration.test_pipeline import _wait
+from tests.media import text_image
+
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    """CPU and inference workers, the device simulated: a batch takes 300 ms + 20 ms per item."""
+    settings = {
+        "STOKER_BACKEND": "sim",
+        "STOKER_SIM_BASE_MS": "300",
+        "STOKER_SIM_PER_ITEM_MS": "20",
+        "STOKER_MAX_BATCH_SIZE": str(BATCH),
+        "STOKER_INFER_HIGH_WATERMARK": "4",
+        "STOKER_INFER_LOW_WATERMARK": "2",
+        "STOKER_HANDOFF_MAX_WAIT_S": "30",
+        "STOKER_VISIBILITY_TIMEOUT_S": "200",
+    }
+    with own_fleet(settings) as crew:
+        yield crew
+
+
+def _text_job(client: object, n: int, deadline_ms: int = 300_000) -> tuple[int, dict[str, str], str]:
+    response = client.post(
+        "/v1/jobs", data={"prompt": f"Question {n}: {time.time_ns()}", "deadline_ms": str(deadline_ms)}
+    )  # type: ignore[attr-defined]
+    body = response.json()
+    return response.status_code, dict(response.headers), body.get("id", "")
+
+
+def test_jobs_submitted_together_ride_in_full_batches(fleet: Fleet) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda n: _text_job(fleet.client, n), range(50)))
+    assert all(status == 202 for status, _, _ in answers)
+    jobs = [_wait(fleet.client, job_id) for _, _, job_id in answers]
+    assert all(j["status"] == "succeeded" for j in jobs), [j for j in jobs if j["status"] != "succeeded"][:2]
+    assert all(j["result"]["model"] == "sim" for j in jobs)
+    sizes = {j["batch"]["id"]: j["batch"]["size"] for j in jobs}
+    assert max(sizes.values()) <= BATCH
+    assert sum(sizes.values()) == 50
+    mean = sum(sizes.values()) / len(sizes)
+    assert mean >= BATCH / 2, sizes
+
+
+def _rss_mb(pgid: int) -> float:
+    total = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[2]) == pgid:
+                total += int((proc / "statm").read_text().split()[1]) * 4096
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 2**20
+
+
+def _job_records(fleet: Fleet) -> int:
+    with fleet.store() as store:
+        return sum(1 for key in store.scan_iter("stoker:job:*") if key.count(b":") == 2)
+
+
+def test_overload_is_refused_with_retry_after_and_nothing_accepted_is_lost(fleet: Fleet) -> None:
+    fleet.kill("infer", signal.SIGTERM)  # a clean stop: the device is gone, work piles up
+    cpu_before = _rss_mb(fleet.procs["cpu"].pid)
+    accepted: list[str] = []
+    refused: dict[str, str] | None = None
+    with fleet.api(cpu_queue_limit=6, infer_queue_limit=10) as client:
+        time.sleep(1.0)  # the admission monitor's first samples
+        for n in range(80):
+            records = _job_records(fleet)
+            status, headers, job_id = _text_job(client, n)
+            if status == 429:
+                refused = headers
+                assert _job_records(fleet) == records  # a refusal writes nothing
+                break
+            assert status == 202
+            accepted.append(job_id)
+            time.sleep(0.15)
+        stats = client.get("/v1/stats").json()
+    assert refused is not None, f"never refused after {len(accepted)} jobs: {stats}"
+    assert 1 <= int(refused["retry-after"]) <= 120
+    queues = stats["queues"]
+    assert queues["infer"]["depth"] >= 4, queues  # held at the high watermark…
+    assert queues["tokenize"]["depth"] >= 6 or queues["infer"]["depth"] >= 10, queues  # …the backlog upstream
+    assert sum(stats["refused"].values()) >= 1
+    assert _rss_mb(fleet.procs["cpu"].pid) - cpu_before < 100  # CPU workers held the line, not their memory
+    fleet.start("infer")
+    fleet.wait_workers(("infer",))
+    finished = [_wait(fleet.client, job_id) for job_id in accepted]
+    assert [j["status"] for j in finished] == ["succeeded"] * len(accepted)
+
+
+def test_the_openai_backend_gets_the_preprocessed_picture_through_the_pipeline(fleet: Fleet) -> None:
+    with fake_openai_server() as server:
+        fleet.kill("infer", signal.SIGTERM)
+        fleet.start("infer", STOKER_BACKEND="openai", STOKER_OPENAI_BASE_URL=server.url, STOKER_OPENAI_MODEL="vlm")
+        fleet.wait_workers(("infer",))
+        try:
+            files = [("image", ("note.png", text_image("PICTURE 12"), "image/png"))]
+            response = fleet.client.post("/v1/jobs", data={"prompt": "What is in the picture?"}, files=files)
+            job = _wait(fleet.client, response.json()["id"])
+        finally:
+            fleet.kill("infer", signal.SIGTERM)
+            fleet.start("infer")
+    assert job["status"] == "succeeded", job
+    assert job["result"]["text"] == "fake saw 1 image(s); jpeg=True"
+    assert job["result"]["model"] == "openai:vlm"
+    text = server.bodies[-1]["messages"][-1]["content"][0]["text"]
+    assert "PICTURE 12" in text
+    assert "What is in the picture?" in text

@@ -1,0 +1,83 @@
+"""The `openai` backend against a fake OpenAI-compatible server on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from stoker.core.imaging import DecodeParams, decode_image, model_input_jpeg
+from stoker.errors import InferenceFailed, ModelUnavailable
+from stoker.predictor import ModelRequest, Prediction, run_predictor
+from stoker.remote import OpenAIPredictor
+from tests.fakeopenai import FakeServer, fake_openai_server
+from tests.media import text_image
+
+PICTURE = model_input_jpeg(decode_image(text_image("HELLO"), DecodeParams(90_000_000, 224, 2048)).model_input)
+
+
+_OPENED: list[OpenAIPredictor] = []
+
+
+@pytest.fixture
+def server() -> Iterator[FakeServer]:
+    with fake_openai_server() as fake:
+        yield fake
+        while _OPENED:
+            _OPENED.pop().close()
+
+
+def _request(text: str, images: list[str] | None = None) -> ModelRequest:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+    return ModelRequest([1, 2, 3], messages, images or [])
+
+
+def _predictor(server: FakeServer, **kwargs: object) -> OpenAIPredictor:
+    options: dict = {"max_new_tokens": 16, "max_in_flight": 3, "timeout_s": 5, "images": {"pic": PICTURE}.get}
+    predictor = OpenAIPredictor(server.url, "fake-vlm", **{**options, **kwargs})  # type: ignore[arg-type]
+    predictor.setup("cpu")
+    _OPENED.append(predictor)
+    return predictor
+
+
+def test_each_request_carries_its_text_and_its_preprocessed_picture(server: FakeServer) -> None:
+    outcomes = run_predictor(_predictor(server), [_request("what does it say?", ["pic"]), _request("hi")])
+    assert isinstance(outcomes[0], Prediction)
+    assert outcomes[0].text == "fake saw 1 image(s); jpeg=True"
+    assert outcomes[1].text == "fake saw 0 image(s); jpeg=True"  # type: ignore[union-attr]
+    body = next(b for b in server.bodies if not isinstance(b["messages"][-1]["content"], str))
+    parts = body["messages"][-1]["content"]
+    assert parts[0] == {"type": "text", "text": "what does it say?"}
+    assert parts[1]["image_url"]["url"].startswith("data:image/jpeg;base64,")
+    assert (body["model"], body["max_tokens"], body["temperature"]) == ("fake-vlm", 16, 0)
+
+
+def test_requests_go_out_concurrently_but_never_more_than_the_bound(server: FakeServer) -> None:
+    server.delay_s = 0.3
+    outcomes = run_predictor(_predictor(server), [_request(f"q{i}") for i in range(9)])
+    assert all(isinstance(o, Prediction) for o in outcomes)
+    assert server.most_in_flight == 3
+
+
+def test_a_server_error_fails_that_request_alone(server: FakeServer) -> None:
+    server.fail_on = {"poison": 500}
+    outcomes = run_predictor(_predictor(server), [_request("fine"), _request("poison pill"), _request("fine too")])
+    assert isinstance(outcomes[0], Prediction)
+    assert isinstance(outcomes[1], InferenceFailed)
+    assert "500" in outcomes[1].message
+    assert isinstance(outcomes[2], Prediction)
+
+
+def test_an_overloaded_server_is_retried_then_reported_unavailable(server: FakeServer) -> None:
+    server.fail_on = {"busy": 503}
+    (outcome,) = run_predictor(_predictor(server, attempts=2), [_request("busy now")])
+    assert isinstance(outcome, ModelUnavailable)
+    assert len(server.bodies) == 2
+
+
+def test_an_unreachable_server_is_unavailable_not_a_crash(server: FakeServer) -> None:
+    predictor = _predictor(server, attempts=1)
+    predictor.base_url = "http://127.0.0.1:9"
+    predictor.setup("cpu")
+    (outcome,) = run_predictor(predictor, [_request("anyone?")])
+    assert isinstance(outcome, ModelUnavailable)
