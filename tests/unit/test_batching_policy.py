@@ -1,8 +1,13 @@
-"""The batching policy at chosen instants: size, token budget, wait, deadlines, a busy device."""
+"""The batching policy at chosen instants (size, token budget, wait, deadlines, a busy device), and per-item
+isolation when a batch fails."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from stoker.core.batching import BatchPolicy, Waiting, plan_batch
+from stoker.predictor import ModelRequest, Prediction
+from tasks.inference import predict_isolated
 
 POLICY = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.05)
 
@@ -59,3 +64,36 @@ def test_requests_are_served_in_arrival_order() -> None:
     waiting = [Waiting("b", 10, 2.0), Waiting("a", 10, 1.0)]
     plan = plan_batch(waiting, now=5.0, policy=POLICY)
     assert [w.key for w in plan.run] == ["a", "b"]
+
+
+class _Picky:
+    """A predictor that fails any batch holding a request with no prompt tokens."""
+
+    name = "picky"
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def setup(self, device: str) -> None:
+        """Nothing to load."""
+
+    def batch(self, requests: Sequence[ModelRequest]) -> list[int]:
+        self.batches.append(len(requests))
+        return [len(r.prompt_ids) for r in requests]
+
+    def predict(self, batch: list[int]) -> list[int]:
+        if 0 in batch:
+            raise RuntimeError("cannot run an empty prompt")
+        return batch
+
+    def unbatch(self, output: list[int]) -> list[Prediction]:
+        return [Prediction(text=f"{n} tokens", prompt_tokens=n, completion_tokens=1) for n in output]
+
+
+def test_one_bad_request_fails_alone_after_the_batch_is_retried_item_by_item() -> None:
+    picky = _Picky()
+    requests = [ModelRequest([1, 2]), ModelRequest([]), ModelRequest([3])]
+    outcomes = predict_isolated(picky, requests)
+    assert picky.batches == [3, 1, 1, 1]
+    assert [type(o).__name__ for o in outcomes] == ["Prediction", "InferenceFailed", "Prediction"]
+    assert outcomes[0].text == "2 tokens"  # type: ignore[union-attr]

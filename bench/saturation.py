@@ -1,0 +1,260 @@
+"""The inference consumer at saturation and under overload, on the simulated device.
+
+    .venv/bin/python -m bench.saturation [--seconds 30] [--base-ms 400] [--per-item-ms 50]
+
+Starts its own API, CPU worker, inference worker (`STOKER_BACKEND=sim`: a batch takes base + per-item ms asleep,
+so the device is busy while the CPUs are free) and reaper against Redis databases 5-7 of STOKER_BENCH_REDIS
+(default redis://127.0.0.1:6379), then drives text-only jobs open-loop (Poisson arrivals) in two phases:
+
+- saturation: 1.5x the device's capacity with admission limits out of the way: device busy fraction, mean batch
+  size, throughput, latency;
+- overload: 3x capacity with tight queue limits: how many jobs are refused (429), and how accurate Retry-After
+  is: each refused client comes back after Retry-After, and the predicted wait is compared with the time the
+  refusing queue actually took to fall back under its resume threshold.
+
+Writes bench/results/saturation.json and prints a markdown table. Capacity is max_batch_size / (base + per-item x
+max_batch_size) jobs per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from workers.broker import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 8
+
+
+@dataclass
+class Phase:
+    """One run of the load generator against a fresh stack."""
+
+    name: str
+    rate: float
+    seconds: float
+    limits: dict[str, str]
+    accepted: list[str] = field(default_factory=list)
+    refusals: list[tuple[float, str, int]] = field(default_factory=list)  # (when, queue, retry-after)
+    retries: list[bool] = field(default_factory=list)  # accepted on the first retry after Retry-After?
+    samples: list[tuple[float, dict[str, Any]]] = field(default_factory=list)  # /v1/stats over time
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def start_stack(env: dict[str, str], port: int) -> list[subprocess.Popen[bytes]]:
+    """API, CPU worker, simulated inference worker and reaper, each in its own session."""
+    commands = [["api", "--port", str(port)], ["worker", "cpu"], ["worker", "infer"], ["reaper"]]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "stoker.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for args in commands
+    ]
+
+
+def run_phase(phase: Phase, sim: tuple[float, float], redis_base: str, seed: int) -> dict[str, Any]:
+    """Fresh databases and processes, the load, then the facts."""
+    urls = {f"STOKER_{k}_URL": f"{redis_base}/{db}" for k, db in (("BROKER", 5), ("RESULT", 6), ("CACHE", 7))}
+    for url in urls.values():
+        with redis.Redis.from_url(url) as client:
+            client.flushdb()
+    env = {
+        **os.environ,
+        **urls,
+        **phase.limits,
+        "STOKER_BACKEND": "sim",
+        "STOKER_SIM_BASE_MS": str(sim[0]),
+        "STOKER_SIM_PER_ITEM_MS": str(sim[1]),
+        "STOKER_MAX_BATCH_SIZE": str(BATCH),
+    }
+    port = free_port()
+    procs = start_stack(env, port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base)
+        time.sleep(5)  # workers connect and preload
+        return _drive(phase, base, seed)
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            proc.wait(timeout=60)
+
+
+def _wait_ready(base: str) -> None:
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("API did not become ready")
+
+
+def _drive(phase: Phase, base: str, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_stats, args=(phase, base, stop), daemon=True)
+    sampler.start()
+    busy_before = _device_busy(base)
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=64) as pool, httpx.Client(base_url=base, timeout=30) as http:
+        n, next_at = 0, started
+        while next_at - started < phase.seconds:
+            time.sleep(max(next_at - time.monotonic(), 0))
+            pool.submit(_client, phase, http, n)
+            n += 1
+            next_at += rng.expovariate(phase.rate)
+        offered_s = time.monotonic() - started
+        jobs = [_finished(http, job_id) for job_id in list(phase.accepted)]
+    wall = time.monotonic() - started
+    busy = _device_busy(base) - busy_before
+    stop.set()
+    sampler.join(5)
+    return _summarise(phase, jobs, n, offered_s, wall, busy)
+
+
+def _client(phase: Phase, http: httpx.Client, n: int) -> None:
+    """One client: submit; on 429 come back once after Retry-After."""
+    for attempt in range(2):
+        response = http.post("/v1/jobs", data={"prompt": f"Question {n}: what is {n} squared?"})
+        if response.status_code == 202:
+            with phase.lock:
+                phase.accepted.append(response.json()["id"])
+                if attempt:
+                    phase.retries.append(True)
+            return
+        if response.status_code != 429:
+            return
+        wait = int(response.headers["retry-after"])
+        queue = response.json()["error"]["message"].split()[1]
+        with phase.lock:
+            if attempt:
+                phase.retries.append(False)
+            else:
+                phase.refusals.append((time.monotonic(), queue, wait))
+        if attempt == 0:
+            time.sleep(wait)
+
+
+def _sample_stats(phase: Phase, base: str, stop: threading.Event) -> None:
+    with httpx.Client(base_url=base, timeout=5) as http:
+        while not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                phase.samples.append((time.monotonic(), http.get("/v1/stats").json()))
+            stop.wait(0.25)
+
+
+def _device_busy(base: str) -> float:
+    stats = httpx.get(f"{base}/v1/stats", timeout=5).json()
+    return float(stats.get("device", {}).get("busy_s", 0.0))
+
+
+def _finished(http: httpx.Client, job_id: str) -> dict[str, Any]:
+    for _ in range(40):
+        job: dict[str, Any] = http.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()
+        if job["status"] in ("succeeded", "degraded", "failed"):
+            return job
+    raise SystemExit(f"job {job_id} never finished")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(int(len(ordered) * q), len(ordered) - 1)], 1) if ordered else 0.0
+
+
+def _retry_after_error(phase: Phase, resume_ratio: float = 0.8) -> list[float]:
+    """Per refusal: Retry-After minus the time its queue actually took to fall under its resume threshold."""
+    errors = []
+    for when, queue, predicted in phase.refusals:
+        for at, stats in phase.samples:
+            q = stats["queues"].get(queue)
+            if at >= when and q and q["depth"] <= math.floor(q["limit"] * resume_ratio):
+                errors.append(predicted - (at - when))
+                break
+    return errors
+
+
+def _summarise(
+    phase: Phase, jobs: list[dict[str, Any]], offered: int, offered_s: float, wall: float, busy: float
+) -> dict[str, Any]:
+    done = [j for j in jobs if j["status"] == "succeeded"]
+    sizes = {j["batch"]["id"]: j["batch"]["size"] for j in done if j.get("batch")}
+    totals = [j["timings_ms"]["total"] for j in done]
+    errors = _retry_after_error(phase)
+    return {
+        "phase": phase.name,
+        "offered_per_s": round(offered / offered_s, 2),
+        "offered": offered,
+        "accepted": len(jobs),
+        "succeeded": len(done),
+        "refused_429": len(phase.refusals),
+        "throughput_per_s": round(len(done) / wall, 2),
+        "device_busy": round(busy / wall, 3),
+        "mean_batch": round(statistics.mean(sizes.values()), 2) if sizes else 0.0,
+        "p50_ms": _percentile(totals, 0.5),
+        "p99_ms": _percentile(totals, 0.99),
+        "retry_accepted": round(sum(phase.retries) / len(phase.retries), 2) if phase.retries else None,
+        "retry_after_error_s_p50": round(statistics.median(errors), 1) if errors else None,
+    }
+
+
+def main() -> None:
+    """Both phases, one table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--base-ms", type=float, default=400.0)
+    parser.add_argument("--per-item-ms", type=float, default=50.0)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+    capacity = BATCH / ((args.base_ms + args.per_item_ms * BATCH) / 1000)
+    redis_base = os.environ.get("STOKER_BENCH_REDIS", "redis://127.0.0.1:6379")
+    loose = {"STOKER_CPU_QUEUE_LIMIT": "100000", "STOKER_INFER_QUEUE_LIMIT": "100000"}
+    tight = {
+        "STOKER_CPU_QUEUE_LIMIT": "20",
+        "STOKER_INFER_QUEUE_LIMIT": "40",
+        "STOKER_INFER_HIGH_WATERMARK": "16",
+        "STOKER_INFER_LOW_WATERMARK": "8",
+    }
+    sim = (args.base_ms, args.per_item_ms)
+    rows = [
+        run_phase(Phase("saturation 1.5x", 1.5 * capacity, args.seconds, loose), sim, redis_base, args.seed),
+        run_phase(Phase("overload 3x", 3 * capacity, args.seconds, tight), sim, redis_base, args.seed),
+    ]
+    (ROOT / "bench" / "results").mkdir(exist_ok=True)
+    report = {"capacity_per_s": round(capacity, 2), "sim_ms": sim, "batch": BATCH, "rows": rows}
+    (ROOT / "bench" / "results" / "saturation.json").write_text(json.dumps(report, indent=2))
+    print(f"device capacity {capacity:.1f} jobs/s (sim {args.base_ms:.0f} ms + {args.per_item_ms:.0f} ms/item)\n")
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
