@@ -42,6 +42,12 @@ class QueueMonitor:
         """The admission limit of a queue."""
         return self.settings.cpu_queue_limit if queue in CPU_QUEUES else self.settings.infer_queue_limit
 
+    def drain_rate(self, queue: str) -> float:
+        """Messages per second leaving a queue. A CPU queue held back by the inference watermarks drains as fast
+        as inference does, even while its own counter has not moved yet."""
+        own = self.meter.rate(queue)
+        return max(own, self.meter.rate("infer")) if queue in CPU_QUEUES else own
+
     def sample(self) -> Snapshot:
         """Read every queue's depth and drain counter now (blocking)."""
         if self._connection is None:
@@ -53,7 +59,7 @@ class QueueMonitor:
             raise
         now = time.time()
         self.meter.add(now, self.store.drained())
-        states = [QueueState(q, depths[q], self.limit(q), round(self.meter.rate(q), 3)) for q in QUEUES]
+        states = [QueueState(q, depths[q], self.limit(q), round(self.drain_rate(q), 3)) for q in QUEUES]
         self.latest = Snapshot(now, states)
         return self.latest
 

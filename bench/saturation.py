@@ -55,24 +55,31 @@ class Phase:
     accepted: list[str] = field(default_factory=list)
     refusals: list[tuple[float, str, int]] = field(default_factory=list)  # (when, queue, retry-after)
     retries: list[bool] = field(default_factory=list)  # accepted on the first retry after Retry-After?
+    statuses: dict[str, int] = field(default_factory=dict)  # every answer (or exception), counted
+    timers: list[threading.Timer] = field(default_factory=list)
     samples: list[tuple[float, dict[str, Any]]] = field(default_factory=list)  # /v1/stats over time
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def start_stack(env: dict[str, str], port: int) -> list[subprocess.Popen[bytes]]:
-    """API, CPU worker, simulated inference worker and reaper, each in its own session."""
-    commands = [["api", "--port", str(port)], ["worker", "cpu"], ["worker", "infer"], ["reaper"]]
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "stoker.cli", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        for args in commands
-    ]
+def start_stack(env: dict[str, str], port: int, logs: Path) -> list[subprocess.Popen[bytes]]:
+    """API, CPU worker, simulated inference worker and reaper, each in its own session, logging into logs/."""
+    logs.mkdir(parents=True, exist_ok=True)
+    commands = {"api": ["api", "--port", str(port)], "cpu": ["worker", "cpu"], "infer": ["worker", "infer"]}
+    commands["reaper"] = ["reaper"]
+    procs = []
+    for name, args in commands.items():
+        with (logs / f"{name}.log").open("wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "stoker.cli", *args],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    return procs
 
 
 def run_phase(phase: Phase, sim: tuple[float, float], redis_base: str, seed: int) -> dict[str, Any]:
@@ -91,7 +98,7 @@ def run_phase(phase: Phase, sim: tuple[float, float], redis_base: str, seed: int
         "STOKER_MAX_BATCH_SIZE": str(BATCH),
     }
     port = free_port()
-    procs = start_stack(env, port)
+    procs = start_stack(env, port, ROOT / "bench" / "results" / "logs" / phase.name.split()[0])
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(base)
@@ -120,45 +127,52 @@ def _drive(phase: Phase, base: str, seed: int) -> dict[str, Any]:
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_stats, args=(phase, base, stop), daemon=True)
     sampler.start()
-    busy_before = _device_busy(base)
+    before = _device_and_served(base)
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=64) as pool, httpx.Client(base_url=base, timeout=30) as http:
         n, next_at = 0, started
         while next_at - started < phase.seconds:
             time.sleep(max(next_at - time.monotonic(), 0))
-            pool.submit(_client, phase, http, n)
+            pool.submit(_client, phase, http, n, pool)
             n += 1
             next_at += rng.expovariate(phase.rate)
         offered_s = time.monotonic() - started
+        window = _device_and_served(base)
+        for timer in list(phase.timers):  # every refused client has come back
+            timer.join()
+        time.sleep(1.0)
         jobs = [_finished(http, job_id) for job_id in list(phase.accepted)]
-    wall = time.monotonic() - started
-    busy = _device_busy(base) - busy_before
+    busy, served = (w - b for w, b in zip(window, before, strict=True))
     stop.set()
     sampler.join(5)
-    return _summarise(phase, jobs, n, offered_s, wall, busy)
+    return _summarise(phase, jobs, n, offered_s, busy, served)
 
 
-def _client(phase: Phase, http: httpx.Client, n: int) -> None:
-    """One client: submit; on 429 come back once after Retry-After."""
-    for attempt in range(2):
+def _client(phase: Phase, http: httpx.Client, n: int, pool: ThreadPoolExecutor, attempt: int = 0) -> None:
+    """One client: submit; on 429 come back once after Retry-After (a timer, so no thread sits waiting)."""
+    try:
         response = http.post("/v1/jobs", data={"prompt": f"Question {n}: what is {n} squared?"})
+    except httpx.HTTPError as exc:
+        _count(phase, type(exc).__name__)
+        return
+    _count(phase, str(response.status_code))
+    with phase.lock:
+        if attempt:
+            phase.retries.append(response.status_code == 202)
         if response.status_code == 202:
-            with phase.lock:
-                phase.accepted.append(response.json()["id"])
-                if attempt:
-                    phase.retries.append(True)
-            return
-        if response.status_code != 429:
-            return
-        wait = int(response.headers["retry-after"])
-        queue = response.json()["error"]["message"].split()[1]
-        with phase.lock:
-            if attempt:
-                phase.retries.append(False)
-            else:
-                phase.refusals.append((time.monotonic(), queue, wait))
-        if attempt == 0:
-            time.sleep(wait)
+            phase.accepted.append(response.json()["id"])
+        elif response.status_code == 429 and not attempt:
+            wait = int(response.headers["retry-after"])
+            queue = response.json()["error"]["message"].split()[1]
+            phase.refusals.append((time.monotonic(), queue, wait))
+            timer = threading.Timer(wait, pool.submit, args=(_client, phase, http, n, pool, 1))
+            phase.timers.append(timer)
+            timer.start()
+
+
+def _count(phase: Phase, what: str) -> None:
+    with phase.lock:
+        phase.statuses[what] = phase.statuses.get(what, 0) + 1
 
 
 def _sample_stats(phase: Phase, base: str, stop: threading.Event) -> None:
@@ -169,9 +183,10 @@ def _sample_stats(phase: Phase, base: str, stop: threading.Event) -> None:
             stop.wait(0.25)
 
 
-def _device_busy(base: str) -> float:
+def _device_and_served(base: str) -> tuple[float, float]:
+    """Device seconds busy and inference requests served, so far."""
     stats = httpx.get(f"{base}/v1/stats", timeout=5).json()
-    return float(stats.get("device", {}).get("busy_s", 0.0))
+    return float(stats["device"].get("busy_s", 0.0)), float(stats["drained"].get("infer", 0.0))
 
 
 def _finished(http: httpx.Client, job_id: str) -> dict[str, Any]:
@@ -200,8 +215,9 @@ def _retry_after_error(phase: Phase, resume_ratio: float = 0.8) -> list[float]:
 
 
 def _summarise(
-    phase: Phase, jobs: list[dict[str, Any]], offered: int, offered_s: float, wall: float, busy: float
+    phase: Phase, jobs: list[dict[str, Any]], offered: int, offered_s: float, busy: float, served: float
 ) -> dict[str, Any]:
+    """Throughput and device busy are over the load window; latencies over every accepted job."""
     done = [j for j in jobs if j["status"] == "succeeded"]
     sizes = {j["batch"]["id"]: j["batch"]["size"] for j in done if j.get("batch")}
     totals = [j["timings_ms"]["total"] for j in done]
@@ -213,13 +229,14 @@ def _summarise(
         "accepted": len(jobs),
         "succeeded": len(done),
         "refused_429": len(phase.refusals),
-        "throughput_per_s": round(len(done) / wall, 2),
-        "device_busy": round(busy / wall, 3),
+        "throughput_per_s": round(served / offered_s, 2),
+        "device_busy": round(busy / offered_s, 3),
         "mean_batch": round(statistics.mean(sizes.values()), 2) if sizes else 0.0,
         "p50_ms": _percentile(totals, 0.5),
         "p99_ms": _percentile(totals, 0.99),
         "retry_accepted": round(sum(phase.retries) / len(phase.retries), 2) if phase.retries else None,
         "retry_after_error_s_p50": round(statistics.median(errors), 1) if errors else None,
+        "answers": dict(sorted(phase.statuses.items())),
     }
 
 
@@ -230,6 +247,7 @@ def main() -> None:
     parser.add_argument("--base-ms", type=float, default=400.0)
     parser.add_argument("--per-item-ms", type=float, default=50.0)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--only", choices=["saturation", "overload"], default=None)
     args = parser.parse_args()
     capacity = BATCH / ((args.base_ms + args.per_item_ms * BATCH) / 1000)
     redis_base = os.environ.get("STOKER_BENCH_REDIS", "redis://127.0.0.1:6379")
@@ -241,10 +259,9 @@ def main() -> None:
         "STOKER_INFER_LOW_WATERMARK": "8",
     }
     sim = (args.base_ms, args.per_item_ms)
-    rows = [
-        run_phase(Phase("saturation 1.5x", 1.5 * capacity, args.seconds, loose), sim, redis_base, args.seed),
-        run_phase(Phase("overload 3x", 3 * capacity, args.seconds, tight), sim, redis_base, args.seed),
-    ]
+    phases = [Phase("saturation 1.5x", 1.5 * capacity, args.seconds, loose)]
+    phases.append(Phase("overload 3x", 3 * capacity, args.seconds, tight))
+    rows = [run_phase(p, sim, redis_base, args.seed) for p in phases if args.only in (None, p.name.split()[0])]
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
     report = {"capacity_per_s": round(capacity, 2), "sim_ms": sim, "batch": BATCH, "rows": rows}
     (ROOT / "bench" / "results" / "saturation.json").write_text(json.dumps(report, indent=2))

@@ -275,10 +275,11 @@ class JobStore:
         self.redis.hincrby(REFUSED_KEY, queue, 1)
 
     def counters(self) -> dict[str, dict[str, float]]:
-        """Operator counters: refusals per queue, device seconds busy."""
-        refused = {k.decode(): int(v) for k, v in self.redis.hgetall(REFUSED_KEY).items()}
+        """Operator counters: messages drained and jobs refused per queue, device seconds busy."""
+        refused = {k.decode(): float(v) for k, v in self.redis.hgetall(REFUSED_KEY).items()}
         device = {k.decode(): float(v) for k, v in self.redis.hgetall(DEVICE_KEY).items()}
-        return {"refused": refused, "device": device}  # type: ignore[dict-item]
+        drained = {k: float(v) for k, v in self.drained().items()}
+        return {"drained": drained, "refused": refused, "device": device}
 
     def add_device_time(self, busy_s: float) -> None:
         """Seconds the inference device spent on batches."""
