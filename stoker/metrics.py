@@ -1,0 +1,104 @@
+"""Prometheus metrics: what every stoker process exports, and how.
+
+Workers run in multiprocess mode (prefork children write to `PROMETHEUS_MULTIPROC_DIR`, the worker's parent serves
+the merged view on its metrics port); the API serves its own registry on `/metrics`, plus cluster-wide job counts
+read from Redis at scrape time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+#: Seconds: stage run times span 1 ms (a cache hit) to minutes (a long transcription).
+STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180)
+
+STAGE_SECONDS = Histogram(
+    "stoker_stage_duration_seconds", "Run time of one stage on one input.", ["stage", "cache"], buckets=STAGE_BUCKETS
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "stoker_stage_queue_wait_seconds", "Time a stage message waited in the broker.", ["stage"], buckets=STAGE_BUCKETS
+)
+CACHE_LOOKUPS = Counter("stoker_cache_lookups_total", "Stage cache lookups.", ["stage", "result"])
+STAGE_FAILURES = Counter("stoker_stage_failures_total", "Inputs failed by a stage.", ["stage", "code"])
+BATCH_SIZE = Histogram(
+    "stoker_batch_size", "Requests per inference batch.", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+)
+BATCH_WAIT_SECONDS = Histogram(
+    "stoker_batch_wait_seconds", "From a job's prompt being ready to its batch starting.", buckets=STAGE_BUCKETS
+)
+BATCH_SECONDS = Histogram("stoker_batch_duration_seconds", "Device time of one batch.", buckets=STAGE_BUCKETS)
+QUEUE_DEPTH = Gauge("stoker_queue_depth", "Messages waiting in a queue.", ["queue"], multiprocess_mode="mostrecent")
+DEVICE_BUSY_RATIO = Gauge(
+    "stoker_device_busy_ratio", "Share of the last interval the device spent on batches.", multiprocess_mode="mostrecent"
+)
+DEVICE_BUSY_SECONDS = Counter("stoker_device_busy_seconds_total", "Seconds the device spent on batches.")
+STARVATION_SECONDS = Counter(
+    "stoker_device_starved_seconds_total",
+    "Seconds the device sat idle while jobs waited in CPU queues: add CPU workers when this grows.",
+)
+
+# The API process.
+REQUESTS = Histogram(
+    "stoker_api_request_duration_seconds", "API request latency.", ["method", "route", "status"], buckets=STAGE_BUCKETS
+)
+ADMISSIONS = Counter("stoker_api_admissions_total", "Job submissions by outcome.", ["outcome"])
+
+
+def cache_label(hit: bool | None) -> str:
+    """The `cache` label of a stage observation."""
+    return "none" if hit is None else ("hit" if hit else "miss")
+
+
+def serve_worker_metrics(port: int) -> bool:
+    """Serve this worker's merged multiprocess metrics on port; False when not configured for it."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not port or not directory:
+        return False
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    start_http_server(port, registry=registry)
+    log.info("metrics on :%d/metrics (from %s)", port, directory)
+    return True
+
+
+def forget_process(pid: int) -> None:
+    """A pool child exited: drop its live gauges from the merged view."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+def fresh_multiproc_dir(root: Path, kind: str) -> Path:
+    """An empty directory for one worker's metric files."""
+    directory = root / kind
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.db"):
+        stale.unlink()
+    return directory
+
+
+class JobCounts(Collector):
+    """Jobs accepted and finished by status, across the whole deployment (counted in Redis)."""
+
+    def __init__(self, read: object) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """Read the counters at scrape time."""
+        family = CounterMetricFamily("stoker_jobs", "Jobs by status, all API and worker processes.", labels=["status"])
+        try:
+            counts = self.read()  # type: ignore[operator]
+        except Exception:  # the store is away: the scrape still answers
+            counts = {}
+        for status, value in sorted(counts.items()):
+            family.add_metric([status], float(value))
+        yield family
