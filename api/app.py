@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 
 from api.limits import BodyLimitMiddleware
@@ -18,6 +20,7 @@ from api.pressure import QueueMonitor
 from api.routes import router
 from stoker.cache import StageCache
 from stoker.errors import StokerError
+from stoker.metrics import REQUESTS, JobCounts
 from stoker.settings import ApiSettings
 from stoker.store import JobStore
 from tasks.pipeline import CelerySubmitter, Submitter
@@ -51,10 +54,22 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     )
     app.state.submitter = submitter or CelerySubmitter(keyframes=settings.video_keyframes)
     app.state.monitor = QueueMonitor(settings, app.state.store)
+    app.state.metrics = CollectorRegistry()
+    app.state.metrics.register(JobCounts(app.state.store.job_counts))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.middleware("http")(_time_request)
     app.include_router(router)
     _add_error_handlers(app)
     return app
+
+
+async def _time_request(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """Request latency by route template (not raw path: ids would explode the label set) and status."""
+    started = time.perf_counter()
+    response = await call_next(request)
+    route = getattr(request.scope.get("route"), "path", "unmatched")
+    REQUESTS.labels(request.method, route, str(response.status_code)).observe(time.perf_counter() - started)
+    return response
 
 
 def error_response(exc: StokerError, headers: dict[str, str] | None = None) -> JSONResponse:

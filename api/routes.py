@@ -10,8 +10,9 @@ from typing import Annotated, Any
 
 import redis
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from kombu.connection import Connection
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from api.intake import AcceptedRequest, read_request
@@ -22,6 +23,7 @@ from stoker.core.prompting import attachment_for
 from stoker.deadlines import deadline_for
 from stoker.errors import BrokerUnavailable, JobNotFound, Overloaded
 from stoker.jobs import InputRecord, Job, image_hashes
+from stoker.metrics import ADMISSIONS
 from stoker.predictor import ModelRequest
 from stoker.settings import ApiSettings
 from stoker.store import JobStore, done_channel
@@ -53,6 +55,7 @@ async def create_job(request: Request) -> JSONResponse:
     settings: ApiSettings = request.app.state.settings
     refusal = request.app.state.monitor.refusal()
     if refusal is not None:
+        ADMISSIONS.labels("refused").inc()
         await run_in_threadpool(request.app.state.store.count_refusal, refusal.queue)
         raise Overloaded(
             f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})",
@@ -60,7 +63,12 @@ async def create_job(request: Request) -> JSONResponse:
         )
     accepted = await read_request(request, settings)
     state = request.app.state
-    job = await run_in_threadpool(_admit, state.store, state.cache, state.submitter, accepted, settings)
+    try:
+        job = await run_in_threadpool(_admit, state.store, state.cache, state.submitter, accepted, settings)
+    except BrokerUnavailable:
+        ADMISSIONS.labels("unavailable").inc()
+        raise
+    ADMISSIONS.labels("accepted").inc()
     return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
 
@@ -166,6 +174,14 @@ async def stats(request: Request) -> dict[str, Any]:
         "infer_watermarks": {"high": settings.infer_high_watermark, "low": settings.infer_low_watermark},
         **counters,
     }
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics of this API process, and job counts of the whole deployment."""
+    own = await run_in_threadpool(generate_latest, REGISTRY)
+    jobs = await run_in_threadpool(generate_latest, request.app.state.metrics)
+    return Response(own + jobs, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz")

@@ -22,6 +22,7 @@ import redis
 from stoker.core import prompting
 from stoker.core.prompting import Attachment
 from stoker.jobs import InputRecord
+from stoker.metrics import CACHE_LOOKUPS
 from stoker.store import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY, cache_key, cache_lease_key
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class StageCache:
 
     def record(self, stage: str, hit: bool, cost_s: float) -> None:
         """Count a hit (with the seconds it saved) or a miss (with the seconds it cost)."""
+        CACHE_LOOKUPS.labels(stage, "hit" if hit else "miss").inc()
         self._count(stage, "hits" if hit else "misses", cost_s)
 
     def _count(self, stage: str, what: str, seconds: float | None = None) -> None:

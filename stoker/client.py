@@ -58,13 +58,52 @@ def render_job(job: dict[str, Any], console: Console | None = None) -> None:
     console.print(_timings_table(job))
 
 
+#: Job phases in the order they happen: (name in timings_ms, bar colour).
+PHASES = (("queued", "grey50"), ("preprocess", "cyan"), ("infer_wait", "yellow"), ("infer", "green"))
+BAR_WIDTH = 40
+
+
+def waterfall(job: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """(label, start ms, duration ms) per phase of the job, each starting where the previous ended, then each
+    input's stages (queue wait and run) within preprocessing."""
+    t = job.get("timings_ms", {})
+    rows: list[tuple[str, float, float]] = []
+    at = 0.0
+    for name, _ in PHASES:
+        if name not in t:
+            continue
+        span = t[name] - (t.get("queued", 0.0) if name == "preprocess" else 0.0)
+        rows.append((name, at, max(span, 0.0)))
+        at += max(span, 0.0)
+    start = t.get("queued", 0.0)
+    for item in job.get("inputs", []):
+        offset = start
+        for stage, ms in item.get("timings_ms", {}).items():
+            rows.append((f"  input {item['index']} {stage.replace('_queue', ' (queue)')}", offset, ms))
+            offset += ms
+    return rows
+
+
+def _bar(start: float, ms: float, scale: float, colour: str) -> str:
+    lead = round(start * scale)
+    width = max(round(ms * scale), 1 if ms > 0 else 0)
+    return " " * min(lead, BAR_WIDTH) + f"[{colour}]" + "█" * min(width, BAR_WIDTH - min(lead, BAR_WIDTH)) + "[/]"
+
+
 def _timings_table(job: dict[str, Any]) -> Table:
-    table = Table(title="timings (ms)")
+    """The job's waterfall: where its time went, as bars on one time axis."""
+    total = float(job.get("timings_ms", {}).get("total") or 0.0)
+    rows = waterfall(job)
+    end = max([total, *(start + ms for _, start, ms in rows)], default=0.0)
+    scale = BAR_WIDTH / end if end else 0.0
+    colours = dict(PHASES)
+    share = job.get("preprocess_share")
+    title = f"timings: {total:.0f} ms total" + (f", preprocessing {share:.0%}" if share is not None else "")
+    table = Table(title=title, box=None)
     table.add_column("stage")
     table.add_column("ms", justify="right")
-    for item in job["inputs"]:
-        for stage, ms in item.get("timings_ms", {}).items():
-            table.add_row(f"input {item['index']} {stage}", f"{ms:.1f}")
-    for name, ms in job.get("timings_ms", {}).items():
-        table.add_row(name, f"{ms:.1f}")
+    table.add_column("")
+    for label, start, ms in rows:
+        colour = colours.get(label, "magenta" if "(queue)" in label else "blue")
+        table.add_row(label, f"{ms:.1f}", _bar(start, ms, scale, colour))
     return table

@@ -83,6 +83,8 @@ class Job(BaseModel):
     timings_ms: dict[str, float] = Field(default_factory=dict)
     #: The deadline the job was accepted with.
     deadline_ms: int | None = None
+    #: Preprocessing's share of the total time, once the job ended.
+    preprocess_share: float | None = None
 
     @property
     def terminal(self) -> bool:
@@ -104,6 +106,14 @@ def compute_timings(stamps: dict[str, float]) -> dict[str, float]:
         for name, (start, end) in spans.items()
         if start in stamps and end in stamps
     }
+
+
+def preprocess_share(timings_ms: dict[str, float]) -> float | None:
+    """Preprocessing's share of a finished job's total time (0..1), or None before it ended."""
+    total, pre = timings_ms.get("total"), timings_ms.get("preprocess")
+    if not total or pre is None:
+        return None
+    return round(min(pre / total, 1.0), 3)
 
 
 def image_hashes(inputs: list[InputRecord]) -> list[str]:

@@ -39,7 +39,9 @@ BATCH_WAIT_SECONDS = Histogram(
 BATCH_SECONDS = Histogram("stoker_batch_duration_seconds", "Device time of one batch.", buckets=STAGE_BUCKETS)
 QUEUE_DEPTH = Gauge("stoker_queue_depth", "Messages waiting in a queue.", ["queue"], multiprocess_mode="mostrecent")
 DEVICE_BUSY_RATIO = Gauge(
-    "stoker_device_busy_ratio", "Share of the last interval the device spent on batches.", multiprocess_mode="mostrecent"
+    "stoker_device_busy_ratio",
+    "Share of the last interval the device spent on batches.",
+    multiprocess_mode="mostrecent",
 )
 DEVICE_BUSY_SECONDS = Counter("stoker_device_busy_seconds_total", "Seconds the device spent on batches.")
 STARVATION_SECONDS = Counter(

@@ -162,6 +162,11 @@ class WorkerSettings(CommonSettings):
     #: Address-space cap (MiB) per CPU pool child, so a decompression bomb fails alone; 0 turns it off.
     cpu_address_space_mb: int = Field(6144, ge=0)
     infer_pool: Literal["threads", "solo"] = "threads"
+    #: Port of this worker's Prometheus /metrics (0: off). `stoker worker` picks 9101 (cpu), 9102 (asr), 9103 (infer)
+    #: when unset, so one host can run one of each.
+    metrics_port: int = Field(0, ge=0, le=65535)
+    #: How often the inference worker samples queue depths, device busy ratio and starvation (seconds).
+    device_sample_s: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
     def _visibility_outlasts_every_limit(self) -> WorkerSettings:

@@ -12,7 +12,17 @@ from redis.retry import Retry
 
 from stoker.core.media import ContentHash
 from stoker.deadlines import Deadline, JobClock
-from stoker.jobs import STAMPS, BatchInfo, ErrorInfo, InputRecord, Job, JobStatus, ResultInfo, compute_timings
+from stoker.jobs import (
+    STAMPS,
+    BatchInfo,
+    ErrorInfo,
+    InputRecord,
+    Job,
+    JobStatus,
+    ResultInfo,
+    compute_timings,
+    preprocess_share,
+)
 from stoker.predictor import ModelRequest
 
 PREFIX = "stoker"
@@ -70,6 +80,8 @@ REAPER_LEASE_KEY = f"{PREFIX}:reaper"
 CACHE_STATS_KEY = f"{PREFIX}:cache-stats"
 #: Per queue: messages drained, ever (workers count, the API turns it into rates).
 DRAINED_KEY = f"{PREFIX}:drained"
+#: Jobs accepted, and finished per terminal status, ever.
+JOB_COUNTS_KEY = f"{PREFIX}:jobs-by-status"
 #: Per queue: jobs refused at admission because of it.
 REFUSED_KEY = f"{PREFIX}:refused"
 #: The inference device's accounting (busy seconds).
@@ -108,6 +120,7 @@ if not status or status == 'succeeded' or status == 'degraded' or status == 'fai
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
 redis.call('PUBLISH', KEYS[4], ARGV[2])
 return 1
 """
@@ -200,6 +213,7 @@ class JobStore:
             pipe.hset(job_key(job_id), mapping=fields)
             pipe.expire(job_key(job_id), self.job_ttl_s)
             pipe.zadd(ACTIVE_KEY, {job_id: deadline.preprocess_by})
+            pipe.hincrby(JOB_COUNTS_KEY, "accepted", 1)
             pipe.execute()
 
     def delete_job(self, job_id: str) -> None:
@@ -270,6 +284,10 @@ class JobStore:
         """How many messages each queue has drained, ever."""
         return {k.decode(): int(v) for k, v in self.redis.hgetall(DRAINED_KEY).items()}
 
+    def job_counts(self) -> dict[str, int]:
+        """Jobs accepted, and finished per terminal status, ever."""
+        return {k.decode(): int(v) for k, v in self.redis.hgetall(JOB_COUNTS_KEY).items()}
+
     def count_refusal(self, queue: str) -> None:
         """One more job refused (429) because of this queue."""
         self.redis.hincrby(REFUSED_KEY, queue, 1)
@@ -302,7 +320,7 @@ class JobStore:
             fields["error"] = error.model_dump_json()
         if batch:
             fields["batch"] = batch.model_dump_json()
-        keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id)]
+        keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
         args = [job_id, status, *(x for pair in fields.items() for x in pair)]
         return bool(self._finish(keys=keys, args=args))
 
@@ -362,6 +380,7 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
     fields = {k.decode(): v.decode() for k, v in raw.items()}
     inputs = _nest_inputs({k: InputRecord.model_validate_json(v) for k, v in fields.items() if k.startswith("input:")})
     stamps = {name: float(fields[f"ts:{name}"]) for name in STAMPS if f"ts:{name}" in fields}
+    timings = compute_timings(stamps)
     return Job(
         id=job_id,
         status=fields.get("status", "queued"),
@@ -370,8 +389,9 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
         result=ResultInfo.model_validate_json(fields["result"]) if "result" in fields else None,
         error=ErrorInfo.model_validate_json(fields["error"]) if "error" in fields else None,
         batch=BatchInfo.model_validate_json(fields["batch"]) if "batch" in fields else None,
-        timings_ms=compute_timings(stamps),
+        timings_ms=timings,
         deadline_ms=int(fields["deadline_ms"]) if "deadline_ms" in fields else None,
+        preprocess_share=preprocess_share(timings),
     )
 
 

@@ -20,9 +20,10 @@ from celery_batches.trace import apply_batches_task
 from stoker.core.batching import BatchPolicy, Waiting, plan_batch
 from stoker.errors import DeadlineExceeded, InferenceFailed, StokerError
 from stoker.jobs import BatchInfo, ErrorInfo, ResultInfo, final_status
+from stoker.metrics import BATCH_SECONDS, BATCH_SIZE, BATCH_WAIT_SECONDS
 from stoker.predictor import ModelRequest, Prediction, Predictor, run_predictor
 from stoker.watchdog import BatchWatchdog, RunningBatch
-from tasks import resources
+from tasks import monitoring, resources
 from tasks.app import app
 
 log = logging.getLogger(__name__)
@@ -173,16 +174,22 @@ def serve_batch(job_ids: Sequence[str]) -> None:
     for item in items:
         store.stamp(item.job_id, "infer_start", at=started)
     watchdog.begin(batch_id, [i.job_id for i in items])
+    monitoring.device.begin()
     try:
         outcomes = predict_isolated(resources.predictor(), [i.request for i in items])
     finally:
+        monitoring.device.end()
         ran = watchdog.end()
     ended = time.time()
     store.add_device_time(ended - started)
+    BATCH_SIZE.observe(len(items))
+    BATCH_SECONDS.observe(ended - started)
     for item, outcome in zip(items, outcomes, strict=True):
         store.stamp(item.job_id, "infer_end", at=ended)
+        BATCH_WAIT_SECONDS.observe(max(started - item.preprocessed_at, 0.0))
         batch = BatchInfo(id=batch_id, size=len(items), wait_ms=round((started - item.preprocessed_at) * 1000, 2))
         _finish(item.job_id, outcome, batch)
+        monitoring.log_finished(item.job_id)
     late = " (past its budget: results dropped)" if ran and ran.overdue else ""
     log.info("batch %s: %d jobs in %.0f ms%s", batch_id, len(items), (ended - started) * 1000, late)
 
@@ -273,3 +280,4 @@ def _preload(sender: str, instance: Any, **_: Any) -> None:
     if "infer" in set(instance.app.amqp.queues.consume_from or {}):
         resources.predictor()
         watchdog.watch()
+        monitoring.watch_device(_settings.device_sample_s)

@@ -13,6 +13,7 @@ from stoker.deadlines import JobClock, ReapPolicy, Verdict, decide
 from stoker.errors import DeadlineExceeded, InferenceFailed
 from stoker.jobs import ErrorInfo
 from tasks import resources
+from tasks.monitoring import log_finished
 from tasks.pipeline import enqueue_inference
 from tasks.preprocess import cut_off, fail_unfinished
 
@@ -59,11 +60,13 @@ def act(job_id: str, clock: JobClock, verdict: Verdict) -> None:
         stage = "preprocess" if clock.preprocessed is None else "infer_queue"
         late = DeadlineExceeded("the deadline passed before the model could start", stage=stage)
         fail_unfinished(job_id, late)
-        store.finish(job_id, "failed", error=ErrorInfo(**late.to_dict()))
+        if store.finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
+            log_finished(job_id)
     elif verdict.action == "redrive":
         request = store.get_request(job_id)
         store.count_redrive(job_id)
         enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None)
     elif verdict.action == "abandon":
         lost = InferenceFailed("the inference worker never reported back on this job's batch", stage="infer")
-        store.finish(job_id, "failed", error=ErrorInfo(**lost.to_dict()))
+        if store.finish(job_id, "failed", error=ErrorInfo(**lost.to_dict())):
+            log_finished(job_id)

@@ -31,7 +31,9 @@ from stoker.errors import (
     WorkerLost,
 )
 from stoker.jobs import ErrorInfo, InputRecord
+from stoker.metrics import QUEUE_WAIT_SECONDS, STAGE_FAILURES, STAGE_SECONDS, cache_label
 from tasks import resources
+from tasks.app import SENT_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,8 @@ COST = "_cost_s"
 
 @contextlib.contextmanager
 def input_stage(record: InputRecord, stage: str) -> Iterator[InputRecord]:
-    """Run one stage for one input: record its run time, and turn any failure into a failed input."""
+    """Run one stage for one input: record its queue wait and run time, and turn any failure into a failed input."""
+    _record_queue_wait(record, stage)
     started = time.perf_counter()
     try:
         yield record
@@ -80,7 +83,22 @@ def input_stage(record: InputRecord, stage: str) -> Iterator[InputRecord]:
         log.exception("stage %s crashed on input %s", stage, record.index)
         _fail(record, _CRASHES.get(stage, StokerError)(f"{type(exc).__name__}: {exc}", stage=stage))
     finally:
-        record.timings_ms[stage] = round((time.perf_counter() - started) * 1000, 2)
+        seconds = time.perf_counter() - started
+        record.timings_ms[stage] = round(seconds * 1000, 2)
+        STAGE_SECONDS.labels(stage, cache_label(record.cache_hit.get(stage))).observe(seconds)
+        if record.error is not None and record.status == "failed":
+            STAGE_FAILURES.labels(stage, record.error.code).inc()
+
+
+def _record_queue_wait(record: InputRecord, stage: str) -> None:
+    """How long this stage's message waited in the broker, from the publish time it carries."""
+    request = current_task.request if current_task else None
+    sent = getattr(request, SENT_HEADER, None) if request is not None else None
+    if sent is None:
+        return
+    wait = max(time.time() - float(sent), 0.0)
+    record.timings_ms[f"{stage}_queue"] = round(wait * 1000, 2)
+    QUEUE_WAIT_SECONDS.labels(stage).observe(wait)
 
 
 @contextlib.contextmanager

@@ -82,6 +82,7 @@ def own_fleet(settings: dict[str, str], kinds: tuple[str, ...] = KINDS) -> Itera
         "STOKER_BROKER_URL": f"{base}/0",
         "STOKER_RESULT_URL": f"{base}/1",
         "STOKER_CACHE_URL": f"{base}/2",
+        "STOKER_METRICS_PORT": "0",
         **settings,
     }
     app = Celery("stoker-fleet", set_as_current=False)

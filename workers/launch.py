@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,10 +64,17 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
     return [*argv, *extra]
 
 
+#: Default metrics port per worker kind (STOKER_METRICS_PORT overrides; 0 turns metrics off).
+METRICS_PORTS = {"cpu": 9101, "asr": 9102, "infer": 9103}
+
+
 def worker_env(kind: str) -> dict[str, str]:
-    """Environment for a worker process."""
+    """Environment for a worker process: its kind, thread limits, and where its metrics live."""
     env = dict(os.environ)
     env["STOKER_WORKER_KIND"] = kind
+    env.setdefault("STOKER_METRICS_PORT", str(METRICS_PORTS.get(kind, 0)))
+    # Prefork children write their metrics to files here; the worker's parent serves the merged view.
+    env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"stoker-metrics-{kind}-")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if kind == "cpu":
         env.setdefault("OMP_THREAD_LIMIT", "1")  # tesseract: ~6x faster per job on small machines

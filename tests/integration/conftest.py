@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from stoker.jobs import InputRecord
 from tests.procs import spawn, stop, tail, wait_for
+from workers.broker import free_port
 
 
 @pytest.fixture(scope="session")
@@ -34,10 +35,10 @@ def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) 
 
     logs = tmp_path_factory.mktemp("workers")
     env = dict(os.environ)
+    ports = {kind: free_port() for kind in ("cpu", "asr", "infer")}
     procs = {
-        "cpu": spawn(["worker", "cpu", "--concurrency", "2"], env, logs / "cpu.log"),
-        "asr": spawn(["worker", "asr", "--concurrency", "2"], env, logs / "asr.log"),
-        "infer": spawn(["worker", "infer"], env, logs / "infer.log"),
+        kind: spawn(["worker", kind, *extra], {**env, "STOKER_METRICS_PORT": str(ports[kind])}, logs / f"{kind}.log")
+        for kind, extra in (("cpu", ["--concurrency", "2"]), ("asr", ["--concurrency", "2"]), ("infer", []))
     }
 
     def all_answer() -> bool:
@@ -52,6 +53,7 @@ def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) 
         for proc in procs.values():
             stop(proc)
         raise RuntimeError(f"{exc}\n{details}") from exc
+    os.environ["STOKER_TEST_METRICS"] = ",".join(f"{k}={v}" for k, v in ports.items())
     yield {k: logs / f"{k}.log" for k in procs}
     for proc in procs.values():
         stop(proc)

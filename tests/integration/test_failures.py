@@ -41,6 +41,7 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
         **os.environ,
         **urls,
         "STOKER_CACHE_ENABLED": "false",
+        "STOKER_METRICS_PORT": "0",
         "STOKER_TESSERACT_CMD": str(stub),
         "STOKER_OCR_TIMEOUT_S": "60",
         "STOKER_OCR_SOFT_S": "3",

@@ -1,0 +1,144 @@
+"""What workers report about themselves: the metrics endpoint, the device's busy and starved time, and one log
+line per finished job."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from celery.signals import celeryd_after_setup, worker_process_shutdown
+
+from stoker.jobs import Job
+from stoker.metrics import (
+    DEVICE_BUSY_RATIO,
+    DEVICE_BUSY_SECONDS,
+    QUEUE_DEPTH,
+    STARVATION_SECONDS,
+    forget_process,
+    serve_worker_metrics,
+)
+from stoker.queues import CPU_QUEUES, QUEUES, queue_depths
+from tasks import resources
+
+log = logging.getLogger(__name__)
+
+
+class DeviceClock:
+    """Busy time of the device in this process: batches begin and end; `take` reads the busy seconds since the last
+    call (a batch still running counts up to now)."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._busy = 0.0
+
+    def begin(self) -> None:
+        """A batch went onto the device."""
+        with self._lock:
+            self._since = self.clock()
+
+    def end(self) -> None:
+        """The batch came back."""
+        with self._lock:
+            if self._since is not None:
+                busy = self.clock() - self._since
+                self._busy += busy
+                DEVICE_BUSY_SECONDS.inc(busy)
+            self._since = None
+
+    def take(self) -> float:
+        """Busy seconds since the previous take."""
+        with self._lock:
+            now = self.clock()
+            busy = self._busy + (now - self._since if self._since is not None else 0.0)
+            self._busy = 0.0
+            if self._since is not None:
+                DEVICE_BUSY_SECONDS.inc(now - self._since)
+                self._since = now
+            return busy
+
+
+def starved_seconds(interval_s: float, busy_s: float, cpu_backlog: int) -> float:
+    """Idle device time that counts as starvation: the device waited while work sat in CPU queues."""
+    return max(interval_s - busy_s, 0.0) if cpu_backlog > 0 else 0.0
+
+
+device = DeviceClock()
+
+
+def watch_device(interval_s: float) -> threading.Thread:
+    """Sample queue depths, the busy ratio and starvation every interval, in a daemon thread."""
+    from tasks.app import app
+
+    def loop() -> None:
+        last = time.monotonic()
+        while True:
+            time.sleep(interval_s)
+            now = time.monotonic()
+            busy = device.take()
+            span, last = now - last, now
+            try:
+                with app.pool.acquire(block=True) as connection:
+                    depths = queue_depths(connection, QUEUES)
+            except Exception as exc:  # the broker is away: no sample this time
+                log.warning("cannot sample queue depths: %s", exc)
+                continue
+            for queue, depth in depths.items():
+                QUEUE_DEPTH.labels(queue).set(depth)
+            DEVICE_BUSY_RATIO.set(min(busy / span, 1.0) if span > 0 else 0.0)
+            STARVATION_SECONDS.inc(starved_seconds(span, busy, sum(depths[q] for q in CPU_QUEUES)))
+
+    thread = threading.Thread(target=loop, name="device-monitor", daemon=True)
+    thread.start()
+    return thread
+
+
+def job_line(job: Job) -> str:
+    """The one log line a finished job leaves: kinds, preprocessing (and whether the cache served it), inference,
+    total, and preprocessing's share of the total."""
+    kinds = "+".join(sorted({i.kind for i in job.inputs} | {"text"}))
+    t = job.timings_ms
+    cached = bool(job.inputs) and all(i.cache_hit and all(i.cache_hit.values()) for i in job.inputs)
+    pre = f"{t.get('preprocess', 0):.0f}ms" + ("(cache hit)" if cached else "")
+    share = f"{job.preprocess_share:.0%}" if job.preprocess_share is not None else "-"
+    fields = [
+        f"job={job.id}",
+        f"status={job.status}",
+        f"kinds={kinds}",
+        f"preprocess={pre}",
+        f"infer={t.get('infer', 0):.0f}ms",
+        f"total={t.get('total', 0):.0f}ms",
+        f"preprocess_share={share}",
+    ]
+    if job.error:
+        fields.append(f"error={job.error.code}")
+    failed = [f"{i.index}:{i.error.code}" for i in job.inputs if i.error]
+    if failed:
+        fields.append(f"failed_inputs={','.join(failed)}")
+    return " ".join(fields)
+
+
+def log_finished(job_id: str) -> None:
+    """Log the finished job's line (nothing if the record is gone)."""
+    job = resources.store().load_job(job_id)
+    if job is not None and job.terminal:
+        log.info(job_line(job))
+
+
+@celeryd_after_setup.connect
+def _serve_metrics(sender: str, instance: Any, **_: Any) -> None:
+    """The worker's parent serves the merged metrics of its pool."""
+    try:
+        serve_worker_metrics(resources.settings().metrics_port)
+    except OSError as exc:  # a port in use must not take the worker down
+        log.warning("metrics port %s unavailable: %s", resources.settings().metrics_port, exc)
+
+
+@worker_process_shutdown.connect
+def _forget_child(pid: int | None = None, **_: Any) -> None:
+    """A pool child exits: its live gauges leave the merged view."""
+    if pid:
+        forget_process(pid)

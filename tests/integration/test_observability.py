@@ -1,0 +1,72 @@
+"""Metrics and per-job timings after real jobs through real workers."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.test_pipeline import _wait
+from tests.media import text_image
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def _worker_metrics(kind: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    ports = dict(item.split("=") for item in os.environ["STOKER_TEST_METRICS"].split(","))
+    return _samples(httpx.get(f"http://127.0.0.1:{ports[kind]}/metrics", timeout=5).text)
+
+
+def test_stages_batches_cache_and_jobs_are_measured(client: TestClient, workers: dict[str, Path]) -> None:
+    api_before = _samples(client.get("/metrics").text)
+    image = text_image(f"METRIC {time.time_ns() % 100000}")
+    files = [("image", ("m.png", image, "image/png"))]
+    first = _wait(client, client.post("/v1/jobs", data={"prompt": "What does it say?"}, files=files).json()["id"])
+    second = _wait(client, client.post("/v1/jobs", data={"prompt": "What does it say?"}, files=files).json()["id"])
+    assert (first["status"], second["status"]) == ("succeeded", "succeeded")
+
+    # The job: queue wait and run time per stage, preprocessing's share.
+    timings = first["inputs"][0]["timings_ms"]
+    assert {"decode_queue", "decode", "ocr_queue", "ocr"} <= set(timings)
+    assert 0 < first["preprocess_share"] < 1
+
+    api = _samples(client.get("/metrics").text)
+    assert _value(api, "stoker_api_admissions_total", outcome="accepted") >= 2
+    assert (
+        _value(api, "stoker_jobs_total", status="succeeded")
+        >= _value(api_before, "stoker_jobs_total", status="succeeded") + 2
+    )
+    # The repeat was served from the cache at the door: its tokenized prompt was a hit.
+    assert _value(api, "stoker_cache_lookups_total", stage="tokenize", result="hit") >= 1 + _value(
+        api_before, "stoker_cache_lookups_total", stage="tokenize", result="hit"
+    )
+    assert _value(api, "stoker_api_request_duration_seconds_count", route="/v1/jobs", method="POST") >= 2
+
+    cpu = _worker_metrics("cpu")
+    assert _value(cpu, "stoker_stage_duration_seconds_count", stage="decode", cache="miss") >= 1
+    assert _value(cpu, "stoker_stage_duration_seconds_count", stage="ocr") >= 1
+    assert _value(cpu, "stoker_stage_queue_wait_seconds_count", stage="ocr") >= 1
+    assert _value(cpu, "stoker_cache_lookups_total", stage="ocr", result="miss") >= 1
+
+    time.sleep(1.5)  # one device sample
+    infer = _worker_metrics("infer")
+    assert _value(infer, "stoker_batch_size_count") >= 2
+    assert _value(infer, "stoker_batch_size_sum") >= 2
+    assert _value(infer, "stoker_device_busy_seconds_total") > 0
+    assert ("stoker_queue_depth", frozenset({("queue", "infer")})) in infer
+    assert any(name == "stoker_device_starved_seconds_total" for name, _ in infer)
+    assert 0 <= _value(infer, "stoker_device_busy_ratio") <= 1
