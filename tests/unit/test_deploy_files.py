@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.metrics import MetricWrapperBase
 
+from stoker import metrics
 from stoker.settings import StackSettings, WorkerSettings
+from workers.launch import METRICS_PORTS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,3 +59,46 @@ def test_inference_worker_reserves_a_gpu_and_flower_requires_auth(compose: dict[
     assert devices[0]["capabilities"] == ["gpu"]
     assert infer["command"] == ["stoker", "worker", "infer"]
     assert any(arg.startswith("--basic-auth=${FLOWER_BASIC_AUTH:?") for arg in compose["services"]["flower"]["command"])
+
+
+def test_monitoring_is_an_optional_profile(compose: dict[str, Any]) -> None:
+    for name in ("prometheus", "grafana"):
+        assert compose["services"][name]["profiles"] == ["monitoring"]
+    assert "profiles" not in compose["services"]["api"]
+
+
+def test_prometheus_scrapes_every_worker_on_its_metrics_port() -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["stoker-api"]["static_configs"][0]["targets"] == ["api:8000"]
+    for kind, port in METRICS_PORTS.items():
+        discovery = jobs[f"stoker-{kind}-worker"]["dns_sd_configs"][0]
+        assert (discovery["names"], discovery["port"]) == ([f"{kind}-worker"], port)
+
+
+def test_the_dashboard_only_charts_series_stoker_exports() -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "stoker.json").read_text())
+    exported = {"stoker_jobs_total"} | {
+        name for metric in vars(metrics).values() if isinstance(metric, MetricWrapperBase) for name in _series(metric)
+    }
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"stoker_[a-z_]+", target["expr"])
+    }
+    assert used
+    assert used <= exported, used - exported
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("stage latency", "queue depths", "cache hit", "busy", "starved", "429"):
+        assert topic in titles
+
+
+def _series(metric: MetricWrapperBase) -> list[str]:
+    base = metric._name
+    kind = metric._type
+    if kind == "histogram":
+        return [f"{base}_bucket", f"{base}_sum", f"{base}_count"]
+    if kind == "counter":
+        return [f"{base}_total"]
+    return [base]
