@@ -23,6 +23,7 @@ from stoker.errors import StokerError
 from stoker.metrics import REQUESTS, JobCounts
 from stoker.settings import ApiSettings
 from stoker.store import JobStore
+from stoker.tracing import instrument_celery, setup_tracing
 from tasks.pipeline import CelerySubmitter, Submitter
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 def create_app(settings: ApiSettings | None = None, submitter: Submitter | None = None) -> FastAPI:
     """Build the API for these settings; the submitter is the seam to the queue (Celery by default)."""
     settings = settings or ApiSettings()
+    if setup_tracing("stoker-api", settings.trace_exporter, settings.trace_file):
+        instrument_celery()  # the job's trace context rides in the headers of the messages it publishes
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -12,6 +12,7 @@ import redis
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from kombu.connection import Connection
+from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.concurrency import run_in_threadpool
 
@@ -27,6 +28,7 @@ from stoker.metrics import ADMISSIONS
 from stoker.predictor import ModelRequest
 from stoker.settings import ApiSettings
 from stoker.store import JobStore, done_channel
+from stoker.tracing import carrier, trace_id_hex, tracer
 from tasks.pipeline import Start, Submitter
 
 log = logging.getLogger(__name__)
@@ -88,21 +90,29 @@ def _admit(
     start, records, request = _shortcut(cache, accepted.prompt, records)
     now = time.time()
     deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
-    try:
-        for item in accepted.inputs:
-            store.put_blob(item.digest, item.data)
-        store.create_job(job_id, accepted.prompt, records, now, deadline, accepted.deadline_ms)
-        if request is not None:
-            store.hand_off(job_id, request, rev=None)
-    except redis.RedisError as exc:
-        raise BrokerUnavailable("the job store cannot be reached") from exc
-    try:
-        tokens = len(request.prompt_ids) if request else None
-        submitter.submit(job_id, records, start=start, deadline=deadline.at, prompt_tokens=tokens)
-    except Exception as exc:
-        log.warning("could not enqueue job %s: %r", job_id, exc)
-        store.delete_job(job_id)
-        raise BrokerUnavailable("the broker cannot be reached") from exc
+    attributes: dict[str, str | int] = {
+        "stoker.job_id": job_id,
+        "stoker.inputs": len(records),
+        "stoker.enters_at": start,
+    }
+    with tracer.start_as_current_span("job", kind=SpanKind.SERVER, attributes=attributes) as span:
+        trace_id = trace_id_hex(span)
+        traced = (trace_id, carrier()) if trace_id else None
+        try:
+            for item in accepted.inputs:
+                store.put_blob(item.digest, item.data)
+            store.create_job(job_id, accepted.prompt, records, now, deadline, accepted.deadline_ms, traced)
+            if request is not None:
+                store.hand_off(job_id, request, rev=None)
+        except redis.RedisError as exc:
+            raise BrokerUnavailable("the job store cannot be reached") from exc
+        try:
+            tokens = len(request.prompt_ids) if request else None
+            submitter.submit(job_id, records, start=start, deadline=deadline.at, prompt_tokens=tokens)
+        except Exception as exc:
+            log.warning("could not enqueue job %s: %r", job_id, exc)
+            store.delete_job(job_id)
+            raise BrokerUnavailable("the broker cannot be reached") from exc
     job = store.load_job(job_id)
     assert job is not None
     return job

@@ -85,6 +85,8 @@ class Job(BaseModel):
     deadline_ms: int | None = None
     #: Preprocessing's share of the total time, once the job ended.
     preprocess_share: float | None = None
+    #: The job's OpenTelemetry trace (32 hex digits), when tracing is on.
+    trace_id: str | None = None
 
     @property
     def terminal(self) -> bool:

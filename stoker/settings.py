@@ -45,6 +45,10 @@ class CommonSettings(BaseSettings):
     #: Keyframes sampled from each video and sent through the image branch.
     video_keyframes: int = Field(3, ge=0, le=16)
     log_level: str = "INFO"
+    #: OpenTelemetry: `none`, `console`, `otlp` (endpoint from OTEL_EXPORTER_OTLP_ENDPOINT) or `file` (JSON lines
+    #: at trace_file, shared by every process).
+    trace_exporter: Literal["none", "console", "otlp", "file"] = "none"
+    trace_file: Path | None = None
 
 
 class ApiSettings(CommonSettings):

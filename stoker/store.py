@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable
 from typing import Literal
@@ -197,6 +198,7 @@ class JobStore:
         accepted: float,
         deadline: Deadline,
         deadline_ms: int,
+        trace: tuple[str, dict[str, str]] | None = None,
     ) -> None:
         """Write a new job record atomically, in status queued, and put it under the reaper's watch."""
         fields: dict[str | bytes, str | bytes | float | int] = {
@@ -207,6 +209,9 @@ class JobStore:
             "preprocess_by": repr(deadline.preprocess_by),
             "deadline_ms": deadline_ms,
         }
+        if trace:  # (trace id, context carrier)
+            fields["trace_id"] = trace[0]
+            fields["trace_context"] = json.dumps(trace[1])
         for record in inputs:
             fields[input_ref(record.index)] = record.model_dump_json()
         with self.redis.pipeline(transaction=True) as pipe:
@@ -283,6 +288,11 @@ class JobStore:
     def drained(self) -> dict[str, int]:
         """How many messages each queue has drained, ever."""
         return {k.decode(): int(v) for k, v in self.redis.hgetall(DRAINED_KEY).items()}
+
+    def trace_context(self, job_id: str) -> dict[str, str] | None:
+        """The job's stored trace context (a W3C traceparent carrier), for spans that run outside its messages."""
+        raw = self.redis.hget(job_key(job_id), "trace_context")
+        return dict(json.loads(raw)) if raw else None
 
     def job_counts(self) -> dict[str, int]:
         """Jobs accepted, and finished per terminal status, ever."""
@@ -392,6 +402,7 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
         timings_ms=timings,
         deadline_ms=int(fields["deadline_ms"]) if "deadline_ms" in fields else None,
         preprocess_share=preprocess_share(timings),
+        trace_id=fields.get("trace_id"),
     )
 
 

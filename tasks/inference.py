@@ -16,12 +16,15 @@ from celery.signals import celeryd_after_setup
 from celery.worker.request import Request
 from celery_batches import Batches, SimpleRequest
 from celery_batches.trace import apply_batches_task
+from opentelemetry.propagate import extract
+from opentelemetry.trace import Span
 
 from stoker.core.batching import BatchPolicy, Waiting, plan_batch
 from stoker.errors import DeadlineExceeded, InferenceFailed, StokerError
 from stoker.jobs import BatchInfo, ErrorInfo, ResultInfo, final_status
 from stoker.metrics import BATCH_SECONDS, BATCH_SIZE, BATCH_WAIT_SECONDS
 from stoker.predictor import ModelRequest, Prediction, Predictor, run_predictor
+from stoker.tracing import mark_failed, tracer
 from stoker.watchdog import BatchWatchdog, RunningBatch
 from tasks import monitoring, resources
 from tasks.app import app
@@ -37,6 +40,14 @@ class BatchItem:
     job_id: str
     request: ModelRequest
     preprocessed_at: float
+    trace: dict[str, str] | None = None
+
+
+def _infer_span(item: BatchItem, batch_id: str, size: int) -> Span:
+    """The job's inference span: one batch serves many traces, so each job's span hangs off its stored context."""
+    attributes: dict[str, str | int] = {"stoker.stage": "infer", "stoker.batch_id": batch_id, "stoker.batch_size": size}
+    attributes["stoker.prompt_tokens"] = len(item.request.prompt_ids)
+    return tracer.start_span("stage infer", context=extract(item.trace or {}), attributes=attributes)
 
 
 class DeviceBatches(Batches):  # type: ignore[misc]
@@ -173,6 +184,7 @@ def serve_batch(job_ids: Sequence[str]) -> None:
     batch_id, started = uuid.uuid4().hex[:12], time.time()
     for item in items:
         store.stamp(item.job_id, "infer_start", at=started)
+    spans = [_infer_span(item, batch_id, len(items)) for item in items]
     watchdog.begin(batch_id, [i.job_id for i in items])
     monitoring.device.begin()
     try:
@@ -184,7 +196,10 @@ def serve_batch(job_ids: Sequence[str]) -> None:
     store.add_device_time(ended - started)
     BATCH_SIZE.observe(len(items))
     BATCH_SECONDS.observe(ended - started)
-    for item, outcome in zip(items, outcomes, strict=True):
+    for item, outcome, span in zip(items, outcomes, spans, strict=True):
+        if isinstance(outcome, StokerError):
+            mark_failed(span, outcome.code)
+        span.end()
         store.stamp(item.job_id, "infer_end", at=ended)
         BATCH_WAIT_SECONDS.observe(max(started - item.preprocessed_at, 0.0))
         batch = BatchInfo(id=batch_id, size=len(items), wait_ms=round((started - item.preprocessed_at) * 1000, 2))
@@ -211,7 +226,7 @@ def _load_items(job_ids: Sequence[str]) -> list[BatchItem]:
         if clock.deadline and now >= clock.deadline:
             _expire(job_id, now)
             continue
-        items.append(BatchItem(job_id, request, clock.preprocessed or now))
+        items.append(BatchItem(job_id, request, clock.preprocessed or now, store.trace_context(job_id)))
     return items
 
 

@@ -4,11 +4,12 @@ line per finished job."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
 
-from celery.signals import celeryd_after_setup, worker_process_shutdown
+from celery.signals import celeryd_after_setup, worker_init, worker_process_shutdown
 
 from stoker.jobs import Job
 from stoker.metrics import (
@@ -20,6 +21,7 @@ from stoker.metrics import (
     serve_worker_metrics,
 )
 from stoker.queues import CPU_QUEUES, QUEUES, queue_depths
+from stoker.tracing import instrument_celery, setup_tracing
 from tasks import resources
 
 log = logging.getLogger(__name__)
@@ -142,3 +144,11 @@ def _forget_child(pid: int | None = None, **_: Any) -> None:
     """A pool child exits: its live gauges leave the merged view."""
     if pid:
         forget_process(pid)
+
+
+@worker_init.connect
+def _trace(**_: Any) -> None:
+    """Tracing for this worker (before the pool forks: children inherit the provider and the instrumentation)."""
+    s = resources.settings()
+    if setup_tracing(f"stoker-{os.environ.get('STOKER_WORKER_KIND', 'worker')}", s.trace_exporter, s.trace_file):
+        instrument_celery()

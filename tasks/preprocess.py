@@ -26,6 +26,7 @@ from stoker.predictor import ModelRequest
 from stoker.pressure import room_to_enqueue
 from stoker.queues import queue_depths
 from stoker.store import frame_ref, input_ref
+from stoker.tracing import mark_failed, stage_span
 from tasks import resources
 from tasks.app import app
 from tasks.pipeline import enqueue_inference
@@ -117,7 +118,12 @@ def ocr(previous: dict[str, Any]) -> dict[str, Any]:
 @app.task(name="stoker.tokenize", **RETRY)
 def tokenize(_results: list[dict[str, Any]] | None, job_id: str) -> dict[str, Any]:
     """Assemble the chat prompt from the user's prompt and every input, tokenize it, hand it to inference."""
-    return tokenize_job(job_id)
+    with stage_span("tokenize", {"stoker.job_id": job_id}) as span:
+        outcome = tokenize_job(job_id)
+        span.set_attribute("stoker.prompt_tokens", int(outcome.get("prompt_tokens", 0)))
+        if "failed" in outcome:
+            mark_failed(span, str(outcome["failed"]))
+        return outcome
 
 
 @app.task(name="stoker.rescue")
@@ -135,8 +141,9 @@ def rescue(failed_task_id: str, *, job_id: str) -> dict[str, Any]:
 
 def cut_off(job_id: str) -> dict[str, Any]:
     """The job's preprocessing budget is spent: fail what is unfinished and go to inference with the rest."""
-    fail_unfinished(job_id, DeadlineExceeded("the job's preprocessing budget ran out first"))
-    return tokenize_job(job_id, backpressure=False)  # the reaper must not stall on one job
+    with stage_span("cutoff", {"stoker.job_id": job_id}, parent=resources.store().trace_context(job_id)):
+        fail_unfinished(job_id, DeadlineExceeded("the job's preprocessing budget ran out first"))
+        return tokenize_job(job_id, backpressure=False)  # the reaper must not stall on one job
 
 
 def fail_unfinished(job_id: str, error: StokerError) -> bool:

@@ -13,6 +13,7 @@ import redis
 from celery import current_task
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_postrun
+from opentelemetry.trace import Span
 
 from stoker.cache import CacheAddress
 from stoker.core.media import ContentHash
@@ -32,6 +33,7 @@ from stoker.errors import (
 )
 from stoker.jobs import ErrorInfo, InputRecord
 from stoker.metrics import QUEUE_WAIT_SECONDS, STAGE_FAILURES, STAGE_SECONDS, cache_label
+from stoker.tracing import mark_failed, stage_span
 from tasks import resources
 from tasks.app import SENT_HEADER
 
@@ -67,6 +69,31 @@ def input_stage(record: InputRecord, stage: str) -> Iterator[InputRecord]:
     """Run one stage for one input: record its queue wait and run time, and turn any failure into a failed input."""
     _record_queue_wait(record, stage)
     started = time.perf_counter()
+    attributes = {"stoker.content_hash": record.content_hash[:16], "stoker.bytes": record.size_bytes}
+    with stage_span(stage, attributes) as span:
+        try:
+            with _run_stage(record, stage, started):
+                yield record
+        finally:
+            _describe(span, record, stage)
+
+
+def _describe(span: Span, record: InputRecord, stage: str) -> None:
+    """What the stage made of the input, on its span: cache hit, size of what it read, error code."""
+    if stage in record.cache_hit:
+        span.set_attribute("stoker.cache_hit", record.cache_hit[stage])
+    features = record.features or {}
+    if "width" in features and "height" in features:
+        span.set_attribute("stoker.pixels", int(features["width"]) * int(features["height"]))
+    if "duration_s" in features:
+        span.set_attribute("stoker.media_seconds", float(features["duration_s"]))
+    if record.error is not None and record.status == "failed":
+        mark_failed(span, record.error.code)
+
+
+@contextlib.contextmanager
+def _run_stage(record: InputRecord, stage: str, started: float) -> Iterator[InputRecord]:
+    """Time the stage and map whatever goes wrong onto the input record (transient errors propagate)."""
     try:
         yield record
     except SoftTimeLimitExceeded:

@@ -34,6 +34,9 @@ def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) 
     from tasks.app import app
 
     logs = tmp_path_factory.mktemp("workers")
+    # Every span of every process (these workers and the API in this process) lands in one JSON-lines file.
+    os.environ["STOKER_TRACE_EXPORTER"] = "file"
+    os.environ["STOKER_TRACE_FILE"] = str(logs / "spans.jsonl")
     env = dict(os.environ)
     ports = {kind: free_port() for kind in ("cpu", "asr", "infer")}
     procs = {
