@@ -21,7 +21,7 @@ import redis
 
 from stoker.core import prompting
 from stoker.core.prompting import Attachment
-from stoker.jobs import InputRecord
+from stoker.jobs import QUEUE_SUFFIX, InputRecord
 from stoker.metrics import CACHE_LOOKUPS
 from stoker.store import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY, cache_key, cache_lease_key
 
@@ -254,6 +254,6 @@ def _input_address(identity: str, record: InputRecord) -> CacheAddress:
 
 def _as_cached(record: InputRecord) -> InputRecord:
     """A record reused whole: every stage it went through counts as a hit, and nothing ran for this job."""
-    stages = sorted({*record.cache_hit, *record.timings_ms})
+    stages = sorted({*record.cache_hit, *(t for t in record.timings_ms if not t.endswith(QUEUE_SUFFIX))})
     frames = [_as_cached(f) for f in record.frames] if record.frames else record.frames
     return record.model_copy(update={"timings_ms": {}, "cache_hit": dict.fromkeys(stages, True), "frames": frames})

@@ -12,6 +12,9 @@ InputKind = Literal["image", "audio", "video"]
 InputStatus = Literal["pending", "ok", "failed", "skipped"]
 TERMINAL: frozenset[str] = frozenset({"succeeded", "degraded", "failed"})
 
+#: Suffix of an input's timing that is a stage's broker queue wait (`decode_queue`), not its run time.
+QUEUE_SUFFIX = "_queue"
+
 #: Timestamps a job collects on its way, in order (seconds since the epoch).
 STAMPS = ("accepted", "started", "preprocessed", "infer_start", "infer_end", "done")
 

@@ -31,7 +31,7 @@ from stoker.errors import (
     TransientError,
     WorkerLost,
 )
-from stoker.jobs import ErrorInfo, InputRecord
+from stoker.jobs import QUEUE_SUFFIX, ErrorInfo, InputRecord
 from stoker.metrics import QUEUE_WAIT_SECONDS, STAGE_FAILURES, STAGE_SECONDS, cache_label
 from stoker.tracing import mark_failed, stage_span
 from tasks import resources
@@ -79,16 +79,23 @@ def input_stage(record: InputRecord, stage: str) -> Iterator[InputRecord]:
 
 
 def _describe(span: Span, record: InputRecord, stage: str) -> None:
-    """What the stage made of the input, on its span: cache hit, size of what it read, error code."""
-    if stage in record.cache_hit:
-        span.set_attribute("stoker.cache_hit", record.cache_hit[stage])
-    features = record.features or {}
-    if "width" in features and "height" in features:
-        span.set_attribute("stoker.pixels", int(features["width"]) * int(features["height"]))
-    if "duration_s" in features:
-        span.set_attribute("stoker.media_seconds", float(features["duration_s"]))
-    if record.error is not None and record.status == "failed":
-        mark_failed(span, record.error.code)
+    """What the stage made of the input, on its span: cache hit, size of what it read, error code.
+
+    Observability never fails a stage: whatever the features hold, a bad value is skipped.
+    """
+    try:
+        if stage in record.cache_hit:
+            span.set_attribute("stoker.cache_hit", record.cache_hit[stage])
+        features = record.features or {}
+        width, height, seconds = features.get("width"), features.get("height"), features.get("duration_s")
+        if isinstance(width, int) and isinstance(height, int):
+            span.set_attribute("stoker.pixels", width * height)
+        if isinstance(seconds, (int, float)):
+            span.set_attribute("stoker.media_seconds", float(seconds))
+        if record.error is not None and record.status == "failed":
+            mark_failed(span, record.error.code)
+    except Exception:
+        log.exception("could not describe the %s span", stage)
 
 
 @contextlib.contextmanager
@@ -124,7 +131,7 @@ def _record_queue_wait(record: InputRecord, stage: str) -> None:
     if sent is None:
         return
     wait = max(time.time() - float(sent), 0.0)
-    record.timings_ms[f"{stage}_queue"] = round(wait * 1000, 2)
+    record.timings_ms[f"{stage}{QUEUE_SUFFIX}"] = round(wait * 1000, 2)
     QUEUE_WAIT_SECONDS.labels(stage).observe(wait)
 
 
