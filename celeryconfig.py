@@ -1,7 +1,6 @@
 """Celery configuration: flat, lowercase settings computed from stoker's WorkerSettings. Queues and routes live here."""
 
-from kombu.entity import Queue
-
+from stoker.queues import declare_queues, transport_options
 from stoker.settings import WorkerSettings
 
 _s = WorkerSettings()
@@ -15,9 +14,8 @@ result_serializer = "json"
 accept_content = ["json"]
 result_accept_content = ["json"]
 
-# One queue per stage, so each can be watched and scaled on its own.
-_QUEUE_NAMES = ("decode", "ocr", "asr", "tokenize", "infer")
-task_queues = [Queue(name, routing_key=name, durable=True) for name in _QUEUE_NAMES]  # type: ignore[no-untyped-call]
+# One queue per stage, so each can be watched and scaled on its own (quorum queues on RabbitMQ).
+task_queues = declare_queues(_s.broker_url)
 task_default_queue = "tokenize"
 task_routes = {
     "stoker.decode": {"queue": "decode"},
@@ -46,14 +44,7 @@ task_annotations = {
 task_acks_late = True
 task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
-broker_transport_options = {
-    "visibility_timeout": _s.visibility_timeout_s,
-    # kombu sweeps for expired unacked messages only every interval × throttle seconds (100 by default) and
-    # holds its sweep mutex up to 300 s if a sweeper died: sweep every 5 s, recover a dead sweeper's mutex in 30.
-    "unacked_restore_interval": 5,
-    "unacked_restore_throttle": 1,
-    "unacked_mutex_expire": 30,
-}
+broker_transport_options = transport_options(_s.broker_url, _s.visibility_timeout_s)
 broker_connection_retry_on_startup = True
 broker_connection_max_retries = None
 

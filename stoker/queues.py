@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from kombu.connection import Connection
+from kombu.entity import Queue
 
 #: Every queue stoker's workers consume, in pipeline order (celeryconfig routes tasks onto them).
 QUEUES = ("decode", "ocr", "asr", "tokenize", "infer")
@@ -22,3 +24,31 @@ def queue_depths(connection: Connection, names: Iterable[str] = QUEUES) -> dict[
             channel = connection.channel()  # type: ignore[no-untyped-call]
             depths[name] = 0
     return depths
+
+
+def is_amqp(broker_url: str) -> bool:
+    """Whether the broker speaks AMQP (RabbitMQ) rather than Redis."""
+    return broker_url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp")
+
+
+def declare_queues(broker_url: str) -> list[Queue]:
+    """The stage queues. On RabbitMQ they are quorum queues (replicated, durable, poison-aware); on Redis, lists."""
+    arguments = {"x-queue-type": "quorum"} if is_amqp(broker_url) else None
+    return [
+        Queue(name, routing_key=name, durable=True, queue_arguments=arguments)  # type: ignore[no-untyped-call]
+        for name in QUEUES
+    ]
+
+
+def transport_options(broker_url: str, visibility_timeout_s: int) -> dict[str, Any]:
+    """Broker transport options: publisher confirms on RabbitMQ; on Redis, redelivery of a dead worker's messages."""
+    if is_amqp(broker_url):
+        return {"confirm_publish": True}
+    return {
+        "visibility_timeout": visibility_timeout_s,
+        # kombu sweeps for expired unacked messages only every interval × throttle seconds (100 by default) and
+        # holds its sweep mutex up to 300 s if a sweeper died: sweep every 5 s, recover a dead sweeper's mutex in 30.
+        "unacked_restore_interval": 5,
+        "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": 30,
+    }

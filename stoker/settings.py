@@ -159,7 +159,8 @@ class WorkerSettings(CommonSettings):
     infer_wedge_grace_s: float = Field(30.0, gt=0)
 
     # Worker processes.
-    cpu_concurrency: int = Field(2, ge=1)
+    #: The dedicated CPU pool: prefork children of a `cpu` (or `ocr`) worker. Size it to the cores it may use.
+    cpu_pool: int = Field(2, ge=1)
     #: Recycle CPU/ASR pool children after this many tasks or this much resident memory (KiB).
     max_tasks_per_child: int = Field(500, ge=1)
     max_memory_per_child_kb: int = Field(1_500_000, ge=10_000)

@@ -299,7 +299,7 @@ def _model_request(context: PipelineContext, prompt: str, inputs: list[InputReco
 def _cap_memory(**_: Any) -> None:
     """Each CPU pool child gets an address-space cap, so a decompression bomb fails alone."""
     megabytes = resources.settings().cpu_address_space_mb
-    if os.environ.get("STOKER_WORKER_KIND") == "cpu" and megabytes:
+    if os.environ.get("STOKER_WORKER_KIND") in ("cpu", "ocr") and megabytes:
         cap_address_space(megabytes)
 
 

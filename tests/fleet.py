@@ -16,6 +16,7 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from stoker.queues import declare_queues, transport_options
 from stoker.settings import ApiSettings
 from tasks.pipeline import CelerySubmitter
 from tests.procs import spawn, stop, tail, wait_for
@@ -88,6 +89,8 @@ def own_fleet(settings: dict[str, str], kinds: tuple[str, ...] = KINDS) -> Itera
     app = Celery("stoker-fleet", set_as_current=False)
     app.config_from_object("celeryconfig")
     app.conf.broker_url, app.conf.result_backend = env["STOKER_BROKER_URL"], env["STOKER_RESULT_URL"]
+    app.conf.task_queues = declare_queues(env["STOKER_BROKER_URL"])  # the workers' own declarations
+    app.conf.broker_transport_options = transport_options(env["STOKER_BROKER_URL"], 300)
     crew = Fleet(root, port, env, app, None, valkey)  # type: ignore[arg-type]
     try:
         with crew.api() as client:

@@ -21,9 +21,13 @@ class WorkerKind:
 
 
 def worker_kinds(settings: WorkerSettings) -> dict[str, WorkerKind]:
-    """The queue groups: CPU stages and ASR on prefork (where time limits are enforced), inference on one thread."""
+    """The queue groups: CPU stages and ASR on prefork (where time limits are enforced), inference on one thread.
+
+    `cpu` serves every CPU stage; `ocr` serves OCR alone, to add OCR capacity without more decode or tokenize.
+    """
     return {
         "cpu": WorkerKind(("decode", "ocr", "tokenize"), "prefork", "cpu"),
+        "ocr": WorkerKind(("ocr",), "prefork", "cpu"),
         "asr": WorkerKind(("asr",), "prefork", settings.asr_device),
         "infer": WorkerKind(("infer",), settings.infer_pool, settings.device),
     }
@@ -54,18 +58,19 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
         "--max-memory-per-child",
         str(settings.max_memory_per_child_kb),
     ]
-    if kind == "cpu":
-        argv += ["--concurrency", str(settings.cpu_concurrency), *recycle]
+    if kind in ("cpu", "ocr"):
+        argv += ["--concurrency", str(settings.cpu_pool), *recycle]
     elif kind == "asr":
         argv += ["--concurrency", str(settings.asr_concurrency), *recycle]
     else:
         # celery-batches acks at flush: the worker must be allowed to hold whole batches.
         argv += ["--concurrency", "1", "--prefetch-multiplier", str(settings.infer_prefetch)]
+    # Later options win: `stoker worker cpu --concurrency 8` or `--autoscale 16,2` override the defaults above.
     return [*argv, *extra]
 
 
 #: Default metrics port per worker kind (STOKER_METRICS_PORT overrides; 0 turns metrics off).
-METRICS_PORTS = {"cpu": 9101, "asr": 9102, "infer": 9103}
+METRICS_PORTS = {"cpu": 9101, "asr": 9102, "infer": 9103, "ocr": 9104}
 
 
 def worker_env(kind: str) -> dict[str, str]:
@@ -76,7 +81,7 @@ def worker_env(kind: str) -> dict[str, str]:
     # Prefork children write their metrics to files here; the worker's parent serves the merged view.
     env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"stoker-metrics-{kind}-")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if kind == "cpu":
+    if kind in ("cpu", "ocr"):
         env.setdefault("OMP_THREAD_LIMIT", "1")  # tesseract: ~6x faster per job on small machines
     return env
 

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -13,7 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from stoker import metrics
 from stoker.settings import StackSettings, WorkerSettings
-from workers.launch import METRICS_PORTS
+from workers.launch import METRICS_PORTS, worker_kinds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,3 +103,51 @@ def _series(metric: MetricWrapperBase) -> list[str]:
     if kind == "counter":
         return [f"{base}_total"]
     return [base]
+
+
+def _k8s() -> list[dict[str, Any]]:
+    return [d for f in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())]
+
+
+def test_kubernetes_workers_scale_on_the_queues_they_consume() -> None:
+    import celeryconfig
+
+    docs = _k8s()
+    kinds = worker_kinds(WorkerSettings())
+    broker = urlsplit(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["STOKER_BROKER_URL"])
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
+    workers = {
+        name: c["command"][2]
+        for name, d in deployments.items()
+        for c in d["spec"]["template"]["spec"]["containers"]
+        if c.get("command", [])[:2] == ["stoker", "worker"]
+    }
+    assert set(workers.values()) == set(kinds)  # a Deployment per worker kind
+    assert set(scaled) == set(workers)  # each one scaled by KEDA
+    declared = {q.name for q in celeryconfig.task_queues}
+    for name, kind in workers.items():
+        triggers = scaled[name]["spec"]["triggers"]
+        lists = {t["metadata"]["listName"] for t in triggers}
+        assert lists == set(kinds[kind].queues), name
+        assert lists <= declared
+        for trigger in triggers:
+            assert trigger["type"] == "redis"
+            assert trigger["metadata"]["address"] == f"{broker.hostname}:{broker.port}"
+            assert trigger["metadata"]["databaseIndex"] == broker.path.strip("/")
+
+
+def test_kubernetes_settings_name_real_settings_and_the_gpu_goes_to_inference() -> None:
+    known = {f"STOKER_{f.upper()}" for f in {*WorkerSettings.model_fields, *StackSettings.model_fields}}
+    docs = _k8s()
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    names = set(config)
+    gpus = {}
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        for container in d["spec"]["template"]["spec"]["containers"]:
+            names |= {e["name"] for e in container.get("env", [])}
+            gpus[d["metadata"]["name"]] = "nvidia.com/gpu" in container.get("resources", {}).get("limits", {})
+    assert {n for n in names if n.startswith("STOKER_")} <= known
+    assert [name for name, gpu in gpus.items() if gpu] == ["stoker-infer-worker"]

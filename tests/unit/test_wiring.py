@@ -90,7 +90,7 @@ def test_inference_worker_may_hold_whole_batches() -> None:
 
 
 def test_cpu_worker_runs_prefork_so_time_limits_apply() -> None:
-    argv = worker_argv("cpu", WorkerSettings(cpu_concurrency=3), ["--loglevel", "DEBUG"])
+    argv = worker_argv("cpu", WorkerSettings(cpu_pool=3), ["--loglevel", "DEBUG"])
     assert argv[argv.index("--pool") + 1] == "prefork"
     assert argv[argv.index("--queues") + 1] == "decode,ocr,tokenize"
     assert argv[argv.index("--concurrency") + 1] == "3"
@@ -228,3 +228,15 @@ def test_cpu_children_are_recycled() -> None:
     argv = worker_argv("cpu", WorkerSettings(max_tasks_per_child=7, max_memory_per_child_kb=123456))
     assert argv[argv.index("--max-tasks-per-child") + 1] == "7"
     assert argv[argv.index("--max-memory-per-child") + 1] == "123456"
+
+
+def test_a_dedicated_ocr_pool_serves_ocr_alone_with_the_cpu_pool_size() -> None:
+    argv = worker_argv("ocr", WorkerSettings(cpu_pool=16))
+    assert argv[argv.index("--queues") + 1] == "ocr"
+    assert argv[argv.index("--pool") + 1] == "prefork"
+    assert argv[argv.index("--concurrency") + 1] == "16"
+
+
+def test_concurrency_and_autoscale_from_the_command_line_win() -> None:
+    argv = worker_argv("cpu", WorkerSettings(cpu_pool=2), ["--concurrency", "8", "--autoscale", "16,2"])
+    assert argv[-4:] == ["--concurrency", "8", "--autoscale", "16,2"]
