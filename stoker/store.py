@@ -111,6 +111,7 @@ if ARGV[5] == '0' and (redis.call('HGET', KEYS[1], 'rev') or '0') ~= ARGV[1] the
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
 redis.call('HSETNX', KEYS[1], 'ts:started', ARGV[3])
 redis.call('HSET', KEYS[1], 'ts:preprocessed', ARGV[3], 'status', 'inferring')
+redis.call('ZADD', KEYS[3], 'XX', ARGV[3], ARGV[6])  -- the reaper re-plans it now: redrive time, deadline
 return 'ok'
 """
 
@@ -270,8 +271,8 @@ class JobStore:
         'stale' when an input record changed after `rev` (build the prompt again); 'done' when someone already
         handed the job over or it ended.
         """
-        args = [rev or 0, request.to_json(), repr(time.time()), self.job_ttl_s, "1" if rev is None else "0"]
-        result = self._hand_off(keys=[job_key(job_id), tokens_key(job_id)], args=args)
+        args = [rev or 0, request.to_json(), repr(time.time()), self.job_ttl_s, "1" if rev is None else "0", job_id]
+        result = self._hand_off(keys=[job_key(job_id), tokens_key(job_id), ACTIVE_KEY], args=args)
         outcome = result.decode() if isinstance(result, bytes) else str(result)
         assert outcome in ("ok", "stale", "done"), outcome
         return outcome  # type: ignore[return-value]
