@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class QueueMonitor:
         self.meter = DrainMeter(window_s=10.0)
         self.latest: Snapshot | None = None
         self._connection: Connection | None = None
+        self._lock = threading.Lock()  # the background loop and /v1/stats may sample at once
 
     def limit(self, queue: str) -> int:
         """The admission limit of a queue."""
@@ -50,6 +52,10 @@ class QueueMonitor:
 
     def sample(self) -> Snapshot:
         """Read every queue's depth and drain counter now (blocking)."""
+        with self._lock:
+            return self._sample()
+
+    def _sample(self) -> Snapshot:
         if self._connection is None:
             self._connection = Connection(self.settings.broker_url, connect_timeout=2)  # type: ignore[no-untyped-call]
         try:
