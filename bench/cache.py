@@ -73,7 +73,7 @@ def run_phase(cache_on: bool, images: list[bytes], concurrency: int, redis_base:
     ]
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base)
+        wait_ready(base)
         time.sleep(5)  # workers connect and preload
         started = time.perf_counter()
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -98,7 +98,8 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     )
 
 
-def _wait_ready(base: str) -> None:
+def wait_ready(base: str) -> None:
+    """Until the API at base answers /readyz (or give up after a minute)."""
     for _ in range(300):
         try:
             if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:

@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import redis
 
+from bench.cache import wait_ready
 from workers.broker import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +102,7 @@ def run_phase(phase: Phase, sim: tuple[float, float], redis_base: str, seed: int
     procs = start_stack(env, port, ROOT / "bench" / "results" / "logs" / phase.name.split()[0])
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base)
+        wait_ready(base)
         time.sleep(5)  # workers connect and preload
         return _drive(phase, base, seed)
     finally:
@@ -109,17 +110,6 @@ def run_phase(phase: Phase, sim: tuple[float, float], redis_base: str, seed: int
             os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs:
             proc.wait(timeout=60)
-
-
-def _wait_ready(base: str) -> None:
-    for _ in range(600):
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("API did not become ready")
 
 
 def _drive(phase: Phase, base: str, seed: int) -> dict[str, Any]:

@@ -24,6 +24,18 @@ from workers.broker import start_embedded
 
 KINDS = ("cpu", "infer")
 
+#: Settings for stacks whose tests kill things: a dead worker's messages come back after 20 s, a lost inference
+#: message is re-sent after 30 (every hard limit kept under the visibility timeout, as settings require).
+QUICK_RECOVERY = {
+    "STOKER_VISIBILITY_TIMEOUT_S": "20",
+    "STOKER_TRANSCRIBE_SOFT_S": "12",
+    "STOKER_TRANSCRIBE_HARD_S": "15",
+    "STOKER_INFER_BATCH_TIMEOUT_S": "12",
+    "STOKER_INFER_WEDGE_GRACE_S": "5",
+    "STOKER_REDRIVE_AFTER_S": "30",
+    "STOKER_HANDOFF_MAX_WAIT_S": "10",
+}
+
 
 @dataclass
 class Fleet:

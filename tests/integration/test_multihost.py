@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import redis
 from celery import Celery
 from fastapi.testclient import TestClient
 
@@ -23,10 +22,11 @@ from api.app import create_app
 from stoker.queues import declare_queues, transport_options
 from stoker.settings import ApiSettings
 from tasks.pipeline import CelerySubmitter
+from tests.fleet import QUICK_RECOVERY
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
 from tests.procs import ROOT, tail, wait_for
-from workers.broker import free_port
+from workers.broker import free_port, redis_answers
 
 SUBNET = "10.77.{}."
 
@@ -124,13 +124,7 @@ def hosts() -> Iterator[tuple[Net, TestClient, dict[str, subprocess.Popen[bytes]
         "STOKER_RESULT_URL": f"{base}/1",
         "STOKER_CACHE_URL": f"{base}/2",
         "STOKER_METRICS_PORT": "0",
-        "STOKER_VISIBILITY_TIMEOUT_S": "20",
-        "STOKER_TRANSCRIBE_SOFT_S": "12",
-        "STOKER_TRANSCRIBE_HARD_S": "15",
-        "STOKER_INFER_BATCH_TIMEOUT_S": "12",
-        "STOKER_INFER_WEDGE_GRACE_S": "5",
-        "STOKER_REDRIVE_AFTER_S": "30",
-        "STOKER_HANDOFF_MAX_WAIT_S": "10",
+        **QUICK_RECOVERY,
         "STOKER_TRACE_EXPORTER": "none",
         # The device is simulated: this test is about hosts and redelivery, and four model copies on a small
         # machine would only test the machine.
@@ -144,7 +138,7 @@ def hosts() -> Iterator[tuple[Net, TestClient, dict[str, subprocess.Popen[bytes]
     app.conf.task_queues = declare_queues(env["STOKER_BROKER_URL"])
     app.conf.broker_transport_options = transport_options(env["STOKER_BROKER_URL"], 20)
     try:
-        wait_for(lambda: _answers(f"{base}/0"), 30, "broker", [procs["broker"]])
+        wait_for(lambda: redis_answers(f"{base}/0", 0.5), 30, "broker", [procs["broker"]])
         for host in ("1", "2"):
             for kind in ("cpu", "infer"):
                 argv = [sys.executable, "-m", "stoker.cli", "worker", kind, "--hostname", f"{kind}-h{host}@%h"]
@@ -162,14 +156,6 @@ def hosts() -> Iterator[tuple[Net, TestClient, dict[str, subprocess.Popen[bytes]
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
         net.tear_down()
-
-
-def _answers(url: str) -> bool:
-    try:
-        with redis.Redis.from_url(url, socket_connect_timeout=0.5) as client:
-            return bool(client.ping())
-    except redis.RedisError:
-        return False
 
 
 def _pinged(app: Celery) -> set[str]:

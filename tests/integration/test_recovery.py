@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.fleet import Fleet, own_fleet
+from tests.fleet import QUICK_RECOVERY, Fleet, own_fleet
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
 from workers.broker import start_embedded
@@ -21,16 +21,8 @@ from workers.broker import start_embedded
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     """Messages of a dead worker come back after 20 s, lost inference messages are re-sent after 30."""
-    settings = {
-        "STOKER_CACHE_ENABLED": "false",  # every job does its own work: nothing rides on a cache hit
-        "STOKER_VISIBILITY_TIMEOUT_S": "20",
-        "STOKER_TRANSCRIBE_SOFT_S": "12",
-        "STOKER_TRANSCRIBE_HARD_S": "15",
-        "STOKER_INFER_BATCH_TIMEOUT_S": "12",
-        "STOKER_INFER_WEDGE_GRACE_S": "5",
-        "STOKER_REDRIVE_AFTER_S": "30",
-        "STOKER_HANDOFF_MAX_WAIT_S": "10",
-    }
+    # Every job does its own work: nothing rides on a cache hit.
+    settings = {**QUICK_RECOVERY, "STOKER_CACHE_ENABLED": "false"}
     with own_fleet(settings) as crew:
         yield crew
 
