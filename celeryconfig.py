@@ -26,6 +26,7 @@ task_routes = {
     "stoker.tokenize": {"queue": "tokenize"},
     "stoker.rescue": {"queue": "tokenize"},
     "stoker.infer": {"queue": "infer"},
+    "stoker.sync": {"queue": "sync"},
 }
 task_annotations = {
     "stoker.decode": {"soft_time_limit": _s.decode_soft_s, "time_limit": _s.decode_hard_s},

@@ -24,7 +24,7 @@ from stoker.metrics import REQUESTS, JobCounts
 from stoker.settings import ApiSettings
 from stoker.store import JobStore
 from stoker.tracing import instrument_celery, setup_tracing
-from tasks.pipeline import CelerySubmitter, Submitter
+from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
         ttl_s=settings.cache_ttl_s,
         max_value_bytes=settings.cache_max_value_bytes,
     )
-    app.state.submitter = submitter or CelerySubmitter(keyframes=settings.video_keyframes)
+    app.state.submitter = submitter or _submitter(settings)
     app.state.monitor = QueueMonitor(settings, app.state.store)
     app.state.metrics = CollectorRegistry()
     app.state.metrics.register(JobCounts(app.state.store.job_counts))
@@ -97,3 +97,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         code = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code)
+
+
+def _submitter(settings: ApiSettings) -> Submitter:
+    """Celery canvases per stage, or, for the synchronous baseline, one message per whole job."""
+    if settings.pipeline_mode == "sync":
+        return SyncSubmitter()
+    return CelerySubmitter(keyframes=settings.video_keyframes)

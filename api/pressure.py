@@ -12,7 +12,7 @@ from kombu.connection import Connection
 from starlette.concurrency import run_in_threadpool
 
 from stoker.pressure import DrainMeter, QueueState, Refusal, admit
-from stoker.queues import CPU_QUEUES, QUEUES, queue_depths
+from stoker.queues import CPU_QUEUES, QUEUES, SYNC_QUEUE, queue_depths
 from stoker.settings import ApiSettings
 from stoker.store import JobStore
 
@@ -39,10 +39,12 @@ class QueueMonitor:
         self.latest: Snapshot | None = None
         self._connection: Connection | None = None
         self._lock = threading.Lock()  # the background loop and /v1/stats may sample at once
+        #: The queues new jobs land in and wait behind: the synchronous baseline adds its one queue.
+        self.queues = QUEUES if settings.pipeline_mode == "pipeline" else (*QUEUES, SYNC_QUEUE)
 
     def limit(self, queue: str) -> int:
         """The admission limit of a queue."""
-        return self.settings.cpu_queue_limit if queue in CPU_QUEUES else self.settings.infer_queue_limit
+        return self.settings.cpu_queue_limit if queue in (*CPU_QUEUES, SYNC_QUEUE) else self.settings.infer_queue_limit
 
     def drain_rate(self, queue: str) -> float:
         """Messages per second leaving a queue. A CPU queue held back by the inference watermarks drains as fast
@@ -59,13 +61,13 @@ class QueueMonitor:
         if self._connection is None:
             self._connection = Connection(self.settings.broker_url, connect_timeout=2)  # type: ignore[no-untyped-call]
         try:
-            depths = queue_depths(self._connection, QUEUES)
+            depths = queue_depths(self._connection, self.queues)
         except Exception:
             self.close()
             raise
         now = time.time()
         self.meter.add(now, self.store.drained())
-        states = [QueueState(q, depths[q], self.limit(q), round(self.drain_rate(q), 3)) for q in QUEUES]
+        states = [QueueState(q, depths[q], self.limit(q), round(self.drain_rate(q), 3)) for q in self.queues]
         self.latest = Snapshot(now, states)
         return self.latest
 

@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start API, workers and Flower locally (and a broker if none answers)")
     up.add_argument("--port", type=int, default=None)
     worker = sub.add_parser("worker", help="start a celery worker for a queue group; extra args go to celery")
-    worker.add_argument("kind", choices=["cpu", "ocr", "asr", "infer"])
+    worker.add_argument("kind", choices=["cpu", "ocr", "asr", "infer", "sync"])
     sub.add_parser("reaper", help="move late and stalled jobs on (deadlines, lost messages); one acts at a time")
     api = sub.add_parser("api", help="serve the HTTP API")
     api.add_argument("--host", default=None)

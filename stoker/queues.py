@@ -11,6 +11,8 @@ from kombu.entity import Queue
 #: Every queue stoker's workers consume, in pipeline order (celeryconfig routes tasks onto them).
 QUEUES = ("decode", "ocr", "asr", "tokenize", "infer")
 CPU_QUEUES = ("decode", "ocr", "asr", "tokenize")
+#: The synchronous baseline's one queue (`STOKER_PIPELINE_MODE=sync`, benchmarks only): whole jobs wait here.
+SYNC_QUEUE = "sync"
 
 
 def queue_depths(connection: Connection, names: Iterable[str] = QUEUES) -> dict[str, int]:
@@ -36,7 +38,7 @@ def declare_queues(broker_url: str) -> list[Queue]:
     arguments = {"x-queue-type": "quorum"} if is_amqp(broker_url) else None
     return [
         Queue(name, routing_key=name, durable=True, queue_arguments=arguments)  # type: ignore[no-untyped-call]
-        for name in QUEUES
+        for name in (*QUEUES, SYNC_QUEUE)
     ]
 
 

@@ -68,6 +68,9 @@ class ApiSettings(CommonSettings):
     #: Kept back from the deadline for waiting on and running the model (at most half the deadline): when the
     #: rest is spent, the job goes to inference with the inputs that are ready.
     infer_reserve_ms: int = Field(5_000, ge=0)
+    #: "pipeline": stoker as designed. "sync": every job goes whole to the `sync` queue, where one worker decodes,
+    #: reads, tokenizes and infers it in one thread: the design stoker replaces, kept as the benchmark's baseline.
+    pipeline_mode: Literal["pipeline", "sync"] = "pipeline"
 
 
 class WorkerSettings(CommonSettings):

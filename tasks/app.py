@@ -6,7 +6,9 @@ from typing import Any
 from celery import Celery
 from celery.signals import before_task_publish
 
-app = Celery("stoker", include=["tasks.preprocess", "tasks.media", "tasks.inference", "tasks.monitoring"])
+app = Celery(
+    "stoker", include=["tasks.preprocess", "tasks.media", "tasks.inference", "tasks.monitoring", "tasks.baseline"]
+)
 app.config_from_object("celeryconfig")
 
 #: Message header holding when a task message was published: a stage's broker queue wait starts there.

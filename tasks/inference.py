@@ -292,7 +292,7 @@ watchdog = BatchWatchdog(_settings.infer_batch_timeout_s, _settings.infer_wedge_
 @celeryd_after_setup.connect
 def _preload(sender: str, instance: Any, **_: Any) -> None:
     """Load the model when this worker consumes the inference queue, before the first batch arrives."""
-    if "infer" in set(instance.app.amqp.queues.consume_from or {}):
+    if {"infer", "sync"} & set(instance.app.amqp.queues.consume_from or {}):
         resources.predictor()
         watchdog.watch()
         monitoring.watch_device(_settings.device_sample_s)

@@ -53,8 +53,7 @@ def job_canvas(
     if start == "infer":
         return infer_signature(job_id, prompt_tokens, deadline, app)
     tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id})
-    todo = inputs if start == "preprocess" else []
-    branches = [branch for record in todo for branch in _branches(app, job_id, record, keyframes)]
+    branches = preprocessing_branches(job_id, inputs if start == "preprocess" else [], app, keyframes)
     if not branches:
         canvas: Signature = tokenize.clone(args=(None,))
     else:
@@ -77,6 +76,13 @@ def _expire_at(canvas: Signature, when: datetime) -> None:
             _expire_at(task, when)
     else:
         canvas.set(expires=when)
+
+
+def preprocessing_branches(
+    job_id: str, inputs: Sequence[InputRecord], app: Celery = default_app, keyframes: int = 3
+) -> list[Signature]:
+    """One chain of stage signatures per branch of every input (a video has a sound branch and one per keyframe)."""
+    return [branch for record in inputs for branch in _branches(app, job_id, record, keyframes)]
 
 
 def _branches(app: Celery, job_id: str, record: InputRecord, keyframes: int) -> list[Signature]:
@@ -133,3 +139,23 @@ class CelerySubmitter:
     ) -> None:
         """Publish the job's canvas."""
         job_canvas(job_id, inputs, self.app, self.keyframes, start, deadline, prompt_tokens).apply_async()
+
+
+class SyncSubmitter:
+    """The synchronous baseline (`STOKER_PIPELINE_MODE=sync`): the whole job goes to one worker as one message."""
+
+    def __init__(self, app: Celery = default_app) -> None:
+        self.app = app
+
+    def submit(
+        self,
+        job_id: str,
+        inputs: Sequence[InputRecord],
+        start: Start = "preprocess",
+        deadline: float | None = None,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """Publish the job whole; the sync worker preprocesses what is not done yet, then infers."""
+        expires = datetime.fromtimestamp(deadline, UTC) if deadline is not None else None
+        kwargs = {"job_id": job_id, "prompt_tokens": prompt_tokens, "deadline": deadline}
+        self.app.signature("stoker.sync", kwargs=kwargs).apply_async(expires=expires)

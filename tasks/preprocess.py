@@ -166,12 +166,13 @@ def fail_unfinished(job_id: str, error: StokerError) -> bool:
     return True
 
 
-def tokenize_job(job_id: str, backpressure: bool = True) -> dict[str, Any]:
+def tokenize_job(job_id: str, backpressure: bool = True, enqueue: bool = True) -> dict[str, Any]:
     """Build and tokenize the job's prompt from its records, and hand it to the inference queue, exactly once.
 
     The hand-over is checked against the records' revision: a stage that wrote a record meanwhile makes the
     prompt be built again, so the job's record always shows what the model was given. With `backpressure`, the
-    job waits here while the inference queue is above its high watermark (bounded by its deadline).
+    job waits here while the inference queue is above its high watermark (bounded by its deadline). Without
+    `enqueue` the job is handed over but no message sent: the caller serves it (the synchronous baseline).
     """
     store = resources.store()
     store.mark_started(job_id)
@@ -196,7 +197,8 @@ def tokenize_job(job_id: str, backpressure: bool = True) -> dict[str, Any]:
         deadline = store.clock(job_id).deadline or None
         if backpressure:
             wait_for_room(job_id, deadline)
-        enqueue_inference(job_id, len(request.prompt_ids), deadline)
+        if enqueue:
+            enqueue_inference(job_id, len(request.prompt_ids), deadline)
         return {"job_id": job_id, "prompt_tokens": len(request.prompt_ids)}
     return {"job_id": job_id, "skipped": True}
 

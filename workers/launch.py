@@ -33,9 +33,14 @@ def worker_kinds(settings: WorkerSettings) -> dict[str, WorkerKind]:
     }
 
 
+#: The synchronous baseline's worker (`stoker worker sync`, benchmarks only): one thread for every stage and the
+#: model, so it runs solo (the stages' SIGALRM limits need the main thread).
+BASELINE_KINDS = {"sync": WorkerKind(("sync",), "solo", "cpu")}
+
+
 def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) -> list[str]:
     """The full `celery worker` command for a worker kind."""
-    spec = worker_kinds(settings)[kind]
+    spec = {**worker_kinds(settings), **BASELINE_KINDS}[kind]
     argv = [
         sys.executable,
         "-m",
@@ -62,7 +67,7 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
         argv += ["--concurrency", str(settings.cpu_pool), *recycle]
     elif kind == "asr":
         argv += ["--concurrency", str(settings.asr_concurrency), *recycle]
-    else:
+    else:  # infer, sync
         # celery-batches acks at flush: the worker must be allowed to hold whole batches.
         argv += ["--concurrency", "1", "--prefetch-multiplier", str(settings.infer_prefetch)]
     # Later options win: `stoker worker cpu --concurrency 8` or `--autoscale 16,2` override the defaults above.
@@ -81,7 +86,7 @@ def worker_env(kind: str) -> dict[str, str]:
     # Prefork children write their metrics to files here; the worker's parent serves the merged view.
     env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"stoker-metrics-{kind}-")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if kind in ("cpu", "ocr"):
+    if kind in ("cpu", "ocr", "sync"):
         env.setdefault("OMP_THREAD_LIMIT", "1")  # tesseract: ~6x faster per job on small machines
     return env
 
