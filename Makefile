@@ -10,11 +10,12 @@ TORCH_SPEC ?= torch==2.13.0
 APT_PACKAGES ?= tesseract-ocr tesseract-ocr-eng tesseract-ocr-chi-sim espeak-ng
 PYTEST_ARGS ?=
 
-.PHONY: help install system-deps model up test lint typecheck unit integration e2e clean
+.PHONY: help install system-deps model up test lint typecheck unit integration e2e bench bench-quick clean
 
 help:
 	@echo "make up    - install everything (venv, Debian packages, model) and start the stack"
 	@echo "make test  - install everything, then ruff, mypy and all tests (unit, integration, e2e)"
+	@echo "make bench - pipeline vs synchronous baseline, results and plots in docs/bench (bench-quick: < 3 min)"
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
@@ -50,6 +51,13 @@ typecheck: $(VENV)/.installed
 
 test: install model lint typecheck
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# Pipeline vs synchronous baseline (docs/benchmarks.md). Quick: < 3 min, one load; full: a sweep with plots.
+bench-quick: install model
+	$(BIN)/stoker bench --quick
+
+bench: install model
+	$(BIN)/stoker bench --out docs/bench
 
 unit integration e2e: install model
 	$(BIN)/pytest tests/$@ $(PYTEST_ARGS)

@@ -27,6 +27,7 @@ import httpx
 import redis
 from PIL import Image, ImageDraw, ImageFont
 
+from bench.stack import wait_ready
 from workers.broker import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +67,7 @@ def run_phase(cache_on: bool, images: list[bytes], concurrency: int, redis_base:
             client.flushdb()
     port = free_port()
     env = {**os.environ, **dbs, "STOKER_CACHE_ENABLED": str(cache_on).lower(), "STOKER_MAX_NEW_TOKENS": "1"}
+    env["STOKER_AUTH"] = "off"  # one client, no keys: the benchmark measures the cache, not tenancy
     procs = [
         _spawn(["api", "--port", str(port)], env),
         _spawn(["worker", "cpu"], env),
@@ -96,18 +98,6 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-
-
-def wait_ready(base: str) -> None:
-    """Until the API at base answers /readyz (or give up after a minute)."""
-    for _ in range(300):
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("API did not become ready")
 
 
 def _run_job(base: str, data: bytes) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import redis
 
-from bench.cache import wait_ready
+from bench.stack import wait_ready
 from workers.broker import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +94,7 @@ def run_phase(phase: Phase, sim: tuple[float, float], redis_base: str, seed: int
         **urls,
         **phase.limits,
         "STOKER_BACKEND": "sim",
+        "STOKER_AUTH": "off",  # one client, no keys, and only the queue limits refuse work
         "STOKER_SIM_BASE_MS": str(sim[0]),
         "STOKER_SIM_PER_ITEM_MS": str(sim[1]),
         "STOKER_MAX_BATCH_SIZE": str(BATCH),

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from stoker.queues import declare_queues, transport_options
 from stoker.settings import ApiSettings
-from tasks.pipeline import CelerySubmitter
+from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
 from tests.procs import spawn, stop, tail, wait_for
 from workers.broker import start_embedded
 
@@ -73,7 +73,9 @@ class Fleet:
     def api(self, **settings: object) -> TestClient:
         """Another API on this fleet, with other settings (enter it as a context manager)."""
         urls = {k: self.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
-        return TestClient(create_app(ApiSettings(**{**urls, **settings}), submitter=CelerySubmitter(self.app)))
+        chosen = ApiSettings(**{**urls, **settings})
+        submitter: Submitter = SyncSubmitter(self.app) if chosen.pipeline_mode == "sync" else CelerySubmitter(self.app)
+        return TestClient(create_app(chosen, submitter=submitter))
 
     def store(self) -> redis.Redis[bytes]:
         """A client on the fleet's job store."""
@@ -85,8 +87,11 @@ class Fleet:
 
 
 @contextmanager
-def own_fleet(settings: dict[str, str], kinds: tuple[str, ...] = KINDS) -> Iterator[Fleet]:
-    """Valkey (AOF) on a free port, the given workers and a reaper, and an API in this process."""
+def own_fleet(
+    settings: dict[str, str], kinds: tuple[str, ...] = KINDS, api: dict[str, object] | None = None
+) -> Iterator[Fleet]:
+    """Valkey (AOF) on a free port, the given workers and a reaper, and an API in this process (with `api`
+    settings on top of the fleet's addresses)."""
     root = Path(tempfile.mkdtemp(prefix="stoker-fleet-"))
     valkey, port = start_embedded(data_dir=root)
     base = f"redis://127.0.0.1:{port}"
@@ -105,7 +110,7 @@ def own_fleet(settings: dict[str, str], kinds: tuple[str, ...] = KINDS) -> Itera
     app.conf.broker_transport_options = transport_options(env["STOKER_BROKER_URL"], 300)
     crew = Fleet(root, port, env, app, None, valkey)  # type: ignore[arg-type]
     try:
-        with crew.api() as client:
+        with crew.api(**(api or {})) as client:
             crew.client = client
             for kind in (*kinds, "reaper"):
                 crew.start(kind)

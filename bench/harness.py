@@ -1,0 +1,224 @@
+"""`stoker bench`: stoker's pipeline against the synchronous baseline, side by side in one invocation.
+
+For each offered load the same deterministic workload (bench/workload.py) is driven open-loop through a fresh
+stack of each mode (interleaved: the order flips from one load to the next, so drift on a noisy machine hits both),
+then an overhead micro-benchmark times no-op jobs served from the cache. Writes results.json, results.md and PNG
+plots into --out, and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from bench.drive import drive
+from bench.report import markdown, percentile, plot, ratios, summarise
+from bench.stack import ROOT, Device, Mode, bench_stack, redis_base
+from bench.workload import Request, WorkloadSpec, describe, generate, text_png
+
+console = Console(soft_wrap=True)
+MODES: tuple[Mode, ...] = ("pipeline", "sync")
+#: Where each run's process logs go (not with the results: those may be docs).
+LOGS = ROOT / "bench" / "results" / "logs"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of `stoker bench` (also `python -m bench.harness`)."""
+    p = argparse.ArgumentParser(prog="stoker bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a small run (< 3 min on 2 cores): one load, both modes")
+    p.add_argument("--mode", choices=["both", *MODES], default="both")
+    p.add_argument("--rates", default=None, help="offered loads to sweep, jobs/s (default 1,2,3,4)")
+    p.add_argument("--jobs", type=int, default=None, help="requests per run (default 90)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--repeat", type=float, default=0.4, help="share of media requests repeating earlier media")
+    p.add_argument("--bad", type=float, default=0.01, help="share of requests with a corrupt image or a bomb")
+    p.add_argument("--backend", choices=["sim", "transformers"], default="sim")
+    p.add_argument("--sim-base-ms", type=float, default=300.0)
+    p.add_argument("--sim-per-item-ms", type=float, default=40.0)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--queue-limit", type=int, default=40, help="admission limit of every queue, both modes")
+    p.add_argument("--drain-s", type=float, default=None, help="wait for answers after the last arrival (120 s)")
+    p.add_argument("--overhead-jobs", type=int, default=None, help="no-op jobs per overhead case (40; 0: skip)")
+    p.add_argument("--target", default=None, help="drive a running stack at this URL instead (one run, --mode)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    return p
+
+
+#: Defaults of a full run, and of --quick (one load, few jobs, a short drain and overhead run); options given
+#: on the command line win over both.
+FULL = {"rates": "1,2,3,4", "jobs": 90, "drain_s": 120.0, "overhead_jobs": 40}
+QUICK = {"rates": "3", "jobs": 36, "drain_s": 45.0, "overhead_jobs": 10}
+
+
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options left unset from the full or the quick defaults."""
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; 0 when every run answered some jobs."""
+    args = with_defaults(parser().parse_args(argv))
+    rates = [float(r) for r in args.rates.split(",")]
+    modes = MODES if args.mode == "both" else (args.mode,)
+    device = Device(args.backend, args.sim_base_ms, args.sim_per_item_ms, args.batch)
+    spec = WorkloadSpec(jobs=args.jobs, rate=1.0, seed=args.seed, repeat=args.repeat, bad=args.bad)
+    if args.quick:
+        spec = replace(spec, sizes=spec.sizes[:3])
+    started = time.monotonic()
+    console.print(f"generating the workload ({args.jobs} requests, seed {args.seed})…")
+    workload = generate(spec)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = _runs(args, rates, modes, device, workload)
+    overhead = _overhead(args, modes, device) if args.overhead_jobs and not args.target else []
+    report = _report(args, device, spec, workload, rows, overhead, time.monotonic() - started)
+    return 0 if all(row["succeeded"] + row["degraded"] for row in rows) and report else 1
+
+
+def _runs(
+    args: argparse.Namespace, rates: list[float], modes: Sequence[Mode], device: Device, workload: list[Request]
+) -> list[dict[str, Any]]:
+    rows = []
+    base, embedded = (None, None) if args.target else redis_base()
+    try:
+        for i, rate in enumerate(rates):
+            requests = [replace(r, at=r.at / rate) for r in workload]
+            for mode in modes if i % 2 == 0 else tuple(reversed(modes)):
+                console.print(f"[bold]{mode}[/] at {rate} jobs/s: {len(requests)} requests…")
+                rows.append(_one_run(args, mode, rate, device, requests, base))
+                _print_row(rows[-1])
+    finally:
+        if embedded is not None:
+            embedded.terminate()
+    return rows
+
+
+def _one_run(
+    args: argparse.Namespace, mode: Mode, rate: float, device: Device, requests: list[Request], base: str | None
+) -> dict[str, Any]:
+    if args.target:
+        return summarise(mode, rate, drive(args.target, requests, args.drain_s))
+    limits = {f"STOKER_{q}_QUEUE_LIMIT": str(args.queue_limit) for q in ("CPU", "INFER")}
+    assert base is not None
+    with bench_stack(mode, device, base, LOGS / f"{mode}-{rate}", **limits) as stack:
+        return summarise(mode, rate, drive(stack.base, requests, args.drain_s))
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    console.print(
+        f"  served {row['throughput_per_s']} jobs/s, p50 {row['p50_s']} s, p99 {row['p99_s']} s, "
+        f"device busy {row['device_busy']}, mean batch {row['mean_batch']}, "
+        f"{row['succeeded']} ok / {row['degraded']} degraded / {row['failed']} failed, "
+        f"{row['refused_429']} × 429, {row['unanswered']} unanswered {row['client_errors'] or ''}"
+    )
+
+
+def _overhead(args: argparse.Namespace, modes: Sequence[Mode], device: Device) -> list[dict[str, Any]]:
+    """No-op jobs on a device that takes no time, one at a time: what the orchestration itself costs."""
+    free = replace(device, backend="sim", base_ms=0.0, per_item_ms=0.0)
+    base, embedded = redis_base()
+    rows = []
+    try:
+        for mode in modes:
+            console.print(f"overhead: [bold]{mode}[/], {args.overhead_jobs} no-op jobs per case…")
+            with bench_stack(mode, free, base, LOGS / f"overhead-{mode}") as stack:
+                rows += [_overhead_case(stack.base, mode, case, args.overhead_jobs) for case in _CASES]
+    finally:
+        if embedded is not None:
+            embedded.terminate()
+    return rows
+
+
+#: The overhead cases: what is sent each time, and what the cache already holds.
+_CASES = ("text only", "cached image, same prompt", "cached image, new prompt")
+
+
+def _overhead_case(base: str, mode: str, case: str, n: int) -> dict[str, Any]:
+    image = text_png("stoker")
+    client, server = [], []
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for i in range(n + 1):  # the first one fills the cache and is not counted
+            prompt = "ping" if case != "cached image, new prompt" else f"ping {i}"
+            files = None if case == "text only" else [("image", ("input", image))]
+            began = time.perf_counter()
+            job = http.post("/v1/jobs", data={"prompt": prompt}, files=files).json()
+            while job["status"] not in ("succeeded", "degraded", "failed"):
+                job = http.get(f"/v1/jobs/{job['id']}", params={"wait": 30}).json()
+            if i:
+                client.append(time.perf_counter() - began)
+                server.append(job["timings_ms"]["total"] / 1000)
+    return {
+        "mode": mode,
+        "case": case,
+        "jobs": n,
+        "client_p50_ms": _ms(percentile(client, 0.5)),
+        "client_p99_ms": _ms(percentile(client, 0.99)),
+        "server_p50_ms": _ms(percentile(server, 0.5)),
+        "server_p99_ms": _ms(percentile(server, 0.99)),
+        "client_mean_ms": round(statistics.mean(client) * 1000, 1),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def _report(
+    args: argparse.Namespace,
+    device: Device,
+    spec: WorkloadSpec,
+    workload: list[Request],
+    rows: list[dict[str, Any]],
+    overhead: list[dict[str, Any]],
+    wall_s: float,
+) -> bool:
+    pairs = _pairs(rows)
+    table = markdown(rows, pairs)
+    over = _overhead_markdown(overhead) if overhead else ""
+    head = f"{device.describe()}; workload {describe(workload)}; queue limits {args.queue_limit}"
+    (args.out / "results.md").write_text(f"{head}\n\n{table}\n\n{over}\n")
+    plots = plot(rows, args.out) if rows else []
+    result = {
+        "device": device.describe(),
+        "backend": device.backend,
+        "workload": {**asdict(spec), "counts": describe(workload)},
+        "runs": rows,
+        "ratios": pairs,
+        "overhead": overhead,
+        "wall_s": round(wall_s, 1),
+    }
+    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    print(f"\n{head}\n\n{table}\n\n{over}")  # plain: markdown must not be wrapped
+    console.print(f"results, plots ({', '.join(p.name for p in plots)}) in {args.out}; took {wall_s:.0f} s")
+    return True
+
+
+def _pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    pairs = []
+    for rate in sorted({r["offered_per_s"] for r in rows}):
+        by_mode = {r["mode"]: r for r in rows if r["offered_per_s"] == rate}
+        if set(MODES) <= set(by_mode):
+            pairs.append({"offered_per_s": rate, "ratios": ratios(by_mode["pipeline"], by_mode["sync"])})
+    return pairs
+
+
+def _overhead_markdown(rows: list[dict[str, Any]]) -> str:
+    keys = ["mode", "case", "jobs", "client_p50_ms", "client_p99_ms", "server_p50_ms", "server_p99_ms"]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(row[k]) for k in keys) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""What a run measured, from the job records and the client's clock; the comparison; the markdown and the plots."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.drive import Outcome, Run, Sample
+
+ANSWERED = ("succeeded", "degraded")
+#: One colour per mode in every plot.
+COLOURS = {"pipeline": "tab:blue", "sync": "tab:orange"}
+#: Columns of the summary table, in order, with their headings.
+COLUMNS = {
+    "mode": "mode",
+    "offered_per_s": "offered jobs/s",
+    "throughput_per_s": "served jobs/s",
+    "p50_s": "p50 s",
+    "p95_s": "p95 s",
+    "p99_s": "p99 s",
+    "text_p50_s": "text-only p50 s",
+    "device_busy": "device busy",
+    "mean_batch": "mean batch",
+    "preprocess_share": "preprocess share",
+    "cache_hit_rate": "cache hit rate",
+    "succeeded": "succeeded",
+    "degraded": "degraded",
+    "failed": "failed",
+    "refused_429": "429s",
+    "unanswered": "unanswered",
+}
+#: Ratios pipeline ÷ sync worth reading, and which way is better.
+RATIOS = {"throughput_per_s": "higher", "p50_s": "lower", "p95_s": "lower", "p99_s": "lower", "device_busy": "higher"}
+
+
+def summarise(mode: str, rate: float, run: Run) -> dict[str, Any]:
+    """The metrics of one run. Throughput and device busy are over the span from the first arrival to the last
+    answer; latencies are the clients' (first try to answer, 429 waits included), over answered jobs."""
+    answered = [o for o in run.outcomes if o.job and o.job["status"] in ANSWERED]
+    finished = [o.done_at for o in run.outcomes if o.done_at is not None]
+    span = max(max(finished, default=run.ended) - run.started, 1e-9)
+    latencies = [o.latency_s for o in answered if o.latency_s is not None]
+    text = [o.latency_s for o in answered if o.request.kind == "text" and o.latency_s is not None]
+    jobs = [o.job for o in run.outcomes if o.job]
+    return {
+        "mode": mode,
+        "offered_per_s": round(rate, 2),
+        "jobs": len(run.outcomes),
+        "throughput_per_s": round(len(answered) / span, 3),
+        "p50_s": percentile(latencies, 0.50),
+        "p95_s": percentile(latencies, 0.95),
+        "p99_s": percentile(latencies, 0.99),
+        "text_p50_s": percentile(text, 0.50),
+        "device_busy": round(_busy_between(run.samples, run.started, run.started + span) / span, 3),
+        "mean_batch": _mean_batch(jobs),
+        "preprocess_share": _mean([j["preprocess_share"] for j in jobs if j.get("preprocess_share") is not None]),
+        "cache_hit_rate": _cache_hit_rate(jobs),
+        **{status: sum(1 for j in jobs if j["status"] == status) for status in ("succeeded", "degraded", "failed")},
+        "failure_codes": _codes(jobs),
+        "refused_429": sum(o.refusals for o in run.outcomes),
+        "unanswered": sum(1 for o in run.outcomes if o.job is None),
+        "client_errors": _client_errors(run.outcomes),
+        "latencies_s": [round(x, 3) for x in sorted(latencies)],
+        "busy_over_time": busy_series(run.samples, run.started),
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile (nearest rank), in seconds to the millisecond; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(int(q * len(ordered)), len(ordered) - 1)], 3)
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return round(statistics.mean(values), 3) if values else None
+
+
+def _mean_batch(jobs: list[dict[str, Any]]) -> float | None:
+    sizes = {j["batch"]["id"]: j["batch"]["size"] for j in jobs if j.get("batch")}
+    return _mean(list(sizes.values()))
+
+
+def _cache_hit_rate(jobs: list[dict[str, Any]]) -> float | None:
+    """Share of stage-cache lookups that hit, over every input of every job (keyframes included)."""
+    lookups = [hit for j in jobs for i in _all_inputs(j["inputs"]) for hit in i.get("cache_hit", {}).values()]
+    return round(sum(lookups) / len(lookups), 3) if lookups else None
+
+
+def _all_inputs(inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [x for i in inputs for x in (i, *(i.get("frames") or []))]
+
+
+def _codes(jobs: list[dict[str, Any]]) -> dict[str, int]:
+    """Error codes of failed inputs and failed jobs, counted."""
+    codes: dict[str, int] = {}
+    errors = [i.get("error") for j in jobs for i in _all_inputs(j["inputs"])] + [j.get("error") for j in jobs]
+    for error in errors:
+        if error:
+            codes[error["code"]] = codes.get(error["code"], 0) + 1
+    return dict(sorted(codes.items()))
+
+
+def _client_errors(outcomes: list[Outcome]) -> dict[str, int]:
+    errors: dict[str, int] = {}
+    for o in outcomes:
+        if o.error:
+            errors[o.error] = errors.get(o.error, 0) + 1
+    return errors
+
+
+def _busy_between(samples: list[Sample], start: float, end: float) -> float:
+    inside = [s for s in samples if start <= s.at <= end]
+    return inside[-1].busy_s - inside[0].busy_s if len(inside) >= 2 else 0.0
+
+
+def busy_series(samples: list[Sample], start: float, window_s: float = 2.0) -> list[tuple[float, float]]:
+    """Device busy fraction over time: (seconds since start, busy share of the trailing window)."""
+    series, j = [], 0
+    for sample in samples:
+        while sample.at - samples[j].at > window_s:
+            j += 1
+        dt = sample.at - samples[j].at
+        if dt > 0:
+            series.append((round(sample.at - start, 2), round((sample.busy_s - samples[j].busy_s) / dt, 3)))
+    return series
+
+
+def ratios(pipeline: dict[str, Any], sync: dict[str, Any]) -> dict[str, float | None]:
+    """pipeline ÷ sync for the headline metrics."""
+    out: dict[str, float | None] = {}
+    for key in RATIOS:
+        a, b = pipeline.get(key), sync.get(key)
+        out[key] = round(a / b, 2) if a is not None and b else None
+    return out
+
+
+def markdown(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
+    """The summary table of every run, and the ratio table per offered load."""
+    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(row.get(key)) for key in COLUMNS) + " |" for row in rows]
+    lines += ["", "| offered jobs/s | " + " | ".join(f"{k} ({v} is better)" for k, v in RATIOS.items()) + " |"]
+    lines.append("|" + "---|" * (len(RATIOS) + 1))
+    for pair in pairs:
+        values = " | ".join(_cell(pair["ratios"][k]) for k in RATIOS)
+        lines.append(f"| {pair['offered_per_s']} | {values} |")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Latency CDFs of both modes (per offered load), throughput against offered load, device busy over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({row["offered_per_s"] for row in rows})
+    paths = [out / "latency_cdf.png", out / "throughput.png", out / "device_busy.png"]
+    fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
+    for ax, rate in zip(axes[0], rates, strict=True):
+        for row in (r for r in rows if r["offered_per_s"] == rate):
+            xs = row["latencies_s"]
+            shares = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, shares, where="post", label=row["mode"], color=COLOURS.get(row["mode"]))
+        ax.set(title=f"offered {rate} jobs/s", xlabel="latency (s)", ylabel="share of answered jobs", xscale="log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    _save(fig, paths[0])
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for mode in ("pipeline", "sync"):
+        points = sorted((r["offered_per_s"], r["throughput_per_s"]) for r in rows if r["mode"] == mode)
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=mode, color=COLOURS[mode])
+    ax.plot(rates, rates, linestyle=":", color="grey", label="offered")
+    ax.set(xlabel="offered load (jobs/s)", ylabel="served (jobs/s)", title="throughput vs offered load")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, paths[1])
+    top = [r for r in rows if r["offered_per_s"] == rates[-1]]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for row in top:
+        if row["busy_over_time"]:
+            ax.plot(*zip(*row["busy_over_time"], strict=True), label=row["mode"], color=COLOURS.get(row["mode"]))
+    ax.set(xlabel="seconds into the run", ylabel="device busy (2 s window)", ylim=(0, 1.05))
+    ax.set_title(f"device busy over time at {rates[-1]} jobs/s offered")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, paths[2])
+    return paths
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

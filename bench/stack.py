@@ -1,0 +1,149 @@
+"""A stoker stack for one benchmark run: fresh Redis databases, the processes of one mode, stopped together.
+
+pipeline: API, CPU worker, ASR worker, inference worker and reaper (stoker as designed).
+sync:     API (`STOKER_PIPELINE_MODE=sync`) and one `stoker worker sync`: every stage and the model in one thread.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import redis
+
+from workers.broker import free_port, redis_answers, start_embedded
+from workers.stack import terminate
+
+ROOT = Path(__file__).resolve().parent.parent
+Mode = Literal["pipeline", "sync"]
+PROCESSES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "pipeline": (("worker", "cpu"), ("worker", "asr"), ("worker", "infer"), ("reaper",)),
+    "sync": (("worker", "sync"),),
+}
+#: Databases the benchmarks flush and use on the benchmark Redis: broker, job store, cache.
+DBS = (5, 6, 7)
+
+
+@dataclass(frozen=True)
+class Device:
+    """The accelerator: `sim` sleeps base + per-item ms per batch (the CPU stays free, as with a GPU);
+    `transformers` runs the real model."""
+
+    backend: Literal["sim", "transformers"] = "sim"
+    base_ms: float = 300.0
+    per_item_ms: float = 40.0
+    batch: int = 8
+
+    def env(self) -> dict[str, str]:
+        """The settings that make this device."""
+        env = {"STOKER_BACKEND": self.backend, "STOKER_MAX_BATCH_SIZE": str(self.batch)}
+        if self.backend == "sim":
+            env |= {"STOKER_SIM_BASE_MS": str(self.base_ms), "STOKER_SIM_PER_ITEM_MS": str(self.per_item_ms)}
+        else:  # on a CPU the model shares the cores with preprocessing: a batch may take minutes, not a wedge
+            env |= {"STOKER_INFER_BATCH_TIMEOUT_S": "600", "STOKER_VISIBILITY_TIMEOUT_S": "1200"}
+        return env
+
+    def describe(self) -> str:
+        """One line for the report."""
+        if self.backend == "sim":
+            return f"simulated device: {self.base_ms:.0f} ms + {self.per_item_ms:.0f} ms per item, batch ≤ {self.batch}"
+        return f"real model (transformers) on the CPU, batch ≤ {self.batch}"
+
+
+@dataclass
+class BenchStack:
+    """The processes of one run and where their logs go."""
+
+    mode: Mode
+    base: str
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+
+def redis_base() -> tuple[str, subprocess.Popen[bytes] | None]:
+    """The benchmark's Redis: STOKER_BENCH_REDIS, else 127.0.0.1:6379, else an embedded Valkey started here."""
+    base = os.environ.get("STOKER_BENCH_REDIS", "redis://127.0.0.1:6379")
+    if redis_answers(f"{base}/0"):
+        return base, None
+    proc, port = start_embedded()
+    return f"redis://127.0.0.1:{port}", proc
+
+
+@contextmanager
+def bench_stack(mode: Mode, device: Device, base_url: str, logs: Path, **settings: str) -> Iterator[BenchStack]:
+    """Flush the benchmark databases, start the mode's processes, wait until a job goes through; stop them after."""
+    urls = dict(zip(("STOKER_BROKER_URL", "STOKER_RESULT_URL", "STOKER_CACHE_URL"), _db_urls(base_url), strict=True))
+    for url in urls.values():
+        with redis.Redis.from_url(url) as client:
+            client.flushdb()
+    env = {
+        **os.environ,
+        **urls,
+        **device.env(),
+        "STOKER_PIPELINE_MODE": mode,
+        "STOKER_AUTH": "off",
+        "STOKER_METRICS_PORT": "0",
+        "STOKER_TRACE_EXPORTER": "none",
+        **settings,
+    }
+    port = free_port()
+    stack = BenchStack(mode, f"http://127.0.0.1:{port}")
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        stack.procs.append(_spawn(("api", "--port", str(port)), env, logs / "api.log"))
+        for args in PROCESSES[mode]:
+            stack.procs.append(_spawn(args, env, logs / f"{'-'.join(args)}.log"))
+        _warm_up(stack)
+        yield stack
+    finally:
+        terminate(stack.procs, grace_s=20.0)
+
+
+def _db_urls(base: str) -> list[str]:
+    return [f"{base}/{db}" for db in DBS]
+
+
+def _spawn(args: tuple[str, ...], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "stoker.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_ready(base: str, procs: list[subprocess.Popen[bytes]] | None = None, timeout_s: float = 90.0) -> None:
+    """Until the API at base answers /readyz."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if procs and (dead := [p.args for p in procs if p.poll() is not None]):
+            raise SystemExit(f"benchmark stack process exited: {dead}")
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("API did not become ready")
+
+
+def _warm_up(stack: BenchStack, timeout_s: float = 120.0) -> None:
+    """The API answers and one text job goes all the way through: every worker is up and has its models."""
+    wait_ready(stack.base, stack.procs)
+    with httpx.Client(base_url=stack.base, timeout=40) as http:
+        job = http.post("/v1/jobs", data={"prompt": "warm up"}).json()
+        deadline = time.monotonic() + timeout_s
+        while job.get("status") not in ("succeeded", "degraded", "failed"):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in stack.procs):
+                raise SystemExit(f"the {stack.mode} stack did not serve its warm-up job: {job}")
+            job = http.get(f"/v1/jobs/{job['id']}", params={"wait": 5}).json()

@@ -1,0 +1,59 @@
+"""The benchmark's pure parts: the workload is deterministic and has the asked-for mix; the report's arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from bench.drive import Outcome, Run, Sample
+from bench.report import busy_series, markdown, percentile, ratios, summarise
+from bench.workload import WorkloadSpec, describe, generate
+
+SMALL = WorkloadSpec(jobs=60, rate=2.0, seed=3, sizes=(((640, 480), 0.5), ((800, 600), 0.5)), bad=0.05)
+
+
+def test_the_same_seed_gives_the_same_requests_and_another_seed_does_not() -> None:
+    first, again, other = generate(SMALL), generate(SMALL), generate(replace(SMALL, seed=4))
+    key = [(r.at, r.kind, r.prompt, r.media.data if r.media else None) for r in first]
+    assert key == [(r.at, r.kind, r.prompt, r.media.data if r.media else None) for r in again]
+    assert key != [(r.at, r.kind, r.prompt, r.media.data if r.media else None) for r in other]
+
+
+def test_the_workload_mixes_kinds_repeats_and_bad_inputs() -> None:
+    requests = generate(SMALL)
+    counts = describe(requests)
+    assert {"text", "image", "audio", "repeat", "bad"} <= set(counts)
+    repeats = [r for r in requests if r.repeat]
+    assert all(any(e.media == r.media for e in requests[: r.n]) for r in repeats)  # a repeat repeats earlier bytes
+    assert all(r.media.label in ("corrupt", "bomb") for r in requests if r.bad and r.media)
+    gaps = [b.at - a.at for a, b in itertools.pairwise(requests)]
+    assert 0.3 < sum(gaps) / len(gaps) < 0.8  # Poisson arrivals at 2/s: mean gap about 0.5 s
+
+
+def test_percentiles_and_ratios() -> None:
+    assert percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 3.0
+    assert percentile([], 0.99) is None
+    assert ratios({"throughput_per_s": 3.0, "p50_s": 1.0}, {"throughput_per_s": 2.0, "p50_s": 4.0})["p50_s"] == 0.25
+
+
+def test_busy_series_is_the_busy_share_of_a_trailing_window() -> None:
+    samples = [Sample(at=10 + t, busy_s=0.5 * t, depths={}) for t in range(6)]
+    assert busy_series(samples, start=10)[-1] == (5.0, 0.5)
+
+
+def test_summarise_counts_what_the_clients_saw() -> None:
+    requests = generate(replace(SMALL, jobs=4, bad=0.0))
+    run = Run(started=100.0, ended=104.0)
+    for i, r in enumerate(requests):
+        status = "failed" if i == 3 else "succeeded"
+        job = {"status": status, "inputs": [{"cache_hit": {"decode": i == 1}}], "batch": {"id": "b", "size": 3}}
+        run.outcomes.append(Outcome(r, first_try=100.0 + i, refusals=i % 2, job=job, done_at=101.0 + 2 * i))
+    run.samples = [Sample(100.0, 0.0, {}), Sample(107.0, 3.5, {})]
+    row = summarise("pipeline", 1.0, run)
+    assert (row["succeeded"], row["failed"], row["refused_429"]) == (3, 1, 2)
+    assert row["throughput_per_s"] == round(3 / 7, 3)  # answered jobs over first arrival → last answer
+    assert row["device_busy"] == 0.5
+    assert row["p50_s"] == 2.0
+    assert row["mean_batch"] == 3
+    assert row["cache_hit_rate"] == 0.25
+    assert "| pipeline |" in markdown([row], [])
