@@ -7,6 +7,10 @@ _s = WorkerSettings()
 
 broker_url = _s.broker_url
 result_backend = _s.result_url
+# rediss:// (TLS, e.g. with an ACL user: rediss://stoker:secret@host:6380/0): certificates verified against
+# STOKER_REDIS_CA_FILE; a bare rediss:// URL would otherwise connect without verifying anything.
+broker_use_ssl = _s.redis_tls(_s.broker_url) or False
+redis_backend_use_ssl = _s.redis_tls(_s.result_url) or None
 
 # JSON only: a pickled message is refused, and messages carry keys, never media.
 task_serializer = "json"
@@ -22,6 +26,8 @@ task_routes = {
     "stoker.ocr": {"queue": "ocr"},
     "stoker.probe": {"queue": "decode"},
     "stoker.keyframe": {"queue": "decode"},
+    # URL inputs are downloaded on the CPU workers' decode queue: no worker kind of its own.
+    "stoker.fetch": {"queue": "decode"},
     "stoker.transcribe": {"queue": "asr"},
     "stoker.tokenize": {"queue": "tokenize"},
     "stoker.rescue": {"queue": "tokenize"},
@@ -38,6 +44,7 @@ task_annotations = {
     },
     "stoker.probe": {"soft_time_limit": _s.probe_soft_s, "time_limit": _s.probe_hard_s},
     "stoker.keyframe": {"soft_time_limit": _s.keyframes_soft_s, "time_limit": _s.keyframes_hard_s},
+    "stoker.fetch": {"soft_time_limit": _s.fetch_soft_s, "time_limit": _s.fetch_hard_s},
     "stoker.transcribe": {"soft_time_limit": _s.transcribe_soft_s, "time_limit": _s.transcribe_hard_s},
 }
 

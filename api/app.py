@@ -19,7 +19,7 @@ from api.limits import BodyLimitMiddleware
 from api.pressure import QueueMonitor
 from api.routes import router
 from stoker.cache import StageCache
-from stoker.errors import StokerError
+from stoker.errors import StokerError, Unauthorized
 from stoker.metrics import REQUESTS, JobCounts
 from stoker.settings import ApiSettings
 from stoker.store import JobStore
@@ -37,7 +37,8 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.aioredis = aioredis.Redis.from_url(settings.result_url, socket_connect_timeout=2)
+        tls = settings.redis_tls(settings.result_url)
+        app.state.aioredis = aioredis.Redis.from_url(settings.result_url, socket_connect_timeout=2, **tls)
         watching = asyncio.create_task(app.state.monitor.run())
         yield
         watching.cancel()
@@ -48,12 +49,16 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.store = JobStore.from_url(
-        settings.result_url, blob_ttl_s=settings.blob_ttl_s, job_ttl_s=settings.job_ttl_s
+        settings.result_url,
+        blob_ttl_s=settings.blob_ttl_s,
+        job_ttl_s=settings.job_ttl_s,
+        tls=settings.redis_tls(settings.result_url),
     )
     app.state.cache = StageCache.from_url(
         settings.cache_url if settings.cache_enabled else None,
         ttl_s=settings.cache_ttl_s,
         max_value_bytes=settings.cache_max_value_bytes,
+        tls=settings.redis_tls(settings.cache_url),
     )
     app.state.submitter = submitter or _submitter(settings)
     app.state.monitor = QueueMonitor(settings, app.state.store)
@@ -83,8 +88,7 @@ def error_response(exc: StokerError, headers: dict[str, str] | None = None) -> J
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StokerError)
     async def stoker_error(_: Request, exc: StokerError) -> JSONResponse:
-        headers = None if exc.permanent else {"Retry-After": str(getattr(exc, "retry_after_s", 5))}
-        return error_response(exc, headers)
+        return error_response(exc, _error_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -97,6 +101,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         code = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code)
+
+
+def _error_headers(exc: StokerError) -> dict[str, str] | None:
+    """What a client needs besides the body: the auth scheme to use (401), or when to come back (transient)."""
+    if isinstance(exc, Unauthorized):
+        return {"WWW-Authenticate": 'Bearer realm="stoker"'}
+    return None if exc.permanent else {"Retry-After": str(getattr(exc, "retry_after_s", 5))}
 
 
 def _submitter(settings: ApiSettings) -> Submitter:

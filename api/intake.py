@@ -1,4 +1,4 @@
-"""Reading a job request: multipart or JSON in, validated prompt and sniffed, hashed inputs out."""
+"""Reading a job request: multipart or JSON in, validated prompt and sniffed, hashed inputs (or checked URLs) out."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from starlette.requests import Request
 
 from api.schemas import JobCreate
 from stoker.core.media import KIND_FORMATS, ContentHash, content_hash, sniff_format
-from stoker.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType
+from stoker.core.urls import parse_url
+from stoker.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType, UrlRejected
 from stoker.jobs import InputKind
 from stoker.settings import ApiSettings
 
@@ -21,13 +22,25 @@ TEXT_FIELDS = ("prompt", "deadline_ms")
 
 
 @dataclass(frozen=True)
+class UrlInput:
+    """An input given by URL: a worker fetches it, the API only checks its syntax."""
+
+    url: str
+
+
+#: What a request gives for one input: its bytes, or where to fetch them.
+Payload = bytes | UrlInput
+
+
+@dataclass(frozen=True)
 class AcceptedInput:
-    """An input that passed the door: its kind, bytes, identity and sniffed format."""
+    """An input that passed the door: its kind, bytes, identity and sniffed format; or, by URL, only the URL."""
 
     kind: InputKind
     data: bytes
     digest: ContentHash
     format: str
+    url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,7 @@ async def read_request(request: Request, settings: ApiSettings) -> AcceptedReque
     return validate(prompt, raw, settings, deadline)
 
 
-Fields = tuple[str | None, list[tuple[InputKind, bytes]], str | int | None]
+Fields = tuple[str | None, list[tuple[InputKind, Payload]], str | int | None]
 
 
 async def _read_multipart(request: Request, settings: ApiSettings) -> Fields:
@@ -66,7 +79,7 @@ async def _read_multipart(request: Request, settings: ApiSettings) -> Fields:
     prompt, deadline = form.get("prompt"), form.get("deadline_ms")
     if isinstance(prompt, UploadFile) or isinstance(deadline, UploadFile):
         raise InvalidRequest("prompt and deadline_ms must be text fields")
-    files: list[tuple[InputKind, bytes]] = []
+    files: list[tuple[InputKind, Payload]] = []
     for kind in FILE_FIELDS:
         for item in form.getlist(kind):
             if not isinstance(item, UploadFile):
@@ -77,14 +90,17 @@ async def _read_multipart(request: Request, settings: ApiSettings) -> Fields:
 
 
 def _read_json(body: bytes) -> Fields:
-    inputs: list[tuple[InputKind, bytes]] = []
+    inputs: list[tuple[InputKind, Payload]] = []
     try:
         spec = JobCreate.model_validate_json(body)
     except ValidationError as exc:
         raise InvalidRequest(_first_error(exc)) from exc
     for position, item in enumerate(spec.inputs):
+        if item.url is not None:
+            inputs.append((item.kind, UrlInput(item.url)))
+            continue
         try:
-            inputs.append((item.kind, base64.b64decode(item.data, validate=True)))
+            inputs.append((item.kind, base64.b64decode(item.data or "", validate=True)))
         except (binascii.Error, ValueError) as exc:
             raise InvalidRequest(f"inputs[{position}].data is not valid base64") from exc
     return spec.prompt, inputs, spec.deadline_ms
@@ -98,11 +114,11 @@ def _first_error(exc: ValidationError) -> str:
 
 def validate(
     prompt: str | None,
-    raw: list[tuple[InputKind, bytes]],
+    raw: list[tuple[InputKind, Payload]],
     settings: ApiSettings,
     deadline_ms: str | int | None = None,
 ) -> AcceptedRequest:
-    """Check the prompt and the deadline, and sniff every input by its magic bytes."""
+    """Check the prompt and the deadline, sniff every input by its magic bytes, check every URL's syntax."""
     if prompt is None or not prompt.strip():
         raise InvalidRequest("prompt is required")
     if len(prompt) > settings.max_prompt_chars:
@@ -128,7 +144,9 @@ def _deadline_ms(value: str | int | None, settings: ApiSettings) -> int:
     return ms
 
 
-def _accept(position: int, kind: InputKind, data: bytes) -> AcceptedInput:
+def _accept(position: int, kind: InputKind, data: Payload) -> AcceptedInput:
+    if isinstance(data, UrlInput):
+        return _accept_url(position, kind, data.url)
     fmt = sniff_format(kind, data)
     if fmt is None:
         allowed = ", ".join(KIND_FORMATS[kind])
@@ -136,3 +154,12 @@ def _accept(position: int, kind: InputKind, data: bytes) -> AcceptedInput:
             f"input {position} is not {kind} in an allowed format ({allowed}), judged by its content"
         )
     return AcceptedInput(kind=kind, data=data, digest=content_hash(data), format=fmt)
+
+
+def _accept_url(position: int, kind: InputKind, url: str) -> AcceptedInput:
+    """A URL input is not fetched here: only its syntax is checked (http or https, a host, no credentials)."""
+    try:
+        parse_url(url)
+    except UrlRejected as exc:
+        raise UrlRejected(f"inputs[{position}].url: {exc.message}") from exc
+    return AcceptedInput(kind=kind, data=b"", digest=ContentHash(""), format="", url=url)

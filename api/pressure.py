@@ -59,7 +59,9 @@ class QueueMonitor:
 
     def _sample(self) -> Snapshot:
         if self._connection is None:
-            self._connection = Connection(self.settings.broker_url, connect_timeout=2)  # type: ignore[no-untyped-call]
+            url = self.settings.broker_url
+            ssl = self.settings.redis_tls(url) or False  # never kombu's unverified default for rediss://
+            self._connection = Connection(url, connect_timeout=2, ssl=ssl)  # type: ignore[no-untyped-call]
         try:
             depths = queue_depths(self._connection, self.queues)
         except Exception:

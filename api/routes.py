@@ -9,7 +9,7 @@ import uuid
 from typing import Annotated, Any
 
 import redis
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from kombu.connection import Connection
 from opentelemetry.trace import SpanKind
@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from api.intake import AcceptedRequest, read_request
 from api.pressure import QueueMonitor
 from api.schemas import ErrorPublic, JobPublic
+from api.tenancy import admit, authenticate, release, within_rate
 from stoker.cache import StageCache, prompt_address
 from stoker.core.prompting import attachment_for
 from stoker.deadlines import deadline_for
@@ -28,6 +29,7 @@ from stoker.metrics import ADMISSIONS
 from stoker.predictor import ModelRequest
 from stoker.settings import ApiSettings
 from stoker.store import JobStore, done_channel
+from stoker.tenancy import cache_scope
 from stoker.tracing import carrier, trace_id_hex, tracer
 from tasks.pipeline import Start, Submitter
 
@@ -41,6 +43,7 @@ MAX_WAIT_S = 30.0
     status_code=202,
     response_model=JobPublic,
     responses={
+        401: {"model": ErrorPublic},
         413: {"model": ErrorPublic},
         415: {"model": ErrorPublic},
         422: {"model": ErrorPublic},
@@ -48,11 +51,12 @@ MAX_WAIT_S = 30.0
         503: {"model": ErrorPublic},
     },
 )
-async def create_job(request: Request) -> JSONResponse:
+async def create_job(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> JSONResponse:
     """Accept a job: validate, store inputs and the job record, enqueue, answer 202 at once.
 
     While a queue is over its limit the job is refused before its body is read: 429 with Retry-After from the
-    queue's measured drain rate, and nothing written.
+    queue's measured drain rate, and nothing written. So is a job over its tenant's request rate or jobs in flight
+    (429 `rate_limited` / `too_many_jobs_in_flight`).
     """
     settings: ApiSettings = request.app.state.settings
     refusal = request.app.state.monitor.refusal()
@@ -63,31 +67,43 @@ async def create_job(request: Request) -> JSONResponse:
             f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})",
             retry_after_s=refusal.retry_after_s,
         )
-    accepted = await read_request(request, settings)
+    job_id = uuid.uuid4().hex
+    await admit(request, tenant, job_id)
     state = request.app.state
     try:
-        job = await run_in_threadpool(_admit, state.store, state.cache, state.submitter, accepted, settings)
-    except BrokerUnavailable:
-        ADMISSIONS.labels("unavailable").inc()
+        accepted = await read_request(request, settings)
+        job = await run_in_threadpool(
+            _admit, state.store, state.cache, state.submitter, accepted, settings, job_id=job_id, tenant=tenant
+        )
+    except Exception as exc:
+        await release(request, tenant, job_id)  # not accepted after all: its in-flight slot is free again
+        if isinstance(exc, BrokerUnavailable):
+            ADMISSIONS.labels("unavailable").inc()
         raise
     ADMISSIONS.labels("accepted").inc()
     return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
 
 def _admit(
-    store: JobStore, cache: StageCache, submitter: Submitter, accepted: AcceptedRequest, settings: ApiSettings
+    store: JobStore,
+    cache: StageCache,
+    submitter: Submitter,
+    accepted: AcceptedRequest,
+    settings: ApiSettings,
+    *,
+    job_id: str,
+    tenant: str,
 ) -> Job:
     """Write inputs and record before enqueueing, so no worker can see a job that is not stored.
 
-    A job whose inputs are all preprocessed in the cache skips the CPU preprocessing queues; one whose whole
-    prompt was tokenized before goes straight to the inference queue.
+    A job whose inputs are all preprocessed in the cache (in its tenant's scope) skips the CPU preprocessing
+    queues; one whose whole prompt was tokenized before goes straight to the inference queue.
     """
-    job_id = uuid.uuid4().hex
     records = [
-        InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data))
+        InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data), url=item.url)
         for i, item in enumerate(accepted.inputs)
     ]
-    start, records, request = _shortcut(cache, accepted.prompt, records)
+    start, records, request = _shortcut(cache, accepted.prompt, records, cache_scope(tenant, settings.cache_shared))
     now = time.time()
     deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
     attributes: dict[str, str | int] = {
@@ -100,8 +116,11 @@ def _admit(
         traced = (trace_id, carrier()) if trace_id else None
         try:
             for item in accepted.inputs:
-                store.put_blob(item.digest, item.data)
-            store.create_job(job_id, accepted.prompt, records, now, deadline, accepted.deadline_ms, traced)
+                if item.url is None:  # a URL input's bytes are stored by the worker that fetches them
+                    store.put_blob(item.digest, item.data)
+            store.create_job(
+                job_id, accepted.prompt, records, now, deadline, accepted.deadline_ms, traced, tenant=tenant
+            )
             if request is not None:
                 store.hand_off(job_id, request, rev=None)
         except redis.RedisError as exc:
@@ -119,54 +138,65 @@ def _admit(
 
 
 def _shortcut(
-    cache: StageCache, prompt: str, records: list[InputRecord]
+    cache: StageCache, prompt: str, records: list[InputRecord], scope: str
 ) -> tuple[Start, list[InputRecord], ModelRequest | None]:
     """How far the cache lets a job skip: to tokenize (every input cached), or to inference (its prompt too)."""
     context = cache.context()
-    if context is None:
+    if context is None or any(r.url is not None for r in records):  # nothing is known of a URL's content yet
         return "preprocess", records, None
-    filled = cache.get_inputs(context.identity, records) if records else []
+    filled = cache.get_inputs(context.identity, records, scope) if records else []
     if filled is None:
         return "preprocess", records, None
     filled = [f.model_copy(update={"size_bytes": r.size_bytes}) for f, r in zip(filled, records, strict=True)]
-    found = cache.get_json(prompt_address(context, prompt, [attachment_for(r) for r in filled]))
+    found = cache.get_json(prompt_address(context, prompt, [attachment_for(r) for r in filled], scope))
     if found is None:
         return "tokenize", filled, None
     cache.record("tokenize", hit=True, cost_s=float(found.get("_cost_s", 0.0)))
-    request = ModelRequest([int(i) for i in found["ids"]], found.get("messages", []), image_hashes(filled))
+    request = ModelRequest([int(i) for i in found["ids"]], found.get("messages", []), image_hashes(filled), scope)
     return "infer", filled, request
 
 
-@router.get("/v1/jobs/{job_id}", response_model=JobPublic, responses={404: {"model": ErrorPublic}})
-async def get_job(request: Request, job_id: str, wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0) -> JobPublic:
-    """The job; with ?wait=S, hold the answer until the job is terminal or S seconds pass."""
+@router.get(
+    "/v1/jobs/{job_id}",
+    response_model=JobPublic,
+    responses={401: {"model": ErrorPublic}, 404: {"model": ErrorPublic}, 429: {"model": ErrorPublic}},
+)
+async def get_job(
+    request: Request,
+    job_id: str,
+    tenant: Annotated[str, Depends(within_rate)],
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0,
+) -> JobPublic:
+    """The job; with ?wait=S, hold the answer until the job is terminal or S seconds pass. Another tenant's job is
+    answered exactly like an unknown one (404)."""
     store: JobStore = request.app.state.store
     if wait > 0:
-        return await _wait_terminal(request, store, job_id, wait)
-    return _found(job_id, await run_in_threadpool(store.load_job, job_id))
+        return await _wait_terminal(request, store, job_id, wait, tenant)
+    return _found(job_id, await run_in_threadpool(store.load_job, job_id), tenant)
 
 
-async def _wait_terminal(request: Request, store: JobStore, job_id: str, wait: float) -> JobPublic:
+async def _wait_terminal(request: Request, store: JobStore, job_id: str, wait: float, tenant: str) -> JobPublic:
     deadline = time.monotonic() + wait
     pubsub = request.app.state.aioredis.pubsub()
     try:
         await pubsub.subscribe(done_channel(job_id))  # subscribe first, then look: no missed announcement
-        job = _found(job_id, await run_in_threadpool(store.load_job, job_id))
+        job = _found(job_id, await run_in_threadpool(store.load_job, job_id), tenant)
         while not job.terminal and (remaining := deadline - time.monotonic()) > 0:
             await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(remaining, 1.0))
-            job = _found(job_id, await run_in_threadpool(store.load_job, job_id))
+            job = _found(job_id, await run_in_threadpool(store.load_job, job_id), tenant)
         return job
     finally:
         await pubsub.aclose()
 
 
-def _found(job_id: str, job: Job | None) -> JobPublic:
-    if job is None:
+def _found(job_id: str, job: Job | None, tenant: str) -> JobPublic:
+    """The job as its tenant sees it; anyone else learns nothing, not even that it exists."""
+    if job is None or job.tenant != tenant:
         raise JobNotFound(f"no job {job_id}")
     return JobPublic.model_validate(job.model_dump())
 
 
-@router.get("/v1/stats")
+@router.get("/v1/stats", dependencies=[Depends(within_rate)])
 async def stats(request: Request) -> dict[str, Any]:
     """Queue depths, limits and drain rates; the inference watermarks; device time; refusals."""
     monitor: QueueMonitor = request.app.state.monitor
@@ -205,16 +235,16 @@ async def readyz(request: Request) -> JSONResponse:
     """Ready when both the broker and the job store answer."""
     settings: ApiSettings = request.app.state.settings
     broker, store = await asyncio.gather(
-        run_in_threadpool(_broker_ok, settings.broker_url),
+        run_in_threadpool(_broker_ok, settings.broker_url, settings.redis_tls(settings.broker_url)),
         run_in_threadpool(_store_ok, request.app.state.store),
     )
     body = {"broker": "ok" if broker else "unreachable", "store": "ok" if store else "unreachable"}
     return JSONResponse(body, status_code=200 if broker and store else 503)
 
 
-def _broker_ok(url: str) -> bool:
+def _broker_ok(url: str, tls: dict[str, Any]) -> bool:
     try:
-        with Connection(url, connect_timeout=2) as conn:  # type: ignore[no-untyped-call]
+        with Connection(url, connect_timeout=2, ssl=tls or False) as conn:  # type: ignore[no-untyped-call]
             conn.ensure_connection(max_retries=1, timeout=2)
         return True
     except Exception:

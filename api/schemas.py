@@ -4,16 +4,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from stoker.jobs import Job
 
 
 class InputCreate(BaseModel):
-    """One input of a JSON job request: media as base64."""
+    """One input of a JSON job request: media as base64, or an http(s) URL a worker fetches."""
 
     kind: Literal["image", "audio", "video"]
-    data: str = Field(description="base64-encoded bytes")
+    data: str | None = Field(None, description="base64-encoded bytes")
+    url: str | None = Field(None, description="http or https URL, fetched by a worker (not the API)")
+
+    @model_validator(mode="after")
+    def _data_or_url(self) -> InputCreate:
+        """Exactly one of the two."""
+        if (self.data is None) == (self.url is None):
+            raise ValueError("give either data or url")
+        return self
 
 
 class JobCreate(BaseModel):

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,30 +42,37 @@ class PipelineContext:
     budget: int
 
 
-def prompt_address(context: PipelineContext, prompt: str, attachments: Sequence[Attachment]) -> CacheAddress:
+def prompt_address(
+    context: PipelineContext, prompt: str, attachments: Sequence[Attachment], scope: str
+) -> CacheAddress:
     """Cache address of a tokenized prompt: the whole prompt material under this tokenizer and budget."""
     material = json.dumps([prompt, [asdict(a) for a in attachments], context.budget], sort_keys=True).encode()
     digest = blake3.blake3(material).hexdigest()
-    return CacheAddress("tokenize", prompting.VERSION, digest, context.tokenizer)
+    return CacheAddress("tokenize", prompting.VERSION, digest, context.tokenizer, scope)
 
 
 @dataclass(frozen=True)
 class CacheAddress:
-    """Where one stage result for one content under one parameter set lives."""
+    """Where one stage result for one content under one parameter set lives, in whose scope.
+
+    The scope (`stoker.tenancy.cache_scope`) is the tenant the entry belongs to, so one tenant's results never
+    answer, or speed up, another's; or one scope for all when sharing is on.
+    """
 
     stage: str
     version: str
     digest: str
     fingerprint: str
+    scope: str
 
     def key(self, part: str = "value") -> str:
         """Redis key of one part of the entry."""
-        return cache_key(self.stage, self.version, self.digest, self.fingerprint, part)
+        return cache_key(self.stage, self.version, self.digest, self.fingerprint, self.scope, part)
 
     @property
     def lease(self) -> str:
         """Redis key of the single-flight lease."""
-        return cache_lease_key(self.stage, self.version, self.digest, self.fingerprint)
+        return cache_lease_key(self.stage, self.version, self.digest, self.fingerprint, self.scope)
 
 
 class StageCache:
@@ -77,9 +84,11 @@ class StageCache:
         self.max_value_bytes = max_value_bytes
 
     @classmethod
-    def from_url(cls, url: str | None, *, ttl_s: int, max_value_bytes: int) -> StageCache:
-        """A cache at url; None disables caching."""
-        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2) if url else None
+    def from_url(
+        cls, url: str | None, *, ttl_s: int, max_value_bytes: int, tls: Mapping[str, Any] | None = None
+    ) -> StageCache:
+        """A cache at url (`tls`: the options of a `rediss://` url); None disables caching."""
+        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2, **(tls or {})) if url else None
         return cls(client, ttl_s=ttl_s, max_value_bytes=max_value_bytes)
 
     def get_json(self, address: CacheAddress) -> dict[str, Any] | None:
@@ -206,16 +215,16 @@ class StageCache:
             return None
         return PipelineContext(**json.loads(raw)) if raw else None
 
-    def put_input(self, identity: str, record: InputRecord) -> None:
+    def put_input(self, identity: str, record: InputRecord, scope: str) -> None:
         """Cache a fully preprocessed input (text, features, segments, frames), minus per-job facts."""
         if record.status == "ok":
-            self.put_json(_input_address(identity, record), record.model_dump(mode="json"))
+            self.put_json(_input_address(identity, record, scope), record.model_dump(mode="json"))
 
-    def get_inputs(self, identity: str, records: list[InputRecord]) -> list[InputRecord] | None:
+    def get_inputs(self, identity: str, records: list[InputRecord], scope: str) -> list[InputRecord] | None:
         """Every record filled from the cache, or None unless all of them are there."""
         filled = []
         for record in records:
-            found = self.get_json(_input_address(identity, record))
+            found = self.get_json(_input_address(identity, record, scope))
             if found is None:
                 return None
             filled.append(_as_cached(InputRecord.model_validate(found)).model_copy(update={"index": record.index}))
@@ -235,7 +244,7 @@ class StageCache:
         """Delete cached results (of one stage, or all) and reset their counters; returns keys deleted."""
         if self.redis is None:
             return 0
-        pattern = cache_key(stage or "*", "*", "*", "*", "*")
+        pattern = cache_key(stage or "*", "*", "*", "*", "*", "*")
         deleted = 0
         for key in self.redis.scan_iter(pattern, count=500):
             deleted += int(self.redis.delete(key))
@@ -248,8 +257,8 @@ class StageCache:
         return deleted
 
 
-def _input_address(identity: str, record: InputRecord) -> CacheAddress:
-    return CacheAddress("input", "1", record.content_hash, fingerprint(identity=identity, kind=record.kind))
+def _input_address(identity: str, record: InputRecord, scope: str) -> CacheAddress:
+    return CacheAddress("input", "1", record.content_hash, fingerprint(identity=identity, kind=record.kind), scope)
 
 
 def _as_cached(record: InputRecord) -> InputRecord:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +13,10 @@ from pathlib import Path
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
     args, extra = _parser().parse_known_args(argv)
+    if args.command == "bench":  # its own parser: `stoker bench --help` lists its options
+        from bench.harness import main as bench
+
+        return bench(extra)
     if extra and args.command != "worker":
         _parser().error(f"unrecognised arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -25,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start API, workers and Flower locally (and a broker if none answers)")
     up.add_argument("--port", type=int, default=None)
+    up.add_argument("--auth", action="store_true", help="require API keys (off on a local stack; STOKER_AUTH wins)")
     worker = sub.add_parser("worker", help="start a celery worker for a queue group; extra args go to celery")
     worker.add_argument("kind", choices=["cpu", "ocr", "asr", "infer", "sync"])
     sub.add_parser("reaper", help="move late and stalled jobs on (deadlines, lost messages); one acts at a time")
@@ -36,19 +42,32 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--prompt", required=True)
     submit.add_argument("--url", default="http://127.0.0.1:8000")
     submit.add_argument("--timeout", type=float, default=300.0)
+    submit.add_argument("--key", default=None, help="API key (default: $STOKER_API_KEY)")
     cache = sub.add_parser("cache", help="stage-result cache: hit/miss counters, or clear it")
     cache.add_argument("action", choices=["stats", "clear"])
     cache.add_argument("--stage", default=None, help="only this stage (decode, ocr, transcribe, keyframes, tokenize)")
     sub.add_parser("stats", help="operator counters (the cache's, for now)")
+    sub.add_parser("bench", help="benchmark the pipeline against the synchronous baseline (see --help)", add_help=False)
     model = sub.add_parser("model", help="manage the model cache")
     model.add_argument("action", choices=["fetch", "path"])
+    _keys_parser(sub)
     return parser
+
+
+def _keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keys = sub.add_parser("keys", help="API keys: create one for a tenant, list them, revoke one")
+    actions = keys.add_subparsers(dest="keys_action", required=True)
+    create = actions.add_parser("create", help="create a key; it is printed once, on the last line")
+    create.add_argument("--tenant", required=True)
+    actions.add_parser("list", help="every key: id, tenant, created, revoked (never a secret)")
+    revoke = actions.add_parser("revoke", help="revoke a key, by its id (or the whole key)")
+    revoke.add_argument("key")
 
 
 def _up(args: argparse.Namespace, _: list[str]) -> int:
     from workers.stack import run_stack
 
-    return run_stack(args.port)
+    return run_stack(args.port, auth=args.auth)
 
 
 def _worker(args: argparse.Namespace, extra: list[str]) -> int:
@@ -79,7 +98,8 @@ def _api(args: argparse.Namespace, _: list[str]) -> int:
 def _submit(args: argparse.Namespace, _: list[str]) -> int:
     from stoker.client import render_job, submit_files
 
-    job = submit_files(args.url, args.prompt, args.files, args.timeout)
+    key = args.key or os.environ.get("STOKER_API_KEY")
+    job = submit_files(args.url, args.prompt, args.files, args.timeout, api_key=key)
     render_job(job)
     return 0 if job["status"] in ("succeeded", "degraded") else 1
 
@@ -126,6 +146,39 @@ def _cache(args: argparse.Namespace, _: list[str]) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace, _: list[str]) -> int:
+    import time
+
+    from stoker.settings import CommonSettings
+    from stoker.store import JobStore
+    from stoker.tenancy import issue_key, key_id_of
+
+    settings = CommonSettings()
+    url = settings.result_url
+    store = JobStore.from_url(url, blob_ttl_s=60, job_ttl_s=60, tls=settings.redis_tls(url))
+    if args.keys_action == "create":
+        try:
+            issued = issue_key(args.tenant, time.time())
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from exc
+        store.put_api_key(issued.record)
+        print(f"created key {issued.record.key_id} for tenant {issued.record.tenant}; it is shown only now:")
+        print(issued.token)
+        return 0
+    if args.keys_action == "list":
+        print(f"{'id':<16}  {'tenant':<24}  {'created (UTC)':<20}  state")
+        for key in store.api_keys():
+            created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(key.created))
+            print(f"{key.key_id:<16}  {key.tenant:<24}  {created:<20}  {'revoked' if key.revoked else 'active'}")
+        return 0
+    key_id = key_id_of(args.key)
+    if key_id is None or not store.revoke_api_key(key_id):
+        print(f"no key {args.key}", file=sys.stderr)
+        return 1
+    print(f"revoked key {key_id}")
+    return 0
+
+
 _HANDLERS = {
     "up": _up,
     "worker": _worker,
@@ -135,6 +188,7 @@ _HANDLERS = {
     "model": _model,
     "cache": _cache,
     "stats": _cache,
+    "keys": _keys,
 }
 
 if __name__ == "__main__":

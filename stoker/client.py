@@ -15,9 +15,12 @@ from stoker.core.media import guess_kind
 from stoker.jobs import TERMINAL
 
 
-def submit_files(base_url: str, prompt: str, files: list[Path], timeout_s: float = 300.0) -> dict[str, Any]:
+def submit_files(
+    base_url: str, prompt: str, files: list[Path], timeout_s: float = 300.0, api_key: str | None = None
+) -> dict[str, Any]:
     """Submit a job with these files, long-poll until it is terminal, return the job JSON."""
-    with httpx.Client(base_url=base_url, timeout=60) as http:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=base_url, timeout=60, headers=headers) as http:
         parts = [_part(f) for f in files]
         response = http.post("/v1/jobs", data={"prompt": prompt}, files=parts)
         if response.status_code != 202:

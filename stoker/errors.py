@@ -146,6 +146,33 @@ class DeadlineExceeded(InputError):
     http_status = 504
 
 
+class UrlRejected(InputError):
+    """The URL may not be fetched: not http(s), malformed, a forbidden address, or too many redirects."""
+
+    code = "url_rejected"
+    http_status = 422
+
+
+class FetchFailed(InputError):
+    """The URL could not be fetched: the server refused it, answered an error, or could not be reached."""
+
+    code = "fetch_failed"
+    http_status = 502
+
+
+class FetchTooLarge(InputError):
+    """The content at the URL is larger than the configured limit."""
+
+    code = "fetch_too_large"
+    http_status = 413
+
+
+class FetchTimeout(StageTimeout):
+    """Fetching the URL did not finish within its time limit."""
+
+    code = "fetch_timeout"
+
+
 class WorkerLost(InputError):
     """The stage killed its worker on every delivery; it was given up instead of retried forever."""
 
@@ -163,6 +190,13 @@ class JobNotFound(StokerError):
 
     code = "job_not_found"
     http_status = 404
+
+
+class Unauthorized(StokerError):
+    """A valid API key is required: send `Authorization: Bearer <key>`."""
+
+    code = "unauthorized"
+    http_status = 401
 
 
 class TransientError(StokerError):
@@ -184,10 +218,39 @@ class Overloaded(TransientError):
         self.retry_after_s = retry_after_s
 
 
+class TenantLimited(TransientError):
+    """This tenant is over one of its limits: come back after Retry-After seconds."""
+
+    code = "tenant_limited"
+    http_status = 429
+
+    def __init__(self, message: str | None = None, *, retry_after_s: int = 1, stage: str | None = None) -> None:
+        super().__init__(message, stage=stage)
+        self.retry_after_s = retry_after_s
+
+
+class RateLimited(TenantLimited):
+    """This tenant sent more requests than its rate allows: come back after Retry-After seconds."""
+
+    code = "rate_limited"
+
+
+class TooManyJobsInFlight(TenantLimited):
+    """This tenant has as many unfinished jobs as it may: come back when one has ended."""
+
+    code = "too_many_jobs_in_flight"
+
+
 class BrokerUnavailable(TransientError):
     """The broker or the job store cannot be reached."""
 
     code = "broker_unavailable"
+
+
+class FetchUnavailable(TransientError):
+    """The URL's server could not be reached or answered a temporary error; fetching again later may work."""
+
+    code = "fetch_unavailable"
 
 
 class ModelUnavailable(TransientError):

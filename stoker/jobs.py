@@ -40,9 +40,12 @@ class InputRecord(BaseModel):
 
     index: int
     kind: InputKind
+    #: Empty (and size_bytes 0) while a URL input is not fetched yet.
     content_hash: str
     size_bytes: int
     status: InputStatus = "pending"
+    #: For a URL input: where the fetch stage downloads its bytes from.
+    url: str | None = None
     text: str | None = None
     features: dict[str, Any] | None = None
     error: ErrorInfo | None = None
@@ -90,6 +93,8 @@ class Job(BaseModel):
     preprocess_share: float | None = None
     #: The job's OpenTelemetry trace (32 hex digits), when tracing is on.
     trace_id: str | None = None
+    #: Whose job it is: only that tenant may read it. Kept out of every answer (the caller knows who it is).
+    tenant: str | None = Field(None, exclude=True)
 
     @property
     def terminal(self) -> bool:

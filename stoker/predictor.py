@@ -18,21 +18,30 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ModelRequest:
     """One job as the model gets it: token ids for a local model; the chat as text, and the content hashes of its
-    decoded images, for a server that templates and sees images itself."""
+    decoded images (and the cache scope they were decoded in), for a server that templates and sees images itself."""
 
     prompt_ids: list[int]
     messages: list[dict[str, str]] = field(default_factory=list)
     images: list[str] = field(default_factory=list)
+    #: The stage-cache scope (the job's tenant, or the shared one) where its decoded images are.
+    scope: str = ""
 
     def to_json(self) -> str:
         """The stored form."""
-        return json.dumps({"ids": self.prompt_ids, "messages": self.messages, "images": self.images})
+        return json.dumps(
+            {"ids": self.prompt_ids, "messages": self.messages, "images": self.images, "scope": self.scope}
+        )
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> ModelRequest:
         """Back from the stored form."""
         data = json.loads(raw)
-        return cls([int(i) for i in data["ids"]], list(data.get("messages", [])), list(data.get("images", [])))
+        ids, messages, images = (
+            [int(i) for i in data["ids"]],
+            list(data.get("messages", [])),
+            list(data.get("images", [])),
+        )
+        return cls(ids, messages, images, str(data.get("scope", "")))
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class OpenAIPredictor:
         max_in_flight: int = 8,
         timeout_s: float = 60.0,
         api_key: str | None = None,
-        images: Callable[[str], bytes | None] | None = None,
+        images: Callable[[str, str], bytes | None] | None = None,
         attempts: int = 3,
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -78,7 +78,7 @@ class OpenAIPredictor:
     def body(self, request: ModelRequest) -> dict[str, Any]:
         """The request as the server takes it: text turns, the user turn carrying the pictures."""
         messages: list[dict[str, Any]] = [dict(m) for m in request.messages]
-        pictures = [self._data_url(digest) for digest in request.images]
+        pictures = [self._data_url(digest, request.scope) for digest in request.images]
         pictures = [p for p in pictures if p]
         if pictures and messages and messages[-1]["role"] == "user":
             text = messages[-1]["content"]
@@ -89,8 +89,8 @@ class OpenAIPredictor:
             messages[-1] = {"role": "user", "content": parts}
         return {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens, "temperature": 0}
 
-    def _data_url(self, digest: str) -> str | None:
-        jpeg = self.images(digest) if self.images else None
+    def _data_url(self, digest: str, scope: str) -> str | None:
+        jpeg = self.images(digest, scope) if self.images else None
         if jpeg is None:
             log.info("picture %s is no longer cached; sending the text alone", digest[:12])
             return None

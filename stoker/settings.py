@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from stoker.core.urls import Allowlist
+from stoker.tenancy import TenantLimits
 
 #: The model shipped with stoker: SmolLM2-135M-Instruct, fetched from PyPI and cached as safetensors.
 BUILTIN_MODEL = "smollm2-135m-instruct"
@@ -27,6 +31,15 @@ class CommonSettings(BaseSettings):
     cache_ttl_s: int = Field(3600, ge=1)
     cache_max_value_bytes: int = Field(8 * MiB, ge=1024)
     cache_enabled: bool = True
+    #: Off: each tenant's stage results are cached apart from everyone else's. On: a result computed for one tenant
+    #: answers another's identical input, which saves work but lets a tenant learn, from how fast its job runs,
+    #: that someone already sent the same content (a timing side channel). The API and the workers must agree.
+    cache_shared: bool = False
+    #: For `rediss://` URLs (broker, store, cache): the CA bundle that signed the servers' certificates (unset: the
+    #: system's), and a client certificate and key where the servers require one. Certificates are always verified.
+    redis_ca_file: Path | None = None
+    redis_cert_file: Path | None = None
+    redis_key_file: Path | None = None
     job_ttl_s: int = Field(86400, ge=60, description="How long a job record lives after it was accepted.")
     model: str = Field(BUILTIN_MODEL, description="Built-in model name, a local HF directory or a hub id.")
     model_cache: Path = Path("~/.cache/stoker").expanduser()
@@ -50,6 +63,19 @@ class CommonSettings(BaseSettings):
     trace_exporter: Literal["none", "console", "otlp", "file"] = "none"
     trace_file: Path | None = None
 
+    def redis_tls(self, url: str) -> dict[str, Any]:
+        """TLS options for a client of url: certificate verification against redis_ca_file for `rediss://`, nothing
+        for any other scheme. Every Redis client takes them (redis-py keyword arguments, kombu's and Celery's ssl
+        dicts), so no connection falls back to kombu's default for a bare `rediss://`: no verification at all."""
+        if not url.startswith("rediss://"):
+            return {}
+        files = {
+            "ssl_ca_certs": self.redis_ca_file,
+            "ssl_certfile": self.redis_cert_file,
+            "ssl_keyfile": self.redis_key_file,
+        }
+        return {"ssl_cert_reqs": ssl.CERT_REQUIRED, **{k: str(v) for k, v in files.items() if v is not None}}
+
 
 class ApiSettings(CommonSettings):
     """The API process."""
@@ -71,6 +97,19 @@ class ApiSettings(CommonSettings):
     #: "pipeline": stoker as designed. "sync": every job goes whole to the `sync` queue, where one worker decodes,
     #: reads, tokenizes and infers it in one thread: the design stoker replaces, kept as the benchmark's baseline.
     pipeline_mode: Literal["pipeline", "sync"] = "pipeline"
+    #: API keys required on /v1 (`Authorization: Bearer <key>`, keys from `stoker keys create`); `on`/`off`. Off:
+    #: every job belongs to one tenant, `local`, and the per-tenant limits below do not apply.
+    auth: bool = True
+    #: Per tenant: requests per second to /v1 (GCRA, with this burst), and jobs accepted but not yet ended.
+    #: Over either: 429 with Retry-After. 0 turns a limit off.
+    rate_limit_per_s: float = Field(20.0, ge=0)
+    rate_limit_burst: int = Field(40, ge=1)
+    max_jobs_in_flight: int = Field(100, ge=0)
+
+    @property
+    def tenant_limits(self) -> TenantLimits:
+        """What each tenant may do."""
+        return TenantLimits(self.rate_limit_per_s, self.rate_limit_burst, self.max_jobs_in_flight)
 
 
 class WorkerSettings(CommonSettings):
@@ -87,6 +126,9 @@ class WorkerSettings(CommonSettings):
     probe_hard_s: float = 5.0
     keyframes_soft_s: float = 10.0
     keyframes_hard_s: float = 15.0
+    #: The fetch stage of a URL input; its download has fetch_timeout_s of these.
+    fetch_soft_s: float = 12.0
+    fetch_hard_s: float = 15.0
     #: The Celery limits above cap transcription; within them it gets base + per second of media.
     transcribe_soft_s: float = 150.0
     transcribe_hard_s: float = 180.0
@@ -112,6 +154,17 @@ class WorkerSettings(CommonSettings):
     asr_beam_size: int = Field(1, ge=1, le=10)
     asr_cpu_threads: int = Field(0, ge=0, description="CTranslate2 threads; 0 lets it choose.")
     asr_concurrency: int = Field(1, ge=1)
+
+    # URL inputs: fetched by the fetch stage (queue decode), never by the API.
+    #: The whole download, every redirect included; past it the input fails as fetch_timeout.
+    fetch_timeout_s: float = Field(10.0, gt=0)
+    #: Past this many bytes the download is abandoned and the input fails as fetch_too_large.
+    fetch_max_bytes: int = Field(20 * MiB, ge=1)
+    fetch_max_redirects: int = Field(3, ge=0, le=10)
+    #: Hosts, addresses and networks (comma-separated, each with an optional :port) that may be fetched although
+    #: private, loopback or link-local: `files.internal:8443,10.1.0.0/16,127.0.0.1:8080`. For tests and private
+    #: deployments; empty, only public addresses are fetched.
+    url_allowlist: str = ""
 
     # Inference consumer.
     backend: Literal["transformers", "openai", "sim"] = "transformers"
@@ -176,6 +229,13 @@ class WorkerSettings(CommonSettings):
     #: How often the inference worker samples queue depths, device busy ratio and starvation (seconds).
     device_sample_s: float = Field(1.0, gt=0)
 
+    @field_validator("url_allowlist")
+    @classmethod
+    def _allowlist_parses(cls, value: str) -> str:
+        """A bad allowlist entry stops the worker at start, not at its first fetch."""
+        Allowlist.parse(value)
+        return value
+
     @model_validator(mode="after")
     def _visibility_outlasts_every_limit(self) -> WorkerSettings:
         """A message is redelivered after the visibility timeout even if its task still runs: it must outlast all."""
@@ -185,6 +245,7 @@ class WorkerSettings(CommonSettings):
             self.tokenize_hard_s + self.handoff_max_wait_s,
             self.probe_hard_s,
             self.keyframes_hard_s,
+            self.fetch_hard_s,
             self.transcribe_hard_s,
             self.infer_batch_timeout_s + self.infer_wedge_grace_s,
         )
@@ -201,6 +262,8 @@ class WorkerSettings(CommonSettings):
 class StackSettings(ApiSettings):
     """`stoker up`: the API's settings plus what the local stack supervisor needs."""
 
+    #: A local stack, bound to 127.0.0.1, runs without API keys unless `stoker up --auth` (or STOKER_AUTH=on).
+    auth: bool = False
     flower_port: int = 5555
     #: "user:password" for Flower's basic auth; without it Flower's HTTP API refuses every call.
     flower_basic_auth: str | None = None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -25,6 +25,7 @@ from stoker.jobs import (
     preprocess_share,
 )
 from stoker.predictor import ModelRequest
+from stoker.tenancy import DEFAULT_TENANT, ApiKey, LimitVerdict, TenantLimits
 
 PREFIX = "stoker"
 
@@ -64,14 +65,32 @@ def blob_key(digest: ContentHash) -> str:
     return f"{PREFIX}:blob:{digest}"
 
 
-def cache_key(stage: str, version: str, digest: str, fingerprint: str, part: str = "value") -> str:
-    """A cached stage result: stage : stage version : content BLAKE3 : parameter fingerprint (: part)."""
-    return f"{PREFIX}:cache:{stage}:{version}:{digest}:{fingerprint}:{part}"
+def cache_key(stage: str, version: str, digest: str, fingerprint: str, scope: str, part: str = "value") -> str:
+    """A cached stage result: stage : stage version : content BLAKE3 : parameter fingerprint : scope (: part).
+
+    The scope is the tenant whose entry it is (or the one shared scope, when sharing is on).
+    """
+    return f"{PREFIX}:cache:{stage}:{version}:{digest}:{fingerprint}:{scope}:{part}"
 
 
-def cache_lease_key(stage: str, version: str, digest: str, fingerprint: str) -> str:
+def cache_lease_key(stage: str, version: str, digest: str, fingerprint: str, scope: str) -> str:
     """The single-flight lease of whoever is computing that result now."""
-    return f"{PREFIX}:lease:{stage}:{version}:{digest}:{fingerprint}"
+    return f"{PREFIX}:lease:{stage}:{version}:{digest}:{fingerprint}:{scope}"
+
+
+def api_key_key(key_id: str) -> str:
+    """Hash holding one API key: its tenant, the hash of its secret (never the secret), created, revoked."""
+    return f"{PREFIX}:apikey:{key_id}"
+
+
+def tenant_rate_key(tenant: str) -> str:
+    """A tenant's request-rate state: the theoretical arrival time of its next request (GCRA)."""
+    return f"{PREFIX}:tenant:{tenant}:rate"
+
+
+def tenant_jobs_key(tenant: str) -> str:
+    """A tenant's unfinished jobs, scored by when their slot is given back even if no end is ever written."""
+    return f"{PREFIX}:tenant:{tenant}:in-flight"
 
 
 #: Every job not yet terminal, scored by when the reaper should next look at it.
@@ -89,6 +108,11 @@ REFUSED_KEY = f"{PREFIX}:refused"
 DEVICE_KEY = f"{PREFIX}:device"
 #: The fingerprint of the workers' whole preprocessing configuration, as they last published it.
 PIPELINE_IDENTITY_KEY = f"{PREFIX}:pipeline-identity"
+#: Ids of every API key ever created (revoked ones included).
+API_KEYS_KEY = f"{PREFIX}:apikeys"
+#: A job's in-flight slot is given back this long after its deadline even if no terminal status was written
+#: (every job gets one, from a worker, the watchdog or the reaper: this only bounds a leak).
+IN_FLIGHT_GRACE_S = 600
 
 
 # An input record is written only while its job is still preprocessing: once the prompt was built from the
@@ -123,8 +147,32 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
+redis.call('ZREM', KEYS[6], ARGV[1])  -- the tenant's in-flight slot, given back exactly when the job ends
 redis.call('PUBLISH', KEYS[4], ARGV[2])
 return 1
+"""
+
+# Per-tenant admission, atomic across API replicas: the request rate as GCRA (one theoretical arrival time per
+# tenant, in Redis time, so replicas' clocks do not matter) and, for a new job, a slot among the tenant's
+# unfinished jobs. A refused request changes nothing but the removal of slots whose hold ran out.
+_ADMIT_TENANT = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local rate, burst, max_jobs = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local tat
+if rate > 0 then
+  local interval = 1 / rate
+  tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now) + interval
+  local wait = tat - burst * interval - now
+  if wait > 0 then return {'rate', string.format('%.6f', wait)} end
+end
+if max_jobs > 0 and ARGV[4] ~= '' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  if redis.call('ZCARD', KEYS[2]) >= max_jobs then return {'in_flight', '0'} end
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[5]), ARGV[4])
+end
+if tat then redis.call('SET', KEYS[1], string.format('%.6f', tat), 'PX', math.ceil((tat - now) * 1000) + 1000) end
+return {'ok', '0'}
 """
 
 # Take or renew a lease held under a token.
@@ -149,13 +197,17 @@ class JobStore:
         self._hand_off = client.register_script(_HAND_OFF)
         self._finish = client.register_script(_FINISH)
         self._lease = client.register_script(_LEASE)
+        self._admit_tenant = client.register_script(_ADMIT_TENANT)
 
     @classmethod
-    def from_url(cls, url: str, *, blob_ttl_s: int, job_ttl_s: int, retries: int = 1) -> JobStore:
+    def from_url(
+        cls, url: str, *, blob_ttl_s: int, job_ttl_s: int, retries: int = 1, tls: Mapping[str, Any] | None = None
+    ) -> JobStore:
         """Connect lazily to the store at url; each command rides out a broken connection `retries` times.
 
         Workers pass many retries (with backoff capped at 1 s) so a Redis restart stalls them instead of failing
-        their tasks; the API passes few, so a client learns of an outage in time to retry elsewhere.
+        their tasks; the API passes few, so a client learns of an outage in time to retry elsewhere. `tls`: the
+        options of a `rediss://` url (`CommonSettings.redis_tls`).
         """
         client = redis.Redis.from_url(
             url,
@@ -164,6 +216,7 @@ class JobStore:
             health_check_interval=30,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            **(tls or {}),
         )
         return cls(client, blob_ttl_s=blob_ttl_s, job_ttl_s=job_ttl_s)
 
@@ -200,10 +253,17 @@ class JobStore:
         deadline: Deadline,
         deadline_ms: int,
         trace: tuple[str, dict[str, str]] | None = None,
+        *,
+        tenant: str,
     ) -> None:
-        """Write a new job record atomically, in status queued, and put it under the reaper's watch."""
+        """Write a new job record atomically, in status queued, and put it under the reaper's watch.
+
+        The tenant's in-flight slot for it (taken at admission, if its limit is on) is now held until the job ends,
+        or at the latest until a grace period after its deadline.
+        """
         fields: dict[str | bytes, str | bytes | float | int] = {
             "prompt": prompt,
+            "tenant": tenant,
             "status": "queued",
             "ts:accepted": repr(accepted),
             "deadline": repr(deadline.at),
@@ -219,6 +279,7 @@ class JobStore:
             pipe.hset(job_key(job_id), mapping=fields)
             pipe.expire(job_key(job_id), self.job_ttl_s)
             pipe.zadd(ACTIVE_KEY, {job_id: deadline.preprocess_by})
+            pipe.zadd(tenant_jobs_key(tenant), {job_id: deadline.at + IN_FLIGHT_GRACE_S}, xx=True)
             pipe.hincrby(JOB_COUNTS_KEY, "accepted", 1)
             pipe.execute()
 
@@ -331,7 +392,9 @@ class JobStore:
             fields["error"] = error.model_dump_json()
         if batch:
             fields["batch"] = batch.model_dump_json()
+        tenant = self.tenant(job_id) or DEFAULT_TENANT  # never changes once written: safe to read first
         keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
+        keys.append(tenant_jobs_key(tenant))
         args = [job_id, status, *(x for pair in fields.items() for x in pair)]
         return bool(self._finish(keys=keys, args=args))
 
@@ -385,6 +448,69 @@ class JobStore:
         raw = self.redis.hgetall(job_key(job_id))
         return job_from_fields(job_id, raw) if raw else None
 
+    # -- tenants -------------------------------------------------------------------------------------------
+    def tenant(self, job_id: str) -> str | None:
+        """The tenant a job belongs to; None if the job is unknown."""
+        raw = self.redis.hget(job_key(job_id), "tenant")
+        return raw.decode() if raw is not None else None
+
+    def admit_tenant(
+        self, tenant: str, limits: TenantLimits, job_id: str | None = None, hold_s: float = 0
+    ) -> LimitVerdict:
+        """Check a tenant's request against its limits and count it; with job_id, also hold an in-flight slot for
+        the new job (for at most hold_s, until create_job ties it to the job's deadline). Refused: nothing counted.
+        """
+        args = [limits.rate_per_s, limits.burst, limits.max_in_flight, job_id or "", hold_s]
+        outcome, wait = self._admit_tenant(keys=[tenant_rate_key(tenant), tenant_jobs_key(tenant)], args=args)
+        return LimitVerdict.from_script(outcome.decode(), float(wait))
+
+    def release_slot(self, tenant: str, job_id: str) -> None:
+        """Give back a slot held for a job that was never accepted."""
+        self.redis.zrem(tenant_jobs_key(tenant), job_id)
+
+    def jobs_in_flight(self, tenant: str) -> list[str]:
+        """Ids of the tenant's jobs holding an in-flight slot now."""
+        return [raw.decode() for raw in self.redis.zrangebyscore(tenant_jobs_key(tenant), time.time(), "+inf")]
+
+    def put_api_key(self, key: ApiKey) -> None:
+        """Store a key's record (the hash of its secret, never the secret)."""
+        fields: dict[str | bytes, str | bytes | float | int] = {
+            "tenant": key.tenant,
+            "hash": key.secret_hash,
+            "created": repr(key.created),
+            "revoked": int(key.revoked),
+        }
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(api_key_key(key.key_id), mapping=fields)
+            pipe.sadd(API_KEYS_KEY, key.key_id)
+            pipe.execute()
+
+    def get_api_key(self, key_id: str) -> ApiKey | None:
+        """A key's record by its id; None if there is none."""
+        raw = self.redis.hgetall(api_key_key(key_id))
+        if not raw:
+            return None
+        fields = {k.decode(): v.decode() for k, v in raw.items()}
+        return ApiKey(
+            key_id=key_id,
+            tenant=fields["tenant"],
+            secret_hash=fields["hash"],
+            created=float(fields["created"]),
+            revoked=fields.get("revoked") == "1",
+        )
+
+    def api_keys(self) -> list[ApiKey]:
+        """Every key's record, oldest first."""
+        found = (self.get_api_key(raw.decode()) for raw in self.redis.smembers(API_KEYS_KEY))
+        return sorted((key for key in found if key is not None), key=lambda key: key.created)
+
+    def revoke_api_key(self, key_id: str) -> bool:
+        """Revoke a key from now on; False if there is no such key."""
+        if not self.redis.exists(api_key_key(key_id)):
+            return False
+        self.redis.hset(api_key_key(key_id), "revoked", 1)
+        return True
+
 
 def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
     """Assemble a Job from the fields of its Redis hash."""
@@ -404,6 +530,7 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
         deadline_ms=int(fields["deadline_ms"]) if "deadline_ms" in fields else None,
         preprocess_share=preprocess_share(timings),
         trace_id=fields.get("trace_id"),
+        tenant=fields.get("tenant", DEFAULT_TENANT),
     )
 
 

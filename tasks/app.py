@@ -7,7 +7,8 @@ from celery import Celery
 from celery.signals import before_task_publish
 
 app = Celery(
-    "stoker", include=["tasks.preprocess", "tasks.media", "tasks.inference", "tasks.monitoring", "tasks.baseline"]
+    "stoker",
+    include=["tasks.preprocess", "tasks.media", "tasks.fetch", "tasks.inference", "tasks.monitoring", "tasks.baseline"],
 )
 app.config_from_object("celeryconfig")
 

@@ -17,22 +17,22 @@ from stoker.jobs import InputRecord, Segment
 from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
-from tasks.stage import RETRY, handoff, has_work, input_bytes, input_stage, through_cache, time_limit
+from tasks.stage import RETRY, cache_scope, handoff, has_work, input_bytes, input_stage, through_cache, time_limit
 
 log = logging.getLogger(__name__)
 
 
-def transcribe_address(digest: str) -> CacheAddress:
+def transcribe_address(digest: str, scope: str) -> CacheAddress:
     """Cache address of a transcript: the speech model, its beam and VAD settings."""
     s = resources.settings()
     parts = {"model": s.asr_model, "weights": resources.asr_model_identity(), "beam": s.asr_beam_size, "vad": True}
-    return CacheAddress("transcribe", asr.VERSION, digest, fingerprint(**parts))
+    return CacheAddress("transcribe", asr.VERSION, digest, fingerprint(**parts), scope)
 
 
-def keyframe_address(digest: str, slot: int, count: int) -> CacheAddress:
+def keyframe_address(digest: str, slot: int, count: int, scope: str) -> CacheAddress:
     """Cache address of one keyframe choice of a video."""
-    limit = resources.settings().max_media_seconds
-    return CacheAddress("keyframes", KEYFRAMES_VERSION, digest, fingerprint(slot=slot, count=count, limit=limit))
+    parts = fingerprint(slot=slot, count=count, limit=resources.settings().max_media_seconds)
+    return CacheAddress("keyframes", KEYFRAMES_VERSION, digest, parts, scope)
 
 
 @app.task(name="stoker.probe", **RETRY)
@@ -69,7 +69,7 @@ def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
                 return {"text": transcript.text, "segments": [asdict(x) for x in transcript.segments]}
 
             wait = max(s.transcribe_soft_s - 1.0, 0.5)
-            value = through_cache(record, transcribe_address(record.content_hash), compute, wait)
+            value = through_cache(record, transcribe_address(record.content_hash, cache_scope(job_id)), compute, wait)
             record.text = value["text"]
             record.segments = [Segment(**x) for x in value["segments"]]
         else:
@@ -93,10 +93,10 @@ def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     store.mark_started(job_id)
     target = frame_ref(index, slot)
     video = store.get_input(job_id, input_ref(index))
-    if video is None or not store.preprocessing_open(job_id):
+    if video is None or not video.content_hash or not store.preprocessing_open(job_id):  # no bytes: fetch failed
         return handoff(job_id, target, None)
     frame = InputRecord(index=slot, kind="image", content_hash="", size_bytes=0, status="skipped")
-    address = keyframe_address(video.content_hash, slot, count)
+    address = keyframe_address(video.content_hash, slot, count, cache_scope(job_id))
     try:
         chosen = through_cache(frame, address, lambda: _take_keyframe(video, address, slot, count), wait_s=5.0)
         if chosen.get("digest") and not _restore_frame(address, ContentHash(chosen["digest"])):

@@ -3,6 +3,7 @@
 image  decode → ocr
 audio  probe → transcribe
 video  probe → transcribe, and per keyframe slot: keyframe → decode → ocr
+url    fetch, then the branches of its kind (a video's in parallel: chain(fetch, group(...)))
 """
 
 from __future__ import annotations
@@ -86,6 +87,15 @@ def preprocessing_branches(
 
 
 def _branches(app: Celery, job_id: str, record: InputRecord, keyframes: int) -> list[Signature]:
+    branches = _media_branches(app, job_id, record, keyframes)
+    if record.url is None:
+        return branches
+    # Fetched once, before every branch that reads the bytes (a video's sound and keyframes alike).
+    fetch = app.signature("stoker.fetch", args=(job_id, input_ref(record.index)), immutable=True)
+    return [chain(fetch, branches[0] if len(branches) == 1 else group(branches))]
+
+
+def _media_branches(app: Celery, job_id: str, record: InputRecord, keyframes: int) -> list[Signature]:
     ref = input_ref(record.index)
     if record.kind == "image":
         return [_image_branch(app, job_id, ref)]
@@ -155,7 +165,9 @@ class SyncSubmitter:
         deadline: float | None = None,
         prompt_tokens: int | None = None,
     ) -> None:
-        """Publish the job whole; the sync worker preprocesses what is not done yet, then infers."""
-        expires = datetime.fromtimestamp(deadline, UTC) if deadline is not None else None
+        """Publish the job whole; the sync worker preprocesses what is not done yet, then infers.
+
+        No `expires`: there is no reaper in the baseline, so the consumer itself answers jobs whose deadline passed.
+        """
         kwargs = {"job_id": job_id, "prompt_tokens": prompt_tokens, "deadline": deadline}
-        self.app.signature("stoker.sync", kwargs=kwargs).apply_async(expires=expires)
+        self.app.signature("stoker.sync", kwargs=kwargs).apply_async()

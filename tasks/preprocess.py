@@ -13,6 +13,7 @@ import numpy.typing as npt
 import PIL
 from celery.signals import celeryd_after_setup, worker_process_init
 
+from stoker import tenancy
 from stoker.cache import CacheAddress, PipelineContext, fingerprint, prompt_address
 from stoker.core import asr, imaging
 from stoker.core import ocr as ocr_core
@@ -30,7 +31,7 @@ from stoker.tracing import mark_failed, stage_span
 from tasks import resources
 from tasks.app import app
 from tasks.pipeline import enqueue_inference
-from tasks.stage import RETRY, handoff, has_work, input_bytes, input_stage, through_cache, time_limit
+from tasks.stage import RETRY, cache_scope, handoff, has_work, input_bytes, input_stage, through_cache, time_limit
 from workers.limits import cap_address_space
 
 log = logging.getLogger(__name__)
@@ -47,17 +48,18 @@ def _follower_wait(soft_s: float) -> float:
     return max(soft_s - 1.0, 0.5)
 
 
-def decode_address(digest: str) -> CacheAddress:
-    """Cache address of decode's output for this content under the current parameters."""
+def decode_address(digest: str, scope: str) -> CacheAddress:
+    """Cache address of decode's output for this content under the current parameters, in a tenant's scope."""
     params = asdict(resources.decode_params())
-    return CacheAddress("decode", imaging.VERSION, digest, fingerprint(params=params, pillow=PIL.__version__))
+    return CacheAddress("decode", imaging.VERSION, digest, fingerprint(params=params, pillow=PIL.__version__), scope)
 
 
-def ocr_address(digest: str) -> CacheAddress:
+def ocr_address(digest: str, scope: str) -> CacheAddress:
     """Cache address of OCR text: languages, tesseract version and the decode it reads from."""
     s = resources.settings()
-    parts = {"langs": s.ocr_langs, "tesseract": resources.tesseract(), "decode": decode_address(digest).fingerprint}
-    return CacheAddress("ocr", ocr_core.VERSION, digest, fingerprint(**parts))
+    decoded = decode_address(digest, scope).fingerprint
+    parts = {"langs": s.ocr_langs, "tesseract": resources.tesseract(), "decode": decoded}
+    return CacheAddress("ocr", ocr_core.VERSION, digest, fingerprint(**parts), scope)
 
 
 def _decode_and_cache(record: InputRecord, address: CacheAddress) -> tuple[dict[str, Any], DecodedImage]:
@@ -77,7 +79,7 @@ def decode(job_id: str, ref: str) -> dict[str, Any]:
     if not has_work(record, job_id, ref, "decode"):
         return handoff(job_id, ref, record)
     with input_stage(record, "decode"):
-        address = decode_address(record.content_hash)
+        address = decode_address(record.content_hash, cache_scope(job_id))
         wait = _follower_wait(resources.settings().decode_soft_s)
         value = through_cache(record, address, lambda: _decode_and_cache(record, address)[0], wait)
         record.features = value["features"]
@@ -85,9 +87,9 @@ def decode(job_id: str, ref: str) -> dict[str, Any]:
     return handoff(job_id, ref, record)
 
 
-def _ocr_pixels(record: InputRecord) -> npt.NDArray[np.uint8]:
+def _ocr_pixels(record: InputRecord, scope: str) -> npt.NDArray[np.uint8]:
     """The decoded grayscale image: from the cache, or decoded again if the cache lost it."""
-    address = decode_address(record.content_hash)
+    address = decode_address(record.content_hash, scope)
     raw = resources.cache().get_bytes(address, part=OCR_IMAGE)
     if raw is not None:
         return array_from_bytes(raw)  # type: ignore[return-value]
@@ -104,11 +106,12 @@ def ocr(previous: dict[str, Any]) -> dict[str, Any]:
         return handoff(job_id, ref, record)
     s = resources.settings()
     with input_stage(record, "ocr"):
+        scope = cache_scope(job_id)
 
         def compute() -> dict[str, Any]:
-            return {"text": read_text(_ocr_pixels(record), s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd)}
+            return {"text": read_text(_ocr_pixels(record, scope), s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd)}
 
-        value = through_cache(record, ocr_address(record.content_hash), compute, _follower_wait(s.ocr_soft_s))
+        value = through_cache(record, ocr_address(record.content_hash, scope), compute, _follower_wait(s.ocr_soft_s))
         record.text = value["text"]
         record.status = "ok"
     store.put_input(job_id, ref, record)
@@ -182,10 +185,11 @@ def tokenize_job(job_id: str, backpressure: bool = True, enqueue: bool = True) -
             return {"job_id": job_id, "skipped": True}
         if _settle_videos(job_id, job.inputs):
             continue
+        scope = tenancy.cache_scope(job.tenant or tenancy.DEFAULT_TENANT, resources.settings().cache_shared)
         try:
             context = pipeline_context()
             with time_limit(resources.settings().tokenize_soft_s, "tokenize"):
-                request = _model_request(context, job.prompt, job.inputs)
+                request = _model_request(context, job.prompt, job.inputs, scope)
         except Exception as exc:  # the job must end, whatever went wrong
             return _tokenize_failed(job_id, exc)
         outcome = store.hand_off(job_id, request, None if attempt == _HANDOFF_ATTEMPTS - 1 else rev)
@@ -193,7 +197,7 @@ def tokenize_job(job_id: str, backpressure: bool = True, enqueue: bool = True) -
             continue
         if outcome == "done":
             return {"job_id": job_id, "skipped": True}
-        _remember_inputs(context, job.inputs)
+        _remember_inputs(context, job.inputs, scope)
         deadline = store.clock(job_id).deadline or None
         if backpressure:
             wait_for_room(job_id, deadline)
@@ -248,12 +252,13 @@ def _tokenize_failed(job_id: str, exc: Exception) -> dict[str, Any]:
     return {"job_id": job_id, "failed": error.code}
 
 
-def _remember_inputs(context: PipelineContext, inputs: list[InputRecord]) -> None:
-    """Cache the finished inputs whole, so a job repeating them skips preprocessing."""
+def _remember_inputs(context: PipelineContext, inputs: list[InputRecord], scope: str) -> None:
+    """Cache the finished inputs whole, so a job of the same scope repeating them skips preprocessing."""
     cache = resources.cache()
     cache.publish_context(context)
     for record in inputs:
-        cache.put_input(context.identity, record)
+        # One job's URL is not content.
+        cache.put_input(context.identity, record.model_copy(update={"url": None}), scope)
 
 
 def pipeline_context() -> PipelineContext:
@@ -262,8 +267,8 @@ def pipeline_context() -> PipelineContext:
     tok = resources.tokenizer()
     window = min(s.max_context_tokens, int(getattr(tok, "model_max_length", s.max_context_tokens)))
     identity = fingerprint(
-        ocr=ocr_address("").fingerprint,
-        decode=decode_address("").fingerprint,
+        ocr=ocr_address("", tenancy.SHARED_SCOPE).fingerprint,
+        decode=decode_address("", tenancy.SHARED_SCOPE).fingerprint,
         asr=[s.asr_model, s.asr_beam_size, asr.VERSION, resources.asr_model_identity()],
         keyframes=[s.video_keyframes, s.max_media_seconds],
         versions=[imaging.VERSION, ocr_core.VERSION],
@@ -284,7 +289,7 @@ def settle_video(record: InputRecord) -> bool:
     return True
 
 
-def _model_request(context: PipelineContext, prompt: str, inputs: list[InputRecord]) -> ModelRequest:
+def _model_request(context: PipelineContext, prompt: str, inputs: list[InputRecord], scope: str) -> ModelRequest:
     """The model request for this prompt material: the prompt from the cache when it was built before."""
     attachments = [attachment_for(r) for r in inputs]
 
@@ -292,9 +297,9 @@ def _model_request(context: PipelineContext, prompt: str, inputs: list[InputReco
         built = build_prompt(resources.tokenizer(), prompt, attachments, budget=context.budget)
         return {"ids": built.ids, "messages": built.messages}
 
-    address = prompt_address(context, prompt, attachments)
+    address = prompt_address(context, prompt, attachments, scope)
     value = through_cache(None, address, compute, _follower_wait(resources.settings().tokenize_soft_s))
-    return ModelRequest([int(i) for i in value["ids"]], value["messages"], image_hashes(inputs))
+    return ModelRequest([int(i) for i in value["ids"]], value["messages"], image_hashes(inputs), scope)
 
 
 @worker_process_init.connect

@@ -10,10 +10,12 @@ from typing import Any
 from stoker.cache import StageCache, fingerprint
 from stoker.core.asr import SpeechModel
 from stoker.core.imaging import DecodeParams
+from stoker.core.urls import Allowlist
 from stoker.modelstore import resolve_model
 from stoker.predictor import Predictor, SimPredictor, TransformersPredictor
 from stoker.settings import WorkerSettings
 from stoker.store import JobStore
+from stoker.urlfetch import FetchPolicy
 
 
 @functools.cache
@@ -26,7 +28,10 @@ def settings() -> WorkerSettings:
 def store() -> JobStore:
     """This worker's connection to the job store."""
     s = settings()
-    return JobStore.from_url(s.result_url, blob_ttl_s=s.blob_ttl_s, job_ttl_s=s.job_ttl_s, retries=s.redis_retries)
+    tls = s.redis_tls(s.result_url)
+    return JobStore.from_url(
+        s.result_url, blob_ttl_s=s.blob_ttl_s, job_ttl_s=s.job_ttl_s, retries=s.redis_retries, tls=tls
+    )
 
 
 @functools.cache
@@ -34,13 +39,22 @@ def cache() -> StageCache:
     """This worker's stage-result cache (disabled when STOKER_CACHE_ENABLED is false)."""
     s = settings()
     url = s.cache_url if s.cache_enabled else None
-    return StageCache.from_url(url, ttl_s=s.cache_ttl_s, max_value_bytes=s.cache_max_value_bytes)
+    tls = s.redis_tls(s.cache_url)
+    return StageCache.from_url(url, ttl_s=s.cache_ttl_s, max_value_bytes=s.cache_max_value_bytes, tls=tls)
 
 
 def decode_params() -> DecodeParams:
     """Decode parameters from settings."""
     s = settings()
     return DecodeParams(max_pixels=s.max_image_pixels, image_size=s.image_size, ocr_max_side=s.ocr_max_side)
+
+
+@functools.cache
+def fetch_policy() -> FetchPolicy:
+    """What fetching a URL input may cost, and which private hosts it may reach (the allowlist)."""
+    s = settings()
+    allowlist = Allowlist.parse(s.url_allowlist)
+    return FetchPolicy(s.fetch_max_bytes, s.fetch_timeout_s, s.fetch_max_redirects, allowlist)
 
 
 @functools.cache
@@ -85,13 +99,14 @@ def predictor() -> Predictor:
     return chosen
 
 
-def picture(digest: str) -> bytes | None:
-    """A decoded image as the model sees it (letterboxed, resized), as JPEG; None if the cache no longer has it."""
+def picture(digest: str, scope: str) -> bytes | None:
+    """A decoded image as the model sees it (letterboxed, resized), as JPEG, from the cache scope it was decoded in;
+    None if the cache no longer has it."""
     from stoker.core.arrays import array_from_bytes
     from stoker.core.imaging import model_input_jpeg
     from tasks.preprocess import MODEL_INPUT, decode_address
 
-    raw = cache().get_bytes(decode_address(digest), part=MODEL_INPUT)
+    raw = cache().get_bytes(decode_address(digest, scope), part=MODEL_INPUT)
     return model_input_jpeg(array_from_bytes(raw)) if raw is not None else None  # type: ignore[arg-type]
 
 

@@ -15,6 +15,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_postrun
 from opentelemetry.trace import Span
 
+from stoker import tenancy
 from stoker.cache import CacheAddress
 from stoker.core.media import ContentHash
 from stoker.errors import (
@@ -22,6 +23,7 @@ from stoker.errors import (
     AsrTimeout,
     BrokerUnavailable,
     DeadlineExceeded,
+    FetchTimeout,
     ImageDecodeTimeout,
     InputExpired,
     OcrFailed,
@@ -44,6 +46,7 @@ _TIMEOUTS: dict[str, type[StokerError]] = {
     "decode": ImageDecodeTimeout,
     "ocr": OcrTimeout,
     "transcribe": AsrTimeout,
+    "fetch": FetchTimeout,
 }
 #: What an unexpected exception means, per stage.
 _CRASHES: dict[str, type[StokerError]] = {"ocr": OcrFailed, "transcribe": AsrFailed}
@@ -164,6 +167,14 @@ def handoff(job_id: str, ref: str, record: InputRecord | None) -> dict[str, Any]
 def runnable(record: InputRecord | None) -> bool:
     """Whether a stage still has work on this record (it exists, and nothing failed or skipped it)."""
     return record is not None and record.status not in ("failed", "skipped")
+
+
+def cache_scope(job_id: str) -> str:
+    """Whose stage-cache entries this job's stages read and write: its tenant's, from its record (or the one scope
+    every tenant shares, when sharing is on)."""
+    return tenancy.cache_scope(
+        resources.store().tenant(job_id) or tenancy.DEFAULT_TENANT, resources.settings().cache_shared
+    )
 
 
 def through_cache(

@@ -6,15 +6,17 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import redis
 
 
-def redis_answers(url: str, timeout: float = 1.0) -> bool:
-    """Whether a Redis server answers PING at url."""
+def redis_answers(url: str, timeout: float = 1.0, tls: Mapping[str, Any] | None = None) -> bool:
+    """Whether a Redis server answers PING at url (`tls`: the options of a `rediss://` url)."""
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout, **(tls or {}))
         with client:
             return bool(client.ping())
     except (redis.RedisError, OSError):

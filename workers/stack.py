@@ -7,8 +7,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from rich.console import Console
@@ -58,11 +60,11 @@ class Stack:
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop the services first and the embedded broker last, so workers can ack and requeue on the way out."""
         services = [p for name, p in self.procs.items() if name != BROKER]
-        _terminate(services, grace_s)
-        _terminate([self.procs[BROKER]] if BROKER in self.procs else [], grace_s)
+        terminate(services, grace_s)
+        terminate([self.procs[BROKER]] if BROKER in self.procs else [], grace_s)
 
 
-def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+def terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
     """SIGTERM each process group (workers finish their current task), then SIGKILL what is left."""
     for proc in procs:
         if proc.poll() is None:
@@ -76,11 +78,16 @@ def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
             proc.wait()
 
 
-def run_stack(port: int | None = None) -> int:
-    """Start the whole stack and supervise it until Ctrl-C or a child dies."""
+def run_stack(port: int | None = None, auth: bool = False) -> int:
+    """Start the whole stack and supervise it until Ctrl-C or a child dies.
+
+    API keys are off on this local stack unless `auth` (`stoker up --auth`); STOKER_AUTH, when set, decides.
+    """
     settings = StackSettings()
     if port:
         settings.port = port
+    settings.auth = stack_auth(settings, auth, os.environ)
+    os.environ["STOKER_AUTH"] = "on" if settings.auth else "off"  # the API process reads it (its default is on)
     stack = Stack()
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -98,12 +105,18 @@ def run_stack(port: int | None = None) -> int:
         stack.stop()
 
 
+def stack_auth(settings: StackSettings, flag: bool, environ: Mapping[str, str]) -> bool:
+    """Whether the local stack requires API keys: as STOKER_AUTH says when it is set, else as `--auth` says."""
+    return settings.auth if any(name.upper() == "STOKER_AUTH" for name in environ) else flag
+
+
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
 def _ensure_broker(settings: StackSettings, stack: Stack) -> None:
-    if not settings.broker_url.startswith("redis") or redis_answers(settings.broker_url):
+    url = settings.broker_url
+    if not url.startswith("redis") or redis_answers(url, tls=settings.redis_tls(url)):
         return
     console.print(f"no broker answers at {settings.broker_url}: starting an embedded Valkey")
     proc, port = start_embedded()
@@ -111,7 +124,7 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> None:
     os.environ["STOKER_BROKER_URL"] = f"redis://127.0.0.1:{port}/0"
     os.environ["STOKER_RESULT_URL"] = f"redis://127.0.0.1:{port}/1"
     settings.broker_url, settings.result_url = os.environ["STOKER_BROKER_URL"], os.environ["STOKER_RESULT_URL"]
-    if not redis_answers(settings.cache_url):
+    if not redis_answers(settings.cache_url, tls=settings.redis_tls(settings.cache_url)):
         os.environ["STOKER_CACHE_URL"] = settings.cache_url = f"redis://127.0.0.1:{port}/2"
 
 
@@ -181,10 +194,24 @@ def _announce(settings: StackSettings) -> None:
     console.print(f"[bold green]stoker is ready[/]\n  API      {base}  (docs {base}/docs)")
     auth = "basic auth" if settings.flower_basic_auth else "no auth: its API stays closed"
     console.print(f"  Flower   http://{settings.host}:{settings.flower_port}  ({auth})")
-    console.print(
-        f"  broker   {settings.broker_url}\n  store    {settings.result_url}\n  cache    {settings.cache_url}"
+    broker, store, cache = (
+        _without_password(u) for u in (settings.broker_url, settings.result_url, settings.cache_url)
     )
+    console.print(f"  broker   {broker}\n  store    {store}\n  cache    {cache}")
+    keys = "off (one tenant, local)"
+    if settings.auth:
+        keys = f"on: STOKER_RESULT_URL={store} stoker keys create --tenant NAME   (the key is its last line)"
+    console.print(f"  API keys {keys}")
     console.print("  try:     stoker submit IMAGE.png --prompt 'What does it say?'   (Ctrl-C stops everything)")
+
+
+def _without_password(url: str) -> str:
+    """A URL fit to print: an ACL user's password masked."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _supervise(stack: Stack) -> int:

@@ -15,6 +15,10 @@ from stoker.jobs import InputRecord
 from tests.procs import spawn, stop, tail, wait_for
 from workers.broker import free_port
 
+#: A loopback address of the suite's own that the workers may fetch from (test_urls.py serves media there); every
+#: other private address stays refused, 127.0.0.1 included.
+URL_TEST_HOST = "127.0.0.2"
+
 
 @pytest.fixture(scope="session")
 def store_redis() -> Iterator[redis.Redis]:
@@ -37,6 +41,7 @@ def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) 
     # Every span of every process (these workers and the API in this process) lands in one JSON-lines file.
     os.environ["STOKER_TRACE_EXPORTER"] = "file"
     os.environ["STOKER_TRACE_FILE"] = str(logs / "spans.jsonl")
+    os.environ.setdefault("STOKER_URL_ALLOWLIST", URL_TEST_HOST)
     env = dict(os.environ)
     ports = {kind: free_port() for kind in ("cpu", "asr", "infer")}
     procs = {

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import base64
 import os
+import socket
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from celery import Celery
@@ -17,6 +21,7 @@ from stoker.store import ACTIVE_KEY
 from tasks.pipeline import CelerySubmitter
 from tests.integration.conftest import SpySubmitter
 from tests.media import text_image
+from tests.procs import spawn, stop, wait_for
 from workers.broker import free_port
 
 LIMIT = 256 * 1024
@@ -118,6 +123,70 @@ def test_chunked_body_over_the_limit_is_cut_off(api: TestClient, idle_spy: SpySu
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "payload_too_large"
     assert idle_spy.calls == []
+
+
+def test_a_50_mib_chunked_upload_is_cut_off_at_its_10_mib_limit_in_bounded_memory(tmp_path: Path) -> None:
+    """A real API process (uvicorn) and a raw socket, so nothing in between buffers the body."""
+    mib, chunk = 1024 * 1024, b"\0" * (64 * 1024)
+    port = free_port()
+    api = spawn(
+        ["api", "--port", str(port)], {**os.environ, "STOKER_MAX_BODY_BYTES": str(10 * mib)}, tmp_path / "api.log"
+    )
+    try:
+        wait_for(lambda: _answers(port), 60, "the API", [api])
+        before = _memory_kib(api.pid, "VmRSS")
+        status, sent = _stream_chunked(port, chunk, total=50 * mib)
+        growth_mib = (_memory_kib(api.pid, "VmHWM") - before) / 1024
+    finally:
+        stop(api)
+    assert status.startswith(b"HTTP/1.1 413"), status
+    assert sent < 50 * mib  # cut off: the rest was never read
+    assert growth_mib < 8, growth_mib  # nothing near the 10 MiB that was read was held in memory
+
+
+def _answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _memory_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def _stream_chunked(port: int, chunk: bytes, total: int) -> tuple[bytes, int]:
+    """Send a chunked multipart body of `total` bytes with no Content-Length; returns the status line and how much
+    was sent before the server answered (or dropped the connection)."""
+    head = (
+        b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: multipart/form-data; boundary=xyz\r\n\r\n"
+    )
+    part = b'--xyz\r\nContent-Disposition: form-data; name="image"; filename="big.png"\r\n\r\n'
+    answer: list[bytes] = []
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        reader = threading.Thread(target=lambda: answer.append(_read_some(sock)), daemon=True)
+        reader.start()
+        sent = 0
+        try:
+            sock.sendall(head + b"%x\r\n%s\r\n" % (len(part), part))
+            while sent < total and not answer:
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+        except OSError:  # the server answered and closed: what it said is in `answer`
+            pass
+        reader.join(30)
+    return (answer[0].split(b"\r\n", 1)[0] if answer else b""), sent
+
+
+def _read_some(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(4096)
+    except OSError:
+        return b""
 
 
 def test_accepted_job_is_stored_before_the_answer(

@@ -144,7 +144,8 @@ def test_a_job_whose_deadline_passes_in_the_inference_queue_is_never_computed(
         if "infer_wait" in client.get(f"/v1/jobs/{filler}").json()["timings_ms"]:
             break
         time.sleep(0.05)
-    late = client.post("/v1/jobs", data={"prompt": "Say hello.", "deadline_ms": "300"}).json()["id"]
+    # The filler's batch takes ~300 ms on this model: a 100 ms deadline passes while the late job waits behind it.
+    late = client.post("/v1/jobs", data={"prompt": "Say hello.", "deadline_ms": "100"}).json()["id"]
     job = _wait(client, late)
     assert job["status"] == "failed", job
     assert job["error"]["code"] == "deadline_exceeded"

@@ -33,7 +33,12 @@ def _request(text: str, images: list[str] | None = None) -> ModelRequest:
 
 
 def _predictor(server: FakeServer, **kwargs: object) -> OpenAIPredictor:
-    options: dict = {"max_new_tokens": 16, "max_in_flight": 3, "timeout_s": 5, "images": {"pic": PICTURE}.get}
+    options: dict = {
+        "max_new_tokens": 16,
+        "max_in_flight": 3,
+        "timeout_s": 5,
+        "images": lambda digest, _scope: {"pic": PICTURE}.get(digest),
+    }
     predictor = OpenAIPredictor(server.url, "fake-vlm", **{**options, **kwargs})  # type: ignore[arg-type]
     predictor.setup("cpu")
     _OPENED.append(predictor)

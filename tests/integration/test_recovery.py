@@ -101,7 +101,9 @@ def test_a_redis_crash_and_restart_mid_run_loses_no_job(fleet: Fleet) -> None:
 
 def test_a_wedged_batch_fails_its_jobs_and_the_worker_is_replaced(fleet: Fleet) -> None:
     fleet.kill("infer")
-    fleet.start("infer", STOKER_INFER_BATCH_TIMEOUT_S="0.5", STOKER_INFER_WEDGE_GRACE_S="1")
+    # A device that hangs: every batch sleeps 30 s, far past the 0.5 s budget and the 1 s grace after it.
+    wedged = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "30000"}
+    fleet.start("infer", STOKER_INFER_BATCH_TIMEOUT_S="0.5", STOKER_INFER_WEDGE_GRACE_S="1", **wedged)
     fleet.wait_workers(("infer",))
     started = time.monotonic()
     (job_id,) = _submit(fleet, 1, image=False)

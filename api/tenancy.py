@@ -1,0 +1,83 @@
+"""Who is calling, and whether they may: API-key authentication and per-tenant limits, as FastAPI dependencies.
+
+Both read only headers, so a refused request is answered before its body is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Annotated
+
+import redis
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
+
+from stoker.errors import BrokerUnavailable, RateLimited, TooManyJobsInFlight, Unauthorized
+from stoker.metrics import ADMISSIONS
+from stoker.settings import ApiSettings
+from stoker.store import JobStore
+from stoker.tenancy import DEFAULT_TENANT, parse_key, verify
+
+#: Parses `Authorization: Bearer …` and puts the scheme in the OpenAPI docs; stoker answers a missing key itself.
+bearer = HTTPBearer(auto_error=False, description="An API key from `stoker keys create --tenant T`.")
+
+
+async def authenticate(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> str:
+    """The tenant whose API key came with the request; 401 without a valid one. With auth off: the local tenant."""
+    settings: ApiSettings = request.app.state.settings
+    if not settings.auth:
+        return DEFAULT_TENANT
+    if credentials is None:
+        raise Unauthorized("send an API key: Authorization: Bearer <key>")
+    parsed = parse_key(credentials.credentials)
+    if parsed is None:
+        raise Unauthorized("the API key is not valid")
+    store: JobStore = request.app.state.store
+    try:
+        stored = await run_in_threadpool(store.get_api_key, parsed[0])
+    except redis.RedisError as exc:
+        raise BrokerUnavailable("the key store cannot be reached") from exc
+    tenant = verify(parsed[1], stored)
+    if tenant is None:  # one answer for an unknown, a wrong and a revoked key
+        raise Unauthorized("the API key is not valid")
+    return tenant
+
+
+async def within_rate(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> str:
+    """The tenant, once its request is counted against its rate; 429 over it."""
+    await admit(request, tenant)
+    return tenant
+
+
+async def admit(request: Request, tenant: str, job_id: str | None = None) -> None:
+    """Count a request against the tenant's rate and, for a new job, hold one of its in-flight slots; 429 when
+    either limit is reached (nothing counted then). Limits apply to authenticated tenants only."""
+    settings: ApiSettings = request.app.state.settings
+    if not settings.auth:
+        return
+    store: JobStore = request.app.state.store
+    # The slot is held at most this long before create_job ties it to the job's own deadline.
+    hold_s = settings.max_deadline_ms / 1000
+    try:
+        verdict = await run_in_threadpool(store.admit_tenant, tenant, settings.tenant_limits, job_id, hold_s)
+    except redis.RedisError as exc:
+        raise BrokerUnavailable("the job store cannot be reached") from exc
+    if verdict.outcome != "ok" and job_id is not None:
+        ADMISSIONS.labels(f"{verdict.outcome}_limited").inc()  # a refused submission: rate_ or in_flight_limited
+    if verdict.outcome == "rate":
+        raise RateLimited(retry_after_s=verdict.retry_after_s)
+    if verdict.outcome == "in_flight":
+        raise TooManyJobsInFlight(retry_after_s=verdict.retry_after_s)
+
+
+async def release(request: Request, tenant: str, job_id: str) -> None:
+    """Give back the in-flight slot of a job that was not accepted after all (its slot lapses anyway if this fails)."""
+    settings: ApiSettings = request.app.state.settings
+    if not settings.auth:
+        return
+    store: JobStore = request.app.state.store
+    with contextlib.suppress(redis.RedisError):
+        await run_in_threadpool(store.release_slot, tenant, job_id)

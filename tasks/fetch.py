@@ -1,0 +1,60 @@
+"""The fetch stage of a URL input: a worker (never the API) downloads it without SSRF and sniffs it like an upload.
+
+The bytes are stored by content hash like uploaded ones, and the input's usual branch reads them from there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import current_task
+
+from stoker import urlfetch
+from stoker.core.media import KIND_FORMATS, content_hash, sniff_format
+from stoker.errors import FetchFailed, FetchUnavailable, UnsupportedMediaType
+from stoker.jobs import InputRecord
+from tasks import resources
+from tasks.app import app
+from tasks.stage import RETRY, handoff, has_work, input_stage, time_limit
+
+
+@app.task(name="stoker.fetch", **RETRY)
+def fetch(job_id: str, ref: str) -> dict[str, Any]:
+    """Download a URL input, check that its content is the declared kind, and store it for the stages after."""
+    store = resources.store()
+    store.mark_started(job_id)
+    record = store.get_input(job_id, ref)
+    if not has_work(record, job_id, ref, "fetch") or record.content_hash:  # a redelivery after it was stored
+        return handoff(job_id, ref, record)
+    with input_stage(record, "fetch"):
+        data = download(record)
+        if sniff_format(record.kind, data) is None:
+            allowed = ", ".join(KIND_FORMATS[record.kind])
+            raise UnsupportedMediaType(f"the content at the URL is not {record.kind} in an allowed format ({allowed})")
+        digest = content_hash(data)
+        store.put_blob(digest, data)
+        record.content_hash, record.size_bytes = digest, len(data)
+    store.put_input(job_id, ref, record)
+    return handoff(job_id, ref, record)
+
+
+def download(record: InputRecord) -> bytes:
+    """The bytes at the record's URL, within the fetch caps (and the stage's own time limit, whatever blocks).
+
+    A temporary failure is retried (RETRY); on the last try it fails the input as fetch_failed instead.
+    """
+    policy = resources.fetch_policy()
+    try:
+        with time_limit(policy.timeout_s, "fetch"):
+            return urlfetch.fetch(record.url or "", policy)
+    except FetchUnavailable as exc:
+        if last_try():
+            raise FetchFailed(exc.message) from exc
+        raise
+
+
+def last_try() -> bool:
+    """Whether a transient failure now is final: the retries are spent, or the task was called in-process."""
+    if not current_task or current_task.request.called_directly:
+        return True
+    return int(current_task.request.retries or 0) >= int(current_task.max_retries or 0)
