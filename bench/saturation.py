@@ -27,7 +27,6 @@ import random
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +37,7 @@ from typing import Any
 import httpx
 import redis
 
-from bench.stack import wait_ready
+from bench.stack import spawn, wait_ready
 from workers.broker import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,20 +66,7 @@ def start_stack(env: dict[str, str], port: int, logs: Path) -> list[subprocess.P
     logs.mkdir(parents=True, exist_ok=True)
     commands = {"api": ["api", "--port", str(port)], "cpu": ["worker", "cpu"], "infer": ["worker", "infer"]}
     commands["reaper"] = ["reaper"]
-    procs = []
-    for name, args in commands.items():
-        with (logs / f"{name}.log").open("wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "stoker.cli", *args],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    return procs
+    return [spawn(tuple(args), env, logs / f"{name}.log") for name, args in commands.items()]
 
 
 def run_phase(phase: Phase, sim: tuple[float, float], redis_base: str, seed: int) -> dict[str, Any]:

@@ -97,9 +97,9 @@ def bench_stack(mode: Mode, device: Device, base_url: str, logs: Path, **setting
     stack = BenchStack(mode, f"http://127.0.0.1:{port}")
     logs.mkdir(parents=True, exist_ok=True)
     try:
-        stack.procs.append(_spawn(("api", "--port", str(port)), env, logs / "api.log"))
+        stack.procs.append(spawn(("api", "--port", str(port)), env, logs / "api.log"))
         for args in PROCESSES[mode]:
-            stack.procs.append(_spawn(args, env, logs / f"{'-'.join(args)}.log"))
+            stack.procs.append(spawn(args, env, logs / f"{'-'.join(args)}.log"))
         _warm_up(stack)
         yield stack
     finally:
@@ -110,7 +110,8 @@ def _db_urls(base: str) -> list[str]:
     return [f"{base}/{db}" for db in DBS]
 
 
-def _spawn(args: tuple[str, ...], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(args: tuple[str, ...], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`stoker ARGS` in its own session (stopped as a group), logging into `log`."""
     with log.open("wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "stoker.cli", *args],
