@@ -22,7 +22,7 @@ from rich.console import Console
 
 from bench.drive import drive
 from bench.report import markdown, percentile, plot, ratios, summarise
-from bench.stack import ROOT, Device, Mode, bench_stack, redis_base
+from bench.stack import ROOT, Device, Mode, bench_redis, bench_stack
 from bench.workload import Request, WorkloadSpec, describe, generate, text_png
 
 console = Console(soft_wrap=True)
@@ -80,27 +80,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(f"generating the workload ({args.jobs} requests, seed {args.seed})…")
     workload = generate(spec)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = _runs(args, rates, modes, device, workload)
-    overhead = _overhead(args, modes, device) if args.overhead_jobs and not args.target else []
+    if args.target:
+        rows, overhead = _runs(args, rates, modes, device, workload, None), []
+    else:
+        with bench_redis() as base:
+            rows = _runs(args, rates, modes, device, workload, base)
+            overhead = _overhead(args, modes, device, base) if args.overhead_jobs else []
     report = _report(args, device, spec, workload, rows, overhead, time.monotonic() - started)
     return 0 if all(row["succeeded"] + row["degraded"] for row in rows) and report else 1
 
 
 def _runs(
-    args: argparse.Namespace, rates: list[float], modes: Sequence[Mode], device: Device, workload: list[Request]
+    args: argparse.Namespace,
+    rates: list[float],
+    modes: Sequence[Mode],
+    device: Device,
+    workload: list[Request],
+    base: str | None,
 ) -> list[dict[str, Any]]:
     rows = []
-    base, embedded = (None, None) if args.target else redis_base()
-    try:
-        for i, rate in enumerate(rates):
-            requests = [replace(r, at=r.at / rate) for r in workload]
-            for mode in modes if i % 2 == 0 else tuple(reversed(modes)):
-                console.print(f"[bold]{mode}[/] at {rate} jobs/s: {len(requests)} requests…")
-                rows.append(_one_run(args, mode, rate, device, requests, base))
-                _print_row(rows[-1])
-    finally:
-        if embedded is not None:
-            embedded.terminate()
+    for i, rate in enumerate(rates):
+        requests = [replace(r, at=r.at / rate) for r in workload]
+        for mode in modes if i % 2 == 0 else tuple(reversed(modes)):
+            console.print(f"[bold]{mode}[/] at {rate} jobs/s: {len(requests)} requests…")
+            rows.append(_one_run(args, mode, rate, device, requests, base))
+            _print_row(rows[-1])
     return rows
 
 
@@ -124,19 +128,14 @@ def _print_row(row: dict[str, Any]) -> None:
     )
 
 
-def _overhead(args: argparse.Namespace, modes: Sequence[Mode], device: Device) -> list[dict[str, Any]]:
+def _overhead(args: argparse.Namespace, modes: Sequence[Mode], device: Device, base: str) -> list[dict[str, Any]]:
     """No-op jobs on a device that takes no time, one at a time: what the orchestration itself costs."""
     free = replace(device, backend="sim", base_ms=0.0, per_item_ms=0.0)
-    base, embedded = redis_base()
     rows = []
-    try:
-        for mode in modes:
-            console.print(f"overhead: [bold]{mode}[/], {args.overhead_jobs} no-op jobs per case…")
-            with bench_stack(mode, free, base, LOGS / f"overhead-{mode}") as stack:
-                rows += [_overhead_case(stack.base, mode, case, args.overhead_jobs) for case in _CASES]
-    finally:
-        if embedded is not None:
-            embedded.terminate()
+    for mode in modes:
+        console.print(f"overhead: [bold]{mode}[/], {args.overhead_jobs} no-op jobs per case…")
+        with bench_stack(mode, free, base, LOGS / f"overhead-{mode}") as stack:
+            rows += [_overhead_case(stack.base, mode, case, args.overhead_jobs) for case in _CASES]
     return rows
 
 

@@ -67,13 +67,19 @@ class BenchStack:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
 
-def redis_base() -> tuple[str, subprocess.Popen[bytes] | None]:
-    """The benchmark's Redis: STOKER_BENCH_REDIS, else 127.0.0.1:6379, else an embedded Valkey started here."""
+@contextmanager
+def bench_redis() -> Iterator[str]:
+    """The benchmark's Redis: STOKER_BENCH_REDIS, else 127.0.0.1:6379, else an embedded Valkey for the duration."""
     base = os.environ.get("STOKER_BENCH_REDIS", "redis://127.0.0.1:6379")
     if redis_answers(f"{base}/0"):
-        return base, None
+        yield base
+        return
     proc, port = start_embedded()
-    return f"redis://127.0.0.1:{port}", proc
+    try:
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @contextmanager

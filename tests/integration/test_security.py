@@ -3,7 +3,6 @@ read a job, per-tenant limits, cache scopes); Redis over TLS with an ACL user.""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -25,6 +24,7 @@ from stoker.settings import ApiSettings
 from stoker.store import JobStore
 from stoker.tenancy import issue_key, parse_key
 from tasks.pipeline import CelerySubmitter
+from tests.config import fresh_celeryconfig
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
@@ -382,13 +382,7 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 def _celery_app(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Celery:
     """A Celery app configured by celeryconfig.py exactly as a process with this environment would be."""
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    spec = importlib.util.spec_from_file_location("celeryconfig_tls", ROOT / "celeryconfig.py")
-    assert spec is not None
-    assert spec.loader is not None
-    config = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(config)
+    config = fresh_celeryconfig(monkeypatch, env)
     app = Celery("stoker-tls", set_as_current=False)
     app.config_from_object(config)
     return app

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import ssl
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -27,6 +25,7 @@ from stoker.tenancy import (
     retry_after,
     verify,
 )
+from tests.config import fresh_celeryconfig
 from workers.stack import _without_password, stack_auth
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,25 +157,13 @@ def test_redis_tls_options_only_for_rediss(tmp_path: Path) -> None:
     }
 
 
-def _celeryconfig(monkeypatch: pytest.MonkeyPatch, **env: str) -> ModuleType:
-    """celeryconfig.py as a fresh module, computed from these settings (the one Celery loaded is left alone)."""
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    spec = importlib.util.spec_from_file_location("celeryconfig_under_test", ROOT / "celeryconfig.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_celery_verifies_tls_on_rediss_urls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    config = _celeryconfig(
-        monkeypatch,
-        STOKER_BROKER_URL="rediss://stoker:pw@redis:6380/0",
-        STOKER_RESULT_URL="rediss://stoker:pw@redis:6380/1",
-        STOKER_REDIS_CA_FILE=str(tmp_path / "ca.pem"),
-    )
+    env = {
+        "STOKER_BROKER_URL": "rediss://stoker:pw@redis:6380/0",
+        "STOKER_RESULT_URL": "rediss://stoker:pw@redis:6380/1",
+        "STOKER_REDIS_CA_FILE": str(tmp_path / "ca.pem"),
+    }
+    config = fresh_celeryconfig(monkeypatch, env)
     expected = {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": str(tmp_path / "ca.pem")}
     assert config.broker_use_ssl == expected
     assert config.redis_backend_use_ssl == expected
@@ -184,9 +171,8 @@ def test_celery_verifies_tls_on_rediss_urls(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_celery_uses_no_tls_on_plain_urls(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = _celeryconfig(
-        monkeypatch, STOKER_BROKER_URL="redis://127.0.0.1:6379/0", STOKER_RESULT_URL="redis://127.0.0.1:6379/1"
-    )
+    env = {"STOKER_BROKER_URL": "redis://127.0.0.1:6379/0", "STOKER_RESULT_URL": "redis://127.0.0.1:6379/1"}
+    config = fresh_celeryconfig(monkeypatch, env)
     assert config.broker_use_ssl is False
     assert config.redis_backend_use_ssl is None
 
