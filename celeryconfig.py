@@ -1,6 +1,6 @@
 """Celery configuration: flat, lowercase settings computed from stoker's WorkerSettings. Queues and routes live here."""
 
-from stoker.queues import declare_queues, transport_options
+from stoker.adapters.broker import declare_queues, transport_options
 from stoker.settings import WorkerSettings
 
 _s = WorkerSettings()

@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -18,12 +17,13 @@ from starlette.exceptions import HTTPException
 from api.limits import BodyLimitMiddleware
 from api.pressure import QueueMonitor
 from api.routes import router
-from stoker.cache import StageCache
-from stoker.errors import StokerError, Unauthorized
-from stoker.metrics import REQUESTS, JobCounts
+from stoker.adapters.cache import StageCache
+from stoker.adapters.metrics import REQUESTS, JobCounts
+from stoker.adapters.store import Store
+from stoker.adapters.store.clients import async_store_client
+from stoker.adapters.tracing import instrument_celery, setup_tracing
+from stoker.core.errors import StokerError, Unauthorized
 from stoker.settings import ApiSettings
-from stoker.store import JobStore
-from stoker.tracing import instrument_celery, setup_tracing
 from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
 
 log = logging.getLogger(__name__)
@@ -37,33 +37,22 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tls = settings.redis_tls(settings.result_url)
-        app.state.aioredis = aioredis.Redis.from_url(settings.result_url, socket_connect_timeout=2, **tls)
+        app.state.aioredis = async_store_client(settings)
         watching = asyncio.create_task(app.state.monitor.run())
         yield
         watching.cancel()
         app.state.monitor.close()
         await app.state.aioredis.aclose()
-        app.state.store.redis.close()
+        app.state.store.close()
 
     app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    app.state.store = JobStore.from_url(
-        settings.result_url,
-        blob_ttl_s=settings.blob_ttl_s,
-        job_ttl_s=settings.job_ttl_s,
-        tls=settings.redis_tls(settings.result_url),
-    )
-    app.state.cache = StageCache.from_url(
-        settings.cache_url if settings.cache_enabled else None,
-        ttl_s=settings.cache_ttl_s,
-        max_value_bytes=settings.cache_max_value_bytes,
-        tls=settings.redis_tls(settings.cache_url),
-    )
+    app.state.store = Store.connect(settings)
+    app.state.cache = StageCache.connect(settings)
     app.state.submitter = submitter or _submitter(settings)
     app.state.monitor = QueueMonitor(settings, app.state.store)
     app.state.metrics = CollectorRegistry()
-    app.state.metrics.register(JobCounts(app.state.store.job_counts))
+    app.state.metrics.register(JobCounts(app.state.store.stats.job_counts))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.middleware("http")(_time_request)
     app.include_router(router)

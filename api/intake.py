@@ -11,10 +11,10 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from api.schemas import JobCreate
+from stoker.core.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType, UrlRejected
+from stoker.core.jobs import InputKind
 from stoker.core.media import KIND_FORMATS, ContentHash, content_hash, sniff_format
 from stoker.core.urls import parse_url
-from stoker.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType, UrlRejected
-from stoker.jobs import InputKind
 from stoker.settings import ApiSettings
 
 FILE_FIELDS: tuple[InputKind, ...] = ("image", "audio", "video")

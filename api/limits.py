@@ -6,7 +6,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stoker.errors import PayloadTooLarge
+from stoker.core.errors import PayloadTooLarge
 
 
 class BodyLimitMiddleware:

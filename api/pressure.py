@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from kombu.connection import Connection
 from starlette.concurrency import run_in_threadpool
 
-from stoker.pressure import DrainMeter, QueueState, Refusal, admit
-from stoker.queues import CPU_QUEUES, QUEUES, SYNC_QUEUE, queue_depths
+from stoker.adapters.broker import queue_depths
+from stoker.adapters.store import Store
+from stoker.core.pressure import DrainMeter, QueueState, Refusal, admit
+from stoker.core.queues import CPU_QUEUES, QUEUES, SYNC_QUEUE
 from stoker.settings import ApiSettings
-from stoker.store import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class Snapshot:
 class QueueMonitor:
     """Samples queue depths (from the broker) and drain counters (from the store) every `interval_s`."""
 
-    def __init__(self, settings: ApiSettings, store: JobStore, interval_s: float = 0.5, stale_s: float = 5.0) -> None:
+    def __init__(self, settings: ApiSettings, store: Store, interval_s: float = 0.5, stale_s: float = 5.0) -> None:
         self.settings = settings
         self.store = store
         self.interval_s = interval_s
@@ -68,7 +69,7 @@ class QueueMonitor:
             self.close()
             raise
         now = time.time()
-        self.meter.add(now, self.store.drained())
+        self.meter.add(now, self.store.stats.drained())
         states = [QueueState(q, depths[q], self.limit(q), round(self.drain_rate(q), 3)) for q in self.queues]
         self.latest = Snapshot(now, states)
         return self.latest

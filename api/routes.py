@@ -20,17 +20,19 @@ from api.intake import AcceptedRequest, read_request
 from api.pressure import QueueMonitor
 from api.schemas import ErrorPublic, JobPublic
 from api.tenancy import admit, authenticate, release, within_rate
-from stoker.cache import StageCache, prompt_address
+from stoker.adapters.cache import StageCache
+from stoker.adapters.metrics import ADMISSIONS
+from stoker.adapters.store import Store
+from stoker.adapters.store.keys import done_channel
+from stoker.adapters.tracing import carrier, trace_id_hex, tracer
+from stoker.core.cachekeys import prompt_address
+from stoker.core.deadlines import deadline_for
+from stoker.core.errors import BrokerUnavailable, JobNotFound, Overloaded
+from stoker.core.jobs import InputRecord, Job, image_hashes
+from stoker.core.model import ModelRequest
 from stoker.core.prompting import attachment_for
-from stoker.deadlines import deadline_for
-from stoker.errors import BrokerUnavailable, JobNotFound, Overloaded
-from stoker.jobs import InputRecord, Job, image_hashes
-from stoker.metrics import ADMISSIONS
-from stoker.predictor import ModelRequest
+from stoker.core.tenancy import cache_scope
 from stoker.settings import ApiSettings
-from stoker.store import JobStore, done_channel
-from stoker.tenancy import cache_scope
-from stoker.tracing import carrier, trace_id_hex, tracer
 from tasks.pipeline import Start, Submitter
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ async def create_job(request: Request, tenant: Annotated[str, Depends(authentica
     refusal = request.app.state.monitor.refusal()
     if refusal is not None:
         ADMISSIONS.labels("refused").inc()
-        await run_in_threadpool(request.app.state.store.count_refusal, refusal.queue)
+        await run_in_threadpool(request.app.state.store.stats.count_refusal, refusal.queue)
         raise Overloaded(
             f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})",
             retry_after_s=refusal.retry_after_s,
@@ -85,7 +87,7 @@ async def create_job(request: Request, tenant: Annotated[str, Depends(authentica
 
 
 def _admit(
-    store: JobStore,
+    store: Store,
     cache: StageCache,
     submitter: Submitter,
     accepted: AcceptedRequest,
@@ -117,12 +119,12 @@ def _admit(
         try:
             for item in accepted.inputs:
                 if item.url is None:  # a URL input's bytes are stored by the worker that fetches them
-                    store.put_blob(item.digest, item.data)
-            store.create_job(
+                    store.blobs.put_blob(item.digest, item.data)
+            store.jobs.create_job(
                 job_id, accepted.prompt, records, now, deadline, accepted.deadline_ms, traced, tenant=tenant
             )
             if request is not None:
-                store.hand_off(job_id, request, rev=None)
+                store.jobs.hand_off(job_id, request, rev=None)
         except redis.RedisError as exc:
             raise BrokerUnavailable("the job store cannot be reached") from exc
         try:
@@ -130,9 +132,9 @@ def _admit(
             submitter.submit(job_id, records, start=start, deadline=deadline.at, prompt_tokens=tokens)
         except Exception as exc:
             log.warning("could not enqueue job %s: %r", job_id, exc)
-            store.delete_job(job_id)
+            store.jobs.delete_job(job_id)
             raise BrokerUnavailable("the broker cannot be reached") from exc
-    job = store.load_job(job_id)
+    job = store.jobs.load_job(job_id)
     assert job is not None
     return job
 
@@ -169,21 +171,21 @@ async def get_job(
 ) -> JobPublic:
     """The job; with ?wait=S, hold the answer until the job is terminal or S seconds pass. Another tenant's job is
     answered exactly like an unknown one (404)."""
-    store: JobStore = request.app.state.store
+    store: Store = request.app.state.store
     if wait > 0:
         return await _wait_terminal(request, store, job_id, wait, tenant)
-    return _found(job_id, await run_in_threadpool(store.load_job, job_id), tenant)
+    return _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
 
 
-async def _wait_terminal(request: Request, store: JobStore, job_id: str, wait: float, tenant: str) -> JobPublic:
+async def _wait_terminal(request: Request, store: Store, job_id: str, wait: float, tenant: str) -> JobPublic:
     deadline = time.monotonic() + wait
     pubsub = request.app.state.aioredis.pubsub()
     try:
         await pubsub.subscribe(done_channel(job_id))  # subscribe first, then look: no missed announcement
-        job = _found(job_id, await run_in_threadpool(store.load_job, job_id), tenant)
+        job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
         while not job.terminal and (remaining := deadline - time.monotonic()) > 0:
             await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(remaining, 1.0))
-            job = _found(job_id, await run_in_threadpool(store.load_job, job_id), tenant)
+            job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
         return job
     finally:
         await pubsub.aclose()
@@ -207,7 +209,7 @@ async def stats(request: Request) -> dict[str, Any]:
         except Exception as exc:
             raise BrokerUnavailable("the broker cannot be reached") from exc
     settings: ApiSettings = request.app.state.settings
-    counters = await run_in_threadpool(request.app.state.store.counters)
+    counters = await run_in_threadpool(request.app.state.store.stats.counters)
     return {
         "sampled_at": snapshot.at,
         "queues": {q.name: {"depth": q.depth, "limit": q.limit, "drain_per_s": q.drain_per_s} for q in snapshot.queues},
@@ -251,8 +253,8 @@ def _broker_ok(url: str, tls: dict[str, Any]) -> bool:
         return False
 
 
-def _store_ok(store: JobStore) -> bool:
+def _store_ok(store: Store) -> bool:
     try:
-        return bool(store.redis.ping())
+        return bool(store.client.ping())
     except redis.RedisError:
         return False

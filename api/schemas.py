@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from stoker.jobs import Job
+from stoker.core.jobs import Job
 
 
 class InputCreate(BaseModel):

@@ -13,11 +13,11 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from stoker.errors import BrokerUnavailable, RateLimited, TooManyJobsInFlight, Unauthorized
-from stoker.metrics import ADMISSIONS
+from stoker.adapters.metrics import ADMISSIONS
+from stoker.adapters.store import Store
+from stoker.core.errors import BrokerUnavailable, RateLimited, TooManyJobsInFlight, Unauthorized
+from stoker.core.tenancy import DEFAULT_TENANT, parse_key, verify
 from stoker.settings import ApiSettings
-from stoker.store import JobStore
-from stoker.tenancy import DEFAULT_TENANT, parse_key, verify
 
 #: Parses `Authorization: Bearer …` and puts the scheme in the OpenAPI docs; stoker answers a missing key itself.
 bearer = HTTPBearer(auto_error=False, description="An API key from `stoker keys create --tenant T`.")
@@ -35,9 +35,9 @@ async def authenticate(
     parsed = parse_key(credentials.credentials)
     if parsed is None:
         raise Unauthorized("the API key is not valid")
-    store: JobStore = request.app.state.store
+    store: Store = request.app.state.store
     try:
-        stored = await run_in_threadpool(store.get_api_key, parsed[0])
+        stored = await run_in_threadpool(store.tenants.get_api_key, parsed[0])
     except redis.RedisError as exc:
         raise BrokerUnavailable("the key store cannot be reached") from exc
     tenant = verify(parsed[1], stored)
@@ -58,11 +58,11 @@ async def admit(request: Request, tenant: str, job_id: str | None = None) -> Non
     settings: ApiSettings = request.app.state.settings
     if not settings.auth:
         return
-    store: JobStore = request.app.state.store
+    store: Store = request.app.state.store
     # The slot is held at most this long before create_job ties it to the job's own deadline.
     hold_s = settings.max_deadline_ms / 1000
     try:
-        verdict = await run_in_threadpool(store.admit_tenant, tenant, settings.tenant_limits, job_id, hold_s)
+        verdict = await run_in_threadpool(store.tenants.admit_tenant, tenant, settings.tenant_limits, job_id, hold_s)
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     if verdict.outcome != "ok" and job_id is not None:
@@ -78,6 +78,6 @@ async def release(request: Request, tenant: str, job_id: str) -> None:
     settings: ApiSettings = request.app.state.settings
     if not settings.auth:
         return
-    store: JobStore = request.app.state.store
+    store: Store = request.app.state.store
     with contextlib.suppress(redis.RedisError):
-        await run_in_threadpool(store.release_slot, tenant, job_id)
+        await run_in_threadpool(store.tenants.release_slot, tenant, job_id)

@@ -96,7 +96,7 @@ def _api(args: argparse.Namespace, _: list[str]) -> int:
 
 
 def _submit(args: argparse.Namespace, _: list[str]) -> int:
-    from stoker.client import render_job, submit_files
+    from stoker.adapters.client import render_job, submit_files
 
     key = args.key or os.environ.get("STOKER_API_KEY")
     job = submit_files(args.url, args.prompt, args.files, args.timeout, api_key=key)
@@ -105,7 +105,7 @@ def _submit(args: argparse.Namespace, _: list[str]) -> int:
 
 
 def _model(args: argparse.Namespace, _: list[str]) -> int:
-    from stoker.modelstore import resolve_model
+    from stoker.adapters.backends.modelstore import resolve_model
     from stoker.settings import CommonSettings
 
     settings = CommonSettings()
@@ -117,11 +117,11 @@ def _cache(args: argparse.Namespace, _: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from stoker.cache import StageCache
+    from stoker.adapters.cache import StageCache
     from stoker.settings import CommonSettings
 
     settings = CommonSettings()
-    cache = StageCache.from_url(settings.cache_url, ttl_s=settings.cache_ttl_s, max_value_bytes=1)
+    cache = StageCache.connect(settings.model_copy(update={"cache_enabled": True}))  # operators see it even when off
     if getattr(args, "action", "stats") == "clear":
         print(f"deleted {cache.clear(args.stage)} cached entries")
         return 0
@@ -149,30 +149,29 @@ def _cache(args: argparse.Namespace, _: list[str]) -> int:
 def _keys(args: argparse.Namespace, _: list[str]) -> int:
     import time
 
+    from stoker.adapters.store import Store
+    from stoker.core.tenancy import issue_key, key_id_of
     from stoker.settings import CommonSettings
-    from stoker.store import JobStore
-    from stoker.tenancy import issue_key, key_id_of
 
     settings = CommonSettings()
-    url = settings.result_url
-    store = JobStore.from_url(url, blob_ttl_s=60, job_ttl_s=60, tls=settings.redis_tls(url))
+    store = Store.connect(settings)
     if args.keys_action == "create":
         try:
             issued = issue_key(args.tenant, time.time())
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
-        store.put_api_key(issued.record)
+        store.tenants.put_api_key(issued.record)
         print(f"created key {issued.record.key_id} for tenant {issued.record.tenant}; it is shown only now:")
         print(issued.token)
         return 0
     if args.keys_action == "list":
         print(f"{'id':<16}  {'tenant':<24}  {'created (UTC)':<20}  state")
-        for key in store.api_keys():
+        for key in store.tenants.api_keys():
             created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(key.created))
             print(f"{key.key_id:<16}  {key.tenant:<24}  {created:<20}  {'revoked' if key.revoked else 'active'}")
         return 0
     key_id = key_id_of(args.key)
-    if key_id is None or not store.revoke_api_key(key_id):
+    if key_id is None or not store.tenants.revoke_api_key(key_id):
         print(f"no key {args.key}", file=sys.stderr)
         return 1
     print(f"revoked key {key_id}")

@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from stoker.core.tenancy import TenantLimits
 from stoker.core.urls import Allowlist
-from stoker.tenancy import TenantLimits
 
 #: The model shipped with stoker: SmolLM2-135M-Instruct, fetched from PyPI and cached as safetensors.
 BUILTIN_MODEL = "smollm2-135m-instruct"

@@ -16,7 +16,7 @@ from celery.canvas import Signature, _chain, group
 from celery.signals import celeryd_after_setup
 from celery_batches import SimpleRequest
 
-from stoker.queues import SYNC_QUEUE
+from stoker.core.queues import SYNC_QUEUE
 from tasks import resources
 from tasks.app import app
 from tasks.inference import TICK_S, DeviceBatches, serve_batch
@@ -38,7 +38,7 @@ def sync_jobs(requests: list[SimpleRequest]) -> None:
     """Preprocess each job of the batch in this thread, one after another, then run the model on them at once."""
     job_ids = [str(r.kwargs["job_id"]) for r in requests]
     ready = [job_id for job_id in job_ids if preprocess_inline(job_id)]
-    resources.store().count_drained(SYNC_QUEUE, len(job_ids))
+    resources.store().stats.count_drained(SYNC_QUEUE, len(job_ids))
     serve_batch(ready)
 
 
@@ -48,7 +48,7 @@ def preprocess_inline(job_id: str) -> bool:
     True when the job now waits for the model.
     """
     store = resources.store()
-    job = store.load_job(job_id)
+    job = store.jobs.load_job(job_id)
     if job is None or job.terminal:
         return False
     if job.status != "inferring":
@@ -56,7 +56,7 @@ def preprocess_inline(job_id: str) -> bool:
         for branch in preprocessing_branches(job_id, pending, app, resources.settings().video_keyframes):
             run_inline(branch)
         tokenize_job(job_id, backpressure=False, enqueue=False)
-    return store.get_request(job_id) is not None
+    return store.jobs.get_request(job_id) is not None
 
 
 def run_inline(signature: Signature, previous: Any = None) -> Any:

@@ -9,10 +9,10 @@ from typing import Any
 
 from celery import current_task
 
-from stoker import urlfetch
+from stoker.adapters import urlfetch
+from stoker.core.errors import FetchFailed, FetchUnavailable, UnsupportedMediaType
+from stoker.core.jobs import InputRecord
 from stoker.core.media import KIND_FORMATS, content_hash, sniff_format
-from stoker.errors import FetchFailed, FetchUnavailable, UnsupportedMediaType
-from stoker.jobs import InputRecord
 from tasks import resources
 from tasks.app import app
 from tasks.stage import RETRY, handoff, has_work, input_stage, time_limit
@@ -22,8 +22,8 @@ from tasks.stage import RETRY, handoff, has_work, input_stage, time_limit
 def fetch(job_id: str, ref: str) -> dict[str, Any]:
     """Download a URL input, check that its content is the declared kind, and store it for the stages after."""
     store = resources.store()
-    store.mark_started(job_id)
-    record = store.get_input(job_id, ref)
+    store.jobs.mark_started(job_id)
+    record = store.jobs.get_input(job_id, ref)
     if not has_work(record, job_id, ref, "fetch") or record.content_hash:  # a redelivery after it was stored
         return handoff(job_id, ref, record)
     with input_stage(record, "fetch"):
@@ -32,9 +32,9 @@ def fetch(job_id: str, ref: str) -> dict[str, Any]:
             allowed = ", ".join(KIND_FORMATS[record.kind])
             raise UnsupportedMediaType(f"the content at the URL is not {record.kind} in an allowed format ({allowed})")
         digest = content_hash(data)
-        store.put_blob(digest, data)
+        store.blobs.put_blob(digest, data)
         record.content_hash, record.size_bytes = digest, len(data)
-    store.put_input(job_id, ref, record)
+    store.jobs.put_input(job_id, ref, record)
     return handoff(job_id, ref, record)
 
 

@@ -19,15 +19,15 @@ from celery_batches.trace import apply_batches_task
 from opentelemetry.propagate import extract
 from opentelemetry.trace import Span
 
+from stoker.adapters.metrics import BATCH_SECONDS, BATCH_SIZE, BATCH_WAIT_SECONDS
+from stoker.adapters.tracing import mark_failed, tracer
 from stoker.core.batching import BatchPolicy, Waiting, plan_batch
-from stoker.errors import DeadlineExceeded, InferenceFailed, StokerError
-from stoker.jobs import BatchInfo, ErrorInfo, ResultInfo, final_status
-from stoker.metrics import BATCH_SECONDS, BATCH_SIZE, BATCH_WAIT_SECONDS
-from stoker.predictor import ModelRequest, Prediction, Predictor, run_predictor
-from stoker.tracing import mark_failed, tracer
-from stoker.watchdog import BatchWatchdog, RunningBatch
+from stoker.core.errors import DeadlineExceeded, InferenceFailed, StokerError
+from stoker.core.jobs import BatchInfo, ErrorInfo, ResultInfo, final_status
+from stoker.core.model import ModelRequest, Prediction, Predictor, run_predictor
 from tasks import monitoring, resources
 from tasks.app import app
+from tasks.watchdog import BatchWatchdog, RunningBatch
 
 log = logging.getLogger(__name__)
 _settings = resources.settings()
@@ -136,14 +136,14 @@ def _drop_expired(request: Request) -> None:
     job_id = str((request.kwargs or {}).get("job_id"))
     try:
         _expire(job_id, time.time())
-        resources.store().count_drained("infer")
+        resources.store().stats.count_drained("infer")
     finally:
         request.acknowledge()
 
 
 def _expire(job_id: str, now: float) -> None:
     late = DeadlineExceeded("the deadline passed while the job waited for the model", stage="infer_queue")
-    if resources.store().finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
+    if resources.store().jobs.finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
         log.info("job %s dropped before the model: its deadline passed", job_id)
 
 
@@ -178,12 +178,12 @@ def serve_batch(job_ids: Sequence[str]) -> None:
     """Load the batch's requests, run the model once, write each job's result."""
     store = resources.store()
     items = _load_items(job_ids)
-    store.count_drained("infer", len(job_ids))
+    store.stats.count_drained("infer", len(job_ids))
     if not items:
         return
     batch_id, started = uuid.uuid4().hex[:12], time.time()
     for item in items:
-        store.stamp(item.job_id, "infer_start", at=started)
+        store.jobs.stamp(item.job_id, "infer_start", at=started)
     spans = [_infer_span(item, batch_id, len(items)) for item in items]
     watchdog.begin(batch_id, [i.job_id for i in items])
     monitoring.device.begin()
@@ -193,14 +193,14 @@ def serve_batch(job_ids: Sequence[str]) -> None:
         monitoring.device.end()
         ran = watchdog.end()
     ended = time.time()
-    store.add_device_time(ended - started)
+    store.stats.add_device_time(ended - started)
     BATCH_SIZE.observe(len(items))
     BATCH_SECONDS.observe(ended - started)
     for item, outcome, span in zip(items, outcomes, spans, strict=True):
         if isinstance(outcome, StokerError):
             mark_failed(span, outcome.code)
         span.end()
-        store.stamp(item.job_id, "infer_end", at=ended)
+        store.jobs.stamp(item.job_id, "infer_end", at=ended)
         BATCH_WAIT_SECONDS.observe(max(started - item.preprocessed_at, 0.0))
         batch = BatchInfo(id=batch_id, size=len(items), wait_ms=round((started - item.preprocessed_at) * 1000, 2))
         _finish(item.job_id, outcome, batch)
@@ -218,15 +218,15 @@ def _load_items(job_ids: Sequence[str]) -> list[BatchItem]:
     items = []
     now = time.time()
     for job_id in dict.fromkeys(job_ids):
-        request = store.get_request(job_id)
+        request = store.jobs.get_request(job_id)
         if request is None:
             log.info("job %s has no pending request; skipping", job_id)
             continue
-        clock = store.clock(job_id)
+        clock = store.watch.clock(job_id)
         if clock.deadline and now >= clock.deadline:
             _expire(job_id, now)
             continue
-        items.append(BatchItem(job_id, request, clock.preprocessed or now, store.trace_context(job_id)))
+        items.append(BatchItem(job_id, request, clock.preprocessed or now, store.jobs.trace_context(job_id)))
     return items
 
 
@@ -253,9 +253,9 @@ def predict_isolated(predictor: Predictor, requests: list[ModelRequest]) -> list
 def _finish(job_id: str, outcome: Prediction | StokerError, batch: BatchInfo) -> None:
     store = resources.store()
     if isinstance(outcome, StokerError):
-        store.finish(job_id, "failed", error=ErrorInfo(**outcome.to_dict()), batch=batch)
+        store.jobs.finish(job_id, "failed", error=ErrorInfo(**outcome.to_dict()), batch=batch)
         return
-    job = store.load_job(job_id)
+    job = store.jobs.load_job(job_id)
     status = final_status(job.inputs) if job else "succeeded"
     result = ResultInfo(
         text=outcome.text,
@@ -263,14 +263,14 @@ def _finish(job_id: str, outcome: Prediction | StokerError, batch: BatchInfo) ->
         prompt_tokens=outcome.prompt_tokens,
         completion_tokens=outcome.completion_tokens,
     )
-    store.finish(job_id, status, result=result, batch=batch)
+    store.jobs.finish(job_id, status, result=result, batch=batch)
 
 
 def _fail_overdue(batch: RunningBatch) -> None:
     """The batch ran past its budget: its jobs fail now (a late return changes nothing)."""
     late = InferenceFailed(f"batch {batch.id} ran past its {watchdog.budget_s:.0f}s budget", stage="infer")
     for job_id in batch.job_ids:
-        resources.store().finish(job_id, "failed", error=ErrorInfo(**late.to_dict()))
+        resources.store().jobs.finish(job_id, "failed", error=ErrorInfo(**late.to_dict()))
 
 
 #: Exit status of an inference worker that gave up on a wedged device; its supervisor starts a fresh one.

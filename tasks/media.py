@@ -6,15 +6,14 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
-from stoker.cache import CacheAddress, fingerprint
-from stoker.core import asr
+from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.core.asr import transcribe as transcribe_samples
-from stoker.core.avmedia import KEYFRAMES_VERSION, decode_audio, extract_frame, keyframe_times
+from stoker.core.avmedia import decode_audio, extract_frame, keyframe_times
 from stoker.core.avmedia import probe as probe_media
+from stoker.core.cachekeys import CacheAddress
+from stoker.core.errors import StokerError
+from stoker.core.jobs import InputRecord, Segment
 from stoker.core.media import ContentHash, content_hash
-from stoker.errors import StokerError
-from stoker.jobs import InputRecord, Segment
-from stoker.store import frame_ref, input_ref
 from tasks import resources
 from tasks.app import app
 from tasks.stage import RETRY, cache_scope, handoff, has_work, input_bytes, input_stage, through_cache, time_limit
@@ -22,31 +21,18 @@ from tasks.stage import RETRY, cache_scope, handoff, has_work, input_bytes, inpu
 log = logging.getLogger(__name__)
 
 
-def transcribe_address(digest: str, scope: str) -> CacheAddress:
-    """Cache address of a transcript: the speech model, its beam and VAD settings."""
-    s = resources.settings()
-    parts = {"model": s.asr_model, "weights": resources.asr_model_identity(), "beam": s.asr_beam_size, "vad": True}
-    return CacheAddress("transcribe", asr.VERSION, digest, fingerprint(**parts), scope)
-
-
-def keyframe_address(digest: str, slot: int, count: int, scope: str) -> CacheAddress:
-    """Cache address of one keyframe choice of a video."""
-    parts = fingerprint(slot=slot, count=count, limit=resources.settings().max_media_seconds)
-    return CacheAddress("keyframes", KEYFRAMES_VERSION, digest, parts, scope)
-
-
 @app.task(name="stoker.probe", **RETRY)
 def probe(job_id: str, ref: str) -> dict[str, Any]:
     """Read duration and streams from the header; over-long, empty or unreadable media fail here, undecoded."""
     store = resources.store()
-    store.mark_started(job_id)
-    record = store.get_input(job_id, ref)
+    store.jobs.mark_started(job_id)
+    record = store.jobs.get_input(job_id, ref)
     if not has_work(record, job_id, ref, "probe"):
         return handoff(job_id, ref, record)
     with input_stage(record, "probe"):
         info = probe_media(input_bytes(record, "probe"), resources.settings().max_media_seconds)
         record.features = info.to_dict()
-    store.put_input(job_id, ref, record)
+    store.jobs.put_input(job_id, ref, record)
     return handoff(job_id, ref, record)
 
 
@@ -55,7 +41,7 @@ def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
     """Transcribe the audio track with faster-whisper; a video without sound gets an empty transcript."""
     job_id, ref = previous["job_id"], previous["ref"]
     store = resources.store()
-    record = store.get_input(job_id, ref)
+    record = store.jobs.get_input(job_id, ref)
     if not has_work(record, job_id, ref, "transcribe"):
         return handoff(job_id, ref, record)
     s = resources.settings()
@@ -69,13 +55,15 @@ def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
                 return {"text": transcript.text, "segments": [asdict(x) for x in transcript.segments]}
 
             wait = max(s.transcribe_soft_s - 1.0, 0.5)
-            value = through_cache(record, transcribe_address(record.content_hash, cache_scope(job_id)), compute, wait)
+            value = through_cache(
+                record, resources.transcribe_address(record.content_hash, cache_scope(job_id)), compute, wait
+            )
             record.text = value["text"]
             record.segments = [Segment(**x) for x in value["segments"]]
         else:
             record.text, record.segments = "", []
         record.status = "ok"
-    store.put_input(job_id, ref, record)
+    store.jobs.put_input(job_id, ref, record)
     return handoff(job_id, ref, record)
 
 
@@ -90,13 +78,13 @@ def transcribe_limit_s(record: InputRecord) -> float:
 def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     """Take keyframe `slot` of `count` from a video by seeking, and enter it into the image branch as an image."""
     store = resources.store()
-    store.mark_started(job_id)
+    store.jobs.mark_started(job_id)
     target = frame_ref(index, slot)
-    video = store.get_input(job_id, input_ref(index))
-    if video is None or not video.content_hash or not store.preprocessing_open(job_id):  # no bytes: fetch failed
+    video = store.jobs.get_input(job_id, input_ref(index))
+    if video is None or not video.content_hash or not store.watch.preprocessing_open(job_id):  # no bytes: fetch failed
         return handoff(job_id, target, None)
     frame = InputRecord(index=slot, kind="image", content_hash="", size_bytes=0, status="skipped")
-    address = keyframe_address(video.content_hash, slot, count, cache_scope(job_id))
+    address = resources.keyframe_address(video.content_hash, slot, count, cache_scope(job_id))
     try:
         chosen = through_cache(frame, address, lambda: _take_keyframe(video, address, slot, count), wait_s=5.0)
         if chosen.get("digest") and not _restore_frame(address, ContentHash(chosen["digest"])):
@@ -112,7 +100,7 @@ def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
             "time_s": chosen["time_s"],
         }
         frame = frame.model_copy(update=update)
-    store.put_input(job_id, target, frame)
+    store.jobs.put_input(job_id, target, frame)
     return handoff(job_id, target, frame)
 
 
@@ -126,7 +114,7 @@ def _take_keyframe(video: InputRecord, address: CacheAddress, slot: int, count: 
         return {}
     at, png = taken
     digest = content_hash(png)
-    resources.store().put_blob(digest, png)
+    resources.store().blobs.put_blob(digest, png)
     resources.cache().put_bytes(address, png, part="png")
     return {"digest": digest, "size": len(png), "time_s": round(at, 3)}
 
@@ -134,10 +122,10 @@ def _take_keyframe(video: InputRecord, address: CacheAddress, slot: int, count: 
 def _restore_frame(address: CacheAddress, digest: ContentHash) -> bool:
     """Make sure a cached keyframe's picture is in the job store; False if neither store has it."""
     store = resources.store()
-    if store.get_blob(digest) is not None:
+    if store.blobs.get_blob(digest) is not None:
         return True
     png = resources.cache().get_bytes(address, part="png")
     if png is None:
         return False
-    store.put_blob(digest, png)
+    store.blobs.put_blob(digest, png)
     return True

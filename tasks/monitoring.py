@@ -11,8 +11,8 @@ from typing import Any
 
 from celery.signals import celeryd_after_setup, worker_init, worker_process_shutdown
 
-from stoker.jobs import Job
-from stoker.metrics import (
+from stoker.adapters.broker import queue_depths
+from stoker.adapters.metrics import (
     DEVICE_BUSY_RATIO,
     DEVICE_BUSY_SECONDS,
     QUEUE_DEPTH,
@@ -20,8 +20,9 @@ from stoker.metrics import (
     forget_process,
     serve_worker_metrics,
 )
-from stoker.queues import CPU_QUEUES, QUEUES, queue_depths
-from stoker.tracing import instrument_celery, setup_tracing
+from stoker.adapters.tracing import instrument_celery, setup_tracing
+from stoker.core.jobs import Job
+from stoker.core.queues import CPU_QUEUES, QUEUES
 from tasks import resources
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def job_line(job: Job) -> str:
 
 def log_finished(job_id: str) -> None:
     """Log the finished job's line (nothing if the record is gone)."""
-    job = resources.store().load_job(job_id)
+    job = resources.store().jobs.load_job(job_id)
     if job is not None and job.terminal:
         log.info(job_line(job))
 

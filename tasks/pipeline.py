@@ -15,8 +15,8 @@ from typing import Literal, Protocol
 from celery import Celery, chain, chord, group
 from celery.canvas import Signature, _chain
 
-from stoker.jobs import InputRecord
-from stoker.store import frame_ref, input_ref
+from stoker.adapters.store.keys import frame_ref, input_ref
+from stoker.core.jobs import InputRecord
 from tasks.app import app as default_app
 
 #: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached).

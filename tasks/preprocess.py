@@ -5,39 +5,34 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import PIL
 from celery.signals import celeryd_after_setup, worker_process_init
 
-from stoker import tenancy
-from stoker.cache import CacheAddress, PipelineContext, fingerprint, prompt_address
-from stoker.core import asr, imaging
+from stoker.adapters.broker import queue_depths
+from stoker.adapters.rlimits import cap_address_space
+from stoker.adapters.store.keys import frame_ref, input_ref
+from stoker.adapters.tracing import mark_failed, stage_span
+from stoker.core import asr, imaging, tenancy
 from stoker.core import ocr as ocr_core
 from stoker.core.arrays import array_from_bytes, array_to_bytes
+from stoker.core.cachekeys import MODEL_INPUT, OCR_IMAGE, CacheAddress, PipelineContext, fingerprint, prompt_address
+from stoker.core.errors import DeadlineExceeded, MediaEmpty, StageKilled, StokerError
 from stoker.core.imaging import DecodedImage, decode_image
+from stoker.core.jobs import ErrorInfo, InputRecord, image_hashes
+from stoker.core.model import ModelRequest
 from stoker.core.ocr import read_text
+from stoker.core.pressure import room_to_enqueue
 from stoker.core.prompting import attachment_for, build_prompt
-from stoker.errors import DeadlineExceeded, MediaEmpty, StageKilled, StokerError
-from stoker.jobs import ErrorInfo, InputRecord, image_hashes
-from stoker.predictor import ModelRequest
-from stoker.pressure import room_to_enqueue
-from stoker.queues import queue_depths
-from stoker.store import frame_ref, input_ref
-from stoker.tracing import mark_failed, stage_span
 from tasks import resources
 from tasks.app import app
 from tasks.pipeline import enqueue_inference
 from tasks.stage import RETRY, cache_scope, handoff, has_work, input_bytes, input_stage, through_cache, time_limit
-from workers.limits import cap_address_space
 
 log = logging.getLogger(__name__)
 
-OCR_IMAGE = "ocr_image"
-MODEL_INPUT = "model_input"
 
 # Tokenizers parallelise internally; after a fork that deadlocks, so prefork children stay single-threaded.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -46,20 +41,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def _follower_wait(soft_s: float) -> float:
     """How long a stage may wait on a twin computing the same result: well inside its own soft limit."""
     return max(soft_s - 1.0, 0.5)
-
-
-def decode_address(digest: str, scope: str) -> CacheAddress:
-    """Cache address of decode's output for this content under the current parameters, in a tenant's scope."""
-    params = asdict(resources.decode_params())
-    return CacheAddress("decode", imaging.VERSION, digest, fingerprint(params=params, pillow=PIL.__version__), scope)
-
-
-def ocr_address(digest: str, scope: str) -> CacheAddress:
-    """Cache address of OCR text: languages, tesseract version and the decode it reads from."""
-    s = resources.settings()
-    decoded = decode_address(digest, scope).fingerprint
-    parts = {"langs": s.ocr_langs, "tesseract": resources.tesseract(), "decode": decoded}
-    return CacheAddress("ocr", ocr_core.VERSION, digest, fingerprint(**parts), scope)
 
 
 def _decode_and_cache(record: InputRecord, address: CacheAddress) -> tuple[dict[str, Any], DecodedImage]:
@@ -74,22 +55,22 @@ def _decode_and_cache(record: InputRecord, address: CacheAddress) -> tuple[dict[
 def decode(job_id: str, ref: str) -> dict[str, Any]:
     """Decode one image: arrays into the cache, features into the record."""
     store = resources.store()
-    store.mark_started(job_id)
-    record = store.get_input(job_id, ref)
+    store.jobs.mark_started(job_id)
+    record = store.jobs.get_input(job_id, ref)
     if not has_work(record, job_id, ref, "decode"):
         return handoff(job_id, ref, record)
     with input_stage(record, "decode"):
-        address = decode_address(record.content_hash, cache_scope(job_id))
+        address = resources.decode_address(record.content_hash, cache_scope(job_id))
         wait = _follower_wait(resources.settings().decode_soft_s)
         value = through_cache(record, address, lambda: _decode_and_cache(record, address)[0], wait)
         record.features = value["features"]
-    store.put_input(job_id, ref, record)
+    store.jobs.put_input(job_id, ref, record)
     return handoff(job_id, ref, record)
 
 
 def _ocr_pixels(record: InputRecord, scope: str) -> npt.NDArray[np.uint8]:
     """The decoded grayscale image: from the cache, or decoded again if the cache lost it."""
-    address = decode_address(record.content_hash, scope)
+    address = resources.decode_address(record.content_hash, scope)
     raw = resources.cache().get_bytes(address, part=OCR_IMAGE)
     if raw is not None:
         return array_from_bytes(raw)  # type: ignore[return-value]
@@ -101,7 +82,7 @@ def ocr(previous: dict[str, Any]) -> dict[str, Any]:
     """Read the text of one decoded image; a record that failed or was skipped passes straight through."""
     job_id, ref = previous["job_id"], previous["ref"]
     store = resources.store()
-    record = store.get_input(job_id, ref)
+    record = store.jobs.get_input(job_id, ref)
     if not has_work(record, job_id, ref, "ocr"):
         return handoff(job_id, ref, record)
     s = resources.settings()
@@ -111,10 +92,12 @@ def ocr(previous: dict[str, Any]) -> dict[str, Any]:
         def compute() -> dict[str, Any]:
             return {"text": read_text(_ocr_pixels(record, scope), s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd)}
 
-        value = through_cache(record, ocr_address(record.content_hash, scope), compute, _follower_wait(s.ocr_soft_s))
+        value = through_cache(
+            record, resources.ocr_address(record.content_hash, scope), compute, _follower_wait(s.ocr_soft_s)
+        )
         record.text = value["text"]
         record.status = "ok"
-    store.put_input(job_id, ref, record)
+    store.jobs.put_input(job_id, ref, record)
     return handoff(job_id, ref, record)
 
 
@@ -144,7 +127,7 @@ def rescue(failed_task_id: str, *, job_id: str) -> dict[str, Any]:
 
 def cut_off(job_id: str) -> dict[str, Any]:
     """The job's preprocessing budget is spent: fail what is unfinished and go to inference with the rest."""
-    with stage_span("cutoff", {"stoker.job_id": job_id}, parent=resources.store().trace_context(job_id)):
+    with stage_span("cutoff", {"stoker.job_id": job_id}, parent=resources.store().jobs.trace_context(job_id)):
         fail_unfinished(job_id, DeadlineExceeded("the job's preprocessing budget ran out first"))
         return tokenize_job(job_id, backpressure=False)  # the reaper must not stall on one job
 
@@ -152,7 +135,7 @@ def cut_off(job_id: str) -> dict[str, Any]:
 def fail_unfinished(job_id: str, error: StokerError) -> bool:
     """Mark every input (and keyframe) still pending as failed with error; False if the job is gone or over."""
     store = resources.store()
-    job = store.load_job(job_id)
+    job = store.jobs.load_job(job_id)
     if job is None or job.terminal:
         return False
     info = ErrorInfo(**error.to_dict())
@@ -163,7 +146,7 @@ def fail_unfinished(job_id: str, error: StokerError) -> bool:
         ]
         for ref, item in items:
             if item.status == "pending":
-                store.put_input(
+                store.jobs.put_input(
                     job_id, ref, item.model_copy(update={"status": "failed", "error": info, "frames": None})
                 )
     return True
@@ -178,9 +161,9 @@ def tokenize_job(job_id: str, backpressure: bool = True, enqueue: bool = True) -
     `enqueue` the job is handed over but no message sent: the caller serves it (the synchronous baseline).
     """
     store = resources.store()
-    store.mark_started(job_id)
+    store.jobs.mark_started(job_id)
     for attempt in range(_HANDOFF_ATTEMPTS):
-        job, rev = store.load_for_handoff(job_id)
+        job, rev = store.jobs.load_for_handoff(job_id)
         if job is None or job.terminal or job.status == "inferring":
             return {"job_id": job_id, "skipped": True}
         if _settle_videos(job_id, job.inputs):
@@ -192,13 +175,13 @@ def tokenize_job(job_id: str, backpressure: bool = True, enqueue: bool = True) -
                 request = _model_request(context, job.prompt, job.inputs, scope)
         except Exception as exc:  # the job must end, whatever went wrong
             return _tokenize_failed(job_id, exc)
-        outcome = store.hand_off(job_id, request, None if attempt == _HANDOFF_ATTEMPTS - 1 else rev)
+        outcome = store.jobs.hand_off(job_id, request, None if attempt == _HANDOFF_ATTEMPTS - 1 else rev)
         if outcome == "stale":
             continue
         if outcome == "done":
             return {"job_id": job_id, "skipped": True}
         _remember_inputs(context, job.inputs, scope)
-        deadline = store.clock(job_id).deadline or None
+        deadline = store.watch.clock(job_id).deadline or None
         if backpressure:
             wait_for_room(job_id, deadline)
         if enqueue:
@@ -239,7 +222,7 @@ def _settle_videos(job_id: str, inputs: list[InputRecord]) -> bool:
     changed = False
     for record in inputs:
         if settle_video(record):
-            changed |= resources.store().put_input(
+            changed |= resources.store().jobs.put_input(
                 job_id, input_ref(record.index), record.model_copy(update={"frames": None})
             )
     return changed
@@ -248,7 +231,7 @@ def _settle_videos(job_id: str, inputs: list[InputRecord]) -> bool:
 def _tokenize_failed(job_id: str, exc: Exception) -> dict[str, Any]:
     error = exc if isinstance(exc, StokerError) else StokerError(f"{type(exc).__name__}: {exc}", stage="tokenize")
     log.error("tokenize failed for job %s", job_id, exc_info=exc)
-    resources.store().finish(job_id, "failed", error=ErrorInfo(**error.to_dict()))
+    resources.store().jobs.finish(job_id, "failed", error=ErrorInfo(**error.to_dict()))
     return {"job_id": job_id, "failed": error.code}
 
 
@@ -267,8 +250,8 @@ def pipeline_context() -> PipelineContext:
     tok = resources.tokenizer()
     window = min(s.max_context_tokens, int(getattr(tok, "model_max_length", s.max_context_tokens)))
     identity = fingerprint(
-        ocr=ocr_address("", tenancy.SHARED_SCOPE).fingerprint,
-        decode=decode_address("", tenancy.SHARED_SCOPE).fingerprint,
+        ocr=resources.ocr_address("", tenancy.SHARED_SCOPE).fingerprint,
+        decode=resources.decode_address("", tenancy.SHARED_SCOPE).fingerprint,
         asr=[s.asr_model, s.asr_beam_size, asr.VERSION, resources.asr_model_identity()],
         keyframes=[s.video_keyframes, s.max_media_seconds],
         versions=[imaging.VERSION, ocr_core.VERSION],

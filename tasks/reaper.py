@@ -1,6 +1,6 @@
 """The reaper's hands: what happens to a job that stopped making progress. Every accepted job reaches an end.
 
-Which jobs are late and what they need is decided in `stoker.deadlines`; this module only acts on it.
+Which jobs are late and what they need is decided in `stoker.core.deadlines`; this module only acts on it.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import logging
 import time
 from collections import Counter
 
-from stoker.deadlines import JobClock, ReapPolicy, Verdict, decide
-from stoker.errors import DeadlineExceeded, InferenceFailed
-from stoker.jobs import ErrorInfo
+from stoker.core.deadlines import JobClock, ReapPolicy, Verdict, decide
+from stoker.core.errors import DeadlineExceeded, InferenceFailed
+from stoker.core.jobs import ErrorInfo
 from tasks import resources
 from tasks.monitoring import log_finished
 from tasks.pipeline import enqueue_inference
@@ -36,14 +36,14 @@ def reap_once(now: float | None = None, limit: int = 200) -> Counter[str]:
     now = time.time() if now is None else now
     rules = policy()
     done: Counter[str] = Counter()
-    for job_id in store.due_jobs(now, limit):
-        clock = store.clock(job_id)
+    for job_id in store.watch.due_jobs(now, limit):
+        clock = store.watch.clock(job_id)
         verdict = decide(clock, now, rules)
         try:
             act(job_id, clock, verdict)
         except Exception:  # one job's trouble must not stop the reaper; look again shortly
             log.exception("reaper could not %s job %s", verdict.action, job_id)
-            store.watch_next(job_id, now + rules.recheck_s)
+            store.watch.watch_next(job_id, now + rules.recheck_s)
         done[verdict.action] += 1
     return done
 
@@ -53,20 +53,20 @@ def act(job_id: str, clock: JobClock, verdict: Verdict) -> None:
     store = resources.store()
     if verdict.action != "wait":
         log.warning("reaper: job %s → %s (status %s)", job_id, verdict.action, clock.status)
-    store.watch_next(job_id, verdict.next_at)  # first, so a crash below is retried
+    store.watch.watch_next(job_id, verdict.next_at)  # first, so a crash below is retried
     if verdict.action == "cutoff":
         cut_off(job_id)
     elif verdict.action == "expire":
         stage = "preprocess" if clock.preprocessed is None else "infer_queue"
         late = DeadlineExceeded("the deadline passed before the model could start", stage=stage)
         fail_unfinished(job_id, late)
-        if store.finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
+        if store.jobs.finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
             log_finished(job_id)
     elif verdict.action == "redrive":
-        request = store.get_request(job_id)
-        store.count_redrive(job_id)
+        request = store.jobs.get_request(job_id)
+        store.watch.count_redrive(job_id)
         enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None)
     elif verdict.action == "abandon":
         lost = InferenceFailed("the inference worker never reported back on this job's batch", stage="infer")
-        if store.finish(job_id, "failed", error=ErrorInfo(**lost.to_dict())):
+        if store.jobs.finish(job_id, "failed", error=ErrorInfo(**lost.to_dict())):
             log_finished(job_id)

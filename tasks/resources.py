@@ -7,15 +7,19 @@ import importlib.metadata
 from pathlib import Path
 from typing import Any
 
-from stoker.cache import StageCache, fingerprint
+from stoker.adapters.backends.local import SimPredictor, TransformersPredictor
+from stoker.adapters.backends.modelstore import resolve_model
+from stoker.adapters.cache import StageCache
+from stoker.adapters.store import Store
+from stoker.adapters.urlfetch import FetchPolicy
+from stoker.core import cachekeys
+from stoker.core.arrays import array_from_bytes
 from stoker.core.asr import SpeechModel
-from stoker.core.imaging import DecodeParams
+from stoker.core.cachekeys import MODEL_INPUT, CacheAddress, fingerprint
+from stoker.core.imaging import DecodeParams, model_input_jpeg
+from stoker.core.model import Predictor
 from stoker.core.urls import Allowlist
-from stoker.modelstore import resolve_model
-from stoker.predictor import Predictor, SimPredictor, TransformersPredictor
 from stoker.settings import WorkerSettings
-from stoker.store import JobStore
-from stoker.urlfetch import FetchPolicy
 
 
 @functools.cache
@@ -25,22 +29,15 @@ def settings() -> WorkerSettings:
 
 
 @functools.cache
-def store() -> JobStore:
+def store() -> Store:
     """This worker's connection to the job store."""
-    s = settings()
-    tls = s.redis_tls(s.result_url)
-    return JobStore.from_url(
-        s.result_url, blob_ttl_s=s.blob_ttl_s, job_ttl_s=s.job_ttl_s, retries=s.redis_retries, tls=tls
-    )
+    return Store.connect(settings(), retries=settings().redis_retries)
 
 
 @functools.cache
 def cache() -> StageCache:
     """This worker's stage-result cache (disabled when STOKER_CACHE_ENABLED is false)."""
-    s = settings()
-    url = s.cache_url if s.cache_enabled else None
-    tls = s.redis_tls(s.cache_url)
-    return StageCache.from_url(url, ttl_s=s.cache_ttl_s, max_value_bytes=s.cache_max_value_bytes, tls=tls)
+    return StageCache.connect(settings())
 
 
 def decode_params() -> DecodeParams:
@@ -80,7 +77,7 @@ def predictor() -> Predictor:
     if s.backend == "sim":
         chosen = SimPredictor(s.sim_base_ms, s.sim_per_item_ms)
     elif s.backend == "openai":
-        from stoker.remote import OpenAIPredictor
+        from stoker.adapters.backends.remote import OpenAIPredictor
 
         chosen = OpenAIPredictor(
             s.openai_base_url,
@@ -102,12 +99,31 @@ def predictor() -> Predictor:
 def picture(digest: str, scope: str) -> bytes | None:
     """A decoded image as the model sees it (letterboxed, resized), as JPEG, from the cache scope it was decoded in;
     None if the cache no longer has it."""
-    from stoker.core.arrays import array_from_bytes
-    from stoker.core.imaging import model_input_jpeg
-    from tasks.preprocess import MODEL_INPUT, decode_address
-
     raw = cache().get_bytes(decode_address(digest, scope), part=MODEL_INPUT)
     return model_input_jpeg(array_from_bytes(raw)) if raw is not None else None  # type: ignore[arg-type]
+
+
+def decode_address(digest: str, scope: str) -> CacheAddress:
+    """Cache address of decode's output for this content under this worker's decode parameters."""
+    return cachekeys.decode_address(digest, scope, decode_params())
+
+
+def ocr_address(digest: str, scope: str) -> CacheAddress:
+    """Cache address of OCR text under this worker's languages, tesseract and decode parameters."""
+    langs = settings().ocr_langs
+    return cachekeys.ocr_address(digest, scope, params=decode_params(), langs=langs, tesseract=tesseract())
+
+
+def transcribe_address(digest: str, scope: str) -> CacheAddress:
+    """Cache address of a transcript under this worker's speech model and beam."""
+    s = settings()
+    weights = asr_model_identity()
+    return cachekeys.transcribe_address(digest, scope, model=s.asr_model, weights=weights, beam=s.asr_beam_size)
+
+
+def keyframe_address(digest: str, slot: int, count: int, scope: str) -> CacheAddress:
+    """Cache address of one keyframe choice of a video under this worker's media limit."""
+    return cachekeys.keyframe_address(digest, slot, count, scope, max_media_seconds=settings().max_media_seconds)
 
 
 @functools.cache

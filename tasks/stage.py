@@ -15,10 +15,11 @@ from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_postrun
 from opentelemetry.trace import Span
 
-from stoker import tenancy
-from stoker.cache import CacheAddress
-from stoker.core.media import ContentHash
-from stoker.errors import (
+from stoker.adapters.metrics import QUEUE_WAIT_SECONDS, STAGE_FAILURES, STAGE_SECONDS, cache_label
+from stoker.adapters.tracing import mark_failed, stage_span
+from stoker.core import tenancy
+from stoker.core.cachekeys import CacheAddress
+from stoker.core.errors import (
     AsrFailed,
     AsrTimeout,
     BrokerUnavailable,
@@ -33,9 +34,8 @@ from stoker.errors import (
     TransientError,
     WorkerLost,
 )
-from stoker.jobs import QUEUE_SUFFIX, ErrorInfo, InputRecord
-from stoker.metrics import QUEUE_WAIT_SECONDS, STAGE_FAILURES, STAGE_SECONDS, cache_label
-from stoker.tracing import mark_failed, stage_span
+from stoker.core.jobs import QUEUE_SUFFIX, ErrorInfo, InputRecord
+from stoker.core.media import ContentHash
 from tasks import resources
 from tasks.app import SENT_HEADER
 
@@ -173,7 +173,7 @@ def cache_scope(job_id: str) -> str:
     """Whose stage-cache entries this job's stages read and write: its tenant's, from its record (or the one scope
     every tenant shares, when sharing is on)."""
     return tenancy.cache_scope(
-        resources.store().tenant(job_id) or tenancy.DEFAULT_TENANT, resources.settings().cache_shared
+        resources.store().jobs.tenant(job_id) or tenancy.DEFAULT_TENANT, resources.settings().cache_shared
     )
 
 
@@ -203,7 +203,7 @@ def through_cache(
 
 def input_bytes(record: InputRecord, stage: str) -> bytes:
     """An input's bytes from the job store; they outlive every job that uses them."""
-    data = resources.store().get_blob(ContentHash(record.content_hash))
+    data = resources.store().blobs.get_blob(ContentHash(record.content_hash))
     if data is None:
         raise InputExpired(f"input bytes expired before {stage}", stage=stage)
     return data
@@ -218,7 +218,7 @@ def poison(record: InputRecord, stage: str) -> bool:
     if request is None or not request.id:
         return False
     # A retry re-sends the same task id: only deliveries beyond the retries mean a worker died.
-    deliveries = resources.store().count_delivery(str(request.id)) - int(request.retries or 0)
+    deliveries = resources.store().deliveries.count_delivery(str(request.id)) - int(request.retries or 0)
     if deliveries <= resources.settings().max_deliveries:
         return False
     log.error("%s delivered %d times, its worker died each time: giving up", stage, deliveries - 1)
@@ -230,16 +230,16 @@ def give_up(job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
     """Whether to stop here because the message is poison; the failed record is then written."""
     if not poison(record, stage):
         return False
-    resources.store().put_input(job_id, ref, record)
+    resources.store().jobs.put_input(job_id, ref, record)
     return True
 
 
 def past_budget(job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
     """Whether the job's preprocessing budget is spent (or it went on without this input): then fail the input."""
-    if resources.store().preprocessing_open(job_id):
+    if resources.store().watch.preprocessing_open(job_id):
         return False
     _fail(record, DeadlineExceeded(f"the job's preprocessing budget was spent before {stage}", stage=stage))
-    resources.store().put_input(job_id, ref, record)  # refused once the job went to inference: nothing to say
+    resources.store().jobs.put_input(job_id, ref, record)  # refused once the job went to inference: nothing to say
     return True
 
 
@@ -263,6 +263,6 @@ def _count_drained(task: Any = None, **_: Any) -> None:
     if not queue:
         return
     try:
-        resources.store().count_drained(str(queue))
+        resources.store().stats.count_drained(str(queue))
     except redis.RedisError:
         log.warning("could not count a drained %s message", queue)

@@ -11,7 +11,7 @@ from types import FrameType
 
 import redis
 
-from stoker.store import REAPER_LEASE_KEY
+from stoker.adapters.store.keys import REAPER_LEASE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def run_reaper() -> int:
     leading = False
     while not stopping.is_set():
         try:
-            held = store.take_lease(REAPER_LEASE_KEY, token, lease_s)
+            held = store.leases.take_lease(REAPER_LEASE_KEY, token, lease_s)
             if held != leading:
                 log.info("reaper %s %s the lease", token, "holds" if held else "lost")
                 leading = held

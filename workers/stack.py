@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from rich.console import Console
 
-from stoker.modelstore import resolve_model
+from stoker.adapters.backends.modelstore import resolve_model
 from stoker.settings import StackSettings, WorkerSettings
 from workers.broker import redis_answers, start_embedded
 from workers.launch import worker_argv, worker_env

@@ -11,7 +11,7 @@ import av
 import numpy as np
 import numpy.typing as npt
 
-from stoker.errors import MediaCorrupt, MediaEmpty, MediaTooLong
+from stoker.core.errors import MediaCorrupt, MediaEmpty, MediaTooLong
 
 ASR_SAMPLE_RATE = 16_000
 #: Bump when keyframe selection changes.

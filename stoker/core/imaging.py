@@ -11,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from stoker.core.errors import ImageCorrupt, ImageTooLarge
 from stoker.core.media import IMAGE_FORMATS
-from stoker.errors import ImageCorrupt, ImageTooLarge
 
 #: Bump when decode's output changes for the same input and parameters: cached results then miss.
 VERSION = "1"

@@ -15,7 +15,7 @@ import subprocess
 import numpy as np
 import numpy.typing as npt
 
-from stoker.errors import OcrFailed, OcrTimeout
+from stoker.core.errors import OcrFailed, OcrTimeout
 
 #: Bump when OCR's output changes for the same image and parameters.
 VERSION = "1"

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from stoker.jobs import InputRecord
+from stoker.core.jobs import InputRecord
 
 #: Bump when prompt assembly changes.
 VERSION = "2"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address, ip_network
 from urllib.parse import quote, urljoin, urlsplit
 
-from stoker.errors import FetchFailed, UrlRejected
+from stoker.core.errors import FetchFailed, UrlRejected
 
 IPAddress = IPv4Address | IPv6Address
 IPNetwork = IPv4Network | IPv6Network

@@ -11,7 +11,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from stoker.jobs import InputRecord
+from stoker.core.jobs import InputRecord
 from tests.procs import spawn, stop, tail, wait_for
 from workers.broker import free_port
 

@@ -16,8 +16,8 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from stoker.adapters.store.keys import ACTIVE_KEY
 from stoker.settings import ApiSettings
-from stoker.store import ACTIVE_KEY
 from tasks.pipeline import CelerySubmitter
 from tests.integration.conftest import SpySubmitter
 from tests.media import text_image

@@ -13,14 +13,15 @@ from typing import Any
 import redis
 from fastapi.testclient import TestClient
 
-from stoker.cache import StageCache
+from stoker.adapters.cache import StageCache
+from stoker.settings import CommonSettings
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import long_speech_wav, text_image
 
 
 def _stats() -> dict[str, dict[str, float]]:
-    return StageCache.from_url(os.environ["STOKER_CACHE_URL"], ttl_s=60, max_value_bytes=1).stats()
+    return StageCache.connect(CommonSettings()).stats()
 
 
 def _count(stats: dict[str, dict[str, float]], stage: str, what: str) -> float:

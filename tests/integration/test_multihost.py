@@ -19,7 +19,7 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from stoker.queues import declare_queues, transport_options
+from stoker.adapters.broker import declare_queues, transport_options
 from stoker.settings import ApiSettings
 from tasks.pipeline import CelerySubmitter
 from tests.fleet import QUICK_RECOVERY

@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from stoker.adapters.backends.remote import OpenAIPredictor
+from stoker.core.errors import InferenceFailed, ModelUnavailable
 from stoker.core.imaging import DecodeParams, decode_image, model_input_jpeg
-from stoker.errors import InferenceFailed, ModelUnavailable
-from stoker.predictor import ModelRequest, Prediction, run_predictor
-from stoker.remote import OpenAIPredictor
+from stoker.core.model import ModelRequest, Prediction, run_predictor
 from tests.fakeopenai import FakeServer, fake_openai_server
 from tests.media import text_image
 

@@ -20,9 +20,9 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from stoker.adapters.store import Store
+from stoker.core.tenancy import issue_key, parse_key
 from stoker.settings import ApiSettings
-from stoker.store import JobStore
-from stoker.tenancy import issue_key, parse_key
 from tasks.pipeline import CelerySubmitter
 from tests.config import fresh_celeryconfig
 from tests.integration.conftest import SpySubmitter
@@ -76,13 +76,13 @@ class Tenant:
 
 
 @pytest.fixture
-def job_store(store_redis: redis.Redis) -> JobStore:
+def job_store(store_redis: redis.Redis) -> Store:
     """The test store, as the API and the workers see it."""
-    return JobStore(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
+    return Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
 
 
 @pytest.fixture
-def tenants(job_store: JobStore) -> tuple[Tenant, Tenant]:
+def tenants(job_store: Store) -> tuple[Tenant, Tenant]:
     """Two tenants, each with a key of its own."""
     made = []
     for name in ("acme", "globex"):
@@ -153,7 +153,7 @@ def test_no_key_is_401_and_nothing_is_written(
 
 
 def test_a_wrong_unknown_or_revoked_key_is_401(
-    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: JobStore
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store
 ) -> None:
     api = secure()
     acme, _ = tenants
@@ -211,7 +211,7 @@ def test_over_the_request_rate_is_429_with_retry_after(
 
 
 def test_jobs_in_flight_are_limited_and_given_back_when_they_end(
-    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: JobStore
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store
 ) -> None:
     api = secure(max_jobs_in_flight=1)
     acme, globex = tenants
@@ -241,7 +241,7 @@ class FailingSubmitter:
 
 
 def test_a_refused_or_unenqueued_job_gives_its_slot_back(
-    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: JobStore
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store
 ) -> None:
     acme, _ = tenants
     api = secure(max_jobs_in_flight=1)
@@ -257,7 +257,7 @@ def test_a_refused_or_unenqueued_job_gives_its_slot_back(
 
 
 def test_a_job_the_reaper_ends_gives_its_slot_back(
-    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: JobStore
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store
 ) -> None:
     acme, _ = tenants
     api = secure(submitter=SpySubmitter(forward=False), max_jobs_in_flight=1)  # never enqueued: only the reaper acts

@@ -21,11 +21,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from stoker.adapters.urlfetch import FetchPolicy, fetch
+from stoker.core.errors import FetchFailed
 from stoker.core.media import content_hash
 from stoker.core.urls import Allowlist, IPAddress
-from stoker.errors import FetchFailed
 from stoker.settings import WorkerSettings
-from stoker.urlfetch import FetchPolicy, fetch
 from tests.integration.conftest import URL_TEST_HOST, SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import speech_wav, text_image, text_video

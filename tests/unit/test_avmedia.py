@@ -9,10 +9,10 @@ import pytest
 
 from stoker.core.asr import transcribe
 from stoker.core.avmedia import decode_audio, extract_frame, keyframe_times, probe
+from stoker.core.errors import MediaCorrupt, MediaEmpty, MediaTooLong
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.media import sniff_format
 from stoker.core.ocr import read_text
-from stoker.errors import MediaCorrupt, MediaEmpty, MediaTooLong
 from tests.media import KEY_WORDS, flac_claiming, speech_wav, text_video, to_mp3, truncated, wav_header
 
 

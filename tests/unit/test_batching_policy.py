@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from stoker.core.batching import BatchPolicy, Waiting, plan_batch
-from stoker.predictor import ModelRequest, Prediction
+from stoker.core.model import ModelRequest, Prediction
 from tasks.inference import predict_isolated
 
 POLICY = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.05)

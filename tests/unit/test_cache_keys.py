@@ -2,51 +2,64 @@
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import replace
 
-from stoker.cache import CacheAddress, PipelineContext, StageCache, fingerprint, prompt_address
+from stoker.adapters.cache import StageCache
+from stoker.adapters.store.keys import cache_key, cache_lease_key
+from stoker.core.cachekeys import (
+    CacheAddress,
+    PipelineContext,
+    decode_address,
+    fingerprint,
+    keyframe_address,
+    ocr_address,
+    prompt_address,
+    transcribe_address,
+)
 from stoker.core.imaging import DecodeParams
-from stoker.settings import WorkerSettings
-from stoker.tenancy import SHARED_SCOPE, cache_scope
-from tasks import preprocess, resources
+from stoker.core.tenancy import SHARED_SCOPE, cache_scope
+from stoker.settings import CommonSettings
 from workers.broker import free_port
 
 SCOPE = cache_scope("acme", shared=False)
 
 
-@pytest.fixture
-def settings(monkeypatch: pytest.MonkeyPatch) -> WorkerSettings:
-    """Worker settings the key functions will read; tests mutate them."""
-    current = WorkerSettings()
-    monkeypatch.setattr(resources, "settings", lambda: current)
-    monkeypatch.setattr(
-        resources,
-        "decode_params",
-        lambda: DecodeParams(
-            max_pixels=current.max_image_pixels, image_size=current.image_size, ocr_max_side=current.ocr_max_side
-        ),
-    )
-    monkeypatch.setattr(resources, "tesseract", lambda: "5.3.0")
-    return current
+PARAMS = DecodeParams(max_pixels=90_000_000, image_size=224, ocr_max_side=2000)
 
 
-def test_ocr_language_change_misses(settings: WorkerSettings) -> None:
-    before = preprocess.ocr_address("abc", SCOPE)
-    settings.ocr_langs = "eng+chi_sim"
-    assert preprocess.ocr_address("abc", SCOPE).key() != before.key()
+def ocr_key(digest: str, scope: str = SCOPE, params: DecodeParams = PARAMS, langs: str = "eng") -> str:
+    """The Redis key of an OCR result under these parameters (tesseract 5.3.0)."""
+    return cache_key(ocr_address(digest, scope, params=params, langs=langs, tesseract="5.3.0"))
 
 
-def test_decode_parameters_change_decode_and_ocr_keys(settings: WorkerSettings) -> None:
-    decode, ocr = preprocess.decode_address("abc", SCOPE), preprocess.ocr_address("abc", SCOPE)
-    settings.image_size = 336
-    assert preprocess.decode_address("abc", SCOPE).key() != decode.key()
-    assert preprocess.ocr_address("abc", SCOPE).key() != ocr.key()
+def test_ocr_language_change_misses() -> None:
+    assert ocr_key("abc", langs="eng+chi_sim") != ocr_key("abc")
 
 
-def test_key_carries_stage_version_content_and_fingerprint(settings: WorkerSettings) -> None:
-    address = preprocess.ocr_address("c0ffee", SCOPE)
-    assert address.key().startswith("stoker:cache:ocr:1:c0ffee:")
-    assert preprocess.ocr_address("c0ffef", SCOPE).key() != address.key()
+def test_a_tesseract_upgrade_misses() -> None:
+    old = ocr_address("abc", SCOPE, params=PARAMS, langs="eng", tesseract="5.3.0")
+    assert ocr_address("abc", SCOPE, params=PARAMS, langs="eng", tesseract="5.4.1") != old
+
+
+def test_decode_parameters_change_decode_and_ocr_keys() -> None:
+    bigger = replace(PARAMS, image_size=336)
+    assert cache_key(decode_address("abc", SCOPE, bigger)) != cache_key(decode_address("abc", SCOPE, PARAMS))
+    assert ocr_key("abc", params=bigger) != ocr_key("abc")
+
+
+def test_key_carries_stage_version_content_and_fingerprint() -> None:
+    key = ocr_key("c0ffee")
+    assert key.startswith("stoker:cache:ocr:1:c0ffee:")
+    assert ocr_key("c0ffef") != key
+
+
+def test_transcripts_and_keyframes_change_with_their_parameters() -> None:
+    base = transcribe_address("abc", SCOPE, model="tiny.en", weights="1:2", beam=1)
+    assert transcribe_address("abc", SCOPE, model="tiny.en", weights="1:3", beam=1) != base  # new weights
+    assert transcribe_address("abc", SCOPE, model="tiny.en", weights="1:2", beam=5) != base
+    frame = keyframe_address("abc", 0, 3, SCOPE, max_media_seconds=600)
+    assert keyframe_address("abc", 1, 3, SCOPE, max_media_seconds=600) != frame
+    assert keyframe_address("abc", 0, 3, SCOPE, max_media_seconds=60) != frame
 
 
 def test_fingerprint_is_order_independent_and_value_sensitive() -> None:
@@ -55,7 +68,7 @@ def test_fingerprint_is_order_independent_and_value_sensitive() -> None:
 
 
 def test_an_unreachable_cache_is_a_miss_not_an_error() -> None:
-    cache = StageCache.from_url(f"redis://127.0.0.1:{free_port()}/0", ttl_s=10, max_value_bytes=1024)
+    cache = StageCache.connect(CommonSettings(cache_url=f"redis://127.0.0.1:{free_port()}/0"))
     address = CacheAddress("ocr", "1", "abc", "f", SCOPE)
     assert cache.get_json(address) is None
     assert cache.put_json(address, {"text": "x"}) is False
@@ -78,20 +91,21 @@ def test_a_disabled_cache_always_computes() -> None:
     assert cache.stats() == {}
 
 
-def test_each_tenant_has_its_own_entries_unless_sharing_is_on(settings: WorkerSettings) -> None:
+def test_each_tenant_has_its_own_entries_unless_sharing_is_on() -> None:
     acme, globex = cache_scope("acme", shared=False), cache_scope("globex", shared=False)
     assert acme != globex
-    assert preprocess.ocr_address("c0ffee", acme).key() != preprocess.ocr_address("c0ffee", globex).key()
-    assert preprocess.decode_address("c0ffee", acme).lease != preprocess.decode_address("c0ffee", globex).lease
+    assert ocr_key("c0ffee", acme) != ocr_key("c0ffee", globex)
+    leases = {cache_lease_key(decode_address("c0ffee", scope, PARAMS)) for scope in (acme, globex)}
+    assert len(leases) == 2
     # Sharing: one scope for every tenant, so one tenant's result answers another's identical input.
     shared = {cache_scope(tenant, shared=True) for tenant in ("acme", "globex", "shared")}
     assert shared == {SHARED_SCOPE}
     assert cache_scope("shared", shared=False) != SHARED_SCOPE  # a tenant named "shared" stays apart
     # The content hash and the parameters still key the entry inside a scope.
-    key = preprocess.ocr_address("c0ffee", acme).key()
+    key = ocr_key("c0ffee", acme)
     assert key.startswith("stoker:cache:ocr:1:c0ffee:")
     assert ":tenant-acme:" in key
-    assert preprocess.ocr_address("c0ffef", acme).key() != key
+    assert ocr_key("c0ffef", acme) != key
 
 
 def test_a_prompt_is_cached_per_tenant() -> None:
@@ -99,4 +113,4 @@ def test_a_prompt_is_cached_per_tenant() -> None:
     acme = prompt_address(context, "hello", [], cache_scope("acme", shared=False))
     globex = prompt_address(context, "hello", [], cache_scope("globex", shared=False))
     assert acme.digest == globex.digest  # same material
-    assert acme.key() != globex.key()  # different owners
+    assert cache_key(acme) != cache_key(globex)  # different owners

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stoker.deadlines import JobClock, ReapPolicy, deadline_for, decide
+from stoker.core.deadlines import JobClock, ReapPolicy, deadline_for, decide
 
 POLICY = ReapPolicy(redrive_after_s=30.0, max_redrives=2, batch_timeout_s=60.0, recheck_s=5.0)
 

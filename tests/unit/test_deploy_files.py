@@ -12,7 +12,7 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from stoker import metrics
+from stoker.adapters import metrics
 from stoker.settings import StackSettings, WorkerSettings
 from workers.launch import METRICS_PORTS, worker_kinds
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from stoker.core.errors import ImageCorrupt, ImageTooLarge
 from stoker.core.imaging import DecodeParams, decode_image
-from stoker.errors import ImageCorrupt, ImageTooLarge
 from tests.media import encode, png_bomb, text_image, truncated
 
 PARAMS = DecodeParams(max_pixels=90_000_000, image_size=224, ocr_max_side=2048)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from api.intake import validate
+from stoker.core.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType
 from stoker.core.media import content_hash
-from stoker.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType
 from stoker.settings import ApiSettings
 from tests.media import text_image
 

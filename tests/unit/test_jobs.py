@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from stoker.jobs import InputRecord, compute_timings, final_status
-from stoker.store import job_from_fields
+from stoker.adapters.store.jobs import job_from_fields
+from stoker.core.jobs import InputRecord, compute_timings, final_status
 
 
 def test_timings_appear_as_both_ends_are_known() -> None:

@@ -3,8 +3,8 @@ the device's busy and starved time."""
 
 from __future__ import annotations
 
-from stoker.client import waterfall
-from stoker.jobs import ErrorInfo, InputRecord, Job, preprocess_share
+from stoker.adapters.client import waterfall
+from stoker.core.jobs import ErrorInfo, InputRecord, Job, preprocess_share
 from tasks.monitoring import DeviceClock, job_line, starved_seconds
 
 TIMINGS = {"queued": 100.0, "preprocess": 300.0, "infer_wait": 50.0, "infer": 650.0, "total": 1000.0}

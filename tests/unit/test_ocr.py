@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from stoker.core.errors import OcrFailed, OcrTimeout
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.ocr import normalise_text, read_text, tesseract_version
-from stoker.errors import OcrFailed, OcrTimeout
 from tests.media import text_image
 from tests.procs import running
 

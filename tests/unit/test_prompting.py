@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from stoker.adapters.backends.modelstore import resolve_model
+from stoker.core.errors import ModelUnavailable
 from stoker.core.prompting import Attachment, build_prompt_ids, render_user_message
-from stoker.errors import ModelUnavailable
-from stoker.modelstore import resolve_model
 from stoker.settings import CommonSettings
 
 

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stoker.predictor import ModelRequest
-from stoker.settings import ApiSettings, StackSettings, WorkerSettings
-from stoker.tenancy import (
+from stoker.core.model import ModelRequest
+from stoker.core.tenancy import (
     DEFAULT_TENANT,
     IN_FLIGHT_RETRY_S,
     SHARED_SCOPE,
@@ -25,6 +24,7 @@ from stoker.tenancy import (
     retry_after,
     verify,
 )
+from stoker.settings import ApiSettings, StackSettings, WorkerSettings
 from tests.config import fresh_celeryconfig
 from workers.stack import _without_password, stack_auth
 

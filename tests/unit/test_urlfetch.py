@@ -10,9 +10,9 @@ from ipaddress import ip_address
 import httpx
 import pytest
 
+from stoker.adapters.urlfetch import FetchPolicy, fetch, resolve
+from stoker.core.errors import FetchFailed, FetchTimeout, FetchTooLarge, FetchUnavailable, UrlRejected
 from stoker.core.urls import Allowlist, IPAddress
-from stoker.errors import FetchFailed, FetchTimeout, FetchTooLarge, FetchUnavailable, UrlRejected
-from stoker.urlfetch import FetchPolicy, fetch, resolve
 from tasks import fetch as fetch_task
 from tasks import resources
 
@@ -213,7 +213,7 @@ def test_a_last_temporary_failure_fails_the_input_as_fetch_failed(monkeypatch: p
 
     monkeypatch.setattr(resources, "fetch_policy", lambda: POLICY)
     monkeypatch.setattr(fetch_task.urlfetch, "fetch", unavailable)
-    from stoker.jobs import InputRecord
+    from stoker.core.jobs import InputRecord
 
     record = InputRecord(index=0, kind="image", content_hash="", size_bytes=0, url="http://files.example/a")
     assert fetch_task.last_try()  # called in-process: there is no retry to wait for

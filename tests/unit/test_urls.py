@@ -9,9 +9,9 @@ from celery import group
 from pydantic import ValidationError
 
 from api.intake import UrlInput, validate
+from stoker.core.errors import FetchFailed, UrlRejected
+from stoker.core.jobs import InputRecord
 from stoker.core.urls import MAX_URL_CHARS, Allowlist, forbidden_reason, parse_url, redirect_location, vet_addresses
-from stoker.errors import FetchFailed, UrlRejected
-from stoker.jobs import InputRecord
 from stoker.settings import ApiSettings, WorkerSettings
 from tasks.pipeline import job_canvas
 

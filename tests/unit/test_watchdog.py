@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stoker.watchdog import BatchWatchdog, RunningBatch
+from tasks.watchdog import BatchWatchdog, RunningBatch
 
 
 class Clock:

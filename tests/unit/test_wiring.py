@@ -14,8 +14,9 @@ import redis
 from celery import chord
 from celery.exceptions import SoftTimeLimitExceeded
 
-from stoker.errors import BrokerUnavailable, ImageCorrupt, ModelUnavailable, StokerError, TransientError
-from stoker.jobs import InputRecord
+from stoker.adapters.rlimits import cap_address_space
+from stoker.core.errors import BrokerUnavailable, ImageCorrupt, ModelUnavailable, StokerError, TransientError
+from stoker.core.jobs import InputRecord
 from stoker.settings import WorkerSettings
 from tasks import resources
 from tasks.media import transcribe_limit_s
@@ -23,7 +24,6 @@ from tasks.pipeline import job_canvas
 from tasks.preprocess import decode
 from tasks.stage import input_stage, time_limit
 from workers.launch import worker_argv
-from workers.limits import cap_address_space
 
 
 def _inputs(n: int) -> list[InputRecord]:

@@ -19,8 +19,8 @@ from ipaddress import ip_address
 
 import httpx
 
+from stoker.core.errors import FetchFailed, FetchTimeout, FetchTooLarge, FetchUnavailable, UrlRejected
 from stoker.core.urls import Allowlist, IPAddress, Target, parse_url, redirect_location, vet_addresses
-from stoker.errors import FetchFailed, FetchTimeout, FetchTooLarge, FetchUnavailable, UrlRejected
 
 #: Host name and port in, every address it resolves to out.
 Resolver = Callable[[str, int], list[IPAddress]]

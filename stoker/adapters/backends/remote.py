@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from stoker.errors import InferenceFailed, ModelUnavailable, StokerError
-from stoker.predictor import ModelRequest, Outcome, Prediction
+from stoker.core.errors import InferenceFailed, ModelUnavailable, StokerError
+from stoker.core.model import ModelRequest, Outcome, Prediction
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from stoker.jobs import TERMINAL
+from stoker.core.jobs import TERMINAL
 
 
 @dataclass(frozen=True)

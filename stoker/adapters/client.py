@@ -11,8 +11,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from stoker.core.jobs import TERMINAL
 from stoker.core.media import guess_kind
-from stoker.jobs import TERMINAL
 
 
 def submit_files(

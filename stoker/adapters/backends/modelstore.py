@@ -13,7 +13,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from stoker.errors import ModelUnavailable
+from stoker.core.errors import ModelUnavailable
 from stoker.settings import BUILTIN_MODEL
 
 log = logging.getLogger(__name__)

@@ -8,11 +8,7 @@ from typing import Any
 from kombu.connection import Connection
 from kombu.entity import Queue
 
-#: Every queue stoker's workers consume, in pipeline order (celeryconfig routes tasks onto them).
-QUEUES = ("decode", "ocr", "asr", "tokenize", "infer")
-CPU_QUEUES = ("decode", "ocr", "asr", "tokenize")
-#: The synchronous baseline's one queue (`STOKER_PIPELINE_MODE=sync`, benchmarks only): whole jobs wait here.
-SYNC_QUEUE = "sync"
+from stoker.core.queues import QUEUES, SYNC_QUEUE
 
 
 def queue_depths(connection: Connection, names: Iterable[str] = QUEUES) -> dict[str, int]:

@@ -12,67 +12,20 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict
 from typing import Any
 
-import blake3
 import redis
 
-from stoker.core import prompting
-from stoker.core.prompting import Attachment
-from stoker.jobs import QUEUE_SUFFIX, InputRecord
-from stoker.metrics import CACHE_LOOKUPS
-from stoker.store import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY, cache_key, cache_lease_key
+from stoker.adapters.metrics import CACHE_LOOKUPS
+from stoker.adapters.store.clients import cache_client
+from stoker.adapters.store.keys import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY, cache_key, cache_lease_key, cache_pattern
+from stoker.core.cachekeys import CacheAddress, PipelineContext, fingerprint
+from stoker.core.jobs import QUEUE_SUFFIX, InputRecord
+from stoker.settings import CommonSettings
 
 log = logging.getLogger(__name__)
-
-
-def fingerprint(**parts: Any) -> str:
-    """A short stable digest of everything that changes a stage's output."""
-    return blake3.blake3(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class PipelineContext:
-    """The workers' identity as published for the API: preprocessing fingerprint, tokenizer, prompt budget."""
-
-    identity: str
-    tokenizer: str
-    budget: int
-
-
-def prompt_address(
-    context: PipelineContext, prompt: str, attachments: Sequence[Attachment], scope: str
-) -> CacheAddress:
-    """Cache address of a tokenized prompt: the whole prompt material under this tokenizer and budget."""
-    material = json.dumps([prompt, [asdict(a) for a in attachments], context.budget], sort_keys=True).encode()
-    digest = blake3.blake3(material).hexdigest()
-    return CacheAddress("tokenize", prompting.VERSION, digest, context.tokenizer, scope)
-
-
-@dataclass(frozen=True)
-class CacheAddress:
-    """Where one stage result for one content under one parameter set lives, in whose scope.
-
-    The scope (`stoker.tenancy.cache_scope`) is the tenant the entry belongs to, so one tenant's results never
-    answer, or speed up, another's; or one scope for all when sharing is on.
-    """
-
-    stage: str
-    version: str
-    digest: str
-    fingerprint: str
-    scope: str
-
-    def key(self, part: str = "value") -> str:
-        """Redis key of one part of the entry."""
-        return cache_key(self.stage, self.version, self.digest, self.fingerprint, self.scope, part)
-
-    @property
-    def lease(self) -> str:
-        """Redis key of the single-flight lease."""
-        return cache_lease_key(self.stage, self.version, self.digest, self.fingerprint, self.scope)
 
 
 class StageCache:
@@ -84,12 +37,9 @@ class StageCache:
         self.max_value_bytes = max_value_bytes
 
     @classmethod
-    def from_url(
-        cls, url: str | None, *, ttl_s: int, max_value_bytes: int, tls: Mapping[str, Any] | None = None
-    ) -> StageCache:
-        """A cache at url (`tls`: the options of a `rediss://` url); None disables caching."""
-        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2, **(tls or {})) if url else None
-        return cls(client, ttl_s=ttl_s, max_value_bytes=max_value_bytes)
+    def connect(cls, settings: CommonSettings) -> StageCache:
+        """The cache at `settings.cache_url`; a disabled cache (`cache_enabled` false) misses every time."""
+        return cls(cache_client(settings), ttl_s=settings.cache_ttl_s, max_value_bytes=settings.cache_max_value_bytes)
 
     def get_json(self, address: CacheAddress) -> dict[str, Any] | None:
         """A cached JSON result, or None."""
@@ -101,7 +51,7 @@ class StageCache:
         if self.redis is None:
             return None
         try:
-            value = self.redis.get(address.key(part))
+            value = self.redis.get(cache_key(address, part))
         except redis.RedisError as exc:
             log.warning("cache read failed, treating as a miss: %s", exc)
             return None
@@ -119,7 +69,7 @@ class StageCache:
             self._count(address.stage, "oversize")
             return False
         try:
-            self.redis.set(address.key(part), data, ex=self.ttl_s)
+            self.redis.set(cache_key(address, part), data, ex=self.ttl_s)
         except redis.RedisError as exc:
             log.warning("cache write failed: %s", exc)
             return False
@@ -177,8 +127,8 @@ class StageCache:
         def renew() -> None:
             while not stop.wait(lease_s / 3):
                 with contextlib.suppress(redis.RedisError):
-                    if self.redis is not None and self.redis.get(address.lease) == token.encode():
-                        self.redis.pexpire(address.lease, int(lease_s * 1000))
+                    if self.redis is not None and self.redis.get(cache_lease_key(address)) == token.encode():
+                        self.redis.pexpire(cache_lease_key(address), int(lease_s * 1000))
 
         if self.redis is not None:
             threading.Thread(target=renew, name="stoker-lease", daemon=True).start()
@@ -187,7 +137,7 @@ class StageCache:
         if self.redis is None:
             return True
         try:
-            return bool(self.redis.set(address.lease, token, nx=True, px=int(lease_s * 1000)))
+            return bool(self.redis.set(cache_lease_key(address), token, nx=True, px=int(lease_s * 1000)))
         except redis.RedisError:
             return True  # no cache: compute
 
@@ -195,8 +145,8 @@ class StageCache:
         if self.redis is None:
             return
         with contextlib.suppress(redis.RedisError):
-            if self.redis.get(address.lease) == token.encode():
-                self.redis.delete(address.lease)
+            if self.redis.get(cache_lease_key(address)) == token.encode():
+                self.redis.delete(cache_lease_key(address))
 
     # -- whole preprocessed inputs: what lets a fully cached job skip the CPU queues ------------------------------
     def publish_context(self, context: PipelineContext) -> None:
@@ -244,7 +194,7 @@ class StageCache:
         """Delete cached results (of one stage, or all) and reset their counters; returns keys deleted."""
         if self.redis is None:
             return 0
-        pattern = cache_key(stage or "*", "*", "*", "*", "*", "*")
+        pattern = cache_pattern(stage)
         deleted = 0
         for key in self.redis.scan_iter(pattern, count=500):
             deleted += int(self.redis.delete(key))

@@ -1,0 +1,1 @@
+"""Adapters: Redis repositories, the stage cache, model backends, HTTP clients, observability."""

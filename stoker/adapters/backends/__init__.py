@@ -1,0 +1,1 @@
+"""Model backends behind the one predictor contract (`stoker.core.model.Predictor`)."""

@@ -1,0 +1,55 @@
+"""Redis repositories, one concern each, over one key layout (`keys`) and one client factory (`clients`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from stoker.adapters.store.blobs import BlobRepository
+from stoker.adapters.store.clients import store_client
+from stoker.adapters.store.coordination import DeliveryCounter, Leases
+from stoker.adapters.store.jobs import JobRepository
+from stoker.adapters.store.stats import StatsRepository
+from stoker.adapters.store.tenants import TenantRepository
+from stoker.adapters.store.watch import Watchlist
+from stoker.settings import CommonSettings
+
+
+@dataclass(frozen=True)
+class Store:
+    """The job store's repositories over one connection pool: what a process opens once and passes around."""
+
+    client: redis.Redis[bytes]
+    jobs: JobRepository
+    blobs: BlobRepository
+    tenants: TenantRepository
+    stats: StatsRepository
+    watch: Watchlist
+    deliveries: DeliveryCounter
+    leases: Leases
+
+    @classmethod
+    def over(cls, client: redis.Redis[bytes], *, blob_ttl_s: int, job_ttl_s: int) -> Store:
+        """Every repository over one client."""
+        return cls(
+            client=client,
+            jobs=JobRepository(client, ttl_s=job_ttl_s),
+            blobs=BlobRepository(client, ttl_s=blob_ttl_s),
+            tenants=TenantRepository(client),
+            stats=StatsRepository(client),
+            watch=Watchlist(client),
+            deliveries=DeliveryCounter(client, ttl_s=job_ttl_s),
+            leases=Leases(client),
+        )
+
+    @classmethod
+    def connect(cls, settings: CommonSettings, *, retries: int = 1) -> Store:
+        """The store at `settings.result_url` (connected lazily); see `clients.store_client` for `retries`."""
+        return cls.over(
+            store_client(settings, retries=retries), blob_ttl_s=settings.blob_ttl_s, job_ttl_s=settings.job_ttl_s
+        )
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.client.close()

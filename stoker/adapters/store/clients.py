@@ -1,0 +1,56 @@
+"""The one place Redis clients are made, sync and async, from a process's settings.
+
+Timeouts, retries and TLS (`CommonSettings.redis_tls`) are decided here, so no client of stoker's connects without
+them: workers ride out a Redis restart (many retries, backoff capped at 1 s), the API learns of an outage in time
+to answer 503, and the cache gives up fast (a cache that does not answer is a miss, never a wait).
+"""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from stoker.settings import CommonSettings
+
+#: Seconds to connect, and to wait for one answer, on the job store.
+STORE_CONNECT_TIMEOUT_S = 2.0
+STORE_READ_TIMEOUT_S = 10.0
+#: The cache is never worth waiting for.
+CACHE_CONNECT_TIMEOUT_S = 1.0
+CACHE_READ_TIMEOUT_S = 2.0
+
+
+def store_client(settings: CommonSettings, *, retries: int = 1) -> redis.Redis[bytes]:
+    """A client of the job store; each command rides out a broken connection `retries` times."""
+    return redis.Redis.from_url(
+        settings.result_url,
+        socket_connect_timeout=STORE_CONNECT_TIMEOUT_S,
+        socket_timeout=STORE_READ_TIMEOUT_S,
+        health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        **settings.redis_tls(settings.result_url),
+    )
+
+
+def async_store_client(settings: CommonSettings) -> aioredis.Redis[bytes]:
+    """An asyncio client of the job store (the API's long-polls listen on it)."""
+    return aioredis.Redis.from_url(
+        settings.result_url,
+        socket_connect_timeout=STORE_CONNECT_TIMEOUT_S,
+        **settings.redis_tls(settings.result_url),
+    )
+
+
+def cache_client(settings: CommonSettings) -> redis.Redis[bytes] | None:
+    """A client of the stage cache; None when caching is off."""
+    if not settings.cache_enabled:
+        return None
+    return redis.Redis.from_url(
+        settings.cache_url,
+        socket_connect_timeout=CACHE_CONNECT_TIMEOUT_S,
+        socket_timeout=CACHE_READ_TIMEOUT_S,
+        **settings.redis_tls(settings.cache_url),
+    )

@@ -1,0 +1,43 @@
+"""Coordination between workers: how often a task message was delivered, and exclusive leases."""
+
+from __future__ import annotations
+
+import redis
+
+from stoker.adapters.store.keys import deliveries_key
+
+# Take or renew a lease held under a token.
+_LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+
+class DeliveryCounter:
+    """Deliveries per task message, so a message that keeps killing its worker is given up (poison messages)."""
+
+    def __init__(self, client: redis.Redis[bytes], *, ttl_s: int) -> None:
+        self.redis = client
+        self.ttl_s = ttl_s
+
+    def count_delivery(self, task_id: str) -> int:
+        """Count one more delivery of a task message; returns how many there have been."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.incr(deliveries_key(task_id))
+            pipe.expire(deliveries_key(task_id), self.ttl_s)
+            count, _ = pipe.execute()
+        return int(count)
+
+
+class Leases:
+    """Exclusive, expiring leases held under a token (the one acting reaper)."""
+
+    def __init__(self, client: redis.Redis[bytes]) -> None:
+        self.redis = client
+        self._lease = client.register_script(_LEASE)
+
+    def take_lease(self, key: str, token: str, ttl_s: float) -> bool:
+        """Take or renew an exclusive lease; False while someone else holds it."""
+        return bool(self._lease(keys=[key], args=[token, int(ttl_s * 1000)]))

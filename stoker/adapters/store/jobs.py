@@ -1,0 +1,254 @@
+"""Job records: created by the API, filled in by each stage, handed to inference once, ended once."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from typing import Literal
+
+import redis
+
+from stoker.adapters.store.keys import (
+    ACTIVE_KEY,
+    IN_FLIGHT_GRACE_S,
+    JOB_COUNTS_KEY,
+    done_channel,
+    input_ref,
+    job_key,
+    tenant_jobs_key,
+    tokens_key,
+)
+from stoker.core.deadlines import Deadline
+from stoker.core.jobs import (
+    STAMPS,
+    BatchInfo,
+    ErrorInfo,
+    InputRecord,
+    Job,
+    JobStatus,
+    ResultInfo,
+    compute_timings,
+    preprocess_share,
+)
+from stoker.core.model import ModelRequest
+from stoker.core.tenancy import DEFAULT_TENANT
+
+# An input record is written only while its job is still preprocessing: once the prompt was built from the
+# records, a stage finishing late must not change what the job says it used. `rev` counts the writes.
+_PUT_INPUT = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'ts:preprocessed') == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'rev', 1)
+return 1
+"""
+
+# The one hand-over from preprocessing to inference. 'stale': a record changed since the prompt was built.
+_HAND_OFF = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'ts:preprocessed') == 1 then
+  return 'done'
+end
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'succeeded' or status == 'degraded' or status == 'failed' then return 'done' end
+if ARGV[5] == '0' and (redis.call('HGET', KEYS[1], 'rev') or '0') ~= ARGV[1] then return 'stale' end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
+redis.call('HSETNX', KEYS[1], 'ts:started', ARGV[3])
+redis.call('HSET', KEYS[1], 'ts:preprocessed', ARGV[3], 'status', 'inferring')
+redis.call('ZADD', KEYS[3], 'XX', ARGV[3], ARGV[6])  -- the reaper re-plans it now: redrive time, deadline
+return 'ok'
+"""
+
+# A terminal status is written once: whoever comes second (a late batch, the reaper, the watchdog) changes nothing.
+_FINISH = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'succeeded' or status == 'degraded' or status == 'failed' then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
+redis.call('ZREM', KEYS[6], ARGV[1])  -- the tenant's in-flight slot, given back exactly when the job ends
+redis.call('PUBLISH', KEYS[4], ARGV[2])
+return 1
+"""
+
+HandOff = Literal["ok", "stale", "done"]
+
+
+class JobRepository:
+    """One hash per job (`keys.job_key`), its model request, and its place on the reaper's watch list."""
+
+    def __init__(self, client: redis.Redis[bytes], *, ttl_s: int) -> None:
+        self.redis = client
+        self.ttl_s = ttl_s
+        self._put_input = client.register_script(_PUT_INPUT)
+        self._hand_off = client.register_script(_HAND_OFF)
+        self._finish = client.register_script(_FINISH)
+
+    def create_job(
+        self,
+        job_id: str,
+        prompt: str,
+        inputs: Iterable[InputRecord],
+        accepted: float,
+        deadline: Deadline,
+        deadline_ms: int,
+        trace: tuple[str, dict[str, str]] | None = None,
+        *,
+        tenant: str,
+    ) -> None:
+        """Write a new job record atomically, in status queued, and put it under the reaper's watch.
+
+        The tenant's in-flight slot for it (taken at admission, if its limit is on) is now held until the job ends,
+        or at the latest until a grace period after its deadline.
+        """
+        fields: dict[str | bytes, str | bytes | float | int] = {
+            "prompt": prompt,
+            "tenant": tenant,
+            "status": "queued",
+            "ts:accepted": repr(accepted),
+            "deadline": repr(deadline.at),
+            "preprocess_by": repr(deadline.preprocess_by),
+            "deadline_ms": deadline_ms,
+        }
+        if trace:  # (trace id, context carrier)
+            fields["trace_id"] = trace[0]
+            fields["trace_context"] = json.dumps(trace[1])
+        for record in inputs:
+            fields[input_ref(record.index)] = record.model_dump_json()
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(job_key(job_id), mapping=fields)
+            pipe.expire(job_key(job_id), self.ttl_s)
+            pipe.zadd(ACTIVE_KEY, {job_id: deadline.preprocess_by})
+            pipe.zadd(tenant_jobs_key(tenant), {job_id: deadline.at + IN_FLIGHT_GRACE_S}, xx=True)
+            pipe.hincrby(JOB_COUNTS_KEY, "accepted", 1)
+            pipe.execute()
+
+    def delete_job(self, job_id: str) -> None:
+        """Forget a job that was never enqueued."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(job_key(job_id), tokens_key(job_id))
+            pipe.zrem(ACTIVE_KEY, job_id)
+            pipe.execute()
+
+    def mark_started(self, job_id: str) -> None:
+        """The first stage to run for a job moves it to preprocessing."""
+        if self.redis.hsetnx(job_key(job_id), "ts:started", repr(time.time())):
+            self.redis.hset(job_key(job_id), "status", "preprocessing")
+
+    def stamp(self, job_id: str, name: str, at: float | None = None, status: JobStatus | None = None) -> None:
+        """Record a timestamp, and optionally a status change, in one round trip."""
+        fields: dict[str | bytes, str | bytes | float | int] = {f"ts:{name}": repr(time.time() if at is None else at)}
+        if status:
+            fields["status"] = status
+        self.redis.hset(job_key(job_id), mapping=fields)
+
+    def get_stamp(self, job_id: str, name: str) -> float | None:
+        """One timestamp of a job, or None if not reached yet."""
+        raw = self.redis.hget(job_key(job_id), f"ts:{name}")
+        return float(raw) if raw else None
+
+    def get_input(self, job_id: str, ref: str) -> InputRecord | None:
+        """One input's (or keyframe's) record, by its field name."""
+        raw = self.redis.hget(job_key(job_id), ref)
+        return InputRecord.model_validate_json(raw) if raw else None
+
+    def put_input(self, job_id: str, ref: str, record: InputRecord) -> bool:
+        """Replace one record, unless the job already went to inference (or is gone); True if written.
+
+        Each record has a single writer at a time (its own chain; the reaper only after a cut-off).
+        """
+        return bool(self._put_input(keys=[job_key(job_id)], args=[ref, record.model_dump_json()]))
+
+    def load_for_handoff(self, job_id: str) -> tuple[Job | None, int]:
+        """The job, and the revision of its input records to hand over against."""
+        raw = self.redis.hgetall(job_key(job_id))
+        if not raw:
+            return None, 0
+        return job_from_fields(job_id, raw), int(raw.get(b"rev", b"0"))
+
+    def hand_off(self, job_id: str, request: ModelRequest, rev: int | None) -> HandOff:
+        """Store the model request and move the job to inferring, once; rev None hands over whatever changed.
+
+        'stale' when an input record changed after `rev` (build the prompt again); 'done' when someone already
+        handed the job over or it ended.
+        """
+        args = [rev or 0, request.to_json(), repr(time.time()), self.ttl_s, "1" if rev is None else "0", job_id]
+        result = self._hand_off(keys=[job_key(job_id), tokens_key(job_id), ACTIVE_KEY], args=args)
+        outcome = result.decode() if isinstance(result, bytes) else str(result)
+        assert outcome in ("ok", "stale", "done"), outcome
+        return outcome  # type: ignore[return-value]
+
+    def get_request(self, job_id: str) -> ModelRequest | None:
+        """The job's model request, or None once it ended (or was never handed over)."""
+        raw = self.redis.get(tokens_key(job_id))
+        return ModelRequest.from_json(raw) if raw else None
+
+    def trace_context(self, job_id: str) -> dict[str, str] | None:
+        """The job's stored trace context (a W3C traceparent carrier), for spans that run outside its messages."""
+        raw = self.redis.hget(job_key(job_id), "trace_context")
+        return dict(json.loads(raw)) if raw else None
+
+    def finish(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        result: ResultInfo | None = None,
+        error: ErrorInfo | None = None,
+        batch: BatchInfo | None = None,
+    ) -> bool:
+        """Write a terminal status with its result or error and announce it; False if the job had already ended."""
+        fields: dict[str, str] = {"status": status, "ts:done": repr(time.time())}
+        if result:
+            fields["result"] = result.model_dump_json()
+        if error:
+            fields["error"] = error.model_dump_json()
+        if batch:
+            fields["batch"] = batch.model_dump_json()
+        tenant = self.tenant(job_id) or DEFAULT_TENANT  # never changes once written: safe to read first
+        keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
+        keys.append(tenant_jobs_key(tenant))
+        args = [job_id, status, *(x for pair in fields.items() for x in pair)]
+        return bool(self._finish(keys=keys, args=args))
+
+    def load_job(self, job_id: str) -> Job | None:
+        """The job as clients see it, assembled from its record; None if unknown."""
+        raw = self.redis.hgetall(job_key(job_id))
+        return job_from_fields(job_id, raw) if raw else None
+
+    def tenant(self, job_id: str) -> str | None:
+        """The tenant a job belongs to; None if the job is unknown."""
+        raw = self.redis.hget(job_key(job_id), "tenant")
+        return raw.decode() if raw is not None else None
+
+
+def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
+    """Assemble a Job from the fields of its Redis hash."""
+    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    inputs = _nest_inputs({k: InputRecord.model_validate_json(v) for k, v in fields.items() if k.startswith("input:")})
+    stamps = {name: float(fields[f"ts:{name}"]) for name in STAMPS if f"ts:{name}" in fields}
+    timings = compute_timings(stamps)
+    return Job(
+        id=job_id,
+        status=fields.get("status", "queued"),
+        prompt=fields.get("prompt", ""),
+        inputs=inputs,
+        result=ResultInfo.model_validate_json(fields["result"]) if "result" in fields else None,
+        error=ErrorInfo.model_validate_json(fields["error"]) if "error" in fields else None,
+        batch=BatchInfo.model_validate_json(fields["batch"]) if "batch" in fields else None,
+        timings_ms=timings,
+        deadline_ms=int(fields["deadline_ms"]) if "deadline_ms" in fields else None,
+        preprocess_share=preprocess_share(timings),
+        trace_id=fields.get("trace_id"),
+        tenant=fields.get("tenant", DEFAULT_TENANT),
+    )
+
+
+def _nest_inputs(records: dict[str, InputRecord]) -> list[InputRecord]:
+    """Top-level inputs in order, each video carrying its filled keyframes."""
+    top = {ref: r for ref, r in records.items() if ref.count(":") == 1}
+    for ref, frame in sorted(records.items(), key=lambda item: item[1].index):
+        parent = ref.rsplit(":frame:", 1)[0]
+        if ref.count(":") == 3 and parent in top and frame.status != "skipped":
+            top[parent].frames = [*(top[parent].frames or []), frame]
+    return sorted(top.values(), key=lambda r: r.index)

@@ -1,0 +1,100 @@
+"""The one layout of every Redis key stoker writes: each repository reads and writes only keys named here."""
+
+from __future__ import annotations
+
+from stoker.core.cachekeys import CacheAddress
+from stoker.core.media import ContentHash
+
+PREFIX = "stoker"
+
+
+def job_key(job_id: str) -> str:
+    """Hash holding one job's record, fields written by whichever stage owns them."""
+    return f"{PREFIX}:job:{job_id}"
+
+
+def input_ref(index: int) -> str:
+    """Field of a job's hash holding one input's record."""
+    return f"input:{index}"
+
+
+def frame_ref(index: int, frame: int) -> str:
+    """Field holding one keyframe of a video input."""
+    return f"input:{index}:frame:{frame}"
+
+
+def deliveries_key(task_id: str) -> str:
+    """How many times a task message was delivered to a worker."""
+    return f"{PREFIX}:deliveries:{task_id}"
+
+
+def tokens_key(job_id: str) -> str:
+    """The job's tokenized prompt, ready for the model."""
+    return f"{PREFIX}:job:{job_id}:tokens"
+
+
+def done_channel(job_id: str) -> str:
+    """Pub/sub channel announcing that a job reached a terminal status."""
+    return f"{PREFIX}:job:{job_id}:done"
+
+
+def blob_key(digest: ContentHash) -> str:
+    """Raw input bytes, addressed by content."""
+    return f"{PREFIX}:blob:{digest}"
+
+
+def cache_key(address: CacheAddress, part: str = "value") -> str:
+    """A cached stage result: stage : stage version : content BLAKE3 : parameter fingerprint : scope (: part).
+
+    The scope is the tenant whose entry it is (or the one shared scope, when sharing is on).
+    """
+    a = address
+    return f"{PREFIX}:cache:{a.stage}:{a.version}:{a.digest}:{a.fingerprint}:{a.scope}:{part}"
+
+
+def cache_pattern(stage: str | None = None) -> str:
+    """A SCAN pattern matching every cached result (of one stage)."""
+    return f"{PREFIX}:cache:{stage or '*'}:*"
+
+
+def cache_lease_key(address: CacheAddress) -> str:
+    """The single-flight lease of whoever is computing that result now."""
+    a = address
+    return f"{PREFIX}:lease:{a.stage}:{a.version}:{a.digest}:{a.fingerprint}:{a.scope}"
+
+
+def api_key_key(key_id: str) -> str:
+    """Hash holding one API key: its tenant, the hash of its secret (never the secret), created, revoked."""
+    return f"{PREFIX}:apikey:{key_id}"
+
+
+def tenant_rate_key(tenant: str) -> str:
+    """A tenant's request-rate state: the theoretical arrival time of its next request (GCRA)."""
+    return f"{PREFIX}:tenant:{tenant}:rate"
+
+
+def tenant_jobs_key(tenant: str) -> str:
+    """A tenant's unfinished jobs, scored by when their slot is given back even if no end is ever written."""
+    return f"{PREFIX}:tenant:{tenant}:in-flight"
+
+
+#: Every job not yet terminal, scored by when the reaper should next look at it.
+ACTIVE_KEY = f"{PREFIX}:active"
+#: Lease held by the one reaper that acts at a time.
+REAPER_LEASE_KEY = f"{PREFIX}:reaper"
+CACHE_STATS_KEY = f"{PREFIX}:cache-stats"
+#: Per queue: messages drained, ever (workers count, the API turns it into rates).
+DRAINED_KEY = f"{PREFIX}:drained"
+#: Jobs accepted, and finished per terminal status, ever.
+JOB_COUNTS_KEY = f"{PREFIX}:jobs-by-status"
+#: Per queue: jobs refused at admission because of it.
+REFUSED_KEY = f"{PREFIX}:refused"
+#: The inference device's accounting (busy seconds).
+DEVICE_KEY = f"{PREFIX}:device"
+#: The fingerprint of the workers' whole preprocessing configuration, as they last published it.
+PIPELINE_IDENTITY_KEY = f"{PREFIX}:pipeline-identity"
+#: Ids of every API key ever created (revoked ones included).
+API_KEYS_KEY = f"{PREFIX}:apikeys"
+#: A job's in-flight slot is given back this long after its deadline even if no terminal status was written
+#: (every job gets one, from a worker, the watchdog or the reaper: this only bounds a leak).
+IN_FLIGHT_GRACE_S = 600

@@ -1,0 +1,57 @@
+"""The reaper's view of unfinished jobs: where each stands against its deadlines, and when to look again."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from stoker.adapters.store.keys import ACTIVE_KEY, job_key
+from stoker.core.deadlines import JobClock
+
+
+class Watchlist:
+    """Every unfinished job in a sorted set, scored by when the reaper should next look at it."""
+
+    def __init__(self, client: redis.Redis[bytes]) -> None:
+        self.redis = client
+
+    def clock(self, job_id: str) -> JobClock:
+        """Where a job stands against its deadlines."""
+        names = ("status", "deadline", "preprocess_by", "ts:preprocessed", "ts:infer_start", "redrives")
+        raw = dict(zip(names, self.redis.hmget(job_key(job_id), names), strict=True))
+
+        def number(name: str) -> float | None:
+            value = raw[name]
+            return float(value) if value is not None else None
+
+        return JobClock(
+            status=raw["status"].decode() if raw["status"] is not None else None,
+            deadline=number("deadline") or 0.0,
+            preprocess_by=number("preprocess_by") or 0.0,
+            preprocessed=number("ts:preprocessed"),
+            infer_start=number("ts:infer_start"),
+            redrives=int(number("redrives") or 0),
+        )
+
+    def preprocessing_open(self, job_id: str, now: float | None = None) -> bool:
+        """Whether a stage may still work for this job: not handed to inference, preprocessing budget left."""
+        budget, handed = self.redis.hmget(job_key(job_id), ["preprocess_by", "ts:preprocessed"])
+        if handed is not None:
+            return False
+        return budget is None or (time.time() if now is None else now) < float(budget)
+
+    def due_jobs(self, now: float, limit: int = 200) -> list[str]:
+        """Jobs the reaper should look at now."""
+        return [raw.decode() for raw in self.redis.zrangebyscore(ACTIVE_KEY, "-inf", now, start=0, num=limit)]
+
+    def watch_next(self, job_id: str, at: float | None) -> None:
+        """When the reaper looks at a job again; None forgets it. A job that ended meanwhile stays forgotten."""
+        if at is None:
+            self.redis.zrem(ACTIVE_KEY, job_id)
+        else:
+            self.redis.zadd(ACTIVE_KEY, {job_id: at}, xx=True)
+
+    def count_redrive(self, job_id: str) -> None:
+        """One more re-send of a job to the inference queue."""
+        self.redis.hincrby(job_key(job_id), "redrives", 1)

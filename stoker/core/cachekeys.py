@@ -1,0 +1,90 @@
+"""Cache addresses of stage results: content hash, stage version and a fingerprint of every parameter that shapes
+the output. Pure: each function takes the parameters it fingerprints; callers read them from their settings.
+(The Redis key an address maps to is laid out in `stoker.adapters.store.keys`.)"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import blake3
+import PIL
+
+from stoker.core import asr, imaging, ocr, prompting
+from stoker.core.avmedia import KEYFRAMES_VERSION
+from stoker.core.imaging import DecodeParams
+from stoker.core.prompting import Attachment
+
+#: The parts of one decode entry: the grayscale picture OCR reads, and the letterboxed picture the model sees.
+OCR_IMAGE = "ocr_image"
+MODEL_INPUT = "model_input"
+
+
+def fingerprint(**parts: Any) -> str:
+    """A short stable digest of everything that changes a stage's output."""
+    return blake3.blake3(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CacheAddress:
+    """Where one stage result for one content under one parameter set lives, in whose scope.
+
+    The scope (`stoker.core.tenancy.cache_scope`) is the tenant the entry belongs to, so one tenant's results never
+    answer, or speed up, another's; or one scope for all when sharing is on.
+    """
+
+    stage: str
+    version: str
+    digest: str
+    fingerprint: str
+    scope: str
+
+
+@dataclass(frozen=True)
+class PipelineContext:
+    """The workers' identity as published for the API: preprocessing fingerprint, tokenizer, prompt budget."""
+
+    identity: str
+    tokenizer: str
+    budget: int
+
+
+def decode_address(digest: str, scope: str, params: DecodeParams) -> CacheAddress:
+    """Cache address of decode's output for this content under these decode parameters (and this Pillow)."""
+    parts = fingerprint(params=asdict(params), pillow=PIL.__version__)
+    return CacheAddress("decode", imaging.VERSION, digest, parts, scope)
+
+
+def ocr_address(digest: str, scope: str, *, params: DecodeParams, langs: str, tesseract: str) -> CacheAddress:
+    """Cache address of OCR text: languages, tesseract version and the decode it reads from."""
+    decoded = decode_address(digest, scope, params).fingerprint
+    parts = fingerprint(langs=langs, tesseract=tesseract, decode=decoded)
+    return CacheAddress("ocr", ocr.VERSION, digest, parts, scope)
+
+
+def transcribe_address(digest: str, scope: str, *, model: str, weights: str, beam: int) -> CacheAddress:
+    """Cache address of a transcript: the speech model, its weights, its beam and VAD (always on)."""
+    parts = fingerprint(model=model, weights=weights, beam=beam, vad=True)
+    return CacheAddress("transcribe", asr.VERSION, digest, parts, scope)
+
+
+def keyframe_address(digest: str, slot: int, count: int, scope: str, *, max_media_seconds: float) -> CacheAddress:
+    """Cache address of one keyframe choice of a video."""
+    parts = fingerprint(slot=slot, count=count, limit=max_media_seconds)
+    return CacheAddress("keyframes", KEYFRAMES_VERSION, digest, parts, scope)
+
+
+def prompt_address(
+    context: PipelineContext, prompt: str, attachments: Sequence[Attachment], scope: str
+) -> CacheAddress:
+    """Cache address of a tokenized prompt: the whole prompt material under this tokenizer and budget."""
+    material = json.dumps([prompt, [asdict(a) for a in attachments], context.budget], sort_keys=True).encode()
+    digest = blake3.blake3(material).hexdigest()
+    return CacheAddress("tokenize", prompting.VERSION, digest, context.tokenizer, scope)
+
+
+def pipeline_identity(stages: Mapping[str, Any]) -> str:
+    """One fingerprint of every stage's parameters: whole cached inputs are valid only under the same identity."""
+    return fingerprint(**stages)
