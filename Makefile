@@ -45,6 +45,7 @@ up: install model
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: $(VENV)/.installed
 	$(BIN)/mypy

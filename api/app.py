@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from celery import Celery
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +25,7 @@ from stoker.adapters.store.clients import async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
 from stoker.core.errors import StokerError, Unauthorized
 from stoker.settings import ApiSettings
+from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app.state.settings = settings
     app.state.store = Store.connect(settings)
     app.state.cache = StageCache.connect(settings)
-    app.state.submitter = submitter or _submitter(settings)
+    app.state.producer = make_app(settings)  # the Celery producer, from these settings and nothing else
+    app.state.submitter = submitter or _submitter(settings, app.state.producer)
     app.state.monitor = QueueMonitor(settings, app.state.store)
     app.state.metrics = CollectorRegistry()
     app.state.metrics.register(JobCounts(app.state.store.stats.job_counts))
@@ -99,8 +102,8 @@ def _error_headers(exc: StokerError) -> dict[str, str] | None:
     return None if exc.permanent else {"Retry-After": str(getattr(exc, "retry_after_s", 5))}
 
 
-def _submitter(settings: ApiSettings) -> Submitter:
+def _submitter(settings: ApiSettings, producer: Celery) -> Submitter:
     """Celery canvases per stage, or, for the synchronous baseline, one message per whole job."""
     if settings.pipeline_mode == "sync":
-        return SyncSubmitter()
-    return CelerySubmitter(keyframes=settings.video_keyframes)
+        return SyncSubmitter(producer)
+    return CelerySubmitter(producer, keyframes=settings.video_keyframes)

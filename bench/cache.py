@@ -14,10 +14,8 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +26,9 @@ import redis
 from PIL import Image, ImageDraw, ImageFont
 
 from bench.stack import wait_ready
+from stoker.settings import BenchSettings
 from workers.broker import free_port
+from workers.procs import spawn, terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = [
@@ -68,11 +68,9 @@ def run_phase(cache_on: bool, images: list[bytes], concurrency: int, redis_base:
     port = free_port()
     env = {**os.environ, **dbs, "STOKER_CACHE_ENABLED": str(cache_on).lower(), "STOKER_MAX_NEW_TOKENS": "1"}
     env["STOKER_AUTH"] = "off"  # one client, no keys: the benchmark measures the cache, not tenancy
-    procs = [
-        _spawn(["api", "--port", str(port)], env),
-        _spawn(["worker", "cpu"], env),
-        _spawn(["worker", "infer"], env),
-    ]
+    logs = Path(tempfile.mkdtemp(prefix="stoker-bench-cache-"))
+    commands = {"api": ["api", "--port", str(port)], "cpu": ["worker", "cpu"], "infer": ["worker", "infer"]}
+    procs = [spawn(args, env, logs / f"{name}.log") for name, args in commands.items()]
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base)
@@ -82,22 +80,8 @@ def run_phase(cache_on: bool, images: list[bytes], concurrency: int, redis_base:
             jobs = list(pool.map(lambda data: _run_job(base, data), images))
         wall = time.perf_counter() - started
     finally:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            proc.wait(timeout=30)
+        terminate(procs, grace_s=30)
     return _summarise(cache_on, jobs, wall)
-
-
-def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "stoker.cli", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
 
 
 def _run_job(base: str, data: bytes) -> dict[str, Any]:
@@ -135,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
     images = workload(args.jobs, args.repeat)
-    redis_base = os.environ.get("STOKER_BENCH_REDIS", "redis://127.0.0.1:6379")
+    redis_base = BenchSettings().bench_redis
     rows = [run_phase(on, images, args.concurrency, redis_base) for on in (False, True)]
     (ROOT / "bench" / "results" / "cache.json").write_text(json.dumps(rows, indent=2))
     keys = list(rows[0])

@@ -22,8 +22,9 @@ from rich.console import Console
 
 from bench.drive import drive
 from bench.report import markdown, percentile, plot, ratios, summarise
-from bench.stack import ROOT, Device, Mode, bench_redis, bench_stack
+from bench.stack import Device, Mode, bench_redis, bench_stack
 from bench.workload import Request, WorkloadSpec, describe, generate, text_png
+from workers.procs import ROOT
 
 console = Console(soft_wrap=True)
 MODES: tuple[Mode, ...] = ("pipeline", "sync")

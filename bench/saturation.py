@@ -37,8 +37,10 @@ from typing import Any
 import httpx
 import redis
 
-from bench.stack import spawn, wait_ready
+from bench.stack import wait_ready
+from stoker.settings import BenchSettings
 from workers.broker import free_port
+from workers.procs import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 8
@@ -227,7 +229,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["saturation", "overload"], default=None)
     args = parser.parse_args()
     capacity = BATCH / ((args.base_ms + args.per_item_ms * BATCH) / 1000)
-    redis_base = os.environ.get("STOKER_BENCH_REDIS", "redis://127.0.0.1:6379")
+    redis_base = BenchSettings().bench_redis
     loose = {"STOKER_CPU_QUEUE_LIMIT": "100000", "STOKER_INFER_QUEUE_LIMIT": "100000"}
     tight = {
         "STOKER_CPU_QUEUE_LIMIT": "20",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,10 +18,10 @@ from typing import Literal
 import httpx
 import redis
 
+from stoker.settings import BenchSettings
 from workers.broker import free_port, redis_answers, start_embedded
-from workers.stack import terminate
+from workers.procs import spawn, terminate
 
-ROOT = Path(__file__).resolve().parent.parent
 Mode = Literal["pipeline", "sync"]
 PROCESSES: dict[str, tuple[tuple[str, ...], ...]] = {
     "pipeline": (("worker", "cpu"), ("worker", "asr"), ("worker", "infer"), ("reaper",)),
@@ -70,7 +69,7 @@ class BenchStack:
 @contextmanager
 def bench_redis() -> Iterator[str]:
     """The benchmark's Redis: STOKER_BENCH_REDIS, else 127.0.0.1:6379, else an embedded Valkey for the duration."""
-    base = os.environ.get("STOKER_BENCH_REDIS", "redis://127.0.0.1:6379")
+    base = BenchSettings().bench_redis
     if redis_answers(f"{base}/0"):
         yield base
         return
@@ -114,19 +113,6 @@ def bench_stack(mode: Mode, device: Device, base_url: str, logs: Path, **setting
 
 def _db_urls(base: str) -> list[str]:
     return [f"{base}/{db}" for db in DBS]
-
-
-def spawn(args: tuple[str, ...], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """`stoker ARGS` in its own session (stopped as a group), logging into `log`."""
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "stoker.cli", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
 
 
 def wait_ready(base: str, procs: list[subprocess.Popen[bytes]] | None = None, timeout_s: float = 90.0) -> None:

@@ -1,10 +1,13 @@
-"""The `stoker` command: run the stack, a worker or the API; submit jobs; fetch the model."""
+"""The `stoker` command: run the stack, a worker or the API; submit jobs; fetch the model.
+
+The top layer. Each subcommand imports what it runs only when it runs (kept local on purpose, not to dodge a
+cycle): `stoker worker` execs celery without loading FastAPI, and only `stoker bench` pays for matplotlib.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -97,8 +100,9 @@ def _api(args: argparse.Namespace, _: list[str]) -> int:
 
 def _submit(args: argparse.Namespace, _: list[str]) -> int:
     from stoker.adapters.client import render_job, submit_files
+    from stoker.settings import ClientSettings
 
-    key = args.key or os.environ.get("STOKER_API_KEY")
+    key = args.key or ClientSettings().api_key
     job = submit_files(args.url, args.prompt, args.files, args.timeout, api_key=key)
     render_job(job)
     return 0 if job["status"] in ("succeeded", "degraded") else 1

@@ -58,6 +58,9 @@ class CommonSettings(BaseSettings):
     #: Keyframes sampled from each video and sent through the image branch.
     video_keyframes: int = Field(3, ge=0, le=16)
     log_level: str = "INFO"
+    #: Unacknowledged messages of a worker that vanished come back after this long (workers check it outlasts
+    #: every hard limit); part of the broker transport options every process's Celery app is built with.
+    visibility_timeout_s: int = Field(300, ge=5)
     #: OpenTelemetry: `none`, `console`, `otlp` (endpoint from OTEL_EXPORTER_OTLP_ENDPOINT) or `file` (JSON lines
     #: at trace_file, shared by every process).
     trace_exporter: Literal["none", "console", "otlp", "file"] = "none"
@@ -114,6 +117,9 @@ class ApiSettings(CommonSettings):
 
 class WorkerSettings(CommonSettings):
     """Celery workers: CPU preprocessing and the inference consumer."""
+
+    #: Which queue group this worker serves (`stoker worker KIND` sets it for its process).
+    worker_kind: str = "worker"
 
     # Per-stage time limits (soft limit becomes a structured stage failure; hard limit kills the child).
     decode_soft_s: float = 3.0
@@ -193,8 +199,6 @@ class WorkerSettings(CommonSettings):
     openai_max_in_flight: int = Field(8, ge=1)
     openai_timeout_s: float = Field(60.0, gt=0)
 
-    #: Unacknowledged messages of a worker that vanished come back after this long (above every hard limit).
-    visibility_timeout_s: int = Field(300, ge=5)
     #: A stage message delivered this many times (its worker died each time) fails as worker_lost.
     max_deliveries: int = Field(3, ge=1)
     #: Times a worker's store command rides out a lost Redis connection (backoff capped at 1 s): a Redis restart
@@ -226,6 +230,8 @@ class WorkerSettings(CommonSettings):
     #: Port of this worker's Prometheus /metrics (0: off). `stoker worker` picks 9101 (cpu), 9102 (asr), 9103 (infer)
     #: when unset, so one host can run one of each.
     metrics_port: int = Field(0, ge=0, le=65535)
+    #: Where prefork children write their metric files (prometheus-client's own variable; `stoker worker` sets it).
+    prometheus_multiproc_dir: Path | None = Field(None, validation_alias="PROMETHEUS_MULTIPROC_DIR")
     #: How often the inference worker samples queue depths, device busy ratio and starvation (seconds).
     device_sample_s: float = Field(1.0, gt=0)
 
@@ -268,3 +274,19 @@ class StackSettings(ApiSettings):
     #: "user:password" for Flower's basic auth; without it Flower's HTTP API refuses every call.
     flower_basic_auth: str | None = None
     ready_timeout_s: float = Field(300.0, ge=1)
+
+
+class ClientSettings(BaseSettings):
+    """`stoker submit`: the API key to send (STOKER_API_KEY) when none is given on the command line."""
+
+    model_config = SettingsConfigDict(env_prefix="STOKER_", extra="ignore")
+
+    api_key: str | None = None
+
+
+class BenchSettings(BaseSettings):
+    """The benchmarks: which Redis their stacks use (databases 5-7 of it, flushed per run)."""
+
+    model_config = SettingsConfigDict(env_prefix="STOKER_", extra="ignore")
+
+    bench_redis: str = "redis://127.0.0.1:6379"

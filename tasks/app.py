@@ -1,19 +1,33 @@
-"""The Celery application shared by the API (to send) and the workers (to run)."""
+"""The Celery applications: `make_app(settings)` builds one from a process's settings.
+
+The API builds its producer with the settings given to `create_app`; the workers' app (`tasks.worker.app`, what
+`celery -A tasks.worker` loads) is built from the worker's one `WorkerSettings`. Nobody reads the environment here.
+"""
+
+from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from celery import Celery
 from celery.signals import before_task_publish
 
-app = Celery(
-    "stoker",
-    include=["tasks.preprocess", "tasks.media", "tasks.fetch", "tasks.inference", "tasks.monitoring", "tasks.baseline"],
-)
-app.config_from_object("celeryconfig")
+from stoker.settings import CommonSettings, WorkerSettings
+from tasks import celeryconfig
 
 #: Message header holding when a task message was published: a stage's broker queue wait starts there.
 SENT_HEADER = "stoker_sent"
+
+
+def make_app(settings: CommonSettings, include: Sequence[str] = ()) -> Celery:
+    """A Celery app configured by `celeryconfig` for these settings (with stage time limits for a worker)."""
+    app = Celery("stoker", include=list(include), set_as_current=False)
+    app.config_from_object(celeryconfig)
+    app.conf.update(celeryconfig.connection(settings))
+    if isinstance(settings, WorkerSettings):
+        app.conf.update(celeryconfig.limits(settings))
+    return app
 
 
 @before_task_publish.connect

@@ -18,10 +18,10 @@ from celery_batches import SimpleRequest
 
 from stoker.core.queues import SYNC_QUEUE
 from tasks import resources
-from tasks.app import app
 from tasks.inference import TICK_S, DeviceBatches, serve_batch
 from tasks.pipeline import preprocessing_branches
 from tasks.preprocess import pipeline_context, tokenize_job
+from tasks.worker import app
 
 log = logging.getLogger(__name__)
 

@@ -14,28 +14,25 @@ from stoker.core.errors import FetchFailed, FetchUnavailable, UnsupportedMediaTy
 from stoker.core.jobs import InputRecord
 from stoker.core.media import KIND_FORMATS, content_hash, sniff_format
 from tasks import resources
-from tasks.app import app
-from tasks.stage import RETRY, handoff, has_work, input_stage, time_limit
+from tasks.stage import RETRY, run_input_stage, time_limit
+from tasks.worker import app
 
 
 @app.task(name="stoker.fetch", **RETRY)
 def fetch(job_id: str, ref: str) -> dict[str, Any]:
     """Download a URL input, check that its content is the declared kind, and store it for the stages after."""
-    store = resources.store()
-    store.jobs.mark_started(job_id)
-    record = store.jobs.get_input(job_id, ref)
-    if not has_work(record, job_id, ref, "fetch") or record.content_hash:  # a redelivery after it was stored
-        return handoff(job_id, ref, record)
-    with input_stage(record, "fetch"):
-        data = download(record)
-        if sniff_format(record.kind, data) is None:
-            allowed = ", ".join(KIND_FORMATS[record.kind])
-            raise UnsupportedMediaType(f"the content at the URL is not {record.kind} in an allowed format ({allowed})")
-        digest = content_hash(data)
-        store.blobs.put_blob(digest, data)
-        record.content_hash, record.size_bytes = digest, len(data)
-    store.jobs.put_input(job_id, ref, record)
-    return handoff(job_id, ref, record)
+    # `done`: a redelivered message whose download was already stored has nothing left to do.
+    return run_input_stage(job_id, ref, "fetch", _fetch, opens_job=True, done=lambda record: bool(record.content_hash))
+
+
+def _fetch(_: str, record: InputRecord) -> None:
+    data = download(record)
+    if sniff_format(record.kind, data) is None:
+        allowed = ", ".join(KIND_FORMATS[record.kind])
+        raise UnsupportedMediaType(f"the content at the URL is not {record.kind} in an allowed format ({allowed})")
+    digest = content_hash(data)
+    resources.store().blobs.put_blob(digest, data)
+    record.content_hash, record.size_bytes = digest, len(data)
 
 
 def download(record: InputRecord) -> bytes:

@@ -26,8 +26,8 @@ from stoker.core.errors import DeadlineExceeded, InferenceFailed, StokerError
 from stoker.core.jobs import BatchInfo, ErrorInfo, ResultInfo, final_status
 from stoker.core.model import ModelRequest, Prediction, Predictor, run_predictor
 from tasks import monitoring, resources
-from tasks.app import app
 from tasks.watchdog import BatchWatchdog, RunningBatch
+from tasks.worker import app
 
 log = logging.getLogger(__name__)
 _settings = resources.settings()

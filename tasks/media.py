@@ -15,8 +15,16 @@ from stoker.core.errors import StokerError
 from stoker.core.jobs import InputRecord, Segment
 from stoker.core.media import ContentHash, content_hash
 from tasks import resources
-from tasks.app import app
-from tasks.stage import RETRY, cache_scope, handoff, has_work, input_bytes, input_stage, through_cache, time_limit
+from tasks.stage import (
+    RETRY,
+    cache_scope,
+    handoff,
+    input_bytes,
+    run_input_stage,
+    through_cache,
+    time_limit,
+)
+from tasks.worker import app
 
 log = logging.getLogger(__name__)
 
@@ -24,47 +32,37 @@ log = logging.getLogger(__name__)
 @app.task(name="stoker.probe", **RETRY)
 def probe(job_id: str, ref: str) -> dict[str, Any]:
     """Read duration and streams from the header; over-long, empty or unreadable media fail here, undecoded."""
-    store = resources.store()
-    store.jobs.mark_started(job_id)
-    record = store.jobs.get_input(job_id, ref)
-    if not has_work(record, job_id, ref, "probe"):
-        return handoff(job_id, ref, record)
-    with input_stage(record, "probe"):
-        info = probe_media(input_bytes(record, "probe"), resources.settings().max_media_seconds)
-        record.features = info.to_dict()
-    store.jobs.put_input(job_id, ref, record)
-    return handoff(job_id, ref, record)
+    return run_input_stage(job_id, ref, "probe", _probe, opens_job=True)
+
+
+def _probe(_: str, record: InputRecord) -> None:
+    info = probe_media(input_bytes(record, "probe"), resources.settings().max_media_seconds)
+    record.features = info.to_dict()
 
 
 @app.task(name="stoker.transcribe", **RETRY)
 def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
     """Transcribe the audio track with faster-whisper; a video without sound gets an empty transcript."""
-    job_id, ref = previous["job_id"], previous["ref"]
-    store = resources.store()
-    record = store.jobs.get_input(job_id, ref)
-    if not has_work(record, job_id, ref, "transcribe"):
-        return handoff(job_id, ref, record)
+    return run_input_stage(previous["job_id"], previous["ref"], "transcribe", _transcribe)
+
+
+def _transcribe(job_id: str, record: InputRecord) -> None:
     s = resources.settings()
-    with input_stage(record, "transcribe"):
-        if (record.features or {}).get("audio_streams", 1) > 0:
+    if (record.features or {}).get("audio_streams", 1) == 0:
+        record.text, record.segments, record.status = "", [], "ok"  # a video without sound: an empty transcript
+        return
 
-            def compute() -> dict[str, Any]:
-                with time_limit(transcribe_limit_s(record), "transcribe"):
-                    samples = decode_audio(input_bytes(record, "transcribe"))
-                    transcript = transcribe_samples(resources.speech_model(), samples, s.asr_beam_size)
-                return {"text": transcript.text, "segments": [asdict(x) for x in transcript.segments]}
+    def compute() -> dict[str, Any]:
+        with time_limit(transcribe_limit_s(record), "transcribe"):
+            samples = decode_audio(input_bytes(record, "transcribe"))
+            transcript = transcribe_samples(resources.speech_model(), samples, s.asr_beam_size)
+        return {"text": transcript.text, "segments": [asdict(x) for x in transcript.segments]}
 
-            wait = max(s.transcribe_soft_s - 1.0, 0.5)
-            value = through_cache(
-                record, resources.transcribe_address(record.content_hash, cache_scope(job_id)), compute, wait
-            )
-            record.text = value["text"]
-            record.segments = [Segment(**x) for x in value["segments"]]
-        else:
-            record.text, record.segments = "", []
-        record.status = "ok"
-    store.jobs.put_input(job_id, ref, record)
-    return handoff(job_id, ref, record)
+    address = resources.transcribe_address(record.content_hash, cache_scope(job_id))
+    value = through_cache(record, address, compute, max(s.transcribe_soft_s - 1.0, 0.5))
+    record.text = value["text"]
+    record.segments = [Segment(**x) for x in value["segments"]]
+    record.status = "ok"
 
 
 def transcribe_limit_s(record: InputRecord) -> float:

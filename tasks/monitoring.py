@@ -4,7 +4,6 @@ line per finished job."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -74,7 +73,7 @@ device = DeviceClock()
 
 def watch_device(interval_s: float) -> threading.Thread:
     """Sample queue depths, the busy ratio and starvation every interval, in a daemon thread."""
-    from tasks.app import app
+    from tasks.worker import app
 
     def loop() -> None:
         last = time.monotonic()
@@ -135,7 +134,8 @@ def log_finished(job_id: str) -> None:
 def _serve_metrics(sender: str, instance: Any, **_: Any) -> None:
     """The worker's parent serves the merged metrics of its pool."""
     try:
-        serve_worker_metrics(resources.settings().metrics_port)
+        s = resources.settings()
+        serve_worker_metrics(s.metrics_port, s.prometheus_multiproc_dir)
     except OSError as exc:  # a port in use must not take the worker down
         log.warning("metrics port %s unavailable: %s", resources.settings().metrics_port, exc)
 
@@ -144,12 +144,12 @@ def _serve_metrics(sender: str, instance: Any, **_: Any) -> None:
 def _forget_child(pid: int | None = None, **_: Any) -> None:
     """A pool child exits: its live gauges leave the merged view."""
     if pid:
-        forget_process(pid)
+        forget_process(pid, resources.settings().prometheus_multiproc_dir)
 
 
 @worker_init.connect
 def _trace(**_: Any) -> None:
     """Tracing for this worker (before the pool forks: children inherit the provider and the instrumentation)."""
     s = resources.settings()
-    if setup_tracing(f"stoker-{os.environ.get('STOKER_WORKER_KIND', 'worker')}", s.trace_exporter, s.trace_file):
+    if setup_tracing(f"stoker-{s.worker_kind}", s.trace_exporter, s.trace_file):
         instrument_celery()

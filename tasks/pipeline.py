@@ -17,7 +17,6 @@ from celery.canvas import Signature, _chain
 
 from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.core.jobs import InputRecord
-from tasks.app import app as default_app
 
 #: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached).
 Start = Literal["preprocess", "tokenize", "infer"]
@@ -40,7 +39,7 @@ class Submitter(Protocol):
 def job_canvas(
     job_id: str,
     inputs: Sequence[InputRecord],
-    app: Celery = default_app,
+    app: Celery,
     keyframes: int = 3,
     start: Start = "preprocess",
     deadline: float | None = None,
@@ -80,7 +79,7 @@ def _expire_at(canvas: Signature, when: datetime) -> None:
 
 
 def preprocessing_branches(
-    job_id: str, inputs: Sequence[InputRecord], app: Celery = default_app, keyframes: int = 3
+    job_id: str, inputs: Sequence[InputRecord], app: Celery, keyframes: int = 3
 ) -> list[Signature]:
     """One chain of stage signatures per branch of every input (a video has a sound branch and one per keyframe)."""
     return [branch for record in inputs for branch in _branches(app, job_id, record, keyframes)]
@@ -116,18 +115,14 @@ def _image_branch(app: Celery, job_id: str, ref: str) -> Signature:
     return chain(app.signature("stoker.decode", args=(job_id, ref), immutable=True), app.signature("stoker.ocr"))
 
 
-def infer_signature(
-    job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery = default_app
-) -> Signature:
+def infer_signature(job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery) -> Signature:
     """The inference message: the job, and what the batching policy needs without a store lookup."""
     return app.signature(
         "stoker.infer", kwargs={"job_id": job_id, "prompt_tokens": prompt_tokens, "deadline": deadline}
     )
 
 
-def enqueue_inference(
-    job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery = default_app
-) -> None:
+def enqueue_inference(job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery) -> None:
     """Put a tokenized job on the inference queue."""
     infer_signature(job_id, prompt_tokens, deadline, app).apply_async()
 
@@ -135,7 +130,7 @@ def enqueue_inference(
 class CelerySubmitter:
     """Submits jobs to the broker as Celery canvases."""
 
-    def __init__(self, app: Celery = default_app, keyframes: int = 3) -> None:
+    def __init__(self, app: Celery, keyframes: int = 3) -> None:
         self.app = app
         self.keyframes = keyframes
 
@@ -154,7 +149,7 @@ class CelerySubmitter:
 class SyncSubmitter:
     """The synchronous baseline (`STOKER_PIPELINE_MODE=sync`): the whole job goes to one worker as one message."""
 
-    def __init__(self, app: Celery = default_app) -> None:
+    def __init__(self, app: Celery) -> None:
         self.app = app
 
     def submit(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -27,15 +26,18 @@ from stoker.core.ocr import read_text
 from stoker.core.pressure import room_to_enqueue
 from stoker.core.prompting import attachment_for, build_prompt
 from tasks import resources
-from tasks.app import app
 from tasks.pipeline import enqueue_inference
-from tasks.stage import RETRY, cache_scope, handoff, has_work, input_bytes, input_stage, through_cache, time_limit
+from tasks.stage import (
+    RETRY,
+    cache_scope,
+    input_bytes,
+    run_input_stage,
+    through_cache,
+    time_limit,
+)
+from tasks.worker import app
 
 log = logging.getLogger(__name__)
-
-
-# Tokenizers parallelise internally; after a fork that deadlocks, so prefork children stay single-threaded.
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _follower_wait(soft_s: float) -> float:
@@ -54,18 +56,14 @@ def _decode_and_cache(record: InputRecord, address: CacheAddress) -> tuple[dict[
 @app.task(name="stoker.decode", **RETRY)
 def decode(job_id: str, ref: str) -> dict[str, Any]:
     """Decode one image: arrays into the cache, features into the record."""
-    store = resources.store()
-    store.jobs.mark_started(job_id)
-    record = store.jobs.get_input(job_id, ref)
-    if not has_work(record, job_id, ref, "decode"):
-        return handoff(job_id, ref, record)
-    with input_stage(record, "decode"):
-        address = resources.decode_address(record.content_hash, cache_scope(job_id))
-        wait = _follower_wait(resources.settings().decode_soft_s)
-        value = through_cache(record, address, lambda: _decode_and_cache(record, address)[0], wait)
-        record.features = value["features"]
-    store.jobs.put_input(job_id, ref, record)
-    return handoff(job_id, ref, record)
+    return run_input_stage(job_id, ref, "decode", _decode, opens_job=True)
+
+
+def _decode(job_id: str, record: InputRecord) -> None:
+    address = resources.decode_address(record.content_hash, cache_scope(job_id))
+    wait = _follower_wait(resources.settings().decode_soft_s)
+    value = through_cache(record, address, lambda: _decode_and_cache(record, address)[0], wait)
+    record.features = value["features"]
 
 
 def _ocr_pixels(record: InputRecord, scope: str) -> npt.NDArray[np.uint8]:
@@ -80,25 +78,20 @@ def _ocr_pixels(record: InputRecord, scope: str) -> npt.NDArray[np.uint8]:
 @app.task(name="stoker.ocr", **RETRY)
 def ocr(previous: dict[str, Any]) -> dict[str, Any]:
     """Read the text of one decoded image; a record that failed or was skipped passes straight through."""
-    job_id, ref = previous["job_id"], previous["ref"]
-    store = resources.store()
-    record = store.jobs.get_input(job_id, ref)
-    if not has_work(record, job_id, ref, "ocr"):
-        return handoff(job_id, ref, record)
+    return run_input_stage(previous["job_id"], previous["ref"], "ocr", _ocr)
+
+
+def _ocr(job_id: str, record: InputRecord) -> None:
     s = resources.settings()
-    with input_stage(record, "ocr"):
-        scope = cache_scope(job_id)
+    scope = cache_scope(job_id)
 
-        def compute() -> dict[str, Any]:
-            return {"text": read_text(_ocr_pixels(record, scope), s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd)}
+    def compute() -> dict[str, Any]:
+        return {"text": read_text(_ocr_pixels(record, scope), s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd)}
 
-        value = through_cache(
-            record, resources.ocr_address(record.content_hash, scope), compute, _follower_wait(s.ocr_soft_s)
-        )
-        record.text = value["text"]
-        record.status = "ok"
-    store.jobs.put_input(job_id, ref, record)
-    return handoff(job_id, ref, record)
+    address = resources.ocr_address(record.content_hash, scope)
+    value = through_cache(record, address, compute, _follower_wait(s.ocr_soft_s))
+    record.text = value["text"]
+    record.status = "ok"
 
 
 @app.task(name="stoker.tokenize", **RETRY)
@@ -185,7 +178,7 @@ def tokenize_job(job_id: str, backpressure: bool = True, enqueue: bool = True) -
         if backpressure:
             wait_for_room(job_id, deadline)
         if enqueue:
-            enqueue_inference(job_id, len(request.prompt_ids), deadline)
+            enqueue_inference(job_id, len(request.prompt_ids), deadline, app)
         return {"job_id": job_id, "prompt_tokens": len(request.prompt_ids)}
     return {"job_id": job_id, "skipped": True}
 
@@ -288,9 +281,9 @@ def _model_request(context: PipelineContext, prompt: str, inputs: list[InputReco
 @worker_process_init.connect
 def _cap_memory(**_: Any) -> None:
     """Each CPU pool child gets an address-space cap, so a decompression bomb fails alone."""
-    megabytes = resources.settings().cpu_address_space_mb
-    if os.environ.get("STOKER_WORKER_KIND") in ("cpu", "ocr") and megabytes:
-        cap_address_space(megabytes)
+    s = resources.settings()
+    if s.worker_kind in ("cpu", "ocr") and s.cpu_address_space_mb:
+        cap_address_space(s.cpu_address_space_mb)
 
 
 @celeryd_after_setup.connect

@@ -16,6 +16,7 @@ from tasks import resources
 from tasks.monitoring import log_finished
 from tasks.pipeline import enqueue_inference
 from tasks.preprocess import cut_off, fail_unfinished
+from tasks.worker import app
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def act(job_id: str, clock: JobClock, verdict: Verdict) -> None:
     elif verdict.action == "redrive":
         request = store.jobs.get_request(job_id)
         store.watch.count_redrive(job_id)
-        enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None)
+        enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None, app)
     elif verdict.action == "abandon":
         lost = InferenceFailed("the inference worker never reported back on this job's batch", stage="infer")
         if store.jobs.finish(job_id, "failed", error=ErrorInfo(**lost.to_dict())):

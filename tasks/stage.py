@@ -159,6 +159,31 @@ def _fail(record: InputRecord, exc: StokerError) -> None:
     record.error = ErrorInfo(**exc.to_dict())
 
 
+def run_input_stage(
+    job_id: str,
+    ref: str,
+    stage: str,
+    work: Callable[[str, InputRecord], None],
+    *,
+    opens_job: bool = False,
+    done: Callable[[InputRecord], bool] | None = None,
+) -> dict[str, Any]:
+    """The skeleton of every per-input stage task: read the record, check there is work (`has_work`; `done` says
+    a redelivered message already did it), run `work(job_id, record)` as the stage (`input_stage`: timings, span,
+    failures onto the record), write the record, and hand over to the next stage. `opens_job`: the first stage of
+    a branch moves the job to preprocessing."""
+    store = resources.store()
+    if opens_job:
+        store.jobs.mark_started(job_id)
+    record = store.jobs.get_input(job_id, ref)
+    if not has_work(record, job_id, ref, stage) or (done is not None and done(record)):
+        return handoff(job_id, ref, record)
+    with input_stage(record, stage):
+        work(job_id, record)
+    store.jobs.put_input(job_id, ref, record)
+    return handoff(job_id, ref, record)
+
+
 def handoff(job_id: str, ref: str, record: InputRecord | None) -> dict[str, Any]:
     """What a stage passes to the next one in its chain: where the record is, and how it stands."""
     return {"job_id": job_id, "ref": ref, "status": record.status if record else "skipped"}

@@ -19,8 +19,8 @@ from api.app import create_app
 from stoker.adapters.broker import declare_queues, transport_options
 from stoker.settings import ApiSettings
 from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
-from tests.procs import spawn, stop, tail, wait_for
 from workers.broker import start_embedded
+from workers.procs import spawn, stop, tail, wait_for
 
 KINDS = ("cpu", "infer")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from stoker.settings import WorkerSettings
@@ -46,7 +46,7 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
         "-m",
         "celery",
         "-A",
-        "tasks.app",
+        "tasks.worker",
         "worker",
         "--queues",
         ",".join(spec.queues),
@@ -78,13 +78,14 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
 METRICS_PORTS = {"cpu": 9101, "asr": 9102, "infer": 9103, "ocr": 9104}
 
 
-def worker_env(kind: str) -> dict[str, str]:
-    """Environment for a worker process: its kind, thread limits, and where its metrics live."""
-    env = dict(os.environ)
+def worker_env(kind: str, base: Mapping[str, str]) -> dict[str, str]:
+    """Environment for a worker process: base, plus its kind, thread limits, and where its metrics live."""
+    env = dict(base)
     env["STOKER_WORKER_KIND"] = kind
     env.setdefault("STOKER_METRICS_PORT", str(METRICS_PORTS.get(kind, 0)))
     # Prefork children write their metrics to files here; the worker's parent serves the merged view.
     env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"stoker-metrics-{kind}-")
+    # Tokenizers parallelise internally; after a fork that deadlocks, so prefork children stay single-threaded.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if kind in ("cpu", "ocr", "sync"):
         env.setdefault("OMP_THREAD_LIMIT", "1")  # tesseract: ~6x faster per job on small machines
@@ -94,4 +95,4 @@ def worker_env(kind: str) -> dict[str, str]:
 def exec_worker(kind: str, extra: Sequence[str] = ()) -> None:
     """Replace this process with the worker."""
     argv = worker_argv(kind, WorkerSettings(), extra)
-    os.execve(sys.executable, argv, worker_env(kind))
+    os.execve(sys.executable, argv, worker_env(kind, os.environ))  # this process's own environment, handed on

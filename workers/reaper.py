@@ -12,16 +12,15 @@ from types import FrameType
 import redis
 
 from stoker.adapters.store.keys import REAPER_LEASE_KEY
+from tasks import resources
+from tasks.preprocess import pipeline_context
+from tasks.reaper import reap_once
 
 log = logging.getLogger(__name__)
 
 
 def run_reaper() -> int:
     """Take the reaper lease (or wait for it) and reap every interval until SIGTERM or SIGINT."""
-    from tasks import resources
-    from tasks.preprocess import pipeline_context
-    from tasks.reaper import reap_once
-
     settings, store = resources.settings(), resources.store()
     stopping = threading.Event()
 

@@ -17,8 +17,10 @@ from rich.console import Console
 
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.settings import StackSettings, WorkerSettings
+from tasks.app import make_app
 from workers.broker import redis_answers, start_embedded
 from workers.launch import worker_argv, worker_env
+from workers.procs import terminate
 
 console = Console()
 BROKER = "valkey"
@@ -64,20 +66,6 @@ class Stack:
         terminate([self.procs[BROKER]] if BROKER in self.procs else [], grace_s)
 
 
-def terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """SIGTERM each process group (workers finish their current task), then SIGKILL what is left."""
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def run_stack(port: int | None = None, auth: bool = False) -> int:
     """Start the whole stack and supervise it until Ctrl-C or a child dies.
 
@@ -87,14 +75,15 @@ def run_stack(port: int | None = None, auth: bool = False) -> int:
     if port:
         settings.port = port
     settings.auth = stack_auth(settings, auth, os.environ)
-    os.environ["STOKER_AUTH"] = "on" if settings.auth else "off"  # the API process reads it (its default is on)
+    # Every child gets its environment from here: this one's, plus what the stack decided.
+    env = {**os.environ, "STOKER_AUTH": "on" if settings.auth else "off"}  # the API's own default is on
     stack = Stack()
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        _ensure_broker(settings, stack)
+        env.update(_ensure_broker(settings, stack))
         console.print("[bold]preparing the model[/] (first run downloads and converts it)…")
         resolve_model(settings.model, settings.model_cache)
-        _start_all(settings, stack)
+        _start_all(settings, stack, env)
         _wait_ready(settings, stack)
         _announce(settings)
         return _supervise(stack)
@@ -114,22 +103,24 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _ensure_broker(settings: StackSettings, stack: Stack) -> None:
+def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
+    """Start an embedded Valkey when no broker answers; returns the URLs every child must use instead."""
     url = settings.broker_url
     if not url.startswith("redis") or redis_answers(url, tls=settings.redis_tls(url)):
-        return
+        return {}
     console.print(f"no broker answers at {settings.broker_url}: starting an embedded Valkey")
     proc, port = start_embedded()
     stack.procs[BROKER] = proc
-    os.environ["STOKER_BROKER_URL"] = f"redis://127.0.0.1:{port}/0"
-    os.environ["STOKER_RESULT_URL"] = f"redis://127.0.0.1:{port}/1"
-    settings.broker_url, settings.result_url = os.environ["STOKER_BROKER_URL"], os.environ["STOKER_RESULT_URL"]
+    urls = {"STOKER_BROKER_URL": f"redis://127.0.0.1:{port}/0", "STOKER_RESULT_URL": f"redis://127.0.0.1:{port}/1"}
     if not redis_answers(settings.cache_url, tls=settings.redis_tls(settings.cache_url)):
-        os.environ["STOKER_CACHE_URL"] = settings.cache_url = f"redis://127.0.0.1:{port}/2"
+        urls["STOKER_CACHE_URL"] = f"redis://127.0.0.1:{port}/2"
+    settings.broker_url, settings.result_url = urls["STOKER_BROKER_URL"], urls["STOKER_RESULT_URL"]
+    settings.cache_url = urls.get("STOKER_CACHE_URL", settings.cache_url)
+    return urls
 
 
-def _start_all(settings: StackSettings, stack: Stack) -> None:
-    workers = WorkerSettings()
+def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> None:
+    workers = WorkerSettings(broker_url=settings.broker_url, result_url=settings.result_url)
     py = sys.executable
     api = [
         py,
@@ -142,30 +133,28 @@ def _start_all(settings: StackSettings, stack: Stack) -> None:
         "--port",
         str(settings.port),
     ]
-    stack.start("api", api, dict(os.environ))
-    stack.start("cpu-worker", worker_argv("cpu", workers), worker_env("cpu"))
-    stack.start("asr-worker", worker_argv("asr", workers), worker_env("asr"))
-    stack.start("infer-worker", worker_argv("infer", workers), worker_env("infer"))
-    stack.start("reaper", [py, "-m", "stoker.cli", "reaper"], worker_env("reaper"))
+    stack.start("api", api, env)
+    for kind in ("cpu", "asr", "infer"):
+        stack.start(f"{kind}-worker", worker_argv(kind, workers), worker_env(kind, env))
+    stack.start("reaper", [py, "-m", "stoker.cli", "reaper"], worker_env("reaper", env))
     flower = [
         py,
         "-m",
         "celery",
         "-A",
-        "tasks.app",
+        "tasks.worker",
         "flower",
         f"--port={settings.flower_port}",
         f"--address={settings.host}",
     ]
     if settings.flower_basic_auth:
         flower.append(f"--basic-auth={settings.flower_basic_auth}")
-    stack.start("flower", flower, dict(os.environ))
+    stack.start("flower", flower, env)
 
 
 def _wait_ready(settings: StackSettings, stack: Stack) -> None:
     """Ready when /readyz answers 200 and every worker answers a ping."""
-    from tasks.app import app
-
+    app = make_app(settings)
     deadline = time.monotonic() + settings.ready_timeout_s
     url = f"http://{settings.host}:{settings.port}/readyz"
     while time.monotonic() < deadline:

@@ -8,7 +8,6 @@ read from Redis at scrape time.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,22 +60,21 @@ def cache_label(hit: bool | None) -> str:
     return "none" if hit is None else ("hit" if hit else "miss")
 
 
-def serve_worker_metrics(port: int) -> bool:
-    """Serve this worker's merged multiprocess metrics on port; False when not configured for it."""
-    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+def serve_worker_metrics(port: int, directory: Path | None) -> bool:
+    """Serve this worker's merged multiprocess metrics (files in directory) on port; False when not configured."""
     if not port or not directory:
         return False
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
     start_http_server(port, registry=registry)
     log.info("metrics on :%d/metrics (from %s)", port, directory)
     return True
 
 
-def forget_process(pid: int) -> None:
-    """A pool child exited: drop its live gauges from the merged view."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        mark_process_dead(pid)  # type: ignore[no-untyped-call]
+def forget_process(pid: int, directory: Path | None) -> None:
+    """A pool child exited: drop its live gauges from the merged view (kept in directory)."""
+    if directory:
+        mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
 
 
 def fresh_multiproc_dir(root: Path, kind: str) -> Path:

@@ -17,8 +17,8 @@ import redis
 
 from tests.conftest import TEST_DBS
 from tests.media import speech_wav, text_image, to_mp3
-from tests.procs import ROOT, spawn, stop, tail, wait_for
 from workers.broker import free_port
+from workers.procs import ROOT, spawn, stop, tail, wait_for
 
 TERMINAL = {"succeeded", "degraded", "failed"}
 

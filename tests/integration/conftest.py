@@ -12,8 +12,8 @@ import redis
 from fastapi.testclient import TestClient
 
 from stoker.core.jobs import InputRecord
-from tests.procs import spawn, stop, tail, wait_for
 from workers.broker import free_port
+from workers.procs import spawn, stop, tail, wait_for
 
 #: A loopback address of the suite's own that the workers may fetch from (test_urls.py serves media there); every
 #: other private address stays refused, 127.0.0.1 included.
@@ -35,7 +35,7 @@ def store_redis() -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     """A CPU worker and an ASR worker (prefork), an inference worker and the reaper, as real processes."""
-    from tasks.app import app
+    from tasks.worker import app
 
     logs = tmp_path_factory.mktemp("workers")
     # Every span of every process (these workers and the API in this process) lands in one JSON-lines file.
@@ -71,11 +71,13 @@ class SpySubmitter:
     """Records submissions and passes them on to Celery (or nowhere)."""
 
     def __init__(self, forward: bool = True) -> None:
+        from stoker.settings import CommonSettings
+        from tasks.app import make_app
         from tasks.pipeline import CelerySubmitter
 
         self.calls: list[tuple[str, list[InputRecord]]] = []
         self.starts: dict[str, str] = {}
-        self._next = CelerySubmitter() if forward else None
+        self._next = CelerySubmitter(make_app(CommonSettings())) if forward else None
 
     def submit(
         self,

@@ -21,8 +21,8 @@ from stoker.settings import ApiSettings
 from tasks.pipeline import CelerySubmitter
 from tests.integration.conftest import SpySubmitter
 from tests.media import text_image
-from tests.procs import spawn, stop, wait_for
 from workers.broker import free_port
+from workers.procs import spawn, stop, wait_for
 
 LIMIT = 256 * 1024
 QUEUES = ("decode", "ocr", "tokenize", "infer")

@@ -17,7 +17,7 @@ from stoker.settings import ApiSettings
 from tasks.pipeline import CelerySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import long_speech_wav, text_image
-from tests.procs import running, spawn, stop, tail, wait_for
+from workers.procs import running, spawn, stop, tail, wait_for
 
 DBS = (8, 9)
 

@@ -25,8 +25,8 @@ from tasks.pipeline import CelerySubmitter
 from tests.fleet import QUICK_RECOVERY
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
-from tests.procs import ROOT, tail, wait_for
 from workers.broker import free_port, redis_answers
+from workers.procs import ROOT, tail, wait_for
 
 SUBNET = "10.77.{}."
 

@@ -23,17 +23,17 @@ from api.app import create_app
 from stoker.adapters.store import Store
 from stoker.core.tenancy import issue_key, parse_key
 from stoker.settings import ApiSettings
+from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter
-from tests.config import fresh_celeryconfig
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
-from tests.procs import ROOT
 from workers.broker import free_port, redis_answers
+from workers.procs import ROOT
 
 
 def test_a_pickled_task_message_is_refused_and_nothing_runs(client: TestClient, workers: dict[str, Path]) -> None:
-    from tasks.app import app
+    from tasks.worker import app
 
     task_id = f"pickled-{uuid.uuid4().hex}"
     queue = app.amqp.queues["decode"]
@@ -381,11 +381,10 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 
 def _celery_app(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Celery:
-    """A Celery app configured by celeryconfig.py exactly as a process with this environment would be."""
-    config = fresh_celeryconfig(monkeypatch, env)
-    app = Celery("stoker-tls", set_as_current=False)
-    app.config_from_object(config)
-    return app
+    """A Celery app configured exactly as a process with this environment would build it."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return make_app(ApiSettings())
 
 
 def test_rediss_with_an_acl_user_and_a_private_ca(tls_redis: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from stoker.adapters import metrics
 from stoker.settings import StackSettings, WorkerSettings
+from tasks import celeryconfig
 from workers.launch import METRICS_PORTS, worker_kinds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,8 +111,6 @@ def _k8s() -> list[dict[str, Any]]:
 
 
 def test_kubernetes_workers_scale_on_the_queues_they_consume() -> None:
-    import celeryconfig
-
     docs = _k8s()
     kinds = worker_kinds(WorkerSettings())
     broker = urlsplit(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["STOKER_BROKER_URL"])
@@ -125,7 +124,7 @@ def test_kubernetes_workers_scale_on_the_queues_they_consume() -> None:
     }
     assert set(workers.values()) == set(kinds)  # a Deployment per worker kind
     assert set(scaled) == set(workers)  # each one scaled by KEDA
-    declared = {q.name for q in celeryconfig.task_queues}
+    declared = {q.name for q in celeryconfig.connection(WorkerSettings())["task_queues"]}
     for name, kind in workers.items():
         triggers = scaled[name]["spec"]["triggers"]
         lists = {t["metadata"]["listName"] for t in triggers}

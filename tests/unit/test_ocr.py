@@ -11,7 +11,7 @@ from stoker.core.errors import OcrFailed, OcrTimeout
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.ocr import normalise_text, read_text, tesseract_version
 from tests.media import text_image
-from tests.procs import running
+from workers.procs import running
 
 
 def _gray(text: str):  # type: ignore[no-untyped-def]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import ssl
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ from stoker.core.tenancy import (
     verify,
 )
 from stoker.settings import ApiSettings, StackSettings, WorkerSettings
-from tests.config import fresh_celeryconfig
+from tasks.app import make_app
 from workers.stack import _without_password, stack_auth
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,7 +164,7 @@ def test_celery_verifies_tls_on_rediss_urls(monkeypatch: pytest.MonkeyPatch, tmp
         "STOKER_RESULT_URL": "rediss://stoker:pw@redis:6380/1",
         "STOKER_REDIS_CA_FILE": str(tmp_path / "ca.pem"),
     }
-    config = fresh_celeryconfig(monkeypatch, env)
+    config = _celery_conf(monkeypatch, env)
     expected = {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": str(tmp_path / "ca.pem")}
     assert config.broker_use_ssl == expected
     assert config.redis_backend_use_ssl == expected
@@ -172,7 +173,7 @@ def test_celery_verifies_tls_on_rediss_urls(monkeypatch: pytest.MonkeyPatch, tmp
 
 def test_celery_uses_no_tls_on_plain_urls(monkeypatch: pytest.MonkeyPatch) -> None:
     env = {"STOKER_BROKER_URL": "redis://127.0.0.1:6379/0", "STOKER_RESULT_URL": "redis://127.0.0.1:6379/1"}
-    config = fresh_celeryconfig(monkeypatch, env)
+    config = _celery_conf(monkeypatch, env)
     assert config.broker_use_ssl is False
     assert config.redis_backend_use_ssl is None
 
@@ -180,3 +181,10 @@ def test_celery_uses_no_tls_on_plain_urls(monkeypatch: pytest.MonkeyPatch) -> No
 def test_the_stack_prints_urls_without_passwords() -> None:
     assert _without_password("rediss://stoker:s3cret@redis:6380/0") == "rediss://stoker:***@redis:6380/0"
     assert _without_password("redis://127.0.0.1:6379/1") == "redis://127.0.0.1:6379/1"
+
+
+def _celery_conf(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Any:
+    """The Celery configuration a process with this environment builds (from its one settings object)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return make_app(WorkerSettings()).conf

@@ -13,7 +13,11 @@ from stoker.core.errors import FetchFailed, UrlRejected
 from stoker.core.jobs import InputRecord
 from stoker.core.urls import MAX_URL_CHARS, Allowlist, forbidden_reason, parse_url, redirect_location, vet_addresses
 from stoker.settings import ApiSettings, WorkerSettings
+from tasks.app import make_app
 from tasks.pipeline import job_canvas
+
+#: A producer app, as the API builds one: signatures need no broker until sent.
+APP = make_app(WorkerSettings())
 
 
 @pytest.mark.parametrize(
@@ -181,7 +185,7 @@ def test_the_api_refuses_urls_that_are_not_http_at_once(url: str) -> None:
 def test_url_inputs_are_fetched_before_their_branches() -> None:
     image = InputRecord(index=0, kind="image", content_hash="", size_bytes=0, url="http://x/a.png")
     audio = InputRecord(index=1, kind="audio", content_hash="", size_bytes=0, url="http://x/a.mp3")
-    canvas = job_canvas("j", [image, audio], keyframes=2)
+    canvas = job_canvas("j", [image, audio], APP, keyframes=2)
     assert [[t.task for t in c.tasks] for c in canvas.tasks] == [
         ["stoker.fetch", "stoker.decode", "stoker.ocr"],
         ["stoker.fetch", "stoker.probe", "stoker.transcribe"],
@@ -193,7 +197,7 @@ def test_url_inputs_are_fetched_before_their_branches() -> None:
 
 def test_a_url_video_is_fetched_once_before_its_sound_and_keyframe_branches() -> None:
     video = InputRecord(index=0, kind="video", content_hash="", size_bytes=0, url="http://x/v.mp4")
-    canvas = job_canvas("j", [video], keyframes=2, deadline=2_000_000_000.0)
+    canvas = job_canvas("j", [video], APP, keyframes=2, deadline=2_000_000_000.0)
     (branch,) = canvas.tasks
     fetch, fanout = branch.tasks
     assert fetch.task == "stoker.fetch"

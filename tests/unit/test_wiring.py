@@ -19,11 +19,15 @@ from stoker.core.errors import BrokerUnavailable, ImageCorrupt, ModelUnavailable
 from stoker.core.jobs import InputRecord
 from stoker.settings import WorkerSettings
 from tasks import resources
+from tasks.app import make_app
 from tasks.media import transcribe_limit_s
 from tasks.pipeline import job_canvas
 from tasks.preprocess import decode
 from tasks.stage import input_stage, time_limit
 from workers.launch import worker_argv
+
+#: A producer app, as the API builds one: signatures need no broker until sent.
+APP = make_app(WorkerSettings())
 
 
 def _inputs(n: int) -> list[InputRecord]:
@@ -31,7 +35,7 @@ def _inputs(n: int) -> list[InputRecord]:
 
 
 def test_images_are_preprocessed_in_parallel_then_tokenized_once() -> None:
-    canvas = job_canvas("j", _inputs(3))
+    canvas = job_canvas("j", app=APP, inputs=_inputs(3))
     assert isinstance(canvas, chord)
     chains = canvas.tasks
     assert len(chains) == 3
@@ -50,14 +54,14 @@ def _names(signature: Any) -> list[str]:
 
 def test_audio_is_probed_then_transcribed() -> None:
     audio = InputRecord(index=0, kind="audio", content_hash="a", size_bytes=1)
-    canvas = job_canvas("j", [audio])
+    canvas = job_canvas("j", app=APP, inputs=[audio])
     assert [_names(c) for c in canvas.tasks] == [["stoker.probe", "stoker.transcribe"]]
     assert canvas.tasks[0].tasks[0].args == ("j", "input:0")
 
 
 def test_video_gets_its_sound_and_each_keyframe_slot_through_the_image_branch() -> None:
     video = InputRecord(index=1, kind="video", content_hash="v", size_bytes=1)
-    canvas = job_canvas("j", [_inputs(1)[0], video], keyframes=2)
+    canvas = job_canvas("j", app=APP, inputs=[_inputs(1)[0], video], keyframes=2)
     branches = [_names(c) for c in canvas.tasks]
     assert branches == [
         ["stoker.decode", "stoker.ocr"],
@@ -70,14 +74,14 @@ def test_video_gets_its_sound_and_each_keyframe_slot_through_the_image_branch() 
 
 
 def test_text_only_job_goes_straight_to_tokenize() -> None:
-    canvas = job_canvas("j", [])
+    canvas = job_canvas("j", app=APP, inputs=[])
     assert canvas.task == "stoker.tokenize"
     assert canvas.args == (None,)
 
 
 def test_cached_jobs_enter_later() -> None:
-    assert job_canvas("j", _inputs(2), start="tokenize").task == "stoker.tokenize"
-    straight = job_canvas("j", _inputs(2), start="infer", deadline=9.0, prompt_tokens=42)
+    assert job_canvas("j", app=APP, inputs=_inputs(2), start="tokenize").task == "stoker.tokenize"
+    straight = job_canvas("j", app=APP, inputs=_inputs(2), start="infer", deadline=9.0, prompt_tokens=42)
     assert (straight.task, straight.kwargs) == ("stoker.infer", {"job_id": "j", "prompt_tokens": 42, "deadline": 9.0})
 
 
@@ -138,11 +142,11 @@ def test_transient_failures_escape_the_stage_so_the_task_retries() -> None:
 
 def test_every_stage_message_expires_at_the_job_deadline() -> None:
     video = InputRecord(index=1, kind="video", content_hash="v", size_bytes=1)
-    canvas = job_canvas("j", [_inputs(1)[0], video], keyframes=2, deadline=1_900_000_000.0)
+    canvas = job_canvas("j", app=APP, inputs=[_inputs(1)[0], video], keyframes=2, deadline=1_900_000_000.0)
     tasks = [canvas.body, *(t for link in canvas.tasks for t in link.tasks)]
     assert len(tasks) == 1 + 2 + 2 + 3 + 3
     assert {t.options["expires"] for t in tasks} == {datetime.fromtimestamp(1_900_000_000.0, UTC)}
-    alone = job_canvas("j", [], deadline=1_900_000_000.0)
+    alone = job_canvas("j", app=APP, inputs=[], deadline=1_900_000_000.0)
     assert alone.options["expires"] == datetime.fromtimestamp(1_900_000_000.0, UTC)
 
 

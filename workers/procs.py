@@ -1,4 +1,4 @@
-"""Starting and stopping real stoker processes from tests."""
+"""Starting, watching and stopping stoker processes: the one helper `stoker up`, the benchmarks and the tests share."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+#: The source tree: children run from it, so `python -m stoker.cli` finds this checkout.
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """Start `stoker ARGS` in its own process group, output to log."""
+def spawn(args: Sequence[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Start `stoker ARGS` in its own session (stopped as a group) with exactly this environment, output to log."""
     with log.open("wb") as handle:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
             [sys.executable, "-m", "stoker.cli", *args],
@@ -63,3 +64,17 @@ def running(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM each process group (workers finish their current task), then SIGKILL what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,85 @@
+"""Celery configuration: flat, lowercase Celery settings. Queues and routes live here.
+
+What depends on a deployment is computed from the process's one settings object, never read here from the
+environment: `connection(settings)` (broker, result backend, TLS, queues) for every process that sends or runs
+tasks, `limits(settings)` (each stage's soft and hard time limits) for workers. `tasks.app.make_app` applies them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stoker.adapters.broker import declare_queues, transport_options
+from stoker.settings import CommonSettings, WorkerSettings
+
+# JSON only: a pickled message is refused, and messages carry keys, never media.
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+result_accept_content = ["json"]
+
+# One queue per stage, so each can be watched and scaled on its own (quorum queues on RabbitMQ).
+task_default_queue = "tokenize"
+task_routes = {
+    "stoker.decode": {"queue": "decode"},
+    "stoker.ocr": {"queue": "ocr"},
+    "stoker.probe": {"queue": "decode"},
+    "stoker.keyframe": {"queue": "decode"},
+    # URL inputs are downloaded on the CPU workers' decode queue: no worker kind of its own.
+    "stoker.fetch": {"queue": "decode"},
+    "stoker.transcribe": {"queue": "asr"},
+    "stoker.tokenize": {"queue": "tokenize"},
+    "stoker.rescue": {"queue": "tokenize"},
+    "stoker.infer": {"queue": "infer"},
+    "stoker.sync": {"queue": "sync"},
+}
+# An accepted job is never lost: ack after the work, requeue when a worker dies mid-task.
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+broker_connection_retry_on_startup = True
+broker_connection_max_retries = None
+
+result_expires = 3600
+# Chord counters and task states live in the result backend: ride out a Redis restart instead of failing the task.
+result_backend_always_retry = True
+result_backend_max_retries = 30
+result_backend_max_sleep_between_retries_ms = 1000
+task_track_started = True
+worker_send_task_events = True
+task_send_sent_event = True
+worker_hijack_root_logger = False
+
+
+def connection(s: CommonSettings) -> dict[str, Any]:
+    """Where the broker and result backend are, and how to reach them (every process that sends or runs tasks)."""
+    return {
+        "broker_url": s.broker_url,
+        "result_backend": s.result_url,
+        # rediss:// (TLS, e.g. with an ACL user: rediss://stoker:secret@host:6380/0): certificates verified against
+        # STOKER_REDIS_CA_FILE; a bare rediss:// URL would otherwise connect without verifying anything.
+        "broker_use_ssl": s.redis_tls(s.broker_url) or False,
+        "redis_backend_use_ssl": s.redis_tls(s.result_url) or None,
+        # One queue per stage, so each can be watched and scaled on its own (quorum queues on RabbitMQ).
+        "task_queues": declare_queues(s.broker_url),
+        "broker_transport_options": transport_options(s.broker_url, s.visibility_timeout_s),
+    }
+
+
+def limits(s: WorkerSettings) -> dict[str, Any]:
+    """Each stage's soft and hard time limits (workers only: Celery enforces them in the prefork pool)."""
+    return {
+        "task_annotations": {
+            "stoker.decode": {"soft_time_limit": s.decode_soft_s, "time_limit": s.decode_hard_s},
+            "stoker.ocr": {"soft_time_limit": s.ocr_soft_s, "time_limit": s.ocr_hard_s},
+            # Tokenize may also wait for room in the inference queue (backpressure); its own work has tokenize_soft_s.
+            "stoker.tokenize": {
+                "soft_time_limit": s.tokenize_soft_s + s.handoff_max_wait_s,
+                "time_limit": s.tokenize_hard_s + s.handoff_max_wait_s,
+            },
+            "stoker.probe": {"soft_time_limit": s.probe_soft_s, "time_limit": s.probe_hard_s},
+            "stoker.keyframe": {"soft_time_limit": s.keyframes_soft_s, "time_limit": s.keyframes_hard_s},
+            "stoker.fetch": {"soft_time_limit": s.fetch_soft_s, "time_limit": s.fetch_hard_s},
+            "stoker.transcribe": {"soft_time_limit": s.transcribe_soft_s, "time_limit": s.transcribe_hard_s},
+        }
+    }
