@@ -156,7 +156,7 @@ def _cell(value: Any) -> str:
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """Latency CDFs of both modes (per offered load), throughput against offered load, device busy over time."""
-    import matplotlib
+    import matplotlib  # heavy: only a run that draws its plots loads it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -18,8 +18,9 @@ from typing import Literal
 import httpx
 import redis
 
+from stoker.adapters.store.clients import redis_answers
 from stoker.settings import BenchSettings
-from workers.broker import free_port, redis_answers, start_embedded
+from workers.broker import free_port, start_embedded
 from workers.procs import spawn, terminate
 
 Mode = Literal["pipeline", "sync"]

@@ -23,6 +23,7 @@ from stoker.adapters.tracing import instrument_celery, setup_tracing
 from stoker.core.jobs import Job
 from stoker.core.queues import CPU_QUEUES, QUEUES
 from tasks import resources
+from tasks.worker import app
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,6 @@ device = DeviceClock()
 
 def watch_device(interval_s: float) -> threading.Thread:
     """Sample queue depths, the busy ratio and starvation every interval, in a daemon thread."""
-    from tasks.worker import app
 
     def loop() -> None:
         last = time.monotonic()

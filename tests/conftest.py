@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.broker import redis_answers, start_embedded
+from stoker.adapters.store.clients import redis_answers
+from workers.broker import start_embedded
 
 TIERS = ("unit", "integration", "e2e")
 _embedded: list[subprocess.Popen[bytes]] = []

@@ -16,9 +16,8 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from stoker.adapters.broker import declare_queues, transport_options
-from stoker.settings import ApiSettings
-from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
+from stoker.settings import ApiSettings, CommonSettings
+from tasks.app import make_app
 from workers.broker import start_embedded
 from workers.procs import spawn, stop, tail, wait_for
 
@@ -74,8 +73,7 @@ class Fleet:
         """Another API on this fleet, with other settings (enter it as a context manager)."""
         urls = {k: self.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
         chosen = ApiSettings(**{**urls, **settings})
-        submitter: Submitter = SyncSubmitter(self.app) if chosen.pipeline_mode == "sync" else CelerySubmitter(self.app)
-        return TestClient(create_app(chosen, submitter=submitter))
+        return TestClient(create_app(chosen))  # its Celery producer, from these settings
 
     def store(self) -> redis.Redis[bytes]:
         """A client on the fleet's job store."""
@@ -103,11 +101,7 @@ def own_fleet(
         "STOKER_METRICS_PORT": "0",
         **settings,
     }
-    app = Celery("stoker-fleet", set_as_current=False)
-    app.config_from_object("celeryconfig")
-    app.conf.broker_url, app.conf.result_backend = env["STOKER_BROKER_URL"], env["STOKER_RESULT_URL"]
-    app.conf.task_queues = declare_queues(env["STOKER_BROKER_URL"])  # the workers' own declarations
-    app.conf.broker_transport_options = transport_options(env["STOKER_BROKER_URL"], 300)
+    app = make_app(CommonSettings(broker_url=env["STOKER_BROKER_URL"], result_url=env["STOKER_RESULT_URL"]))
     crew = Fleet(root, port, env, app, None, valkey)  # type: ignore[arg-type]
     try:
         with crew.api(**(api or {})) as client:

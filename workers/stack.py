@@ -16,9 +16,10 @@ import httpx
 from rich.console import Console
 
 from stoker.adapters.backends.modelstore import resolve_model
+from stoker.adapters.store.clients import redis_answers
 from stoker.settings import StackSettings, WorkerSettings
 from tasks.app import make_app
-from workers.broker import redis_answers, start_embedded
+from workers.broker import start_embedded
 from workers.launch import worker_argv, worker_env
 from workers.procs import terminate
 

@@ -64,6 +64,7 @@ def setup_tracing(service: str, exporter: str, file: Path | None = None) -> bool
         elif exporter == "console":
             provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
         else:
+            # Only a process that exports over OTLP pays for loading the exporter (protobuf, requests).
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
@@ -74,7 +75,7 @@ def setup_tracing(service: str, exporter: str, file: Path | None = None) -> bool
 
 def instrument_celery() -> None:
     """Propagate trace context through Celery message headers, with a span per task run."""
-    from opentelemetry.instrumentation.celery import CeleryInstrumentor
+    from opentelemetry.instrumentation.celery import CeleryInstrumentor  # only when tracing is on
 
     instrumentor = CeleryInstrumentor()  # type: ignore[no-untyped-call]
     if not instrumentor.is_instrumented_by_opentelemetry:

@@ -77,7 +77,7 @@ def _duration(container: Any) -> float:
 
 def decode_audio(data: bytes) -> npt.NDArray[np.float32]:
     """Decode the first audio stream to 16 kHz mono float32, what Whisper models take."""
-    from faster_whisper.audio import decode_audio as fw_decode
+    from faster_whisper.audio import decode_audio as fw_decode  # heavy (CTranslate2): ASR workers only
 
     try:
         samples = fw_decode(io.BytesIO(data), sampling_rate=ASR_SAMPLE_RATE)

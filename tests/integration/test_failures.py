@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from celery import Celery
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from stoker.settings import ApiSettings
+from stoker.settings import ApiSettings, CommonSettings
+from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import long_speech_wav, text_image
@@ -51,9 +51,7 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
     }
     procs = {kind: spawn(["worker", kind], env, root / f"{kind}.log") for kind in ("cpu", "asr", "infer")}
     reaper = spawn(["reaper"], env, root / "reaper.log")
-    app = Celery("stoker-harsh", set_as_current=False)
-    app.config_from_object("celeryconfig")
-    app.conf.broker_url, app.conf.result_backend = urls["STOKER_BROKER_URL"], urls["STOKER_RESULT_URL"]
+    app = make_app(CommonSettings(broker_url=urls["STOKER_BROKER_URL"], result_url=urls["STOKER_RESULT_URL"]))
 
     def all_answer() -> bool:
         return set(procs) <= {name.split("@")[0] for reply in app.control.ping(timeout=0.5) for name in reply}

@@ -19,13 +19,14 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from stoker.adapters.broker import declare_queues, transport_options
-from stoker.settings import ApiSettings
+from stoker.adapters.store.clients import redis_answers
+from stoker.settings import ApiSettings, CommonSettings
+from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter
 from tests.fleet import QUICK_RECOVERY
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
-from workers.broker import free_port, redis_answers
+from workers.broker import free_port
 from workers.procs import ROOT, tail, wait_for
 
 SUBNET = "10.77.{}."
@@ -132,11 +133,8 @@ def hosts() -> Iterator[tuple[Net, TestClient, dict[str, subprocess.Popen[bytes]
         "STOKER_SIM_BASE_MS": "200",
         "STOKER_SIM_PER_ITEM_MS": "20",
     }
-    app = Celery("stoker-hosts", set_as_current=False)
-    app.config_from_object("celeryconfig")
-    app.conf.broker_url, app.conf.result_backend = env["STOKER_BROKER_URL"], env["STOKER_RESULT_URL"]
-    app.conf.task_queues = declare_queues(env["STOKER_BROKER_URL"])
-    app.conf.broker_transport_options = transport_options(env["STOKER_BROKER_URL"], 20)
+    urls = {"broker_url": env["STOKER_BROKER_URL"], "result_url": env["STOKER_RESULT_URL"]}
+    app = make_app(CommonSettings(**urls, visibility_timeout_s=20))
     try:
         wait_for(lambda: redis_answers(f"{base}/0", 0.5), 30, "broker", [procs["broker"]])
         for host in ("1", "2"):

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from stoker.adapters.store import Store
+from stoker.adapters.store.clients import redis_answers
 from stoker.core.tenancy import issue_key, parse_key
 from stoker.settings import ApiSettings
 from tasks.app import make_app
@@ -28,7 +29,7 @@ from tasks.pipeline import CelerySubmitter
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
-from workers.broker import free_port, redis_answers
+from workers.broker import free_port
 from workers.procs import ROOT
 
 
@@ -87,7 +88,7 @@ def tenants(job_store: Store) -> tuple[Tenant, Tenant]:
     made = []
     for name in ("acme", "globex"):
         issued = issue_key(f"{name}-{uuid.uuid4().hex[:8]}", time.time())
-        job_store.put_api_key(issued.record)
+        job_store.tenants.put_api_key(issued.record)
         made.append(Tenant(issued.record.tenant, issued.token))
     return made[0], made[1]
 
@@ -164,7 +165,7 @@ def test_a_wrong_unknown_or_revoked_key_is_401(
     bodies = [_unauthorized(api.get("/v1/jobs/x", headers={"Authorization": f"Bearer {t}"})) for t in wrong]
     assert all(body == bodies[0] for body in bodies)  # nothing tells an unknown id from a wrong secret
     assert api.get("/v1/jobs/x", headers=acme.auth).status_code == 404  # the right key gets in
-    assert job_store.revoke_api_key(key_id)
+    assert job_store.tenants.revoke_api_key(key_id)
     assert _unauthorized(api.get("/v1/jobs/x", headers=acme.auth)) == bodies[0]
     assert _unauthorized(_post_as(api, acme)) == bodies[0]
 
@@ -224,12 +225,12 @@ def test_jobs_in_flight_are_limited_and_given_back_when_they_end(
     other = _post_as(api, globex, prompt="Say hi.")
     assert other.status_code == 202  # its own limit
     assert _wait_as(api, acme, first.json()["id"])["status"] == "succeeded"
-    assert job_store.jobs_in_flight(acme.name) == []  # the worker's finish gave the slot back
+    assert job_store.tenants.jobs_in_flight(acme.name) == []  # the worker's finish gave the slot back
     third = _post_as(api, acme, prompt="Now?")
     assert third.status_code == 202, third.text
     _wait_as(api, acme, third.json()["id"])
     _wait_as(api, globex, other.json()["id"])
-    assert job_store.jobs_in_flight(globex.name) == []
+    assert job_store.tenants.jobs_in_flight(globex.name) == []
 
 
 class FailingSubmitter:
@@ -246,11 +247,11 @@ def test_a_refused_or_unenqueued_job_gives_its_slot_back(
     acme, _ = tenants
     api = secure(max_jobs_in_flight=1)
     assert _post_as(api, acme, prompt="  ").status_code == 422
-    assert job_store.jobs_in_flight(acme.name) == []
+    assert job_store.tenants.jobs_in_flight(acme.name) == []
     broken = secure(submitter=FailingSubmitter(), max_jobs_in_flight=1)
     response = _post_as(broken, acme, prompt="Anyone?")
     assert response.status_code == 503
-    assert job_store.jobs_in_flight(acme.name) == []
+    assert job_store.tenants.jobs_in_flight(acme.name) == []
     accepted = _post_as(api, acme, prompt="Say yes.")
     assert accepted.status_code == 202  # the slot is free
     _wait_as(api, acme, accepted.json()["id"])
@@ -264,10 +265,10 @@ def test_a_job_the_reaper_ends_gives_its_slot_back(
     response = _post_as(api, acme, prompt="Too late.", deadline_ms="200")
     assert response.status_code == 202
     job_id = response.json()["id"]
-    assert job_store.jobs_in_flight(acme.name) == [job_id]
+    assert job_store.tenants.jobs_in_flight(acme.name) == [job_id]
     job = _wait_as(api, acme, job_id)
     assert job["error"]["code"] == "deadline_exceeded"
-    assert job_store.jobs_in_flight(acme.name) == []
+    assert job_store.tenants.jobs_in_flight(acme.name) == []
 
 
 def test_the_same_image_is_a_cache_miss_for_another_tenant(

@@ -36,6 +36,7 @@ class TransformersPredictor:
 
     def setup(self, device: str) -> None:
         """Load tokenizer and weights (safetensors) onto device."""
+        # heavy (torch, transformers): loaded by setup(), never at import
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -74,7 +75,7 @@ class TransformersPredictor:
 
     def predict(self, batch: Collated) -> tuple[Collated, list[list[int]]]:
         """Greedy generation for the whole batch in one call."""
-        import torch
+        import torch  # heavy: see setup()
 
         ids = torch.tensor(batch.input_ids, device=self._device)
         mask = torch.tensor(batch.attention_mask, device=self._device)

@@ -8,6 +8,7 @@ import redis
 
 from stoker.adapters.store.blobs import BlobRepository
 from stoker.adapters.store.clients import store_client
+from stoker.adapters.store.consumers import ConsumerRegistry
 from stoker.adapters.store.coordination import DeliveryCounter, Leases
 from stoker.adapters.store.jobs import JobRepository
 from stoker.adapters.store.stats import StatsRepository
@@ -28,6 +29,7 @@ class Store:
     watch: Watchlist
     deliveries: DeliveryCounter
     leases: Leases
+    consumers: ConsumerRegistry
 
     @classmethod
     def over(cls, client: redis.Redis[bytes], *, blob_ttl_s: int, job_ttl_s: int) -> Store:
@@ -41,6 +43,7 @@ class Store:
             watch=Watchlist(client),
             deliveries=DeliveryCounter(client, ttl_s=job_ttl_s),
             leases=Leases(client),
+            consumers=ConsumerRegistry(client),
         )
 
     @classmethod

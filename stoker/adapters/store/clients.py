@@ -7,6 +7,9 @@ to answer 503, and the cache gives up fast (a cache that does not answer is a mi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
@@ -54,3 +57,13 @@ def cache_client(settings: CommonSettings) -> redis.Redis[bytes] | None:
         socket_timeout=CACHE_READ_TIMEOUT_S,
         **settings.redis_tls(settings.cache_url),
     )
+
+
+def redis_answers(url: str, timeout: float = 1.0, tls: Mapping[str, Any] | None = None) -> bool:
+    """Whether a Redis server answers PING at url (`tls`: the options of a `rediss://` url)."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout, **(tls or {}))
+        with client:
+            return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False

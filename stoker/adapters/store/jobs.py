@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 import redis
@@ -72,6 +73,32 @@ return 1
 """
 
 HandOff = Literal["ok", "stale", "done"]
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A job waiting for the model, as the inference consumer loads it: its request and its record."""
+
+    job: Job
+    request: ModelRequest
+    #: When preprocessing handed it over (its wait for a batch starts there), and its deadline, if any.
+    preprocessed: float | None
+    deadline: float | None
+    trace: dict[str, str] | None
+
+
+@dataclass(frozen=True)
+class Ending:
+    """A terminal status to write for one job, with what goes with it."""
+
+    job_id: str
+    tenant: str
+    status: JobStatus
+    result: ResultInfo | None = None
+    error: ErrorInfo | None = None
+    batch: BatchInfo | None = None
+    #: More timestamps to write with it (name → time), e.g. when its batch started and ended.
+    stamps: dict[str, float] = field(default_factory=dict)
 
 
 class JobRepository:
@@ -198,18 +225,35 @@ class JobRepository:
         batch: BatchInfo | None = None,
     ) -> bool:
         """Write a terminal status with its result or error and announce it; False if the job had already ended."""
-        fields: dict[str, str] = {"status": status, "ts:done": repr(time.time())}
-        if result:
-            fields["result"] = result.model_dump_json()
-        if error:
-            fields["error"] = error.model_dump_json()
-        if batch:
-            fields["batch"] = batch.model_dump_json()
         tenant = self.tenant(job_id) or DEFAULT_TENANT  # never changes once written: safe to read first
-        keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
-        keys.append(tenant_jobs_key(tenant))
-        args = [job_id, status, *(x for pair in fields.items() for x in pair)]
-        return bool(self._finish(keys=keys, args=args))
+        ending = Ending(job_id, tenant, status, result=result, error=error, batch=batch)
+        return bool(self._finish(*_finish_call(ending, time.time())))
+
+    def finish_many(self, endings: Sequence[Ending]) -> list[bool]:
+        """End many jobs in one pipelined round trip (the inference consumer's writer); True where written."""
+        now = time.time()
+        with self.redis.pipeline(transaction=False) as pipe:
+            for ending in endings:
+                keys, args = _finish_call(ending, now)
+                self._finish(keys=keys, args=args, client=pipe)
+            return [bool(x) for x in pipe.execute()]
+
+    def stamp_many(self, job_ids: Sequence[str], name: str, at: float) -> None:
+        """The same timestamp on many jobs, in one pipelined round trip."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hset(job_key(job_id), f"ts:{name}", repr(at))
+            pipe.execute()
+
+    def load_pending(self, job_ids: Sequence[str]) -> dict[str, Pending | None]:
+        """Many jobs' model requests with their records, in one pipelined round trip: what a batch needs, so the
+        consumer reads nothing more per job. None for a job with no request left (ended, or never handed over)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.get(tokens_key(job_id))
+                pipe.hgetall(job_key(job_id))
+            raw = pipe.execute()
+        return {job_id: _pending(job_id, raw[2 * i], raw[2 * i + 1]) for i, job_id in enumerate(job_ids)}
 
     def load_job(self, job_id: str) -> Job | None:
         """The job as clients see it, assembled from its record; None if unknown."""
@@ -220,6 +264,33 @@ class JobRepository:
         """The tenant a job belongs to; None if the job is unknown."""
         raw = self.redis.hget(job_key(job_id), "tenant")
         return raw.decode() if raw is not None else None
+
+
+def _finish_call(ending: Ending, now: float) -> tuple[list[str], list[str]]:
+    """Keys and arguments of the finish-once script for one ending."""
+    fields = {"status": ending.status, "ts:done": repr(now)}
+    fields.update({f"ts:{name}": repr(at) for name, at in ending.stamps.items()})
+    for name, value in (("result", ending.result), ("error", ending.error), ("batch", ending.batch)):
+        if value is not None:
+            fields[name] = value.model_dump_json()
+    job_id = ending.job_id
+    keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
+    keys.append(tenant_jobs_key(ending.tenant))
+    return keys, [job_id, ending.status, *(x for pair in fields.items() for x in pair)]
+
+
+def _pending(job_id: str, tokens: bytes | None, raw: dict[bytes, bytes]) -> Pending | None:
+    if not tokens or not raw:
+        return None
+
+    def number(name: bytes) -> float | None:
+        value = raw.get(name)
+        return float(value) if value is not None else None
+
+    context = raw.get(b"trace_context")
+    trace = dict(json.loads(context)) if context else None
+    job = job_from_fields(job_id, raw)
+    return Pending(job, ModelRequest.from_json(tokens), number(b"ts:preprocessed"), number(b"deadline"), trace)
 
 
 def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:

@@ -98,3 +98,19 @@ API_KEYS_KEY = f"{PREFIX}:apikeys"
 #: A job's in-flight slot is given back this long after its deadline even if no terminal status was written
 #: (every job gets one, from a worker, the watchdog or the reaper: this only bounds a leak).
 IN_FLIGHT_GRACE_S = 600
+#: Ids of inference consumers that hold jobs (each beats `consumer_alive_key` while it lives).
+CONSUMERS_KEY = f"{PREFIX}:consumers"
+
+
+def consumer_alive_key(consumer: str) -> str:
+    """Present while an inference consumer lives: it renews the key's short lifetime every beat."""
+    return f"{PREFIX}:consumer:{consumer}:alive"
+
+
+def consumer_jobs_key(consumer: str) -> str:
+    """The jobs an inference consumer holds now (waiting, prepared, on the device or being written)."""
+    return f"{PREFIX}:consumer:{consumer}:jobs"
+
+
+#: The device's recent idle gaps between batches while work waited (seconds, newest first, capped).
+DEVICE_GAPS_KEY = f"{PREFIX}:device:gaps"
