@@ -25,6 +25,7 @@ from stoker.adapters.metrics import ADMISSIONS
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import done_channel
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
+from stoker.core.batching import idle_gap_summary
 from stoker.core.cachekeys import prompt_address
 from stoker.core.deadlines import deadline_for
 from stoker.core.errors import BrokerUnavailable, JobNotFound, Overloaded
@@ -210,11 +211,13 @@ async def stats(request: Request) -> dict[str, Any]:
             raise BrokerUnavailable("the broker cannot be reached") from exc
     settings: ApiSettings = request.app.state.settings
     counters = await run_in_threadpool(request.app.state.store.stats.counters)
+    gaps = await run_in_threadpool(request.app.state.store.stats.device_gaps)
     return {
         "sampled_at": snapshot.at,
         "queues": {q.name: {"depth": q.depth, "limit": q.limit, "drain_per_s": q.drain_per_s} for q in snapshot.queues},
         "infer_watermarks": {"high": settings.infer_high_watermark, "low": settings.infer_low_watermark},
         **counters,
+        "device_idle_gap": idle_gap_summary(gaps),
     }
 
 

@@ -177,8 +177,9 @@ class WorkerSettings(CommonSettings):
     max_batch_size: int = Field(8, ge=1)
     #: A batch closes early when its prompts add up to this many tokens (requests differ wildly in size).
     max_batch_tokens: int = Field(16_384, ge=1)
-    #: A batch that is not full goes this long after its first request arrived.
-    max_wait_ms: int = Field(50, ge=1)
+    #: 0 (default): a free device takes whatever waits at once. Above 0: a batch that is not full waits up to this
+    #: long after its first request arrived, for company (for backends where a fuller batch is worth the latency).
+    max_wait_ms: int = Field(0, ge=0)
     prefetch_batches: int = Field(2, ge=1)
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -191,6 +192,12 @@ class WorkerSettings(CommonSettings):
     # The `sim` backend: a simulated accelerator, a batch takes base + per item (ms), asleep.
     sim_base_ms: float = Field(20.0, ge=0)
     sim_per_item_ms: float = Field(5.0, ge=0)
+    #: One simulated device shared by every inference process on this store (batches serialized through a lock
+    #: in Redis): the benchmark's sync-pool baseline gets one accelerator, not one per process.
+    sim_shared: bool = False
+    #: The sim backend misbehaving on purpose, for tests of the consumer: `raise` (every call raises), `short`
+    #: (answers one request fewer than it was given: a backend breaking its contract).
+    sim_fault: Literal["none", "raise", "short"] = "none"
 
     # The `openai` backend: an OpenAI-compatible server (e.g. `vllm serve`).
     openai_base_url: str = "http://127.0.0.1:8001/v1"

@@ -10,20 +10,134 @@ the device waits while the thread preprocesses, and one slow input holds up ever
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Collection
+from queue import Empty, Queue
 from typing import Any
 
 from celery.canvas import Signature, _chain, group
 from celery.signals import celeryd_after_setup
-from celery_batches import SimpleRequest
+from celery.worker.request import Request
+from celery_batches import Batches, SimpleRequest
+from celery_batches.trace import apply_batches_task
 
+from stoker.core.batching import BatchPolicy, Waiting, plan_batch
 from stoker.core.queues import SYNC_QUEUE
 from tasks import resources
-from tasks.inference import TICK_S, DeviceBatches, serve_batch
+from tasks.batches import expire, serve_batch
+from tasks.inference import watchdog
 from tasks.pipeline import preprocessing_branches
 from tasks.preprocess import pipeline_context, tokenize_job
 from tasks.worker import app
 
 log = logging.getLogger(__name__)
+
+
+class DeviceBatches(Batches):  # type: ignore[misc]
+    """The baseline's receiver: celery-batches driven by stoker's batching policy, flushing only when the device is
+    free (the solo pool runs each batch in the receiving thread itself, so a timer collects what came meanwhile).
+
+    Plain celery-batches flushes whatever arrived each interval, even while the model is busy, so under load the
+    pool queues many tiny batches. Here every request waits until the policy (`plan_batch`: size, token budget,
+    wait since the first arrival, deadlines) says its batch goes, and never while a batch runs: the device runs
+    back to back on batches as large as the queue allows. Requests whose deadline passed are answered and
+    acked without reaching the model.
+    """
+
+    abstract = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._busy = threading.Event()
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[Waiting, Request]] = {}
+        self.running: Collection[Request] = ()
+        self.policy = BatchPolicy(
+            max_batch_size=resources.settings().max_batch_size,
+            max_batch_tokens=resources.settings().max_batch_tokens,
+            max_wait_s=resources.settings().max_wait_ms / 1000,
+        )
+
+    def _do_flush(self) -> None:
+        with self._lock:
+            now = time.time()
+            for request in _take(self._buffer, self._buffer.qsize()):
+                self._waiting[request.id] = (_as_waiting(request, now), request)
+            plan = plan_batch([w for w, _ in self._waiting.values()], now, self.policy, not self._busy.is_set())
+            expired = [self._waiting.pop(w.key)[1] for w in plan.expired]
+            batch = [self._waiting.pop(w.key)[1] for w in plan.run]
+            if not self._waiting and not batch:
+                self._stop_timer()
+        for request in expired:
+            _drop_expired(request)
+        if batch:
+            self._busy.set()
+            try:
+                self.flush(batch)
+            except Exception:
+                self._busy.clear()
+                raise
+
+    def _stop_timer(self) -> None:
+        timer: Any = getattr(self, "_tref", None)
+        if timer is not None:
+            timer.cancel()
+        self._tref = None
+
+    def give_back(self) -> None:
+        """Before the process is replaced: ack the running batch (its jobs have ended) and requeue the rest."""
+        for request in self.running:
+            request.acknowledge()
+        with self._lock:
+            waiting = [r for _, r in self._waiting.values()] + _take(self._buffer, self._buffer.qsize())
+            self._waiting.clear()
+        for request in waiting:
+            request.reject(requeue=True)
+
+    def flush(self, requests: Collection[Request]) -> Any:
+        """Run one batch in the pool; ack its messages and free the device when it returns."""
+        serializable = ([SimpleRequest.from_request(r) for r in requests],)
+
+        def on_return(_: Any) -> None:
+            for request in requests:
+                request.acknowledge()
+            self.running = ()
+            self._busy.clear()
+
+        self.running = requests
+        return self._pool.apply_async(apply_batches_task, (self, serializable, 0, None), callback=on_return)
+
+
+def _as_waiting(request: Request, now: float) -> Waiting:
+    """What the policy needs to know of a request: its size and deadline travel in the message."""
+    kwargs = request.kwargs or {}
+    tokens, deadline = kwargs.get("prompt_tokens"), kwargs.get("deadline")
+    return Waiting(request.id, int(tokens or 0), now, float(deadline) if deadline else None)
+
+
+def _drop_expired(request: Request) -> None:
+    """A request whose deadline passed before its batch: the job fails, the message is done with."""
+    job_id = str((request.kwargs or {}).get("job_id"))
+    try:
+        expire(job_id, time.time())
+        resources.store().stats.count_drained("infer")
+    finally:
+        request.acknowledge()
+
+
+def _take(buffer: Queue[Request], limit: int) -> list[Request]:
+    items: list[Request] = []
+    while len(items) < limit:
+        try:
+            items.append(buffer.get_nowait())
+        except Empty:
+            break
+    return items
+
+
+#: How often the baseline's receiver looks at what waits (it has no arrival wake-up: its one thread is busy).
+TICK_S = 0.01
 
 
 @app.task(
@@ -39,7 +153,7 @@ def sync_jobs(requests: list[SimpleRequest]) -> None:
     job_ids = [str(r.kwargs["job_id"]) for r in requests]
     ready = [job_id for job_id in job_ids if preprocess_inline(job_id)]
     resources.store().stats.count_drained(SYNC_QUEUE, len(job_ids))
-    serve_batch(ready)
+    serve_batch(ready, watchdog)
 
 
 def preprocess_inline(job_id: str) -> bool:

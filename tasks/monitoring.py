@@ -126,7 +126,13 @@ def job_line(job: Job) -> str:
 def log_finished(job_id: str) -> None:
     """Log the finished job's line (nothing if the record is gone)."""
     job = resources.store().jobs.load_job(job_id)
-    if job is not None and job.terminal:
+    if job is not None:
+        log_job(job)
+
+
+def log_job(job: Job) -> None:
+    """Log a finished job's line."""
+    if job.terminal:
         log.info(job_line(job))
 
 

@@ -10,7 +10,7 @@ import time
 from collections import Counter
 
 from stoker.core.deadlines import JobClock, ReapPolicy, Verdict, decide
-from stoker.core.errors import DeadlineExceeded, InferenceFailed
+from stoker.core.errors import DeadlineExceeded, InferenceFailed, WorkerLost
 from stoker.core.jobs import ErrorInfo
 from tasks import resources
 from tasks.monitoring import log_finished
@@ -47,6 +47,34 @@ def reap_once(now: float | None = None, limit: int = 200) -> Counter[str]:
             store.watch.watch_next(job_id, now + rules.recheck_s)
         done[verdict.action] += 1
     return done
+
+
+def recover_lost() -> Counter[str]:
+    """Jobs held by inference consumers that died (their heartbeat lapsed), a batch on the device included: sent
+    again at once, so a live worker serves them within seconds; a job lost with its consumer more than
+    `max_deliveries` times fails as worker_lost."""
+    done: Counter[str] = Counter()
+    for consumer, job_ids in resources.store().consumers.take_lost().items():
+        log.warning("inference consumer %s is gone: sending its %d jobs again", consumer, len(job_ids))
+        for job_id in job_ids:
+            done[resend_lost(job_id)] += 1
+    return done
+
+
+def resend_lost(job_id: str) -> str:
+    """One job of a dead consumer: send it to the inference queue again, or give up on it."""
+    store = resources.store()
+    losses = store.jobs.count_loss(job_id)
+    if losses is None:
+        return "forget"
+    if losses > resources.settings().max_deliveries:
+        lost = WorkerLost(f"its inference worker died {losses} times while holding it", stage="infer")
+        if store.jobs.finish(job_id, "failed", error=ErrorInfo(**lost.to_dict())):
+            log_finished(job_id)
+        return "lost"
+    request, clock = store.jobs.get_request(job_id), store.watch.clock(job_id)
+    enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None, app)
+    return "resend"
 
 
 def act(job_id: str, clock: JobClock, verdict: Verdict) -> None:

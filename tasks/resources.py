@@ -7,11 +7,14 @@ import importlib.metadata
 from pathlib import Path
 from typing import Any
 
+from redis.lock import Lock
+
 from stoker.adapters.backends.local import SimPredictor, TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.cache import StageCache
 from stoker.adapters.store import Store
+from stoker.adapters.store.keys import DEVICE_LOCK_KEY
 from stoker.adapters.urlfetch import FetchPolicy
 from stoker.core import cachekeys
 from stoker.core.arrays import array_from_bytes
@@ -77,7 +80,7 @@ def predictor() -> Predictor:
     s = settings()
     chosen: Predictor
     if s.backend == "sim":
-        chosen = SimPredictor(s.sim_base_ms, s.sim_per_item_ms)
+        chosen = SimPredictor(s.sim_base_ms, s.sim_per_item_ms, fault=s.sim_fault)
     elif s.backend == "openai":
         chosen = OpenAIPredictor(
             s.openai_base_url,
@@ -94,6 +97,18 @@ def predictor() -> Predictor:
         )
     chosen.setup(s.device)
     return chosen
+
+
+def device_lock() -> Lock | None:
+    """The lock that makes several processes share one simulated device (`STOKER_SIM_SHARED`); None otherwise.
+
+    redis-py's own lock: held for at most the watchdog's whole budget, so a process killed holding it cannot stop
+    the others for longer."""
+    s = settings()
+    if s.backend != "sim" or not s.sim_shared:
+        return None
+    hold_s = s.infer_batch_timeout_s + s.infer_wedge_grace_s
+    return store().client.lock(DEVICE_LOCK_KEY, timeout=hold_s, sleep=0.001, thread_local=False)
 
 
 def picture(digest: str, scope: str) -> bytes | None:

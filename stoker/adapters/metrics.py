@@ -36,6 +36,11 @@ BATCH_WAIT_SECONDS = Histogram(
     "stoker_batch_wait_seconds", "From a job's prompt being ready to its batch starting.", buckets=STAGE_BUCKETS
 )
 BATCH_SECONDS = Histogram("stoker_batch_duration_seconds", "Device time of one batch.", buckets=STAGE_BUCKETS)
+DEVICE_IDLE_GAP_SECONDS = Histogram(
+    "stoker_device_idle_gap_seconds",
+    "The device's idle time between consecutive batches while work was waiting for it (the consumer's overhead).",
+    buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
+)
 QUEUE_DEPTH = Gauge("stoker_queue_depth", "Messages waiting in a queue.", ["queue"], multiprocess_mode="mostrecent")
 DEVICE_BUSY_RATIO = Gauge(
     "stoker_device_busy_ratio",

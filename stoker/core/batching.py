@@ -5,6 +5,7 @@ Pure values in, pure values out; the inference consumer applies the policy, the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,3 +97,46 @@ def plan_batch(waiting: Sequence[Waiting], now: float, policy: BatchPolicy, devi
         return Plan([], expired, alive, due)
     rest = alive[take:]
     return Plan(alive[:take], expired, rest, rest[0].arrived + policy.max_wait_s if rest else None)
+
+
+def top_up(waiting: Sequence[Waiting], have: int, have_tokens: int, now: float, policy: BatchPolicy) -> Plan:
+    """What joins the batch being prepared now, beside the `have` requests (of `have_tokens` prompt tokens)
+    already in it: the oldest waiting requests that fit its size and token budget, and those past their deadline.
+
+    Work-conserving: nothing is held back to wait for company (`start_at` decides when the device starts).
+    A request larger than the whole token budget still goes, alone, in a batch of its own.
+    """
+    expired = [w for w in waiting if w.deadline is not None and w.deadline <= now]
+    alive = sorted((w for w in waiting if w.deadline is None or w.deadline > now), key=lambda w: w.arrived)
+    take, tokens = 0, have_tokens
+    while take < len(alive) and have + take < policy.max_batch_size:
+        alone = have + take == 0
+        if not alone and tokens + alive[take].tokens > policy.max_batch_tokens:
+            break
+        tokens += alive[take].tokens
+        take += 1
+    rest = alive[take:]
+    return Plan(alive[:take], expired, rest, None)
+
+
+def start_at(arrivals: Sequence[float], now: float, policy: BatchPolicy) -> float | None:
+    """When a free device starts a prepared batch whose requests arrived at `arrivals`: at once by default (the
+    device never idles while work waits); with `max_wait_s`, not before its first request waited that long,
+    unless it is already full. None when nothing is prepared."""
+    if not arrivals:
+        return None
+    if policy.max_wait_s <= 0 or len(arrivals) >= policy.max_batch_size:
+        return now
+    return min(arrivals) + policy.max_wait_s
+
+
+def idle_gap_summary(gaps_s: Sequence[float]) -> dict[str, float | int]:
+    """p50 and p99 (milliseconds, nearest rank) of the device's idle gaps between batches while work waited."""
+    ordered = sorted(gaps_s)
+    if not ordered:
+        return {"samples": 0}
+
+    def rank(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1000, 3)
+
+    return {"samples": len(ordered), "p50_ms": rank(0.50), "p99_ms": rank(0.99)}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stoker.core.batching import BatchPolicy, Waiting, plan_batch
+from stoker.core.batching import BatchPolicy, Waiting, idle_gap_summary, plan_batch, start_at, top_up
 from stoker.core.model import ModelRequest, Prediction
-from tasks.inference import predict_isolated
+from tasks.batches import predict_isolated
 
 POLICY = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.05)
 
@@ -97,3 +97,51 @@ def test_one_bad_request_fails_alone_after_the_batch_is_retried_item_by_item() -
     assert picky.batches == [3, 1, 1, 1]
     assert [type(o).__name__ for o in outcomes] == ["Prediction", "InferenceFailed", "Prediction"]
     assert outcomes[0].text == "2 tokens"  # type: ignore[union-attr]
+
+
+# -- the work-conserving consumer: what joins the batch being prepared, and when a free device starts it --------
+
+WORK_CONSERVING = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.0)
+
+
+def test_an_idle_device_takes_a_lone_request_at_once() -> None:
+    plan = top_up(_items(10), have=0, have_tokens=0, now=0.0, policy=WORK_CONSERVING)
+    assert [w.key for w in plan.run] == ["j0"]
+    assert start_at([0.0], now=0.0, policy=WORK_CONSERVING) == 0.0  # no wait for company
+
+
+def test_what_arrives_while_a_batch_runs_fills_the_next_one_up_to_its_size() -> None:
+    first = top_up(_items(10, 10), have=0, have_tokens=0, now=0.0, policy=WORK_CONSERVING)
+    assert len(first.run) == 2
+    later = top_up(_items(10, 10, 10, 10), have=2, have_tokens=20, now=0.1, policy=WORK_CONSERVING)
+    assert [w.key for w in later.run] == ["j0", "j1"]  # room for two more
+    assert [w.key for w in later.keep] == ["j2", "j3"]  # they form the batch after
+    assert top_up(_items(10), have=4, have_tokens=40, now=0.2, policy=WORK_CONSERVING).run == []
+
+
+def test_the_token_budget_caps_a_top_up_and_an_oversized_request_goes_alone() -> None:
+    plan = top_up(_items(30, 30), have=1, have_tokens=50, now=0.0, policy=WORK_CONSERVING)
+    assert [w.key for w in plan.run] == ["j0"]  # 50 + 30 = 80; + 30 would pass 100
+    assert top_up(_items(500), have=1, have_tokens=10, now=0.0, policy=WORK_CONSERVING).run == []
+    alone = top_up(_items(500, 10), have=0, have_tokens=0, now=0.0, policy=WORK_CONSERVING)
+    assert [w.key for w in alone.run] == ["j0"]
+
+
+def test_a_top_up_drops_what_is_past_its_deadline() -> None:
+    waiting = [*_items(10, deadline=1.0), Waiting("fresh", 10, 0.5)]
+    plan = top_up(waiting, have=0, have_tokens=0, now=1.0, policy=WORK_CONSERVING)
+    assert [w.key for w in plan.expired] == ["j0"]
+    assert [w.key for w in plan.run] == ["fresh"]
+
+
+def test_waiting_for_company_is_opt_in_and_ends_when_the_batch_is_full() -> None:
+    patient = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.05)
+    assert start_at([1.0, 1.01], now=1.02, policy=patient) == 1.05  # the first one's wait runs out at 1.05
+    assert start_at([1.0, 1.01, 1.02, 1.03], now=1.03, policy=patient) == 1.03  # full: at once
+    assert start_at([], now=1.0, policy=patient) is None
+
+
+def test_the_idle_gap_summary_is_in_milliseconds_by_nearest_rank() -> None:
+    gaps = [0.001] * 98 + [0.002, 0.050]
+    assert idle_gap_summary(gaps) == {"samples": 100, "p50_ms": 1.0, "p99_ms": 2.0}
+    assert idle_gap_summary([]) == {"samples": 0}

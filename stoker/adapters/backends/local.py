@@ -111,10 +111,12 @@ class SimPredictor:
     placeholders saying what was simulated: nothing here is a model.
     """
 
-    def __init__(self, base_ms: float, per_item_ms: float, name: str = "sim") -> None:
+    def __init__(self, base_ms: float, per_item_ms: float, name: str = "sim", fault: str = "none") -> None:
         self.base_ms = base_ms
         self.per_item_ms = per_item_ms
         self.name = name
+        #: `raise`: every call fails; `short`: one answer fewer than requests (tests of the consumer's guards).
+        self.fault = fault
 
     def setup(self, device: str) -> None:
         """Nothing to load."""
@@ -127,7 +129,9 @@ class SimPredictor:
     def predict(self, batch: list[int]) -> list[int]:
         """Keep the simulated device busy for this batch's time."""
         time.sleep((self.base_ms + self.per_item_ms * len(batch)) / 1000)
-        return batch
+        if self.fault == "raise":
+            raise RuntimeError("simulated device fault")
+        return batch[:-1] if self.fault == "short" else batch
 
     def unbatch(self, output: list[int]) -> list[Prediction]:
         """One placeholder answer per request."""

@@ -26,15 +26,22 @@ class ConsumerRegistry:
         self.redis = client
         self._take_lost = client.register_script(_TAKE_LOST)
 
-    def beat(self, consumer: str, job_ids: Collection[str], ttl_s: float) -> None:
-        """This consumer lives (for ttl_s more) and holds exactly these jobs."""
+    def beat(self, consumer: str, ttl_s: float) -> None:
+        """This consumer lives, for ttl_s more."""
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.sadd(CONSUMERS_KEY, consumer)
             pipe.set(consumer_alive_key(consumer), 1, px=int(ttl_s * 1000))
-            pipe.delete(consumer_jobs_key(consumer))
-            if job_ids:
-                pipe.sadd(consumer_jobs_key(consumer), *job_ids)
             pipe.execute()
+
+    def hold(self, consumer: str, job_ids: Collection[str]) -> None:
+        """This consumer now holds these jobs too (written as they arrive, before anything else happens to them)."""
+        if job_ids:
+            self.redis.sadd(consumer_jobs_key(consumer), *job_ids)
+
+    def release(self, consumer: str, job_ids: Collection[str]) -> None:
+        """This consumer is done with these jobs (ended, expired, or handed back)."""
+        if job_ids:
+            self.redis.srem(consumer_jobs_key(consumer), *job_ids)
 
     def leave(self, consumer: str) -> None:
         """A consumer stopping cleanly (it handed its messages back): forget it."""

@@ -72,6 +72,15 @@ redis.call('PUBLISH', KEYS[4], ARGV[2])
 return 1
 """
 
+# A job whose inference consumer died holding it: count the loss and clear its batch start, unless it ended.
+_LOST = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'succeeded' or status == 'degraded' or status == 'failed' then return -1 end
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+redis.call('HDEL', KEYS[1], 'ts:infer_start')
+return redis.call('HINCRBY', KEYS[1], 'losses', 1)
+"""
+
 HandOff = Literal["ok", "stale", "done"]
 
 
@@ -85,6 +94,8 @@ class Pending:
     preprocessed: float | None
     deadline: float | None
     trace: dict[str, str] | None
+    #: Its timestamps so far (name → time), so its timings can be told once it ends without reading it back.
+    stamps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,7 @@ class JobRepository:
         self._put_input = client.register_script(_PUT_INPUT)
         self._hand_off = client.register_script(_HAND_OFF)
         self._finish = client.register_script(_FINISH)
+        self._lost = client.register_script(_LOST)
 
     def create_job(
         self,
@@ -255,6 +267,12 @@ class JobRepository:
             raw = pipe.execute()
         return {job_id: _pending(job_id, raw[2 * i], raw[2 * i + 1]) for i, job_id in enumerate(job_ids)}
 
+    def count_loss(self, job_id: str) -> int | None:
+        """The consumer holding this job died: count it (how many times now) and clear its batch start; None if
+        the job ended meanwhile or has no model request to send again."""
+        losses = int(self._lost(keys=[job_key(job_id), tokens_key(job_id)]))
+        return None if losses < 0 else losses
+
     def load_job(self, job_id: str) -> Job | None:
         """The job as clients see it, assembled from its record; None if unknown."""
         raw = self.redis.hgetall(job_key(job_id))
@@ -290,7 +308,9 @@ def _pending(job_id: str, tokens: bytes | None, raw: dict[bytes, bytes]) -> Pend
     context = raw.get(b"trace_context")
     trace = dict(json.loads(context)) if context else None
     job = job_from_fields(job_id, raw)
-    return Pending(job, ModelRequest.from_json(tokens), number(b"ts:preprocessed"), number(b"deadline"), trace)
+    stamps = {name: float(raw[f"ts:{name}".encode()]) for name in STAMPS if f"ts:{name}".encode() in raw}
+    request = ModelRequest.from_json(tokens)
+    return Pending(job, request, number(b"ts:preprocessed"), number(b"deadline"), trace, stamps)
 
 
 def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:

@@ -112,5 +112,9 @@ def consumer_jobs_key(consumer: str) -> str:
     return f"{PREFIX}:consumer:{consumer}:jobs"
 
 
+#: CPU seconds spent per worker kind, as each worker process accounts for itself.
+CPU_KEY = f"{PREFIX}:cpu"
+#: A simulated device shared by several processes: whoever holds this runs a batch.
+DEVICE_LOCK_KEY = f"{PREFIX}:device:lock"
 #: The device's recent idle gaps between batches while work waited (seconds, newest first, capped).
 DEVICE_GAPS_KEY = f"{PREFIX}:device:gaps"

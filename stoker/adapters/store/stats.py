@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import redis
 
-from stoker.adapters.store.keys import DEVICE_KEY, DRAINED_KEY, JOB_COUNTS_KEY, REFUSED_KEY
+from stoker.adapters.store.keys import (
+    CPU_KEY,
+    DEVICE_GAPS_KEY,
+    DEVICE_KEY,
+    DRAINED_KEY,
+    JOB_COUNTS_KEY,
+    REFUSED_KEY,
+)
+
+#: Idle gaps kept for `/v1/stats` percentiles.
+GAPS_KEPT = 1000
 
 
 class StatsRepository:
@@ -34,7 +44,33 @@ class StatsRepository:
         refused = {k.decode(): float(v) for k, v in self.redis.hgetall(REFUSED_KEY).items()}
         device = {k.decode(): float(v) for k, v in self.redis.hgetall(DEVICE_KEY).items()}
         drained = {k: float(v) for k, v in self.drained().items()}
-        return {"drained": drained, "refused": refused, "device": device}
+        return {"drained": drained, "refused": refused, "device": device, "cpu_s": self.cpu_time()}
+
+    def record_batch(self, queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1) -> None:
+        """One batch done, in one round trip: its messages drained, the device's busy seconds and backend calls,
+        and the device's idle gap before it (when work was waiting), kept among the most recent `GAPS_KEPT`."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hincrby(DRAINED_KEY, queue, size)
+            pipe.hincrbyfloat(DEVICE_KEY, "busy_s", busy_s)
+            pipe.hincrby(DEVICE_KEY, "batches", 1)
+            pipe.hincrby(DEVICE_KEY, "calls", calls)
+            pipe.hincrby(DEVICE_KEY, "items", size)
+            if gap_s is not None:
+                pipe.lpush(DEVICE_GAPS_KEY, repr(gap_s))
+                pipe.ltrim(DEVICE_GAPS_KEY, 0, GAPS_KEPT - 1)
+            pipe.execute()
+
+    def device_gaps(self) -> list[float]:
+        """The device's most recent idle gaps between batches while work waited, in seconds."""
+        return [float(raw) for raw in self.redis.lrange(DEVICE_GAPS_KEY, 0, -1)]
+
+    def add_cpu_time(self, kind: str, seconds: float) -> None:
+        """CPU seconds a worker process of this kind spent (its own accounting: user + system, children included)."""
+        self.redis.hincrbyfloat(CPU_KEY, kind, seconds)
+
+    def cpu_time(self) -> dict[str, float]:
+        """CPU seconds per worker kind, ever."""
+        return {k.decode(): float(v) for k, v in self.redis.hgetall(CPU_KEY).items()}
 
     def add_device_time(self, busy_s: float) -> None:
         """Seconds the inference device spent on batches."""

@@ -1,0 +1,236 @@
+"""A batch's life on the device: loaded, run, written.
+
+A batch is loaded (`load_batch`: one pipelined round trip for all its jobs), run (`run_batch`: the model, and
+nothing else: no Redis, no spans, no logging per job) and written (`write_batch`: results, stamps, counters in
+pipelined round trips, then spans, metrics and the log line of each job). The pipeline's consumer
+(`tasks.feeder.Feeder`) does the three in three threads so the device never waits; the synchronous baseline
+(`stoker.sync`, `tasks.baseline`) does them one after another in its one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from celery.worker.request import Request
+from opentelemetry.propagate import extract
+
+from stoker.adapters.metrics import BATCH_SECONDS, BATCH_SIZE, BATCH_WAIT_SECONDS, DEVICE_IDLE_GAP_SECONDS
+from stoker.adapters.store.jobs import Ending, Pending
+from stoker.adapters.tracing import mark_failed, tracer
+from stoker.core.errors import DeadlineExceeded, InferenceFailed, StokerError
+from stoker.core.jobs import (
+    BatchInfo,
+    ErrorInfo,
+    Job,
+    ResultInfo,
+    compute_timings,
+    final_status,
+    preprocess_share,
+)
+from stoker.core.model import ModelRequest, Prediction, Predictor, run_predictor
+from stoker.core.tenancy import DEFAULT_TENANT
+from tasks import monitoring, resources
+from tasks.watchdog import BatchWatchdog
+
+log = logging.getLogger(__name__)
+_settings = resources.settings()
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One job in a batch: its model request and the record it was loaded with (and its message, if any)."""
+
+    job_id: str
+    pending: Pending
+    message: Request | None = None
+    #: When its message reached this consumer (a batch's wait for company, if any, counts from there).
+    arrived: float = 0.0
+
+    @property
+    def request(self) -> ModelRequest:
+        """What the model gets."""
+        return self.pending.request
+
+
+@dataclass
+class RanBatch:
+    """A batch that came back from the device: when it ran, and one outcome per item."""
+
+    id: str
+    items: list[BatchItem]
+    started: float
+    ended: float
+    outcomes: list[Prediction | StokerError]
+    #: The device's idle time before this batch while work was waiting (None: it had nothing to do).
+    idle_gap_s: float | None = None
+    #: The watchdog already failed these jobs: their answers are dropped.
+    overdue: bool = False
+    #: Backend calls it took: 1 for a real batch, more when it failed and its items ran one by one.
+    calls: int = 1
+
+
+def load_batch(job_ids: Sequence[str]) -> list[BatchItem]:
+    """The jobs still waiting for the model, loaded in one round trip. A job with no request left (a redelivered
+    message of a job that ended) is skipped; one whose deadline passed is failed here, before the model."""
+    store = resources.store()
+    loaded = store.jobs.load_pending(list(dict.fromkeys(job_ids)))
+    now = time.time()
+    items = []
+    for job_id, pending in loaded.items():
+        if pending is None:
+            log.info("job %s has no pending request; skipping", job_id)
+        elif pending.deadline and now >= pending.deadline:
+            expire(job_id, now)
+        else:
+            items.append(BatchItem(job_id, pending))
+    return items
+
+
+def run_batch(items: list[BatchItem], watchdog: BatchWatchdog, idle_gap_s: float | None = None) -> RanBatch:
+    """Run the model once over the batch (items one by one only if the batch fails). Touches nothing but the
+    device: the watchdog and the busy clock are in memory."""
+    batch_id = uuid.uuid4().hex[:12]
+    with device_turn():
+        started = time.time()
+        watchdog.begin(batch_id, [i.job_id for i in items])
+        monitoring.device.begin()
+        calls: list[int] = []
+        try:
+            outcomes = predict_isolated(resources.predictor(), [i.request for i in items], calls)
+        finally:
+            monitoring.device.end()
+            ran = watchdog.end()
+        ended = time.time()
+    overdue = bool(ran and ran.overdue)
+    return RanBatch(batch_id, items, started, ended, outcomes, idle_gap_s, overdue, len(calls))
+
+
+def write_batch(ran: RanBatch) -> None:
+    """Every job's result, its stamps and the batch's counters, pipelined; then spans, metrics and log lines."""
+    store = resources.store()
+    endings = [_ending(ran, item, outcome) for item, outcome in zip(ran.items, ran.outcomes, strict=True)]
+    written = store.jobs.finish_many(endings) if not ran.overdue else [False] * len(endings)
+    store.stats.record_batch("infer", len(ran.items), ran.ended - ran.started, ran.idle_gap_s, ran.calls)
+    _observe(ran)
+    for item, outcome, ending, fresh in zip(ran.items, ran.outcomes, endings, written, strict=True):
+        _span(ran, item, outcome)
+        if fresh:
+            monitoring.log_job(_ended_job(item.pending, ending))
+    late = " (past its budget: results dropped)" if ran.overdue else ""
+    log.info("batch %s: %d jobs in %.0f ms%s", ran.id, len(ran.items), (ran.ended - ran.started) * 1000, late)
+
+
+def serve_batch(job_ids: Sequence[str], watchdog: BatchWatchdog) -> None:
+    """Load, run and write one batch in this thread (the synchronous baseline's way)."""
+    items = load_batch(job_ids)
+    if items:
+        write_batch(run_batch(items, watchdog))
+
+
+def fail_batch(items: Sequence[BatchItem], exc: BaseException) -> None:
+    """A batch that broke outside the model (a bug, a contract violation): its jobs fail now, structured, rather
+    than wait for the reaper. Raises if even that cannot be written (the caller then hands the messages back)."""
+    log.error("batch of %d failed outside the model: %r", len(items), exc)
+    error = ErrorInfo(**InferenceFailed(f"the batch failed: {type(exc).__name__}", stage="infer").to_dict())
+    endings = [Ending(i.job_id, i.pending.job.tenant or DEFAULT_TENANT, "failed", error=error) for i in items]
+    resources.store().jobs.finish_many(endings)
+
+
+def expire(job_id: str, now: float) -> None:
+    """A job whose deadline passed before its batch: it fails, never reaching the model."""
+    late = DeadlineExceeded("the deadline passed while the job waited for the model", stage="infer_queue")
+    if resources.store().jobs.finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
+        log.info("job %s dropped before the model: its deadline passed", job_id)
+
+
+def predict_isolated(
+    predictor: Predictor, requests: list[ModelRequest], calls: list[int] | None = None
+) -> list[Prediction | StokerError]:
+    """Run the batch; if it fails, retry each request alone so one bad item fails alone. Each backend call
+    appends its size to `calls`."""
+    if calls is not None:
+        calls.append(len(requests))
+    try:
+        answered = list(run_predictor(predictor, requests))
+        if len(answered) != len(requests):
+            raise InferenceFailed(f"the backend answered {len(answered)} of {len(requests)} requests", stage="infer")
+        return answered
+    except StokerError as exc:
+        if len(requests) == 1:
+            log.warning("inference failed: %s", exc)
+            return [exc]
+        log.warning("batch of %d failed (%s); retrying items one by one", len(requests), exc.code)
+    except Exception:
+        if len(requests) == 1:
+            log.exception("inference failed")
+            return [InferenceFailed("the model failed on this request", stage="infer")]
+        log.exception("batch of %d failed; retrying items one by one", len(requests))
+    outcomes: list[Prediction | StokerError] = []
+    for request in requests:
+        outcomes.extend(predict_isolated(predictor, [request], calls))
+    return outcomes
+
+
+def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError) -> Ending:
+    preprocessed = item.pending.preprocessed or ran.started
+    batch = BatchInfo(id=ran.id, size=len(ran.items), wait_ms=round(max(ran.started - preprocessed, 0.0) * 1000, 2))
+    stamps = {"infer_start": ran.started, "infer_end": ran.ended}
+    tenant = item.pending.job.tenant or DEFAULT_TENANT
+    if isinstance(outcome, StokerError):
+        error = ErrorInfo(**outcome.to_dict())
+        return Ending(item.job_id, tenant, "failed", error=error, batch=batch, stamps=stamps)
+    result = ResultInfo(
+        text=outcome.text,
+        model=resources.predictor().name,
+        prompt_tokens=outcome.prompt_tokens,
+        completion_tokens=outcome.completion_tokens,
+    )
+    status = final_status(item.pending.job.inputs)
+    return Ending(item.job_id, tenant, status, result=result, batch=batch, stamps=stamps)
+
+
+def _ended_job(pending: Pending, ending: Ending) -> Job:
+    """The job as it now stands, for its log line, without reading it back."""
+    timings = compute_timings({**pending.stamps, **ending.stamps, "done": time.time()})
+    update: dict[str, Any] = {"status": ending.status, "result": ending.result, "error": ending.error}
+    update |= {"batch": ending.batch, "timings_ms": timings, "preprocess_share": preprocess_share(timings)}
+    return pending.job.model_copy(update=update)
+
+
+def _observe(ran: RanBatch) -> None:
+    BATCH_SIZE.observe(len(ran.items))
+    BATCH_SECONDS.observe(ran.ended - ran.started)
+    if ran.idle_gap_s is not None:
+        DEVICE_IDLE_GAP_SECONDS.observe(ran.idle_gap_s)
+    for item in ran.items:
+        BATCH_WAIT_SECONDS.observe(max(ran.started - (item.pending.preprocessed or ran.started), 0.0))
+
+
+def _span(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError) -> None:
+    """The job's inference span, after the fact: one batch serves many traces, so it hangs off the job's context."""
+    attributes: dict[str, str | int] = {"stoker.stage": "infer", "stoker.batch_id": ran.id}
+    attributes.update({"stoker.batch_size": len(ran.items), "stoker.prompt_tokens": len(item.request.prompt_ids)})
+    context = extract(item.pending.trace or {})
+    span = tracer.start_span("stage infer", context=context, attributes=attributes, start_time=_ns(ran.started))
+    if isinstance(outcome, StokerError):
+        mark_failed(span, outcome.code)
+    span.end(end_time=_ns(ran.ended))
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+@contextmanager
+def device_turn() -> Iterator[None]:
+    """This process's turn on the device. A simulated device shared by several processes (`STOKER_SIM_SHARED`,
+    the benchmark's sync-pool baseline) takes a lock in Redis, so they get one device between them, not one each."""
+    lock = resources.device_lock()
+    with lock if lock is not None else nullcontext():
+        yield

@@ -1,0 +1,267 @@
+"""The pipeline's inference consumer: work-conserving and double-buffered, so the device never waits on Redis.
+
+celery-batches hands each inference message over the moment it arrives (`Feed`, flush_every=1: no polling tick);
+three threads do the rest:
+
+- the **collector** takes what waits into the next batch (arrival order; size and token budget; deadlines dropped)
+  and loads its requests, one pipelined round trip per top-up, while the device runs the batch before;
+- the **device** thread starts the prepared batch the moment the previous one returns (with `STOKER_MAX_WAIT_MS`,
+  once its first request has waited that long, or it is full) and does nothing but run the model;
+- the **writer** writes each finished batch (results, stamps, counters, pipelined), ends its spans, logs its jobs
+  and acks its messages; a batch that broke outside the model fails its jobs at once (never silently acked).
+
+At most one batch is prepared ahead and one written behind: memory stays bounded by the prefetch. A heartbeat
+beats while it lives and the jobs it holds are named as they come and go, so when it dies the reaper sends them again within seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from queue import Queue
+
+from celery.worker.request import Request
+
+from stoker.core.batching import BatchPolicy, Waiting, start_at, top_up
+from tasks import resources
+from tasks.batches import BatchItem, RanBatch, expire, fail_batch, load_batch, run_batch, write_batch
+from tasks.watchdog import BatchWatchdog
+
+log = logging.getLogger(__name__)
+
+
+class Feeder:
+    """Collects arriving inference messages into batches and keeps the device running them back to back."""
+
+    def __init__(self, policy: BatchPolicy, watchdog: BatchWatchdog, beat_s: float = 1.0) -> None:
+        self.policy = policy
+        self.watchdog = watchdog
+        self.beat_s = beat_s
+        self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._cond = threading.Condition()
+        self._waiting: dict[str, tuple[Waiting, Request]] = {}
+        self._loading: list[Request] = []
+        self._prepared: list[BatchItem] = []
+        self._running: list[BatchItem] = []
+        self._writing: Queue[tuple[RanBatch | None, list[BatchItem], BaseException | None]] = Queue(maxsize=1)
+        #: Small writes the device thread must not wait for: batch starts to stamp, expired jobs to end.
+        self._errands: Queue[tuple[list[BatchItem], list[BatchItem], float]] = Queue()
+        self._written: list[BatchItem] = []
+        self._last_end: float | None = None
+        self._work_at_end = False
+        self._stopping = threading.Event()
+
+    # -- arrivals (celery's consumer thread) ------------------------------------------------------------------
+    def add(self, requests: Sequence[Request]) -> None:
+        """Messages that just arrived: named as held first (so a death from now on is seen), then they wait for the
+        collector."""
+        try:
+            resources.store().consumers.hold(self.consumer, [_job_of(r) for r in requests])
+        except Exception as exc:  # the store is away: the broker's own redelivery still covers these
+            log.warning("could not record held jobs: %s", exc)
+        now = time.time()
+        with self._cond:
+            for request in requests:
+                self._waiting[request.id] = (_as_waiting(request, now), request)
+            self._cond.notify_all()
+
+    def start(self) -> None:
+        """Start the collector, device, writer and heartbeat threads."""
+        for name, loop in (
+            ("collector", self._collect),
+            ("device", self._run),
+            ("writer", self._write),
+            ("errands", self._run_errands),
+            ("heartbeat", self._beat),
+        ):
+            threading.Thread(target=_forever(loop, self._stopping), name=f"infer-{name}", daemon=True).start()
+
+    def give_back(self, wedged: bool = False) -> None:
+        """Before this process goes: every message it holds goes back to the queue (a job whose batch finishes
+        meanwhile is skipped when it comes back). `wedged`: the batch on the device is acked instead, since the
+        watchdog already ended its jobs."""
+        self._stopping.set()
+        with self._cond:
+            running = [i.message for i in self._running + self._written if i.message is not None]
+            others = [r for _, r in self._waiting.values()] + [i.message for i in self._prepared if i.message]
+            self._waiting.clear()
+            self._prepared = []
+            self._cond.notify_all()
+        for message in running:
+            if wedged:
+                message.acknowledge()
+            else:
+                message.reject(requeue=True)
+        for message in others:
+            message.reject(requeue=True)
+        resources.store().consumers.leave(self.consumer)
+
+    # -- the collector ------------------------------------------------------------------------------------------
+    def _collect(self) -> None:
+        with self._cond:
+            while not self._stopping.is_set() and not self._can_top_up():
+                self._cond.wait()
+            waiting = [w for w, _ in self._waiting.values()]
+            tokens = sum(len(i.request.prompt_ids) for i in self._prepared)
+            plan = top_up(waiting, len(self._prepared), tokens, time.time(), self.policy)
+            take = [self._waiting.pop(w.key)[1] for w in plan.run]
+            expired = [self._waiting.pop(w.key)[1] for w in plan.expired]
+            self._loading = take
+        for message in expired:
+            expire(_job_of(message), time.time())
+            self._done_with(message)
+        arrived = {w.key: w.arrived for w in plan.run}
+        items = [replace(item, arrived=arrived[item.message.id]) for item in self._load(take) if item.message]
+        with self._cond:
+            self._prepared.extend(items)
+            self._loading = []
+            self._cond.notify_all()
+
+    def _can_top_up(self) -> bool:
+        return bool(self._waiting) and len(self._prepared) < self.policy.max_batch_size
+
+    def _load(self, messages: list[Request]) -> list[BatchItem]:
+        """The messages' jobs, loaded in one round trip; messages with nothing left to do are done with."""
+        by_job = {_job_of(m): m for m in messages}
+        try:
+            loaded = {item.job_id: item for item in load_batch(list(by_job))}
+        except Exception:
+            log.exception("could not load %d inference requests; handing them back", len(messages))
+            for message in messages:
+                message.reject(requeue=True)
+            time.sleep(1.0)  # the store is away: do not spin on it
+            return []
+        for message in messages:
+            if by_job.get(_job_of(message)) is not message or _job_of(message) not in loaded:
+                self._done_with(message)  # a duplicate, or a job that ended or expired
+        return [replace(item, message=by_job[job_id]) for job_id, item in loaded.items()]
+
+    # -- the device ---------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        items, gap = self._next_batch()
+        if not items:
+            return
+        try:
+            ran: RanBatch | None = run_batch(items, self.watchdog, gap)
+            failure: BaseException | None = None
+        except Exception as exc:  # not the model's per-item failures (those are outcomes): a broken batch
+            ran, failure = None, exc
+        with self._cond:
+            self._last_end = time.time()
+            self._work_at_end = bool(self._waiting or self._loading or self._prepared)
+        self._writing.put((ran, items, failure))  # waits only while the batch before is still being written
+        with self._cond:
+            self._running = []
+
+    def _next_batch(self) -> tuple[list[BatchItem], float | None]:
+        """Wait for a prepared batch and its start time; take it. The idle gap counts only if work waited."""
+        with self._cond:
+            while not self._stopping.is_set():
+                now = time.time()
+                at = start_at([i.arrived for i in self._prepared], now, self.policy)
+                if at is not None and at <= now:
+                    break
+                self._cond.wait(None if at is None else at - now)
+            else:
+                return [], None
+            prepared, self._prepared = self._prepared, []
+            items = [i for i in prepared if not i.pending.deadline or i.pending.deadline > now]
+            self._running = items
+            gap = now - self._last_end if self._last_end is not None and self._work_at_end else None
+            self._cond.notify_all()  # room for the collector to prepare the next one
+        late = [i for i in prepared if i not in items]  # their deadline passed while they waited for the device
+        self._errands.put((items, late, now))
+        return items, gap
+
+    # -- the writer ---------------------------------------------------------------------------------------------
+    def _write(self) -> None:
+        ran, items, failure = self._writing.get()
+        with self._cond:
+            self._written = items
+        try:
+            if ran is not None:
+                write_batch(ran)
+            else:
+                fail_batch(items, failure or RuntimeError("unknown"))
+        except Exception:
+            log.exception("batch of %d could not be written; its messages go back to the queue", len(items))
+            _hand_back(items)
+        else:
+            for item in items:
+                if item.message is not None:
+                    item.message.acknowledge()
+            self._release([i.job_id for i in items])
+        with self._cond:
+            self._written = []
+
+    # -- errands ----------------------------------------------------------------------------------------------
+    def _run_errands(self) -> None:
+        """Mark the jobs whose batch started (`ts:infer_start`: the reaper leaves a job on the device alone), and
+        end those whose deadline passed before the device was free (never computed)."""
+        started, late, at = self._errands.get()
+        if started:
+            resources.store().jobs.stamp_many([i.job_id for i in started], "infer_start", at)
+        for item in late:
+            expire(item.job_id, at)
+            if item.message is not None:
+                self._done_with(item.message)
+
+    # -- the heartbeat ------------------------------------------------------------------------------------------
+    def _beat(self) -> None:
+        """Every `beat_s`: this consumer lives (the jobs it holds are written as they come and go)."""
+        try:
+            resources.store().consumers.beat(self.consumer, ttl_s=self.beat_s * 3)
+        except Exception as exc:  # the store is away: the next beat tries again
+            log.warning("heartbeat failed: %s", exc)
+        self._stopping.wait(self.beat_s)
+
+    def _release(self, job_ids: list[str]) -> None:
+        try:
+            resources.store().consumers.release(self.consumer, job_ids)
+        except Exception as exc:  # a stale entry only makes the reaper look at an ended job, and forget it
+            log.warning("could not release held jobs: %s", exc)
+
+    def _done_with(self, message: Request) -> None:
+        """A message with nothing left to do: counted as drained, acked, no longer held."""
+        try:
+            resources.store().stats.count_drained("infer")
+        finally:
+            message.acknowledge()
+            self._release([_job_of(message)])
+
+
+def _forever(step: Callable[[], None], stopping: threading.Event) -> Callable[[], None]:
+    """A thread's body: the step again and again until the feeder stops."""
+
+    def loop() -> None:
+        while not stopping.is_set():
+            try:
+                step()
+            except Exception:  # a thread of the consumer must outlive any one failure
+                log.exception("inference consumer: %s failed", threading.current_thread().name)
+                time.sleep(0.5)
+
+    return loop
+
+
+def _as_waiting(request: Request, now: float) -> Waiting:
+    """What the policy needs to know of a request: its size and deadline travel in the message."""
+    kwargs = request.kwargs or {}
+    tokens, deadline = kwargs.get("prompt_tokens"), kwargs.get("deadline")
+    return Waiting(request.id, int(tokens or 0), now, float(deadline) if deadline else None)
+
+
+def _job_of(request: Request) -> str:
+    return str((request.kwargs or {}).get("job_id"))
+
+
+def _hand_back(items: Sequence[BatchItem]) -> None:
+    for item in items:
+        if item.message is not None:
+            item.message.reject(requeue=True)

@@ -1,0 +1,126 @@
+"""The inference consumer keeps the device busy: work-conserving batches, arrival wakes it, a broken batch fails
+its jobs at once, and a batch lost with its worker is run again (on the simulated device, a stack of its own)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.fleet import Fleet, own_fleet
+from tests.integration.test_pipeline import _wait
+
+BATCH = 8
+#: The simulated device: a batch takes 300 ms + 20 ms per item, long enough to submit behind it.
+DEVICE = {
+    "STOKER_BACKEND": "sim",
+    "STOKER_SIM_BASE_MS": "300",
+    "STOKER_SIM_PER_ITEM_MS": "20",
+    "STOKER_MAX_BATCH_SIZE": str(BATCH),
+    "STOKER_CACHE_ENABLED": "false",
+}
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    """CPU and inference workers on the simulated device; default visibility timeout (300 s): a lost batch must
+    come back through the consumer's heartbeat, not through the broker's redelivery."""
+    with own_fleet(DEVICE) as crew:
+        yield crew
+
+
+def _submit(fleet: Fleet, prompt: str, **data: str) -> str:
+    response = fleet.client.post("/v1/jobs", data={"prompt": prompt, "deadline_ms": "120000", **data})
+    assert response.status_code == 202, response.text
+    return str(response.json()["id"])
+
+
+def _on_device(fleet: Fleet, job_id: str, timeout_s: float = 30.0) -> None:
+    """Until the job's batch has started (its infer_start stamp is written)."""
+    store = fleet.store()
+    deadline = time.monotonic() + timeout_s
+    while store.hget(f"stoker:job:{job_id}", "ts:infer_start") is None:
+        assert time.monotonic() < deadline, f"job {job_id} never reached the device\n{fleet.logs()}"
+        time.sleep(0.01)
+
+
+def _device(fleet: Fleet) -> dict[str, float]:
+    return {k.decode(): float(v) for k, v in fleet.store().hgetall("stoker:device").items()}
+
+
+def test_what_arrives_while_the_device_is_busy_forms_full_batches(fleet: Fleet) -> None:
+    filler = _submit(fleet, "Hold the device.")
+    _on_device(fleet, filler)
+    before = _device(fleet)
+    ids = [_submit(fleet, f"Job {n} of twenty.") for n in range(20)]
+    jobs = [_wait(fleet.client, i) for i in ids]
+    assert all(j["status"] == "succeeded" for j in jobs), jobs
+    batches = {j["batch"]["id"] for j in jobs}
+    assert len(batches) <= math.ceil(20 / BATCH) + 1, sorted(j["batch"]["size"] for j in jobs)
+    # A real batch is one backend call: the one-by-one fallback would have made twenty.
+    after = _device(fleet)
+    calls = after["calls"] - before.get("calls", 0)
+    assert calls == len(batches) + 1, (calls, batches)  # the filler's batch, then ours
+    assert after["items"] - before.get("items", 0) == 21
+    # Work waited between those batches: the idle gaps were measured and reach /v1/stats.
+    gap = fleet.client.get("/v1/stats").json()["device_idle_gap"]
+    assert gap["samples"] >= 1
+    assert gap["p99_ms"] >= gap["p50_ms"] >= 0
+
+
+def test_a_lone_job_on_an_idle_device_starts_at_once(fleet: Fleet) -> None:
+    _wait(fleet.client, _submit(fleet, "Warm up."))  # the device is idle after this
+    job = _wait(fleet.client, _submit(fleet, "Alone on an idle device."))
+    assert job["status"] == "succeeded", job
+    assert job["batch"]["size"] == 1
+    # From reaching the inference queue (its hand-over stamp) to its batch starting, read from its own stamps.
+    assert job["batch"]["wait_ms"] <= 20, job["timings_ms"]
+
+
+def test_a_batch_lost_with_its_worker_is_run_again_when_a_worker_is_back(fleet: Fleet) -> None:
+    filler = _submit(fleet, "Hold the device while the next batch forms.")
+    _on_device(fleet, filler)
+    ids = [_submit(fleet, f"Lost batch {n}.") for n in range(6)]
+    _on_device(fleet, ids[-1])  # the batch of six is on the device
+    fleet.kill("infer")  # SIGKILL mid-batch: no goodbye, no ack
+    store = fleet.store()
+    stamps = [store.hmget(f"stoker:job:{i}", ["ts:infer_start", "ts:done"]) for i in ids]
+    lost = [i for i, (start, done) in zip(ids, stamps, strict=True) if start is not None and done is None]
+    assert lost, "the batch ended before its worker died"
+
+    def resent() -> bool:  # the reaper saw the heartbeat lapse and sent the lost batch's jobs again
+        return all(store.hget(f"stoker:job:{i}", "losses") == b"1" for i in lost)
+
+    deadline = time.monotonic() + 30
+    while not resent():
+        assert time.monotonic() < deadline, fleet.logs()
+        time.sleep(0.1)
+    fleet.start("infer")
+    back = time.time()
+    fleet.wait_workers(("infer",))
+    jobs: list[dict[str, Any]] = [_wait(fleet.client, i) for i in lost]
+    for job in jobs:
+        assert job["status"] == "succeeded", (job, fleet.logs())  # run again, not failed by the reaper
+    done = [float(store.hget(f"stoker:job:{i}", "ts:done") or 0) for i in lost]
+    assert max(done) - back <= 30, (done, back)
+
+
+@pytest.fixture(scope="module")
+def faulty() -> Iterator[Fleet]:
+    """An inference worker whose backend raises on every call."""
+    with own_fleet({**DEVICE, "STOKER_SIM_FAULT": "raise"}, kinds=("cpu", "infer")) as crew:
+        yield crew
+
+
+def test_a_batch_whose_backend_raises_fails_its_jobs_at_once(faulty: Fleet) -> None:
+    ids = [_submit(faulty, f"Doomed {n}.") for n in range(3)]
+    jobs = [_wait(faulty.client, i) for i in ids]
+    store = faulty.store()
+    for job in jobs:
+        assert job["status"] == "failed", job
+        assert job["error"]["code"] == "inference_failed"
+        assert job["batch"] is not None  # it reached the device: its own batch's error, not a reaper's verdict
+        assert store.zscore("stoker:active", job["id"]) is None  # nothing left for the reaper
