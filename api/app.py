@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from api.limits import BodyLimitMiddleware
 from api.pressure import QueueMonitor
+from api.prompts import PromptBuilder
 from api.routes import router
 from stoker.adapters.cache import StageCache
 from stoker.adapters.metrics import REQUESTS, JobCounts
@@ -41,8 +42,10 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.aioredis = async_store_client(settings)
         watching = asyncio.create_task(app.state.monitor.run())
+        loading = asyncio.create_task(asyncio.to_thread(app.state.prompts.load))
         yield
         watching.cancel()
+        loading.cancel()
         app.state.monitor.close()
         await app.state.aioredis.aclose()
         app.state.store.close()
@@ -54,6 +57,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app.state.producer = make_app(settings)  # the Celery producer, from these settings and nothing else
     app.state.submitter = submitter or _submitter(settings, app.state.producer)
     app.state.monitor = QueueMonitor(settings, app.state.store)
+    app.state.prompts = PromptBuilder(settings)
     app.state.metrics = CollectorRegistry()
     app.state.metrics.register(JobCounts(app.state.store.stats.job_counts))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -90,6 +90,15 @@ class QueueMonitor:
         latest = self.latest
         return latest if latest and time.time() - latest.at <= self.stale_s else None
 
+    def room_for_inference(self) -> bool:
+        """Whether a job may go straight to the inference queue: it is under its high watermark (as last seen).
+        Above it, jobs take the tokenize queue, whose stage holds them until it drains (backpressure)."""
+        snapshot = self.fresh()
+        if snapshot is None:
+            return False
+        depth = next((q.depth for q in snapshot.queues if q.name == "infer"), 0)
+        return depth < self.settings.infer_high_watermark
+
     def refusal(self) -> Refusal | None:
         """Why a new job must be refused now, if it must."""
         snapshot = self.fresh()

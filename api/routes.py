@@ -15,23 +15,24 @@ from kombu.connection import Connection
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import State
 
 from api.intake import AcceptedRequest, read_request
 from api.pressure import QueueMonitor
 from api.schemas import ErrorPublic, JobPublic
 from api.tenancy import admit, authenticate, release, within_rate
 from stoker.adapters.cache import StageCache
-from stoker.adapters.metrics import ADMISSIONS
+from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import done_channel
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
 from stoker.core.batching import idle_gap_summary
-from stoker.core.cachekeys import prompt_address
+from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
 from stoker.core.deadlines import deadline_for
 from stoker.core.errors import BrokerUnavailable, JobNotFound, Overloaded
 from stoker.core.jobs import InputRecord, Job, image_hashes
 from stoker.core.model import ModelRequest
-from stoker.core.prompting import attachment_for
+from stoker.core.prompting import Attachment, attachment_for
 from stoker.core.tenancy import cache_scope
 from stoker.settings import ApiSettings
 from tasks.pipeline import Start, Submitter
@@ -75,9 +76,7 @@ async def create_job(request: Request, tenant: Annotated[str, Depends(authentica
     state = request.app.state
     try:
         accepted = await read_request(request, settings)
-        job = await run_in_threadpool(
-            _admit, state.store, state.cache, state.submitter, accepted, settings, job_id=job_id, tenant=tenant
-        )
+        job = await run_in_threadpool(_admit, state, accepted, settings, job_id=job_id, tenant=tenant)
     except Exception as exc:
         await release(request, tenant, job_id)  # not accepted after all: its in-flight slot is free again
         if isinstance(exc, BrokerUnavailable):
@@ -87,26 +86,19 @@ async def create_job(request: Request, tenant: Annotated[str, Depends(authentica
     return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
 
-def _admit(
-    store: Store,
-    cache: StageCache,
-    submitter: Submitter,
-    accepted: AcceptedRequest,
-    settings: ApiSettings,
-    *,
-    job_id: str,
-    tenant: str,
-) -> Job:
+def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, job_id: str, tenant: str) -> Job:
     """Write inputs and record before enqueueing, so no worker can see a job that is not stored.
 
-    A job whose inputs are all preprocessed in the cache (in its tenant's scope) skips the CPU preprocessing
-    queues; one whose whole prompt was tokenized before goes straight to the inference queue.
+    A job whose inputs are all preprocessed in the cache (in its tenant's scope), or that has none, skips the CPU
+    preprocessing queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
     """
+    store: Store = state.store
+    submitter: Submitter = state.submitter
     records = [
         InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data), url=item.url)
         for i, item in enumerate(accepted.inputs)
     ]
-    start, records, request = _shortcut(cache, accepted.prompt, records, cache_scope(tenant, settings.cache_shared))
+    start, records, request = _shortcut(state, accepted.prompt, records, cache_scope(tenant, settings.cache_shared))
     now = time.time()
     deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
     attributes: dict[str, str | int] = {
@@ -141,9 +133,11 @@ def _admit(
 
 
 def _shortcut(
-    cache: StageCache, prompt: str, records: list[InputRecord], scope: str
+    state: State, prompt: str, records: list[InputRecord], scope: str
 ) -> tuple[Start, list[InputRecord], ModelRequest | None]:
-    """How far the cache lets a job skip: to tokenize (every input cached), or to inference (its prompt too)."""
+    """How far a job may skip: to inference when every input is cached (or it has none) and its prompt is cached
+    or can be tokenized here; to tokenize when only its inputs are cached."""
+    cache: StageCache = state.cache
     context = cache.context()
     if context is None or any(r.url is not None for r in records):  # nothing is known of a URL's content yet
         return "preprocess", records, None
@@ -151,12 +145,33 @@ def _shortcut(
     if filled is None:
         return "preprocess", records, None
     filled = [f.model_copy(update={"size_bytes": r.size_bytes}) for f, r in zip(filled, records, strict=True)]
-    found = cache.get_json(prompt_address(context, prompt, [attachment_for(r) for r in filled], scope))
+    attachments = [attachment_for(r) for r in filled]
+    address = prompt_address(context, prompt, attachments, scope)
+    found = cache.get_json(address)
+    if found is not None:
+        cache.record("tokenize", hit=True, cost_s=float(found.get("_cost_s", 0.0)))
+    elif state.monitor.room_for_inference():
+        found = _tokenize_here(state, context, address, prompt, attachments)
     if found is None:
         return "tokenize", filled, None
-    cache.record("tokenize", hit=True, cost_s=float(found.get("_cost_s", 0.0)))
     request = ModelRequest([int(i) for i in found["ids"]], found.get("messages", []), image_hashes(filled), scope)
     return "infer", filled, request
+
+
+def _tokenize_here(
+    state: State, context: PipelineContext, address: CacheAddress, prompt: str, attachments: list[Attachment]
+) -> dict[str, Any] | None:
+    """The tokenize stage's work, done in this (pool) thread; cached like the stage's own. None: not possible here."""
+    started = time.perf_counter()
+    built = state.prompts.build(context, prompt, attachments)
+    if built is None:
+        return None
+    cost = time.perf_counter() - started
+    value = {"ids": built.ids, "messages": built.messages}
+    state.cache.put_json(address, {**value, "_cost_s": cost})
+    state.cache.record("tokenize", hit=False, cost_s=cost)
+    STAGE_SECONDS.labels("tokenize", "miss").observe(cost)
+    return value
 
 
 @router.get(

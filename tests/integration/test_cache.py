@@ -13,8 +13,9 @@ from typing import Any
 import redis
 from fastapi.testclient import TestClient
 
+from api.app import create_app
 from stoker.adapters.cache import StageCache
-from stoker.settings import CommonSettings
+from stoker.settings import ApiSettings, CommonSettings
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import long_speech_wav, text_image
@@ -38,9 +39,11 @@ def test_a_repeated_image_skips_preprocessing(client: TestClient, spy: SpySubmit
     image = text_image("REPEAT 31")
     first_job = _post(client, "a.png", image)
     before = _stats()
+    _until_tokenizer_loaded(client)
+    # Its input cached, a new prompt: tokenized in the API, one hop to the inference queue.
     second_job = _post(client, "b.png", image, prompt="And again?")
     third_job = _post(client, "c.png", image)  # the first job's prompt as well: nothing left to prepare
-    assert [spy.starts[j["id"]] for j in (first_job, second_job, third_job)] == ["preprocess", "tokenize", "infer"]
+    assert [spy.starts[j["id"]] for j in (first_job, second_job, third_job)] == ["preprocess", "infer", "infer"]
     assert third_job["status"] == "succeeded"
     assert third_job["inputs"][0]["text"] == first_job["inputs"][0]["text"]
     first, second = first_job["inputs"][0], second_job["inputs"][0]
@@ -52,6 +55,24 @@ def test_a_repeated_image_skips_preprocessing(client: TestClient, spy: SpySubmit
     assert _stats().get("ocr") == before.get("ocr")  # no OCR task even looked
     assert second_job["status"] == "succeeded"
     assert second_job["timings_ms"]["preprocess"] <= 0.25 * first_job["timings_ms"]["preprocess"]
+
+
+def test_without_a_tokenizer_the_api_sends_cached_inputs_to_tokenize(spy: SpySubmitter, client: TestClient) -> None:
+    image = text_image("HOP 12")
+    _post(client, "a.png", image)
+    with TestClient(create_app(ApiSettings(api_tokenize=False), submitter=spy)) as plain:
+        job = _post(plain, "b.png", image, prompt="Another question?")
+    assert spy.starts[job["id"]] == "tokenize"
+    assert job["status"] == "succeeded"
+    assert job["inputs"][0]["cache_hit"] == {"decode": True, "ocr": True}
+
+
+def _until_tokenizer_loaded(client: TestClient, timeout_s: float = 60.0) -> None:
+    """The API loads its tokenizer in the background at start: until then cheap jobs take the tokenize queue."""
+    deadline = time.monotonic() + timeout_s
+    while not client.app.state.prompts.loaded:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the API never loaded its tokenizer"
+        time.sleep(0.05)
 
 
 def test_a_cached_stage_answers_in_a_fraction_of_its_cost(client: TestClient) -> None:
@@ -146,3 +167,15 @@ def test_a_killed_leader_does_not_block_its_twins(client: TestClient) -> None:
     assert texts[0] == texts[1]  # one transcription, shared
     assert not list(cache.scan_iter("stoker:lease:*"))
     cache.close()
+
+
+def test_a_text_only_job_goes_to_the_model_in_one_hop(client: TestClient, spy: SpySubmitter) -> None:
+    _until_tokenizer_loaded(client)
+    response = client.post("/v1/jobs", data={"prompt": f"Say hello to {time.time_ns()}."})
+    assert response.status_code == 202, response.text
+    job = _wait(client, response.json()["id"])
+    assert spy.starts[job["id"]] == "infer"  # no tokenize message: tokenized in the API
+    assert job["status"] == "succeeded"
+    assert job["result"]["prompt_tokens"] > 0
+    # Its timings stay truthful: preprocessing (tokenizing in the API) ended before the model started.
+    assert 0 <= job["timings_ms"]["preprocess"] <= job["timings_ms"]["total"]

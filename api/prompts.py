@@ -1,0 +1,61 @@
+"""The shortest path for cheap jobs: a job with nothing left to preprocess (text only, or every input cached) is
+tokenized in the API, off the event loop, and goes to the inference queue in one hop instead of through the
+tokenize queue. Tokenizing a prompt takes milliseconds; a broker round trip and a CPU worker's turn cost more.
+
+The API uses the workers' own tokenizer (same model files): a prompt it builds is only used when its tokenizer's
+identity matches the one the workers published, so the model gets exactly what the tokenize stage would build.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from stoker.adapters.backends.modelstore import resolve_model
+from stoker.adapters.backends.tokenizer import load_tokenizer, tokenizer_identity
+from stoker.core.cachekeys import PipelineContext
+from stoker.core.prompting import Attachment, BuiltPrompt, build_prompt
+from stoker.settings import ApiSettings
+
+log = logging.getLogger(__name__)
+
+
+class PromptBuilder:
+    """The model's tokenizer in the API process, loaded in the background at start (never on a request's path)."""
+
+    def __init__(self, settings: ApiSettings) -> None:
+        self.settings = settings
+        self._loaded: tuple[Any, str] | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        """Load the tokenizer (seconds); until then, and if it cannot be loaded, jobs take the tokenize queue."""
+        if not self.settings.api_tokenize:
+            return
+        try:
+            path = resolve_model(self.settings.model, self.settings.model_cache, fetch=False)
+            tokenizer = load_tokenizer(path)
+            identity = tokenizer_identity(tokenizer, path)
+        except Exception as exc:  # no model files here (an API on its own host): the queue hop still works
+            log.warning("no tokenizer in the API (%s): cheap jobs go through the tokenize queue", exc)
+            return
+        with self._lock:
+            self._loaded = (tokenizer, identity)
+        log.info("tokenizer loaded: text-only and cached jobs go straight to the inference queue")
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the tokenizer is here (cheap jobs can take the one-hop path)."""
+        with self._lock:
+            return self._loaded is not None
+
+    def build(self, context: PipelineContext, prompt: str, attachments: Sequence[Attachment]) -> BuiltPrompt | None:
+        """The prompt as the tokenize stage would build it; None when this API cannot (not loaded, or another
+        tokenizer than the workers')."""
+        with self._lock:
+            loaded = self._loaded
+        if loaded is None or loaded[1] != context.tokenizer:
+            return None
+        return build_prompt(loaded[0], prompt, attachments, budget=context.budget)
