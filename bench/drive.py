@@ -41,6 +41,8 @@ class Sample:
     at: float
     busy_s: float
     depths: dict[str, int]
+    #: CPU seconds every worker process counted so far (all kinds together).
+    cpu_s: float = 0.0
 
 
 @dataclass
@@ -51,6 +53,10 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     ended: float = 0.0
+
+
+#: Workers add their CPU time to the count every second: wait this long after the last answer before reading it.
+CPU_SETTLE_S = 2.5
 
 
 def drive(base: str, requests: list[Request], give_up_s: float, max_refusals: int = 20) -> Run:
@@ -73,6 +79,9 @@ def drive(base: str, requests: list[Request], give_up_s: float, max_refusals: in
     run.ended = time.monotonic()
     stop.set()
     sampler.join(5)
+    time.sleep(CPU_SETTLE_S)  # every worker has counted its CPU up to the last answer
+    with contextlib.suppress(httpx.HTTPError, KeyError, ValueError), httpx.Client(base_url=base, timeout=5) as http:
+        run.samples.append(sample(http))
     return run
 
 
@@ -118,7 +127,13 @@ def _sample(base: str, run: Run, stop: threading.Event, every_s: float = 0.5) ->
     with httpx.Client(base_url=base, timeout=5) as http:
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
-                stats = http.get("/v1/stats").json()
-                depths = {name: int(q["depth"]) for name, q in stats["queues"].items()}
-                run.samples.append(Sample(time.monotonic(), float(stats["device"].get("busy_s", 0.0)), depths))
+                run.samples.append(sample(http))
             stop.wait(every_s)
+
+
+def sample(http: httpx.Client) -> Sample:
+    """/v1/stats now."""
+    stats = http.get("/v1/stats").json()
+    depths = {name: int(q["depth"]) for name, q in stats["queues"].items()}
+    cpu = sum(float(v) for v in stats.get("cpu_s", {}).values())
+    return Sample(time.monotonic(), float(stats["device"].get("busy_s", 0.0)), depths, cpu)

@@ -11,7 +11,7 @@ from bench.drive import Outcome, Run, Sample
 
 ANSWERED = ("succeeded", "degraded")
 #: One colour per mode in every plot.
-COLOURS = {"pipeline": "tab:blue", "sync": "tab:orange"}
+COLOURS = {"pipeline": "tab:blue", "sync": "tab:orange", "sync-pool": "tab:green"}
 #: Columns of the summary table, in order, with their headings.
 COLUMNS = {
     "mode": "mode",
@@ -25,6 +25,7 @@ COLUMNS = {
     "mean_batch": "mean batch",
     "preprocess_share": "preprocess share",
     "cache_hit_rate": "cache hit rate",
+    "cpu_s_per_job": "CPU s/job",
     "succeeded": "succeeded",
     "degraded": "degraded",
     "failed": "failed",
@@ -57,6 +58,7 @@ def summarise(mode: str, rate: float, run: Run) -> dict[str, Any]:
         "mean_batch": _mean_batch(jobs),
         "preprocess_share": _mean([j["preprocess_share"] for j in jobs if j.get("preprocess_share") is not None]),
         "cache_hit_rate": _cache_hit_rate(jobs),
+        "cpu_s_per_job": round(run.samples[-1].cpu_s / len(answered), 3) if answered and run.samples else None,
         **{status: sum(1 for j in jobs if j["status"] == status) for status in ("succeeded", "degraded", "failed")},
         "failure_codes": _codes(jobs),
         "refused_429": sum(o.refusals for o in run.outcomes),
@@ -142,11 +144,11 @@ def markdown(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
     """The summary table of every run, and the ratio table per offered load."""
     lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cell(row.get(key)) for key in COLUMNS) + " |" for row in rows]
-    lines += ["", "| offered jobs/s | " + " | ".join(f"{k} ({v} is better)" for k, v in RATIOS.items()) + " |"]
-    lines.append("|" + "---|" * (len(RATIOS) + 1))
+    heads = " | ".join(f"{k} ({v} is better)" for k, v in RATIOS.items())
+    lines += ["", f"| offered jobs/s | pipeline ÷ | {heads} |", "|" + "---|" * (len(RATIOS) + 2)]
     for pair in pairs:
         values = " | ".join(_cell(pair["ratios"][k]) for k in RATIOS)
-        lines.append(f"| {pair['offered_per_s']} | {values} |")
+        lines.append(f"| {pair['offered_per_s']} | {pair['baseline']} | {values} |")
     return "\n".join(lines)
 
 
@@ -155,7 +157,7 @@ def _cell(value: Any) -> str:
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Latency CDFs of both modes (per offered load), throughput against offered load, device busy over time."""
+    """Latency CDFs of every mode (per offered load), throughput against offered load, device busy over time."""
     import matplotlib  # heavy: only a run that draws its plots loads it
 
     matplotlib.use("Agg")

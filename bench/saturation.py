@@ -124,7 +124,9 @@ def _drive(phase: Phase, base: str, seed: int) -> dict[str, Any]:
     busy, served = (w - b for w, b in zip(window, before, strict=True))
     stop.set()
     sampler.join(5)
-    return _summarise(phase, jobs, n, offered_s, busy, served)
+    row = _summarise(phase, jobs, n, offered_s, busy, served)
+    gap = httpx.get(f"{base}/v1/stats", timeout=5).json().get("device_idle_gap", {})
+    return {**row, "idle_gap_p50_ms": gap.get("p50_ms"), "idle_gap_p99_ms": gap.get("p99_ms")}
 
 
 def _client(phase: Phase, http: httpx.Client, n: int, pool: ThreadPoolExecutor, attempt: int = 0) -> None:
@@ -242,6 +244,8 @@ def main() -> None:
     phases.append(Phase("overload 3x", 3 * capacity, args.seconds, tight))
     rows = [run_phase(p, sim, redis_base, args.seed) for p in phases if args.only in (None, p.name.split()[0])]
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
+    for row in rows:
+        row["served_of_capacity"] = round(row["throughput_per_s"] / capacity, 3)
     report = {"capacity_per_s": round(capacity, 2), "sim_ms": sim, "batch": BATCH, "rows": rows}
     (ROOT / "bench" / "results" / "saturation.json").write_text(json.dumps(report, indent=2))
     print(f"device capacity {capacity:.1f} jobs/s (sim {args.base_ms:.0f} ms + {args.per_item_ms:.0f} ms/item)\n")

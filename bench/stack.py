@@ -1,7 +1,8 @@
 """A stoker stack for one benchmark run: fresh Redis databases, the processes of one mode, stopped together.
 
-pipeline: API, CPU worker, ASR worker, inference worker and reaper (stoker as designed).
-sync:     API (`STOKER_PIPELINE_MODE=sync`) and one `stoker worker sync`: every stage and the model in one thread.
+pipeline:  API, CPU worker (2 children), ASR worker (1), inference worker and reaper (stoker as designed).
+sync:      API (`STOKER_PIPELINE_MODE=sync`) and one `stoker worker sync`: every stage and the model in one thread.
+sync-pool: the same with as many sync workers as the pipeline has CPU processes (3), sharing one device.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from stoker.settings import BenchSettings
 from workers.broker import free_port, start_embedded
 from workers.procs import spawn, terminate
 
-Mode = Literal["pipeline", "sync"]
+Mode = Literal["pipeline", "sync", "sync-pool"]
+#: The pipeline's CPU processes: the CPU worker's pool children and the ASR worker's (their defaults). The
+#: sync-pool baseline gets as many synchronous workers, so both designs have the same CPUs at their disposal.
+CPU_PROCESSES = 2 + 1
 PROCESSES: dict[str, tuple[tuple[str, ...], ...]] = {
     "pipeline": (("worker", "cpu"), ("worker", "asr"), ("worker", "infer"), ("reaper",)),
     "sync": (("worker", "sync"),),
+    "sync-pool": tuple(("worker", "sync", "--hostname", f"sync{n}@%h") for n in range(CPU_PROCESSES)),
 }
 #: Databases the benchmarks flush and use on the benchmark Redis: broker, job store, cache.
 DBS = (5, 6, 7)
@@ -93,7 +98,11 @@ def bench_stack(mode: Mode, device: Device, base_url: str, logs: Path, **setting
         **os.environ,
         **urls,
         **device.env(),
-        "STOKER_PIPELINE_MODE": mode,
+        "STOKER_PIPELINE_MODE": "pipeline" if mode == "pipeline" else "sync",
+        # One device for every mode: sync-pool's processes take turns on it (a lock in Redis), never one each.
+        "STOKER_SIM_SHARED": "true",
+        "STOKER_CPU_POOL": "2",
+        "STOKER_ASR_CONCURRENCY": "1",
         "STOKER_AUTH": "off",
         "STOKER_METRICS_PORT": "0",
         "STOKER_TRACE_EXPORTER": "none",

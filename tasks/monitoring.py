@@ -4,11 +4,13 @@ line per finished job."""
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import threading
 import time
 from typing import Any
 
-from celery.signals import celeryd_after_setup, worker_init, worker_process_shutdown
+from celery.signals import celeryd_after_setup, task_postrun, task_prerun, worker_init, worker_process_shutdown
 
 from stoker.adapters.broker import queue_depths
 from stoker.adapters.metrics import (
@@ -159,3 +161,63 @@ def _trace(**_: Any) -> None:
     s = resources.settings()
     if setup_tracing(f"stoker-{s.worker_kind}", s.trace_exporter, s.trace_file):
         instrument_celery()
+
+
+# -- CPU accounting: every worker process counts the CPU it spends, so benchmarks compare designs by work done ---
+
+#: Worker kinds whose tasks run in forked pool children (each child counts its own tasks); the others run tasks
+#: in the worker process itself, which then counts everything it and its subprocesses (tesseract) spent.
+PREFORK_KINDS = ("cpu", "ocr", "asr")
+_main_pid: list[int] = []
+#: How often a worker process adds its own CPU time to the count.
+CPU_SAMPLE_S = 1.0
+_task_cpu: dict[str, float] = {}
+
+
+def cpu_seconds(children: bool) -> float:
+    """User + system CPU seconds of this process so far (and of its waited-for subprocesses, with children)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    total = own.ru_utime + own.ru_stime
+    if children:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total += kids.ru_utime + kids.ru_stime
+    return total
+
+
+def _count_cpu(seconds: float) -> None:
+    if seconds > 0:
+        try:
+            resources.store().stats.add_cpu_time(resources.settings().worker_kind, seconds)
+        except Exception as exc:  # accounting never fails a task
+            log.debug("could not count CPU time: %s", exc)
+
+
+@worker_init.connect
+def _account_cpu(**_: Any) -> None:
+    """The worker process counts its own CPU every second (for prefork, the parent's; children count their
+    tasks), so `/v1/stats` shows CPU seconds per worker kind."""
+    _main_pid.append(os.getpid())
+    children = resources.settings().worker_kind not in PREFORK_KINDS
+
+    def loop() -> None:
+        last = cpu_seconds(children)
+        while True:
+            time.sleep(CPU_SAMPLE_S)
+            now = cpu_seconds(children)
+            _count_cpu(now - last)
+            last = now
+
+    threading.Thread(target=loop, name="cpu-accounting", daemon=True).start()
+
+
+@task_prerun.connect
+def _task_started(task_id: str | None = None, **_: Any) -> None:
+    if task_id and _main_pid and os.getpid() != _main_pid[0]:  # a prefork pool child
+        _task_cpu[task_id] = cpu_seconds(children=True)
+
+
+@task_postrun.connect
+def _task_ended(task_id: str | None = None, **_: Any) -> None:
+    started = _task_cpu.pop(task_id or "", None)
+    if started is not None:
+        _count_cpu(cpu_seconds(children=True) - started)

@@ -108,7 +108,7 @@ def device_lock() -> Lock | None:
     if s.backend != "sim" or not s.sim_shared:
         return None
     hold_s = s.infer_batch_timeout_s + s.infer_wedge_grace_s
-    return store().client.lock(DEVICE_LOCK_KEY, timeout=hold_s, sleep=0.001, thread_local=False)
+    return store().client.lock(DEVICE_LOCK_KEY, timeout=hold_s, sleep=0.005, thread_local=False)
 
 
 def picture(digest: str, scope: str) -> bytes | None:
