@@ -6,7 +6,7 @@ Starts its own API, CPU worker, inference worker (`STOKER_BACKEND=sim`: a batch 
 so the device is busy while the CPUs are free) and reaper against Redis databases 5-7 of STOKER_BENCH_REDIS
 (default redis://127.0.0.1:6379), then drives text-only jobs open-loop (Poisson arrivals) in two phases:
 
-- saturation: 1.5x the device's capacity with admission limits out of the way: device busy fraction, mean batch
+- saturation: 1.5x the device's capacity with admission limits out of the way: device busy fraction and throughput (steady state: after the first 5 s), mean batch
   size, throughput, latency;
 - overload: 3x capacity with tight queue limits: how many jobs are refused (429), and how accurate Retry-After
   is: each refused client comes back after Retry-After, and the predicted wait is compared with the time the
@@ -44,6 +44,9 @@ from workers.procs import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 8
+#: Device busy and throughput are measured in the steady state: from this long after the load starts (while
+#: the first requests make their way through an empty pipeline) to its end.
+WARM_UP_S = 5.0
 
 
 @dataclass
@@ -106,8 +109,8 @@ def _drive(phase: Phase, base: str, seed: int) -> dict[str, Any]:
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_stats, args=(phase, base, stop), daemon=True)
     sampler.start()
-    before = _device_and_served(base)
     started = time.monotonic()
+    steady: list[tuple[float, tuple[float, float]]] = []  # when the measured window opens, and the counters then
     with ThreadPoolExecutor(max_workers=64) as pool, httpx.Client(base_url=base, timeout=30) as http:
         n, next_at = 0, started
         while next_at - started < phase.seconds:
@@ -115,8 +118,12 @@ def _drive(phase: Phase, base: str, seed: int) -> dict[str, Any]:
             pool.submit(_client, phase, http, n, pool)
             n += 1
             next_at += rng.expovariate(phase.rate)
-        offered_s = time.monotonic() - started
+            if not steady and time.monotonic() - started >= WARM_UP_S:
+                steady.append((time.monotonic(), _device_and_served(base)))
         window = _device_and_served(base)
+        opened, before = steady[0]
+        offered_s = time.monotonic() - started
+        measured_s = time.monotonic() - opened
         for timer in list(phase.timers):  # every refused client has come back
             timer.join()
         time.sleep(1.0)
@@ -124,7 +131,7 @@ def _drive(phase: Phase, base: str, seed: int) -> dict[str, Any]:
     busy, served = (w - b for w, b in zip(window, before, strict=True))
     stop.set()
     sampler.join(5)
-    row = _summarise(phase, jobs, n, offered_s, busy, served)
+    row = _summarise(phase, jobs, n, offered_s, busy / measured_s * offered_s, served / measured_s * offered_s)
     gap = httpx.get(f"{base}/v1/stats", timeout=5).json().get("device_idle_gap", {})
     return {**row, "idle_gap_p50_ms": gap.get("p50_ms"), "idle_gap_p99_ms": gap.get("p99_ms")}
 

@@ -183,7 +183,9 @@ class WorkerSettings(CommonSettings):
     #: 0 (default): a free device takes whatever waits at once. Above 0: a batch that is not full waits up to this
     #: long after its first request arrived, for company (for backends where a fuller batch is worth the latency).
     max_wait_ms: int = Field(0, ge=0)
-    prefetch_batches: int = Field(2, ge=1)
+    #: Batches' worth of messages the inference worker may hold: one on the device, one prepared, one being
+    #: written (its messages are acked only once its results are).
+    prefetch_batches: int = Field(3, ge=1)
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: On CUDA: the share of GPU memory this worker may take, in GiB (unset: all of it).

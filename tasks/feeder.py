@@ -207,7 +207,9 @@ class Feeder:
         end those whose deadline passed before the device was free (never computed)."""
         started, late, at = self._errands.get()
         if started:
-            resources.store().jobs.stamp_many([i.job_id for i in started], "infer_start", at)
+            store = resources.store()
+            store.jobs.stamp_many([i.job_id for i in started], "infer_start", at)
+            store.stats.device_started(at)
         for item in late:
             expire(item.job_id, at)
             if item.message is not None:

@@ -99,6 +99,29 @@ def test_one_bad_request_fails_alone_after_the_batch_is_retried_item_by_item() -
     assert outcomes[0].text == "2 tokens"  # type: ignore[union-attr]
 
 
+class _Short(_Picky):
+    """A backend breaking its contract: one answer fewer than the requests it was given."""
+
+    def unbatch(self, output: list[int]) -> list[Prediction]:
+        return super().unbatch(output)[:-1]
+
+
+def test_a_backend_answering_too_few_requests_fails_them_instead_of_dropping_one() -> None:
+    short = _Short()
+    calls: list[int] = []
+    outcomes = predict_isolated(short, [ModelRequest([1]), ModelRequest([2])], calls)
+    assert calls == [2, 1, 1]  # the batch, then each request alone
+    assert len(outcomes) == 2  # one outcome per request: none is silently lost
+    assert {type(o).__name__ for o in outcomes} == {"InferenceFailed"}
+
+
+def test_a_real_batch_is_one_backend_call() -> None:
+    calls: list[int] = []
+    outcomes = predict_isolated(_Picky(), [ModelRequest([1]), ModelRequest([2]), ModelRequest([3])], calls)
+    assert calls == [3]
+    assert [o.text for o in outcomes] == ["1 tokens", "1 tokens", "1 tokens"]  # type: ignore[union-attr]
+
+
 # -- the work-conserving consumer: what joins the batch being prepared, and when a free device starts it --------
 
 WORK_CONSERVING = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import redis
 
 from stoker.adapters.store.keys import (
@@ -43,6 +45,9 @@ class StatsRepository:
         """Operator counters: messages drained and jobs refused per queue, device seconds busy."""
         refused = {k.decode(): float(v) for k, v in self.redis.hgetall(REFUSED_KEY).items()}
         device = {k.decode(): float(v) for k, v in self.redis.hgetall(DEVICE_KEY).items()}
+        running_since = device.pop("running_since", None)
+        if running_since is not None:  # the batch on the device now counts up to now
+            device["busy_s"] = device.get("busy_s", 0.0) + max(time.time() - running_since, 0.0)
         drained = {k: float(v) for k, v in self.drained().items()}
         return {"drained": drained, "refused": refused, "device": device, "cpu_s": self.cpu_time()}
 
@@ -52,6 +57,7 @@ class StatsRepository:
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.hincrby(DRAINED_KEY, queue, size)
             pipe.hincrbyfloat(DEVICE_KEY, "busy_s", busy_s)
+            pipe.hdel(DEVICE_KEY, "running_since")
             pipe.hincrby(DEVICE_KEY, "batches", 1)
             pipe.hincrby(DEVICE_KEY, "calls", calls)
             pipe.hincrby(DEVICE_KEY, "items", size)
@@ -59,6 +65,10 @@ class StatsRepository:
                 pipe.lpush(DEVICE_GAPS_KEY, repr(gap_s))
                 pipe.ltrim(DEVICE_GAPS_KEY, 0, GAPS_KEPT - 1)
             pipe.execute()
+
+    def device_started(self, at: float) -> None:
+        """A batch went onto the device at `at`: until it is recorded, readers count its time so far as busy."""
+        self.redis.hset(DEVICE_KEY, "running_since", repr(at))
 
     def device_gaps(self) -> list[float]:
         """The device's most recent idle gaps between batches while work waited, in seconds."""
