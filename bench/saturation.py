@@ -6,8 +6,8 @@ Starts its own API, CPU worker, inference worker (`STOKER_BACKEND=sim`: a batch 
 so the device is busy while the CPUs are free) and reaper against Redis databases 5-7 of STOKER_BENCH_REDIS
 (default redis://127.0.0.1:6379), then drives text-only jobs open-loop (Poisson arrivals) in two phases:
 
-- saturation: 1.5x the device's capacity with admission limits out of the way: device busy fraction and throughput (steady state: after the first 5 s), mean batch
-  size, throughput, latency;
+- saturation: 1.5x the device's capacity with admission limits out of the way: device busy fraction and
+  throughput (in the steady state: after the first 5 s), mean batch size, latency, the device's idle gaps;
 - overload: 3x capacity with tight queue limits: how many jobs are refused (429), and how accurate Retry-After
   is: each refused client comes back after Retry-After, and the predicted wait is compared with the time the
   refusing queue actually took to fall back under its resume threshold.
