@@ -177,7 +177,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.legend()
     _save(fig, paths[0])
     fig, ax = plt.subplots(figsize=(5, 4))
-    for mode in ("pipeline", "sync"):
+    for mode in COLOURS:
         points = sorted((r["offered_per_s"], r["throughput_per_s"]) for r in rows if r["mode"] == mode)
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", label=mode, color=COLOURS[mode])

@@ -59,23 +59,33 @@ def room_to_enqueue(depth: int, high: int, low: int, waiting: bool) -> bool:
 
 
 class DrainMeter:
-    """Drain rates from monotonically growing per-queue counters, sampled over a sliding window."""
+    """Drain rates from monotonically growing per-queue counters, sampled over a sliding window.
 
-    def __init__(self, window_s: float = 30.0) -> None:
+    A queue that drains in bursts further apart than the window (the synchronous baseline's one thread finishes a
+    whole batch every several seconds) would read as not draining at all, and its clients would be told to come
+    back in two minutes; such a queue's rate is taken over the longer `horizon_s` instead.
+    """
+
+    def __init__(self, window_s: float = 30.0, horizon_s: float = 120.0) -> None:
         self.window_s = window_s
+        self.horizon_s = max(horizon_s, window_s)
         self._samples: deque[tuple[float, dict[str, int]]] = deque()
 
     def add(self, now: float, counters: Mapping[str, int]) -> None:
         """Record the counters as read at `now`."""
         self._samples.append((now, dict(counters)))
-        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.horizon_s:
             self._samples.popleft()
 
     def rate(self, queue: str) -> float:
-        """Messages per second drained from `queue` across the window."""
+        """Messages per second drained from `queue` across the window (across the horizon if none in the window)."""
         if len(self._samples) < 2:
             return 0.0
-        (t0, first), (t1, last) = self._samples[0], self._samples[-1]
-        if t1 <= t0:
-            return 0.0
-        return max(last.get(queue, 0) - first.get(queue, 0), 0) / (t1 - t0)
+        t1, last = self._samples[-1]
+        # The newest sample at least a window old (the oldest, while the meter is younger than a window).
+        window = next(((t, c) for t, c in reversed(self._samples) if t1 - t >= self.window_s), self._samples[0])
+        for t0, first in (window, self._samples[0]):
+            drained = max(last.get(queue, 0) - first.get(queue, 0), 0)
+            if drained and t1 > t0:
+                return drained / (t1 - t0)
+        return 0.0

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from stoker.core.batching import BatchPolicy, Waiting, idle_gap_summary, plan_batch, start_at, top_up
 from stoker.core.model import ModelRequest, Prediction
+from stoker.core.pressure import DrainMeter
 from tasks.batches import predict_isolated
 
 POLICY = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.05)
@@ -168,3 +169,28 @@ def test_the_idle_gap_summary_is_in_milliseconds_by_nearest_rank() -> None:
     gaps = [0.001] * 98 + [0.002, 0.050]
     assert idle_gap_summary(gaps) == {"samples": 100, "p50_ms": 1.0, "p99_ms": 2.0}
     assert idle_gap_summary([]) == {"samples": 0}
+
+
+# -- drain rates of a queue that drains in bursts (the synchronous baseline) ---------------------------------------
+
+
+def test_a_queue_draining_in_bursts_wider_than_the_window_still_has_a_rate() -> None:
+    meter = DrainMeter(window_s=10.0, horizon_s=60.0)
+    drained = 0
+    for second in range(0, 50):  # sampled every second; 8 messages every 12 s, as one thread finishes a batch
+        if second and second % 12 == 0:
+            drained += 8
+        meter.add(float(second), {"sync": drained})
+    # The last burst was 1 s ago... then 11 s pass with none: the 10 s window alone would say "not draining".
+    for second in range(50, 59):
+        meter.add(float(second), {"sync": drained})
+    assert meter.rate("sync") == 32 / 58  # over the horizon: 32 messages since t=0
+    meter.add(59.0, {"sync": drained + 8})
+    assert meter.rate("sync") == 8 / 10  # a burst inside the window: the window's own rate
+
+
+def test_a_queue_that_never_drained_has_no_rate() -> None:
+    meter = DrainMeter(window_s=10.0)
+    for second in range(30):
+        meter.add(float(second), {"sync": 0})
+    assert meter.rate("sync") == 0.0
