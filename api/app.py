@@ -50,7 +50,15 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
         await app.state.aioredis.aclose()
         app.state.store.close()
 
-    app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan)
+    shown = settings.api_docs
+    app = FastAPI(
+        title="stoker",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url="/docs" if shown else None,
+        redoc_url="/redoc" if shown else None,
+        openapi_url="/openapi.json" if shown else None,
+    )
     app.state.settings = settings
     app.state.store = Store.connect(settings)
     app.state.cache = StageCache.connect(settings)

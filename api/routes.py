@@ -40,6 +40,8 @@ from tasks.pipeline import Start, Submitter
 log = logging.getLogger(__name__)
 router = APIRouter()
 MAX_WAIT_S = 30.0
+#: How much longer than its wait a long-poll may take before it gives up on the announcement channel.
+LISTEN_SLACK_S = 2.0
 
 
 @router.post(
@@ -194,6 +196,17 @@ async def get_job(
 
 
 async def _wait_terminal(request: Request, store: Store, job_id: str, wait: float, tenant: str) -> JobPublic:
+    """The job once terminal, or as it stands after `wait` seconds. Every await on the announcement channel is
+    bounded: a Redis that restarted or stopped answering mid-wait costs this request its wait, never a hang."""
+    try:
+        async with asyncio.timeout(wait + LISTEN_SLACK_S):
+            return await _listen(request, store, job_id, wait, tenant)
+    except (TimeoutError, redis.RedisError, OSError) as exc:
+        log.info("long-poll on job %s fell back to one read: %r", job_id, exc)
+    return _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
+
+
+async def _listen(request: Request, store: Store, job_id: str, wait: float, tenant: str) -> JobPublic:
     deadline = time.monotonic() + wait
     pubsub = request.app.state.aioredis.pubsub()
     try:

@@ -111,6 +111,9 @@ class ApiSettings(CommonSettings):
     #: Tokenize jobs with nothing to preprocess (text only, or every input cached) here, off the event loop, and
     #: send them to the inference queue in one hop; needs the model's tokenizer files on the API's host.
     api_tokenize: bool = True
+    #: The interactive API docs (`/docs`, `/redoc`) and `/openapi.json`; turn off where the schema should not be
+    #: public.
+    api_docs: bool = True
 
     @property
     def tenant_limits(self) -> TenantLimits:

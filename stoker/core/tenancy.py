@@ -64,7 +64,10 @@ def hash_secret(secret: str) -> str:
 
 
 def issue_key(tenant: str, now: float) -> IssuedKey:
-    """A new random key for a tenant."""
+    """A new random key for a tenant; never for the reserved tenant (`DEFAULT_TENANT`: auth off, and records
+    written before tenants existed), whose jobs would otherwise be shared with anyone holding such a key."""
+    if tenant == DEFAULT_TENANT:
+        raise ValueError(f"tenant {DEFAULT_TENANT!r} is reserved (it owns every job when auth is off)")
     key_id = secrets.token_hex(8)
     secret = secrets.token_urlsafe(32)
     record = ApiKey(key_id=key_id, tenant=check_tenant(tenant), secret_hash=hash_secret(secret), created=now)

@@ -188,3 +188,21 @@ def _celery_conf(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Any:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return make_app(WorkerSettings()).conf
+
+
+def test_the_local_tenant_is_reserved() -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        issue_key("local", 1.0)
+    assert issue_key("locals", 1.0).record.tenant == "locals"  # only the exact name
+
+
+def test_the_api_docs_can_be_turned_off() -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+
+    hidden = TestClient(create_app(ApiSettings(api_docs=False, api_tokenize=False)))
+    assert hidden.get("/openapi.json").status_code == 404
+    assert hidden.get("/docs").status_code == 404
+    shown = TestClient(create_app(ApiSettings(api_tokenize=False)))
+    assert shown.get("/openapi.json").status_code == 200
