@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Collection
-from queue import Empty, Queue
 from typing import Any
 
 from celery.canvas import Signature, _chain, group
@@ -26,7 +25,7 @@ from stoker.core.batching import BatchPolicy, Waiting, plan_batch
 from stoker.core.queues import SYNC_QUEUE
 from tasks import resources
 from tasks.batches import expire, serve_batch
-from tasks.inference import watchdog
+from tasks.inference import take_arrived, watchdog
 from tasks.pipeline import preprocessing_branches
 from tasks.preprocess import pipeline_context, tokenize_job
 from tasks.worker import app
@@ -62,7 +61,7 @@ class DeviceBatches(Batches):  # type: ignore[misc]
     def _do_flush(self) -> None:
         with self._lock:
             now = time.time()
-            for request in _take(self._buffer, self._buffer.qsize()):
+            for request in take_arrived(self._buffer, self._buffer.qsize()):
                 self._waiting[request.id] = (_as_waiting(request, now), request)
             plan = plan_batch([w for w, _ in self._waiting.values()], now, self.policy, not self._busy.is_set())
             expired = [self._waiting.pop(w.key)[1] for w in plan.expired]
@@ -90,7 +89,7 @@ class DeviceBatches(Batches):  # type: ignore[misc]
         for request in self.running:
             request.acknowledge()
         with self._lock:
-            waiting = [r for _, r in self._waiting.values()] + _take(self._buffer, self._buffer.qsize())
+            waiting = [r for _, r in self._waiting.values()] + take_arrived(self._buffer, self._buffer.qsize())
             self._waiting.clear()
         for request in waiting:
             request.reject(requeue=True)
@@ -124,16 +123,6 @@ def _drop_expired(request: Request) -> None:
         resources.store().stats.count_drained("infer")
     finally:
         request.acknowledge()
-
-
-def _take(buffer: Queue[Request], limit: int) -> list[Request]:
-    items: list[Request] = []
-    while len(items) < limit:
-        try:
-            items.append(buffer.get_nowait())
-        except Empty:
-            break
-    return items
 
 
 #: How often the baseline's receiver looks at what waits (it has no arrival wake-up: its one thread is busy).

@@ -34,7 +34,7 @@ class Feed(Batches):  # type: ignore[misc]
     abstract = True
 
     def _do_flush(self) -> None:
-        arrived = _take(self._buffer, self._buffer.qsize())
+        arrived = take_arrived(self._buffer, self._buffer.qsize())
         if arrived:
             feeder().add(arrived)
 
@@ -43,7 +43,8 @@ class Feed(Batches):  # type: ignore[misc]
         feeder().give_back(wedged=True)
 
 
-def _take(buffer: Queue[Request], limit: int) -> list[Request]:
+def take_arrived(buffer: Queue[Request], limit: int) -> list[Request]:
+    """Up to `limit` messages celery-batches has buffered, without waiting."""
     items: list[Request] = []
     while len(items) < limit:
         try:
