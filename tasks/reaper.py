@@ -64,7 +64,7 @@ def recover_lost() -> Counter[str]:
 def resend_lost(job_id: str) -> str:
     """One job of a dead consumer: send it to the inference queue again, or give up on it."""
     store = resources.store()
-    losses = store.jobs.count_loss(job_id)
+    losses = store.watch.count_loss(job_id)
     if losses is None:
         return "forget"
     if losses > resources.settings().max_deliveries:

@@ -72,15 +72,6 @@ redis.call('PUBLISH', KEYS[4], ARGV[2])
 return 1
 """
 
-# A job whose inference consumer died holding it: count the loss and clear its batch start, unless it ended.
-_LOST = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'succeeded' or status == 'degraded' or status == 'failed' then return -1 end
-if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-redis.call('HDEL', KEYS[1], 'ts:infer_start')
-return redis.call('HINCRBY', KEYS[1], 'losses', 1)
-"""
-
 HandOff = Literal["ok", "stale", "done"]
 
 
@@ -121,7 +112,6 @@ class JobRepository:
         self._put_input = client.register_script(_PUT_INPUT)
         self._hand_off = client.register_script(_HAND_OFF)
         self._finish = client.register_script(_FINISH)
-        self._lost = client.register_script(_LOST)
 
     def create_job(
         self,
@@ -173,18 +163,6 @@ class JobRepository:
         """The first stage to run for a job moves it to preprocessing."""
         if self.redis.hsetnx(job_key(job_id), "ts:started", repr(time.time())):
             self.redis.hset(job_key(job_id), "status", "preprocessing")
-
-    def stamp(self, job_id: str, name: str, at: float | None = None, status: JobStatus | None = None) -> None:
-        """Record a timestamp, and optionally a status change, in one round trip."""
-        fields: dict[str | bytes, str | bytes | float | int] = {f"ts:{name}": repr(time.time() if at is None else at)}
-        if status:
-            fields["status"] = status
-        self.redis.hset(job_key(job_id), mapping=fields)
-
-    def get_stamp(self, job_id: str, name: str) -> float | None:
-        """One timestamp of a job, or None if not reached yet."""
-        raw = self.redis.hget(job_key(job_id), f"ts:{name}")
-        return float(raw) if raw else None
 
     def get_input(self, job_id: str, ref: str) -> InputRecord | None:
         """One input's (or keyframe's) record, by its field name."""
@@ -266,12 +244,6 @@ class JobRepository:
                 pipe.hgetall(job_key(job_id))
             raw = pipe.execute()
         return {job_id: _pending(job_id, raw[2 * i], raw[2 * i + 1]) for i, job_id in enumerate(job_ids)}
-
-    def count_loss(self, job_id: str) -> int | None:
-        """The consumer holding this job died: count it (how many times now) and clear its batch start; None if
-        the job ended meanwhile or has no model request to send again."""
-        losses = int(self._lost(keys=[job_key(job_id), tokens_key(job_id)]))
-        return None if losses < 0 else losses
 
     def load_job(self, job_id: str) -> Job | None:
         """The job as clients see it, assembled from its record; None if unknown."""

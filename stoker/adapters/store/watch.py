@@ -6,8 +6,17 @@ import time
 
 import redis
 
-from stoker.adapters.store.keys import ACTIVE_KEY, job_key
+from stoker.adapters.store.keys import ACTIVE_KEY, job_key, tokens_key
 from stoker.core.deadlines import JobClock
+
+# A job whose inference consumer died holding it: count the loss and clear its batch start, unless it ended.
+_LOST = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'succeeded' or status == 'degraded' or status == 'failed' then return -1 end
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+redis.call('HDEL', KEYS[1], 'ts:infer_start')
+return redis.call('HINCRBY', KEYS[1], 'losses', 1)
+"""
 
 
 class Watchlist:
@@ -15,6 +24,7 @@ class Watchlist:
 
     def __init__(self, client: redis.Redis[bytes]) -> None:
         self.redis = client
+        self._lost = client.register_script(_LOST)
 
     def clock(self, job_id: str) -> JobClock:
         """Where a job stands against its deadlines."""
@@ -55,3 +65,9 @@ class Watchlist:
     def count_redrive(self, job_id: str) -> None:
         """One more re-send of a job to the inference queue."""
         self.redis.hincrby(job_key(job_id), "redrives", 1)
+
+    def count_loss(self, job_id: str) -> int | None:
+        """The consumer holding this job died: count it (how many times now) and clear its batch start; None if
+        the job ended meanwhile or has no model request to send again."""
+        losses = int(self._lost(keys=[job_key(job_id), tokens_key(job_id)]))
+        return None if losses < 0 else losses
