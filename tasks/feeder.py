@@ -29,7 +29,7 @@ from queue import Queue
 
 from celery.worker.request import Request
 
-from stoker.core.batching import BatchPolicy, Waiting, start_at, top_up
+from stoker.core.batching import BatchPolicy, Plan, Waiting, start_at, top_up
 from tasks import resources
 from tasks.batches import BatchItem, RanBatch, expire, fail_batch, load_batch, run_batch, write_batch
 from tasks.watchdog import BatchWatchdog
@@ -106,11 +106,12 @@ class Feeder:
     # -- the collector ------------------------------------------------------------------------------------------
     def _collect(self) -> None:
         with self._cond:
-            while not self._stopping.is_set() and not self._can_top_up():
+            plan = self._plan_top_up()
+            while plan is None:  # nothing fits (full, over the token budget) or nothing waits: until that changes
+                if self._stopping.is_set():
+                    return
                 self._cond.wait()
-            waiting = [w for w, _ in self._waiting.values()]
-            tokens = sum(len(i.request.prompt_ids) for i in self._prepared)
-            plan = top_up(waiting, len(self._prepared), tokens, time.time(), self.policy)
+                plan = self._plan_top_up()
             take = [self._waiting.pop(w.key)[1] for w in plan.run]
             expired = [self._waiting.pop(w.key)[1] for w in plan.expired]
             self._loading = take
@@ -124,8 +125,14 @@ class Feeder:
             self._loading = []
             self._cond.notify_all()
 
-    def _can_top_up(self) -> bool:
-        return bool(self._waiting) and len(self._prepared) < self.policy.max_batch_size
+    def _plan_top_up(self) -> Plan | None:
+        """What joins the prepared batch now (called holding the lock); None when nothing would change."""
+        if not self._waiting or len(self._prepared) >= self.policy.max_batch_size:
+            return None
+        waiting = [w for w, _ in self._waiting.values()]
+        tokens = sum(len(i.request.prompt_ids) for i in self._prepared)
+        plan = top_up(waiting, len(self._prepared), tokens, time.time(), self.policy)
+        return plan if plan.run or plan.expired else None
 
     def _load(self, messages: list[Request]) -> list[BatchItem]:
         """The messages' jobs, loaded in one round trip; messages with nothing left to do are done with."""
