@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 
+from api.announcements import Announcements
+from api.chat import router as chat_router
 from api.limits import BodyLimitMiddleware
 from api.pressure import QueueMonitor
 from api.prompts import PromptBuilder
@@ -24,7 +26,7 @@ from stoker.adapters.metrics import REQUESTS, JobCounts
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
-from stoker.core.errors import StokerError, Unauthorized
+from stoker.core.errors import StokerError, Unauthorized, error_envelope
 from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
@@ -41,11 +43,15 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.aioredis = async_store_client(settings)
-        watching = asyncio.create_task(app.state.monitor.run())
-        loading = asyncio.create_task(asyncio.to_thread(app.state.prompts.load))
+        app.state.announcements = Announcements(app.state.aioredis)
+        background = [
+            asyncio.create_task(app.state.monitor.run()),
+            asyncio.create_task(asyncio.to_thread(app.state.prompts.load)),
+            asyncio.create_task(app.state.announcements.run()),
+        ]
         yield
-        watching.cancel()
-        loading.cancel()
+        for task in background:
+            task.cancel()
         app.state.monitor.close()
         await app.state.aioredis.aclose()
         app.state.store.close()
@@ -71,6 +77,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.middleware("http")(_time_request)
     app.include_router(router)
+    app.include_router(chat_router)
     _add_error_handlers(app)
     return app
 
@@ -86,7 +93,7 @@ async def _time_request(request: Request, call_next: Callable[[Request], Awaitab
 
 def error_response(exc: StokerError, headers: dict[str, str] | None = None) -> JSONResponse:
     """The structured error envelope with the error's HTTP status."""
-    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status, headers=headers)
+    return JSONResponse(exc.envelope(), status_code=exc.http_status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -98,13 +105,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
-        body = {"error": {"code": "invalid_request", "message": f"{where}: {err['msg']}"}}
+        body = error_envelope(422, "invalid_request", f"{where}: {err['msg']}", param=where)
         return JSONResponse(body, status_code=422)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         code = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code)
+        body = error_envelope(exc.status_code, code, str(exc.detail))
+        return JSONResponse(body, status_code=exc.status_code)
 
 
 def _error_headers(exc: StokerError) -> dict[str, str] | None:

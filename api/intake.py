@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from api.schemas import JobCreate
 from stoker.core.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType, UrlRejected
-from stoker.core.jobs import InputKind
+from stoker.core.jobs import Conversation, InputKind
 from stoker.core.media import KIND_FORMATS, ContentHash, content_hash, sniff_format
 from stoker.core.urls import parse_url
 from stoker.settings import ApiSettings
@@ -50,6 +50,8 @@ class AcceptedRequest:
     prompt: str
     inputs: list[AcceptedInput]
     deadline_ms: int
+    #: A chat's turns and generation parameters (`/v1/chat/completions`); None for a job of the job API.
+    chat: Conversation | None = None
 
 
 async def read_request(request: Request, settings: ApiSettings) -> AcceptedRequest:
@@ -94,7 +96,8 @@ def _read_json(body: bytes) -> Fields:
     try:
         spec = JobCreate.model_validate_json(body)
     except ValidationError as exc:
-        raise InvalidRequest(_first_error(exc)) from exc
+        where, message = first_error(exc)
+        raise InvalidRequest(f"{where}: {message}", param=where) from exc
     for position, item in enumerate(spec.inputs):
         if item.url is not None:
             inputs.append((item.kind, UrlInput(item.url)))
@@ -106,10 +109,10 @@ def _read_json(body: bytes) -> Fields:
     return spec.prompt, inputs, spec.deadline_ms
 
 
-def _first_error(exc: ValidationError) -> str:
+def first_error(exc: ValidationError) -> tuple[str, str]:
+    """Where the first validation error is (dotted path), and what it says."""
     err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "body"
-    return f"{where}: {err['msg']}"
+    return ".".join(str(p) for p in err["loc"]) or "body", str(err["msg"])
 
 
 def validate(
@@ -123,12 +126,17 @@ def validate(
         raise InvalidRequest("prompt is required")
     if len(prompt) > settings.max_prompt_chars:
         raise InvalidRequest(f"prompt exceeds {settings.max_prompt_chars} characters")
+    accepted = validate_inputs(raw, settings)
+    return AcceptedRequest(prompt=prompt, inputs=accepted, deadline_ms=_deadline_ms(deadline_ms, settings))
+
+
+def validate_inputs(raw: list[tuple[InputKind, Payload]], settings: ApiSettings) -> list[AcceptedInput]:
+    """Count the inputs per kind against the limits, sniff each by its magic bytes, check each URL's syntax."""
     limits = {"image": settings.max_images, "audio": settings.max_audio, "video": settings.max_video}
     for kind, limit in limits.items():
         if sum(1 for k, _ in raw if k == kind) > limit:
             raise TooManyInputs(f"at most {limit} {kind} input(s) per job")
-    accepted = [_accept(i, kind, data) for i, (kind, data) in enumerate(raw)]
-    return AcceptedRequest(prompt=prompt, inputs=accepted, deadline_ms=_deadline_ms(deadline_ms, settings))
+    return [_accept(i, kind, data) for i, (kind, data) in enumerate(raw)]
 
 
 def _deadline_ms(value: str | int | None, settings: ApiSettings) -> int:

@@ -40,7 +40,7 @@ class BodyLimitMiddleware:
 
 
 async def _reject(send: Send, limit: int) -> None:
-    payload = json.dumps({"error": PayloadTooLarge(f"request body exceeds {limit} bytes").to_dict()}).encode()
+    payload = json.dumps(PayloadTooLarge(f"request body exceeds {limit} bytes").envelope()).encode()
     await send(
         {
             "type": "http.response.start",

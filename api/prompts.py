@@ -16,6 +16,7 @@ from typing import Any
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import load_tokenizer, tokenizer_identity
 from stoker.core.cachekeys import PipelineContext
+from stoker.core.jobs import ChatTurn
 from stoker.core.prompting import Attachment, BuiltPrompt, build_prompt
 from stoker.settings import ApiSettings
 
@@ -51,11 +52,17 @@ class PromptBuilder:
         with self._lock:
             return self._loaded is not None
 
-    def build(self, context: PipelineContext, prompt: str, attachments: Sequence[Attachment]) -> BuiltPrompt | None:
+    def build(
+        self,
+        context: PipelineContext,
+        prompt: str,
+        attachments: Sequence[Attachment],
+        turns: Sequence[ChatTurn] | None = None,
+    ) -> BuiltPrompt | None:
         """The prompt as the tokenize stage would build it; None when this API cannot (not loaded, or another
         tokenizer than the workers')."""
         with self._lock:
             loaded = self._loaded
         if loaded is None or loaded[1] != context.tokenizer:
             return None
-        return build_prompt(loaded[0], prompt, attachments, budget=context.budget)
+        return build_prompt(loaded[0], prompt, attachments, context.budget, turns)

@@ -5,43 +5,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from typing import Annotated, Any
 
 import redis
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from kombu.connection import Connection
-from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import State
 
-from api.intake import AcceptedRequest, read_request
+from api.announcements import Announcements
+from api.intake import read_request
 from api.pressure import QueueMonitor
 from api.schemas import ErrorPublic, JobPublic
-from api.tenancy import admit, authenticate, release, within_rate
-from stoker.adapters.cache import StageCache
-from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS
+from api.submission import submit_job
+from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
-from stoker.adapters.store.keys import done_channel
-from stoker.adapters.tracing import carrier, trace_id_hex, tracer
 from stoker.core.batching import idle_gap_summary
-from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
-from stoker.core.deadlines import deadline_for
-from stoker.core.errors import BrokerUnavailable, JobNotFound, Overloaded
-from stoker.core.jobs import InputRecord, Job, image_hashes
-from stoker.core.model import ModelRequest
-from stoker.core.prompting import Attachment, attachment_for
-from stoker.core.tenancy import cache_scope
+from stoker.core.errors import BrokerUnavailable, JobNotFound
+from stoker.core.jobs import Job
 from stoker.settings import ApiSettings
-from tasks.pipeline import Start, Submitter
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+#: The longest ?wait= a request may name (the `max_long_poll_s` setting may cut it shorter).
 MAX_WAIT_S = 30.0
-#: How much longer than its wait a long-poll may take before it gives up on the announcement channel.
-LISTEN_SLACK_S = 2.0
 
 
 @router.post(
@@ -65,115 +53,8 @@ async def create_job(request: Request, tenant: Annotated[str, Depends(authentica
     (429 `rate_limited` / `too_many_jobs_in_flight`).
     """
     settings: ApiSettings = request.app.state.settings
-    refusal = request.app.state.monitor.refusal()
-    if refusal is not None:
-        ADMISSIONS.labels("refused").inc()
-        await run_in_threadpool(request.app.state.store.stats.count_refusal, refusal.queue)
-        raise Overloaded(
-            f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})",
-            retry_after_s=refusal.retry_after_s,
-        )
-    job_id = uuid.uuid4().hex
-    await admit(request, tenant, job_id)
-    state = request.app.state
-    try:
-        accepted = await read_request(request, settings)
-        job = await run_in_threadpool(_admit, state, accepted, settings, job_id=job_id, tenant=tenant)
-    except Exception as exc:
-        await release(request, tenant, job_id)  # not accepted after all: its in-flight slot is free again
-        if isinstance(exc, BrokerUnavailable):
-            ADMISSIONS.labels("unavailable").inc()
-        raise
-    ADMISSIONS.labels("accepted").inc()
+    job = await submit_job(request, tenant, lambda: read_request(request, settings))
     return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
-
-
-def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, job_id: str, tenant: str) -> Job:
-    """Write inputs and record before enqueueing, so no worker can see a job that is not stored.
-
-    A job whose inputs are all preprocessed in the cache (in its tenant's scope), or that has none, skips the CPU
-    preprocessing queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
-    """
-    store: Store = state.store
-    submitter: Submitter = state.submitter
-    records = [
-        InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data), url=item.url)
-        for i, item in enumerate(accepted.inputs)
-    ]
-    start, records, request = _shortcut(state, accepted.prompt, records, cache_scope(tenant, settings.cache_shared))
-    now = time.time()
-    deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
-    attributes: dict[str, str | int] = {
-        "stoker.job_id": job_id,
-        "stoker.inputs": len(records),
-        "stoker.enters_at": start,
-    }
-    with tracer.start_as_current_span("job", kind=SpanKind.SERVER, attributes=attributes) as span:
-        trace_id = trace_id_hex(span)
-        traced = (trace_id, carrier()) if trace_id else None
-        try:
-            for item in accepted.inputs:
-                if item.url is None:  # a URL input's bytes are stored by the worker that fetches them
-                    store.blobs.put_blob(item.digest, item.data)
-            store.jobs.create_job(
-                job_id, accepted.prompt, records, now, deadline, accepted.deadline_ms, traced, tenant=tenant
-            )
-            if request is not None:
-                store.jobs.hand_off(job_id, request, rev=None)
-        except redis.RedisError as exc:
-            raise BrokerUnavailable("the job store cannot be reached") from exc
-        try:
-            tokens = len(request.prompt_ids) if request else None
-            submitter.submit(job_id, records, start=start, deadline=deadline.at, prompt_tokens=tokens)
-        except Exception as exc:
-            log.warning("could not enqueue job %s: %r", job_id, exc)
-            store.jobs.delete_job(job_id)
-            raise BrokerUnavailable("the broker cannot be reached") from exc
-    job = store.jobs.load_job(job_id)
-    assert job is not None
-    return job
-
-
-def _shortcut(
-    state: State, prompt: str, records: list[InputRecord], scope: str
-) -> tuple[Start, list[InputRecord], ModelRequest | None]:
-    """How far a job may skip: to inference when every input is cached (or it has none) and its prompt is cached
-    or can be tokenized here; to tokenize when only its inputs are cached."""
-    cache: StageCache = state.cache
-    context = cache.context()
-    if context is None or any(r.url is not None for r in records):  # nothing is known of a URL's content yet
-        return "preprocess", records, None
-    filled = cache.get_inputs(context.identity, records, scope) if records else []
-    if filled is None:
-        return "preprocess", records, None
-    filled = [f.model_copy(update={"size_bytes": r.size_bytes}) for f, r in zip(filled, records, strict=True)]
-    attachments = [attachment_for(r) for r in filled]
-    address = prompt_address(context, prompt, attachments, scope)
-    found = cache.get_json(address)
-    if found is not None:
-        cache.record("tokenize", hit=True, cost_s=float(found.get("_cost_s", 0.0)))
-    elif state.monitor.room_for_inference():
-        found = _tokenize_here(state, context, address, prompt, attachments)
-    if found is None:
-        return "tokenize", filled, None
-    request = ModelRequest([int(i) for i in found["ids"]], found.get("messages", []), image_hashes(filled), scope)
-    return "infer", filled, request
-
-
-def _tokenize_here(
-    state: State, context: PipelineContext, address: CacheAddress, prompt: str, attachments: list[Attachment]
-) -> dict[str, Any] | None:
-    """The tokenize stage's work, done in this (pool) thread; cached like the stage's own. None: not possible here."""
-    started = time.perf_counter()
-    built = state.prompts.build(context, prompt, attachments)
-    if built is None:
-        return None
-    cost = time.perf_counter() - started
-    value = {"ids": built.ids, "messages": built.messages}
-    state.cache.put_json(address, {**value, "_cost_s": cost})
-    state.cache.record("tokenize", hit=False, cost_s=cost)
-    STAGE_SECONDS.labels("tokenize", "miss").observe(cost)
-    return value
 
 
 @router.get(
@@ -196,28 +77,18 @@ async def get_job(
 
 
 async def _wait_terminal(request: Request, store: Store, job_id: str, wait: float, tenant: str) -> JobPublic:
-    """The job once terminal, or as it stands after `wait` seconds. Every await on the announcement channel is
-    bounded: a Redis that restarted or stopped answering mid-wait costs this request its wait, never a hang."""
-    try:
-        async with asyncio.timeout(wait + LISTEN_SLACK_S):
-            return await _listen(request, store, job_id, wait, tenant)
-    except (TimeoutError, redis.RedisError, OSError) as exc:
-        log.info("long-poll on job %s fell back to one read: %r", job_id, exc)
-    return _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
-
-
-async def _listen(request: Request, store: Store, job_id: str, wait: float, tenant: str) -> JobPublic:
-    deadline = time.monotonic() + wait
-    pubsub = request.app.state.aioredis.pubsub()
-    try:
-        await pubsub.subscribe(done_channel(job_id))  # subscribe first, then look: no missed announcement
+    """The job once terminal, or as it stands after `wait` seconds (at most `max_long_poll_s`). Woken by this
+    process's one announcement listener, and looking at least every second anyway: no connection is held per
+    wait, and a Redis that restarted mid-wait costs latency, never a hang."""
+    settings: ApiSettings = request.app.state.settings
+    announcements: Announcements = request.app.state.announcements
+    until = time.monotonic() + min(wait, settings.max_long_poll_s)
+    with announcements.watch(job_id) as event:
         job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
-        while not job.terminal and (remaining := deadline - time.monotonic()) > 0:
-            await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(remaining, 1.0))
+        while not job.terminal and (remaining := until - time.monotonic()) > 0:
+            await announcements.wait(event, remaining)
             job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
-        return job
-    finally:
-        await pubsub.aclose()
+    return job
 
 
 def _found(job_id: str, job: Job | None, tenant: str) -> JobPublic:

@@ -37,10 +37,13 @@ class JobPublic(Job):
 
 
 class ErrorBody(BaseModel):
-    """The structured error every 4xx and 5xx carries."""
+    """The structured error every 4xx and 5xx carries, in OpenAI's shape (`type`, `param`) with stoker's stable
+    `code`."""
 
     code: str
     message: str
+    type: str
+    param: str | None = None
     stage: str | None = None
 
 

@@ -43,7 +43,12 @@ class CommonSettings(BaseSettings):
     job_ttl_s: int = Field(86400, ge=60, description="How long a job record lives after it was accepted.")
     model: str = Field(BUILTIN_MODEL, description="Built-in model name, a local HF directory or a hub id.")
     model_cache: Path = Path("~/.cache/stoker").expanduser()
+    #: New tokens per answer when a request names none (a job; a chat without `max_tokens`)…
     max_new_tokens: int = Field(64, ge=1, le=4096)
+    #: … and the most a chat request may ask for (`max_tokens` / `max_completion_tokens` above it are capped).
+    max_tokens_cap: int = Field(512, ge=1, le=32_768)
+    #: The model's name in `/v1/models` and in chat-completion answers (default: the model setting's last part).
+    served_model_name: str | None = None
 
     # Queue limits, shared by the API (admission) and the tokenize stage (watermarks).
     #: A job is refused (429) while any CPU queue (decode, ocr, asr, tokenize) holds this many messages.
@@ -65,6 +70,11 @@ class CommonSettings(BaseSettings):
     #: at trace_file, shared by every process).
     trace_exporter: Literal["none", "console", "otlp", "file"] = "none"
     trace_file: Path | None = None
+
+    @property
+    def public_model_name(self) -> str:
+        """The model's name to clients (`served_model_name`, or the model setting's last path part)."""
+        return self.served_model_name or Path(self.model).name
 
     def redis_tls(self, url: str) -> dict[str, Any]:
         """TLS options for a client of url: certificate verification against redis_ca_file for `rediss://`, nothing
@@ -114,6 +124,9 @@ class ApiSettings(CommonSettings):
     #: The interactive API docs (`/docs`, `/redoc`) and `/openapi.json`; turn off where the schema should not be
     #: public.
     api_docs: bool = True
+    #: A streamed chat answer (`stream: true`) sends an SSE comment this often while it waits, so proxies keep
+    #: the connection open during preprocessing.
+    sse_keepalive_s: float = Field(10.0, gt=0)
 
     @property
     def tenant_limits(self) -> TenantLimits:

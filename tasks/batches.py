@@ -33,7 +33,7 @@ from stoker.core.jobs import (
     final_status,
     preprocess_share,
 )
-from stoker.core.model import ModelRequest, Prediction, Predictor, run_predictor
+from stoker.core.model import ModelRequest, Prediction, Predictor, run_predictor, sampling_groups
 from stoker.core.tenancy import DEFAULT_TENANT
 from tasks import monitoring, resources
 from tasks.watchdog import BatchWatchdog
@@ -73,6 +73,8 @@ class RanBatch:
     overdue: bool = False
     #: Backend calls it took: 1 for a real batch, more when it failed and its items ran one by one.
     calls: int = 1
+    #: Sampling groups it was split into, for a backend that cannot mix sampling parameters in one call.
+    groups: int = 1
 
 
 def load_batch(job_ids: Sequence[str]) -> list[BatchItem]:
@@ -101,14 +103,28 @@ def run_batch(items: list[BatchItem], watchdog: BatchWatchdog, idle_gap_s: float
         watchdog.begin(batch_id, [i.job_id for i in items])
         monitoring.device.begin()
         calls: list[int] = []
+        predictor = resources.predictor()
+        groups = sampling_groups([i.request for i in items], predictor.mixes_sampling)
         try:
-            outcomes = predict_isolated(resources.predictor(), [i.request for i in items], calls)
+            outcomes = predict_grouped(predictor, [i.request for i in items], groups, calls)
         finally:
             monitoring.device.end()
             ran = watchdog.end()
         ended = time.time()
     overdue = bool(ran and ran.overdue)
-    return RanBatch(batch_id, items, started, ended, outcomes, idle_gap_s, overdue, len(calls))
+    return RanBatch(batch_id, items, started, ended, outcomes, idle_gap_s, overdue, len(calls), len(groups))
+
+
+def predict_grouped(
+    predictor: Predictor, requests: list[ModelRequest], groups: list[list[int]], calls: list[int]
+) -> list[Prediction | StokerError]:
+    """Each sampling group as one call (isolated on failure); the outcomes back in the requests' order."""
+    outcomes: list[Prediction | StokerError | None] = [None] * len(requests)
+    for group in groups:
+        answered = predict_isolated(predictor, [requests[i] for i in group], calls)
+        for position, outcome in zip(group, answered, strict=True):
+            outcomes[position] = outcome
+    return [o for o in outcomes if o is not None]
 
 
 def write_batch(ran: RanBatch) -> None:
@@ -179,7 +195,8 @@ def predict_isolated(
 
 def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError) -> Ending:
     preprocessed = item.pending.preprocessed or ran.started
-    batch = BatchInfo(id=ran.id, size=len(ran.items), wait_ms=round(max(ran.started - preprocessed, 0.0) * 1000, 2))
+    wait_ms = round(max(ran.started - preprocessed, 0.0) * 1000, 2)
+    batch = BatchInfo(id=ran.id, size=len(ran.items), wait_ms=wait_ms, groups=ran.groups)
     stamps = {"infer_start": ran.started, "infer_end": ran.ended}
     tenant = item.pending.job.tenant or DEFAULT_TENANT
     if isinstance(outcome, StokerError):
@@ -190,6 +207,7 @@ def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError) -
         model=resources.predictor().name,
         prompt_tokens=outcome.prompt_tokens,
         completion_tokens=outcome.completion_tokens,
+        finish_reason=outcome.finish_reason,
     )
     status = final_status(item.pending.job.inputs)
     return Ending(item.job_id, tenant, status, result=result, batch=batch, stamps=stamps)

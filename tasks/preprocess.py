@@ -20,11 +20,11 @@ from stoker.core.arrays import array_from_bytes, array_to_bytes
 from stoker.core.cachekeys import MODEL_INPUT, OCR_IMAGE, CacheAddress, PipelineContext, fingerprint, prompt_address
 from stoker.core.errors import DeadlineExceeded, MediaEmpty, StageKilled, StokerError
 from stoker.core.imaging import DecodedImage, decode_image
-from stoker.core.jobs import ErrorInfo, InputRecord, image_hashes
+from stoker.core.jobs import ErrorInfo, InputRecord, Job
 from stoker.core.model import ModelRequest
 from stoker.core.ocr import read_text
 from stoker.core.pressure import room_to_enqueue
-from stoker.core.prompting import attachment_for, build_prompt
+from stoker.core.prompting import attachment_for, build_prompt, model_request
 from tasks import resources
 from tasks.pipeline import enqueue_inference
 from tasks.stage import (
@@ -165,7 +165,7 @@ def tokenize_job(job_id: str, backpressure: bool = True, enqueue: bool = True) -
         try:
             context = pipeline_context()
             with time_limit(resources.settings().tokenize_soft_s, "tokenize"):
-                request = _model_request(context, job.prompt, job.inputs, scope)
+                request = _model_request(context, job, scope)
         except Exception as exc:  # the job must end, whatever went wrong
             return _tokenize_failed(job_id, exc)
         outcome = store.jobs.hand_off(job_id, request, None if attempt == _HANDOFF_ATTEMPTS - 1 else rev)
@@ -265,17 +265,19 @@ def settle_video(record: InputRecord) -> bool:
     return True
 
 
-def _model_request(context: PipelineContext, prompt: str, inputs: list[InputRecord], scope: str) -> ModelRequest:
-    """The model request for this prompt material: the prompt from the cache when it was built before."""
-    attachments = [attachment_for(r) for r in inputs]
+def _model_request(context: PipelineContext, job: Job, scope: str) -> ModelRequest:
+    """The model request for this job's prompt material (a chat's every turn): the prompt from the cache when it
+    was built before."""
+    attachments = [attachment_for(r) for r in job.inputs]
+    turns = job.chat.turns if job.chat else None
 
     def compute() -> dict[str, Any]:
-        built = build_prompt(resources.tokenizer(), prompt, attachments, budget=context.budget)
+        built = build_prompt(resources.tokenizer(), job.prompt, attachments, context.budget, turns)
         return {"ids": built.ids, "messages": built.messages}
 
-    address = prompt_address(context, prompt, attachments, scope)
+    address = prompt_address(context, job.prompt, attachments, scope, turns)
     value = through_cache(None, address, compute, _follower_wait(resources.settings().tokenize_soft_s))
-    return ModelRequest([int(i) for i in value["ids"]], value["messages"], image_hashes(inputs), scope)
+    return model_request(value, job.inputs, scope, job.chat, job.id)
 
 
 @worker_process_init.connect

@@ -90,10 +90,17 @@ def predictor() -> Predictor:
             timeout_s=s.openai_timeout_s,
             api_key=s.openai_api_key,
             images=picture,
+            pieces=store().answers.append,
+            max_tokens_cap=s.max_tokens_cap,
         )
     else:
         chosen = TransformersPredictor(
-            model_path(), max_new_tokens=s.max_new_tokens, dtype=s.dtype, name=s.model, vram_budget_gb=s.vram_budget_gb
+            model_path(),
+            max_new_tokens=s.max_new_tokens,
+            dtype=s.dtype,
+            name=s.model,
+            vram_budget_gb=s.vram_budget_gb,
+            max_tokens_cap=s.max_tokens_cap,
         )
     chosen.setup(s.device)
     return chosen

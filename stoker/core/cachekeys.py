@@ -15,6 +15,7 @@ import PIL
 from stoker.core import asr, imaging, ocr, prompting
 from stoker.core.avmedia import KEYFRAMES_VERSION
 from stoker.core.imaging import DecodeParams
+from stoker.core.jobs import ChatTurn
 from stoker.core.prompting import Attachment
 
 #: The parts of one decode entry: the grayscale picture OCR reads, and the letterboxed picture the model sees.
@@ -77,10 +78,16 @@ def keyframe_address(digest: str, slot: int, count: int, scope: str, *, max_medi
 
 
 def prompt_address(
-    context: PipelineContext, prompt: str, attachments: Sequence[Attachment], scope: str
+    context: PipelineContext,
+    prompt: str,
+    attachments: Sequence[Attachment],
+    scope: str,
+    turns: Sequence[ChatTurn] | None = None,
 ) -> CacheAddress:
-    """Cache address of a tokenized prompt: the whole prompt material under this tokenizer and budget."""
-    material = json.dumps([prompt, [asdict(a) for a in attachments], context.budget], sort_keys=True).encode()
+    """Cache address of a tokenized prompt: the whole prompt material (a chat's every turn) under this tokenizer
+    and budget."""
+    chat = [t.model_dump() for t in turns] if turns else None
+    material = json.dumps([prompt, [asdict(a) for a in attachments], context.budget, chat], sort_keys=True).encode()
     digest = blake3.blake3(material).hexdigest()
     return CacheAddress("tokenize", prompting.VERSION, digest, context.tokenizer, scope)
 

@@ -14,9 +14,11 @@ class StokerError(Exception):
     #: HTTP status when the error reaches a client synchronously.
     http_status: ClassVar[int] = 500
 
-    def __init__(self, message: str | None = None, *, stage: str | None = None) -> None:
+    def __init__(self, message: str | None = None, *, stage: str | None = None, param: str | None = None) -> None:
         self.message = message or (self.__doc__ or self.code).strip()
         self.stage = stage
+        #: The request field at fault, where one is (OpenAI's `param`).
+        self.param = param
         super().__init__(self.message)
 
     def to_dict(self) -> dict[str, Any]:
@@ -25,6 +27,40 @@ class StokerError(Exception):
         if self.stage:
             body["stage"] = self.stage
         return body
+
+    def envelope(self) -> dict[str, Any]:
+        """The body of an HTTP error answer: stoker's code and message in OpenAI's error shape, so that both the
+        job API's clients and OpenAI's clients (which raise their typed exceptions from it) read it."""
+        return error_envelope(self.http_status, self.code, self.message, param=self.param, stage=self.stage)
+
+
+#: OpenAI's error `type` for each HTTP status an answer can have (5xx: server_error).
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_envelope(
+    status: int, code: str, message: str, *, param: str | None = None, stage: str | None = None
+) -> dict[str, Any]:
+    """`{"error": {"message", "type", "param", "code"}}` (and the stage, where there is one)."""
+    body: dict[str, Any] = {
+        "message": message,
+        "type": _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+        "param": param,
+        "code": code,
+    }
+    if stage:
+        body["stage"] = stage
+    return {"error": body}
 
 
 class InputError(StokerError):
@@ -257,6 +293,20 @@ class ModelUnavailable(TransientError):
     """The model is not available yet."""
 
     code = "model_unavailable"
+
+
+class ModelNotFound(StokerError):
+    """No such model is served here."""
+
+    code = "model_not_found"
+    http_status = 404
+
+
+class ClientGone(StokerError):
+    """The client closed the connection before the answer was ready; the job was given up."""
+
+    code = "client_disconnected"
+    http_status = 499
 
 
 class InferenceFailed(StokerError):

@@ -10,9 +10,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from PIL import Image, ImageOps, UnidentifiedImageError
+from pillow_heif import register_heif_opener
 
 from stoker.core.errors import ImageCorrupt, ImageTooLarge
 from stoker.core.media import IMAGE_FORMATS
+
+# HEIF/HEIC pictures (phones) open like any other format, under the same pixel cap (Pillow checks it on open);
+# no thumbnails: only the primary picture is decoded.
+register_heif_opener(thumbnails=False)
 
 #: Bump when decode's output changes for the same input and parameters: cached results then miss.
 VERSION = "1"

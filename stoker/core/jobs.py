@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from stoker.core.model import FinishReason, GenerationParams
+
 JobStatus = Literal["queued", "preprocessing", "inferring", "succeeded", "degraded", "failed"]
 InputKind = Literal["image", "audio", "video"]
 #: skipped: a video keyframe slot the video did not fill (too short, no picture).
@@ -66,6 +68,7 @@ class ResultInfo(BaseModel):
     model: str
     prompt_tokens: int
     completion_tokens: int
+    finish_reason: FinishReason = "stop"
 
 
 class BatchInfo(BaseModel):
@@ -74,6 +77,29 @@ class BatchInfo(BaseModel):
     id: str
     size: int
     wait_ms: float
+    #: Backend calls the batch was split into: more than one when its requests asked for sampling that the
+    #: backend cannot mix in one call (the local model: one call per temperature / top_p / seed).
+    groups: int = 1
+
+
+ChatRole = Literal["system", "user", "assistant"]
+
+
+class ChatTurn(BaseModel):
+    """One message of a chat: who said it, its text, and the job's inputs (by index) that came with it."""
+
+    role: ChatRole
+    text: str
+    inputs: list[int] = Field(default_factory=list)
+
+
+class Conversation(BaseModel):
+    """A job that came as a chat (`/v1/chat/completions`): every turn reaches the model, with its parameters."""
+
+    turns: list[ChatTurn]
+    params: GenerationParams = Field(default_factory=GenerationParams)
+    #: The client reads the answer as a stream: a backend that can stream sends it piece by piece.
+    stream: bool = False
 
 
 class Job(BaseModel):
@@ -93,6 +119,8 @@ class Job(BaseModel):
     preprocess_share: float | None = None
     #: The job's OpenTelemetry trace (32 hex digits), when tracing is on.
     trace_id: str | None = None
+    #: For a job that came as a chat: its turns and generation parameters (its `prompt` is the last user turn).
+    chat: Conversation | None = None
     #: Whose job it is: only that tenant may read it. Kept out of every answer (the caller knows who it is).
     tenant: str | None = Field(None, exclude=True)
 

@@ -9,7 +9,7 @@ import blake3
 ContentHash = NewType("ContentHash", str)
 
 #: Image formats accepted at the door, by magic bytes. Names match Pillow's format identifiers.
-IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "AVIF", "HEIF")
 AUDIO_FORMATS: tuple[str, ...] = ("WAV", "MP3", "FLAC", "OGG", "MP4")
 VIDEO_FORMATS: tuple[str, ...] = ("MP4", "MOV", "MATROSKA")
 #: What each input kind may be, judged by content.
@@ -77,4 +77,26 @@ def sniff_image_format(data: bytes) -> str | None:
         return "BMP"
     if head[:4] in (b"II*\x00", b"MM\x00*"):
         return "TIFF"
+    return _heif_family(data)
+
+
+#: ISO-BMFF brands (`ftyp` box) of still pictures: AVIF (AV1) and HEIF/HEIC (HEVC), as phones and browsers send.
+_AVIF_BRANDS = frozenset({b"avif", b"avis"})
+_HEIC_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx"})
+
+
+def _heif_family(data: bytes) -> str | None:
+    """AVIF or HEIF, by the brands of the leading `ftyp` box (the major brand, then the compatible ones: a
+    generic `mif1` major brand names the codec among the compatible brands)."""
+    if data[4:8] != b"ftyp":
+        return None
+    size = int.from_bytes(data[:4], "big")
+    if not 16 <= size <= 256 or len(data) < size:
+        return None
+    brands = [data[8:12], *(data[i : i + 4] for i in range(16, size - 3, 4))]
+    for brand in brands:
+        if brand in _AVIF_BRANDS:
+            return "AVIF"
+        if brand in _HEIC_BRANDS:
+            return "HEIF"
     return None

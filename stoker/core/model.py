@@ -6,9 +6,39 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from stoker.core.errors import StokerError
+
+FinishReason = Literal["stop", "length"]
+
+
+class GenerationParams(BaseModel):
+    """How one request wants its answer generated: OpenAI's sampling parameters (greedy by default)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: New tokens at most; None: the deployment's default (`STOKER_MAX_NEW_TOKENS`).
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the most likely token every step, no randomness."""
+        return self.temperature == 0
+
+    def sampling_key(self) -> tuple[Any, ...]:
+        """Requests with equal keys can share one generate call (greedy ones all can, whatever their seed)."""
+        return ("greedy",) if self.greedy else ("sample", self.temperature, self.top_p, self.seed)
+
+    def new_tokens(self, default: int, cap: int) -> int:
+        """The number of new tokens this request may have."""
+        return max(1, min(self.max_tokens or default, cap))
 
 
 @dataclass(frozen=True)
@@ -17,27 +47,40 @@ class ModelRequest:
     decoded images (and the cache scope they were decoded in), for a server that templates and sees images itself."""
 
     prompt_ids: list[int]
-    messages: list[dict[str, str]] = field(default_factory=list)
+    #: The chat as text turns; a user turn may name the pictures it carried (`images`: content hashes).
+    messages: list[dict[str, Any]] = field(default_factory=list)
     images: list[str] = field(default_factory=list)
     #: The stage-cache scope (the job's tenant, or the shared one) where its decoded images are.
     scope: str = ""
+    params: GenerationParams = field(default_factory=GenerationParams)
+    #: Where a backend that streams sends this answer's pieces as they come (the job's id); None: not streamed.
+    stream_to: str | None = None
 
     def to_json(self) -> str:
         """The stored form."""
         return json.dumps(
-            {"ids": self.prompt_ids, "messages": self.messages, "images": self.images, "scope": self.scope}
+            {
+                "ids": self.prompt_ids,
+                "messages": self.messages,
+                "images": self.images,
+                "scope": self.scope,
+                "params": self.params.model_dump(exclude_defaults=True),
+                "stream_to": self.stream_to,
+            }
         )
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> ModelRequest:
         """Back from the stored form."""
         data = json.loads(raw)
-        ids, messages, images = (
+        return cls(
             [int(i) for i in data["ids"]],
             list(data.get("messages", [])),
             list(data.get("images", [])),
+            str(data.get("scope", "")),
+            GenerationParams.model_validate(data.get("params") or {}),
+            data.get("stream_to"),
         )
-        return cls(ids, messages, images, str(data.get("scope", "")))
 
 
 @dataclass(frozen=True)
@@ -47,6 +90,8 @@ class Prediction:
     text: str
     prompt_tokens: int
     completion_tokens: int
+    #: `length`: it stopped at its token limit; `stop`: it ended on its own (or on a stop sequence).
+    finish_reason: FinishReason = "stop"
 
 
 #: What a backend makes of one request: its answer, or the error that request alone ran into.
@@ -57,6 +102,8 @@ class Predictor(Protocol):
     """What the inference consumer drives. setup() loads the model; it never happens at import."""
 
     name: str
+    #: Whether one call may mix requests with different sampling (see `sampling_groups`).
+    mixes_sampling: bool
 
     def setup(self, device: str) -> None:
         """Load the model onto device."""
@@ -74,3 +121,20 @@ class Predictor(Protocol):
 def run_predictor(predictor: Predictor, requests: Sequence[ModelRequest]) -> list[Outcome]:
     """One full pass of the hook contract."""
     return list(predictor.unbatch(predictor.predict(predictor.batch(requests))))
+
+
+def sampling_groups(requests: Sequence[ModelRequest], mixes_sampling: bool) -> list[list[int]]:
+    """Positions of the requests, grouped so that each group can be one backend call: all together when the
+    backend mixes sampling parameters in a call; otherwise one group per sampling key, in order of first arrival."""
+    if mixes_sampling:
+        return [list(range(len(requests)))] if requests else []
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for position, request in enumerate(requests):
+        groups.setdefault(request.params.sampling_key(), []).append(position)
+    return list(groups.values())
+
+
+def apply_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """The text up to the earliest stop sequence in it, and whether one was found (OpenAI drops the sequence)."""
+    cuts = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)

@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from stoker.core.jobs import InputRecord
+from stoker.core.jobs import ChatTurn, Conversation, InputRecord, image_hashes
+from stoker.core.model import ModelRequest
 
 #: Bump when prompt assembly changes.
-VERSION = "2"
+VERSION = "3"
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. The user may attach files; each attachment is given as its "
@@ -39,6 +40,8 @@ class Attachment:
     text: str = ""
     features: dict[str, Any] = field(default_factory=dict)
     error_code: str | None = None
+    #: Content hashes of the decoded pictures it gave (an image, a video's keyframes), for a model that sees.
+    pictures: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One block of plain text for the prompt."""
@@ -61,26 +64,35 @@ class BuiltPrompt:
     """A chat prompt fitted to the budget: as token ids for a local model, and as text messages for a server."""
 
     ids: list[int]
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
 
 
-def build_prompt(tokenizer: ChatTokenizer, prompt: str, attachments: Sequence[Attachment], budget: int) -> BuiltPrompt:
-    """The whole chat prompt, fitted into budget by trimming attachment text, then the prompt."""
-    messages = _messages(prompt, attachments)
-    ids = _render(tokenizer, messages)
-    overflow = len(ids) - budget
-    if overflow > 0 and any(a.text for a in attachments):
-        attachments = _trim_attachments(tokenizer, attachments, overflow)
-        messages = _messages(prompt, attachments)
-        ids = _render(tokenizer, messages)
-        overflow = len(ids) - budget
-    if overflow > 0:
-        prompt = _trim_text(tokenizer, prompt, _token_len(tokenizer, prompt) - overflow)
-        messages = _messages(prompt, attachments)
-        ids = _render(tokenizer, messages)
-    if len(ids) > budget:  # the template alone does not fit: keep the generation prompt at the end
-        ids = ids[len(ids) - budget :]
-    return BuiltPrompt(ids, messages)
+def build_prompt(
+    tokenizer: ChatTokenizer,
+    prompt: str,
+    attachments: Sequence[Attachment],
+    budget: int,
+    turns: Sequence[ChatTurn] | None = None,
+) -> BuiltPrompt:
+    """The whole chat prompt, fitted into budget: attachment text is trimmed first, then the oldest turns of a chat
+    are dropped, then the last turn's text is cut. Without `turns` the chat is one user turn: the prompt with every
+    attachment."""
+    chat = list(turns) if turns else [ChatTurn(role="user", text=prompt, inputs=[a.index for a in attachments])]
+    built = _fit(tokenizer, chat, attachments)
+    if len(built.ids) > budget and any(a.text for a in attachments):
+        attachments = _trim_attachments(tokenizer, attachments, len(built.ids) - budget)
+        built = _fit(tokenizer, chat, attachments)
+    while len(built.ids) > budget and _droppable(chat):
+        chat.pop(next(i for i, t in enumerate(chat) if t.role != "system"))
+        built = _fit(tokenizer, chat, attachments)
+    if len(built.ids) > budget:
+        last = chat[-1]
+        keep = _token_len(tokenizer, last.text) - (len(built.ids) - budget)
+        chat[-1] = last.model_copy(update={"text": _trim_text(tokenizer, last.text, keep)})
+        built = _fit(tokenizer, chat, attachments)
+    if len(built.ids) > budget:  # the template alone does not fit: keep the generation prompt at the end
+        built = BuiltPrompt(built.ids[len(built.ids) - budget :], built.messages)
+    return built
 
 
 def build_prompt_ids(
@@ -90,15 +102,35 @@ def build_prompt_ids(
     return build_prompt(tokenizer, prompt, attachments, budget).ids
 
 
-def _messages(prompt: str, attachments: Sequence[Attachment]) -> list[dict[str, str]]:
-    return [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": render_user_message(prompt, attachments)},
-    ]
+def _droppable(chat: Sequence[ChatTurn]) -> bool:
+    """More than the last turn besides the system ones: the oldest can go."""
+    return sum(1 for t in chat if t.role != "system") > 1
 
 
-def _render(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def _fit(tokenizer: ChatTokenizer, chat: Sequence[ChatTurn], attachments: Sequence[Attachment]) -> BuiltPrompt:
+    messages = _messages(chat, attachments)
+    return BuiltPrompt(_render(tokenizer, messages), messages)
+
+
+def _messages(chat: Sequence[ChatTurn], attachments: Sequence[Attachment]) -> list[dict[str, Any]]:
+    """stoker's system prompt (with the chat's own system turns after it), then each turn; a user turn is its
+    attachments' text and its own, and names the pictures it carried for a model that sees."""
+    by_index = {a.index: a for a in attachments}
+    system = "\n\n".join([SYSTEM_PROMPT, *(t.text for t in chat if t.role == "system" and t.text)])
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for turn in (t for t in chat if t.role != "system"):
+        own = [by_index[i] for i in turn.inputs if i in by_index]
+        message: dict[str, Any] = {"role": turn.role, "content": render_user_message(turn.text, own)}
+        pictures = [p for a in own for p in a.pictures]
+        if pictures:
+            message["images"] = pictures
+        messages.append(message)
+    return messages
+
+
+def _render(tokenizer: ChatTokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    text_only = [{"role": m["role"], "content": m["content"]} for m in messages]
+    out = tokenizer.apply_chat_template(text_only, add_generation_prompt=True, tokenize=True, return_dict=False)
     return [int(i) for i in out]
 
 
@@ -138,10 +170,27 @@ def attachment_for(record: InputRecord) -> Attachment:
         f"On screen at {f.time_s:.1f}s: {f.text}" for f in record.frames or [] if f.status == "ok" and f.text
     ]
     keep = ("format", "width", "height", "duration_s")
+    pictures = [f for f in ([record] if record.kind == "image" else record.frames or []) if f.status == "ok"]
     return Attachment(
         kind=record.kind,
         index=record.index,
         text="\n".join(t for t in texts if t),
         features={k: v for k, v in (record.features or {}).items() if k in keep},
         error_code=record.error.code if record.error else None,
+        pictures=tuple(p.content_hash for p in pictures if p.content_hash),
+    )
+
+
+def model_request(
+    built: dict[str, Any], inputs: list[InputRecord], scope: str, chat: Conversation | None, job_id: str
+) -> ModelRequest:
+    """The model's request for a built prompt (`ids`, `messages`, as cached): with a chat's generation parameters,
+    and streamed to the job when its client reads a stream."""
+    return ModelRequest(
+        [int(i) for i in built["ids"]],
+        list(built.get("messages", [])),
+        image_hashes(inputs),
+        scope,
+        chat.params if chat else ModelRequest([]).params,
+        job_id if chat and chat.stream else None,
     )

@@ -5,16 +5,32 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from stoker.core.batching import Collated, collate_left, strip_generated
-from stoker.core.model import ModelRequest, Prediction
+from stoker.core.model import GenerationParams, ModelRequest, Prediction, apply_stop
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LocalBatch:
+    """Left-padded prompts, with each request's generation parameters (one sampling key for the whole batch)."""
+
+    collated: Collated
+    params: list[GenerationParams]
+
+
 class TransformersPredictor:
-    """A local Hugging Face causal LM: batched greedy generate with left padding."""
+    """A local Hugging Face causal LM: batched generate with left padding, greedy unless a request samples.
+
+    One generate call takes one temperature / top_p / seed (`mixes_sampling` is False: the consumer groups a batch
+    by them); requests of a call may differ in `max_tokens` (the call runs to the largest, each row is cut to its
+    own) and in stop sequences (applied to each row's text).
+    """
+
+    mixes_sampling = False
 
     def __init__(
         self,
@@ -24,9 +40,11 @@ class TransformersPredictor:
         dtype: str = "auto",
         name: str = "",
         vram_budget_gb: float | None = None,
+        max_tokens_cap: int | None = None,
     ) -> None:
         self.model_path = model_path
         self.max_new_tokens = max_new_tokens
+        self.max_tokens_cap = max_tokens_cap or max_new_tokens
         self.dtype = dtype
         self.name = name or model_path
         self.vram_budget_gb = vram_budget_gb
@@ -69,39 +87,56 @@ class TransformersPredictor:
         tok = self._tokenizer
         return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 
-    def batch(self, requests: Sequence[ModelRequest]) -> Collated:
+    def batch(self, requests: Sequence[ModelRequest]) -> LocalBatch:
         """Left-pad the prompts so generation starts at the same column for all."""
-        return collate_left([r.prompt_ids for r in requests], self.pad_id)
+        return LocalBatch(collate_left([r.prompt_ids for r in requests], self.pad_id), [r.params for r in requests])
 
-    def predict(self, batch: Collated) -> tuple[Collated, list[list[int]]]:
-        """Greedy generation for the whole batch in one call."""
+    def predict(self, batch: LocalBatch) -> tuple[LocalBatch, list[list[int]]]:
+        """One generate call for the whole batch, as long as its longest-asking request needs."""
         import torch  # heavy: see setup()
 
-        ids = torch.tensor(batch.input_ids, device=self._device)
-        mask = torch.tensor(batch.attention_mask, device=self._device)
+        ids = torch.tensor(batch.collated.input_ids, device=self._device)
+        mask = torch.tensor(batch.collated.attention_mask, device=self._device)
+        first = batch.params[0]
+        sampling: dict[str, Any] = {"do_sample": False}
+        if not first.greedy:
+            sampling = {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p}
+            if first.seed is not None:
+                torch.manual_seed(first.seed)
         with torch.inference_mode():
             out = self._model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                max_new_tokens=self.max_new_tokens,
-                do_sample=False,
+                max_new_tokens=max(self._limit(p) for p in batch.params),
                 pad_token_id=self.pad_id,
+                **sampling,
             )
         return batch, out.tolist()
 
-    def unbatch(self, output: tuple[Collated, list[list[int]]]) -> list[Prediction]:
-        """Decode each row's new tokens."""
+    def _limit(self, params: GenerationParams) -> int:
+        return params.new_tokens(self.max_new_tokens, self.max_tokens_cap)
+
+    def unbatch(self, output: tuple[LocalBatch, list[list[int]]]) -> list[Prediction]:
+        """Decode each row's new tokens, cut to its own limit and stop sequences."""
         batch, rows = output
         stops = {self.pad_id, int(self._tokenizer.eos_token_id)}
-        generated = strip_generated(rows, batch.width, stops)
+        generated = strip_generated(rows, batch.collated.width, stops)
         return [
-            Prediction(
-                text=self._tokenizer.decode(new, skip_special_tokens=True).strip(),
-                prompt_tokens=sum(mask),
-                completion_tokens=len(new),
-            )
-            for new, mask in zip(generated, batch.attention_mask, strict=True)
+            self._answer(new, params, sum(mask))
+            for new, params, mask in zip(generated, batch.params, batch.collated.attention_mask, strict=True)
         ]
+
+    def _answer(self, new: list[int], params: GenerationParams, prompt_tokens: int) -> Prediction:
+        limit = self._limit(params)
+        kept = new[:limit]
+        text, stopped = apply_stop(self._tokenizer.decode(kept, skip_special_tokens=True), params.stop)
+        ended = stopped or len(kept) < limit  # an end-of-sequence token (or a stop sequence) came first
+        return Prediction(
+            text=text.strip(),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(kept),
+            finish_reason="stop" if ended else "length",
+        )
 
 
 class SimPredictor:
@@ -110,6 +145,8 @@ class SimPredictor:
     The time is spent asleep, so the device is busy while the CPU stays free, as with a real GPU. The answers are
     placeholders saying what was simulated: nothing here is a model.
     """
+
+    mixes_sampling = True
 
     def __init__(self, base_ms: float, per_item_ms: float, name: str = "sim", fault: str = "none") -> None:
         self.base_ms = base_ms

@@ -1,18 +1,22 @@
 """The `openai` backend: an OpenAI-compatible chat-completions server (`vllm serve`, …) as the device.
 
-Each batch's requests go out concurrently (at most `max_in_flight` at a time) with the chat as text and every
-decoded picture as a base64 JPEG data URL of the *preprocessed* image; the server batches them itself. Server
-answers map onto the error taxonomy: overload and unreachability are transient (retried with backoff, then
-`model_unavailable`), anything else is `inference_failed` for that request alone.
+Each batch's requests go out concurrently (at most `max_in_flight` at a time) with the chat as text turns, each
+decoded picture in the turn it came with as a base64 JPEG data URL of the *preprocessed* image, and the request's
+own generation parameters; the server batches them itself. A request whose client reads a stream is asked for as a
+stream, and every piece is handed to `pieces` as it arrives. Server answers map onto the error taxonomy: overload
+and unreachability are transient (retried with backoff, then `model_unavailable`; a stream that already sent
+pieces is not retried), anything else is `inference_failed` for that request alone.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -26,8 +30,19 @@ log = logging.getLogger(__name__)
 TRANSIENT_STATUS = frozenset({408, 429, 502, 503, 504})
 
 
+@dataclass(frozen=True)
+class Call:
+    """One request as it goes out: its body, and where its pieces go when it is streamed."""
+
+    body: dict[str, Any]
+    stream_to: str | None = None
+
+
 class OpenAIPredictor:
     """Requests to an OpenAI-compatible server, behind the same hook contract as a local model."""
+
+    #: Each request is its own call: any mix of sampling parameters is fine.
+    mixes_sampling = True
 
     def __init__(
         self,
@@ -40,6 +55,8 @@ class OpenAIPredictor:
         api_key: str | None = None,
         images: Callable[[str, str], bytes | None] | None = None,
         attempts: int = 3,
+        pieces: Callable[[str, str], None] | None = None,
+        max_tokens_cap: int | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -50,6 +67,8 @@ class OpenAIPredictor:
         self.api_key = api_key
         self.images = images
         self.attempts = attempts
+        self.pieces = pieces
+        self.max_tokens_cap = max_tokens_cap or max_new_tokens
         self._client: httpx.Client | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -71,23 +90,41 @@ class OpenAIPredictor:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def batch(self, requests: Sequence[ModelRequest]) -> list[dict[str, Any]]:
-        """One chat-completions body per request."""
-        return [self.body(r) for r in requests]
+    def batch(self, requests: Sequence[ModelRequest]) -> list[Call]:
+        """One chat-completions call per request."""
+        return [Call(self.body(r), r.stream_to if self.pieces else None) for r in requests]
 
     def body(self, request: ModelRequest) -> dict[str, Any]:
-        """The request as the server takes it: text turns, the user turn carrying the pictures."""
-        messages: list[dict[str, Any]] = [dict(m) for m in request.messages]
-        pictures = [self._data_url(digest, request.scope) for digest in request.images]
-        pictures = [p for p in pictures if p]
-        if pictures and messages and messages[-1]["role"] == "user":
-            text = messages[-1]["content"]
-            parts = [
-                {"type": "text", "text": text},
-                *({"type": "image_url", "image_url": {"url": p}} for p in pictures),
-            ]
-            messages[-1] = {"role": "user", "content": parts}
-        return {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens, "temperature": 0}
+        """The request as the server takes it: the chat's turns, each user turn with the pictures it carried (a
+        request whose turns name none: every picture on the last user turn), and its generation parameters."""
+        messages = [self._message(m, request.scope) for m in request.messages]
+        named = any("images" in m for m in request.messages)
+        if request.images and not named and messages and messages[-1]["role"] == "user":
+            messages[-1] = self._message({**messages[-1], "images": request.images}, request.scope)
+        params = request.params
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": params.new_tokens(self.max_new_tokens, self.max_tokens_cap),
+            "temperature": params.temperature,
+        }
+        if params.top_p != 1:
+            body["top_p"] = params.top_p
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return body
+
+    def _message(self, message: dict[str, Any], scope: str) -> dict[str, Any]:
+        """A text turn; one that carried pictures becomes text and image parts."""
+        text = {"role": message["role"], "content": message["content"]}
+        pictures = [p for p in (self._data_url(d, scope) for d in message.get("images", [])) if p]
+        if not pictures:
+            return text
+        parts = [{"type": "text", "text": message["content"]}]
+        parts += [{"type": "image_url", "image_url": {"url": p}} for p in pictures]
+        return {"role": message["role"], "content": parts}
 
     def _data_url(self, digest: str, scope: str) -> str | None:
         jpeg = self.images(digest, scope) if self.images else None
@@ -96,7 +133,7 @@ class OpenAIPredictor:
             return None
         return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
 
-    def predict(self, batch: list[dict[str, Any]]) -> list[Outcome]:
+    def predict(self, batch: list[Call]) -> list[Outcome]:
         """All requests concurrently, at most max_in_flight at a time; each ends as a prediction or an error."""
         if self._pool is None:
             raise ModelUnavailable("the openai backend was not set up")
@@ -106,13 +143,14 @@ class OpenAIPredictor:
         """Already one outcome per request."""
         return output
 
-    def _complete(self, body: dict[str, Any]) -> Outcome:
+    def _complete(self, call: Call) -> Outcome:
         error: StokerError = ModelUnavailable("no attempt made")
+        sent = [0]
         for attempt in range(self.attempts):
             try:
-                return self._post(body)
+                return self._stream(call, sent) if call.stream_to else self._post(call.body)
             except StokerError as exc:
-                if exc.permanent:
+                if exc.permanent or sent[0]:  # a stream that sent pieces cannot be taken back: no retry
                     return exc
                 error = exc
                 time.sleep(min(0.5 * 2**attempt, 5.0))
@@ -126,17 +164,91 @@ class OpenAIPredictor:
             raise ModelUnavailable(f"the inference server timed out: {exc}", stage="infer") from exc
         except httpx.TransportError as exc:
             raise ModelUnavailable(f"the inference server cannot be reached: {exc}", stage="infer") from exc
-        if response.status_code in TRANSIENT_STATUS:
-            raise ModelUnavailable(f"the inference server answered {response.status_code}", stage="infer")
-        if response.status_code != 200:
-            detail = response.text[:200]
-            raise InferenceFailed(f"the inference server answered {response.status_code}: {detail}", stage="infer")
+        _check(response, response.text)
         return _prediction(response.json())
+
+    def _stream(self, call: Call, sent: list[int]) -> Prediction:
+        """The answer as a stream: each piece goes on as it arrives; the whole answer is returned at the end."""
+        assert self._client is not None
+        assert self.pieces is not None
+        assert call.stream_to is not None
+        body = {**call.body, "stream": True, "stream_options": {"include_usage": True}}
+        answer = _Streamed()
+        try:
+            with self._client.stream("POST", "/chat/completions", json=body) as response:
+                _check(response, response.read().decode(errors="replace") if response.status_code != 200 else "")
+                for chunk in _sse_chunks(response.iter_lines()):
+                    piece = answer.add(chunk)
+                    if piece:
+                        self.pieces(call.stream_to, piece)
+                        sent[0] += 1
+        except httpx.TimeoutException as exc:
+            raise ModelUnavailable(f"the inference server timed out: {exc}", stage="infer") from exc
+        except httpx.TransportError as exc:
+            raise ModelUnavailable(f"the inference server cannot be reached: {exc}", stage="infer") from exc
+        return answer.prediction()
+
+
+def _check(response: httpx.Response, detail: str) -> None:
+    """Overload and unavailability are transient; any other answer but 200 fails the request."""
+    if response.status_code in TRANSIENT_STATUS:
+        raise ModelUnavailable(f"the inference server answered {response.status_code}", stage="infer")
+    if response.status_code != 200:
+        raise InferenceFailed(f"the inference server answered {response.status_code}: {detail[:200]}", stage="infer")
+
+
+def _sse_chunks(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a Server-Sent Events stream of chat-completion chunks, up to `[DONE]`.
+
+    By hand: the stream is `data: <json>` lines, and an SSE client library would be one more dependency for
+    three lines of parsing."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue  # blank separators, comments (keep-alives), other fields
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            raise InferenceFailed(f"the inference server sent a malformed chunk: {data[:80]}", stage="infer") from exc
+        if "error" in chunk:
+            raise InferenceFailed(f"the inference server failed mid-stream: {chunk['error']}", stage="infer")
+        yield chunk
+
+
+class _Streamed:
+    """A streamed answer put back together: text, finish reason, usage."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.finish_reason = "stop"
+        self.usage: dict[str, Any] = {}
+
+    def add(self, chunk: dict[str, Any]) -> str:
+        """Take one chunk; its piece of text ('' for none)."""
+        self.usage = chunk.get("usage") or self.usage
+        for choice in chunk.get("choices") or []:
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            piece = str((choice.get("delta") or {}).get("content") or "")
+            self.text.append(piece)
+            return piece
+        return ""
+
+    def prediction(self) -> Prediction:
+        """The whole answer."""
+        return Prediction(
+            text="".join(self.text).strip(),
+            prompt_tokens=int(self.usage.get("prompt_tokens", 0)),
+            completion_tokens=int(self.usage.get("completion_tokens", 0)),
+            finish_reason="length" if self.finish_reason == "length" else "stop",
+        )
 
 
 def _prediction(data: dict[str, Any]) -> Prediction:
     try:
-        text = data["choices"][0]["message"]["content"] or ""
+        choice = data["choices"][0]
+        text = choice["message"]["content"] or ""
         usage = data.get("usage") or {}
     except (KeyError, IndexError, TypeError) as exc:
         raise InferenceFailed(f"the inference server's answer has no message: {exc}", stage="infer") from exc
@@ -144,4 +256,5 @@ def _prediction(data: dict[str, Any]) -> Prediction:
         text=str(text).strip(),
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", 0)),
+        finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import redis
 
+from stoker.adapters.store.answers import AnswerStreams
 from stoker.adapters.store.blobs import BlobRepository
 from stoker.adapters.store.clients import store_client
 from stoker.adapters.store.consumers import ConsumerRegistry
@@ -30,6 +31,7 @@ class Store:
     deliveries: DeliveryCounter
     leases: Leases
     consumers: ConsumerRegistry
+    answers: AnswerStreams
 
     @classmethod
     def over(cls, client: redis.Redis[bytes], *, blob_ttl_s: int, job_ttl_s: int) -> Store:
@@ -44,6 +46,7 @@ class Store:
             deliveries=DeliveryCounter(client, ttl_s=job_ttl_s),
             leases=Leases(client),
             consumers=ConsumerRegistry(client),
+            answers=AnswerStreams(client, ttl_s=blob_ttl_s),
         )
 
     @classmethod

@@ -24,6 +24,7 @@ from stoker.core.deadlines import Deadline
 from stoker.core.jobs import (
     STAMPS,
     BatchInfo,
+    Conversation,
     ErrorInfo,
     InputRecord,
     Job,
@@ -124,6 +125,7 @@ class JobRepository:
         trace: tuple[str, dict[str, str]] | None = None,
         *,
         tenant: str,
+        chat: Conversation | None = None,
     ) -> None:
         """Write a new job record atomically, in status queued, and put it under the reaper's watch.
 
@@ -139,6 +141,8 @@ class JobRepository:
             "preprocess_by": repr(deadline.preprocess_by),
             "deadline_ms": deadline_ms,
         }
+        if chat is not None:
+            fields["chat"] = chat.model_dump_json()
         if trace:  # (trace id, context carrier)
             fields["trace_id"] = trace[0]
             fields["trace_context"] = json.dumps(trace[1])
@@ -303,6 +307,7 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
         deadline_ms=int(fields["deadline_ms"]) if "deadline_ms" in fields else None,
         preprocess_share=preprocess_share(timings),
         trace_id=fields.get("trace_id"),
+        chat=Conversation.model_validate_json(fields["chat"]) if "chat" in fields else None,
         tenant=fields.get("tenant", DEFAULT_TENANT),
     )
 

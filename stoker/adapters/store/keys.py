@@ -38,6 +38,25 @@ def done_channel(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:done"
 
 
+def answer_key(job_id: str) -> str:
+    """A Redis stream of the pieces of a job's answer, as a streaming backend produced them."""
+    return f"{PREFIX}:job:{job_id}:answer"
+
+
+def answer_channel(job_id: str) -> str:
+    """Pub/sub channel announcing that a piece was added to a job's answer stream."""
+    return f"{PREFIX}:job:{job_id}:piece"
+
+
+#: Every job's announcements (ended, answer piece), for a listener that serves many waiting requests at once.
+ANNOUNCEMENT_PATTERNS = (f"{PREFIX}:job:*:done", f"{PREFIX}:job:*:piece")
+
+
+def announced_job(channel: str) -> str:
+    """The job an announcement channel belongs to."""
+    return channel.split(":")[2]
+
+
 def blob_key(digest: ContentHash) -> str:
     """Raw input bytes, addressed by content."""
     return f"{PREFIX}:blob:{digest}"

@@ -1,0 +1,95 @@
+"""One listener per API process for every request that waits on a job (long-polls, chat completions).
+
+A pub/sub connection per waiting request would exhaust the Redis pool under load (the 101st wait a 500); here one
+pattern subscription hears every job's announcements (ended, a piece of a streamed answer) and wakes, in memory,
+whoever waits on that job. A waiter re-reads the job at least every `POLL_S` as well, so a lost connection (a
+Redis restart, a partition) costs latency, never an answer; the listener reconnects on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import redis.asyncio as aioredis
+
+from stoker.adapters.store.keys import ANNOUNCEMENT_PATTERNS, announced_job
+
+log = logging.getLogger(__name__)
+
+#: A waiter looks at its job at least this often, announced or not.
+POLL_S = 1.0
+#: Pause before the listener reconnects after losing its connection.
+RECONNECT_S = 1.0
+
+
+class Announcements:
+    """Fans the store's job announcements out to the requests of this process that wait on them."""
+
+    def __init__(self, client: aioredis.Redis[bytes]) -> None:
+        self._client = client
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self.listening = False
+
+    async def run(self) -> None:
+        """Listen until cancelled, reconnecting after any failure."""
+        while True:
+            try:
+                await self._listen()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("announcement listener lost its connection (%r); reconnecting", exc)
+            finally:
+                self.listening = False
+                self._wake_all()  # whoever waits looks again now rather than at its next poll
+            await asyncio.sleep(RECONNECT_S)
+
+    async def _listen(self) -> None:
+        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.psubscribe(*ANNOUNCEMENT_PATTERNS)
+            self.listening = True
+            async for message in pubsub.listen():
+                channel = message["channel"]
+                self._wake(announced_job(channel.decode() if isinstance(channel, bytes) else str(channel)))
+        finally:
+            await pubsub.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; the stubs lag
+
+    def _wake(self, job_id: str) -> None:
+        for event in self._waiters.get(job_id, ()):
+            event.set()
+
+    def _wake_all(self) -> None:
+        for events in self._waiters.values():
+            for event in events:
+                event.set()
+
+    @contextlib.contextmanager
+    def watch(self, job_id: str) -> Iterator[asyncio.Event]:
+        """An event set whenever the job announces something, for the duration of the block. Enter it before
+        reading the job: an announcement made after that read is then never missed."""
+        event = asyncio.Event()
+        self._waiters.setdefault(job_id, set()).add(event)
+        try:
+            yield event
+        finally:
+            events = self._waiters.get(job_id)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiters[job_id]
+
+    @staticmethod
+    async def wait(event: asyncio.Event, timeout_s: float) -> None:
+        """Until the event is set or min(timeout_s, POLL_S) passes; the event is cleared for the next wait."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), max(min(timeout_s, POLL_S), 0.0))
+        event.clear()
+
+    @property
+    def waiting(self) -> int:
+        """Requests of this process waiting now."""
+        return sum(len(events) for events in self._waiters.values())

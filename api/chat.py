@@ -1,0 +1,227 @@
+"""OpenAI's Chat Completions in front of the pipeline: `POST /v1/chat/completions` and `GET /v1/models`.
+
+A chat is a stoker job like any other (same intake, tenant auth, admission control, cache, stages, batching and
+deadline; `GET /v1/jobs/{id}` shows it); this front holds the connection until the job ends and answers in
+OpenAI's shape, or streams it as Server-Sent Events: the role chunk at once, comment keep-alives while
+preprocessing runs, then the answer piece by piece where the backend streams (the `openai` backend passes the
+server's stream on) or in one piece. A client that goes away gives its job up: it is ended before the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.announcements import Announcements
+from api.chat_intake import read_chat
+from api.chat_schemas import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionCreate,
+    Choice,
+    InputFacts,
+    ModelCard,
+    ModelList,
+    StokerFacts,
+    Usage,
+    chunk,
+)
+from api.intake import AcceptedRequest
+from api.schemas import ErrorPublic
+from api.submission import submit_job
+from api.tenancy import authenticate, within_rate
+from stoker.adapters.store import Store
+from stoker.core.errors import ClientGone, DeadlineExceeded, StokerError, error_envelope
+from stoker.core.jobs import ErrorInfo, Job
+from stoker.settings import ApiSettings
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+#: How long after its deadline an answer is waited for (the reaper ends an overdue job within it).
+DEADLINE_SLACK_S = 5.0
+_STARTED = int(time.time())
+
+
+@router.get("/v1/models", response_model=ModelList, dependencies=[Depends(within_rate)])
+async def list_models(request: Request) -> ModelList:
+    """The model served here, in OpenAI's list shape."""
+    settings: ApiSettings = request.app.state.settings
+    return ModelList(data=[ModelCard(id=settings.public_model_name, created=_STARTED)])
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={s: {"model": ErrorPublic} for s in (401, 404, 413, 415, 422, 429, 499, 503, 504)},
+)
+async def chat_completions(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> Any:
+    """Run the chat as a stoker job and answer when it ends (or stream the answer with `stream: true`)."""
+    settings: ApiSettings = request.app.state.settings
+    spec: list[ChatCompletionCreate] = []
+
+    async def read() -> AcceptedRequest:
+        parsed, accepted = await read_chat(request, settings)
+        spec.append(parsed)
+        return accepted
+
+    job = await submit_job(request, tenant, read)
+    headers = {"x-stoker-job-id": job.id}
+    model = settings.public_model_name
+    until = time.monotonic() + (job.deadline_ms or settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
+    if spec[0].stream:
+        usage = bool(spec[0].stream_options and spec[0].stream_options.include_usage)
+        events = _stream(request, job.id, tenant, model, until, usage)
+        return EventSourceResponse(events, ping=settings.sse_keepalive_s, headers=headers, sep="\n")
+    ended = await _wait_end(request, job.id, tenant, until)
+    if ended is None:
+        return JSONResponse(ClientGone().envelope(), status_code=499, headers=headers)
+    failure = _failure(ended)
+    if failure is not None:
+        return JSONResponse(failure.envelope(), status_code=failure.http_status, headers=headers)
+    return JSONResponse(completion(ended, model).model_dump(mode="json"), headers=headers)
+
+
+async def _wait_end(request: Request, job_id: str, tenant: str, until: float) -> Job | None:
+    """The job once it ended, or as it stands at `until`; None if the client went away first (the job is then
+    given up)."""
+    store: Store = request.app.state.store
+    announcements: Announcements = request.app.state.announcements
+    with announcements.watch(job_id) as event:
+        job = await _load(store, job_id, tenant)
+        while not job.terminal and (remaining := until - time.monotonic()) > 0:
+            await announcements.wait(event, remaining)
+            if await request.is_disconnected():
+                await run_in_threadpool(give_up, store, job_id)
+                return None
+            job = await _load(store, job_id, tenant)
+    return job
+
+
+async def _load(store: Store, job_id: str, tenant: str) -> Job:
+    job = await run_in_threadpool(store.jobs.load_job, job_id)
+    if job is None or job.tenant != tenant:  # expired under us: say so as a failure, never a crash
+        return Job(id=job_id, status="failed", prompt="", inputs=[], error=ErrorInfo(**ClientGone().to_dict()))
+    return job
+
+
+def give_up(store: Store, job_id: str) -> None:
+    """End a job nobody waits for any more: it never reaches the model (a batch already running finishes, and
+    its answer is not written)."""
+    if store.jobs.finish(job_id, "failed", error=ErrorInfo(**ClientGone(stage="api").to_dict())):
+        log.info("job %s given up: its client went away", job_id)
+
+
+def _failure(job: Job) -> StokerError | None:
+    """Why a job has no answer: its own error, or the deadline when it had not ended in time."""
+    if not job.terminal:
+        return DeadlineExceeded("the job did not end within its deadline")
+    if job.result is not None:
+        return None
+    info = job.error or ErrorInfo(code="internal_error", message="the job ended without an answer")
+    return _as_error(info)
+
+
+def _as_error(info: ErrorInfo) -> StokerError:
+    """A stored error as the taxonomy's class of its code (its HTTP status with it)."""
+    found = next((c for c in _error_classes() if c.code == info.code), StokerError)
+    return found(info.message, stage=info.stage)
+
+
+def _error_classes() -> list[type[StokerError]]:
+    classes, todo = [], [StokerError]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    return classes
+
+
+def completion(job: Job, model: str) -> ChatCompletion:
+    """The ended job as OpenAI's `chat.completion`."""
+    assert job.result is not None
+    result = job.result
+    return ChatCompletion(
+        id=f"chatcmpl-{job.id}",
+        created=int(time.time()),
+        model=model,
+        choices=[Choice(message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)],
+        usage=_usage(job),
+        stoker=facts(job),
+    )
+
+
+def _usage(job: Job) -> Usage:
+    prompt, done = (job.result.prompt_tokens, job.result.completion_tokens) if job.result else (0, 0)
+    return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+
+
+def facts(job: Job) -> StokerFacts:
+    """stoker's account of the job: status, each input and its error code, timings."""
+    inputs = [
+        InputFacts(
+            index=r.index, kind=r.kind, status=r.status, error_code=r.error.code if r.error else None, text=r.text
+        )
+        for r in job.inputs
+    ]
+    return StokerFacts(job_id=job.id, status=job.status, inputs=inputs, timings_ms=job.timings_ms)
+
+
+async def _stream(
+    request: Request, job_id: str, tenant: str, model: str, until: float, usage: bool
+) -> AsyncIterator[dict[str, str]]:
+    """The answer as `chat.completion.chunk` events, ending with `[DONE]`; keep-alive comments come from the
+    response itself while this waits."""
+    store: Store = request.app.state.store
+    announcements: Announcements = request.app.state.announcements
+    completion_id, created = f"chatcmpl-{job_id}", int(time.time())
+    ended = False
+    try:
+        yield _event(chunk(completion_id, created, model, {"role": "assistant", "content": ""}))
+        streamed, after = False, "0-0"
+        with announcements.watch(job_id) as event:
+            while True:
+                job = await _load(store, job_id, tenant)  # first: every piece of an ended job is already stored
+                pieces, after = await run_in_threadpool(store.answers.read, job_id, after)
+                for piece in pieces:
+                    streamed = True
+                    yield _event(chunk(completion_id, created, model, {"content": piece}))
+                if job.terminal or (remaining := until - time.monotonic()) <= 0:
+                    break
+                await announcements.wait(event, remaining)
+        for body in _closing(job, completion_id, created, model, streamed, usage):
+            yield _event(body)
+        ended = True
+        yield {"data": "[DONE]"}
+    finally:
+        if not ended:  # the client went away mid-stream
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(give_up, store, job_id)
+
+
+def _closing(
+    job: Job, completion_id: str, created: int, model: str, streamed: bool, usage: bool
+) -> list[dict[str, Any]]:
+    """What ends a stream: the answer (if it was not streamed), the finish reason and usage; or the error."""
+    failure = _failure(job)
+    if failure is not None:
+        return [error_envelope(failure.http_status, failure.code, failure.message, stage=failure.stage)]
+    assert job.result is not None
+    bodies = [] if streamed else [chunk(completion_id, created, model, {"content": job.result.text})]
+    bodies.append(chunk(completion_id, created, model, {}, finish_reason=job.result.finish_reason))
+    if usage:
+        bodies.append(chunk(completion_id, created, model, usage=_usage(job)))
+    return bodies
+
+
+def _event(body: dict[str, Any]) -> dict[str, str]:
+    return {"data": json.dumps(body, separators=(",", ":"))}

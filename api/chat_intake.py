@@ -1,0 +1,130 @@
+"""A chat-completions request made a stoker job: every turn's text and media parts become the job's prompt
+material and inputs, under the same limits and magic-byte checks as `POST /v1/jobs`."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from api.chat_schemas import (
+    AudioPart,
+    AudioUrlPart,
+    ChatCompletionCreate,
+    ChatMessage,
+    ContentPart,
+    ImagePart,
+    TextPart,
+    VideoUrlPart,
+)
+from api.intake import AcceptedRequest, Payload, UrlInput, first_error, validate_inputs
+from stoker.core.errors import InvalidRequest, ModelNotFound, UnsupportedMediaType
+from stoker.core.jobs import ChatTurn, Conversation, InputKind
+from stoker.core.model import GenerationParams
+from stoker.settings import ApiSettings
+
+log = logging.getLogger(__name__)
+
+
+async def read_chat(request: Request, settings: ApiSettings) -> tuple[ChatCompletionCreate, AcceptedRequest]:
+    """Parse and check a chat request off the event loop (base64 media can be megabytes)."""
+    if not request.headers.get("content-type", "").startswith("application/json"):
+        raise UnsupportedMediaType("send application/json")
+    body = await request.body()
+    return await run_in_threadpool(accept_chat, body, settings)
+
+
+def accept_chat(body: bytes, settings: ApiSettings) -> tuple[ChatCompletionCreate, AcceptedRequest]:
+    """The request, and the job it makes: its turns, its media as inputs, its generation parameters."""
+    try:
+        spec = ChatCompletionCreate.model_validate_json(body)
+    except ValidationError as exc:
+        where, message = first_error(exc)
+        raise InvalidRequest(f"{where}: {message}", param=where) from exc
+    if spec.ignored():
+        log.info("chat request: ignoring unsupported fields %s", ", ".join(spec.ignored()))
+    if spec.model != settings.public_model_name:
+        raise ModelNotFound(f"the model `{spec.model}` does not exist here", param="model")
+    turns, raw = _turns(spec.messages)
+    if not any(t.role == "user" for t in turns):
+        raise InvalidRequest("the chat needs at least one user message", param="messages")
+    if sum(len(t.text) for t in turns) > settings.max_prompt_chars:
+        raise InvalidRequest(f"the chat's text exceeds {settings.max_prompt_chars} characters", param="messages")
+    conversation = Conversation(turns=turns, params=_params(spec, settings), stream=spec.stream)
+    last_user = next(t.text for t in reversed(turns) if t.role == "user")
+    accepted = AcceptedRequest(
+        prompt=last_user,
+        inputs=validate_inputs(raw, settings),
+        deadline_ms=settings.deadline_ms,
+        chat=conversation,
+    )
+    return spec, accepted
+
+
+def _params(spec: ChatCompletionCreate, settings: ApiSettings) -> GenerationParams:
+    asked = spec.max_completion_tokens or spec.max_tokens
+    return GenerationParams(
+        max_tokens=min(asked, settings.max_tokens_cap) if asked else None,
+        temperature=spec.temperature or 0.0,
+        top_p=spec.top_p or 1.0,
+        stop=spec.stops(),
+        seed=spec.seed,
+    )
+
+
+def _turns(messages: list[ChatMessage]) -> tuple[list[ChatTurn], list[tuple[InputKind, Payload]]]:
+    """Each message as a turn; its media parts appended to the job's inputs, the turn naming their indexes."""
+    turns: list[ChatTurn] = []
+    raw: list[tuple[InputKind, Payload]] = []
+    for position, message in enumerate(messages):
+        role = "system" if message.role == "developer" else message.role
+        parts = [TextPart(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+        texts, indexes = [], []
+        for number, part in enumerate(parts or []):
+            if isinstance(part, TextPart):
+                texts.append(part.text)
+                continue
+            where = f"messages.{position}.content.{number}"
+            if role != "user":
+                raise InvalidRequest(f"{where}: only user messages may carry media", param=where)
+            indexes.append(len(raw))
+            raw.append(_medium(part, where))
+        turns.append(ChatTurn(role=role, text="\n".join(texts), inputs=indexes))
+    return turns, raw
+
+
+def _medium(part: ContentPart, where: str) -> tuple[InputKind, Payload]:
+    """One media part as an input: its bytes (data URL, `input_audio`) or a URL a worker fetches."""
+    if isinstance(part, AudioPart):
+        return "audio", _base64(part.input_audio.data, f"{where}.input_audio.data")
+    kind: InputKind
+    if isinstance(part, ImagePart):
+        kind, url = "image", part.image_url.url
+    elif isinstance(part, AudioUrlPart):
+        kind, url = "audio", part.audio_url.url
+    elif isinstance(part, VideoUrlPart):
+        kind, url = "video", part.video_url.url
+    else:
+        raise InvalidRequest(f"{where}: not a media part", param=where)
+    if url.startswith("data:"):
+        return kind, _data_url(url, f"{where}.{part.type}.url")
+    return kind, UrlInput(url)
+
+
+def _data_url(url: str, where: str) -> bytes:
+    """The bytes of a `data:<type>;base64,<data>` URL (the media type is not trusted: the content is sniffed)."""
+    header, sep, data = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise InvalidRequest(f"{where}: a data URL must be base64 (data:<type>;base64,<data>)", param=where)
+    return _base64(data, where)
+
+
+def _base64(data: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequest(f"{where}: not valid base64", param=where) from exc

@@ -1,0 +1,192 @@
+"""OpenAI's Chat Completions schemas, as far as stoker serves them: the request (with vLLM's `audio_url` and
+`video_url` parts), the `chat.completion` answer, its streamed `chat.completion.chunk`s and the model list.
+
+Unknown request fields are kept aside (`model_extra`) and ignored, as vLLM does; the route logs them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+#: OpenAI's limit on stop sequences.
+MAX_STOP = 4
+#: Turns a chat may have.
+MAX_MESSAGES = 256
+
+
+class _Lenient(BaseModel):
+    """Unknown fields are accepted and ignored (clients send options stoker does not serve)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(_Lenient):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class InputAudio(_Lenient):
+    data: str = Field(description="base64-encoded audio")
+    format: Literal["wav", "mp3"]
+
+
+class AudioPart(_Lenient):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class MediaUrl(_Lenient):
+    url: str
+
+
+class AudioUrlPart(_Lenient):
+    type: Literal["audio_url"]
+    audio_url: MediaUrl
+
+
+class VideoUrlPart(_Lenient):
+    type: Literal["video_url"]
+    video_url: MediaUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | AudioUrlPart | VideoUrlPart, Field(discriminator="type")]
+
+
+class ChatMessage(_Lenient):
+    """One turn. `developer` is OpenAI's newer name for `system`."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionCreate(_Lenient):
+    """A chat-completions request."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, description="only 1 is served")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        return value
+
+    def stops(self) -> tuple[str, ...]:
+        """The stop sequences as a tuple."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def ignored(self) -> list[str]:
+        """Names of the top-level fields stoker does not serve (they are ignored)."""
+        return sorted((self.model_extra or {}).keys())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+
+
+class InputFacts(BaseModel):
+    """What preprocessing made of one input of the chat."""
+
+    index: int
+    kind: str
+    status: str
+    error_code: str | None = None
+    #: What was read from it (OCR text, transcript), as the model got it before any trimming.
+    text: str | None = None
+
+
+class StokerFacts(BaseModel):
+    """stoker's own account of the job behind an answer."""
+
+    job_id: str
+    status: str
+    inputs: list[InputFacts]
+    timings_ms: dict[str, float]
+
+
+class ChatCompletion(BaseModel):
+    """OpenAI's `chat.completion`, plus the `stoker` object."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    stoker: StokerFacts
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "stoker"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def chunk(
+    completion_id: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+    usage: Usage | None = None,
+) -> dict[str, Any]:
+    """One `chat.completion.chunk`: a delta of the one choice, or (with usage and no delta) the closing usage."""
+    body: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    body["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
+    if usage is not None:
+        body["usage"] = usage.model_dump()
+    return body

@@ -1,0 +1,170 @@
+"""Taking a job in, whichever front it came through (`POST /v1/jobs`, `/v1/chat/completions`): admission control,
+the tenant's in-flight slot, the record and inputs written, the first message published, at once.
+
+A job with nothing left to preprocess (text only, or every input cached in its tenant's scope) skips the CPU
+queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis
+from fastapi import Request
+from opentelemetry.trace import SpanKind
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import State
+
+from api.intake import AcceptedRequest
+from api.tenancy import admit, release
+from stoker.adapters.cache import StageCache
+from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS
+from stoker.adapters.store import Store
+from stoker.adapters.tracing import carrier, trace_id_hex, tracer
+from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
+from stoker.core.deadlines import deadline_for
+from stoker.core.errors import BrokerUnavailable, Overloaded
+from stoker.core.jobs import ChatTurn, InputRecord, Job
+from stoker.core.model import ModelRequest
+from stoker.core.prompting import Attachment, attachment_for, model_request
+from stoker.core.tenancy import cache_scope
+from stoker.settings import ApiSettings
+from tasks.pipeline import Start, Submitter
+
+log = logging.getLogger(__name__)
+
+
+async def submit_job(request: Request, tenant: str, read: Callable[[], Awaitable[AcceptedRequest]]) -> Job:
+    """Admit, read (with `read`), store and enqueue one job; the job as it now stands.
+
+    While a queue is over its limit the job is refused before its body is read (429 with Retry-After from the
+    queue's measured drain rate, nothing written); so is one over its tenant's rate or jobs in flight.
+    """
+    state = request.app.state
+    settings: ApiSettings = state.settings
+    refusal = state.monitor.refusal()
+    if refusal is not None:
+        ADMISSIONS.labels("refused").inc()
+        await run_in_threadpool(state.store.stats.count_refusal, refusal.queue)
+        raise Overloaded(
+            f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})",
+            retry_after_s=refusal.retry_after_s,
+        )
+    job_id = uuid.uuid4().hex
+    await admit(request, tenant, job_id)
+    try:
+        accepted = await read()
+        job = await run_in_threadpool(_admit, state, accepted, settings, job_id=job_id, tenant=tenant)
+    except Exception as exc:
+        await release(request, tenant, job_id)  # not accepted after all: its in-flight slot is free again
+        if isinstance(exc, BrokerUnavailable):
+            ADMISSIONS.labels("unavailable").inc()
+        raise
+    ADMISSIONS.labels("accepted").inc()
+    return job
+
+
+def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, job_id: str, tenant: str) -> Job:
+    """Write inputs and record before enqueueing, so no worker can see a job that is not stored.
+
+    A job whose inputs are all preprocessed in the cache (in its tenant's scope), or that has none, skips the CPU
+    preprocessing queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
+    """
+    store: Store = state.store
+    submitter: Submitter = state.submitter
+    records = [
+        InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data), url=item.url)
+        for i, item in enumerate(accepted.inputs)
+    ]
+    scope = cache_scope(tenant, settings.cache_shared)
+    start, records, request = _shortcut(state, accepted, records, scope, job_id)
+    now = time.time()
+    deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
+    attributes: dict[str, str | int] = {
+        "stoker.job_id": job_id,
+        "stoker.inputs": len(records),
+        "stoker.enters_at": start,
+    }
+    with tracer.start_as_current_span("job", kind=SpanKind.SERVER, attributes=attributes) as span:
+        trace_id = trace_id_hex(span)
+        traced = (trace_id, carrier()) if trace_id else None
+        try:
+            for item in accepted.inputs:
+                if item.url is None:  # a URL input's bytes are stored by the worker that fetches them
+                    store.blobs.put_blob(item.digest, item.data)
+            store.jobs.create_job(
+                job_id,
+                accepted.prompt,
+                records,
+                now,
+                deadline,
+                accepted.deadline_ms,
+                traced,
+                tenant=tenant,
+                chat=accepted.chat,
+            )
+            if request is not None:
+                store.jobs.hand_off(job_id, request, rev=None)
+        except redis.RedisError as exc:
+            raise BrokerUnavailable("the job store cannot be reached") from exc
+        try:
+            tokens = len(request.prompt_ids) if request else None
+            submitter.submit(job_id, records, start=start, deadline=deadline.at, prompt_tokens=tokens)
+        except Exception as exc:
+            log.warning("could not enqueue job %s: %r", job_id, exc)
+            store.jobs.delete_job(job_id)
+            raise BrokerUnavailable("the broker cannot be reached") from exc
+    job = store.jobs.load_job(job_id)
+    assert job is not None
+    return job
+
+
+def _shortcut(
+    state: State, accepted: AcceptedRequest, records: list[InputRecord], scope: str, job_id: str
+) -> tuple[Start, list[InputRecord], ModelRequest | None]:
+    """How far a job may skip: to inference when every input is cached (or it has none) and its prompt is cached
+    or can be tokenized here; to tokenize when only its inputs are cached."""
+    cache: StageCache = state.cache
+    context = cache.context()
+    if context is None or any(r.url is not None for r in records):  # nothing is known of a URL's content yet
+        return "preprocess", records, None
+    filled = cache.get_inputs(context.identity, records, scope) if records else []
+    if filled is None:
+        return "preprocess", records, None
+    filled = [f.model_copy(update={"size_bytes": r.size_bytes}) for f, r in zip(filled, records, strict=True)]
+    attachments = [attachment_for(r) for r in filled]
+    turns = accepted.chat.turns if accepted.chat else None
+    address = prompt_address(context, accepted.prompt, attachments, scope, turns)
+    found = cache.get_json(address)
+    if found is not None:
+        cache.record("tokenize", hit=True, cost_s=float(found.get("_cost_s", 0.0)))
+    elif state.monitor.room_for_inference():
+        found = _tokenize_here(state, context, address, accepted.prompt, attachments, turns)
+    if found is None:
+        return "tokenize", filled, None
+    return "infer", filled, model_request(found, filled, scope, accepted.chat, job_id)
+
+
+def _tokenize_here(
+    state: State,
+    context: PipelineContext,
+    address: CacheAddress,
+    prompt: str,
+    attachments: list[Attachment],
+    turns: list[ChatTurn] | None,
+) -> dict[str, Any] | None:
+    """The tokenize stage's work, done in this (pool) thread; cached like the stage's own. None: not possible here."""
+    started = time.perf_counter()
+    built = state.prompts.build(context, prompt, attachments, turns)
+    if built is None:
+        return None
+    cost = time.perf_counter() - started
+    value = {"ids": built.ids, "messages": built.messages}
+    state.cache.put_json(address, {**value, "_cost_s": cost})
+    state.cache.record("tokenize", hit=False, cost_s=cost)
+    STAGE_SECONDS.labels("tokenize", "miss").observe(cost)
+    return value
