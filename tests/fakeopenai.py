@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from workers.broker import free_port
+from tests.serving import serve
 
 JPEG_MAGIC = b"\xff\xd8"
 
@@ -28,6 +28,8 @@ class FakeServer:
     delay_s: float = 0.0
     #: Answer this status to any request whose text contains the key.
     fail_on: dict[str, int] = field(default_factory=dict)
+    #: What a streamed answer (`stream: true`) is made of, piece by piece.
+    pieces: list[str] = field(default_factory=lambda: ["Hel", "lo ", "from ", "the ", "fake."])
     in_flight: int = 0
     most_in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -56,7 +58,10 @@ def _app(state: FakeServer) -> FastAPI:
             all_jpeg = all(j[:2] == JPEG_MAGIC for j in jpegs)
             answer = f"fake saw {len(jpegs)} image(s); jpeg={all_jpeg}"
             usage = {"prompt_tokens": len(text.split()), "completion_tokens": 5}
-            return JSONResponse({"choices": [{"message": {"role": "assistant", "content": answer}}], "usage": usage})
+            if body.get("stream"):
+                return StreamingResponse(_chunks(state.pieces, usage), media_type="text/event-stream")
+            choice = {"message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
+            return JSONResponse({"choices": [choice], "usage": usage})
         finally:
             with state.lock:
                 state.in_flight -= 1
@@ -64,9 +69,17 @@ def _app(state: FakeServer) -> FastAPI:
     return app
 
 
-async def _sleep(seconds: float) -> None:
-    import asyncio
+def _chunks(pieces: list[str], usage: dict[str, int]) -> Iterator[str]:
+    """A chat-completion stream as vLLM sends it: role, pieces, finish, usage, [DONE]."""
+    deltas: list[dict[str, Any]] = [{"role": "assistant"}, *({"content": p} for p in pieces)]
+    for delta in deltas:
+        yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta, 'finish_reason': None}]})}\n\n"
+    yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'length'}]})}\n\n"
+    yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+    yield "data: [DONE]\n\n"
 
+
+async def _sleep(seconds: float) -> None:
     await asyncio.sleep(seconds)
 
 
@@ -74,16 +87,6 @@ async def _sleep(seconds: float) -> None:
 def fake_openai_server() -> Iterator[FakeServer]:
     """Serve the fake on a free loopback port for the duration of the block."""
     state = FakeServer()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(_app(state), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    state.url = f"http://127.0.0.1:{port}/v1"
-    try:
+    with serve(_app(state)) as base:
+        state.url = f"{base}/v1"
         yield state
-    finally:
-        server.should_exit = True
-        thread.join(10)

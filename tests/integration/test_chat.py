@@ -1,0 +1,221 @@
+"""`/v1/chat/completions` with the official `openai` client, over HTTP, against the real workers and model."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+
+from api.app import create_app
+from stoker.adapters.store import Store
+from stoker.core.tenancy import issue_key
+from stoker.settings import ApiSettings
+from tests.media import speech_wav, text_image, truncated
+from tests.serving import serve
+
+MODEL = ApiSettings().public_model_name
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    """A base64 data URL."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def base_url(workers: dict[str, Path]) -> Iterator[str]:
+    """The API (auth off, as `stoker up` runs locally), served over HTTP."""
+    with serve(create_app(ApiSettings(sse_keepalive_s=0.2))) as base:
+        yield base
+
+
+@pytest.fixture
+def client(base_url: str) -> Iterator[openai.OpenAI]:
+    """The official client, pointed at stoker; no retries, so a refusal surfaces as raised."""
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120) as official:
+        yield official
+
+
+@pytest.fixture
+def secured(workers: dict[str, Path], store_redis: redis.Redis) -> Callable[..., AbstractContextManager[str]]:
+    """Serves APIs with auth on and the given settings; yields a maker of (base URL, key) pairs."""
+    store = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
+    issued = issue_key(f"chat-{uuid.uuid4().hex[:8]}", time.time())
+    store.tenants.put_api_key(issued.record)
+
+    def make(**settings: Any) -> AbstractContextManager[str]:
+        return serve(create_app(ApiSettings(auth=True, **settings)))
+
+    make.token = issued.token  # type: ignore[attr-defined]
+    return make
+
+
+def _ask(client: openai.OpenAI, content: Any, **kwargs: Any) -> Any:
+    return client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], **kwargs
+    )
+
+
+def test_an_image_as_a_data_url_is_read_and_answered(client: openai.OpenAI, base_url: str) -> None:
+    parts = [
+        {"type": "text", "text": "What does the picture say?"},
+        {"type": "image_url", "image_url": {"url": data_url(text_image("INVOICE 4711")), "detail": "high"}},
+    ]
+    raw = _ask(client, parts, max_tokens=8)
+    answer = raw.parse()
+    job_id = raw.headers["x-stoker-job-id"]
+    assert answer.id == f"chatcmpl-{job_id}"
+    assert answer.object == "chat.completion"
+    assert answer.model == MODEL
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    usage = answer.usage
+    assert usage.completion_tokens <= 8
+    assert usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    facts = answer.model_extra["stoker"]
+    assert (facts["job_id"], facts["status"]) == (job_id, "succeeded")
+    (image,) = facts["inputs"]
+    assert (image["kind"], image["status"], image["error_code"]) == ("image", "ok", None)
+    assert "4711" in image["text"]
+    assert facts["timings_ms"]["total"] > 0
+    job = httpx.get(f"{base_url}/v1/jobs/{job_id}").json()  # a job like any other
+    assert job["status"] == "succeeded"
+    assert job["chat"]["turns"] == [{"role": "user", "text": "What does the picture say?", "inputs": [0]}]
+    assert job["chat"]["params"]["max_tokens"] == 8
+
+
+def test_a_truncated_jpeg_still_gets_an_answer_and_says_it_degraded(client: openai.OpenAI) -> None:
+    broken = truncated(text_image("HELLO", fmt="JPEG"))
+    parts = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": data_url(broken)}}]
+    answer = _ask(client, parts, max_tokens=4).parse()
+    facts = answer.model_extra["stoker"]
+    assert facts["status"] == "degraded"
+    assert facts["inputs"][0]["status"] == "failed"
+    assert facts["inputs"][0]["error_code"] == "image_corrupt"
+    assert answer.choices[0].message.content
+
+
+def test_audio_is_transcribed_for_the_chat(client: openai.OpenAI) -> None:
+    audio = base64.b64encode(speech_wav()).decode()
+    parts = [
+        {"type": "text", "text": "When is the report due?"},
+        {"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}},
+    ]
+    facts = _ask(client, parts, max_tokens=4).parse().model_extra["stoker"]
+    assert facts["status"] == "succeeded"
+    assert "friday" in facts["inputs"][0]["text"].lower()
+
+
+def test_an_image_in_an_earlier_turn_stays_with_its_turn(client: openai.OpenAI, base_url: str) -> None:
+    messages = [
+        {"role": "system", "content": "Answer in one word."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Remember this page."},
+                {"type": "image_url", "image_url": {"url": data_url(text_image("PASSWORD SWORDFISH"))}},
+            ],
+        },
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "What was the password?"},
+    ]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=4)
+    facts = raw.parse().model_extra["stoker"]
+    assert facts["status"] == "succeeded"
+    assert "SWORDFISH" in facts["inputs"][0]["text"]
+    job = httpx.get(f"{base_url}/v1/jobs/{raw.headers['x-stoker-job-id']}").json()
+    turns = job["chat"]["turns"]
+    assert [(t["role"], t["inputs"]) for t in turns] == [("system", []), ("user", [0]), ("assistant", []), ("user", [])]
+    assert job["prompt"] == "What was the password?"
+
+
+def test_a_streamed_answer_comes_in_chunks_and_ends(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish in (["stop"], ["length"])
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens <= 6
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
+
+
+def test_a_stream_keeps_the_connection_alive_while_preprocessing_runs(base_url: str) -> None:
+    audio = base64.b64encode(speech_wav()).decode()
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": 2,
+        "messages": [
+            {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}}]}
+        ],
+    }
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    data = [line for line in lines if line.startswith("data:")]
+    first_content = next(i for i, line in enumerate(lines) if '"content":"' in line and '"content":""' not in line)
+    assert any(line.startswith(":") for line in lines[:first_content])  # comments before the answer
+    assert '"role":"assistant"' in data[0]
+    assert data[-1] == "data: [DONE]"
+
+
+def test_refusals_raise_the_clients_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.UnprocessableEntityError) as many:
+        _ask(client, "hi", n=2)
+    assert many.value.code == "invalid_request"
+    assert many.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert unknown.value.code == "model_not_found"
+    not_an_image = [{"type": "image_url", "image_url": {"url": data_url(b"just some text, no picture")}}]
+    with pytest.raises(openai.APIStatusError) as unsupported:
+        _ask(client, not_an_image)
+    assert (unsupported.value.status_code, unsupported.value.code) == (415, "unsupported_media_type")
+
+
+def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
+    answer = _ask(client, "Say yes.", max_tokens=2, extra_body={"guided_json": {}, "logit_bias": {}}).parse()
+    assert answer.model_extra["stoker"]["status"] == "succeeded"
+
+
+def test_auth_size_and_rate_refusals(secured: Callable[..., AbstractContextManager[str]]) -> None:
+    token: str = secured.token  # type: ignore[attr-defined]
+    with ExitStack() as stack:
+        base = stack.enter_context(secured(max_body_bytes=4096, rate_limit_per_s=0.01, rate_limit_burst=1))
+        keyless = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-not-a-stoker-key", max_retries=0)
+        with keyless, pytest.raises(openai.AuthenticationError) as denied:
+            keyless.models.list()
+        assert denied.value.code == "unauthorized"
+        keyed = openai.OpenAI(base_url=f"{base}/v1", api_key=token, max_retries=0)
+        stack.enter_context(keyed)
+        assert [m.id for m in keyed.models.list()] == [MODEL]  # the burst: one request
+        big = [{"type": "image_url", "image_url": {"url": data_url(text_image("BIG") * 4)}}]
+        with pytest.raises(openai.APIStatusError) as too_big:  # refused at the door, before any count
+            keyed.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": big}])
+        assert (too_big.value.status_code, too_big.value.code) == (413, "payload_too_large")
+        with pytest.raises(openai.RateLimitError) as limited:
+            keyed.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert limited.value.code == "rate_limited"
+        assert int(limited.value.response.headers["retry-after"]) >= 1

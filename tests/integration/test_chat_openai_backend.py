@@ -1,0 +1,122 @@
+"""A chat through stoker to an OpenAI-compatible server (the fake one, on loopback): client → stoker → server."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import openai
+import pytest
+from PIL import Image
+
+from api.app import create_app
+from stoker.settings import ApiSettings
+from tests.fakeopenai import FakeServer, fake_openai_server
+from tests.fleet import Fleet, own_fleet
+from tests.media import speech_wav, text_image
+from tests.serving import serve
+
+MODEL = ApiSettings().public_model_name
+
+
+@pytest.fixture(scope="module")
+def chain() -> Iterator[tuple[FakeServer, openai.OpenAI]]:
+    """The fake server, a fleet whose inference worker is the `openai` backend pointed at it, and stoker's API
+    over HTTP with the official client in front."""
+    with fake_openai_server() as fake:
+        settings = {"STOKER_BACKEND": "openai", "STOKER_OPENAI_BASE_URL": fake.url, "STOKER_OPENAI_MODEL": "vlm"}
+        with ExitStack() as stack:
+            fleet = stack.enter_context(own_fleet(settings, kinds=("cpu", "asr", "infer")))
+            base = stack.enter_context(serve(create_app(_settings(fleet))))
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+            yield fake, stack.enter_context(client)
+
+
+def _settings(fleet: Fleet) -> ApiSettings:
+    urls = {k: fleet.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
+    return ApiSettings(**urls, auth=False)
+
+
+def _data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _sent(fake: FakeServer, marker: str) -> dict[str, Any]:
+    """The body the fake received whose last turn mentions marker."""
+    return next(b for b in fake.bodies if marker in str(b["messages"]))
+
+
+def test_the_server_gets_the_whole_chat_a_resized_picture_and_the_parameters(
+    chain: tuple[FakeServer, openai.OpenAI],
+) -> None:
+    fake, client = chain
+    messages = [
+        {"role": "system", "content": "You read documents."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Keep this page (marker-one)."},
+                {"type": "image_url", "image_url": {"url": _data_url(text_image("TOTAL 99", size=(1600, 400)))}},
+            ],
+        },
+        {"role": "assistant", "content": "Kept."},
+        {"role": "user", "content": "What is the total?"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=7, temperature=0.3, top_p=0.9, stop=["END"], seed=11
+    )
+    assert answer.choices[0].message.content == "fake saw 0 image(s); jpeg=True"  # the last turn has no picture
+    body = _sent(fake, "marker-one")
+    assert (body["max_tokens"], body["temperature"], body["top_p"], body["stop"], body["seed"]) == (
+        7,
+        0.3,
+        0.9,
+        ["END"],
+        11,
+    )
+    system, first, assistant, last = body["messages"]
+    assert system["role"] == "system"
+    assert "You read documents." in system["content"]
+    assert first["role"] == "user"
+    text, picture = first["content"]
+    assert "Keep this page (marker-one)." in text["text"]
+    assert "TOTAL 99" in text["text"]  # what OCR read travels with the picture
+    jpeg = base64.b64decode(picture["image_url"]["url"].split(",", 1)[1])
+    assert Image.open(io.BytesIO(jpeg)).size == (224, 224)  # the preprocessed picture, not the 1600×400 upload
+    assert assistant == {"role": "assistant", "content": "Kept."}
+    assert last["role"] == "user"
+    assert last["content"].endswith("What is the total?")
+
+
+def test_a_transcript_reaches_the_server(chain: tuple[FakeServer, openai.OpenAI]) -> None:
+    fake, client = chain
+    audio = base64.b64encode(speech_wav()).decode()
+    content = [
+        {"type": "text", "text": "Who gets the report (marker-two)?"},
+        {"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}},
+    ]
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
+    user = _sent(fake, "marker-two")["messages"][-1]["content"]
+    assert "quarterly report" in user.lower()
+    assert "Transcript" in user
+
+
+def test_a_streamed_answer_is_passed_on_piece_by_piece(chain: tuple[FakeServer, openai.OpenAI]) -> None:
+    fake, client = chain
+    fake.pieces = ["Zwei ", "Stücke ", "und ", "noch ", "eins."]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Stream it (marker-three)."}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert pieces == fake.pieces
+    assert _sent(fake, "marker-three")["stream"] is True
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]  # the server's own finish reason
+    assert chunks[-1].usage.completion_tokens == 5
