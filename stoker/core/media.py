@@ -49,6 +49,8 @@ def sniff_av_format(data: bytes) -> str | None:
     if head[:4] == b"\x1a\x45\xdf\xa3":
         return "MATROSKA"  # also WebM
     if head[4:8] == b"ftyp":
+        if _heif_family(data):  # the same box family holds still pictures
+            return None
         return "MOV" if head[8:12] == b"qt  " else "MP4"
     if head[4:8] in (b"moov", b"mdat", b"wide", b"free"):
         return "MOV"

@@ -219,3 +219,18 @@ def test_auth_size_and_rate_refusals(secured: Callable[..., AbstractContextManag
             keyed.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
         assert limited.value.code == "rate_limited"
         assert int(limited.value.response.headers["retry-after"]) >= 1
+
+
+def test_a_client_that_goes_away_gives_its_job_up(base_url: str) -> None:
+    audio = base64.b64encode(speech_wav()).decode()
+    content = [{"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}}]
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": content}]}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        job_id = response.headers["x-stoker-job-id"]
+        first = next(line for line in response.iter_lines() if line.startswith("data:"))
+        assert '"role":"assistant"' in first
+    # gone after the role chunk, while the audio is still being transcribed
+    job = httpx.get(f"{base_url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
+    assert job["status"] == "failed"
+    assert job["error"]["code"] == "client_disconnected"
+    assert job["result"] is None

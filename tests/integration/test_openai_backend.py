@@ -9,7 +9,7 @@ import pytest
 from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.core.errors import InferenceFailed, ModelUnavailable
 from stoker.core.imaging import DecodeParams, decode_image, model_input_jpeg
-from stoker.core.model import ModelRequest, Prediction, run_predictor
+from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
 from tests.fakeopenai import FakeServer, fake_openai_server
 from tests.media import text_image
 
@@ -86,3 +86,39 @@ def test_an_unreachable_server_is_unavailable_not_a_crash(server: FakeServer) ->
     predictor.setup("cpu")
     (outcome,) = run_predictor(predictor, [_request("anyone?")])
     assert isinstance(outcome, ModelUnavailable)
+
+
+def test_a_streamed_request_hands_on_each_piece_and_returns_the_whole(server: FakeServer) -> None:
+    got: list[tuple[str, str]] = []
+    predictor = _predictor(server, pieces=lambda job, piece: got.append((job, piece)))
+    streamed = ModelRequest([1], [{"role": "user", "content": "go"}], stream_to="job-7")
+    plain = ModelRequest([1], [{"role": "user", "content": "no stream"}])
+    first, second = run_predictor(predictor, [streamed, plain])
+    assert got == [("job-7", p) for p in server.pieces]
+    assert isinstance(first, Prediction)
+    assert first.text == "".join(server.pieces).strip()
+    assert (first.finish_reason, first.completion_tokens) == ("length", 5)
+    assert isinstance(second, Prediction)
+    assert second.finish_reason == "stop"
+    asked = {b["messages"][-1]["content"]: b.get("stream", False) for b in server.bodies}
+    assert asked == {"go": True, "no stream": False}
+
+
+def test_each_turn_carries_its_own_pictures_and_the_request_its_parameters(server: FakeServer) -> None:
+    messages = [
+        {"role": "user", "content": "first", "images": ["pic"]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "second"},
+    ]
+    params = GenerationParams(max_tokens=99, temperature=0.2, top_p=0.8, stop=("Z",), seed=5)
+    body = _predictor(server, max_tokens_cap=50).body(ModelRequest([1], messages, ["pic"], params=params))
+    first, _, last = body["messages"]
+    assert [p["type"] for p in first["content"]] == ["text", "image_url"]
+    assert last == {"role": "user", "content": "second"}
+    assert {k: body[k] for k in ("max_tokens", "temperature", "top_p", "stop", "seed")} == {
+        "max_tokens": 50,
+        "temperature": 0.2,
+        "top_p": 0.8,
+        "stop": ["Z"],
+        "seed": 5,
+    }

@@ -10,7 +10,8 @@ import pytest
 
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.core.errors import ModelUnavailable
-from stoker.core.prompting import Attachment, build_prompt_ids, render_user_message
+from stoker.core.jobs import ChatTurn
+from stoker.core.prompting import Attachment, build_prompt, build_prompt_ids, render_user_message
 from stoker.settings import CommonSettings
 
 
@@ -102,3 +103,48 @@ def test_real_tokenizer_trims_to_budget(real_tokenizer: Any) -> None:
     ids = build_prompt_ids(real_tokenizer, "Summarise.", [Attachment("image", 0, text=page)], budget=256)
     assert len(ids) <= 256
     assert real_tokenizer.decode(ids).rstrip().endswith("<|im_start|>assistant")
+
+
+def _turn(role: str, text: str, inputs: list[int] | None = None) -> ChatTurn:
+    return ChatTurn(role=role, text=text, inputs=inputs or [])  # type: ignore[arg-type]
+
+
+def test_a_chat_keeps_its_turns_and_each_turns_own_attachments() -> None:
+    chat = [
+        _turn("system", "Be terse."),
+        _turn("user", "Keep this.", [0]),
+        _turn("assistant", "Kept."),
+        _turn("user", "And this?", [1]),
+    ]
+    pictures = [Attachment("image", 0, text="PAGE ONE", pictures=("h0",)), Attachment("image", 1, text="PAGE TWO")]
+    built = build_prompt(WordTokenizer(), "And this?", pictures, 1000, chat)
+    system, first, answer, last = built.messages
+    assert system["role"] == "system"
+    assert system["content"].endswith("Be terse.")
+    assert "PAGE ONE" in first["content"]
+    assert first["content"].endswith("Keep this.")
+    assert first["images"] == ["h0"]
+    assert answer == {"role": "assistant", "content": "Kept."}
+    assert "PAGE TWO" in last["content"]
+    assert "PAGE ONE" not in last["content"]
+    assert "images" not in last
+
+
+def test_an_overlong_chat_drops_its_oldest_turns_first_and_keeps_the_last() -> None:
+    tok = WordTokenizer()
+    chat = [_turn("system", "rules here"), *(_turn("user", f"old{i} " + "x " * 30) for i in range(5))]
+    chat.append(_turn("user", "the real question"))
+    built = build_prompt(tok, "the real question", [], 60, chat)
+    assert len(built.ids) <= 60
+    text = tok.decode(built.ids)
+    assert "rules here" in text  # system turns are never dropped
+    assert "old0" not in text
+    assert text.endswith("the real question </turn> <assistant>")
+    assert built.messages[-1]["content"] == "the real question"
+
+
+def test_a_job_without_turns_is_one_user_turn_with_every_attachment() -> None:
+    attachments = [Attachment("image", 0, text="A", pictures=("p",)), Attachment("audio", 1, text="B")]
+    built = build_prompt(WordTokenizer(), "Q", attachments, 1000)
+    assert [m["role"] for m in built.messages] == ["system", "user"]
+    assert built.messages[1]["images"] == ["p"]

@@ -1,0 +1,118 @@
+"""A chat-completions request into a stoker job: turns, inputs, parameters, and refusals."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+
+from api.chat_intake import accept_chat
+from stoker.core.errors import InvalidRequest, ModelNotFound, StokerError, TooManyInputs, UnsupportedMediaType
+from stoker.core.model import GenerationParams
+from stoker.settings import ApiSettings
+from tests.media import speech_wav, text_image
+
+SETTINGS = ApiSettings(max_tokens_cap=100)
+MODEL = SETTINGS.public_model_name
+PNG = text_image("HI")
+
+
+def _url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _accept(messages: list[dict[str, Any]], **fields: Any) -> Any:
+    return accept_chat(json.dumps({"model": MODEL, "messages": messages, **fields}).encode(), SETTINGS)
+
+
+def test_turns_media_and_parameters_become_the_job() -> None:
+    wav = base64.b64encode(speech_wav("hello")).decode()
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "See"}, {"type": "image_url", "image_url": {"url": _url(PNG)}}],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "Seen."}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+                {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}},
+                {"type": "text", "text": "and hear"},
+            ],
+        },
+    ]
+    spec, accepted = _accept(messages, max_completion_tokens=500, temperature=0.7, top_p=0.5, stop="END", seed=3)
+    assert [(t.role, t.text, t.inputs) for t in accepted.chat.turns] == [
+        ("system", "Be brief.", []),
+        ("user", "See", [0]),
+        ("assistant", "Seen.", []),
+        ("user", "and hear", [1, 2]),
+    ]
+    assert [(i.kind, i.format, i.url) for i in accepted.inputs] == [
+        ("image", "PNG", None),
+        ("audio", "WAV", None),
+        ("video", "", "https://example.com/clip.mp4"),
+    ]
+    assert accepted.prompt == "and hear"
+    assert accepted.chat.params == GenerationParams(max_tokens=100, temperature=0.7, top_p=0.5, stop=("END",), seed=3)
+    assert accepted.chat.stream is False
+    assert spec.stream is False
+
+
+def test_unknown_fields_are_ignored_and_greedy_is_the_default() -> None:
+    spec, accepted = _accept([{"role": "user", "content": "hi"}], logit_bias={"1": 2}, tools=[], n=1)
+    assert spec.ignored() == ["logit_bias", "tools"]
+    assert accepted.chat.params.greedy
+    assert accepted.chat.params.max_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("messages", "fields", "error", "param"),
+    [
+        ([{"role": "user", "content": "hi"}], {"n": 2}, InvalidRequest, "n"),
+        ([{"role": "user", "content": "hi"}], {"stop": ["a", "b", "c", "d", "e"]}, InvalidRequest, "stop"),
+        ([{"role": "system", "content": "only rules"}], {}, InvalidRequest, "messages"),
+        ([{"role": "tool", "content": "x"}], {}, InvalidRequest, "messages.0.role"),
+        (
+            [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": _url(PNG)}}]}],
+            {},
+            InvalidRequest,
+            "messages.0.content.0",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}]}],
+            {},
+            InvalidRequest,
+            "messages.0.content.0.image_url.url",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(b"not an image")}}]}],
+            {},
+            UnsupportedMediaType,
+            None,
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(PNG)}}] * 5}],
+            {},
+            TooManyInputs,
+            None,
+        ),
+    ],
+)
+def test_bad_chats_are_refused_with_their_error(
+    messages: list[dict[str, Any]], fields: dict[str, Any], error: type[StokerError], param: str | None
+) -> None:
+    with pytest.raises(error) as refused:
+        _accept(messages, **fields)
+    assert type(refused.value) is error
+    assert refused.value.param == param
+
+
+def test_another_model_is_not_found() -> None:
+    body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    with pytest.raises(ModelNotFound):
+        accept_chat(body, SETTINGS)
