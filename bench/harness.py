@@ -9,6 +9,7 @@ plots into --out, and prints the tables.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import statistics
 import time
@@ -51,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-limit", type=int, default=40, help="admission limit of every queue, every mode")
     p.add_argument("--drain-s", type=float, default=None, help="wait for answers after the last arrival (120 s)")
     p.add_argument("--overhead-jobs", type=int, default=None, help="no-op jobs per overhead case (40; 0: skip)")
+    p.add_argument("--overhead-only", action="store_true", help="only the overhead micro-benchmark")
     p.add_argument("--target", default=None, help="drive a running stack at this URL instead (one run, --mode)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     return p
@@ -87,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows, overhead = _runs(args, rates, modes, device, workload, None), []
     else:
         with bench_redis() as base:
-            rows = _runs(args, rates, modes, device, workload, base)
+            rows = [] if args.overhead_only else _runs(args, rates, modes, device, workload, base)
             overhead = _overhead(args, modes, device, base) if args.overhead_jobs else []
     report = _report(args, device, spec, workload, rows, overhead, time.monotonic() - started)
     return 0 if all(row["succeeded"] + row["degraded"] for row in rows) and report else 1
@@ -142,24 +144,27 @@ def _overhead(args: argparse.Namespace, modes: Sequence[Mode], device: Device, b
     return rows
 
 
-#: The overhead cases: what is sent each time, and what the cache already holds.
-_CASES = ("text only", "cached image, same prompt", "cached image, new prompt")
+#: The overhead cases: what is sent each time, and what the cache already holds. `chat:` cases send the same job
+#: through `/v1/chat/completions` (the connection held until the answer) instead of `/v1/jobs` and a long-poll.
+_CASES = (
+    "text only",
+    "cached image, same prompt",
+    "cached image, new prompt",
+    "chat: text only",
+    "chat: cached image, same prompt",
+)
 
 
 def _overhead_case(base: str, mode: str, case: str, n: int) -> dict[str, Any]:
-    image = text_png("stoker")
     client, server = [], []
     with httpx.Client(base_url=base, timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
         for i in range(n + 1):  # the first one fills the cache and is not counted
-            prompt = "ping" if case != "cached image, new prompt" else f"ping {i}"
-            files = None if case == "text only" else [("image", ("input", image))]
             began = time.perf_counter()
-            job = http.post("/v1/jobs", data={"prompt": prompt}, files=files).json()
-            while job["status"] not in ("succeeded", "degraded", "failed"):
-                job = http.get(f"/v1/jobs/{job['id']}", params={"wait": 30}).json()
+            total_ms = _chat_once(http, case, model) if case.startswith("chat:") else _job_once(http, case, i)
             if i:
                 client.append(time.perf_counter() - began)
-                server.append(job["timings_ms"]["total"] / 1000)
+                server.append(total_ms / 1000)
     return {
         "mode": mode,
         "case": case,
@@ -170,6 +175,29 @@ def _overhead_case(base: str, mode: str, case: str, n: int) -> dict[str, Any]:
         "server_p99_ms": _ms(percentile(server, 0.99)),
         "client_mean_ms": round(statistics.mean(client) * 1000, 1),
     }
+
+
+def _job_once(http: httpx.Client, case: str, i: int) -> float:
+    """One no-op job through the job API, answered by long-poll; its server-side total (ms)."""
+    prompt = "ping" if case != "cached image, new prompt" else f"ping {i}"
+    files = None if case == "text only" else [("image", ("input", text_png("stoker")))]
+    job = http.post("/v1/jobs", data={"prompt": prompt}, files=files).json()
+    while job["status"] not in ("succeeded", "degraded", "failed"):
+        job = http.get(f"/v1/jobs/{job['id']}", params={"wait": 30}).json()
+    return float(job["timings_ms"]["total"])
+
+
+def _chat_once(http: httpx.Client, case: str, model: str) -> float:
+    """The same no-op job as a chat completion; its server-side total (ms)."""
+    content: Any = "ping"
+    if "image" in case:
+        url = "data:image/png;base64," + base64.b64encode(text_png("stoker")).decode()
+        content = [{"type": "text", "text": "ping"}, {"type": "image_url", "image_url": {"url": url}}]
+    answer = http.post(
+        "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": content}]}
+    )
+    answer.raise_for_status()
+    return float(answer.json()["stoker"]["timings_ms"]["total"])
 
 
 def _ms(seconds: float | None) -> float | None:
