@@ -234,3 +234,13 @@ def test_a_client_that_goes_away_gives_its_job_up(base_url: str) -> None:
     assert job["status"] == "failed"
     assert job["error"]["code"] == "client_disconnected"
     assert job["result"] is None
+
+
+def test_a_deadline_that_passes_answers_504(workers: dict[str, Path]) -> None:
+    audio = base64.b64encode(speech_wav()).decode()
+    content = [{"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}}]
+    with serve(create_app(ApiSettings(deadline_ms=100))) as base:
+        official = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        with official, pytest.raises(openai.InternalServerError) as late:
+            official.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
+    assert (late.value.status_code, late.value.code) == (504, "deadline_exceeded")

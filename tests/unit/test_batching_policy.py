@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from stoker.core.batching import BatchPolicy, Waiting, idle_gap_summary, plan_batch, start_at, top_up
-from stoker.core.model import ModelRequest, Prediction
+from stoker.core.model import GenerationParams, ModelRequest, Prediction, sampling_groups
 from stoker.core.pressure import DrainMeter
-from tasks.batches import predict_isolated
+from tasks.batches import predict_grouped, predict_isolated
 
 POLICY = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.05)
 
@@ -194,3 +194,38 @@ def test_a_queue_that_never_drained_has_no_rate() -> None:
     for second in range(30):
         meter.add(float(second), {"sync": 0})
     assert meter.rate("sync") == 0.0
+
+
+class _Recording:
+    """A backend that cannot mix sampling in one call: records each call's temperatures, answers in order."""
+
+    name = "recording"
+    mixes_sampling = False
+
+    def __init__(self) -> None:
+        self.calls: list[list[float]] = []
+
+    def setup(self, device: str) -> None:
+        """Nothing to load."""
+
+    def batch(self, requests: Sequence[ModelRequest]) -> list[ModelRequest]:
+        return list(requests)
+
+    def predict(self, batch: list[ModelRequest]) -> list[ModelRequest]:
+        self.calls.append([r.params.temperature for r in batch])
+        return batch
+
+    def unbatch(self, output: list[ModelRequest]) -> list[Prediction]:
+        return [Prediction(text=str(r.prompt_ids[0]), prompt_tokens=1, completion_tokens=0) for r in output]
+
+
+def test_a_batch_is_split_into_one_call_per_sampling_group_and_answers_keep_their_order() -> None:
+    temperatures = [0.0, 0.7, 0.0, 0.7, 1.0]
+    requests = [ModelRequest([i], params=GenerationParams(temperature=t)) for i, t in enumerate(temperatures)]
+    backend = _Recording()
+    calls: list[int] = []
+    groups = sampling_groups(requests, backend.mixes_sampling)
+    outcomes = predict_grouped(backend, requests, groups, calls)
+    assert backend.calls == [[0.0, 0.0], [0.7, 0.7], [1.0]]
+    assert calls == [2, 2, 1]
+    assert [o.text for o in outcomes] == ["0", "1", "2", "3", "4"]  # type: ignore[union-attr]

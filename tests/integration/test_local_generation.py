@@ -1,0 +1,65 @@
+"""The local model's per-request generation: token limits and stop sequences within one call, seeded sampling."""
+
+from __future__ import annotations
+
+import pytest
+
+from stoker.adapters.backends.local import TransformersPredictor
+from stoker.adapters.backends.modelstore import resolve_model
+from stoker.adapters.backends.tokenizer import load_tokenizer
+from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
+from stoker.core.prompting import build_prompt
+from stoker.settings import CommonSettings
+
+
+@pytest.fixture(scope="module")
+def model() -> tuple[TransformersPredictor, list[int]]:
+    """The built-in model on the CPU, and a prompt that makes it talk at length."""
+    settings = CommonSettings()
+    path = str(resolve_model(settings.model, settings.model_cache, fetch=False))
+    predictor = TransformersPredictor(path, max_new_tokens=16, max_tokens_cap=24)
+    predictor.setup("cpu")
+    prompt = build_prompt(load_tokenizer(path), "Write a long story about a dragon and a castle.", [], 512)
+    return predictor, prompt.ids
+
+
+def _ask(ids: list[int], **params: object) -> ModelRequest:
+    return ModelRequest(ids, params=GenerationParams(**params))  # type: ignore[arg-type]
+
+
+def test_requests_of_one_call_get_their_own_token_limits(model: tuple[TransformersPredictor, list[int]]) -> None:
+    predictor, ids = model
+    short, long, default, capped = run_predictor(
+        predictor, [_ask(ids, max_tokens=3), _ask(ids, max_tokens=12), _ask(ids), _ask(ids, max_tokens=500)]
+    )
+    assert isinstance(short, Prediction)
+    assert isinstance(long, Prediction)
+    assert isinstance(default, Prediction)
+    assert isinstance(capped, Prediction)
+    assert (short.completion_tokens, short.finish_reason) == (3, "length")
+    assert (long.completion_tokens, long.finish_reason) == (12, "length")
+    assert default.completion_tokens == 16  # the deployment's default
+    assert capped.completion_tokens == 24  # the cap, whatever was asked
+    assert long.text.startswith(short.text)  # the same greedy answer, cut at different lengths
+
+
+def test_a_stop_sequence_ends_the_answer_before_it(model: tuple[TransformersPredictor, list[int]]) -> None:
+    predictor, ids = model
+    (whole,) = run_predictor(predictor, [_ask(ids, max_tokens=12)])
+    assert isinstance(whole, Prediction)
+    word = whole.text.split()[2]
+    (stopped,) = run_predictor(predictor, [_ask(ids, max_tokens=12, stop=[word])])
+    assert isinstance(stopped, Prediction)
+    assert stopped.finish_reason == "stop"
+    assert word not in stopped.text
+    assert whole.text.startswith(stopped.text)
+
+
+def test_seeded_sampling_repeats_itself(model: tuple[TransformersPredictor, list[int]]) -> None:
+    predictor, ids = model
+    first, second = (
+        run_predictor(predictor, [_ask(ids, max_tokens=12, temperature=1.5, top_p=0.95, seed=7)])[0] for _ in range(2)
+    )
+    assert isinstance(first, Prediction)
+    assert isinstance(second, Prediction)
+    assert first.text == second.text
