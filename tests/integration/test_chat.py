@@ -67,7 +67,7 @@ def _ask(client: openai.OpenAI, content: Any, **kwargs: Any) -> Any:
 def test_an_image_as_a_data_url_is_read_and_answered(client: openai.OpenAI, base_url: str) -> None:
     parts = [
         {"type": "text", "text": "What does the picture say?"},
-        {"type": "image_url", "image_url": {"url": data_url(text_image("INVOICE 4711")), "detail": "high"}},
+        {"type": "image_url", "image_url": {"url": data_url(text_image("RECEIPT 5150")), "detail": "high"}},
     ]
     raw = _ask(client, parts, max_tokens=8)
     answer = raw.parse()
@@ -86,7 +86,7 @@ def test_an_image_as_a_data_url_is_read_and_answered(client: openai.OpenAI, base
     assert (facts["job_id"], facts["status"]) == (job_id, "succeeded")
     (image,) = facts["inputs"]
     assert (image["kind"], image["status"], image["error_code"]) == ("image", "ok", None)
-    assert "4711" in image["text"]
+    assert "5150" in image["text"]
     assert facts["timings_ms"]["total"] > 0
     job = httpx.get(f"{base_url}/v1/jobs/{job_id}").json()  # a job like any other
     assert job["status"] == "succeeded"
@@ -95,7 +95,7 @@ def test_an_image_as_a_data_url_is_read_and_answered(client: openai.OpenAI, base
 
 
 def test_a_truncated_jpeg_still_gets_an_answer_and_says_it_degraded(client: openai.OpenAI) -> None:
-    broken = truncated(text_image("HELLO", fmt="JPEG"))
+    broken = truncated(text_image("CHAT TORN", fmt="JPEG"))
     parts = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": data_url(broken)}}]
     answer = _ask(client, parts, max_tokens=4).parse()
     facts = answer.model_extra["stoker"]

@@ -184,8 +184,9 @@ def test_another_tenants_job_is_404_like_an_unknown_one(
     unknown_id = uuid.uuid4().hex
     unknown = api.get(f"/v1/jobs/{unknown_id}", headers=globex.auth)
     assert theirs.status_code == unknown.status_code == 404
-    assert theirs.json() == {"error": {"code": "job_not_found", "message": f"no job {job_id}"}}
-    assert unknown.json() == {"error": {"code": "job_not_found", "message": f"no job {unknown_id}"}}
+    envelope = {"type": "not_found_error", "param": None, "code": "job_not_found"}
+    assert theirs.json() == {"error": {**envelope, "message": f"no job {job_id}"}}
+    assert unknown.json() == {"error": {**envelope, "message": f"no job {unknown_id}"}}
     started = time.monotonic()
     assert api.get(f"/v1/jobs/{job_id}", params={"wait": 5}, headers=globex.auth).status_code == 404
     assert time.monotonic() - started < 2  # a long poll on someone else's job is not held either
