@@ -7,10 +7,11 @@ import binascii
 from dataclasses import dataclass
 
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
-from api.schemas import JobCreate
+from api.schemas import MAX_JSON_INPUTS, JobCreate
 from stoker.core.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType, UrlRejected
 from stoker.core.jobs import Conversation, InputKind
 from stoker.core.media import KIND_FORMATS, ContentHash, content_hash, sniff_format
@@ -60,7 +61,8 @@ async def read_request(request: Request, settings: ApiSettings) -> AcceptedReque
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         prompt, raw, deadline = await _read_multipart(request, settings)
     elif content_type.startswith("application/json"):
-        prompt, raw, deadline = _read_json(await request.body())
+        # parsed and base64-decoded in a worker thread: a big body must not stall the event loop
+        prompt, raw, deadline = await run_in_threadpool(_read_json, await request.body(), settings)
     else:
         raise UnsupportedMediaType("send multipart/form-data, a url-encoded form or application/json")
     return validate(prompt, raw, settings, deadline)
@@ -91,13 +93,16 @@ async def _read_multipart(request: Request, settings: ApiSettings) -> Fields:
     return prompt, files, deadline
 
 
-def _read_json(body: bytes) -> Fields:
+def _read_json(body: bytes, settings: ApiSettings) -> Fields:
     inputs: list[tuple[InputKind, Payload]] = []
     try:
         spec = JobCreate.model_validate_json(body)
     except ValidationError as exc:
         where, message = first_error(exc)
+        if exc.errors()[0]["type"] == "too_long" and where == "inputs":
+            raise TooManyInputs(f"at most {MAX_JSON_INPUTS} inputs per job", param=where) from exc
         raise InvalidRequest(f"{where}: {message}", param=where) from exc
+    count_inputs([item.kind for item in spec.inputs], settings)  # before any base64 is decoded
     for position, item in enumerate(spec.inputs):
         if item.url is not None:
             inputs.append((item.kind, UrlInput(item.url)))
@@ -132,11 +137,16 @@ def validate(
 
 def validate_inputs(raw: list[tuple[InputKind, Payload]], settings: ApiSettings) -> list[AcceptedInput]:
     """Count the inputs per kind against the limits, sniff each by its magic bytes, check each URL's syntax."""
+    count_inputs([kind for kind, _ in raw], settings)
+    return [_accept(i, kind, data) for i, (kind, data) in enumerate(raw)]
+
+
+def count_inputs(kinds: list[InputKind], settings: ApiSettings) -> None:
+    """Refuse more inputs of a kind than a job may have (`too_many_inputs`)."""
     limits = {"image": settings.max_images, "audio": settings.max_audio, "video": settings.max_video}
     for kind, limit in limits.items():
-        if sum(1 for k, _ in raw if k == kind) > limit:
+        if kinds.count(kind) > limit:  # type: ignore[arg-type]
             raise TooManyInputs(f"at most {limit} {kind} input(s) per job")
-    return [_accept(i, kind, data) for i, (kind, data) in enumerate(raw)]
 
 
 def _deadline_ms(value: str | int | None, settings: ApiSettings) -> int:

@@ -24,11 +24,15 @@ class InputCreate(BaseModel):
         return self
 
 
+#: More inputs than any deployment allows per job: a longer list is refused as soon as parsing passes it.
+MAX_JSON_INPUTS = 64
+
+
 class JobCreate(BaseModel):
     """A JSON job request."""
 
     prompt: str = Field(min_length=1)
-    inputs: list[InputCreate] = Field(default_factory=list)
+    inputs: list[InputCreate] = Field(default_factory=list, max_length=MAX_JSON_INPUTS)
     deadline_ms: int | None = Field(None, description="answer within this many ms (default from settings)")
 
 

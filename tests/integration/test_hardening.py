@@ -1,0 +1,107 @@
+"""Hostile and heavy traffic at the API's door: huge input lists, many concurrent long-polls."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from stoker.adapters.store import Store
+from stoker.core.jobs import ErrorInfo, InputRecord
+from stoker.core.tenancy import issue_key
+from stoker.settings import ApiSettings
+from tests.integration.conftest import SpySubmitter
+from tests.media import text_image
+from tests.serving import serve
+
+
+def test_a_list_of_ten_thousand_inputs_is_refused_before_any_is_decoded(client: TestClient) -> None:
+    body = {"prompt": "hi", "inputs": [{"kind": "image", "data": "AAAA"}] * 10_000}
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "too_many_inputs"
+    assert response.json()["error"]["param"] == "inputs"
+
+
+def test_five_images_in_json_are_counted_before_decoding(client: TestClient) -> None:
+    body = {"prompt": "hi", "inputs": [{"kind": "image", "data": "not base64 at all!"}] * 5}
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "too_many_inputs"  # not a base64 error: nothing was decoded
+
+
+class HoldingSubmitter(SpySubmitter):
+    """Forwards jobs with inputs to the workers; holds text-only ones forever (they never end)."""
+
+    def submit(self, job_id: str, inputs: Sequence[InputRecord], *args: Any, **kwargs: Any) -> None:
+        """Forward only jobs that carry inputs."""
+        if inputs:
+            super().submit(job_id, inputs, *args, **kwargs)
+
+
+def test_many_concurrent_long_polls_all_hear_the_end(workers: dict[str, Path], store_redis: Any) -> None:
+    store = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
+    keys = {}
+    for name in ("poller", "other"):
+        issued = issue_key(f"{name}-{uuid.uuid4().hex[:8]}", time.time())
+        store.tenants.put_api_key(issued.record)
+        keys[name] = {"Authorization": f"Bearer {issued.token}"}
+    app = create_app(ApiSettings(auth=True, rate_limit_per_s=1000.0, rate_limit_burst=1000), submitter=Holding())
+    with serve(app) as base:
+        held = httpx.post(f"{base}/v1/jobs", data={"prompt": "never runs"}, headers=keys["poller"]).json()["id"]
+        files = [("image", ("scan.png", text_image("POLLS 150"), "image/png"))]
+        other = httpx.post(f"{base}/v1/jobs", data={"prompt": "Read it."}, files=files, headers=keys["other"])
+        statuses, ended = asyncio.run(_poll(base, app, store, held, keys, other.json()["id"]))
+    assert statuses == {"failed": 150}  # every one of 150 concurrent waits was woken by the job's end
+    assert ended["status"] == "succeeded"  # and another tenant's wait, meanwhile, got its own job's end
+
+
+class Holding(SpySubmitter):
+    """Forwards jobs with inputs to the workers; holds text-only ones forever (they never end by themselves)."""
+
+    def submit(self, job_id: str, inputs: Sequence[InputRecord], *args: Any, **kwargs: Any) -> None:
+        """Forward only jobs that carry inputs."""
+        if inputs:
+            super().submit(job_id, inputs, *args, **kwargs)
+
+
+async def _poll(
+    base: str, app: Any, store: Store, held: str, keys: dict[str, dict[str, str]], other: str
+) -> tuple[dict[str, int], Any]:
+    """150 waits on the held job, and the other tenant's wait; the held job is ended once all 150 wait."""
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=200)) as http:
+        waits = [
+            asyncio.ensure_future(http.get(f"/v1/jobs/{held}", params={"wait": 25}, headers=keys["poller"]))
+            for _ in range(150)
+        ]
+        theirs = asyncio.ensure_future(_wait_end(http, other, keys["other"]))
+        for _ in range(400):  # until every wait is registered (bounded)
+            if app.state.announcements.waiting >= 150:
+                break
+            await asyncio.sleep(0.05)
+        error = ErrorInfo(code="test_end", message="ended by the test")
+        await asyncio.to_thread(store.jobs.finish, held, "failed", error=error)
+        answers = await asyncio.gather(*waits)
+        ended = await theirs
+    statuses: dict[str, int] = {}
+    for response in answers:
+        assert response.status_code == 200, response.text
+        status = response.json()["status"]
+        statuses[status] = statuses.get(status, 0) + 1
+    return statuses, ended
+
+
+async def _wait_end(http: httpx.AsyncClient, job_id: str, auth: dict[str, str]) -> Any:
+    job = (await http.get(f"/v1/jobs/{job_id}", headers=auth)).json()
+    for _ in range(60):
+        if job["status"] in ("succeeded", "degraded", "failed"):
+            break
+        job = (await http.get(f"/v1/jobs/{job_id}", params={"wait": 30}, headers=auth)).json()
+    return job
