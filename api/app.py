@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import redis
 from celery import Celery
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,7 +27,7 @@ from stoker.adapters.metrics import REQUESTS, JobCounts
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
-from stoker.core.errors import StokerError, Unauthorized, error_envelope
+from stoker.core.errors import BrokerUnavailable, StokerError, Unauthorized, error_envelope
 from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
@@ -100,6 +101,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StokerError)
     async def stoker_error(_: Request, exc: StokerError) -> JSONResponse:
         return error_response(exc, _error_headers(exc))
+
+    @app.exception_handler(redis.RedisError)
+    async def store_error(_: Request, exc: redis.RedisError) -> JSONResponse:
+        # a stopped, partitioned or restarting store: the client should come back, not see a 500
+        log.warning("job store unavailable: %r", exc)
+        unavailable = BrokerUnavailable("the job store cannot be reached")
+        return error_response(unavailable, _error_headers(unavailable))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Annotated, Any
 
 import redis
@@ -139,11 +140,20 @@ async def readyz(request: Request) -> JSONResponse:
     """Ready when both the broker and the job store answer."""
     settings: ApiSettings = request.app.state.settings
     broker, store = await asyncio.gather(
-        run_in_threadpool(_broker_ok, settings.broker_url, settings.redis_tls(settings.broker_url)),
-        run_in_threadpool(_store_ok, request.app.state.store),
+        _within(run_in_threadpool(_broker_ok, settings.broker_url, settings.redis_tls(settings.broker_url)), 3.0),
+        _within(run_in_threadpool(_store_ok, request.app.state.store), settings.store_timeout_s + 1),
     )
     body = {"broker": "ok" if broker else "unreachable", "store": "ok" if store else "unreachable"}
     return JSONResponse(body, status_code=200 if broker and store else 503)
+
+
+async def _within(check: Awaitable[bool], timeout_s: float) -> bool:
+    """A readiness check's answer; False when it does not come in time (a stopped server accepts connections
+    and then never answers)."""
+    try:
+        return await asyncio.wait_for(check, timeout_s)
+    except TimeoutError:
+        return False
 
 
 def _broker_ok(url: str, tls: dict[str, Any]) -> bool:

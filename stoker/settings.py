@@ -41,6 +41,9 @@ class CommonSettings(BaseSettings):
     redis_cert_file: Path | None = None
     redis_key_file: Path | None = None
     job_ttl_s: int = Field(86400, ge=60, description="How long a job record lives after it was accepted.")
+    #: Seconds to wait for the job store to connect or to answer one command before giving up on it (a stopped
+    #: or partitioned Redis). Workers ride such an outage out with retries; the API answers 503 instead.
+    store_timeout_s: float = Field(10.0, gt=0)
     model: str = Field(BUILTIN_MODEL, description="Built-in model name, a local HF directory or a hub id.")
     model_cache: Path = Path("~/.cache/stoker").expanduser()
     #: New tokens per answer when a request names none (a job; a chat without `max_tokens`)…
@@ -95,6 +98,8 @@ class ApiSettings(CommonSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    #: The API waits this long on its store (connect, one answer) and then answers 503 `broker_unavailable`.
+    store_timeout_s: float = Field(3.0, gt=0)
     max_body_bytes: int = Field(20 * MiB, ge=1024)
     max_images: int = Field(4, ge=0)
     max_audio: int = Field(1, ge=0)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from collections.abc import Sequence
@@ -17,6 +19,7 @@ from stoker.adapters.store import Store
 from stoker.core.jobs import ErrorInfo, InputRecord
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
+from tests.fleet import own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.media import text_image
 from tests.serving import serve
@@ -104,4 +107,37 @@ async def _wait_end(http: httpx.AsyncClient, job_id: str, auth: dict[str, str]) 
         if job["status"] in ("succeeded", "degraded", "failed"):
             break
         job = (await http.get(f"/v1/jobs/{job_id}", params={"wait": 30}, headers=auth)).json()
+    return job
+
+
+def test_a_stopped_store_is_a_503_and_service_returns_when_it_continues() -> None:
+    with own_fleet({"STOKER_BACKEND": "sim"}, kinds=("cpu", "infer"), api={"store_timeout_s": 1.0}) as crew:
+        api = crew.client
+        first = api.post("/v1/jobs", data={"prompt": "before"}).json()["id"]
+        assert _ended(api, first)["status"] == "succeeded"
+        os.kill(crew.valkey.pid, signal.SIGSTOP)  # what a partition looks like: connections open, no answers
+        try:
+            read = api.get(f"/v1/jobs/{first}")
+            submitted = api.post("/v1/jobs", data={"prompt": "during"})
+            ready = api.get("/readyz")
+        finally:
+            os.kill(crew.valkey.pid, signal.SIGCONT)
+        for response in (read, submitted):
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "broker_unavailable"
+            assert "retry-after" in response.headers
+        assert ready.status_code == 503
+        assert ready.json()["store"] == "unreachable"
+        assert api.get(f"/v1/jobs/{first}").json()["status"] == "succeeded"
+        after = api.post("/v1/jobs", data={"prompt": "after"})
+        assert after.status_code == 202
+        assert _ended(api, after.json()["id"])["status"] == "succeeded"
+
+
+def _ended(api: TestClient, job_id: str) -> Any:
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    for _ in range(30):
+        if job["status"] in ("succeeded", "degraded", "failed"):
+            break
+        job = api.get(f"/v1/jobs/{job_id}", params={"wait": 10}).json()
     return job

@@ -17,9 +17,8 @@ from redis.retry import Retry
 
 from stoker.settings import CommonSettings
 
-#: Seconds to connect, and to wait for one answer, on the job store.
+#: Seconds to connect to the job store at most (the read timeout is `store_timeout_s`).
 STORE_CONNECT_TIMEOUT_S = 2.0
-STORE_READ_TIMEOUT_S = 10.0
 #: The cache is never worth waiting for.
 CACHE_CONNECT_TIMEOUT_S = 1.0
 CACHE_READ_TIMEOUT_S = 2.0
@@ -29,8 +28,8 @@ def store_client(settings: CommonSettings, *, retries: int = 1) -> redis.Redis[b
     """A client of the job store; each command rides out a broken connection `retries` times."""
     return redis.Redis.from_url(
         settings.result_url,
-        socket_connect_timeout=STORE_CONNECT_TIMEOUT_S,
-        socket_timeout=STORE_READ_TIMEOUT_S,
+        socket_connect_timeout=min(STORE_CONNECT_TIMEOUT_S, settings.store_timeout_s),
+        socket_timeout=settings.store_timeout_s,
         health_check_interval=30,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
