@@ -12,8 +12,23 @@ import numpy as np
 import numpy.typing as npt
 
 from stoker.core.errors import MediaCorrupt, MediaEmpty, MediaTooLong
+from stoker.core.media import sniff_av_format
 
 ASR_SAMPLE_RATE = 16_000
+#: FFmpeg's demuxer for each container the door admits. Media are opened as what their magic bytes said, never as
+#: whatever FFmpeg would guess: to a guesser, `OggS` followed by SDP text is an RTP session (it binds the UDP port
+#: the text names), and other demuxers (concat, HLS) read local files or URLs.
+DEMUXERS = {
+    "WAV": "wav",
+    "MP3": "mp3",
+    "FLAC": "flac",
+    "OGG": "ogg",
+    "MATROSKA": "matroska",
+    "MP4": "mov",
+    "MOV": "mov",
+}
+#: Protocols a demuxer may open besides the bytes it was given: none (no name matches "none").
+NO_PROTOCOLS = {"protocol_whitelist": "none"}
 #: Bump when keyframe selection changes.
 KEYFRAMES_VERSION = "1"
 
@@ -35,10 +50,18 @@ class MediaInfo:
         return asdict(self)
 
 
+def open_media(data: bytes, stage: str) -> Any:
+    """An FFmpeg container over the bytes, with the demuxer their magic bytes name and no protocol to open more."""
+    demuxer = DEMUXERS.get(sniff_av_format(data) or "")
+    if demuxer is None:
+        raise MediaCorrupt("not an audio or video container that stoker reads", stage=stage)
+    return av.open(io.BytesIO(data), format=demuxer, options=dict(NO_PROTOCOLS), metadata_errors="ignore")
+
+
 def probe(data: bytes, max_seconds: float) -> MediaInfo:
     """Read duration and streams from the header; refuse empty, unreadable or over-long media."""
     try:
-        with av.open(io.BytesIO(data), metadata_errors="ignore") as container:
+        with open_media(data, "probe") as container:
             info = _info(container)
     except (av.FFmpegError, ValueError, EOFError) as exc:
         raise MediaCorrupt(f"cannot read the container: {exc}", stage="probe") from exc
@@ -76,16 +99,35 @@ def _duration(container: Any) -> float:
 
 
 def decode_audio(data: bytes) -> npt.NDArray[np.float32]:
-    """Decode the first audio stream to 16 kHz mono float32, what Whisper models take."""
-    from faster_whisper.audio import decode_audio as fw_decode  # heavy (CTranslate2): ASR workers only
+    """Decode the first audio stream to 16 kHz mono float32, what Whisper models take.
 
+    By hand rather than faster-whisper's `decode_audio`, which opens the bytes with no demuxer named and no
+    protocol whitelist (see `DEMUXERS`); the resampling is the same (s16 mono, then scaled to float)."""
     try:
-        samples = fw_decode(io.BytesIO(data), sampling_rate=ASR_SAMPLE_RATE)
+        with open_media(data, "transcribe") as container:
+            if not container.streams.audio:
+                raise MediaEmpty("no audio stream", stage="transcribe")
+            resampler = av.AudioResampler(format="s16", layout="mono", rate=ASR_SAMPLE_RATE)
+            chunks = [out.to_ndarray().reshape(-1) for frame in _frames(container) for out in resampler.resample(frame)]
+            chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
     except (av.FFmpegError, ValueError, IndexError, EOFError) as exc:
         raise MediaCorrupt(f"cannot decode audio: {exc}", stage="transcribe") from exc
+    samples = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)
     if samples.size == 0:
         raise MediaEmpty("the audio has no samples", stage="transcribe")
-    return np.asarray(samples, dtype=np.float32)
+    return samples.astype(np.float32) / 32768.0
+
+
+def _frames(container: Any) -> Any:
+    """The first audio stream's frames, skipping the ones FFmpeg calls invalid (as faster-whisper does)."""
+    frames = container.decode(audio=0)
+    while True:
+        try:
+            yield next(frames)
+        except StopIteration:
+            return
+        except av.InvalidDataError:
+            continue
 
 
 def keyframe_times(duration_s: float, count: int) -> list[float]:
@@ -98,7 +140,7 @@ def keyframe_times(duration_s: float, count: int) -> list[float]:
 def extract_frame(data: bytes, at_s: float) -> tuple[float, bytes] | None:
     """The first frame at or after the keyframe before at_s, as PNG bytes with its time; None if none decodes."""
     try:
-        with av.open(io.BytesIO(data), metadata_errors="ignore") as container:
+        with open_media(data, "keyframes") as container:
             if not container.streams.video:
                 return None
             stream = container.streams.video[0]

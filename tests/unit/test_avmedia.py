@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -111,3 +113,28 @@ def test_half_an_mp3_still_transcribes_its_first_half(whisper: Any) -> None:
 def test_undecodable_audio_is_a_structured_error() -> None:
     with pytest.raises((MediaCorrupt, MediaEmpty)):
         decode_audio(wav_header(0))
+
+
+SDP = b"\nv=0\no=- 0 0 IN IP4 127.0.0.1\ns=x\nc=IN IP4 127.0.0.1\nt=0 0\nm=audio {port} RTP/AVP 0\n"
+
+
+def test_an_ogg_header_before_a_session_description_is_corrupt_and_binds_nothing() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        port = probe_socket.getsockname()[1]
+    payload = b"OggS" + SDP.replace(b"{port}", str(port).encode())
+    with pytest.raises(MediaCorrupt):
+        probe(payload, 600)
+    with pytest.raises(MediaCorrupt):
+        decode_audio(payload)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as again:
+        again.bind(("127.0.0.1", port))  # still free: nothing listened on the port the text named
+
+
+def test_a_concat_list_reads_no_local_file(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.wav"
+    secret.write_bytes(speech_wav())
+    listing = f"ffconcat version 1.0\nfile '{secret}'\n".encode()
+    for payload in (listing, b"OggS" + listing, b"RIFF\x00\x00\x00\x00WAVE" + listing):
+        with pytest.raises(MediaCorrupt):
+            decode_audio(payload)
