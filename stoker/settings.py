@@ -259,6 +259,8 @@ class WorkerSettings(CommonSettings):
     max_memory_per_child_kb: int = Field(1_500_000, ge=10_000)
     #: Address-space cap (MiB) per CPU pool child, so a decompression bomb fails alone; 0 turns it off.
     cpu_address_space_mb: int = Field(6144, ge=0)
+    #: The same for ASR pool children (the speech model and its threads' reservations need more); 0 turns it off.
+    asr_address_space_mb: int = Field(16384, ge=0)
     infer_pool: Literal["threads", "solo"] = "threads"
     #: Port of this worker's Prometheus /metrics (0: off). `stoker worker` picks 9101 (cpu), 9102 (asr), 9103 (infer)
     #: when unset, so one host can run one of each.

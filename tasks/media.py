@@ -107,7 +107,8 @@ def _take_keyframe(video: InputRecord, address: CacheAddress, slot: int, count: 
     data = input_bytes(video, "keyframes")
     info = probe_media(data, resources.settings().max_media_seconds)
     times = keyframe_times(info.duration_s, count) if info.video_streams else []
-    taken = extract_frame(data, times[slot]) if slot < len(times) else None
+    limit = resources.settings().max_image_pixels
+    taken = extract_frame(data, times[slot], limit) if slot < len(times) else None
     if taken is None:
         return {}
     at, png = taken

@@ -282,10 +282,12 @@ def _model_request(context: PipelineContext, job: Job, scope: str) -> ModelReque
 
 @worker_process_init.connect
 def _cap_memory(**_: Any) -> None:
-    """Each CPU pool child gets an address-space cap, so a decompression bomb fails alone."""
+    """Each CPU and ASR pool child gets an address-space cap, so a decompression bomb (an image, or media whose
+    decode balloons) fails alone instead of taking the host's memory."""
     s = resources.settings()
-    if s.worker_kind in ("cpu", "ocr") and s.cpu_address_space_mb:
-        cap_address_space(s.cpu_address_space_mb)
+    cap = {"cpu": s.cpu_address_space_mb, "ocr": s.cpu_address_space_mb, "asr": s.asr_address_space_mb}
+    if cap.get(s.worker_kind):
+        cap_address_space(cap[s.worker_kind])
 
 
 @celeryd_after_setup.connect

@@ -11,7 +11,7 @@ import av
 import numpy as np
 import numpy.typing as npt
 
-from stoker.core.errors import MediaCorrupt, MediaEmpty, MediaTooLong
+from stoker.core.errors import ImageTooLarge, MediaCorrupt, MediaEmpty, MediaTooLong
 from stoker.core.media import sniff_av_format
 
 ASR_SAMPLE_RATE = 16_000
@@ -137,13 +137,17 @@ def keyframe_times(duration_s: float, count: int) -> list[float]:
     return [round(duration_s * (k + 0.5) / count, 3) for k in range(count)]
 
 
-def extract_frame(data: bytes, at_s: float) -> tuple[float, bytes] | None:
-    """The first frame at or after the keyframe before at_s, as PNG bytes with its time; None if none decodes."""
+def extract_frame(data: bytes, at_s: float, max_pixels: int) -> tuple[float, bytes] | None:
+    """The first frame at or after the keyframe before at_s, as PNG bytes with its time; None if none decodes.
+    A video whose frames have more than max_pixels (the limit of an uploaded image) is refused before decoding."""
     try:
         with open_media(data, "keyframes") as container:
             if not container.streams.video:
                 return None
             stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > max_pixels:
+                raise ImageTooLarge(f"{width}×{height} frames exceed {max_pixels} pixels", stage="keyframes")
             stream.thread_type = "AUTO"
             if stream.time_base is not None:
                 container.seek(int(Fraction(at_s) / stream.time_base), stream=stream, backward=True, any_frame=False)

@@ -11,7 +11,7 @@ import pytest
 
 from stoker.core.asr import transcribe
 from stoker.core.avmedia import decode_audio, extract_frame, keyframe_times, probe
-from stoker.core.errors import MediaCorrupt, MediaEmpty, MediaTooLong
+from stoker.core.errors import ImageTooLarge, MediaCorrupt, MediaEmpty, MediaTooLong
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.media import sniff_format
 from stoker.core.ocr import read_text
@@ -76,15 +76,23 @@ def test_keyframes_are_spread_evenly() -> None:
 
 
 def test_a_keyframe_shows_the_rendered_text() -> None:
-    taken = extract_frame(text_video("SLIDE 7", None, seconds=3), at_s=1.5)
+    taken = extract_frame(text_video("SLIDE 7", None, seconds=3), at_s=1.5, max_pixels=90_000_000)
     assert taken is not None
     at, png = taken
     assert 1.0 <= at <= 2.0
     assert "SLIDE" in read_text(decode_image(png, DecodeParams()).ocr_image, "eng", timeout_s=10)
 
 
+def test_a_keyframe_gets_the_pixel_limit_of_an_uploaded_image() -> None:
+    video = text_video("SLIDE 8", None, seconds=2)  # 640×360 frames
+    with pytest.raises(ImageTooLarge) as refused:
+        extract_frame(video, at_s=1.0, max_pixels=640 * 360 - 1)
+    assert refused.value.stage == "keyframes"
+    assert extract_frame(video, at_s=1.0, max_pixels=640 * 360) is not None
+
+
 def test_audio_has_no_keyframe() -> None:
-    assert extract_frame(wav(), at_s=1.0) is None
+    assert extract_frame(wav(), at_s=1.0, max_pixels=90_000_000) is None
 
 
 @pytest.fixture(scope="module")
