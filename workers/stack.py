@@ -148,9 +148,9 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
         f"--port={settings.flower_port}",
         f"--address={settings.host}",
     ]
-    if settings.flower_basic_auth:
-        flower.append(f"--basic-auth={settings.flower_basic_auth}")
-    stack.start("flower", flower, env)
+    # Flower reads FLOWER_* options from its environment: the credentials stay off its command line (and `ps`).
+    auth = {"FLOWER_BASIC_AUTH": settings.flower_basic_auth} if settings.flower_basic_auth else {}
+    stack.start("flower", flower, {**env, **auth})
 
 
 def _wait_ready(settings: StackSettings, stack: Stack) -> None:

@@ -212,7 +212,9 @@ def vet_addresses(target: Target, addresses: list[IPAddress], allowlist: Allowli
     for address in addresses:
         reason = None if allowlist.admits(target.host, target.port, address) else forbidden_reason(address)
         if reason is not None:
-            raise UrlRejected(f"{target.host} resolves to {address}, {reason}")
+            # The kind of address, never the address: a tenant must not map the private network through stoker.
+            named = target.host.strip("[]") == str(address)
+            raise UrlRejected(f"{target.host} is {reason}" if named else f"{target.host} resolves to {reason}")
     return addresses
 
 

@@ -52,7 +52,7 @@ def test_cache_is_bounded_and_evicts_least_recently_used(compose: dict[str, Any]
     command = compose["services"]["cache"]["command"]
     assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
     assert "--maxmemory" in command
-    assert compose["x-stoker"]["environment"]["STOKER_CACHE_URL"].startswith("redis://cache:")
+    assert compose["x-stoker"]["environment"]["STOKER_CACHE_URL"].startswith("redis://stoker:${REDIS_PASSWORD:?")
 
 
 def test_inference_worker_reserves_a_gpu_and_flower_requires_auth(compose: dict[str, Any]) -> None:
@@ -60,7 +60,23 @@ def test_inference_worker_reserves_a_gpu_and_flower_requires_auth(compose: dict[
     devices = infer["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
     assert infer["command"] == ["stoker", "worker", "infer"]
-    assert any(arg.startswith("--basic-auth=${FLOWER_BASIC_AUTH:?") for arg in compose["services"]["flower"]["command"])
+    flower = compose["services"]["flower"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")
+    assert not any("basic-auth" in arg for arg in flower["command"])  # never on a command line (`ps` shows it)
+
+
+def test_no_default_secret_anywhere(compose: dict[str, Any]) -> None:
+    for name in ("redis", "cache"):
+        command = compose["services"][name]["command"]
+        assert command[command.index("--user") : command.index("--user") + 3] == ["--user", "default", "off"]
+        assert ">${REDIS_PASSWORD:?set REDIS_PASSWORD}" in command
+    for var in ("STOKER_BROKER_URL", "STOKER_RESULT_URL", "STOKER_CACHE_URL"):
+        assert "${REDIS_PASSWORD:?" in compose["x-stoker"]["environment"][var]
+    grafana = compose["services"]["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+    k8s = "\n".join(p.read_text() for p in (ROOT / "deploy" / "k8s").glob("*.yaml"))
+    assert "change-me" not in k8s
+    assert "stringData" not in k8s  # secrets are created by the operator, never shipped with values
 
 
 def test_monitoring_is_an_optional_profile(compose: dict[str, Any]) -> None:
@@ -113,8 +129,10 @@ def _k8s() -> list[dict[str, Any]]:
 def test_kubernetes_workers_scale_on_the_queues_they_consume() -> None:
     docs = _k8s()
     kinds = worker_kinds(WorkerSettings())
-    broker = urlsplit(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["STOKER_BROKER_URL"])
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    env = deployments["stoker-cpu-worker"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    broker = urlsplit(next(e["value"] for e in env if e["name"] == "STOKER_BROKER_URL"))
+    assert (broker.username, broker.password) == ("stoker", "$(REDIS_PASSWORD)")  # from the Secret, in each pod
     scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
     workers = {
         name: c["command"][2]
@@ -134,6 +152,8 @@ def test_kubernetes_workers_scale_on_the_queues_they_consume() -> None:
             assert trigger["type"] == "redis"
             assert trigger["metadata"]["address"] == f"{broker.hostname}:{broker.port}"
             assert trigger["metadata"]["databaseIndex"] == broker.path.strip("/")
+            assert trigger["metadata"]["username"] == "stoker"
+            assert trigger["authenticationRef"] == {"name": "stoker-redis"}  # the password, from the Secret
 
 
 def test_kubernetes_settings_name_real_settings_and_the_gpu_goes_to_inference() -> None:
