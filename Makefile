@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # A CPU build of torch; set TORCH_SPEC to a CUDA build's spec on a GPU host.
 TORCH_SPEC ?= torch==2.13.0
-APT_PACKAGES ?= tesseract-ocr tesseract-ocr-eng tesseract-ocr-chi-sim espeak-ng
+APT_PACKAGES ?= tesseract-ocr tesseract-ocr-eng tesseract-ocr-chi-sim espeak-ng fonts-wqy-zenhei
 PYTEST_ARGS ?=
 
 .PHONY: help install system-deps model up test lint typecheck unit integration e2e bench bench-quick clean
@@ -28,13 +28,15 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed system-deps
 
-# tesseract with English and Simplified Chinese (OCR), espeak-ng (test speech); apt-get when missing and root.
+# tesseract with English and Simplified Chinese (OCR), espeak-ng (test speech), a CJK font (the Chinese OCR test);
+# apt-get when missing and root.
 system-deps:
 	@langs=$$(tesseract --list-langs 2>/dev/null); \
-	if grep -qx eng <<<"$$langs" && grep -qx chi_sim <<<"$$langs" && command -v espeak-ng >/dev/null; then exit 0; fi; \
+	if grep -qx eng <<<"$$langs" && grep -qx chi_sim <<<"$$langs" && command -v espeak-ng >/dev/null \
+	  && fc-list :lang=zh | grep -q .; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); \
-	else echo "tesseract (eng, chi_sim) or espeak-ng is missing: sudo apt-get install $(APT_PACKAGES)"; exit 1; fi
+	else echo "tesseract (eng, chi_sim), espeak-ng or a CJK font is missing: sudo apt-get install $(APT_PACKAGES)"; exit 1; fi
 
 model: $(VENV)/.installed
 	$(BIN)/stoker model fetch

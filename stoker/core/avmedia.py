@@ -65,6 +65,9 @@ def probe(data: bytes, max_seconds: float) -> MediaInfo:
             info = _info(container)
     except (av.FFmpegError, ValueError, EOFError) as exc:
         raise MediaCorrupt(f"cannot read the container: {exc}", stage="probe") from exc
+    claimed = wav_claimed_seconds(data)
+    if claimed > info.duration_s:  # a WAV header may promise hours the bytes do not hold: refuse what it claims
+        info = MediaInfo(**{**info.to_dict(), "duration_s": round(claimed, 3)})
     if info.duration_s > max_seconds:
         raise MediaTooLong(f"{info.duration_s:.0f}s exceeds the {max_seconds:.0f}s limit", stage="probe")
     if not info.audio_streams and not info.video_streams:
@@ -72,6 +75,27 @@ def probe(data: bytes, max_seconds: float) -> MediaInfo:
     if info.duration_s <= 0:
         raise MediaEmpty("the media has no duration", stage="probe")
     return info
+
+
+#: From here up, a WAV chunk size is a streaming writer's placeholder, not a length.
+_STREAMED_SIZE = 0x7FFF0000
+
+
+def wav_claimed_seconds(data: bytes) -> float:
+    """How long a WAV's header says its sound is (its `data` chunk's size over the `fmt ` byte rate); 0 for
+    anything else, and for the placeholder sizes of a WAV written as a stream (0x7FFFF000, 0xFFFFFFFF: "unknown").
+    FFmpeg reports no duration for a header whose data is missing, so this is read by hand."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return 0.0
+    at, byte_rate = 12, 0
+    while at + 8 <= len(data):
+        chunk, size = data[at : at + 4], int.from_bytes(data[at + 4 : at + 8], "little")
+        if chunk == b"fmt " and at + 16 <= len(data):
+            byte_rate = int.from_bytes(data[at + 16 : at + 20], "little")
+        if chunk == b"data":
+            return size / byte_rate if byte_rate and size < _STREAMED_SIZE else 0.0
+        at += 8 + size + (size & 1)
+    return 0.0
 
 
 def _info(container: Any) -> MediaInfo:

@@ -79,7 +79,8 @@ def test_json_audio_input(client: TestClient) -> None:
 
 BAD_MEDIA = {
     "header-only wav": ("audio", lambda: wav_header(0), {"media_empty"}),
-    "ten silent hours": ("audio", lambda: flac_claiming(10 * 3600), {"media_too_long"}),
+    "ten silent hours (flac)": ("audio", lambda: flac_claiming(10 * 3600), {"media_too_long"}),
+    "ten hours by a wav header": ("audio", lambda: wav_header(10 * 3600), {"media_too_long"}),
     "corrupt flac": ("audio", lambda: b"fLaC" + b"\x00" * 200, {"media_corrupt", "media_empty"}),
 }
 

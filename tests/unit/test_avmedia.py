@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from stoker.core.asr import transcribe
-from stoker.core.avmedia import decode_audio, extract_frame, keyframe_times, probe
+from stoker.core.avmedia import decode_audio, extract_frame, keyframe_times, probe, wav_claimed_seconds
 from stoker.core.errors import ImageTooLarge, MediaCorrupt, MediaEmpty, MediaTooLong
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.media import sniff_format
@@ -54,10 +54,20 @@ def test_probe_reads_duration_and_streams() -> None:
     assert (info.width, info.height) == (640, 360)
 
 
-def test_ten_hours_are_refused_from_the_header() -> None:
+@pytest.mark.parametrize("claiming", [wav_header, flac_claiming], ids=["wav header", "flac streaminfo"])
+def test_ten_hours_are_refused_from_the_header(claiming: Any) -> None:
     with pytest.raises(MediaTooLong) as info:
-        probe(flac_claiming(10 * 3600), max_seconds=600)
+        probe(claiming(10 * 3600), max_seconds=600)
     assert info.value.stage == "probe"
+    assert info.value.message == "36000s exceeds the 600s limit"
+
+
+def test_a_wav_header_tells_how_long_it_claims_to_be() -> None:
+    assert wav_claimed_seconds(wav_header(10 * 3600)) == 36000
+    assert wav_claimed_seconds(wav_header(2.5, payload=b"\x80" * 20_000)) == 2.5
+    assert wav_claimed_seconds(speech_wav()) == 0.0  # espeak streams: its size is a placeholder, not a claim
+    assert wav_claimed_seconds(b"RIFF\x00\x00\x00\x00WAVE") == 0.0
+    assert wav_claimed_seconds(b"OggS") == 0.0
 
 
 def test_header_only_wav_is_empty() -> None:
