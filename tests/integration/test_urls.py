@@ -26,6 +26,7 @@ from stoker.core.errors import FetchFailed
 from stoker.core.media import content_hash
 from stoker.core.urls import Allowlist, IPAddress
 from stoker.settings import WorkerSettings
+from tests.conftest import missing
 from tests.integration.conftest import URL_TEST_HOST, SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import speech_wav, text_image, text_video
@@ -273,7 +274,7 @@ def test_an_input_gives_data_or_url_not_both(client: TestClient) -> None:
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A self-signed certificate for files.test, made with the openssl command."""
     if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed")
+        missing("the openssl command is not installed")
     root = tmp_path_factory.mktemp("tls")
     cert, key = root / "cert.pem", root / "key.pem"
     names = ["-subj", "/CN=files.test", "-addext", "subjectAltName=DNS:files.test"]
