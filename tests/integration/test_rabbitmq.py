@@ -6,8 +6,9 @@ import os
 import time
 from collections.abc import Iterator
 
+import amqp
 import pytest
-from kombu import Connection
+from kombu import Connection, Queue
 
 from tests.conftest import missing
 from tests.fleet import Fleet, own_fleet
@@ -58,3 +59,17 @@ def test_the_queues_are_durable_quorum_queues(fleet: Fleet) -> None:
     assert all(q.durable for q in queues.values())
     assert all(q.queue_arguments == {"x-queue-type": "quorum"} for q in queues.values())
     assert fleet.app.conf.broker_transport_options == {"confirm_publish": True}
+
+
+def test_the_broker_itself_holds_quorum_queues_and_confirms_publishes(fleet: Fleet) -> None:
+    with Connection(AMQP_URL) as connection:  # type: ignore[no-untyped-call]
+        for queue in fleet.app.conf.task_queues:
+            # Redeclaring as classic is refused by the broker, which names the type it holds.
+            classic = Queue(queue.name, durable=True, queue_arguments={"x-queue-type": "classic"})
+            with pytest.raises(amqp.exceptions.PreconditionFailed) as refused:
+                classic(connection.channel()).declare()  # type: ignore[no-untyped-call]
+            assert "'quorum'" in str(refused.value), queue.name
+    with fleet.app.connection_for_write() as connection:
+        producer = connection.Producer()
+        producer.publish({"probe": True}, routing_key=f"nowhere-{time.time_ns()}")
+        assert producer.channel._confirm_selected  # the broker put the channel in confirm mode (confirm.select-ok)
