@@ -15,6 +15,7 @@ from tests.fakeopenai import fake_openai_server
 from tests.fleet import Fleet, own_fleet
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
+from workers.procs import wait_for
 
 BATCH = 8
 
@@ -83,7 +84,8 @@ def test_overload_is_refused_with_retry_after_and_nothing_accepted_is_lost(fleet
     accepted: list[str] = []
     refused: dict[str, str] | None = None
     with fleet.api(cpu_queue_limit=6, infer_queue_limit=10) as client:
-        time.sleep(1.0)  # the admission monitor's first samples
+        monitor = client.app.state.monitor  # type: ignore[attr-defined]
+        wait_for(lambda: monitor.fresh() is not None, 15, "the admission monitor's first sample", [])
         for n in range(80):
             records = _job_records(fleet)
             status, headers, job_id = _text_job(client, n)

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
+from workers.procs import wait_for
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -62,7 +63,8 @@ def test_stages_batches_cache_and_jobs_are_measured(client: TestClient, workers:
     assert _value(cpu, "stoker_stage_queue_wait_seconds_count", stage="ocr") >= 1
     assert _value(cpu, "stoker_cache_lookups_total", stage="ocr", result="miss") >= 1
 
-    time.sleep(1.5)  # one device sample
+    sampled = ("stoker_queue_depth", frozenset({("queue", "infer")}))
+    wait_for(lambda: sampled in _worker_metrics("infer"), 15, "the inference worker's first device sample", [])
     infer = _worker_metrics("infer")
     assert _value(infer, "stoker_batch_size_count") >= 2
     assert _value(infer, "stoker_batch_size_sum") >= 2

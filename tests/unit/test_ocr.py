@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.ocr import normalise_text, read_text
 from tests.conftest import missing
 from tests.media import text_image
-from workers.procs import running
+from workers.procs import running, wait_for
 
 
 def _gray(text: str):  # type: ignore[no-untyped-def]
@@ -41,8 +40,9 @@ def test_a_hung_tesseract_is_killed_with_everything_it_started(tmp_path: Path) -
     stub.chmod(0o755)
     with pytest.raises(OcrTimeout):
         read_text(_gray("HUNG"), "eng", timeout_s=0.5, binary=str(stub))
-    time.sleep(0.2)
-    assert [pid for pid in map(int, pids.read_text().split()) if running(pid)] == []
+    started = [int(pid) for pid in pids.read_text().split()]
+    wait_for(lambda: not any(running(pid) for pid in started), 10, "the stub's processes to be gone", [])
+    assert [pid for pid in started if running(pid)] == []
 
 
 def test_missing_tesseract_is_a_structured_error() -> None:
