@@ -7,8 +7,11 @@ import io
 import pytest
 from PIL import Image
 
+from stoker.core.errors import ImageTooLarge
+from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.media import guess_kind, sniff_format
 from stoker.core.model import GenerationParams, ModelRequest, apply_stop, sampling_groups
+from stoker.core.ocr import read_text
 from tests.media import text_image
 
 
@@ -67,3 +70,15 @@ def test_avif_and_heif_pictures_are_images_by_their_bytes(fmt: str) -> None:
 def test_an_mp4_is_not_taken_for_a_picture() -> None:
     head = b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2"
     assert sniff_format("image", head + b"\x00" * 64) is None
+
+
+@pytest.mark.parametrize("fmt", ["AVIF", "HEIF"])
+def test_avif_and_heif_pictures_decode_under_the_same_pixel_limit(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # decode sets Pillow's global cap
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(text_image("PHONE 42"))).convert("RGB").save(buffer, format=fmt)
+    decoded = decode_image(buffer.getvalue(), DecodeParams())
+    assert (decoded.features.format, decoded.features.width, decoded.features.height) == (fmt, 800, 200)
+    assert "PHONE" in read_text(decoded.ocr_image, "eng", timeout_s=10)
+    with pytest.raises(ImageTooLarge):
+        decode_image(buffer.getvalue(), DecodeParams(max_pixels=800 * 200 - 1))
