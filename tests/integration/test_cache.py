@@ -19,6 +19,7 @@ from stoker.settings import ApiSettings, CommonSettings
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import long_speech_wav, text_image
+from workers.procs import wait_for
 
 
 def _stats() -> dict[str, dict[str, float]]:
@@ -68,11 +69,11 @@ def test_without_a_tokenizer_the_api_sends_cached_inputs_to_tokenize(spy: SpySub
 
 
 def _until_tokenizer_loaded(client: TestClient, timeout_s: float = 60.0) -> None:
-    """The API loads its tokenizer in the background at start: until then cheap jobs take the tokenize queue."""
-    deadline = time.monotonic() + timeout_s
-    while not client.app.state.prompts.loaded:  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, "the API never loaded its tokenizer"
-        time.sleep(0.05)
+    """The API loads its tokenizer in the background at start, and samples the queues: until it has both, cheap
+    jobs take the tokenize queue (without a fresh view of the inference queue, the one hop is not taken)."""
+    state = client.app.state  # type: ignore[attr-defined]
+    wait_for(lambda: state.prompts.loaded, timeout_s, "the API's tokenizer", [])
+    wait_for(lambda: state.monitor.fresh() is not None, timeout_s, "the API's first queue sample", [])
 
 
 def test_a_cached_stage_answers_in_a_fraction_of_its_cost(client: TestClient) -> None:
