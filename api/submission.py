@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import State
 
 from api.intake import AcceptedRequest
-from api.tenancy import admit, release
+from api.tenancy import admit, charge, release
 from stoker.adapters.cache import StageCache
 from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS
 from stoker.adapters.store import Store
@@ -31,6 +31,7 @@ from stoker.core.errors import BrokerUnavailable, Overloaded
 from stoker.core.jobs import ChatTurn, InputRecord, Job
 from stoker.core.model import ModelRequest
 from stoker.core.prompting import Attachment, attachment_for, model_request
+from stoker.core.queues import job_messages
 from stoker.core.tenancy import cache_scope
 from stoker.settings import ApiSettings
 from tasks.pipeline import Start, Submitter
@@ -82,6 +83,9 @@ def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, jo
     ]
     scope = cache_scope(tenant, settings.cache_shared)
     start, records, request = _shortcut(state, accepted, records, scope, job_id)
+    kinds = [(r.kind, r.url is not None) for r in records]
+    stored = sum(len(item.data) for item in accepted.inputs if item.url is None)
+    charge(state, tenant, job_id, job_messages(kinds, start, settings.video_keyframes), stored)
     now = time.time()
     deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
     attributes: dict[str, str | int] = {

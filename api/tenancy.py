@@ -12,11 +12,21 @@ import redis
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import State
 
 from stoker.adapters.metrics import ADMISSIONS
 from stoker.adapters.store import Store
-from stoker.core.errors import BrokerUnavailable, RateLimited, TooManyJobsInFlight, Unauthorized
-from stoker.core.tenancy import DEFAULT_TENANT, parse_key, verify
+from stoker.core.errors import (
+    BrokerUnavailable,
+    PayloadTooLarge,
+    RateLimited,
+    StokerError,
+    TenantOverShare,
+    TenantStorageFull,
+    TooManyJobsInFlight,
+    Unauthorized,
+)
+from stoker.core.tenancy import DEFAULT_TENANT, IN_FLIGHT_RETRY_S, parse_key, verify
 from stoker.settings import ApiSettings
 
 #: Parses `Authorization: Bearer …` and puts the scheme in the OpenAPI docs; stoker answers a missing key itself.
@@ -69,8 +79,35 @@ async def admit(request: Request, tenant: str, job_id: str | None = None) -> Non
         ADMISSIONS.labels(f"{verdict.outcome}_limited").inc()  # a refused submission: rate_ or in_flight_limited
     if verdict.outcome == "rate":
         raise RateLimited(retry_after_s=verdict.retry_after_s)
-    if verdict.outcome == "in_flight":
-        raise TooManyJobsInFlight(retry_after_s=verdict.retry_after_s)
+    if verdict.outcome != "ok":
+        raise refusal(verdict.outcome, verdict.retry_after_s)
+
+
+def refusal(outcome: str, retry_after_s: int = IN_FLIGHT_RETRY_S) -> StokerError:
+    """The error for a tenant limit a new job hit (every outcome of the store's scripts but "ok" and "rate")."""
+    if outcome == "in_flight":
+        return TooManyJobsInFlight(retry_after_s=retry_after_s)
+    if outcome == "share":
+        return TenantOverShare(retry_after_s=retry_after_s)
+    if outcome == "bytes":
+        return TenantStorageFull(retry_after_s=retry_after_s)
+    assert outcome == "too_big", outcome
+    return PayloadTooLarge("the job's inputs are more bytes than its tenant may store at once")
+
+
+def charge(state: State, tenant: str, job_id: str, messages: int, stored_bytes: int) -> None:
+    """Count an admitted job's queue messages and input bytes against its tenant (auth on); raise if over."""
+    settings: ApiSettings = state.settings
+    if not settings.auth:
+        return
+    store: Store = state.store
+    try:
+        outcome = store.tenants.charge_job(tenant, job_id, messages, stored_bytes, settings.tenant_limits)
+    except redis.RedisError as exc:
+        raise BrokerUnavailable("the job store cannot be reached") from exc
+    if outcome != "ok":
+        ADMISSIONS.labels(f"{outcome}_limited").inc()
+        raise refusal(outcome)
 
 
 async def release(request: Request, tenant: str, job_id: str) -> None:

@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stoker", description="Keeps inference accelerators fed.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start API, workers and Flower locally (and a broker if none answers)")
-    up.add_argument("--port", type=int, default=None)
+    up.add_argument("--port", type=int, default=None, help="the API's port (default 8000)")
+    up.add_argument("--flower-port", type=int, default=None, help="Flower's port (default 5555)")
+    up.add_argument("--metrics-port", type=int, default=None, help="the first of the workers' 3 metrics ports (9101)")
     up.add_argument("--auth", action="store_true", help="require API keys (off on a local stack; STOKER_AUTH wins)")
     worker = sub.add_parser("worker", help="start a celery worker for a queue group; extra args go to celery")
     worker.add_argument("kind", choices=["cpu", "ocr", "asr", "infer", "sync"])
@@ -70,7 +72,8 @@ def _keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 def _up(args: argparse.Namespace, _: list[str]) -> int:
     from workers.stack import run_stack
 
-    return run_stack(args.port, auth=args.auth)
+    ports = {"port": args.port, "flower_port": args.flower_port, "metrics_base_port": args.metrics_port}
+    return run_stack(ports, auth=args.auth)
 
 
 def _worker(args: argparse.Namespace, extra: list[str]) -> int:

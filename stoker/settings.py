@@ -123,6 +123,13 @@ class ApiSettings(CommonSettings):
     rate_limit_per_s: float = Field(20.0, ge=0)
     rate_limit_burst: int = Field(40, ge=1)
     max_jobs_in_flight: int = Field(100, ge=0)
+    #: Per tenant: the most of the queues (`cpu_queue_limit` messages) its unfinished jobs may fan out into while
+    #: the others are idle; with n tenants busy, 1/n of them where that is less. A tenant over its share is
+    #: refused (429 `tenant_over_share`) while the others are still admitted. 0 turns fair share off.
+    tenant_max_share: float = Field(0.5, ge=0, le=1)
+    #: Per tenant: input bytes its unfinished jobs may hold at once, uploads and URL downloads alike (429
+    #: `tenant_storage_full`; a URL download that would pass it fails its input `storage_quota_exceeded`). 0: no cap.
+    tenant_max_stored_bytes: int = Field(512 * MiB, ge=0)
     #: Tokenize jobs with nothing to preprocess (text only, or every input cached) here, off the event loop, and
     #: send them to the inference queue in one hop; needs the model's tokenizer files on the API's host.
     api_tokenize: bool = True
@@ -136,7 +143,14 @@ class ApiSettings(CommonSettings):
     @property
     def tenant_limits(self) -> TenantLimits:
         """What each tenant may do."""
-        return TenantLimits(self.rate_limit_per_s, self.rate_limit_burst, self.max_jobs_in_flight)
+        return TenantLimits(
+            self.rate_limit_per_s,
+            self.rate_limit_burst,
+            self.max_jobs_in_flight,
+            share_capacity=self.cpu_queue_limit if self.tenant_max_share > 0 else 0,
+            max_share=self.tenant_max_share,
+            max_stored_bytes=self.tenant_max_stored_bytes,
+        )
 
 
 class WorkerSettings(CommonSettings):
@@ -306,6 +320,8 @@ class StackSettings(ApiSettings):
     #: A local stack, bound to 127.0.0.1, runs without API keys unless `stoker up --auth` (or STOKER_AUTH=on).
     auth: bool = False
     flower_port: int = 5555
+    #: The CPU, ASR and inference workers serve their metrics on this port and the next two; 0 turns them off.
+    metrics_base_port: int = Field(9101, ge=0, le=65533)
     #: "user:password" for Flower's basic auth; without it Flower's HTTP API refuses every call.
     flower_basic_auth: str | None = None
     ready_timeout_s: float = Field(300.0, ge=1)

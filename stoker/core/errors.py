@@ -126,6 +126,13 @@ class MediaTooLong(InputError):
     http_status = 422
 
 
+class StorageQuotaExceeded(InputError):
+    """Storing this input would take its tenant over the input bytes it may have stored at once."""
+
+    code = "storage_quota_exceeded"
+    http_status = 413
+
+
 class MediaEmpty(InputError):
     """The media holds nothing to process."""
 
@@ -275,6 +282,18 @@ class TooManyJobsInFlight(TenantLimited):
     """This tenant has as many unfinished jobs as it may: come back when one has ended."""
 
     code = "too_many_jobs_in_flight"
+
+
+class TenantOverShare(TenantLimited):
+    """This tenant's unfinished jobs hold its fair share of the queues: come back when some have ended."""
+
+    code = "tenant_over_share"
+
+
+class TenantStorageFull(TenantLimited):
+    """This tenant's unfinished jobs hold as many input bytes as it may store: come back when some have ended."""
+
+    code = "tenant_storage_full"
 
 
 class BrokerUnavailable(TransientError):

@@ -1,7 +1,36 @@
-"""The names of the broker queues stoker's workers consume (`celeryconfig` routes tasks onto them)."""
+"""The names of the broker queues stoker's workers consume (`celeryconfig` routes tasks onto them), and how many
+messages a job puts on them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
 
 #: Every queue stoker's workers consume, in pipeline order (celeryconfig routes tasks onto them).
 QUEUES = ("decode", "ocr", "asr", "tokenize", "infer")
 CPU_QUEUES = ("decode", "ocr", "asr", "tokenize")
 #: The synchronous baseline's one queue (`STOKER_PIPELINE_MODE=sync`, benchmarks only): whole jobs wait here.
 SYNC_QUEUE = "sync"
+
+#: Stage messages per input of each kind before tokenize: decode + ocr; probe + transcribe; a video's probe and
+#: transcribe plus, per keyframe, keyframe + decode + ocr (`KEYFRAME_MESSAGES`).
+KIND_MESSAGES = {"image": 2, "audio": 2, "video": 2}
+KEYFRAME_MESSAGES = 3
+
+
+def job_messages(
+    inputs: Iterable[tuple[str, bool]], start: Literal["preprocess", "tokenize", "infer"], keyframes: int
+) -> int:
+    """How many queue messages a job fans out into, from where it enters: its weight in a tenant's fair share.
+
+    `inputs` are (kind, is a URL) pairs; a URL input adds its fetch. Entering at tokenize costs tokenize + infer,
+    at inference one message.
+    """
+    if start == "infer":
+        return 1
+    if start == "tokenize":
+        return 2
+    total = 2
+    for kind, is_url in inputs:
+        total += KIND_MESSAGES[kind] + (KEYFRAME_MESSAGES * keyframes if kind == "video" else 0) + int(is_url)
+    return total

@@ -112,18 +112,38 @@ def cache_scope(tenant: str, shared: bool) -> str:
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """What one tenant may do: requests per second (with a burst) and unfinished jobs at once; 0 is no limit."""
+    """What one tenant may do: requests per second (with a burst), unfinished jobs at once, its share of the queues
+    and the input bytes its unfinished jobs may hold; 0 is no limit.
+
+    Fair share: the tenant's unfinished jobs may fan out into at most `share_capacity` × min(`max_share`, 1/n)
+    queue messages, n being the tenants with unfinished jobs (itself included). Below the global queue limit a
+    busy tenant is refused before the others are: one tenant alone cannot fill the queues for everyone. A tenant
+    with nothing in flight is always admitted, however many messages its job fans out into.
+    """
 
     rate_per_s: float
     burst: int
     max_in_flight: int
+    share_capacity: int = 0
+    max_share: float = 0.0
+    max_stored_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """What a tenant's unfinished jobs hold: queue messages they fan out into, input bytes they stored; and how
+    many tenants have unfinished jobs."""
+
+    messages: int
+    stored_bytes: int
+    busy_tenants: int
 
 
 @dataclass(frozen=True)
 class LimitVerdict:
     """Whether a tenant's request goes ahead, and if not, which limit it hit and when to come back."""
 
-    outcome: Literal["ok", "rate", "in_flight"]
+    outcome: Literal["ok", "rate", "in_flight", "share", "bytes", "too_big"]
     retry_after_s: int = 0
 
     @classmethod
@@ -133,7 +153,9 @@ class LimitVerdict:
             return cls("ok")
         if outcome == "rate":
             return cls("rate", retry_after(wait_s))
-        return cls("in_flight", IN_FLIGHT_RETRY_S)
+        if outcome in ("in_flight", "share", "bytes", "too_big"):
+            return cls(outcome, IN_FLIGHT_RETRY_S)  # type: ignore[arg-type]
+        raise ValueError(f"unknown admission outcome {outcome!r}")
 
 
 def retry_after(wait_s: float) -> int:

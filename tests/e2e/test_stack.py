@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ import redis
 from tests.conftest import TEST_DBS
 from tests.media import speech_wav, text_image, to_mp3
 from workers.broker import free_port
-from workers.procs import ROOT, spawn, stop, tail, wait_for
+from workers.procs import ROOT, running, spawn, stop, tail, wait_for
 
 TERMINAL = {"succeeded", "degraded", "failed"}
 
@@ -34,9 +36,32 @@ FLOWER_PORT = free_port()
 FLOWER_AUTH = ("operator", "s3cret-for-tests")
 
 
+def _free_run(length: int) -> int:
+    """The first of `length` consecutive free ports (the workers' metrics ports)."""
+    for _ in range(50):
+        first = free_port()
+        if first + length <= 65535 and all(_bindable(first + i) for i in range(length)):
+            return first
+    raise RuntimeError(f"no {length} consecutive free ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
+
+
 def _start_stack(env: dict[str, str], log: Path, flower_port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    env = {**env, "STOKER_PORT": str(port), "STOKER_FLOWER_PORT": str(flower_port or free_port())}
+    env = {
+        **env,
+        "STOKER_PORT": str(port),
+        "STOKER_FLOWER_PORT": str(flower_port or free_port()),
+        "STOKER_METRICS_BASE_PORT": str(_free_run(3)),
+    }
     proc = spawn(["up"], env, log)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -151,3 +176,67 @@ def test_up_starts_an_embedded_broker_when_none_answers(tmp_path: Path) -> None:
         assert _poll(base, response.json()["id"])["status"] == "succeeded"
     finally:
         assert stop(proc, signal.SIGINT, grace_s=60) == 0, tail(tmp_path / "up.log")
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below pid (children in sessions of their own included: they keep their parent)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return "?"
+
+
+def test_nothing_outlives_a_killed_stoker_up_and_a_second_stack_is_told_its_port_is_taken(tmp_path: Path) -> None:
+    nobody = f"redis://127.0.0.1:{free_port()}"  # an embedded broker: one more child that must not outlive it
+    env = {
+        **os.environ,
+        "STOKER_BROKER_URL": f"{nobody}/0",
+        "STOKER_RESULT_URL": f"{nobody}/1",
+        "STOKER_CACHE_URL": f"{nobody}/2",
+    }
+    proc, base = _start_stack(env, tmp_path / "up.log")
+    started: set[int] = set()
+    try:
+        started = _descendants(proc.pid)
+        names = {_cmdline(pid) for pid in started}
+        assert any("uvicorn" in name for name in names), names
+        assert sum("celery" in name and " worker " in name for name in names) >= 3, names
+        assert any("valkey-server" in name for name in names), names
+        # A second stack with the same API port is told which port, before it starts anything.
+        port = base.rsplit(":", 1)[1]
+        second = subprocess.run(
+            [sys.executable, "-m", "stoker.cli", "up", "--port", port],
+            cwd=ROOT,
+            env={**env, "STOKER_FLOWER_PORT": str(free_port()), "STOKER_METRICS_BASE_PORT": str(_free_run(3))},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert second.returncode != 0
+        assert f"port {port} (the API) is in use" in second.stderr, second.stderr
+        proc.send_signal(signal.SIGKILL)  # no goodbye: the supervisor cannot stop anything itself
+        proc.wait(timeout=10)
+        try:
+            wait_for(lambda: not [pid for pid in started if running(pid)], 10, "the stack's processes to die", [])
+        except TimeoutError as exc:
+            left = {pid: _cmdline(pid) for pid in started if running(pid)}
+            raise AssertionError(f"still running: {left}") from exc
+    finally:
+        for pid in (pid for pid in started if running(pid)):  # only if the test failed: leave nothing behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stop(proc, signal.SIGINT)
+    assert not _ready(base)

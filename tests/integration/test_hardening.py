@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -12,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 
+from api import intake
 from api.app import create_app
 from stoker.adapters.store import Store
 from stoker.core.jobs import ErrorInfo, InputRecord
@@ -38,6 +43,40 @@ def test_five_images_in_json_are_counted_before_decoding(client: TestClient) -> 
     response = client.post("/v1/jobs", json=body)
     assert response.status_code == 422
     assert response.json()["error"]["code"] == "too_many_inputs"  # not a base64 error: nothing was decoded
+
+
+def test_healthz_answers_while_a_maximum_size_json_body_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed, answered = threading.Event(), threading.Event()
+    real = intake._read_json
+
+    def held(body: bytes, settings: ApiSettings) -> Any:
+        """The real parse and base64 decode of the whole body, then held until /healthz has answered: were it run
+        on the event loop, the API could answer nothing meanwhile and the probe below would time out."""
+        fields = real(body, settings)
+        parsed.set()
+        answered.wait(30)
+        return fields
+
+    monkeypatch.setattr(intake, "_read_json", held)
+    settings = ApiSettings(auth=False)
+    chunk = (settings.max_body_bytes - 4096) // 4 // 4 * 3  # four inputs whose base64 fills the body limit
+    body = {"prompt": "hi", "inputs": [{"kind": "image", "data": base64.b64encode(b"\0" * chunk).decode()}] * 4}
+    content = json.dumps(body).encode()
+    assert settings.max_body_bytes - 8192 < len(content) <= settings.max_body_bytes
+    outcome: list[httpx.Response] = []
+    with serve(create_app(settings, submitter=SpySubmitter(forward=False))) as base:
+        headers = {"content-type": "application/json"}
+        post = threading.Thread(
+            target=lambda: outcome.append(httpx.post(f"{base}/v1/jobs", content=content, headers=headers, timeout=60))
+        )
+        post.start()
+        assert parsed.wait(30), "the body was never parsed"
+        probe = httpx.get(f"{base}/healthz", timeout=5)  # while the parse is still held
+        answered.set()
+        post.join(60)
+    assert probe.status_code == 200
+    assert outcome[0].status_code == 415  # parsed in full, then refused by its content (zeros are no image)
+    assert outcome[0].json()["error"]["code"] == "unsupported_media_type"
 
 
 class HoldingSubmitter(SpySubmitter):

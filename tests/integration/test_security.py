@@ -22,6 +22,8 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import redis_answers
+from stoker.adapters.store.keys import BUSY_TENANTS_KEY
+from stoker.core.jobs import ErrorInfo
 from stoker.core.tenancy import issue_key, parse_key
 from stoker.settings import ApiSettings
 from tasks.app import make_app
@@ -31,7 +33,7 @@ from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
 from workers.broker import free_port
-from workers.procs import ROOT
+from workers.procs import ROOT, wait_for
 
 
 def test_a_pickled_task_message_is_refused_and_nothing_runs(client: TestClient, workers: dict[str, Path]) -> None:
@@ -172,7 +174,7 @@ def test_a_wrong_unknown_or_revoked_key_is_401(
 
 
 def test_another_tenants_job_is_404_like_an_unknown_one(
-    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant]
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store, store_redis: redis.Redis
 ) -> None:
     api = secure()
     acme, globex = tenants
@@ -181,6 +183,9 @@ def test_another_tenants_job_is_404_like_an_unknown_one(
     job_id = response.json()["id"]
     assert "tenant" not in response.json()
     assert _wait_as(api, acme, job_id)["status"] == "succeeded"
+    # Its end gave back what it held of acme's limits (a text-only job: messages, and no bytes).
+    assert job_store.tenants.usage(acme.name).messages == 0
+    assert store_redis.zscore(BUSY_TENANTS_KEY, acme.name) is None
     theirs = api.get(f"/v1/jobs/{job_id}", headers=globex.auth)
     unknown_id = uuid.uuid4().hex
     unknown = api.get(f"/v1/jobs/{unknown_id}", headers=globex.auth)
@@ -273,6 +278,108 @@ def test_a_job_the_reaper_ends_gives_its_slot_back(
     job = _wait_as(api, acme, job_id)
     assert job["error"]["code"] == "deadline_exceeded"
     assert job_store.tenants.jobs_in_flight(acme.name) == []
+
+
+#: A broker database no worker consumes: an API submitting there fills its queues as if every worker were paused.
+PAUSED_BROKER_DB = 9
+
+
+@pytest.fixture
+def paused(
+    workers: dict[str, Path], tenants: tuple[Tenant, Tenant], job_store: Store
+) -> Iterator[Callable[..., TestClient]]:
+    """Makes APIs with auth on whose queues nothing drains (the real Celery producer, no consumer); at the end,
+    the tenants' unfinished jobs are ended, so nothing of theirs is left holding a share."""
+    url = _paused_broker()
+    broker = redis.Redis.from_url(url)
+    broker.flushdb()
+    opened: list[TestClient] = []
+
+    def make(**overrides: Any) -> TestClient:
+        settings = ApiSettings(auth=True, broker_url=url, rate_limit_per_s=1000.0, rate_limit_burst=1000, **overrides)
+        api = TestClient(create_app(settings, submitter=CelerySubmitter(make_app(settings))))
+        opened.append(api.__enter__())
+        monitor = api.app.state.monitor  # type: ignore[attr-defined]
+        wait_for(lambda: monitor.fresh() is not None, 15, "the admission monitor's first sample", [])
+        return api
+
+    yield make
+    for api in opened:
+        api.__exit__(None, None, None)
+    for tenant in tenants:
+        for job_id in job_store.tenants.jobs_in_flight(tenant.name):
+            job_store.jobs.finish(job_id, "failed", error=ErrorInfo(code="test_over", message="test ended"))
+    broker.flushdb()
+    broker.close()
+
+
+def _paused_broker() -> str:
+    return f"{os.environ['STOKER_TEST_REDIS']}/{PAUSED_BROKER_DB}"
+
+
+def _refused(response: Any, code: str) -> None:
+    assert response.status_code == 429, response.text
+    assert response.json()["error"]["code"] == code
+    assert int(response.headers["retry-after"]) >= 1
+
+
+def test_a_tenant_over_its_fair_share_is_refused_while_another_is_accepted(
+    paused: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store, store_redis: redis.Redis
+) -> None:
+    # 40 messages of queue capacity, half of it at most per tenant: 20 messages. An image job fans out into 4
+    # (decode, ocr, tokenize, infer), so four of acme's fill 16 of its 20.
+    api = paused(cpu_queue_limit=40, tenant_max_share=0.5)
+    acme, globex = tenants
+    accepted = []
+    for n in range(4):
+        response = _post_as(api, acme, image=text_image(f"SHARE {n}"))
+        assert response.status_code == 202, response.text
+        accepted.append(response.json()["id"])
+    assert job_store.tenants.usage(acme.name).messages == 16
+    records = _job_keys(store_redis)
+    two_images = [("image", (f"{n}.png", text_image(f"PAIR {n}"), "image/png")) for n in range(2)]
+    over = api.post("/v1/jobs", data={"prompt": "Both?"}, files=two_images, headers=acme.auth)
+    _refused(over, "tenant_over_share")  # 16 + 6 > 20, found once the body was read…
+    assert _job_keys(store_redis) == records  # …and nothing of it written
+    last = _post_as(api, acme, image=text_image("SHARE 4"))
+    assert last.status_code == 202, last.text  # 16 + 4 fits exactly
+    accepted.append(last.json()["id"])
+    _refused(_post_as(api, acme, prompt="Text only?"), "tenant_over_share")  # at its share: before the body
+    with redis.Redis.from_url(_paused_broker()) as broker:
+        assert broker.llen("decode") == 5 < 40  # one message per image job waits: far from the global limit
+    other = _post_as(api, globex, image=text_image("OTHER TENANT"))
+    assert other.status_code == 202, other.text  # the other tenant is still accepted
+    usage = job_store.tenants.usage(globex.name)
+    assert (usage.messages, usage.busy_tenants) == (4, 2)
+    # A job that ends gives its share back.
+    job_store.jobs.finish(accepted[0], "failed", error=ErrorInfo(code="test_over", message="ended by the test"))
+    assert job_store.tenants.usage(acme.name).messages == 16
+    again = _post_as(api, acme, image=text_image("SHARE 5"))
+    assert again.status_code == 202, again.text
+
+
+def test_a_tenant_over_its_stored_bytes_is_refused_while_another_is_accepted(
+    paused: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store
+) -> None:
+    acme, globex = tenants
+    image = text_image("BYTES", size=(1200, 400))
+    api = paused(tenant_max_stored_bytes=2 * len(image))  # room for two such uploads, not three
+    for n in range(2):
+        response = _post_as(api, acme, image=text_image("BYTES", size=(1200, 400)), prompt=f"Job {n}?")
+        assert response.status_code == 202, response.text
+    assert job_store.tenants.usage(acme.name).stored_bytes == 2 * len(image)
+    _refused(_post_as(api, acme, image=image, prompt="A third?"), "tenant_storage_full")
+    # Full: refused before its body is read (which could be anything up to the body limit).
+    _refused(_post_as(api, acme, prompt="Nothing to store?"), "tenant_storage_full")
+    theirs = _post_as(api, globex, image=image)
+    assert theirs.status_code == 202, theirs.text  # another tenant's bytes are its own
+    job_store.jobs.finish(theirs.json()["id"], "failed", error=ErrorInfo(code="test_over", message="ended"))
+    assert job_store.tenants.usage(globex.name).stored_bytes == 0  # given back at its end
+    big = text_image("BYTES", size=(2400, 1200))
+    assert len(big) > 2 * len(image)
+    too_big = _post_as(paused(tenant_max_stored_bytes=len(big) - 1), globex, image=big)
+    assert too_big.status_code == 413, too_big.text  # more than it may ever store: no point in coming back
+    assert too_big.json()["error"]["code"] == "payload_too_large"
 
 
 def test_the_same_image_is_a_cache_miss_for_another_tenant(

@@ -5,11 +5,14 @@ The workers allowlist URL_TEST_HOST (127.0.0.2) alone; 127.0.0.1, [::1] and the 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import shutil
 import ssl
 import subprocess
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,13 +22,17 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from fastapi.testclient import TestClient
 
+from api.app import create_app
+from stoker.adapters.store import Store
 from stoker.adapters.urlfetch import FetchPolicy, fetch
 from stoker.core.errors import FetchFailed
 from stoker.core.media import content_hash
+from stoker.core.tenancy import issue_key
 from stoker.core.urls import Allowlist, IPAddress
-from stoker.settings import WorkerSettings
+from stoker.settings import ApiSettings, WorkerSettings
 from tests.conftest import missing
 from tests.integration.conftest import URL_TEST_HOST, SpySubmitter
 from tests.integration.test_pipeline import _wait
@@ -305,3 +312,32 @@ def test_https_goes_to_the_vetted_address_and_checks_the_certificate_against_the
         assert served.hits == [("/text.png", f"files.test:{served.port}")]
         with pytest.raises(FetchFailed, match="certificate"):
             fetch(f"https://other.test:{served.port}/text.png", policy, dns, httpx.HTTPTransport(verify=trust))
+
+
+def test_a_download_that_would_pass_its_tenants_stored_bytes_fails_its_input(
+    workers: dict[str, Path], media: Served, store_redis: redis.Redis
+) -> None:
+    store = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
+    issued = issue_key(f"fetcher-{uuid.uuid4().hex[:8]}", time.time())
+    store.tenants.put_api_key(issued.record)
+    upload = text_image("UPLOADED 31")
+    # The upload fits; the download would take the tenant one byte over: a 200-byte request cannot make a worker
+    # store what its tenant may not.
+    settings = ApiSettings(auth=True, tenant_max_stored_bytes=len(upload) + len(PNG) - 1)
+    headers = {"Authorization": f"Bearer {issued.token}"}
+    with TestClient(create_app(settings, submitter=SpySubmitter()), headers=headers) as api:
+        inputs = [
+            {"kind": "image", "data": base64.b64encode(upload).decode()},
+            {"kind": "image", "url": media.url("/text.png")},
+        ]
+        response = api.post("/v1/jobs", json={"prompt": "What do they say?", "inputs": inputs})
+        assert response.status_code == 202, response.text
+        job = _wait(api, response.json()["id"])
+    assert job["status"] == "degraded", job
+    uploaded, fetched = job["inputs"]
+    assert uploaded["status"] == "ok"
+    assert "UPLOADED" in uploaded["text"]
+    assert fetched["status"] == "failed"
+    assert (fetched["error"]["code"], fetched["error"]["stage"]) == ("storage_quota_exceeded", "fetch")
+    usage = store.tenants.usage(issued.record.tenant)
+    assert (usage.messages, usage.stored_bytes) == (0, 0)  # all given back when the job ended

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from stoker.core.model import ModelRequest
+from stoker.core.queues import job_messages
 from stoker.core.tenancy import (
     DEFAULT_TENANT,
     IN_FLIGHT_RETRY_S,
@@ -102,6 +103,30 @@ def test_retry_after_rounds_up_and_is_never_zero() -> None:
     assert LimitVerdict.from_script("ok", 0) == LimitVerdict("ok")
     assert LimitVerdict.from_script("rate", 2.4) == LimitVerdict("rate", 3)
     assert LimitVerdict.from_script("in_flight", 0) == LimitVerdict("in_flight", IN_FLIGHT_RETRY_S)
+    assert LimitVerdict.from_script("share", 0) == LimitVerdict("share", IN_FLIGHT_RETRY_S)
+    assert LimitVerdict.from_script("bytes", 0) == LimitVerdict("bytes", IN_FLIGHT_RETRY_S)
+    with pytest.raises(ValueError, match="unknown admission outcome"):
+        LimitVerdict.from_script("maybe", 0)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "start", "messages"),
+    [
+        ([], "preprocess", 2),  # tokenize + infer
+        ([("image", False)], "preprocess", 4),  # + decode, ocr
+        ([("image", True)], "preprocess", 5),  # + fetch
+        ([("audio", False), ("image", False)], "preprocess", 6),  # + probe, transcribe
+        ([("video", False)], "preprocess", 13),  # probe, transcribe + 3 x (keyframe, decode, ocr)
+        ([("video", True)], "preprocess", 14),
+        ([("image", False)] * 6, "preprocess", 14),
+        ([("image", False)], "tokenize", 2),  # inputs cached
+        ([("image", False)], "infer", 1),  # prompt cached too
+    ],
+)
+def test_a_jobs_weight_is_the_messages_it_fans_out_into(
+    inputs: list[tuple[str, bool]], start: Any, messages: int
+) -> None:
+    assert job_messages(inputs, start, keyframes=3) == messages
 
 
 def test_a_model_request_keeps_its_cache_scope() -> None:
@@ -138,6 +163,9 @@ def test_stoker_auth_overrides_the_flag(monkeypatch: pytest.MonkeyPatch) -> None
 def test_limits_come_from_settings() -> None:
     limits = ApiSettings(rate_limit_per_s=2.5, rate_limit_burst=5, max_jobs_in_flight=7).tenant_limits
     assert (limits.rate_per_s, limits.burst, limits.max_in_flight) == (2.5, 5, 7)
+    shares = ApiSettings(cpu_queue_limit=40, tenant_max_share=0.25, tenant_max_stored_bytes=1000).tenant_limits
+    assert (shares.share_capacity, shares.max_share, shares.max_stored_bytes) == (40, 0.25, 1000)
+    assert ApiSettings(tenant_max_share=0).tenant_limits.share_capacity == 0  # fair share off
     with pytest.raises(ValueError, match="rate_limit_burst"):
         ApiSettings(rate_limit_burst=0)
     assert ApiSettings().cache_shared is False

@@ -20,6 +20,7 @@ from stoker.adapters.store.keys import (
     tenant_jobs_key,
     tokens_key,
 )
+from stoker.adapters.store.tenants import DROP_JOB, tenant_keys
 from stoker.core.deadlines import Deadline
 from stoker.core.jobs import (
     STAMPS,
@@ -61,17 +62,21 @@ return 'ok'
 """
 
 # A terminal status is written once: whoever comes second (a late batch, the reaper, the watchdog) changes nothing.
-_FINISH = """
+# What the job held of its tenant's limits (in-flight slot, queue messages, stored bytes) is given back with it.
+_FINISH = (
+    DROP_JOB
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'succeeded' or status == 'degraded' or status == 'failed' then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
-redis.call('ZREM', KEYS[6], ARGV[1])  -- the tenant's in-flight slot, given back exactly when the job ends
+drop(KEYS[6], KEYS[7], KEYS[8], ARGV[1], ARGV[3])
 redis.call('PUBLISH', KEYS[4], ARGV[2])
 return 1
 """
+)
 
 HandOff = Literal["ok", "stale", "done"]
 
@@ -269,8 +274,8 @@ def _finish_call(ending: Ending, now: float) -> tuple[list[str], list[str]]:
             fields[name] = value.model_dump_json()
     job_id = ending.job_id
     keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
-    keys.append(tenant_jobs_key(ending.tenant))
-    return keys, [job_id, ending.status, *(x for pair in fields.items() for x in pair)]
+    keys += tenant_keys(ending.tenant)
+    return keys, [job_id, ending.status, ending.tenant, *(x for pair in fields.items() for x in pair)]
 
 
 def _pending(job_id: str, tokens: bytes | None, raw: dict[bytes, bytes]) -> Pending | None:

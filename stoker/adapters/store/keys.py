@@ -97,6 +97,14 @@ def tenant_jobs_key(tenant: str) -> str:
     return f"{PREFIX}:tenant:{tenant}:in-flight"
 
 
+def tenant_usage_key(tenant: str) -> str:
+    """Hash of what a tenant's unfinished jobs hold: per job `m:<id>` queue messages and `b:<id>` input bytes, their
+    totals `messages` and `bytes`, and `cap`, the bytes it may store (written by the API, read by the workers)."""
+    return f"{PREFIX}:tenant:{tenant}:usage"
+
+
+#: Tenants with unfinished jobs, scored by the queue messages those fan out into (the n of the fair share).
+BUSY_TENANTS_KEY = f"{PREFIX}:tenants:busy"
 #: Every job not yet terminal, scored by when the reaper should next look at it.
 ACTIVE_KEY = f"{PREFIX}:active"
 #: Lease held by the one reaper that acts at a time.

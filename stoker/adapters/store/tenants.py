@@ -6,16 +6,54 @@ import time
 
 import redis
 
-from stoker.adapters.store.keys import API_KEYS_KEY, api_key_key, tenant_jobs_key, tenant_rate_key
-from stoker.core.tenancy import ApiKey, LimitVerdict, TenantLimits
+from stoker.adapters.store.keys import (
+    API_KEYS_KEY,
+    BUSY_TENANTS_KEY,
+    api_key_key,
+    tenant_jobs_key,
+    tenant_rate_key,
+    tenant_usage_key,
+)
+from stoker.core.tenancy import ApiKey, LimitVerdict, TenantLimits, TenantUsage
 
-# Per-tenant admission, atomic across API replicas: the request rate as GCRA (one theoretical arrival time per
-# tenant, in Redis time, so replicas' clocks do not matter) and, for a new job, a slot among the tenant's
-# unfinished jobs. A refused request changes nothing but the removal of slots whose hold ran out.
-_ADMIT_TENANT = """
+#: Lua: forget what one job of a tenant held (its in-flight slot, messages and bytes), once; used wherever a job
+#: stops counting: it ended (the finish script), it was not accepted after all, or its hold ran out.
+#: KEYS: in-flight, usage, busy tenants; then drop(job, tenant).
+DROP_JOB = """
+local function drop(inflight, usage, busy, job, tenant)
+  redis.call('ZREM', inflight, job)
+  local m = tonumber(redis.call('HGET', usage, 'm:' .. job) or '0')
+  local b = tonumber(redis.call('HGET', usage, 'b:' .. job) or '0')
+  if redis.call('HDEL', usage, 'm:' .. job, 'b:' .. job) == 0 then return end
+  -- 0 - x, never -x: Lua's -0 is "-0", which HINCRBY refuses
+  local left = redis.call('HINCRBY', usage, 'messages', 0 - m)
+  redis.call('HINCRBY', usage, 'bytes', 0 - b)
+  if left <= 0 then redis.call('ZREM', busy, tenant) else redis.call('ZADD', busy, left, tenant) end
+end
+"""
+
+#: Lua: the most queue messages a tenant may hold: capacity x min(max share, 1/n), n the busy tenants with it.
+_SHARE = """
+local function share(busy, tenant, capacity, max_share)
+  local n = redis.call('ZCARD', busy)
+  if not redis.call('ZSCORE', busy, tenant) then n = n + 1 end
+  return math.max(1, math.floor(capacity * math.min(max_share, 1 / n)))
+end
+"""
+
+# Per-tenant admission before a body is read, atomic across API replicas: the request rate as GCRA (one
+# theoretical arrival time per tenant, in Redis time, so replicas' clocks do not matter) and, for a new job, a slot
+# among the tenant's unfinished jobs, unless those already hold its fair share of the queues or its stored bytes.
+# A refused request changes nothing but forgetting jobs whose hold ran out.
+_ADMIT_TENANT = (
+    DROP_JOB
+    + _SHARE
+    + """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 local rate, burst, max_jobs = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local job, hold, tenant = ARGV[4], tonumber(ARGV[5]), ARGV[6]
+local capacity, max_share, max_bytes = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local tat
 if rate > 0 then
   local interval = 1 / rate
@@ -23,14 +61,71 @@ if rate > 0 then
   local wait = tat - burst * interval - now
   if wait > 0 then return {'rate', string.format('%.6f', wait)} end
 end
-if max_jobs > 0 and ARGV[4] ~= '' then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('ZCARD', KEYS[2]) >= max_jobs then return {'in_flight', '0'} end
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[5]), ARGV[4])
+if job ~= '' then
+  for _, lapsed in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
+    drop(KEYS[2], KEYS[3], KEYS[4], lapsed, tenant)
+  end
+  if max_jobs > 0 and redis.call('ZCARD', KEYS[2]) >= max_jobs then return {'in_flight', '0'} end
+  local used = tonumber(redis.call('HGET', KEYS[3], 'messages') or '0')
+  if capacity > 0 and used > 0 and used >= share(KEYS[4], tenant, capacity, max_share) then
+    return {'share', '0'}
+  end
+  if max_bytes > 0 and tonumber(redis.call('HGET', KEYS[3], 'bytes') or '0') >= max_bytes then
+    return {'bytes', '0'}
+  end
+  redis.call('ZADD', KEYS[2], now + hold, job)
 end
 if tat then redis.call('SET', KEYS[1], string.format('%.6f', tat), 'PX', math.ceil((tat - now) * 1000) + 1000) end
 return {'ok', '0'}
 """
+)
+
+# Once a job's body is read and its shape known: charge what it fans out into and the bytes it stores, unless that
+# takes its tenant over its fair share (a tenant with nothing in flight always gets one job in) or its byte cap.
+_CHARGE_JOB = (
+    _SHARE
+    + """
+local tenant, job, messages, bytes = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local capacity, max_share, max_bytes = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local used = tonumber(redis.call('HGET', KEYS[1], 'messages') or '0')
+if capacity > 0 and used > 0 and used + messages > share(KEYS[2], tenant, capacity, max_share) then
+  return 'share'
+end
+local stored = tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0')
+if max_bytes > 0 and stored + bytes > max_bytes then
+  if stored == 0 then return 'too_big' end
+  return 'bytes'
+end
+redis.call('HSET', KEYS[1], 'm:' .. job, messages, 'b:' .. job, bytes, 'cap', max_bytes)
+redis.call('HINCRBY', KEYS[1], 'bytes', bytes)
+redis.call('ZADD', KEYS[2], redis.call('HINCRBY', KEYS[1], 'messages', messages), tenant)
+return 'ok'
+"""
+)
+
+# A worker about to store a URL input's download: count its bytes against the job's tenant, unless that passes
+# the cap the API wrote. A job the API does not account for (auth off, or already ended) stores freely.
+_CHARGE_BYTES = """
+local job, bytes = ARGV[1], tonumber(ARGV[2])
+if redis.call('HEXISTS', KEYS[1], 'm:' .. job) == 0 then return 'free' end
+local cap = tonumber(redis.call('HGET', KEYS[1], 'cap') or '0')
+if cap > 0 and tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0') + bytes > cap then return 'over' end
+redis.call('HINCRBY', KEYS[1], 'b:' .. job, bytes)
+redis.call('HINCRBY', KEYS[1], 'bytes', bytes)
+return 'ok'
+"""
+
+_RELEASE = (
+    DROP_JOB
+    + """
+drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])
+"""
+)
+
+
+def tenant_keys(tenant: str) -> list[str]:
+    """The keys DROP_JOB works on, for one tenant: in-flight, usage, busy tenants."""
+    return [tenant_jobs_key(tenant), tenant_usage_key(tenant), BUSY_TENANTS_KEY]
 
 
 class TenantRepository:
@@ -39,6 +134,9 @@ class TenantRepository:
     def __init__(self, client: redis.Redis[bytes]) -> None:
         self.redis = client
         self._admit_tenant = client.register_script(_ADMIT_TENANT)
+        self._charge_job = client.register_script(_CHARGE_JOB)
+        self._charge_bytes = client.register_script(_CHARGE_BYTES)
+        self._release = client.register_script(_RELEASE)
 
     def admit_tenant(
         self, tenant: str, limits: TenantLimits, job_id: str | None = None, hold_s: float = 0
@@ -46,17 +144,56 @@ class TenantRepository:
         """Check a tenant's request against its limits and count it; with job_id, also hold an in-flight slot for
         the new job (for at most hold_s, until create_job ties it to the job's deadline). Refused: nothing counted.
         """
-        args = [limits.rate_per_s, limits.burst, limits.max_in_flight, job_id or "", hold_s]
-        outcome, wait = self._admit_tenant(keys=[tenant_rate_key(tenant), tenant_jobs_key(tenant)], args=args)
+        args = [
+            limits.rate_per_s,
+            limits.burst,
+            limits.max_in_flight,
+            job_id or "",
+            hold_s,
+            tenant,
+            limits.share_capacity,
+            limits.max_share,
+            limits.max_stored_bytes,
+        ]
+        keys = [tenant_rate_key(tenant), *tenant_keys(tenant)]
+        outcome, wait = self._admit_tenant(keys=keys, args=args)
         return LimitVerdict.from_script(outcome.decode(), float(wait))
 
+    def charge_job(self, tenant: str, job_id: str, messages: int, stored_bytes: int, limits: TenantLimits) -> str:
+        """Count what an admitted job fans out into and the bytes it stores against its tenant: "ok", or why not
+        ("share", "bytes", or "too_big" when the job alone passes the byte cap). Refused: nothing counted."""
+        args = [
+            tenant,
+            job_id,
+            messages,
+            stored_bytes,
+            limits.share_capacity,
+            limits.max_share,
+            limits.max_stored_bytes,
+        ]
+        outcome: bytes = self._charge_job(keys=[tenant_usage_key(tenant), BUSY_TENANTS_KEY], args=args)
+        return outcome.decode()
+
+    def charge_bytes(self, tenant: str, job_id: str, stored_bytes: int) -> bool:
+        """Count bytes a worker is about to store for a job (a URL download); False if that passes the cap."""
+        outcome: bytes = self._charge_bytes(keys=[tenant_usage_key(tenant)], args=[job_id, stored_bytes])
+        return outcome != b"over"
+
     def release_slot(self, tenant: str, job_id: str) -> None:
-        """Give back a slot held for a job that was never accepted."""
-        self.redis.zrem(tenant_jobs_key(tenant), job_id)
+        """Give back what a job held that was never accepted after all (its slot, messages and bytes)."""
+        self._release(keys=tenant_keys(tenant), args=[job_id, tenant])
 
     def jobs_in_flight(self, tenant: str) -> list[str]:
         """Ids of the tenant's jobs holding an in-flight slot now."""
         return [raw.decode() for raw in self.redis.zrangebyscore(tenant_jobs_key(tenant), time.time(), "+inf")]
+
+    def usage(self, tenant: str) -> TenantUsage:
+        """What the tenant's unfinished jobs hold now, and how many tenants have some."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hmget(tenant_usage_key(tenant), ["messages", "bytes"])
+            pipe.zcard(BUSY_TENANTS_KEY)
+            (messages, stored), busy = pipe.execute()
+        return TenantUsage(messages=int(messages or 0), stored_bytes=int(stored or 0), busy_tenants=int(busy))
 
     def put_api_key(self, key: ApiKey) -> None:
         """Store a key's record (the hash of its secret, never the secret)."""
