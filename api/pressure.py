@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kombu.connection import Connection
 from starlette.concurrency import run_in_threadpool
 
-from stoker.adapters.broker import queue_depths
+from stoker.adapters.broker import queue_depths, transport_options
 from stoker.adapters.store import Store
 from stoker.core.pressure import DrainMeter, QueueState, Refusal, admit
 from stoker.core.queues import CPU_QUEUES, QUEUES, SYNC_QUEUE
@@ -62,7 +62,12 @@ class QueueMonitor:
         if self._connection is None:
             url = self.settings.broker_url
             ssl = self.settings.redis_tls(url) or False  # never kombu's unverified default for rediss://
-            self._connection = Connection(url, connect_timeout=2, ssl=ssl)  # type: ignore[no-untyped-call]
+            # Bounded like every other Redis call of the API: a hung broker fails a sample instead of holding a thread.
+            timeout = self.settings.store_timeout_s
+            options = transport_options(url, self.settings.visibility_timeout_s, timeout)
+            self._connection = Connection(  # type: ignore[no-untyped-call]
+                url, connect_timeout=timeout, ssl=ssl, transport_options=options
+            )
         try:
             depths = queue_depths(self._connection, self.queues)
         except Exception:

@@ -13,7 +13,7 @@ from typing import Any
 from celery import Celery
 from celery.signals import before_task_publish
 
-from stoker.settings import CommonSettings, WorkerSettings
+from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
 from tasks import celeryconfig
 
 #: Message header holding when a task message was published: a stage's broker queue wait starts there.
@@ -27,6 +27,8 @@ def make_app(settings: CommonSettings, include: Sequence[str] = ()) -> Celery:
     app.conf.update(celeryconfig.connection(settings))
     if isinstance(settings, WorkerSettings):
         app.conf.update(celeryconfig.limits(settings))
+    if isinstance(settings, ApiSettings):
+        app.conf.update(celeryconfig.producer(settings))
     return app
 
 

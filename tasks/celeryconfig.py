@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.adapters.broker import declare_queues, transport_options
-from stoker.settings import CommonSettings, WorkerSettings
+from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
 
 # JSON only: a pickled message is refused, and messages carry keys, never media.
 task_serializer = "json"
@@ -63,6 +63,16 @@ def connection(s: CommonSettings) -> dict[str, Any]:
         # One queue per stage, so each can be watched and scaled on its own (quorum queues on RabbitMQ).
         "task_queues": declare_queues(s.broker_url),
         "broker_transport_options": transport_options(s.broker_url, s.visibility_timeout_s),
+    }
+
+
+def producer(s: ApiSettings) -> dict[str, Any]:
+    """The API's producer: a hung broker (stopped, partitioned) fails a publish within the store timeout, retried
+    once, so the client gets 503 `broker_unavailable` instead of a request that never ends."""
+    return {
+        "broker_connection_timeout": s.store_timeout_s,
+        "broker_transport_options": transport_options(s.broker_url, s.visibility_timeout_s, s.store_timeout_s),
+        "task_publish_retry_policy": {"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
     }
 
 

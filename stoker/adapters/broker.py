@@ -38,10 +38,12 @@ def declare_queues(broker_url: str) -> list[Queue]:
     ]
 
 
-def transport_options(broker_url: str, visibility_timeout_s: int) -> dict[str, Any]:
-    """Broker transport options: publisher confirms on RabbitMQ; on Redis, redelivery of a dead worker's messages."""
+def transport_options(broker_url: str, visibility_timeout_s: int, timeout_s: float | None = None) -> dict[str, Any]:
+    """Broker transport options: publisher confirms on RabbitMQ; on Redis, redelivery of a dead worker's messages,
+    and with `timeout_s` (the API's) a bound on connecting and on every answer, so a hung broker is an error."""
     if is_amqp(broker_url):
         return {"confirm_publish": True}
+    bounded = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s} if timeout_s else {}
     return {
         "visibility_timeout": visibility_timeout_s,
         # kombu sweeps for expired unacked messages only every interval × throttle seconds (100 by default) and
@@ -49,4 +51,5 @@ def transport_options(broker_url: str, visibility_timeout_s: int) -> dict[str, A
         "unacked_restore_interval": 5,
         "unacked_restore_throttle": 1,
         "unacked_mutex_expire": 30,
+        **bounded,
     }

@@ -28,6 +28,8 @@ from tests.fleet import own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.media import text_image
 from tests.serving import serve
+from workers.broker import start_embedded
+from workers.procs import stop
 
 
 def test_a_list_of_ten_thousand_inputs_is_refused_before_any_is_decoded(client: TestClient) -> None:
@@ -180,3 +182,23 @@ def _ended(api: TestClient, job_id: str) -> Any:
             break
         job = api.get(f"/v1/jobs/{job_id}", params={"wait": 10}).json()
     return job
+
+
+def test_a_stopped_broker_is_a_503_and_the_api_keeps_answering(store_redis: Any) -> None:
+    valkey, port = start_embedded()
+    settings = ApiSettings(auth=False, broker_url=f"redis://127.0.0.1:{port}/0", store_timeout_s=1.0)
+    try:
+        with TestClient(create_app(settings)) as api:
+            assert api.post("/v1/jobs", data={"prompt": "before"}).status_code == 202
+            os.kill(valkey.pid, signal.SIGSTOP)  # the broker alone hangs; the store answers
+            try:
+                submitted = api.post("/v1/jobs", data={"prompt": "during"})
+                health = api.get("/healthz")
+            finally:
+                os.kill(valkey.pid, signal.SIGCONT)
+            assert submitted.status_code == 503, submitted.text
+            assert submitted.json()["error"]["code"] == "broker_unavailable"
+            assert health.status_code == 200
+            assert api.post("/v1/jobs", data={"prompt": "after"}).status_code == 202
+    finally:
+        stop(valkey, grace_s=10)
