@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from stoker.adapters.broker import queue_depths, transport_options
 from stoker.adapters.store import Store
-from stoker.core.pressure import DrainMeter, QueueState, Refusal, admit
+from stoker.core.pressure import DrainMeter, QueueState, Refusal, admit, drain_rate
 from stoker.core.queues import CPU_QUEUES, QUEUES, SYNC_QUEUE
 from stoker.settings import ApiSettings
 
@@ -47,12 +47,6 @@ class QueueMonitor:
         """The admission limit of a queue."""
         return self.settings.cpu_queue_limit if queue in (*CPU_QUEUES, SYNC_QUEUE) else self.settings.infer_queue_limit
 
-    def drain_rate(self, queue: str) -> float:
-        """Messages per second leaving a queue. A CPU queue held back by the inference watermarks drains as fast
-        as inference does, even while its own counter has not moved yet."""
-        own = self.meter.rate(queue)
-        return max(own, self.meter.rate("infer")) if queue in CPU_QUEUES else own
-
     def sample(self) -> Snapshot:
         """Read every queue's depth and drain counter now (blocking)."""
         with self._lock:
@@ -75,7 +69,8 @@ class QueueMonitor:
             raise
         now = time.time()
         self.meter.add(now, self.store.stats.drained())
-        states = [QueueState(q, depths[q], self.limit(q), round(self.drain_rate(q), 3)) for q in self.queues]
+        rates = {q: self.meter.rate(q) for q in self.queues}
+        states = [QueueState(q, depths[q], self.limit(q), round(drain_rate(q, rates), 3)) for q in self.queues]
         self.latest = Snapshot(now, states)
         return self.latest
 

@@ -53,6 +53,24 @@ def _refusal(state: QueueState, resume_ratio: float, min_s: int, max_s: int) -> 
     return Refusal(state.name, state.depth, state.limit, min(max(wait, min_s), max_s))
 
 
+#: Queues whose stage waits on the inference queue's watermarks before its messages count as drained.
+GATED_BY_INFERENCE = ("tokenize",)
+
+
+def drain_rate(queue: str, rates: Mapping[str, float]) -> float:
+    """The drain rate a queue's Retry-After is computed from: its own, as measured.
+
+    Only a queue whose stage is held back by the inference watermarks (tokenize), and which has measured nothing
+    yet, takes the inference queue's rate: it drains as fast as inference lets it. Any other queue keeps its own,
+    however fast the queues after it drain: when OCR is the bottleneck, text-only jobs racing through inference
+    must not make the OCR queue's clients come back too early.
+    """
+    own = rates.get(queue, 0.0)
+    if own == 0 and queue in GATED_BY_INFERENCE:
+        return rates.get("infer", 0.0)
+    return own
+
+
 def room_to_enqueue(depth: int, high: int, low: int, waiting: bool) -> bool:
     """The inference queue's watermarks: a producer stops above `high` and starts again at or below `low`."""
     return depth <= (low if waiting else high)

@@ -72,6 +72,10 @@ def _start_stack(env: dict[str, str], log: Path, flower_port: int | None = None)
     return proc, base
 
 
+#: The module's `stoker up` process and its log, for tests that act on the supervisor itself.
+SUPERVISOR: dict[str, Any] = {}
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`stoker up` against the machine's Redis, on databases of its own."""
@@ -89,6 +93,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     }
     log = tmp_path_factory.mktemp("stack") / "up.log"
     proc, base = _start_stack(env, log, FLOWER_PORT)
+    SUPERVISOR.update(proc=proc, log=log)
     yield base
     assert stop(proc, signal.SIGINT, grace_s=60) == 0, tail(log)
     assert not _ready(base), "the API outlived stoker up"
@@ -240,3 +245,23 @@ def test_nothing_outlives_a_killed_stoker_up_and_a_second_stack_is_told_its_port
                 os.kill(pid, signal.SIGKILL)
         stop(proc, signal.SIGINT)
     assert not _ready(base)
+
+
+def test_up_replaces_a_worker_that_exited(stack: str) -> None:
+    proc, log = SUPERVISOR["proc"], SUPERVISOR["log"]
+    workers = [pid for pid in _descendants(proc.pid) if "cpu@" in _cmdline(pid) and _parent(pid) == proc.pid]
+    assert len(workers) == 1, [_cmdline(pid) for pid in _descendants(proc.pid)]
+    os.killpg(workers[0], signal.SIGKILL)  # the worker and its pool children, without a word
+    wait_for(lambda: "cpu-worker exited (-9); started a new one" in log.read_text(), 30, "a replacement", [proc])
+    files = [("image", ("scan.png", text_image("REPLACED 8"), "image/png"))]
+    response = httpx.post(f"{stack}/v1/jobs", data={"prompt": "What does it say?"}, files=files, timeout=30)
+    job = _poll(stack, response.json()["id"])  # read by the new worker
+    assert job["status"] == "succeeded", job
+    assert "REPLACED" in job["inputs"][0]["text"]
+    assert proc.poll() is None  # the stack carried on
+
+
+def _parent(pid: int) -> int:
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return 0

@@ -88,6 +88,14 @@ BAD_REQUESTS = {
         "payload_too_large",
     ),
     "unknown field": ({"data": {"prompt": "x", "colour": "red"}}, 422, "invalid_request"),
+    # The multipart parser's own limits, before any part is kept: files, fields, and one field's size.
+    "too many file parts": (
+        {"data": {"prompt": "x"}, "files": [("image", (f"{i}.png", PNG, "image/png")) for i in range(8)]},
+        400,
+        "bad_request",
+    ),
+    "too many fields": ({"data": {"prompt": "x", **{f"f{i}": "1" for i in range(12)}}}, 400, "bad_request"),
+    "a field over its part size": ({"data": {"prompt": "x" * (32_000 * 4 + 1)}}, 400, "bad_request"),
     "plain text body": (
         {"content": b"prompt=hi", "headers": {"content-type": "text/plain"}},
         415,

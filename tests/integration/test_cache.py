@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,10 +18,11 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from stoker.adapters.cache import StageCache
 from stoker.settings import ApiSettings, CommonSettings
+from tests.fleet import own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import long_speech_wav, text_image
-from workers.procs import wait_for
+from workers.procs import ROOT, wait_for
 
 
 def _stats() -> dict[str, dict[str, float]]:
@@ -180,3 +183,55 @@ def test_a_text_only_job_goes_to_the_model_in_one_hop(client: TestClient, spy: S
     assert job["result"]["prompt_tokens"] > 0
     # Its timings stay truthful: preprocessing (tokenizing in the API) ended before the model started.
     assert 0 <= job["timings_ms"]["preprocess"] <= job["timings_ms"]["total"]
+
+
+def _cli(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", *args],
+        cwd=ROOT,
+        env={**env, "COLUMNS": "200"},  # one table row per line
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout
+
+
+def _row(table: str, stage: str) -> list[str]:
+    """The cells of a stage's row in `stoker cache stats` (stage, hits, misses, rate, saved, spent, oversize)."""
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.replace("┃", "│").split("│") if c.strip()]
+        if cells and cells[0] == stage:
+            return cells
+    raise AssertionError(f"no {stage} row in\n{table}")
+
+
+def test_the_cache_commands_show_hits_misses_and_oversize_and_clear_one_stage() -> None:
+    # Decode's output (a 224×224 picture) is over a 4 KiB cap and is never kept; OCR's text is.
+    device = {"STOKER_BACKEND": "sim", "STOKER_CACHE_MAX_VALUE_BYTES": "4096"}
+    with own_fleet(device, kinds=("cpu", "infer")) as crew:
+        image = text_image("OPERATOR 55")
+        for _ in range(2):
+            files = [("image", ("scan.png", image, "image/png"))]
+            response = crew.client.post("/v1/jobs", data={"prompt": "What does it say?"}, files=files)
+            assert _wait(crew.client, response.json()["id"])["status"] == "succeeded"
+        table = _cli(crew.env, "cache", "stats")
+        assert _row(table, "ocr")[1:4] == ["1", "1", "50%"]  # hits, misses, rate: the second job's OCR was cached
+        assert _row(table, "decode")[1:3] == ["0", "2"]
+        assert _row(table, "decode")[6] == "2"  # oversize: both decodes were too big to keep
+        assert "deleted 1 cached entries" in _cli(crew.env, "cache", "clear", "--stage", "ocr")
+        with redis.Redis.from_url(crew.env["STOKER_CACHE_URL"]) as cache:
+            assert list(cache.scan_iter("stoker:cache:ocr:*")) == []
+        assert "ocr" not in [_row_stage(line) for line in _cli(crew.env, "cache", "stats").splitlines()]
+        files = [("image", ("scan.png", image, "image/png"))]
+        again = _wait(crew.client, crew.client.post("/v1/jobs", data={"prompt": "Again?"}, files=files).json()["id"])
+        assert again["inputs"][0]["cache_hit"]["ocr"] is False  # cleared: read again
+        assert "deleted" in _cli(crew.env, "cache", "clear")
+        with redis.Redis.from_url(crew.env["STOKER_CACHE_URL"]) as cache:
+            assert list(cache.scan_iter("stoker:cache:*")) == []
+
+
+def _row_stage(line: str) -> str:
+    cells = [c.strip() for c in line.split("│") if c.strip()]
+    return cells[0] if cells else ""

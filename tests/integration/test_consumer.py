@@ -3,12 +3,16 @@ its jobs at once, and a batch lost with its worker is run again (on the simulate
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from tests.fleet import Fleet, own_fleet
 from tests.integration.test_pipeline import _wait
@@ -78,6 +82,39 @@ def test_a_lone_job_on_an_idle_device_starts_at_once(fleet: Fleet) -> None:
     assert job["batch"]["size"] == 1
     # From reaching the inference queue (its hand-over stamp) to its batch starting, read from its own stamps.
     assert job["batch"]["wait_ms"] <= 20, job["timings_ms"]
+
+
+#: What the inference worker may hold at once: STOKER_PREFETCH_BATCHES (3: running, prepared, being written) batches.
+HOLD = BATCH * 3
+
+
+def _held_for_inference(broker: redis.Redis) -> int:
+    """Messages the broker delivered to the inference worker and it has not acked yet (kombu's `unacked` hash: each
+    entry is [message, exchange, routing key]); the ground truth of what the worker holds, reserved or running."""
+    return sum(json.loads(raw)[2] == "infer" for raw in broker.hvals("unacked"))
+
+
+def _rss_mb(pid: int) -> float:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * 4096 / 2**20
+
+
+def test_the_worker_holds_no_more_than_its_prefetch_while_the_queue_is_deep(fleet: Fleet) -> None:
+    worker = fleet.procs["infer"].pid
+    rss_before = _rss_mb(worker)
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(lambda n: _submit(fleet, f"Deep queue {n}."), range(160)))
+    held, rss = [], []
+    with redis.Redis.from_url(fleet.env["STOKER_BROKER_URL"]) as broker:
+        while int(broker.llen("infer")) > HOLD:  # deep: the worker could take far more than it may
+            held.append(_held_for_inference(broker))
+            rss.append(_rss_mb(worker))
+            time.sleep(0.05)  # a sampling interval, not a wait for anything
+    jobs = [_wait(fleet.client, i) for i in ids]
+    assert all(j["status"] == "succeeded" for j in jobs)
+    assert len(held) >= 10, held  # the queue stayed deep for a while: the samples mean something
+    assert max(held) <= HOLD, held
+    assert max(held) > BATCH, held  # it does hold the next batch while one runs (double buffering)
+    assert max(rss) - rss_before < 150, (rss_before, max(rss))  # bounded by the prefetch, not the queue
 
 
 def test_a_batch_lost_with_its_worker_is_run_again_when_a_worker_is_back(fleet: Fleet) -> None:

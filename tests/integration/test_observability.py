@@ -72,3 +72,22 @@ def test_stages_batches_cache_and_jobs_are_measured(client: TestClient, workers:
     assert ("stoker_queue_depth", frozenset({("queue", "infer")})) in infer
     assert any(name == "stoker_device_starved_seconds_total" for name, _ in infer)
     assert 0 <= _value(infer, "stoker_device_busy_ratio") <= 1
+
+
+def test_the_device_counts_as_starved_while_work_waits_upstream(client: TestClient, workers: dict[str, Path]) -> None:
+    def starved() -> float:
+        return _value(_worker_metrics("infer"), "stoker_device_starved_seconds_total")
+
+    before = starved()
+    # More pages than the CPU pool's two children can read at once: messages wait in the CPU queues while the
+    # device has nothing to run. Each second of that is a second of starvation.
+    pages = [text_image(f"STARVED {n} " + "WORDS " * 12, size=(2400, 1600), font_size=48) for n in range(8)]
+    ids = []
+    for page in pages:
+        files = [("image", ("page.png", page, "image/png"))]
+        response = client.post("/v1/jobs", data={"prompt": "What does it say?"}, files=files)
+        assert response.status_code == 202, response.text
+        ids.append(response.json()["id"])
+    wait_for(lambda: starved() >= before + 1.0, 60, "a second of starvation counted", [])
+    for job_id in ids:
+        assert _wait(client, job_id)["status"] == "succeeded"

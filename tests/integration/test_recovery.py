@@ -92,7 +92,7 @@ def test_a_redis_crash_and_restart_mid_run_loses_no_job(fleet: Fleet) -> None:
     refused = fleet.client.post("/v1/jobs", data={"prompt": "anyone there?"})
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "broker_unavailable"
-    time.sleep(2)
+    time.sleep(2)  # an outage that lasts: workers retry against a Redis that is not there (not a wait for anything)
     fleet.valkey, _ = start_embedded(port=fleet.port, data_dir=fleet.root)
     jobs = _all_answered(fleet, ids)
     assert [j["status"] for j in jobs] == ["succeeded"] * len(ids), [j["inputs"] for j in jobs]
@@ -105,12 +105,11 @@ def test_a_wedged_batch_fails_its_jobs_and_the_worker_is_replaced(fleet: Fleet) 
     wedged = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "30000"}
     fleet.start("infer", STOKER_INFER_BATCH_TIMEOUT_S="0.5", STOKER_INFER_WEDGE_GRACE_S="1", **wedged)
     fleet.wait_workers(("infer",))
-    started = time.monotonic()
     (job_id,) = _submit(fleet, 1, image=False)
     job = _wait(fleet.client, job_id)
+    # Failed by the watchdog (the device would have answered it after 30 s, and succeeded).
     assert job["status"] == "failed", job
     assert job["error"]["code"] == "inference_failed"
-    assert time.monotonic() - started < 20
     assert fleet.procs["infer"].wait(30) == 75  # WEDGED_EXIT: replace me
     fleet.start("infer")
     fleet.wait_workers(("infer",))

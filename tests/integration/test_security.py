@@ -281,7 +281,7 @@ def test_a_job_the_reaper_ends_gives_its_slot_back(
 
 
 #: A broker database no worker consumes: an API submitting there fills its queues as if every worker were paused.
-PAUSED_BROKER_DB = 9
+PAUSED_BROKER_DB = 4
 
 
 @pytest.fixture

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from stoker.core.batching import BatchPolicy, Waiting, idle_gap_summary, plan_batch, start_at, top_up
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, sampling_groups
-from stoker.core.pressure import DrainMeter
+from stoker.core.pressure import DrainMeter, QueueState, Refusal, admit, drain_rate
 from tasks.batches import predict_grouped, predict_isolated
 
 POLICY = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.05)
@@ -194,6 +196,56 @@ def test_a_queue_that_never_drained_has_no_rate() -> None:
     for second in range(30):
         meter.add(float(second), {"sync": 0})
     assert meter.rate("sync") == 0.0
+
+
+# -- Retry-After: drain meter and admission maths, with a fake clock -------------------------------------------------
+
+
+def _steady(meter: DrainMeter, per_s: dict[str, float], seconds: int, every_s: float = 0.5) -> None:
+    """Feed the meter counters that grow at a steady rate per queue, sampled every `every_s` of fake time."""
+    for step in range(int(seconds / every_s) + 1):
+        now = step * every_s
+        meter.add(now, {queue: int(rate * now) for queue, rate in per_s.items()})
+
+
+@pytest.mark.parametrize(("rate", "depth"), [(4.0, 60), (2.0, 90), (10.0, 300), (0.5, 45)])
+def test_a_steady_drain_predicts_the_time_back_to_the_resume_level(rate: float, depth: int) -> None:
+    meter = DrainMeter(window_s=10.0)
+    _steady(meter, {"decode": rate}, seconds=30)
+    assert meter.rate("decode") == pytest.approx(rate, rel=0.02)
+    limit, ratio = 40, 0.8  # resumes at 32
+    refusal = admit([QueueState("decode", depth, limit, meter.rate("decode"))], ratio)
+    assert refusal is not None
+    expected = (depth - 32) / rate  # (d - resume) / r
+    assert expected <= refusal.retry_after_s <= expected + 1  # whole seconds, rounded up
+
+
+def test_the_queue_needing_longest_decides_and_nothing_draining_is_the_longest_wait() -> None:
+    states = [QueueState("decode", 50, 40, 5.0), QueueState("ocr", 45, 40, 0.5), QueueState("infer", 3, 20, 9.0)]
+    refusal = admit(states, 0.8)
+    assert refusal == Refusal("ocr", 45, 40, 26)  # (45 - 32) / 0.5 = 26 s; decode needs only (50 - 32) / 5
+    stuck = admit([QueueState("asr", 41, 40, 0.0)], 0.8)
+    assert stuck is not None
+    assert stuck.retry_after_s == 120
+    assert admit([QueueState("decode", 39, 40, 0.0)], 0.8) is None  # under its limit: admitted
+
+
+def test_an_ocr_bottleneck_is_not_hidden_by_fast_inference() -> None:
+    # OCR drains 1/s while text-only jobs race through inference at 20/s: the OCR queue's clients must be told
+    # to wait for OCR, not for inference.
+    meter = DrainMeter(window_s=10.0)
+    _steady(meter, {"ocr": 1.0, "infer": 20.0}, seconds=30)
+    rates = {queue: meter.rate(queue) for queue in ("ocr", "infer", "tokenize")}
+    assert drain_rate("ocr", rates) == pytest.approx(1.0, rel=0.02)
+    refusal = admit([QueueState("ocr", 52, 40, drain_rate("ocr", rates))], 0.8)
+    assert refusal is not None
+    assert 19 <= refusal.retry_after_s <= 21  # (52 - 32) / 1, not (52 - 32) / 20 = 1
+
+
+def test_a_tokenize_queue_held_by_the_watermarks_drains_as_inference_does() -> None:
+    assert drain_rate("tokenize", {"tokenize": 0.0, "infer": 3.0}) == 3.0  # held: nothing of its own counted yet
+    assert drain_rate("tokenize", {"tokenize": 2.0, "infer": 3.0}) == 2.0  # measured: its own
+    assert drain_rate("decode", {"decode": 0.0, "infer": 3.0}) == 0.0  # not held by inference: no borrowing
 
 
 class _Recording:

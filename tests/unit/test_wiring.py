@@ -152,10 +152,8 @@ def test_every_stage_message_expires_at_the_job_deadline() -> None:
 
 def test_a_tighter_limit_inside_a_stage_raises_its_timeout() -> None:
     record = _inputs(1)[0]
-    started = time.monotonic()
     with input_stage(record, "transcribe"), time_limit(0.2, "transcribe"):
-        time.sleep(5)
-    assert time.monotonic() - started < 2
+        time.sleep(5)  # the work the limit cuts short: had it run out, no error would be recorded
     assert record.error is not None
     assert record.error.code == "asr_timeout"
 
