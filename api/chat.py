@@ -37,7 +37,7 @@ from api.chat_schemas import (
 )
 from api.intake import AcceptedRequest
 from api.schemas import ErrorPublic
-from api.submission import submit_job
+from api.submission import REPLAYED, cancel, submit_job
 from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
 from stoker.core.errors import ClientGone, DeadlineExceeded, StokerError, error_envelope
@@ -74,8 +74,9 @@ async def chat_completions(request: Request, tenant: Annotated[str, Depends(auth
         spec.append(parsed)
         return accepted
 
-    job = await submit_job(request, tenant, read)
-    headers = {"x-stoker-job-id": job.id}
+    submitted = await submit_job(request, tenant, read)
+    job = submitted.job
+    headers = {"x-stoker-job-id": job.id, **({REPLAYED: "true"} if submitted.replayed else {})}
     model = settings.public_model_name
     until = time.monotonic() + (job.deadline_ms or settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
     if spec[0].stream:
@@ -117,8 +118,8 @@ async def _load(store: Store, job_id: str, tenant: str) -> Job:
 def give_up(store: Store, job_id: str) -> None:
     """End a job nobody waits for any more: it never reaches the model (a batch already running finishes, and
     its answer is not written)."""
-    if store.jobs.finish(job_id, "failed", error=ErrorInfo(**ClientGone(stage="api").to_dict())):
-        log.info("job %s given up: its client went away", job_id)
+    if cancel(store, job_id, ClientGone(stage="api")):
+        log.info("job %s cancelled: its client went away", job_id)
 
 
 def _failure(job: Job) -> StokerError | None:

@@ -19,7 +19,7 @@ from stoker.core.urls import parse_url
 from stoker.settings import ApiSettings
 
 FILE_FIELDS: tuple[InputKind, ...] = ("image", "audio", "video")
-TEXT_FIELDS = ("prompt", "deadline_ms")
+TEXT_FIELDS = ("prompt", "deadline_ms", "callback_url")
 
 
 @dataclass(frozen=True)
@@ -53,22 +53,26 @@ class AcceptedRequest:
     deadline_ms: int
     #: A chat's turns and generation parameters (`/v1/chat/completions`); None for a job of the job API.
     chat: Conversation | None = None
+    #: Where to POST the job when it ends (signed), if the client asked for that.
+    callback_url: str | None = None
 
 
 async def read_request(request: Request, settings: ApiSettings) -> AcceptedRequest:
     """Parse and validate a job request; raises an InputError for anything that must not be enqueued."""
     content_type = request.headers.get("content-type", "")
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        prompt, raw, deadline = await _read_multipart(request, settings)
+        fields = await _read_multipart(request, settings)
     elif content_type.startswith("application/json"):
         # parsed and base64-decoded in a worker thread: a big body must not stall the event loop
-        prompt, raw, deadline = await run_in_threadpool(_read_json, await request.body(), settings)
+        fields = await run_in_threadpool(_read_json, await request.body(), settings)
     else:
         raise UnsupportedMediaType("send multipart/form-data, a url-encoded form or application/json")
-    return validate(prompt, raw, settings, deadline)
+    prompt, raw, deadline, callback = fields
+    return validate(prompt, raw, settings, deadline, callback_url=callback)
 
 
-Fields = tuple[str | None, list[tuple[InputKind, Payload]], str | int | None]
+#: prompt, inputs, deadline_ms, callback_url: as a form or a JSON body gave them.
+Fields = tuple[str | None, list[tuple[InputKind, Payload]], str | int | None, str | None]
 
 
 async def _read_multipart(request: Request, settings: ApiSettings) -> Fields:
@@ -80,9 +84,9 @@ async def _read_multipart(request: Request, settings: ApiSettings) -> Fields:
     unknown = set(form.keys()) - set(FILE_FIELDS) - set(TEXT_FIELDS)
     if unknown:
         raise InvalidRequest(f"unknown form fields: {', '.join(sorted(unknown))}")
-    prompt, deadline = form.get("prompt"), form.get("deadline_ms")
-    if isinstance(prompt, UploadFile) or isinstance(deadline, UploadFile):
-        raise InvalidRequest("prompt and deadline_ms must be text fields")
+    prompt, deadline, callback = form.get("prompt"), form.get("deadline_ms"), form.get("callback_url")
+    if isinstance(prompt, UploadFile) or isinstance(deadline, UploadFile) or isinstance(callback, UploadFile):
+        raise InvalidRequest("prompt, deadline_ms and callback_url must be text fields")
     files: list[tuple[InputKind, Payload]] = []
     for kind in FILE_FIELDS:
         for item in form.getlist(kind):
@@ -90,7 +94,7 @@ async def _read_multipart(request: Request, settings: ApiSettings) -> Fields:
                 raise InvalidRequest(f"{kind} must be a file")
             files.append((kind, await item.read()))
     await form.close()
-    return prompt, files, deadline
+    return prompt, files, deadline, callback
 
 
 def _read_json(body: bytes, settings: ApiSettings) -> Fields:
@@ -111,7 +115,7 @@ def _read_json(body: bytes, settings: ApiSettings) -> Fields:
             inputs.append((item.kind, base64.b64decode(item.data or "", validate=True)))
         except (binascii.Error, ValueError) as exc:
             raise InvalidRequest(f"inputs[{position}].data is not valid base64") from exc
-    return spec.prompt, inputs, spec.deadline_ms
+    return spec.prompt, inputs, spec.deadline_ms, spec.callback_url
 
 
 def first_error(exc: ValidationError) -> tuple[str, str]:
@@ -125,6 +129,8 @@ def validate(
     raw: list[tuple[InputKind, Payload]],
     settings: ApiSettings,
     deadline_ms: str | int | None = None,
+    *,
+    callback_url: str | None = None,
 ) -> AcceptedRequest:
     """Check the prompt and the deadline, sniff every input by its magic bytes, check every URL's syntax."""
     if prompt is None or not prompt.strip():
@@ -132,7 +138,19 @@ def validate(
     if len(prompt) > settings.max_prompt_chars:
         raise InvalidRequest(f"prompt exceeds {settings.max_prompt_chars} characters")
     accepted = validate_inputs(raw, settings)
-    return AcceptedRequest(prompt=prompt, inputs=accepted, deadline_ms=_deadline_ms(deadline_ms, settings))
+    deadline = _deadline_ms(deadline_ms, settings)
+    return AcceptedRequest(prompt, accepted, deadline, callback_url=_callback_url(callback_url))
+
+
+def _callback_url(url: str | None) -> str | None:
+    """Where to POST the job when it ends: its syntax checked here, its address by the worker that sends it."""
+    if url is None or not url.strip():
+        return None
+    try:
+        parse_url(url.strip())
+    except UrlRejected as exc:
+        raise UrlRejected(f"callback_url: {exc.message}", param="callback_url") from exc
+    return url.strip()
 
 
 def validate_inputs(raw: list[tuple[InputKind, Payload]], settings: ApiSettings) -> list[AcceptedInput]:

@@ -18,13 +18,13 @@ from starlette.concurrency import run_in_threadpool
 from api.announcements import Announcements
 from api.intake import read_request
 from api.pressure import QueueMonitor
-from api.schemas import ErrorPublic, JobPublic
-from api.submission import submit_job
+from api.schemas import ErrorPublic, JobList, JobPublic
+from api.submission import REPLAYED, cancel, submit_job
 from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
 from stoker.core.batching import idle_gap_summary
-from stoker.core.errors import BrokerUnavailable, JobNotFound
-from stoker.core.jobs import Job
+from stoker.core.errors import BrokerUnavailable, Cancelled, JobAlreadyEnded, JobNotFound
+from stoker.core.jobs import Cursor, Job, JobStatus
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,54 @@ async def create_job(request: Request, tenant: Annotated[str, Depends(authentica
     (429 `rate_limited` / `too_many_jobs_in_flight`).
     """
     settings: ApiSettings = request.app.state.settings
-    job = await submit_job(request, tenant, lambda: read_request(request, settings))
-    return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
+    submitted = await submit_job(request, tenant, lambda: read_request(request, settings))
+    job, headers = submitted.job, {"Location": f"/v1/jobs/{submitted.job.id}"}
+    if submitted.replayed:  # the job an earlier request with this Idempotency-Key made
+        return JSONResponse(job.model_dump(mode="json"), status_code=200, headers={**headers, REPLAYED: "true"})
+    return JSONResponse(job.model_dump(mode="json"), status_code=202, headers=headers)
+
+
+@router.get(
+    "/v1/jobs",
+    response_model=JobList,
+    responses={401: {"model": ErrorPublic}, 422: {"model": ErrorPublic}, 429: {"model": ErrorPublic}},
+)
+async def list_jobs(
+    request: Request,
+    tenant: Annotated[str, Depends(within_rate)],
+    status: JobStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    cursor: str | None = None,
+) -> JobList:
+    """The tenant's recent jobs (as long as their records live, `STOKER_JOB_TTL_S`), newest first, `limit` a page,
+    only those in `status` if given; pass `next_cursor` back as `cursor` for the next page."""
+    store: Store = request.app.state.store
+    start = Cursor.decode(cursor) if cursor else None
+    jobs, last = await run_in_threadpool(_page, store, tenant, status, limit, start)
+    return JobList(data=jobs, next_cursor=last.encode() if last else None)
+
+
+#: Entries one list request looks through at most for a status filter (a sparse status costs pages, not time).
+MAX_SCAN = 1000
+
+
+def _page(
+    store: Store, tenant: str, status: str | None, limit: int, cursor: Cursor | None
+) -> tuple[list[JobPublic], Cursor | None]:
+    """A page of the tenant's jobs after `cursor`, and where the next one starts (None when nothing is left)."""
+    found: list[JobPublic] = []
+    scanned = 0
+    while len(found) < limit and scanned < MAX_SCAN:
+        entries = store.jobs.page(tenant, cursor, limit - len(found) if status is None else 100)
+        if not entries:
+            return found, None
+        for entry, job in zip(entries, store.jobs.load_many([e.job_id for e in entries]), strict=True):
+            cursor, scanned = entry, scanned + 1
+            if job is not None and job.tenant == tenant and status in (None, job.status):
+                found.append(JobPublic.model_validate(job.model_dump()))
+                if len(found) == limit:
+                    break
+    return found, cursor if cursor and store.jobs.page(tenant, cursor, 1) else None
 
 
 @router.get(
@@ -89,6 +135,32 @@ async def _wait_terminal(request: Request, store: Store, job_id: str, wait: floa
         while not job.terminal and (remaining := until - time.monotonic()) > 0:
             await announcements.wait(event, remaining)
             job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
+    return job
+
+
+@router.delete(
+    "/v1/jobs/{job_id}",
+    response_model=JobPublic,
+    responses={
+        401: {"model": ErrorPublic},
+        404: {"model": ErrorPublic},
+        409: {"model": ErrorPublic},
+        429: {"model": ErrorPublic},
+    },
+)
+async def cancel_job(
+    request: Request, job_id: str, tenant: Annotated[str, Depends(within_rate)]
+) -> JobPublic | JSONResponse:
+    """Cancel a job that has not ended: it ends `cancelled` at once, its remaining work is skipped or stopped, and
+    it never reaches the model. 409 `job_already_ended` if it had ended, with `job` {id, status} beside the error;
+    another tenant's job is 404 like an unknown one."""
+    store: Store = request.app.state.store
+    _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
+    cancelled = await run_in_threadpool(cancel, store, job_id, Cancelled("cancelled by its client", stage="api"))
+    job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
+    if not cancelled:
+        error = JobAlreadyEnded(f"job {job_id} already ended: {job.status}")
+        return JSONResponse({**error.envelope(), "job": {"id": job_id, "status": job.status}}, status_code=409)
     return job
 
 

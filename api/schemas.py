@@ -34,10 +34,19 @@ class JobCreate(BaseModel):
     prompt: str = Field(min_length=1)
     inputs: list[InputCreate] = Field(default_factory=list, max_length=MAX_JSON_INPUTS)
     deadline_ms: int | None = Field(None, description="answer within this many ms (default from settings)")
+    callback_url: str | None = Field(None, description="POST the job here, signed, when it ends")
 
 
 class JobPublic(Job):
     """A job as the API returns it."""
+
+
+class JobList(BaseModel):
+    """A page of a tenant's jobs, newest first; `next_cursor` (None on the last page) fetches the next."""
+
+    object: str = "list"
+    data: list[JobPublic]
+    next_cursor: str | None = None
 
 
 class ErrorBody(BaseModel):

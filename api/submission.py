@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -19,6 +20,7 @@ from opentelemetry.trace import SpanKind
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import State
 
+from api import idempotency
 from api.intake import AcceptedRequest
 from api.tenancy import admit, charge, release
 from stoker.adapters.cache import StageCache
@@ -27,8 +29,8 @@ from stoker.adapters.store import Store
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
 from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
 from stoker.core.deadlines import deadline_for
-from stoker.core.errors import BrokerUnavailable, Overloaded
-from stoker.core.jobs import ChatTurn, InputRecord, Job
+from stoker.core.errors import BrokerUnavailable, Overloaded, StokerError
+from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job
 from stoker.core.model import ModelRequest
 from stoker.core.prompting import Attachment, attachment_for, model_request
 from stoker.core.queues import job_messages
@@ -37,14 +39,47 @@ from stoker.settings import ApiSettings
 from tasks.pipeline import Start, Submitter
 
 log = logging.getLogger(__name__)
+#: Response header on a submission answered with the job an earlier one (same Idempotency-Key) made.
+REPLAYED = "Idempotent-Replayed"
 
 
-async def submit_job(request: Request, tenant: str, read: Callable[[], Awaitable[AcceptedRequest]]) -> Job:
+@dataclass(frozen=True)
+class Submitted:
+    """A submission's job, and whether it is one an earlier request with the same Idempotency-Key made."""
+
+    job: Job
+    replayed: bool = False
+
+
+async def submit_job(request: Request, tenant: str, read: Callable[[], Awaitable[AcceptedRequest]]) -> Submitted:
     """Admit, read (with `read`), store and enqueue one job; the job as it now stands.
 
     While a queue is over its limit the job is refused before its body is read (429 with Retry-After from the
-    queue's measured drain rate, nothing written); so is one over its tenant's rate or jobs in flight.
+    queue's measured drain rate, nothing written); so is one over its tenant's rate or jobs in flight. With an
+    `Idempotency-Key` that already made a job, that job comes back instead (`api.idempotency`).
     """
+    state = request.app.state
+    job_id = uuid.uuid4().hex
+    key = idempotency.key_of(request, tenant)
+    if key is None:
+        return Submitted(await _submit(request, tenant, read, job_id))
+    remembered = await idempotency.claim(state.store, key, job_id)
+    if remembered is not None:
+        return Submitted(await idempotency.replay(state.store, remembered, tenant, read), replayed=True)
+    try:
+        return Submitted(await _submit(request, tenant, read, job_id, key))
+    except BaseException:
+        await run_in_threadpool(state.store.idempotency.release, key.digest, job_id)  # no job: a retry may try
+        raise
+
+
+async def _submit(
+    request: Request,
+    tenant: str,
+    read: Callable[[], Awaitable[AcceptedRequest]],
+    job_id: str,
+    key: idempotency.Key | None = None,
+) -> Job:
     state = request.app.state
     settings: ApiSettings = state.settings
     refusal = state.monitor.refusal()
@@ -55,7 +90,6 @@ async def submit_job(request: Request, tenant: str, read: Callable[[], Awaitable
             f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})",
             retry_after_s=refusal.retry_after_s,
         )
-    job_id = uuid.uuid4().hex
     await admit(request, tenant, job_id)
     try:
         accepted = await read()
@@ -66,7 +100,16 @@ async def submit_job(request: Request, tenant: str, read: Callable[[], Awaitable
             ADMISSIONS.labels("unavailable").inc()
         raise
     ADMISSIONS.labels("accepted").inc()
+    if key is not None:  # accepted: the key names this job from now on
+        await idempotency.remember(state.store, settings, key, job_id, accepted)
     return job
+
+
+def cancel(store: Store, job_id: str, reason: StokerError) -> bool:
+    """End a job that has not ended as `cancelled` (with why), once: its in-flight slot and share are given back,
+    its stages still queued are skipped when they arrive, a running OCR stops, and it never reaches the model (a
+    batch already on the device finishes, and its answer is not written). False if it had already ended."""
+    return store.jobs.finish(job_id, "cancelled", error=ErrorInfo(**reason.to_dict()))
 
 
 def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, job_id: str, tenant: str) -> Job:
@@ -110,6 +153,7 @@ def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, jo
                 traced,
                 tenant=tenant,
                 chat=accepted.chat,
+                callback_url=accepted.callback_url,
             )
             if request is not None:
                 store.jobs.hand_off(job_id, request, rev=None)

@@ -56,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="manage the model cache")
     model.add_argument("action", choices=["fetch", "path"])
     _keys_parser(sub)
+    check = sub.add_parser("verify-callback", help="check a completion callback's signature (the body on stdin)")
+    check.add_argument("--secret", required=True, help="the tenant's callback secret")
+    check.add_argument("--timestamp", required=True, help="the X-Stoker-Timestamp header")
+    check.add_argument("--signature", required=True, help="the X-Stoker-Signature header")
+    check.add_argument("--tolerance", type=int, default=300, help="seconds a delivery may be old (default 300)")
     return parser
 
 
@@ -153,6 +158,20 @@ def _cache(args: argparse.Namespace, _: list[str]) -> int:
     return 0
 
 
+def _verify_callback(args: argparse.Namespace, _: list[str]) -> int:
+    """Check a delivery as a receiver would: the raw body on stdin, the two headers' values as options."""
+    import time
+
+    from stoker.core.callbacks import verify
+
+    body = sys.stdin.buffer.read()
+    if verify(args.secret, args.timestamp, body, args.signature, time.time(), args.tolerance):
+        print("valid")
+        return 0
+    print("invalid: wrong secret, altered body, or a timestamp too far from now", file=sys.stderr)
+    return 1
+
+
 def _keys(args: argparse.Namespace, _: list[str]) -> int:
     import time
 
@@ -168,6 +187,8 @@ def _keys(args: argparse.Namespace, _: list[str]) -> int:
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
         store.tenants.put_api_key(issued.record)
+        secret = settings.callback_secret or store.callbacks.secret(issued.record.tenant)
+        print(f"tenant {issued.record.tenant}'s callbacks are signed with {secret} (stoker verify-callback)")
         print(f"created key {issued.record.key_id} for tenant {issued.record.tenant}; it is shown only now:")
         print(issued.token)
         return 0
@@ -195,6 +216,7 @@ _HANDLERS = {
     "cache": _cache,
     "stats": _cache,
     "keys": _keys,
+    "verify-callback": _verify_callback,
 }
 
 if __name__ == "__main__":

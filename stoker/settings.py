@@ -46,6 +46,9 @@ class CommonSettings(BaseSettings):
     store_timeout_s: float = Field(10.0, gt=0)
     model: str = Field(BUILTIN_MODEL, description="Built-in model name, a local HF directory or a hub id.")
     model_cache: Path = Path("~/.cache/stoker").expanduser()
+    #: Signs every tenant's completion callbacks when set (one secret for a deployment with one client); unset,
+    #: each tenant has its own, made on first use and shown by `stoker keys create`.
+    callback_secret: str | None = None
     #: New tokens per answer when a request names none (a job; a chat without `max_tokens`)…
     max_new_tokens: int = Field(64, ge=1, le=4096)
     #: … and the most a chat request may ask for (`max_tokens` / `max_completion_tokens` above it are capped).
@@ -127,6 +130,8 @@ class ApiSettings(CommonSettings):
     #: the others are idle; with n tenants busy, 1/n of them where that is less. A tenant over its share is
     #: refused (429 `tenant_over_share`) while the others are still admitted. 0 turns fair share off.
     tenant_max_share: float = Field(0.5, ge=0, le=1)
+    #: A POST with an `Idempotency-Key` header made within this long gets the same job back on a retry.
+    idempotency_ttl_s: int = Field(86_400, ge=60)
     #: Per tenant: input bytes its unfinished jobs may hold at once, uploads and URL downloads alike (429
     #: `tenant_storage_full`; a URL download that would pass it fails its input `storage_quota_exceeded`). 0: no cap.
     tenant_max_stored_bytes: int = Field(512 * MiB, ge=0)
@@ -209,6 +214,12 @@ class WorkerSettings(CommonSettings):
     #: private, loopback or link-local: `files.internal:8443,10.1.0.0/16,127.0.0.1:8080`. For tests and private
     #: deployments; empty, only public addresses are fetched.
     url_allowlist: str = ""
+
+    # Completion callbacks (`callback_url`): POSTed by a CPU worker when a job ends, under the same address rules.
+    #: Attempts at most, on 5xx, 408, 429, timeouts and network errors, waiting base × 2^n between them.
+    callback_max_attempts: int = Field(8, ge=1, le=20)
+    callback_backoff_s: float = Field(2.0, gt=0)
+    callback_timeout_s: float = Field(10.0, gt=0)
 
     # Inference consumer.
     backend: Literal["transformers", "openai", "sim"] = "transformers"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.adapters.broker import declare_queues, transport_options
+from stoker.core.queues import CALLBACK_QUEUE
 from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
 
 # JSON only: a pickled message is refused, and messages carry keys, never media.
@@ -32,6 +33,8 @@ task_routes = {
     "stoker.rescue": {"queue": "tokenize"},
     "stoker.infer": {"queue": "infer"},
     "stoker.sync": {"queue": "sync"},
+    # Completion callbacks go out from the CPU workers, on a queue of their own (never behind a backlog of OCR).
+    "stoker.callback": {"queue": CALLBACK_QUEUE},
 }
 # An accepted job is never lost: ack after the work, requeue when a worker dies mid-task.
 task_acks_late = True
@@ -91,5 +94,6 @@ def limits(s: WorkerSettings) -> dict[str, Any]:
             "stoker.keyframe": {"soft_time_limit": s.keyframes_soft_s, "time_limit": s.keyframes_hard_s},
             "stoker.fetch": {"soft_time_limit": s.fetch_soft_s, "time_limit": s.fetch_hard_s},
             "stoker.transcribe": {"soft_time_limit": s.transcribe_soft_s, "time_limit": s.transcribe_hard_s},
+            "stoker.callback": {"soft_time_limit": s.callback_timeout_s + 2, "time_limit": s.callback_timeout_s + 5},
         }
     }

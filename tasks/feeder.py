@@ -179,11 +179,20 @@ class Feeder:
             else:
                 return [], None
             prepared, self._prepared = self._prepared, []
-            items = [i for i in prepared if not i.pending.deadline or i.pending.deadline > now]
+            self._running = prepared  # held as running (given back if the process goes) while checked
+            self._cond.notify_all()  # room for the collector to prepare the next one
+        # At the last moment, one round trip: a job cancelled while it waited for the device never reaches it.
+        ended = _ended([i.job_id for i in prepared])
+        now = time.time()
+        wanted = [i for i in prepared if i.job_id not in ended]
+        items = [i for i in wanted if not i.pending.deadline or i.pending.deadline > now]
+        with self._cond:
             self._running = items
             gap = now - self._last_end if self._last_end is not None and self._work_at_end else None
-            self._cond.notify_all()  # room for the collector to prepare the next one
-        late = [i for i in prepared if i not in items]  # their deadline passed while they waited for the device
+        for item in prepared:
+            if item.job_id in ended and item.message is not None:
+                self._done_with(item.message)
+        late = [i for i in wanted if i not in items]  # their deadline passed while they waited for the device
         self._errands.put((items, late, now))
         return items, gap
 
@@ -265,6 +274,15 @@ def _as_waiting(request: Request, now: float) -> Waiting:
     kwargs = request.kwargs or {}
     tokens, deadline = kwargs.get("prompt_tokens"), kwargs.get("deadline")
     return Waiting(request.id, int(tokens or 0), now, float(deadline) if deadline else None)
+
+
+def _ended(job_ids: list[str]) -> set[str]:
+    """The jobs among these that ended (cancelled) since they were loaded; none when the store cannot say."""
+    try:
+        return resources.store().jobs.ended_among(job_ids)
+    except Exception as exc:
+        log.warning("could not check for cancelled jobs: %s", exc)
+        return set()
 
 
 def _job_of(request: Request) -> str:

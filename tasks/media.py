@@ -79,7 +79,7 @@ def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     store.jobs.mark_started(job_id)
     target = frame_ref(index, slot)
     video = store.jobs.get_input(job_id, input_ref(index))
-    if video is None or not video.content_hash or not store.watch.preprocessing_open(job_id):  # no bytes: fetch failed
+    if video is None or not video.content_hash or store.watch.stage_gate(job_id) != "open":  # no bytes: fetch failed
         return handoff(job_id, target, None)
     frame = InputRecord(index=slot, kind="image", content_hash="", size_bytes=0, status="skipped")
     address = resources.keyframe_address(video.content_hash, slot, count, cache_scope(job_id))

@@ -86,7 +86,11 @@ def _ocr(job_id: str, record: InputRecord) -> None:
     scope = cache_scope(job_id)
 
     def compute() -> dict[str, Any]:
-        return {"text": read_text(_ocr_pixels(record, scope), s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd)}
+        pixels = _ocr_pixels(record, scope)
+        return {"text": read_text(pixels, s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd, cancelled=ended)}
+
+    def ended() -> bool:  # asked while tesseract runs: a cancelled job's OCR stops at once
+        return resources.store().watch.ended(job_id)
 
     address = resources.ocr_address(record.content_hash, scope)
     value = through_cache(record, address, compute, _follower_wait(s.ocr_soft_s))

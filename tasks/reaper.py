@@ -61,6 +61,25 @@ def recover_lost() -> Counter[str]:
     return done
 
 
+def dispatch_callbacks(now: float | None = None) -> Counter[str]:
+    """Hand every due completion callback to a CPU worker (`stoker.callback`); one that cannot be sent now is due
+    again in a few seconds."""
+    store = resources.store()
+    now = time.time() if now is None else now
+    done: Counter[str] = Counter()
+    for job_id in store.callbacks.due(now):
+        if not store.callbacks.take(job_id):  # another reaper took it (it lost the lease meanwhile)
+            continue
+        try:
+            app.signature("stoker.callback", args=(job_id,)).apply_async()
+        except Exception:
+            log.exception("could not send the callback of job %s; again shortly", job_id)
+            store.callbacks.put_back(job_id, now + 5)
+            continue
+        done["callback"] += 1
+    return done
+
+
 def resend_lost(job_id: str) -> str:
     """One job of a dead consumer: send it to the inference queue again, or give up on it."""
     store = resources.store()

@@ -260,9 +260,14 @@ def give_up(job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
 
 
 def past_budget(job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
-    """Whether the job's preprocessing budget is spent (or it went on without this input): then fail the input."""
-    if resources.store().watch.preprocessing_open(job_id):
+    """Whether the job's preprocessing budget is spent (or it went on without this input): then fail the input.
+    A job that ended (cancelled) is past every budget too, and nothing is written for it."""
+    gate = resources.store().watch.stage_gate(job_id)
+    if gate == "open":
         return False
+    if gate == "ended":
+        log.info("job %s ended: %s skipped", job_id, stage)
+        return True
     _fail(record, DeadlineExceeded(f"the job's preprocessing budget was spent before {stage}", stage=stage))
     resources.store().jobs.put_input(job_id, ref, record)  # refused once the job went to inference: nothing to say
     return True

@@ -13,6 +13,7 @@ TASK_MODULES = (
     "tasks.inference",
     "tasks.monitoring",
     "tasks.baseline",
+    "tasks.callbacks",
 )
 
 app = make_app(resources.settings(), include=TASK_MODULES)

@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from stoker.core.queues import CALLBACK_QUEUE
 from stoker.settings import WorkerSettings
 
 
@@ -26,7 +27,7 @@ def worker_kinds(settings: WorkerSettings) -> dict[str, WorkerKind]:
     `cpu` serves every CPU stage; `ocr` serves OCR alone, to add OCR capacity without more decode or tokenize.
     """
     return {
-        "cpu": WorkerKind(("decode", "ocr", "tokenize"), "prefork", "cpu"),
+        "cpu": WorkerKind(("decode", "ocr", "tokenize", CALLBACK_QUEUE), "prefork", "cpu"),
         "ocr": WorkerKind(("ocr",), "prefork", "cpu"),
         "asr": WorkerKind(("asr",), "prefork", settings.asr_device),
         "infer": WorkerKind(("infer",), settings.infer_pool, settings.device),

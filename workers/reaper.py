@@ -14,7 +14,7 @@ import redis
 from stoker.adapters.store.keys import REAPER_LEASE_KEY
 from tasks import resources
 from tasks.preprocess import pipeline_context
-from tasks.reaper import reap_once, recover_lost
+from tasks.reaper import dispatch_callbacks, reap_once, recover_lost
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def run_reaper() -> int:
                 log.info("reaper %s %s the lease", token, "holds" if held else "lost")
                 leading = held
             if held:
-                done = reap_once() + recover_lost()
+                done = reap_once() + recover_lost() + dispatch_callbacks()
                 if set(done) - {"wait"}:
                     log.info("reaped: %s", dict(done))
         except redis.RedisError as exc:

@@ -8,7 +8,7 @@ from typing import Any
 from kombu.connection import Connection
 from kombu.entity import Queue
 
-from stoker.core.queues import QUEUES, SYNC_QUEUE
+from stoker.core.queues import CALLBACK_QUEUE, QUEUES, SYNC_QUEUE
 
 
 def queue_depths(connection: Connection, names: Iterable[str] = QUEUES) -> dict[str, int]:
@@ -34,7 +34,7 @@ def declare_queues(broker_url: str) -> list[Queue]:
     arguments = {"x-queue-type": "quorum"} if is_amqp(broker_url) else None
     return [
         Queue(name, routing_key=name, durable=True, queue_arguments=arguments)  # type: ignore[no-untyped-call]
-        for name in (*QUEUES, SYNC_QUEUE)
+        for name in (*QUEUES, SYNC_QUEUE, CALLBACK_QUEUE)
     ]
 
 

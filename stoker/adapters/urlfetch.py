@@ -69,6 +69,40 @@ def fetch(
     raise UrlRejected(f"more than {policy.max_redirects} redirects")
 
 
+def post(
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    policy: FetchPolicy,
+    resolver: Resolver = resolve,
+    transport: httpx.BaseTransport | None = None,
+) -> int:
+    """POST body to url, its addresses vetted and the connection pinned like a fetch; the 2xx status it answered.
+
+    No redirect is followed (a receiver that moved is an error). Raises UrlRejected, FetchFailed (a 4xx, a
+    redirect, a bad certificate), FetchTimeout, or FetchUnavailable (5xx, 408, 429, the network: worth a retry).
+    """
+    deadline = time.monotonic() + policy.timeout_s
+    target = parse_url(url)
+    sending = Sending("POST", body, headers)
+    with httpx.Client(trust_env=False, follow_redirects=False, transport=transport) as client:
+        addresses = vet_addresses(target, resolver(target.host, target.port), policy.allowlist)
+        with _network_errors(target, deadline), _send_pinned(client, target, addresses, deadline, sending) as answer:
+            if 300 <= answer.status_code < 400:
+                raise FetchFailed(f"{target.host} answered a redirect (HTTP {answer.status_code}), not followed")
+            _check_status(target, answer.status_code)
+            return answer.status_code
+
+
+@dataclass(frozen=True)
+class Sending:
+    """What a pinned request sends: a GET of nothing, or a POST of a body."""
+
+    method: str = "GET"
+    body: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
 def _hop(
     client: httpx.Client, target: Target, policy: FetchPolicy, resolver: Resolver, deadline: float
 ) -> bytes | Target:
@@ -85,28 +119,37 @@ def _hop(
 
 @contextlib.contextmanager
 def _send_pinned(
-    client: httpx.Client, target: Target, addresses: list[IPAddress], deadline: float
+    client: httpx.Client, target: Target, addresses: list[IPAddress], deadline: float, sending: Sending = Sending()
 ) -> Iterator[httpx.Response]:
-    """A streamed GET to the first vetted address that takes the connection; closed on the way out."""
+    """A streamed request to the first vetted address that takes the connection; closed on the way out."""
     response = None
     for address in addresses[:-1]:
         with contextlib.suppress(httpx.ConnectError):
-            response = client.send(_pinned_request(client, target, address, deadline), stream=True)
+            response = client.send(_pinned_request(client, target, address, deadline, sending), stream=True)
             break
     if response is None:
-        response = client.send(_pinned_request(client, target, addresses[-1], deadline), stream=True)
+        response = client.send(_pinned_request(client, target, addresses[-1], deadline, sending), stream=True)
     try:
         yield response
     finally:
         response.close()
 
 
-def _pinned_request(client: httpx.Client, target: Target, address: IPAddress, deadline: float) -> httpx.Request:
-    """A GET to address by number; the name travels in the Host header and as the TLS server name."""
+def _pinned_request(
+    client: httpx.Client, target: Target, address: IPAddress, deadline: float, sending: Sending
+) -> httpx.Request:
+    """A request to address by number; the name travels in the Host header and as the TLS server name."""
     url = httpx.URL(scheme=target.scheme, host=str(address), port=target.port, raw_path=target.path.encode("ascii"))
-    headers = {"Host": target.host_header, "Accept-Encoding": "identity", "User-Agent": USER_AGENT}
+    headers = {**sending.headers, "Host": target.host_header, "Accept-Encoding": "identity", "User-Agent": USER_AGENT}
     extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
-    return client.build_request("GET", url, headers=headers, timeout=_remaining(deadline), extensions=extensions)
+    return client.build_request(
+        sending.method,
+        url,
+        headers=headers,
+        content=sending.body,
+        timeout=_remaining(deadline),
+        extensions=extensions,
+    )
 
 
 def _remaining(deadline: float) -> float:

@@ -235,6 +235,27 @@ class JobNotFound(StokerError):
     http_status = 404
 
 
+class IdempotencyKeyReused(InputError):
+    """This Idempotency-Key was used for a different request: use a new key for a new request."""
+
+    code = "idempotency_key_reused"
+    http_status = 422
+
+
+class JobAlreadyEnded(StokerError):
+    """The job has already ended: there is nothing left to cancel."""
+
+    code = "job_already_ended"
+    http_status = 409
+
+
+class Cancelled(StokerError):
+    """The job was cancelled: its work stops and nothing of it is kept."""
+
+    code = "cancelled"
+    http_status = 409
+
+
 class Unauthorized(StokerError):
     """A valid API key is required: send `Authorization: Bearer <key>`."""
 
@@ -300,6 +321,14 @@ class BrokerUnavailable(TransientError):
     """The broker or the job store cannot be reached."""
 
     code = "broker_unavailable"
+
+
+class IdempotencyKeyInUse(TransientError):
+    """A request with this Idempotency-Key is still being taken in: retry in a moment."""
+
+    code = "idempotency_key_in_use"
+    http_status = 409
+    retry_after_s = 1
 
 
 class FetchUnavailable(TransientError):

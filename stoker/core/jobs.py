@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import base64
+import math
+import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from stoker.core.errors import InvalidRequest
 from stoker.core.model import FinishReason, GenerationParams
 
-JobStatus = Literal["queued", "preprocessing", "inferring", "succeeded", "degraded", "failed"]
+JobStatus = Literal["queued", "preprocessing", "inferring", "succeeded", "degraded", "failed", "cancelled"]
 InputKind = Literal["image", "audio", "video"]
 #: skipped: a video keyframe slot the video did not fill (too short, no picture).
 InputStatus = Literal["pending", "ok", "failed", "skipped"]
-TERMINAL: frozenset[str] = frozenset({"succeeded", "degraded", "failed"})
+#: A job in one of these will not change any more: `cancelled` by its client (DELETE, or a chat client gone).
+TERMINAL: frozenset[str] = frozenset({"succeeded", "degraded", "failed", "cancelled"})
+
+#: A job id: 32 hex digits (uuid4().hex).
+JOB_ID = re.compile(r"[0-9a-f]{32}")
 
 #: Suffix of an input's timing that is a stage's broker queue wait (`decode_queue`), not its run time.
 QUEUE_SUFFIX = "_queue"
@@ -102,6 +111,16 @@ class Conversation(BaseModel):
     stream: bool = False
 
 
+class CallbackState(BaseModel):
+    """Where a job is POSTed when it ends, and how that delivery stands."""
+
+    url: str
+    #: pending: not delivered yet (the job runs, or attempts are under way); delivered; failed: given up.
+    status: Literal["pending", "delivered", "failed"] = "pending"
+    attempts: int = 0
+    last_error: str | None = None
+
+
 class Job(BaseModel):
     """A job as clients see it."""
 
@@ -121,6 +140,8 @@ class Job(BaseModel):
     trace_id: str | None = None
     #: For a job that came as a chat: its turns and generation parameters (its `prompt` is the last user turn).
     chat: Conversation | None = None
+    #: For a job with a `callback_url`: the delivery of its end to that URL.
+    callback: CallbackState | None = None
     #: Whose job it is: only that tenant may read it. Kept out of every answer (the caller knows who it is).
     tenant: str | None = Field(None, exclude=True)
 
@@ -128,6 +149,34 @@ class Job(BaseModel):
     def terminal(self) -> bool:
         """True once the job will not change any more."""
         return self.status in TERMINAL
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A place in a tenant's job list (newest first): the job there, and when it was accepted."""
+
+    accepted: float
+    job_id: str
+
+    def after(self, other: Cursor) -> bool:
+        """Whether this entry comes after `other` in the list (older; at the same time, a lower id)."""
+        return (self.accepted, self.job_id) < (other.accepted, other.job_id)
+
+    def encode(self) -> str:
+        """The opaque `cursor` a client sends back for the next page."""
+        return base64.urlsafe_b64encode(f"{self.accepted!r}:{self.job_id}".encode()).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, text: str) -> Cursor:
+        """A cursor from what a client sent; InvalidRequest if it is not one this API gave out."""
+        try:
+            accepted, job_id = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode().split(":", 1)
+            cursor = cls(float(accepted), job_id)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidRequest("cursor is not one this API gave out", param="cursor") from exc
+        if not math.isfinite(cursor.accepted) or not JOB_ID.fullmatch(cursor.job_id):
+            raise InvalidRequest("cursor is not one this API gave out", param="cursor")
+        return cursor
 
 
 def compute_timings(stamps: dict[str, float]) -> dict[str, float]:

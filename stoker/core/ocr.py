@@ -11,11 +11,13 @@ import os
 import re
 import signal
 import subprocess
+import time
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
 
-from stoker.core.errors import OcrFailed, OcrTimeout
+from stoker.core.errors import Cancelled, OcrFailed, OcrTimeout
 
 #: Bump when OCR's output changes for the same image and parameters.
 VERSION = "1"
@@ -23,8 +25,22 @@ VERSION = "1"
 _BLANK_LINES = re.compile(r"\n\s*\n+")
 
 
-def read_text(gray: npt.NDArray[np.uint8], langs: str, timeout_s: float, binary: str = "tesseract") -> str:
-    """Run tesseract on a grayscale image and return its text with blank lines collapsed."""
+#: How often a running tesseract is asked whether its job still wants it.
+CANCEL_CHECK_S = 0.25
+
+
+def read_text(
+    gray: npt.NDArray[np.uint8],
+    langs: str,
+    timeout_s: float,
+    binary: str = "tesseract",
+    cancelled: Callable[[], bool] | None = None,
+) -> str:
+    """Run tesseract on a grayscale image and return its text with blank lines collapsed.
+
+    `cancelled`, asked every CANCEL_CHECK_S while tesseract runs, stops it (and everything it started) as soon as
+    it answers True: a cancelled job leaves no tesseract behind.
+    """
     height, width = gray.shape[:2]
     pgm = b"P5\n%d %d\n255\n" % (width, height) + np.ascontiguousarray(gray, dtype=np.uint8).tobytes()
     cmd = [binary, "stdin", "stdout", "-l", langs, "--psm", "3"]
@@ -41,7 +57,7 @@ def read_text(gray: npt.NDArray[np.uint8], langs: str, timeout_s: float, binary:
     except OSError as exc:
         raise OcrFailed(f"cannot run {binary}: {exc}", stage="ocr") from exc
     try:
-        out, err = proc.communicate(pgm, timeout=timeout_s)
+        out, err = _communicate(proc, pgm, timeout_s, cancelled)
     except subprocess.TimeoutExpired as exc:
         raise OcrTimeout(f"tesseract exceeded {timeout_s:g}s", stage="ocr") from exc
     finally:
@@ -50,6 +66,27 @@ def read_text(gray: npt.NDArray[np.uint8], langs: str, timeout_s: float, binary:
         detail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         raise OcrFailed(f"tesseract failed: {detail[0]}", stage="ocr")
     return normalise_text(out.decode("utf-8", "replace"))
+
+
+def _communicate(
+    proc: subprocess.Popen[bytes], data: bytes, timeout_s: float, cancelled: Callable[[], bool] | None
+) -> tuple[bytes, bytes]:
+    """Feed tesseract and collect its output within timeout_s, in slices so `cancelled` is asked between them
+    (communicate may be called again after a slice times out: it carries on where it stopped)."""
+    if cancelled is None:
+        return proc.communicate(data, timeout=timeout_s)
+    until = time.monotonic() + timeout_s
+    pending: bytes | None = data
+    while True:
+        left = until - time.monotonic()
+        try:
+            return proc.communicate(pending, timeout=max(min(CANCEL_CHECK_S, left), 0.01))
+        except subprocess.TimeoutExpired:
+            if left <= CANCEL_CHECK_S:
+                raise
+        pending = None  # sent once: the retries carry on with what is left of it
+        if cancelled():
+            raise Cancelled("the job was cancelled while its OCR ran", stage="ocr")
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

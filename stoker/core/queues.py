@@ -9,6 +9,8 @@ from typing import Literal
 #: Every queue stoker's workers consume, in pipeline order (celeryconfig routes tasks onto them).
 QUEUES = ("decode", "ocr", "asr", "tokenize", "infer")
 CPU_QUEUES = ("decode", "ocr", "asr", "tokenize")
+#: Completion callbacks of ended jobs (served by the CPU workers; not a stage, so not under admission limits).
+CALLBACK_QUEUE = "callbacks"
 #: The synchronous baseline's one queue (`STOKER_PIPELINE_MODE=sync`, benchmarks only): whole jobs wait here.
 SYNC_QUEUE = "sync"
 

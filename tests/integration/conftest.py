@@ -42,6 +42,7 @@ def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) 
     os.environ["STOKER_TRACE_EXPORTER"] = "file"
     os.environ["STOKER_TRACE_FILE"] = str(logs / "spans.jsonl")
     os.environ.setdefault("STOKER_URL_ALLOWLIST", URL_TEST_HOST)
+    os.environ.setdefault("STOKER_CALLBACK_BACKOFF_S", "0.5")  # a retried callback's waits: 0.5 s, 1 s, …
     env = dict(os.environ)
     ports = {kind: free_port() for kind in ("cpu", "asr", "infer")}
     procs = {

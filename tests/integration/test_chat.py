@@ -231,7 +231,7 @@ def test_a_client_that_goes_away_gives_its_job_up(base_url: str) -> None:
         assert '"role":"assistant"' in first
     # gone after the role chunk, while the audio is still being transcribed
     job = httpx.get(f"{base_url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
-    assert job["status"] == "failed"
+    assert job["status"] == "cancelled"
     assert job["error"]["code"] == "client_disconnected"
     assert job["result"] is None
 
@@ -244,3 +244,16 @@ def test_a_deadline_that_passes_answers_504(workers: dict[str, Path]) -> None:
         with official, pytest.raises(openai.InternalServerError) as late:
             official.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
     assert (late.value.status_code, late.value.code) == (504, "deadline_exceeded")
+
+
+def test_a_retried_chat_with_its_idempotency_key_gets_the_same_answer(client: openai.OpenAI) -> None:
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    first = _ask(client, "Say hello.", extra_headers=key)
+    again = _ask(client, "Say hello.", extra_headers=key)
+    assert first.headers["x-stoker-job-id"] == again.headers["x-stoker-job-id"]  # one job, answered twice
+    assert "idempotent-replayed" not in first.headers
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.parse().choices[0].message.content == first.parse().choices[0].message.content
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        _ask(client, "Say goodbye.", extra_headers=key)
+    assert refused.value.code == "idempotency_key_reused"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from stoker.core.errors import OcrFailed, OcrTimeout
+from stoker.core.errors import Cancelled, OcrFailed, OcrTimeout
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.ocr import normalise_text, read_text
 from tests.conftest import missing
@@ -43,6 +43,32 @@ def test_a_hung_tesseract_is_killed_with_everything_it_started(tmp_path: Path) -
     started = [int(pid) for pid in pids.read_text().split()]
     wait_for(lambda: not any(running(pid) for pid in started), 10, "the stub's processes to be gone", [])
     assert [pid for pid in started if running(pid)] == []
+
+
+def test_a_cancelled_job_stops_its_tesseract_with_everything_it_started(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    stub = tmp_path / "tesseract"
+    stub.write_text(f"#!/bin/sh\nsleep 300 &\necho $$ $! > {pids}\nwait\n")
+    stub.chmod(0o755)
+    asked = []
+
+    def cancelled() -> bool:
+        asked.append(pids.exists())
+        return pids.exists()  # cancelled once tesseract is under way
+
+    with pytest.raises(Cancelled) as info:
+        read_text(_gray("CANCEL"), "eng", timeout_s=60, binary=str(stub), cancelled=cancelled)
+    assert info.value.code == "cancelled"
+    assert asked[-1] is True
+    started = [int(pid) for pid in pids.read_text().split()]
+    wait_for(lambda: not any(running(pid) for pid in started), 10, "the stub's processes to be gone", [])
+
+
+def test_asking_whether_cancelled_changes_nothing_else() -> None:
+    text = read_text(_gray("HELLO WORLD"), "eng", timeout_s=30, cancelled=lambda: False)
+    assert "HELLO" in text
+    with pytest.raises(OcrTimeout):
+        read_text(_gray("SLOW"), "eng", timeout_s=0.001, cancelled=lambda: False)
 
 
 def test_missing_tesseract_is_a_structured_error() -> None:

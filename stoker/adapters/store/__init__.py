@@ -8,9 +8,11 @@ import redis
 
 from stoker.adapters.store.answers import AnswerStreams
 from stoker.adapters.store.blobs import BlobRepository
+from stoker.adapters.store.callbacks import CallbackRepository
 from stoker.adapters.store.clients import store_client
 from stoker.adapters.store.consumers import ConsumerRegistry
 from stoker.adapters.store.coordination import DeliveryCounter, Leases
+from stoker.adapters.store.idempotency import IdempotencyKeys
 from stoker.adapters.store.jobs import JobRepository
 from stoker.adapters.store.stats import StatsRepository
 from stoker.adapters.store.tenants import TenantRepository
@@ -32,6 +34,8 @@ class Store:
     leases: Leases
     consumers: ConsumerRegistry
     answers: AnswerStreams
+    idempotency: IdempotencyKeys
+    callbacks: CallbackRepository
 
     @classmethod
     def over(cls, client: redis.Redis[bytes], *, blob_ttl_s: int, job_ttl_s: int) -> Store:
@@ -47,6 +51,8 @@ class Store:
             leases=Leases(client),
             consumers=ConsumerRegistry(client),
             answers=AnswerStreams(client, ttl_s=blob_ttl_s),
+            idempotency=IdempotencyKeys(client),
+            callbacks=CallbackRepository(client),
         )
 
     @classmethod

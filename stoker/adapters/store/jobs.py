@@ -12,11 +12,13 @@ import redis
 
 from stoker.adapters.store.keys import (
     ACTIVE_KEY,
+    CALLBACKS_DUE_KEY,
     IN_FLIGHT_GRACE_S,
     JOB_COUNTS_KEY,
     done_channel,
     input_ref,
     job_key,
+    tenant_index_key,
     tenant_jobs_key,
     tokens_key,
 )
@@ -24,8 +26,11 @@ from stoker.adapters.store.tenants import DROP_JOB, tenant_keys
 from stoker.core.deadlines import Deadline
 from stoker.core.jobs import (
     STAMPS,
+    TERMINAL,
     BatchInfo,
+    CallbackState,
     Conversation,
+    Cursor,
     ErrorInfo,
     InputRecord,
     Job,
@@ -37,22 +42,31 @@ from stoker.core.jobs import (
 from stoker.core.model import ModelRequest
 from stoker.core.tenancy import DEFAULT_TENANT
 
+#: Lua: the terminal statuses (written once, never changed), from the core's one list.
+TERMINAL_LUA = "local TERMINAL = {" + ", ".join(f"{status} = true" for status in sorted(TERMINAL)) + "}\n"
+
 # An input record is written only while its job is still preprocessing: once the prompt was built from the
 # records, a stage finishing late must not change what the job says it used. `rev` counts the writes.
-_PUT_INPUT = """
+# Nor once the job ended (cancelled while a stage ran): no half-written record.
+_PUT_INPUT = (
+    TERMINAL_LUA
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'ts:preprocessed') == 1 then return 0 end
+if TERMINAL[redis.call('HGET', KEYS[1], 'status')] then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'rev', 1)
 return 1
 """
+)
 
 # The one hand-over from preprocessing to inference. 'stale': a record changed since the prompt was built.
-_HAND_OFF = """
+_HAND_OFF = (
+    TERMINAL_LUA
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'ts:preprocessed') == 1 then
   return 'done'
 end
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'succeeded' or status == 'degraded' or status == 'failed' then return 'done' end
+if TERMINAL[redis.call('HGET', KEYS[1], 'status')] then return 'done' end
 if ARGV[5] == '0' and (redis.call('HGET', KEYS[1], 'rev') or '0') ~= ARGV[1] then return 'stale' end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
 redis.call('HSETNX', KEYS[1], 'ts:started', ARGV[3])
@@ -60,19 +74,25 @@ redis.call('HSET', KEYS[1], 'ts:preprocessed', ARGV[3], 'status', 'inferring')
 redis.call('ZADD', KEYS[3], 'XX', ARGV[3], ARGV[6])  -- the reaper re-plans it now: redrive time, deadline
 return 'ok'
 """
+)
 
 # A terminal status is written once: whoever comes second (a late batch, the reaper, the watchdog) changes nothing.
 # What the job held of its tenant's limits (in-flight slot, queue messages, stored bytes) is given back with it.
 _FINISH = (
     DROP_JOB
+    + TERMINAL_LUA
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'succeeded' or status == 'degraded' or status == 'failed' then return 0 end
+if not status or TERMINAL[status] then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
 drop(KEYS[6], KEYS[7], KEYS[8], ARGV[1], ARGV[3])
+if redis.call('HEXISTS', KEYS[1], 'callback') == 1 then  -- its client asked to be told: due now
+  local clock = redis.call('TIME')
+  redis.call('ZADD', KEYS[9], tonumber(clock[1]) + tonumber(clock[2]) / 1000000, ARGV[1])
+end
 redis.call('PUBLISH', KEYS[4], ARGV[2])
 return 1
 """
@@ -131,6 +151,7 @@ class JobRepository:
         *,
         tenant: str,
         chat: Conversation | None = None,
+        callback_url: str | None = None,
     ) -> None:
         """Write a new job record atomically, in status queued, and put it under the reaper's watch.
 
@@ -148,6 +169,8 @@ class JobRepository:
         }
         if chat is not None:
             fields["chat"] = chat.model_dump_json()
+        if callback_url is not None:  # delivered once the job ends (the finish script queues it)
+            fields["callback"] = CallbackState(url=callback_url).model_dump_json()
         if trace:  # (trace id, context carrier)
             fields["trace_id"] = trace[0]
             fields["trace_context"] = json.dumps(trace[1])
@@ -158,6 +181,10 @@ class JobRepository:
             pipe.expire(job_key(job_id), self.ttl_s)
             pipe.zadd(ACTIVE_KEY, {job_id: deadline.preprocess_by})
             pipe.zadd(tenant_jobs_key(tenant), {job_id: deadline.at + IN_FLIGHT_GRACE_S}, xx=True)
+            # The tenant's listing: entries older than the records themselves go, the index with its last job.
+            pipe.zadd(tenant_index_key(tenant), {job_id: accepted})
+            pipe.zremrangebyscore(tenant_index_key(tenant), "-inf", accepted - self.ttl_s)
+            pipe.expire(tenant_index_key(tenant), self.ttl_s)
             pipe.hincrby(JOB_COUNTS_KEY, "accepted", 1)
             pipe.execute()
 
@@ -237,6 +264,14 @@ class JobRepository:
                 self._finish(keys=keys, args=args, client=pipe)
             return [bool(x) for x in pipe.execute()]
 
+    def ended_among(self, job_ids: Sequence[str]) -> set[str]:
+        """The jobs among these with no model request left (ended since it was stored), in one round trip."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.exists(tokens_key(job_id))
+            found = pipe.execute()
+        return {job_id for job_id, exists in zip(job_ids, found, strict=True) if not exists}
+
     def stamp_many(self, job_ids: Sequence[str], name: str, at: float) -> None:
         """The same timestamp on many jobs, in one pipelined round trip."""
         with self.redis.pipeline(transaction=False) as pipe:
@@ -259,6 +294,25 @@ class JobRepository:
         raw = self.redis.hgetall(job_key(job_id))
         return job_from_fields(job_id, raw) if raw else None
 
+    def page(self, tenant: str, cursor: Cursor | None, count: int) -> list[Cursor]:
+        """Up to `count` of a tenant's jobs, newest first, after `cursor` (None: from the newest): each as the
+        cursor that points at it (when it was accepted, its id). Redis orders equal times by id, reversed here."""
+        top = "+inf" if cursor is None else repr(cursor.accepted)
+        # Entries at the cursor's own time may come before it: ask for enough to step over them.
+        raw = self.redis.zrevrangebyscore(
+            tenant_index_key(tenant), top, "-inf", start=0, num=count + 64, withscores=True
+        )
+        entries = [Cursor(float(score), member.decode()) for member, score in raw]
+        return [e for e in entries if cursor is None or e.after(cursor)][:count]
+
+    def load_many(self, job_ids: Sequence[str]) -> list[Job | None]:
+        """Many jobs as clients see them, in one round trip; None for one whose record is gone."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hgetall(job_key(job_id))
+            found = pipe.execute()
+        return [job_from_fields(job_id, raw) if raw else None for job_id, raw in zip(job_ids, found, strict=True)]
+
     def tenant(self, job_id: str) -> str | None:
         """The tenant a job belongs to; None if the job is unknown."""
         raw = self.redis.hget(job_key(job_id), "tenant")
@@ -274,7 +328,7 @@ def _finish_call(ending: Ending, now: float) -> tuple[list[str], list[str]]:
             fields[name] = value.model_dump_json()
     job_id = ending.job_id
     keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
-    keys += tenant_keys(ending.tenant)
+    keys += [*tenant_keys(ending.tenant), CALLBACKS_DUE_KEY]
     return keys, [job_id, ending.status, ending.tenant, *(x for pair in fields.items() for x in pair)]
 
 
@@ -313,6 +367,7 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
         preprocess_share=preprocess_share(timings),
         trace_id=fields.get("trace_id"),
         chat=Conversation.model_validate_json(fields["chat"]) if "chat" in fields else None,
+        callback=CallbackState.model_validate_json(fields["callback"]) if "callback" in fields else None,
         tenant=fields.get("tenant", DEFAULT_TENANT),
     )
 

@@ -103,6 +103,23 @@ def tenant_usage_key(tenant: str) -> str:
     return f"{PREFIX}:tenant:{tenant}:usage"
 
 
+def tenant_index_key(tenant: str) -> str:
+    """A tenant's jobs by when they were accepted (newest last), trimmed to the records' own lifetime."""
+    return f"{PREFIX}:tenant:{tenant}:jobs"
+
+
+def idempotency_key(digest: str) -> str:
+    """A tenant's idempotency key (by `core.idempotency.key_digest`): its claim, then the job it made."""
+    return f"{PREFIX}:idempotency:{digest}"
+
+
+def callback_secret_key(tenant: str) -> str:
+    """The secret a tenant's completion callbacks are signed with (HMAC-SHA256)."""
+    return f"{PREFIX}:tenant:{tenant}:callback-secret"
+
+
+#: Ended jobs whose completion callback is due, scored by when (the reaper hands them to a worker).
+CALLBACKS_DUE_KEY = f"{PREFIX}:callbacks-due"
 #: Tenants with unfinished jobs, scored by the queue messages those fan out into (the n of the fair share).
 BUSY_TENANTS_KEY = f"{PREFIX}:tenants:busy"
 #: Every job not yet terminal, scored by when the reaper should next look at it.

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import redis
 
+from stoker.adapters.store.jobs import TERMINAL_LUA
 from stoker.adapters.store.keys import ACTIVE_KEY, job_key, tokens_key
 from stoker.core.deadlines import JobClock
+from stoker.core.jobs import TERMINAL
 
 # A job whose inference consumer died holding it: count the loss and clear its batch start, unless it ended.
-_LOST = """
+_LOST = (
+    TERMINAL_LUA
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'succeeded' or status == 'degraded' or status == 'failed' then return -1 end
+if not status or TERMINAL[status] then return -1 end
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 redis.call('HDEL', KEYS[1], 'ts:infer_start')
 return redis.call('HINCRBY', KEYS[1], 'losses', 1)
 """
+)
 
 
 class Watchlist:
@@ -44,12 +50,21 @@ class Watchlist:
             redrives=int(number("redrives") or 0),
         )
 
-    def preprocessing_open(self, job_id: str, now: float | None = None) -> bool:
-        """Whether a stage may still work for this job: not handed to inference, preprocessing budget left."""
-        budget, handed = self.redis.hmget(job_key(job_id), ["preprocess_by", "ts:preprocessed"])
+    def stage_gate(self, job_id: str, now: float | None = None) -> Literal["open", "ended", "spent"]:
+        """Whether a stage may still work for this job: "open"; "ended" once it ended (cancelled, failed: its
+        stages are skipped, nothing written); "spent" once it went to inference or its budget ran out."""
+        budget, handed, status = self.redis.hmget(job_key(job_id), ["preprocess_by", "ts:preprocessed", "status"])
+        if status is not None and status.decode() in TERMINAL:
+            return "ended"
         if handed is not None:
-            return False
-        return budget is None or (time.time() if now is None else now) < float(budget)
+            return "spent"
+        open_ = budget is None or (time.time() if now is None else now) < float(budget)
+        return "open" if open_ else "spent"
+
+    def ended(self, job_id: str) -> bool:
+        """Whether the job ended (or is gone): work still running for it is wasted."""
+        status = self.redis.hget(job_key(job_id), "status")
+        return status is None or status.decode() in TERMINAL
 
     def due_jobs(self, now: float, limit: int = 200) -> list[str]:
         """Jobs the reaper should look at now."""

@@ -1,0 +1,222 @@
+"""The job API a client can rely on: cancel a job, list a tenant's jobs (real workers, real tesseract)."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from stoker.adapters.store import Store
+from stoker.adapters.store.keys import ACTIVE_KEY, tokens_key
+from stoker.core.tenancy import issue_key
+from stoker.settings import ApiSettings
+from tests.fleet import own_fleet
+from tests.integration.conftest import SpySubmitter
+from tests.media import text_image
+from tests.serving import serve
+from workers.procs import wait_for
+
+TERMINAL = ("succeeded", "degraded", "failed", "cancelled")
+
+
+@pytest.fixture
+def job_store(store_redis: redis.Redis) -> Store:
+    """The test store, as the API and the workers see it."""
+    return Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
+
+
+def _tenant(store: Store, name: str) -> dict[str, str]:
+    """A fresh tenant's auth header."""
+    issued = issue_key(f"{name}-{uuid.uuid4().hex[:8]}", time.time())
+    store.tenants.put_api_key(issued.record)
+    return {"Authorization": f"Bearer {issued.token}"}
+
+
+@pytest.fixture
+def api(workers: dict[str, Path], job_store: Store) -> Iterator[Callable[..., TestClient]]:
+    """Makes APIs with auth on and generous limits, submitting to the real workers (or to `submitter`)."""
+    opened: list[TestClient] = []
+
+    def make(submitter: Any = None, **settings: Any) -> TestClient:
+        limits = {"rate_limit_per_s": 1000.0, "rate_limit_burst": 1000, **settings}
+        client = TestClient(create_app(ApiSettings(auth=True, **limits), submitter=submitter or SpySubmitter()))
+        opened.append(client.__enter__())
+        return client
+
+    yield make
+    for client in opened:
+        client.__exit__(None, None, None)
+
+
+def _wait(client: TestClient, job_id: str, auth: dict[str, str]) -> dict[str, Any]:
+    for _ in range(10):
+        job: dict[str, Any] = client.get(f"/v1/jobs/{job_id}", params={"wait": 30}, headers=auth).json()
+        if job["status"] in TERMINAL:
+            return job
+    raise AssertionError(f"job {job_id} not terminal: {job}")
+
+
+def _tesseracts() -> list[int]:
+    """Every tesseract process on this machine (the suite's workers run one test at a time)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "tesseract":
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+#: A dense page: tesseract needs seconds for it, long enough to cancel while it reads.
+SLOW_PAGE = text_image(" ".join(f"LINE{n}" for n in range(60)), size=(3000, 2200), font_size=40)
+
+
+def test_cancelling_a_job_while_its_ocr_runs(api: Callable[..., TestClient], job_store: Store) -> None:
+    client = api(max_jobs_in_flight=1)
+    auth = _tenant(job_store, "canceller")
+    files = [("image", ("page.png", SLOW_PAGE, "image/png"))]
+    job_id = client.post("/v1/jobs", data={"prompt": "Read it."}, files=files, headers=auth).json()["id"]
+    wait_for(lambda: bool(_tesseracts()), 60, "its OCR to start", [])
+    response = client.delete(f"/v1/jobs/{job_id}", headers=auth)
+    assert response.status_code == 200, response.text
+    cancelled = response.json()
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["error"]["code"] == "cancelled"
+    wait_for(lambda: not _tesseracts(), 10, "its tesseract to stop", [])  # stopped, not left to finish
+    second = client.post("/v1/jobs", data={"prompt": "Say hi."}, headers=auth)
+    assert second.status_code == 202, second.text  # the one in-flight slot was given back
+    assert _wait(client, second.json()["id"], auth)["status"] == "succeeded"
+    job = client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+    assert job["status"] == "cancelled"
+    assert (job["result"], job["batch"]) == (None, None)  # never reached the model
+    assert job["inputs"][0]["status"] == "pending"  # nothing half-written after the cancel
+    assert "infer_wait" not in job["timings_ms"]
+    assert not job_store.client.exists(tokens_key(job_id))
+
+
+def test_cancelling_twice_is_409_and_another_tenants_cancel_is_404(
+    api: Callable[..., TestClient], job_store: Store, store_redis: redis.Redis
+) -> None:
+    idle = SpySubmitter(forward=False)  # never runs: it stays cancellable
+    client = api(submitter=idle)
+    mine, theirs = _tenant(job_store, "owner"), _tenant(job_store, "stranger")
+    job_id = client.post("/v1/jobs", data={"prompt": "Wait for me."}, headers=mine).json()["id"]
+    try:
+        other = client.delete(f"/v1/jobs/{job_id}", headers=theirs)
+        assert other.status_code == 404
+        assert other.json()["error"]["code"] == "job_not_found"
+        assert client.get(f"/v1/jobs/{job_id}", headers=mine).json()["status"] == "queued"  # untouched
+        assert client.delete(f"/v1/jobs/{job_id}", headers=mine).status_code == 200
+        again = client.delete(f"/v1/jobs/{job_id}", headers=mine)
+        assert again.status_code == 409
+        assert again.json()["error"]["code"] == "job_already_ended"
+        assert again.json()["job"] == {"id": job_id, "status": "cancelled"}
+    finally:
+        store_redis.zrem(ACTIVE_KEY, job_id)
+
+
+def test_a_job_cancelled_while_it_waits_for_the_device_never_reaches_it() -> None:
+    # One job at a time on a device that takes 2 s: the second waits for the device while the first runs.
+    device = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "2000", "STOKER_MAX_BATCH_SIZE": "1"}
+    with own_fleet(device, kinds=("cpu", "infer")) as crew:
+        client = crew.client
+        filler = client.post("/v1/jobs", data={"prompt": "Hold the device."}).json()["id"]
+        with crew.store() as store:
+            wait_for(lambda: store.hexists(f"stoker:job:{filler}", "ts:infer_start"), 30, "the filler's batch", [])
+            waiting = client.post("/v1/jobs", data={"prompt": "Cancel me."}).json()["id"]
+            assert client.delete(f"/v1/jobs/{waiting}").json()["status"] == "cancelled"
+            after = client.post("/v1/jobs", data={"prompt": "After."}).json()["id"]
+            for job_id in (filler, after):  # in order: had the cancelled one run, it would have run before `after`
+                assert _wait(client, job_id, {})["status"] == "succeeded"
+            device_items = int(store.hget("stoker:device", "items") or 0)
+        assert device_items == 2  # the filler and the one after: never the cancelled one
+        job = client.get(f"/v1/jobs/{waiting}").json()
+        assert (job["status"], job["result"], job["batch"]) == ("cancelled", None, None)
+
+
+def test_a_tenants_list_pages_through_every_job_once_newest_first(
+    api: Callable[..., TestClient], job_store: Store, store_redis: redis.Redis
+) -> None:
+    client = api(submitter=SpySubmitter(forward=False))
+    mine, theirs = _tenant(job_store, "lister"), _tenant(job_store, "neighbour")
+    ids = [client.post("/v1/jobs", data={"prompt": f"Job {n}."}, headers=mine).json()["id"] for n in range(7)]
+    ids_theirs = [client.post("/v1/jobs", data={"prompt": "Not yours."}, headers=theirs).json()["id"]]
+    try:
+        seen, cursor, pages = [], None, 0
+        while True:
+            params = {"limit": 3, **({"cursor": cursor} if cursor else {})}
+            page = client.get("/v1/jobs", params=params, headers=mine).json()
+            seen += [job["id"] for job in page["data"]]
+            pages += 1
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert seen == ids[::-1]  # every job once, newest first, nobody else's
+        assert pages == 3
+        for job_id in ids[:2]:
+            client.delete(f"/v1/jobs/{job_id}", headers=mine)
+        only = client.get("/v1/jobs", params={"status": "cancelled"}, headers=mine).json()
+        assert [job["id"] for job in only["data"]] == ids[1::-1]
+        assert only["next_cursor"] is None
+        bad = client.get("/v1/jobs", params={"cursor": "not-a-cursor"}, headers=mine)
+        assert bad.status_code == 422
+        assert bad.json()["error"]["param"] == "cursor"
+        assert client.get("/v1/jobs", params={"status": "lost"}, headers=mine).status_code == 422
+    finally:
+        for job_id in ids:
+            client.delete(f"/v1/jobs/{job_id}", headers=mine)
+        for job_id in ids_theirs:
+            client.delete(f"/v1/jobs/{job_id}", headers=theirs)
+        store_redis.zrem(ACTIVE_KEY, *ids, *ids_theirs)
+
+
+def test_twenty_concurrent_posts_with_one_key_make_one_job(
+    workers: dict[str, Path], job_store: Store, store_redis: redis.Redis
+) -> None:
+    auth = _tenant(job_store, "retrier")
+    spy = SpySubmitter(forward=False)  # what is enqueued is what counts: the job never runs
+    settings = ApiSettings(auth=True, rate_limit_per_s=1000.0, rate_limit_burst=1000, max_jobs_in_flight=50)
+    image = text_image(f"ONCE {uuid.uuid4().hex[:6]}")
+    key = {**auth, "Idempotency-Key": str(uuid.uuid4())}
+    with serve(create_app(settings, submitter=spy)) as base:
+
+        def post(_: int) -> httpx.Response:
+            files = [("image", ("scan.png", image, "image/png"))]
+            return httpx.post(f"{base}/v1/jobs", data={"prompt": "Read it."}, files=files, headers=key, timeout=60)
+
+        with ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(post, range(20)))
+        as_json = {"prompt": "Read it.", "inputs": [{"kind": "image", "data": base64.b64encode(image).decode()}]}
+        same_in_json = httpx.post(f"{base}/v1/jobs", json=as_json, headers=key, timeout=60)
+        other = httpx.post(f"{base}/v1/jobs", data={"prompt": "Something else."}, headers=key, timeout=60)
+        bad_key = httpx.post(f"{base}/v1/jobs", data={"prompt": "x"}, headers={**auth, "Idempotency-Key": "a b"})
+    try:
+        assert sorted(a.status_code for a in answers) == [200] * 19 + [202], [a.text for a in answers]
+        assert len({a.json()["id"] for a in answers}) == 1
+        job_id = answers[0].json()["id"]
+        replayed = [a for a in answers if a.headers.get("idempotent-replayed") == "true"]
+        assert len(replayed) == 19
+        assert [job for job, _ in spy.calls] == [job_id]  # one job enqueued
+        assert job_store.tenants.jobs_in_flight(job_store.jobs.tenant(job_id) or "") == [job_id]  # one slot
+        # The same request in another encoding is the same request; another request is refused.
+        assert (same_in_json.status_code, same_in_json.json()["id"]) == (200, job_id)
+        assert other.status_code == 422
+        assert other.json()["error"]["code"] == "idempotency_key_reused"
+        assert bad_key.status_code == 422
+        assert bad_key.json()["error"]["param"] == "Idempotency-Key"
+    finally:
+        for job_id in {a.json().get("id") for a in answers} - {None}:
+            job_store.jobs.finish(job_id, "cancelled")  # never run: end it, giving its slot back
+            store_redis.zrem(ACTIVE_KEY, job_id)
