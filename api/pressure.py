@@ -68,7 +68,7 @@ class QueueMonitor:
             self.close()
             raise
         now = time.time()
-        self.meter.add(now, self.store.stats.drained())
+        self.meter.add(now, self.store.stats.drained(), depths)
         rates = {q: self.meter.rate(q) for q in self.queues}
         states = [QueueState(q, depths[q], self.limit(q), round(drain_rate(q, rates), 3)) for q in self.queues]
         self.latest = Snapshot(now, states)

@@ -5,6 +5,7 @@ Pure values and decisions; sampling the broker and the counters happens at the e
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -76,8 +77,20 @@ def room_to_enqueue(depth: int, high: int, low: int, waiting: bool) -> bool:
     return depth <= (low if waiting else high)
 
 
+@dataclass(frozen=True)
+class _Sample:
+    at: float
+    counters: dict[str, int]
+    #: Queue depths at `at`; None when not known (then every interval counts as busy).
+    depths: dict[str, int] | None
+
+
 class DrainMeter:
     """Drain rates from monotonically growing per-queue counters, sampled over a sliding window.
+
+    Only the time a queue had work counts: an interval during which it was empty and drained nothing says nothing
+    about how fast it drains, so a burst that starts after a quiet spell is measured at the speed it is served at,
+    not diluted by the quiet (which would make Retry-After far too long right when it matters).
 
     A queue that drains in bursts further apart than the window (the synchronous baseline's one thread finishes a
     whole batch every several seconds) would read as not draining at all, and its clients would be told to come
@@ -87,23 +100,37 @@ class DrainMeter:
     def __init__(self, window_s: float = 30.0, horizon_s: float = 120.0) -> None:
         self.window_s = window_s
         self.horizon_s = max(horizon_s, window_s)
-        self._samples: deque[tuple[float, dict[str, int]]] = deque()
+        self._samples: deque[_Sample] = deque()
 
-    def add(self, now: float, counters: Mapping[str, int]) -> None:
-        """Record the counters as read at `now`."""
-        self._samples.append((now, dict(counters)))
-        while len(self._samples) > 2 and now - self._samples[1][0] >= self.horizon_s:
+    def add(self, now: float, counters: Mapping[str, int], depths: Mapping[str, int] | None = None) -> None:
+        """Record the counters (and, where known, the queues' depths) as read at `now`."""
+        self._samples.append(_Sample(now, dict(counters), dict(depths) if depths is not None else None))
+        while len(self._samples) > 2 and now - self._samples[1].at >= self.horizon_s:
             self._samples.popleft()
 
     def rate(self, queue: str) -> float:
-        """Messages per second drained from `queue` across the window (across the horizon if none in the window)."""
-        if len(self._samples) < 2:
+        """Messages per second drained from `queue` while it had work, across the window (across the horizon if
+        nothing drained in the window)."""
+        samples = list(self._samples)
+        if len(samples) < 2:
             return 0.0
-        t1, last = self._samples[-1]
-        # The newest sample at least a window old (the oldest, while the meter is younger than a window).
-        window = next(((t, c) for t, c in reversed(self._samples) if t1 - t >= self.window_s), self._samples[0])
-        for t0, first in (window, self._samples[0]):
-            drained = max(last.get(queue, 0) - first.get(queue, 0), 0)
-            if drained and t1 > t0:
-                return drained / (t1 - t0)
+        newest = samples[-1].at
+        # From the newest sample at least a window old (the oldest, while the meter is younger than a window).
+        start = next((i for i in range(len(samples) - 1, -1, -1) if newest - samples[i].at >= self.window_s), 0)
+        for first in (start, 0):
+            drained, busy = _busy_drain(samples[first:], queue)
+            if drained and busy > 0:
+                return drained / busy
         return 0.0
+
+
+def _busy_drain(samples: Sequence[_Sample], queue: str) -> tuple[int, float]:
+    """Messages drained from `queue` over consecutive samples, and the seconds of those intervals in which it had
+    work (messages waiting at the interval's start, or drained during it)."""
+    drained, busy = 0, 0.0
+    for before, after in itertools.pairwise(samples):
+        step = max(after.counters.get(queue, 0) - before.counters.get(queue, 0), 0)
+        waiting = before.depths is None or before.depths.get(queue, 0) > 0
+        if step or waiting:
+            drained, busy = drained + step, busy + (after.at - before.at)
+    return drained, busy

@@ -220,6 +220,19 @@ def test_a_steady_drain_predicts_the_time_back_to_the_resume_level(rate: float, 
     assert expected <= refusal.retry_after_s <= expected + 1  # whole seconds, rounded up
 
 
+def test_a_burst_after_a_quiet_spell_is_measured_at_the_speed_it_is_served() -> None:
+    meter = DrainMeter(window_s=10.0)
+    for step in range(41):  # 20 s with the queue empty, nothing drained
+        meter.add(step * 0.5, {"infer": 0}, {"infer": 0})
+    for step in range(1, 9):  # then 4 s of a burst: 50 waiting, 5 drained per second
+        meter.add(20 + step * 0.5, {"infer": int(5 * step * 0.5)}, {"infer": 50})
+    assert meter.rate("infer") == pytest.approx(5.0, rel=0.15)  # not 20 drained / 10 s = 2
+    without_depths = DrainMeter(window_s=10.0)  # what it reads when depths are unknown: the whole window
+    for step in range(49):
+        without_depths.add(step * 0.5, {"infer": int(5 * max(step * 0.5 - 20, 0))})
+    assert without_depths.rate("infer") == pytest.approx(2.0, rel=0.15)
+
+
 def test_the_queue_needing_longest_decides_and_nothing_draining_is_the_longest_wait() -> None:
     states = [QueueState("decode", 50, 40, 5.0), QueueState("ocr", 45, 40, 0.5), QueueState("infer", 3, 20, 9.0)]
     refusal = admit(states, 0.8)
