@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ import redis
 
 from tests.fleet import Fleet, own_fleet
 from tests.integration.test_pipeline import _wait
+from workers.procs import wait_for
 
 BATCH = 8
 #: The simulated device: a batch takes 300 ms + 20 ms per item, long enough to submit behind it.
@@ -99,20 +101,25 @@ def _rss_mb(pid: int) -> float:
 
 
 def test_the_worker_holds_no_more_than_its_prefetch_while_the_queue_is_deep(fleet: Fleet) -> None:
-    worker = fleet.procs["infer"].pid
-    rss_before = _rss_mb(worker)
+    fleet.kill("infer", signal.SIGTERM)  # the queue fills up to its high watermark (64) first
     with ThreadPoolExecutor(8) as pool:
         ids = list(pool.map(lambda n: _submit(fleet, f"Deep queue {n}."), range(160)))
     held, rss = [], []
     with redis.Redis.from_url(fleet.env["STOKER_BROKER_URL"]) as broker:
-        while int(broker.llen("infer")) > HOLD:  # deep: the worker could take far more than it may
+        wait_for(lambda: int(broker.llen("infer")) >= 60, 60, "a deep inference queue", [])
+        fleet.start("infer")
+        fleet.wait_workers(("infer",))
+        worker = fleet.procs["infer"].pid
+        rss_before = _rss_mb(worker)
+        while int(broker.llen("infer")) + int(broker.llen("tokenize")) > HOLD:  # more waits than it may hold
             held.append(_held_for_inference(broker))
             rss.append(_rss_mb(worker))
             time.sleep(0.05)  # a sampling interval, not a wait for anything
     jobs = [_wait(fleet.client, i) for i in ids]
     assert all(j["status"] == "succeeded" for j in jobs)
-    assert len(held) >= 10, held  # the queue stayed deep for a while: the samples mean something
+    assert held, "the queue was never deep"
     assert max(held) <= HOLD, held
+    assert len(held) >= 10, held  # the queue stayed deep for a while: the samples mean something
     assert max(held) > BATCH, held  # it does hold the next batch while one runs (double buffering)
     assert max(rss) - rss_before < 150, (rss_before, max(rss))  # bounded by the prefetch, not the queue
 
