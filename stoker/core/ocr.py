@@ -11,8 +11,10 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
+from typing import IO
 
 import numpy as np
 import numpy.typing as npt
@@ -71,22 +73,36 @@ def read_text(
 def _communicate(
     proc: subprocess.Popen[bytes], data: bytes, timeout_s: float, cancelled: Callable[[], bool] | None
 ) -> tuple[bytes, bytes]:
-    """Feed tesseract and collect its output within timeout_s, in slices so `cancelled` is asked between them
-    (communicate may be called again after a slice times out: it carries on where it stopped)."""
+    """Feed tesseract and collect its output within timeout_s, in slices so `cancelled` is asked between them.
+
+    communicate() cannot go on sending input after a slice timed out (it registers stdin only when handed input,
+    and refuses input once started), so with slices a thread of our own feeds stdin and communicate only reads.
+    """
     if cancelled is None:
         return proc.communicate(data, timeout=timeout_s)
+    stdin, proc.stdin = proc.stdin, None
+    feeder = threading.Thread(target=_feed, args=(stdin, data), name="tesseract-stdin", daemon=True)
+    feeder.start()
     until = time.monotonic() + timeout_s
-    pending: bytes | None = data
     while True:
         left = until - time.monotonic()
         try:
-            return proc.communicate(pending, timeout=max(min(CANCEL_CHECK_S, left), 0.01))
+            return proc.communicate(timeout=max(min(CANCEL_CHECK_S, left), 0.01))
         except subprocess.TimeoutExpired:
             if left <= CANCEL_CHECK_S:
                 raise
-        pending = None  # sent once: the retries carry on with what is left of it
         if cancelled():
             raise Cancelled("the job was cancelled while its OCR ran", stage="ocr")
+
+
+def _feed(stdin: IO[bytes] | None, data: bytes) -> None:
+    """Write all of data to tesseract's stdin and close it; a tesseract killed meanwhile ends the writing."""
+    if stdin is None:
+        return
+    with contextlib.suppress(OSError):  # BrokenPipeError: tesseract is gone (killed, or it failed)
+        stdin.write(data)
+    with contextlib.suppress(OSError):
+        stdin.close()
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -64,6 +64,18 @@ def test_a_cancelled_job_stops_its_tesseract_with_everything_it_started(tmp_path
     wait_for(lambda: not any(running(pid) for pid in started), 10, "the stub's processes to be gone", [])
 
 
+def test_a_tesseract_slow_to_read_still_gets_all_its_input_between_cancel_checks(tmp_path: Path) -> None:
+    # It starts reading only after several cancel checks: the page (far more than a pipe holds) must still
+    # arrive whole, not stop at what the first slice managed to write.
+    stub = tmp_path / "tesseract"
+    stub.write_text("#!/bin/sh\nsleep 0.8\necho $(wc -c) bytes\n")
+    stub.chmod(0o755)
+    gray = np.zeros((1600, 2400), dtype=np.uint8)
+    text = read_text(gray, "eng", timeout_s=20, binary=str(stub), cancelled=lambda: False)
+    header = b"P5\n2400 1600\n255\n"
+    assert text == f"{len(header) + 2400 * 1600} bytes"
+
+
 def test_asking_whether_cancelled_changes_nothing_else() -> None:
     text = read_text(_gray("HELLO WORLD"), "eng", timeout_s=30, cancelled=lambda: False)
     assert "HELLO" in text
