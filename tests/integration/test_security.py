@@ -526,6 +526,10 @@ def test_rediss_with_an_acl_user_and_a_private_ca(tls_redis: tuple[str, Path], m
             assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
             stats = api.get("/v1/stats")
             assert stats.status_code == 200, stats.text
-            assert stats.json()["queues"]["decode"]["depth"] == 1  # the job's first stage, published over TLS
+
+            def sampled() -> bool:  # the monitor samples every 0.5 s: its next sample sees the message
+                return bool(api.get("/v1/stats").json()["queues"]["decode"]["depth"] == 1)
+
+            wait_for(sampled, 10, "the job's first stage in the decode queue, read over TLS", [])
     finally:
         app.close()
