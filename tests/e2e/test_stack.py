@@ -214,6 +214,9 @@ def test_nothing_outlives_a_killed_stoker_up_and_a_second_stack_is_told_its_port
     proc, base = _start_stack(env, tmp_path / "up.log")
     started: set[int] = set()
     try:
+        # A stack in service (its workers' children warm, models loaded), not one still starting up.
+        response = httpx.post(f"{base}/v1/jobs", data={"prompt": "Say hi."}, timeout=30)
+        assert _poll(base, response.json()["id"])["status"] == "succeeded"
         started = _descendants(proc.pid)
         names = {_cmdline(pid) for pid in started}
         assert any("uvicorn" in name for name in names), names

@@ -46,7 +46,15 @@ def _text_job(client: object, n: int, deadline_ms: int = 300_000) -> tuple[int, 
     return response.status_code, dict(response.headers), body.get("id", "")
 
 
+def _backend_calls(fleet: Fleet) -> int:
+    """Calls the device's backend answered, as the consumer counts them (one per batch; one per job after a
+    batch fell back to one-by-one)."""
+    with fleet.store() as store:
+        return int(store.hget("stoker:device", "calls") or 0)
+
+
 def test_jobs_submitted_together_ride_in_full_batches(fleet: Fleet) -> None:
+    calls_before = _backend_calls(fleet)
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda n: _text_job(fleet.client, n), range(50)))
     assert all(status == 202 for status, _, _ in answers)
@@ -58,6 +66,7 @@ def test_jobs_submitted_together_ride_in_full_batches(fleet: Fleet) -> None:
     assert sum(sizes.values()) == 50
     mean = sum(sizes.values()) / len(sizes)
     assert mean >= BATCH / 2, sizes
+    assert _backend_calls(fleet) - calls_before == len(sizes) < 50  # one call per batch: real batches
 
 
 def _rss_mb(pgid: int) -> float:
