@@ -101,9 +101,9 @@ def _rss_mb(pid: int) -> float:
 
 
 def test_the_worker_holds_no_more_than_its_prefetch_while_the_queue_is_deep(fleet: Fleet) -> None:
-    fleet.kill("infer", signal.SIGTERM)  # the queue fills up to its high watermark (64) first
+    fleet.kill("infer", signal.SIGTERM)  # the queue fills up to its high watermark (64) first, the rest waits
     with ThreadPoolExecutor(8) as pool:
-        ids = list(pool.map(lambda n: _submit(fleet, f"Deep queue {n}."), range(160)))
+        ids = list(pool.map(lambda n: _submit(fleet, f"Deep queue {n}."), range(120)))
     held, rss = [], []
     with redis.Redis.from_url(fleet.env["STOKER_BROKER_URL"]) as broker:
         wait_for(lambda: int(broker.llen("infer")) >= 60, 60, "a deep inference queue", [])

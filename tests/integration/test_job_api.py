@@ -128,8 +128,8 @@ def test_cancelling_twice_is_409_and_another_tenants_cancel_is_404(
 
 
 def test_a_job_cancelled_while_it_waits_for_the_device_never_reaches_it() -> None:
-    # One job at a time on a device that takes 2 s: the second waits for the device while the first runs.
-    device = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "2000", "STOKER_MAX_BATCH_SIZE": "1"}
+    # One job at a time on a device that takes 1 s: the second waits for the device while the first runs.
+    device = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "1000", "STOKER_MAX_BATCH_SIZE": "1"}
     with own_fleet(device, kinds=("cpu", "infer")) as crew:
         client = crew.client
         filler = client.post("/v1/jobs", data={"prompt": "Hold the device."}).json()["id"]
