@@ -37,6 +37,11 @@ from tasks.watchdog import BatchWatchdog
 log = logging.getLogger(__name__)
 
 
+#: Cancelled job ids kept in memory before the oldest are forgotten, and for how long at least.
+CANCELLED_KEPT = 4096
+CANCELLED_TTL_S = 600.0
+
+
 class Feeder:
     """Collects arriving inference messages into batches and keeps the device running them back to back."""
 
@@ -52,7 +57,9 @@ class Feeder:
         self._running: list[BatchItem] = []
         self._writing: Queue[tuple[RanBatch | None, list[BatchItem], BaseException | None]] = Queue(maxsize=1)
         #: Small writes the device thread must not wait for: batch starts to stamp, expired jobs to end.
-        self._errands: Queue[tuple[list[BatchItem], list[BatchItem], float]] = Queue()
+        self._errands: Queue[tuple[list[BatchItem], list[BatchItem], list[BatchItem], float]] = Queue()
+        #: Jobs cancelled anywhere lately (id → when heard), from the store's announcements.
+        self._cancelled: dict[str, float] = {}
         self._written: list[BatchItem] = []
         self._last_end: float | None = None
         self._work_at_end = False
@@ -80,6 +87,7 @@ class Feeder:
             ("writer", self._write),
             ("errands", self._run_errands),
             ("heartbeat", self._beat),
+            ("cancellations", self._hear_cancellations),
         ):
             threading.Thread(target=_forever(loop, self._stopping), name=f"infer-{name}", daemon=True).start()
 
@@ -179,21 +187,15 @@ class Feeder:
             else:
                 return [], None
             prepared, self._prepared = self._prepared, []
-            self._running = prepared  # held as running (given back if the process goes) while checked
-            self._cond.notify_all()  # room for the collector to prepare the next one
-        # At the last moment, one round trip: a job cancelled while it waited for the device never reaches it.
-        ended = _ended([i.job_id for i in prepared])
-        now = time.time()
-        wanted = [i for i in prepared if i.job_id not in ended]
-        items = [i for i in wanted if not i.pending.deadline or i.pending.deadline > now]
-        with self._cond:
+            # At the last moment, in memory: a job cancelled while it waited for the device never reaches it.
+            dropped = [i for i in prepared if i.job_id in self._cancelled]
+            wanted = [i for i in prepared if i not in dropped]
+            items = [i for i in wanted if not i.pending.deadline or i.pending.deadline > now]
             self._running = items
             gap = now - self._last_end if self._last_end is not None and self._work_at_end else None
-        for item in prepared:
-            if item.job_id in ended and item.message is not None:
-                self._done_with(item.message)
+            self._cond.notify_all()  # room for the collector to prepare the next one
         late = [i for i in wanted if i not in items]  # their deadline passed while they waited for the device
-        self._errands.put((items, late, now))
+        self._errands.put((items, late, dropped, now))
         return items, gap
 
     # -- the writer ---------------------------------------------------------------------------------------------
@@ -221,7 +223,7 @@ class Feeder:
     def _run_errands(self) -> None:
         """Mark the jobs whose batch started (`ts:infer_start`: the reaper leaves a job on the device alone), and
         end those whose deadline passed before the device was free (never computed)."""
-        started, late, at = self._errands.get()
+        started, late, dropped, at = self._errands.get()
         if started:
             store = resources.store()
             store.jobs.stamp_many([i.job_id for i in started], "infer_start", at)
@@ -230,6 +232,30 @@ class Feeder:
             expire(item.job_id, at)
             if item.message is not None:
                 self._done_with(item.message)
+        for item in dropped:  # cancelled: already ended, nothing to write
+            if item.message is not None:
+                self._done_with(item.message)
+
+    # -- cancellations -----------------------------------------------------------------------------------------
+    def _hear_cancellations(self) -> None:
+        """Hear every cancelled job as it is announced, so the device thread can drop one it holds without asking
+        the store (no round trip before a batch). A message missed while the store is away costs only compute:
+        the batch runs and its answer is not written."""
+        try:
+            with resources.store().jobs.cancellations() as feed:
+                while not self._stopping.is_set():
+                    message = feed.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None:
+                        self._heard(message["data"].decode(), time.time())
+        except Exception as exc:  # the store is away: listen again shortly
+            log.warning("cannot hear cancellations: %s", exc)
+            self._stopping.wait(1.0)
+
+    def _heard(self, job_id: str, now: float) -> None:
+        with self._cond:
+            self._cancelled[job_id] = now
+            if len(self._cancelled) > CANCELLED_KEPT:  # forget those heard long ago: long gone from any batch
+                self._cancelled = {j: t for j, t in self._cancelled.items() if now - t < CANCELLED_TTL_S}
 
     # -- the heartbeat ------------------------------------------------------------------------------------------
     def _beat(self) -> None:
@@ -274,15 +300,6 @@ def _as_waiting(request: Request, now: float) -> Waiting:
     kwargs = request.kwargs or {}
     tokens, deadline = kwargs.get("prompt_tokens"), kwargs.get("deadline")
     return Waiting(request.id, int(tokens or 0), now, float(deadline) if deadline else None)
-
-
-def _ended(job_ids: list[str]) -> set[str]:
-    """The jobs among these that ended (cancelled) since they were loaded; none when the store cannot say."""
-    try:
-        return resources.store().jobs.ended_among(job_ids)
-    except Exception as exc:
-        log.warning("could not check for cancelled jobs: %s", exc)
-        return set()
 
 
 def _job_of(request: Request) -> str:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import redis
+from redis.client import PubSub
 
 from stoker.adapters.store.keys import (
     ACTIVE_KEY,
     CALLBACKS_DUE_KEY,
+    CANCELLED_CHANNEL,
     IN_FLIGHT_GRACE_S,
     JOB_COUNTS_KEY,
     done_channel,
@@ -94,8 +97,10 @@ if redis.call('HEXISTS', KEYS[1], 'callback') == 1 then  -- its client asked to 
   redis.call('ZADD', KEYS[9], tonumber(clock[1]) + tonumber(clock[2]) / 1000000, ARGV[1])
 end
 redis.call('PUBLISH', KEYS[4], ARGV[2])
-return 1
 """
+    # a cancelled job is announced to the inference consumers too, which drop it if they hold it
+    + f"if ARGV[2] == 'cancelled' then redis.call('PUBLISH', '{CANCELLED_CHANNEL}', ARGV[1]) end\n"
+    + "return 1\n"
 )
 
 HandOff = Literal["ok", "stale", "done"]
@@ -264,13 +269,15 @@ class JobRepository:
                 self._finish(keys=keys, args=args, client=pipe)
             return [bool(x) for x in pipe.execute()]
 
-    def ended_among(self, job_ids: Sequence[str]) -> set[str]:
-        """The jobs among these with no model request left (ended since it was stored), in one round trip."""
-        with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.exists(tokens_key(job_id))
-            found = pipe.execute()
-        return {job_id for job_id, exists in zip(job_ids, found, strict=True) if not exists}
+    @contextlib.contextmanager
+    def cancellations(self) -> Iterator[PubSub]:
+        """A subscription to every job cancelled from now on (each message's data is its id)."""
+        feed = self.redis.pubsub()
+        try:
+            feed.subscribe(CANCELLED_CHANNEL)
+            yield feed
+        finally:
+            feed.close()
 
     def stamp_many(self, job_ids: Sequence[str], name: str, at: float) -> None:
         """The same timestamp on many jobs, in one pipelined round trip."""

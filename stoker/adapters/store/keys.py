@@ -118,6 +118,8 @@ def callback_secret_key(tenant: str) -> str:
     return f"{PREFIX}:tenant:{tenant}:callback-secret"
 
 
+#: Pub/sub channel on which every cancelled job's id is announced (inference consumers drop it before the device).
+CANCELLED_CHANNEL = f"{PREFIX}:cancelled"
 #: Ended jobs whose completion callback is due, scored by when (the reaper hands them to a worker).
 CALLBACKS_DUE_KEY = f"{PREFIX}:callbacks-due"
 #: Tenants with unfinished jobs, scored by the queue messages those fan out into (the n of the fair share).
