@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import Literal
 
 from celery import Task
 
@@ -79,5 +79,5 @@ def policy() -> FetchPolicy:
     return FetchPolicy(0, s.callback_timeout_s, 0, Allowlist.parse(s.url_allowlist))
 
 
-def _after(state: CallbackState, attempt: int, exc: StokerError, status: Any) -> CallbackState:
+def _after(state: CallbackState, attempt: int, exc: StokerError, status: Literal["pending", "failed"]) -> CallbackState:
     return state.model_copy(update={"status": status, "attempts": attempt, "last_error": f"{exc.code}: {exc.message}"})
