@@ -163,26 +163,6 @@ def test_submit_command_prints_a_transcript_and_an_answer(stack: str, tmp_path: 
     assert "transcribe" in out.stdout
 
 
-def test_up_starts_an_embedded_broker_when_none_answers(tmp_path: Path) -> None:
-    nobody = f"redis://127.0.0.1:{free_port()}"
-    env = {
-        **os.environ,
-        "STOKER_BROKER_URL": f"{nobody}/0",
-        "STOKER_RESULT_URL": f"{nobody}/1",
-        "STOKER_CACHE_URL": f"{nobody}/2",
-    }
-    proc, base = _start_stack(env, tmp_path / "up.log")
-    try:
-        log = (tmp_path / "up.log").read_text()
-        assert "starting an embedded Valkey" in log
-        assert f"cache    {nobody}/2" not in log
-        response = httpx.post(f"{base}/v1/jobs", data={"prompt": "Say hi."}, timeout=30)
-        assert response.status_code == 202
-        assert _poll(base, response.json()["id"])["status"] == "succeeded"
-    finally:
-        assert stop(proc, signal.SIGINT, grace_s=60) == 0, tail(tmp_path / "up.log")
-
-
 def _descendants(pid: int) -> set[int]:
     """Every process below pid (children in sessions of their own included: they keep their parent)."""
     parents: dict[int, int] = {}
@@ -203,8 +183,11 @@ def _cmdline(pid: int) -> str:
     return "?"
 
 
-def test_nothing_outlives_a_killed_stoker_up_and_a_second_stack_is_told_its_port_is_taken(tmp_path: Path) -> None:
-    nobody = f"redis://127.0.0.1:{free_port()}"  # an embedded broker: one more child that must not outlive it
+def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_path: Path) -> None:
+    """No broker answers: `stoker up` starts an embedded Valkey and serves a job with it. A second stack on its
+    port is told which port; a SIGKILL of the supervisor takes every process it started with it. (The module's
+    own stack shows the clean stop, Ctrl-C, exit 0.)"""
+    nobody = f"redis://127.0.0.1:{free_port()}"  # the embedded broker is one more child that must not outlive it
     env = {
         **os.environ,
         "STOKER_BROKER_URL": f"{nobody}/0",
@@ -214,8 +197,12 @@ def test_nothing_outlives_a_killed_stoker_up_and_a_second_stack_is_told_its_port
     proc, base = _start_stack(env, tmp_path / "up.log")
     started: set[int] = set()
     try:
+        log = (tmp_path / "up.log").read_text()
+        assert "starting an embedded Valkey" in log
+        assert f"cache    {nobody}/2" not in log
         # A stack in service (its workers' children warm, models loaded), not one still starting up.
         response = httpx.post(f"{base}/v1/jobs", data={"prompt": "Say hi."}, timeout=30)
+        assert response.status_code == 202
         assert _poll(base, response.json()["id"])["status"] == "succeeded"
         started = _descendants(proc.pid)
         names = {_cmdline(pid) for pid in started}
