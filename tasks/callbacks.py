@@ -38,16 +38,16 @@ def deliver(self: Task, job_id: str) -> str:
     state, job = store.callbacks.state(job_id), store.jobs.load_job(job_id)
     if state is None or job is None or state.status != "pending":
         return "skipped"
-    attempt = state.attempts + 1
+    attempt, settings = state.attempts + 1, resources.settings()
     try:
         send(state.url, job)
     except RETRYABLE as exc:
-        left = attempt < resources.settings().callback_max_attempts
+        left = attempt < settings.callback_max_attempts
         store.callbacks.record(job_id, _after(state, attempt, exc, "pending" if left else "failed"))
         if not left:
             log.warning("callback of job %s given up after %d attempts: %s", job_id, attempt, exc.message)
             return "failed"
-        raise self.retry(countdown=backoff_s(attempt, resources.settings().callback_backoff_s)) from exc
+        raise self.retry(countdown=backoff_s(attempt, settings.callback_backoff_s)) from exc
     except StokerError as exc:
         store.callbacks.record(job_id, _after(state, attempt, exc, "failed"))
         log.warning("callback of job %s refused: %s", job_id, exc.message)
