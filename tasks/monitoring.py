@@ -74,26 +74,45 @@ def starved_seconds(interval_s: float, busy_s: float, cpu_backlog: int) -> float
 device = DeviceClock()
 
 
+def sample_depths() -> dict[str, int] | None:
+    """Every queue's depth, or None while the broker does not answer (a broken connection is closed, so the pool
+    hands out a fresh one next time instead of the same dead one)."""
+    try:
+        with app.pool.acquire(block=True, timeout=5) as connection:
+            try:
+                return queue_depths(connection, QUEUES)
+            except Exception:
+                connection.close()
+                raise
+    except Exception as exc:
+        log.warning("cannot sample queue depths: %s", exc)
+        return None
+
+
 def watch_device(interval_s: float) -> threading.Thread:
-    """Sample queue depths, the busy ratio and starvation every interval, in a daemon thread."""
+    """Sample queue depths, the busy ratio and starvation every interval, in a daemon thread that outlives any
+    failed sample."""
+
+    def sample(span: float) -> None:
+        busy = device.take()
+        depths = sample_depths()
+        if depths is None:  # the broker is away: no sample this time
+            return
+        for queue, depth in depths.items():
+            QUEUE_DEPTH.labels(queue).set(depth)
+        DEVICE_BUSY_RATIO.set(min(busy / span, 1.0) if span > 0 else 0.0)
+        STARVATION_SECONDS.inc(starved_seconds(span, busy, sum(depths[q] for q in CPU_QUEUES)))
 
     def loop() -> None:
         last = time.monotonic()
         while True:
             time.sleep(interval_s)
             now = time.monotonic()
-            busy = device.take()
             span, last = now - last, now
             try:
-                with app.pool.acquire(block=True) as connection:
-                    depths = queue_depths(connection, QUEUES)
-            except Exception as exc:  # the broker is away: no sample this time
-                log.warning("cannot sample queue depths: %s", exc)
-                continue
-            for queue, depth in depths.items():
-                QUEUE_DEPTH.labels(queue).set(depth)
-            DEVICE_BUSY_RATIO.set(min(busy / span, 1.0) if span > 0 else 0.0)
-            STARVATION_SECONDS.inc(starved_seconds(span, busy, sum(depths[q] for q in CPU_QUEUES)))
+                sample(span)
+            except Exception:
+                log.exception("device sample failed")
 
     thread = threading.Thread(target=loop, name="device-monitor", daemon=True)
     thread.start()

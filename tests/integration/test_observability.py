@@ -75,19 +75,26 @@ def test_stages_batches_cache_and_jobs_are_measured(client: TestClient, workers:
 
 
 def test_the_device_counts_as_starved_while_work_waits_upstream(client: TestClient, workers: dict[str, Path]) -> None:
+    from tasks.worker import app
+
     def starved() -> float:
         return _value(_worker_metrics("infer"), "stoker_device_starved_seconds_total")
 
+    cpu = [name for reply in app.control.ping(timeout=1) for name in reply if name.startswith("cpu@")]
+    assert cpu
     before = starved()
-    # More pages than the CPU pool's two children can read at once: messages wait in the CPU queues while the
-    # device has nothing to run. Each second of that is a second of starvation.
-    pages = [text_image(f"STARVED {n} " + "WORDS " * 12, size=(2400, 1600), font_size=48) for n in range(8)]
-    ids = []
-    for page in pages:
-        files = [("image", ("page.png", page, "image/png"))]
-        response = client.post("/v1/jobs", data={"prompt": "What does it say?"}, files=files)
-        assert response.status_code == 202, response.text
-        ids.append(response.json()["id"])
-    wait_for(lambda: starved() >= before + 1.0, 60, "a second of starvation counted", [])
+    # The CPU worker stops taking decode messages (Celery's own remote control): the pages wait in the decode queue
+    # while the device has nothing to run. Each second of that is a second of starvation.
+    assert app.control.cancel_consumer("decode", destination=cpu, reply=True)
+    try:
+        ids = []
+        for n in range(3):
+            files = [("image", ("page.png", text_image(f"STARVED {n}"), "image/png"))]
+            response = client.post("/v1/jobs", data={"prompt": "What does it say?"}, files=files)
+            assert response.status_code == 202, response.text
+            ids.append(response.json()["id"])
+        wait_for(lambda: starved() >= before + 2.0, 30, "two seconds of starvation counted", [])
+    finally:
+        app.control.add_consumer("decode", destination=cpu, reply=True)
     for job_id in ids:
         assert _wait(client, job_id)["status"] == "succeeded"
