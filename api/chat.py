@@ -36,7 +36,7 @@ from api.chat_schemas import (
     chunk,
 )
 from api.intake import AcceptedRequest
-from api.schemas import ErrorPublic
+from api.schemas import error_responses
 from api.submission import REPLAYED, cancel, submit_job
 from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
@@ -62,7 +62,7 @@ async def list_models(request: Request) -> ModelList:
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletion,
-    responses={s: {"model": ErrorPublic} for s in (401, 404, 413, 415, 422, 429, 499, 503, 504)},
+    responses=error_responses(401, 404, 413, 415, 422, 429, 499, 503, 504),
 )
 async def chat_completions(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> Any:
     """Run the chat as a stoker job and answer when it ends (or stream the answer with `stream: true`)."""

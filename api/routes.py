@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from api.announcements import Announcements
 from api.intake import read_request
 from api.pressure import QueueMonitor
-from api.schemas import ErrorPublic, JobList, JobPublic
+from api.schemas import JobList, JobPublic, error_responses
 from api.submission import REPLAYED, cancel, submit_job
 from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
@@ -37,14 +37,7 @@ MAX_WAIT_S = 30.0
     "/v1/jobs",
     status_code=202,
     response_model=JobPublic,
-    responses={
-        401: {"model": ErrorPublic},
-        413: {"model": ErrorPublic},
-        415: {"model": ErrorPublic},
-        422: {"model": ErrorPublic},
-        429: {"model": ErrorPublic},
-        503: {"model": ErrorPublic},
-    },
+    responses=error_responses(401, 413, 415, 422, 429, 503),
 )
 async def create_job(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> JSONResponse:
     """Accept a job: validate, store inputs and the job record, enqueue, answer 202 at once.
@@ -64,7 +57,7 @@ async def create_job(request: Request, tenant: Annotated[str, Depends(authentica
 @router.get(
     "/v1/jobs",
     response_model=JobList,
-    responses={401: {"model": ErrorPublic}, 422: {"model": ErrorPublic}, 429: {"model": ErrorPublic}},
+    responses=error_responses(401, 422, 429),
 )
 async def list_jobs(
     request: Request,
@@ -107,7 +100,7 @@ def _page(
 @router.get(
     "/v1/jobs/{job_id}",
     response_model=JobPublic,
-    responses={401: {"model": ErrorPublic}, 404: {"model": ErrorPublic}, 429: {"model": ErrorPublic}},
+    responses=error_responses(401, 404, 429),
 )
 async def get_job(
     request: Request,
@@ -141,12 +134,7 @@ async def _wait_terminal(request: Request, store: Store, job_id: str, wait: floa
 @router.delete(
     "/v1/jobs/{job_id}",
     response_model=JobPublic,
-    responses={
-        401: {"model": ErrorPublic},
-        404: {"model": ErrorPublic},
-        409: {"model": ErrorPublic},
-        429: {"model": ErrorPublic},
-    },
+    responses=error_responses(401, 404, 409, 429),
 )
 async def cancel_job(
     request: Request, job_id: str, tenant: Annotated[str, Depends(within_rate)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -64,3 +64,8 @@ class ErrorPublic(BaseModel):
     """Error envelope."""
 
     error: ErrorBody
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's documented error answers (OpenAPI `responses`): every one is the error envelope."""
+    return {status: {"model": ErrorPublic} for status in statuses}

@@ -1,10 +1,13 @@
-"""An ASGI app served by uvicorn on a free loopback port, in a thread of the test process."""
+"""Servers in a thread of the test process: an ASGI app under uvicorn, or a plain `http.server` handler (media
+servers and webhook receivers that record what they were asked)."""
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import uvicorn
@@ -26,3 +29,19 @@ def serve(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextmanager
+def serve_handler(host: str, handler: type[BaseHTTPRequestHandler], tls: ssl.SSLContext | None = None) -> Iterator[int]:
+    """Serve handler on host (HTTPS with tls) for the duration of the block; yields the port it got."""
+    server = ThreadingHTTPServer((host, 0), handler)
+    server.daemon_threads = True
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()

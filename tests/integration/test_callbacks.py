@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from stoker.core.callbacks import verify
 from stoker.core.tenancy import DEFAULT_TENANT
 from tests.integration.conftest import URL_TEST_HOST
 from tests.integration.test_pipeline import _wait
+from tests.serving import serve_handler
 from workers.procs import ROOT, wait_for
 
 
@@ -74,16 +75,9 @@ def _receiver(host: str) -> Iterator[Receiver]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer((host, 0), Handler)
-    server.daemon_threads = True
-    receiver.port = server.server_address[1]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serve_handler(host, Handler) as port:
+        receiver.port = port
         yield receiver
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture(scope="module")

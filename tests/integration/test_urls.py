@@ -10,12 +10,11 @@ import contextlib
 import shutil
 import ssl
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from ipaddress import ip_address
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from tests.conftest import missing
 from tests.integration.conftest import URL_TEST_HOST, SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import speech_wav, text_image, text_video
+from tests.serving import serve_handler
 
 PNG = text_image("URL 4242")
 Route = Callable[[BaseHTTPRequestHandler], None]
@@ -123,18 +123,9 @@ def _serve(host: str, routes: dict[str, Route], tls: ssl.SSLContext | None = Non
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer((host, 0), Handler)
-    server.daemon_threads = True
-    if tls is not None:
-        server.socket = tls.wrap_socket(server.socket, server_side=True)
-    served.port = server.server_address[1]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serve_handler(host, Handler, tls) as port:
+        served.port = port
         yield served
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture(scope="module")
