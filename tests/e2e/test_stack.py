@@ -193,6 +193,7 @@ def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_pat
         "STOKER_BROKER_URL": f"{nobody}/0",
         "STOKER_RESULT_URL": f"{nobody}/1",
         "STOKER_CACHE_URL": f"{nobody}/2",
+        "STOKER_BACKEND": "sim",  # what is under test is the supervisor and its children, not the model
     }
     proc, base = _start_stack(env, tmp_path / "up.log")
     started: set[int] = set()

@@ -79,11 +79,16 @@ def test_what_arrives_while_the_device_is_busy_forms_full_batches(fleet: Fleet) 
 
 def test_a_lone_job_on_an_idle_device_starts_at_once(fleet: Fleet) -> None:
     _wait(fleet.client, _submit(fleet, "Warm up."))  # the device is idle after this
-    job = _wait(fleet.client, _submit(fleet, "Alone on an idle device."))
-    assert job["status"] == "succeeded", job
-    assert job["batch"]["size"] == 1
-    # From reaching the inference queue (its hand-over stamp) to its batch starting, read from its own stamps.
-    assert job["batch"]["wait_ms"] <= 20, job["timings_ms"]
+    waits = []
+    for n in range(5):  # one after another: each is alone on an idle device
+        job = _wait(fleet.client, _submit(fleet, f"Alone on an idle device, {n}."))
+        assert job["status"] == "succeeded", job
+        assert job["batch"]["size"] == 1
+        # From reaching the inference queue (its hand-over stamp) to its batch starting, read from its own stamps.
+        waits.append(job["batch"]["wait_ms"])
+    # The median, so one scheduling hiccup of a busy host does not decide; a consumer that looked for work on a
+    # timer (celery-batches' flush interval) would wait half its period on average.
+    assert sorted(waits)[2] <= 20, waits
 
 
 #: What the inference worker may hold at once: STOKER_PREFETCH_BATCHES (3: running, prepared, being written) batches.
@@ -152,17 +157,16 @@ def test_a_batch_lost_with_its_worker_is_run_again_when_a_worker_is_back(fleet: 
     assert max(done) - back <= 30, (done, back)
 
 
-@pytest.fixture(scope="module")
-def faulty() -> Iterator[Fleet]:
-    """An inference worker whose backend raises on every call."""
-    with own_fleet({**DEVICE, "STOKER_SIM_FAULT": "raise"}, kinds=("cpu", "infer")) as crew:
-        yield crew
-
-
-def test_a_batch_whose_backend_raises_fails_its_jobs_at_once(faulty: Fleet) -> None:
-    ids = [_submit(faulty, f"Doomed {n}.") for n in range(3)]
-    jobs = [_wait(faulty.client, i) for i in ids]
-    store = faulty.store()
+def test_a_batch_whose_backend_raises_fails_its_jobs_at_once(fleet: Fleet) -> None:
+    fleet.kill("infer", signal.SIGTERM)
+    fleet.start("infer", STOKER_SIM_FAULT="raise")  # a backend that raises on every call
+    try:
+        fleet.wait_workers(("infer",))
+        jobs = [_wait(fleet.client, i) for i in [_submit(fleet, f"Doomed {n}.") for n in range(3)]]
+    finally:
+        fleet.kill("infer", signal.SIGTERM)
+        fleet.start("infer")  # the fleet's own device again, for whoever comes next
+    store = fleet.store()
     for job in jobs:
         assert job["status"] == "failed", job
         assert job["error"]["code"] == "inference_failed"
