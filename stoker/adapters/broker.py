@@ -2,26 +2,60 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 from kombu.connection import Connection
 from kombu.entity import Queue
+from kombu.transport import virtual
 
 from stoker.core.queues import CALLBACK_QUEUE, QUEUES, SYNC_QUEUE
 
+log = logging.getLogger(__name__)
+
 
 def queue_depths(connection: Connection, names: Iterable[str] = QUEUES) -> dict[str, int]:
-    """Messages waiting in each queue (not those a worker already holds); a queue never declared counts 0."""
-    channel = connection.default_channel
+    """Messages waiting in each queue (not those a worker already holds); a queue never declared counts 0.
+
+    Opens no connection that outlives the call: on Redis the connection's default channel is reused (a failed
+    passive declare leaves a virtual channel usable); on AMQP the broker closes a channel whose passive declare
+    fails, so the depths are read on a channel of their own, replaced after each such failure and closed after.
+    """
+    if isinstance(connection.transport, virtual.Transport):
+        channel = connection.default_channel
+        return {name: _depth(channel, name, connection.channel_errors) or 0 for name in names}
+    return _amqp_depths(connection, names)
+
+
+def _depth(channel: Any, name: str, missing: tuple[type[BaseException], ...]) -> int | None:
+    """One queue's depth; None when the queue was never declared."""
+    try:
+        return int(channel.queue_declare(queue=name, passive=True).message_count)
+    except missing:
+        return None
+
+
+def _amqp_depths(connection: Connection, names: Iterable[str]) -> dict[str, int]:
+    channel = connection.channel()  # type: ignore[no-untyped-call]
     depths = {}
-    for name in names:
-        try:
-            depths[name] = int(channel.queue_declare(queue=name, passive=True).message_count)  # type: ignore[no-untyped-call]
-        except connection.channel_errors:  # not declared yet (RabbitMQ): nothing waits in it
-            channel = connection.channel()  # type: ignore[no-untyped-call]
-            depths[name] = 0
+    try:
+        for name in names:
+            depth = _depth(channel, name, connection.channel_errors)
+            if depth is None:  # the broker closed this channel: close our side of it and take a new one
+                _close_quietly(channel)
+                channel = connection.channel()  # type: ignore[no-untyped-call]
+            depths[name] = depth or 0
+    finally:
+        _close_quietly(channel)
     return depths
+
+
+def _close_quietly(channel: Any) -> None:
+    try:
+        channel.close()
+    except Exception:  # already closed by the broker, or the connection is gone: nothing left to release
+        log.debug("closing a depth channel failed", exc_info=True)
 
 
 def is_amqp(broker_url: str) -> bool:

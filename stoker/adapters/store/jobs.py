@@ -103,6 +103,13 @@ redis.call('PUBLISH', KEYS[4], ARGV[2])
     + "return 1\n"
 )
 
+# Only a queued job starts: a cancel (or any ending) that came first holds, and its stages see it ended.
+_START = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'preprocessing', 'ts:started', ARGV[1])
+return 1
+"""
+
 HandOff = Literal["ok", "stale", "done"]
 
 
@@ -143,6 +150,7 @@ class JobRepository:
         self._put_input = client.register_script(_PUT_INPUT)
         self._hand_off = client.register_script(_HAND_OFF)
         self._finish = client.register_script(_FINISH)
+        self._start = client.register_script(_START)
 
     def create_job(
         self,
@@ -200,10 +208,10 @@ class JobRepository:
             pipe.zrem(ACTIVE_KEY, job_id)
             pipe.execute()
 
-    def mark_started(self, job_id: str) -> None:
-        """The first stage to run for a job moves it to preprocessing."""
-        if self.redis.hsetnx(job_key(job_id), "ts:started", repr(time.time())):
-            self.redis.hset(job_key(job_id), "status", "preprocessing")
+    def mark_started(self, job_id: str) -> bool:
+        """The first stage to run for a job moves it from queued to preprocessing; True if this call did. A job
+        that ended first (cancelled while its messages waited) stays as it ended."""
+        return bool(self._start(keys=[job_key(job_id)], args=[repr(time.time())]))
 
     def get_input(self, job_id: str, ref: str) -> InputRecord | None:
         """One input's (or keyframe's) record, by its field name."""
