@@ -106,6 +106,43 @@ def test_cancelling_a_job_while_its_ocr_runs(api: Callable[..., TestClient], job
     assert not job_store.client.exists(tokens_key(job_id))
 
 
+def test_jobs_cancelled_behind_a_busy_queue_stay_cancelled(
+    api: Callable[..., TestClient], job_store: Store, store_redis: redis.Redis
+) -> None:
+    from tasks.worker import app
+
+    client = api(max_jobs_in_flight=10)
+    auth = _tenant(job_store, "early-canceller")
+    cpu = [name for reply in app.control.ping(timeout=1) for name in reply if name.startswith("cpu@")]
+    drained = job_store.stats.drained().get("tokenize", 0)
+    counted = job_store.stats.job_counts().get("cancelled", 0)
+    small = [("image", ("note.png", text_image(f"EARLY {uuid.uuid4().hex[:6]}"), "image/png"))]
+    # The CPU worker stops taking decode messages (Celery's own remote control): the jobs wait in a busy queue.
+    assert app.control.cancel_consumer("decode", destination=cpu, reply=True)
+    try:
+        early = [
+            client.post("/v1/jobs", data={"prompt": "Read."}, files=small, headers=auth).json()["id"] for _ in "abc"
+        ]
+        for job_id in early:
+            response = client.delete(f"/v1/jobs/{job_id}", headers=auth)
+            assert response.json()["status"] == "cancelled", response.text
+    finally:
+        app.control.add_consumer("decode", destination=cpu, reply=True)
+    # Every job's messages are still taken and let go: its chord ends in a tokenize message that finds it ended.
+    wait_for(lambda: job_store.stats.drained().get("tokenize", 0) >= drained + 3, 60, "the jobs' messages", [])
+    for job_id in early:
+        job = client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+        assert job["status"] == "cancelled"
+        assert (job["inputs"][0]["status"], job["inputs"][0]["timings_ms"]) == ("pending", {})  # no stage ran
+        assert not store_redis.hexists(f"stoker:job:{job_id}", "ts:started")
+        again = client.delete(f"/v1/jobs/{job_id}", headers=auth)
+        assert again.status_code == 409, again.text
+        assert again.json()["job"] == {"id": job_id, "status": "cancelled"}
+    assert job_store.stats.job_counts().get("cancelled", 0) == counted + 3  # each counted once
+    assert job_store.tenants.jobs_in_flight(job_store.jobs.tenant(early[0]) or "") == []  # every slot given back
+    assert not any(store_redis.zscore(ACTIVE_KEY, job_id) for job_id in early)  # nothing left for the reaper
+
+
 def test_cancelling_twice_is_409_and_another_tenants_cancel_is_404(
     api: Callable[..., TestClient], job_store: Store, store_redis: redis.Redis
 ) -> None:

@@ -1,0 +1,70 @@
+"""The job store's promises against real Redis: a terminal status is final, whoever writes after it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from stoker.adapters.store import Store
+from stoker.adapters.store.jobs import Ending
+from stoker.adapters.store.keys import ACTIVE_KEY, job_key, tokens_key
+from stoker.core.deadlines import deadline_for
+from stoker.core.jobs import TERMINAL, ErrorInfo, InputRecord, ResultInfo
+from stoker.core.model import ModelRequest
+
+
+@pytest.fixture
+def job_store(store_redis: redis.Redis) -> Store:
+    """The test store, as the API and the workers see it."""
+    return Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
+
+
+def _new_job(store: Store) -> str:
+    job_id = uuid.uuid4().hex
+    now = time.time()
+    record = InputRecord(index=0, kind="image", content_hash="ab" * 32, size_bytes=10)
+    store.jobs.create_job(job_id, "Hi.", [record], now, deadline_for(now, 60_000, 5_000), 60_000, tenant="t")
+    return job_id
+
+
+def _every_later_write(store: Store, job_id: str) -> None:
+    """Every write a stage, the consumer, the reaper or the API makes to a job's record."""
+    store.jobs.mark_started(job_id)
+    late = InputRecord(index=0, kind="image", content_hash="ab" * 32, size_bytes=10, status="ok", text="late")
+    store.jobs.put_input(job_id, "input:0", late)
+    store.jobs.hand_off(job_id, ModelRequest(prompt_ids=[1, 2, 3]), None)
+    store.jobs.finish(
+        job_id, "succeeded", result=ResultInfo(text="late", model="m", prompt_tokens=3, completion_tokens=1)
+    )
+    store.jobs.finish_many([Ending(job_id, "t", "failed", error=ErrorInfo(code="x", message="late"))])
+    store.watch.count_loss(job_id)
+
+
+@pytest.mark.parametrize("status", sorted(TERMINAL))
+def test_a_terminal_status_is_final_whatever_writes_after_it(job_store: Store, status: str) -> None:
+    job_id = _new_job(job_store)
+    try:
+        assert job_store.jobs.finish(job_id, status)  # type: ignore[arg-type]
+        ended = job_store.client.hgetall(job_key(job_id))
+        counts = job_store.stats.job_counts()
+        _every_later_write(job_store, job_id)
+        assert job_store.client.hgetall(job_key(job_id)) == ended  # not one field changed
+        assert job_store.stats.job_counts() == counts  # counted once
+        assert not job_store.client.exists(tokens_key(job_id))  # nothing handed to the model
+    finally:
+        job_store.client.zrem(ACTIVE_KEY, job_id)
+
+
+def test_only_a_queued_job_starts(job_store: Store) -> None:
+    job_id = _new_job(job_store)
+    try:
+        assert job_store.jobs.mark_started(job_id)
+        assert not job_store.jobs.mark_started(job_id)  # the second stage to start changes nothing
+        assert job_store.client.hget(job_key(job_id), "status") == b"preprocessing"
+        assert not job_store.jobs.mark_started(uuid.uuid4().hex)  # an unknown job is not made up
+    finally:
+        job_store.jobs.finish(job_id, "cancelled")
+        job_store.client.zrem(ACTIVE_KEY, job_id)
