@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
-from stoker.core.idempotency import key_digest
+from stoker.core.idempotency import Remembered, key_digest
 from stoker.core.tenancy import DEFAULT_TENANT, issue_key
 from stoker.settings import ApiSettings
 from tests.fleet import own_fleet
@@ -346,3 +346,18 @@ def test_requests_waiting_behind_a_slow_first_barely_touch_redis(own_valkey: Own
     per_waiter_s = (busy - alone) / waiters
     # Polling every 20 ms made about 80 calls per waiting second; announcements and a 1 s fallback look make 2.
     assert per_waiter_s < 8, f"{per_waiter_s:.1f} Redis calls per waiter per second ({alone:.0f}/s with none)"
+
+
+def test_only_the_holder_of_a_claim_renews_it(job_store: Store) -> None:
+    keys, digest = job_store.idempotency, key_digest(DEFAULT_TENANT, str(uuid.uuid4()))
+    stored = idempotency_key(digest)
+    assert keys.claim(digest, "first", ttl_s=5) is None
+    assert keys.claim(digest, "second", ttl_s=5) == "first"  # held: what the second gets is the first's claim
+    assert not keys.renew(digest, "second", ttl_s=100)
+    assert job_store.client.ttl(stored) <= 5  # another request's renewal extends nothing
+    assert keys.renew(digest, "first", ttl_s=100)
+    assert job_store.client.ttl(stored) > 5
+    assert keys.remember(digest, Remembered("first", "request"), ttl_s=200)
+    assert not keys.renew(digest, "first", ttl_s=100)  # settled: nothing left to renew
+    assert keys.claim(digest, "third", ttl_s=5) == Remembered("first", "request")
+    job_store.client.delete(stored)
