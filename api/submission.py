@@ -29,7 +29,7 @@ from stoker.adapters.store import Store
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
 from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
 from stoker.core.deadlines import deadline_for
-from stoker.core.errors import BrokerUnavailable, Overloaded, StokerError
+from stoker.core.errors import BrokerUnavailable, Overloaded, RateLimited, StokerError
 from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job
 from stoker.core.model import ModelRequest
 from stoker.core.prompting import Attachment, attachment_for, model_request
@@ -56,21 +56,22 @@ async def submit_job(request: Request, tenant: str, read: Callable[[], Awaitable
 
     While a queue is over its limit the job is refused before its body is read (429 with Retry-After from the
     queue's measured drain rate, nothing written); so is one over its tenant's rate or jobs in flight. With an
-    `Idempotency-Key` that already made a job, that job comes back instead (`api.idempotency`).
+    `Idempotency-Key` that already made a job, that job comes back instead (`api.idempotency`): counted against
+    the tenant's rate like any request, but taking no in-flight slot and never refused for queue pressure.
     """
     state = request.app.state
+    settings: ApiSettings = state.settings
     job_id = uuid.uuid4().hex
     key = idempotency.key_of(request, tenant)
     if key is None:
         return Submitted(await _submit(request, tenant, read, job_id))
-    remembered = await idempotency.claim(state.store, key, job_id)
+    await _within_rate(request, tenant)  # before the key is looked at: a replay costs the rate too
+    claim_s = settings.idempotency_claim_s
+    remembered = await idempotency.claim(state.store, state.announcements, key, job_id, claim_s)
     if remembered is not None:
         return Submitted(await idempotency.replay(state.store, remembered, tenant, read), replayed=True)
-    try:
-        return Submitted(await _submit(request, tenant, read, job_id, key))
-    except BaseException:
-        await run_in_threadpool(state.store.idempotency.release, key.digest, job_id)  # no job: a retry may try
-        raise
+    async with idempotency.holding(state.store, key, job_id, claim_s) as claim:
+        return Submitted(await _submit(request, tenant, read, job_id, claim))
 
 
 async def _submit(
@@ -78,21 +79,18 @@ async def _submit(
     tenant: str,
     read: Callable[[], Awaitable[AcceptedRequest]],
     job_id: str,
-    key: idempotency.Key | None = None,
+    claim: idempotency.Claim | None = None,
 ) -> Job:
+    """Take one new job in: queue pressure and the tenant's slot checked, its body read, the job made; with
+    `claim`, the key it holds, remembered as naming the job once it is made."""
     state = request.app.state
     settings: ApiSettings = state.settings
-    refusal = state.monitor.refusal()
-    if refusal is not None:
-        ADMISSIONS.labels("refused").inc()
-        await run_in_threadpool(state.store.stats.count_refusal, refusal.queue)
-        raise Overloaded(
-            f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})",
-            retry_after_s=refusal.retry_after_s,
-        )
-    await admit(request, tenant, job_id)
+    await _refuse_under_pressure(state)
+    await admit(request, tenant, job_id, rated=claim is not None)  # a keyed request's rate was counted already
     try:
         accepted = await read()
+        if claim is not None:
+            await claim.confirm()  # the key is still ours: no other request made its job meanwhile
         job = await run_in_threadpool(_admit, state, accepted, settings, job_id=job_id, tenant=tenant)
     except Exception as exc:
         await release(request, tenant, job_id)  # not accepted after all: its in-flight slot is free again
@@ -100,9 +98,31 @@ async def _submit(
             ADMISSIONS.labels("unavailable").inc()
         raise
     ADMISSIONS.labels("accepted").inc()
-    if key is not None:  # accepted: the key names this job from now on
-        await idempotency.remember(state.store, settings, key, job_id, accepted)
+    if claim is not None:  # accepted: the key names this job from now on
+        await claim.remember(settings, accepted)
     return job
+
+
+async def _within_rate(request: Request, tenant: str) -> None:
+    """Count a submission against its tenant's rate alone (429 over it, a refused submission like any other)."""
+    try:
+        await admit(request, tenant)
+    except RateLimited:
+        ADMISSIONS.labels("rate_limited").inc()
+        raise
+
+
+async def _refuse_under_pressure(state: State) -> None:
+    """429 while a queue is over its limit, with Retry-After from its measured drain rate; nothing written."""
+    refusal = state.monitor.refusal()
+    if refusal is None:
+        return
+    ADMISSIONS.labels("refused").inc()
+    await run_in_threadpool(state.store.stats.count_refusal, refusal.queue)
+    raise Overloaded(
+        f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})",
+        retry_after_s=refusal.retry_after_s,
+    )
 
 
 def cancel(store: Store, job_id: str, reason: StokerError) -> bool:

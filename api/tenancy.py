@@ -6,6 +6,7 @@ Both read only headers, so a refused request is answered before its body is read
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Annotated
 
 import redis
@@ -62,17 +63,20 @@ async def within_rate(request: Request, tenant: Annotated[str, Depends(authentic
     return tenant
 
 
-async def admit(request: Request, tenant: str, job_id: str | None = None) -> None:
+async def admit(request: Request, tenant: str, job_id: str | None = None, *, rated: bool = False) -> None:
     """Count a request against the tenant's rate and, for a new job, hold one of its in-flight slots; 429 when
-    either limit is reached (nothing counted then). Limits apply to authenticated tenants only."""
+    either limit is reached (nothing counted then). `rated`: the request was counted already (an Idempotency-Key's
+    first request is, before it claims the key), so only the slot is held. Limits apply to authenticated tenants
+    only."""
     settings: ApiSettings = request.app.state.settings
     if not settings.auth:
         return
     store: Store = request.app.state.store
     # The slot is held at most this long before create_job ties it to the job's own deadline.
     hold_s = settings.max_deadline_ms / 1000
+    limits = replace(settings.tenant_limits, rate_per_s=0) if rated else settings.tenant_limits  # 0: not counted
     try:
-        verdict = await run_in_threadpool(store.tenants.admit_tenant, tenant, settings.tenant_limits, job_id, hold_s)
+        verdict = await run_in_threadpool(store.tenants.admit_tenant, tenant, limits, job_id, hold_s)
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     if verdict.outcome != "ok" and job_id is not None:

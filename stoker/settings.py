@@ -132,6 +132,9 @@ class ApiSettings(CommonSettings):
     tenant_max_share: float = Field(0.5, ge=0, le=1)
     #: A POST with an `Idempotency-Key` header made within this long gets the same job back on a retry.
     idempotency_ttl_s: int = Field(86_400, ge=60)
+    #: The first request with an `Idempotency-Key` claims it for this long, renewing the claim every third of it
+    #: while its body is read and its job written: a request that died mid-intake frees its key this long after.
+    idempotency_claim_s: int = Field(60, ge=1)
     #: Per tenant: input bytes its unfinished jobs may hold at once, uploads and URL downloads alike (429
     #: `tenant_storage_full`; a URL download that would pass it fails its input `storage_quota_exceeded`). 0: no cap.
     tenant_max_stored_bytes: int = Field(512 * MiB, ge=0)

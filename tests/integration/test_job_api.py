@@ -1,12 +1,16 @@
-"""The job API a client can rely on: cancel a job, list a tenant's jobs (real workers, real tesseract)."""
+"""The job API a client can rely on: cancel a job, list a tenant's jobs (real workers, real tesseract), retry a
+submission with its Idempotency-Key and get its one job back."""
 
 from __future__ import annotations
 
 import base64
+import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +21,16 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from stoker.adapters.store import Store
-from stoker.adapters.store.keys import ACTIVE_KEY, tokens_key
-from stoker.core.tenancy import issue_key
+from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
+from stoker.core.idempotency import Remembered, key_digest
+from stoker.core.tenancy import DEFAULT_TENANT, issue_key
 from stoker.settings import ApiSettings
 from tests.fleet import own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.media import text_image
 from tests.serving import serve
-from workers.procs import wait_for
+from workers.broker import start_embedded
+from workers.procs import stop, wait_for
 
 TERMINAL = ("succeeded", "degraded", "failed", "cancelled")
 
@@ -257,3 +263,138 @@ def test_twenty_concurrent_posts_with_one_key_make_one_job(
         for job_id in {a.json().get("id") for a in answers} - {None}:
             job_store.jobs.finish(job_id, "cancelled")  # never run: end it, giving its slot back
             store_redis.zrem(ACTIVE_KEY, job_id)
+
+
+@dataclass
+class OwnValkey:
+    """A Valkey of a test's own, as broker (db 0), store (db 1) and cache (db 2) of the APIs it makes: what its
+    server counts is those APIs' doing alone, and nothing they leave behind reaches the session's workers."""
+
+    base: str
+    store: Store
+
+    def settings(self, **values: Any) -> ApiSettings:
+        """API settings over this Valkey."""
+        urls = {"broker_url": f"{self.base}/0", "result_url": f"{self.base}/1", "cache_url": f"{self.base}/2"}
+        return ApiSettings(**urls, **values)
+
+    def calls(self) -> int:
+        """Every command the server has run so far (`INFO commandstats`)."""
+        stats = self.store.client.info("commandstats")
+        return sum(int(entry["calls"]) for entry in stats.values())
+
+
+@pytest.fixture
+def own_valkey() -> Iterator[OwnValkey]:
+    """A fresh Valkey for one test."""
+    valkey, port = start_embedded()
+    base = f"redis://127.0.0.1:{port}"
+    client = redis.Redis.from_url(f"{base}/1")
+    try:
+        yield OwnValkey(base, Store.over(client, blob_ttl_s=3600, job_ttl_s=3600))
+    finally:
+        client.close()
+        stop(valkey, grace_s=10)
+
+
+def _slow_json(body: bytes, arrived: threading.Event) -> Iterator[bytes]:
+    """A JSON body whose first bytes come at once and the rest once `arrived` is set: an upload still going on."""
+    yield body[:5]
+    arrived.wait(60)
+    yield body[5:]
+
+
+def test_replays_count_against_the_rate_but_take_no_slot_and_pass_queue_pressure(own_valkey: OwnValkey) -> None:
+    spy = SpySubmitter(forward=False)
+    # Three requests at once, then one every 20 s; one job in flight; a CPU queue of two messages is full.
+    settings = own_valkey.settings(
+        auth=True, rate_limit_per_s=0.05, rate_limit_burst=3, max_jobs_in_flight=1, cpu_queue_limit=2
+    )
+    auth = _tenant(own_valkey.store, "replayer")
+    keyed = {**auth, "Idempotency-Key": str(uuid.uuid4())}
+    with TestClient(create_app(settings, submitter=spy)) as client:
+        first = client.post("/v1/jobs", data={"prompt": "Once."}, headers=keyed)
+        assert first.status_code == 202, first.text
+        with redis.Redis.from_url(settings.broker_url) as broker:
+            broker.lpush("decode", "a", "b")  # the queue at its limit: new jobs are refused
+        monitor = client.app.state.monitor  # type: ignore[attr-defined]
+        wait_for(lambda: monitor.refusal() is not None, 10, "queue pressure", [])
+        new = client.post("/v1/jobs", data={"prompt": "Another."}, headers=auth)
+        assert (new.status_code, new.json()["error"]["code"]) == (429, "overloaded"), new.text
+        replays = [client.post("/v1/jobs", data={"prompt": "Once."}, headers=keyed) for _ in range(3)]
+    # The first request and two replays are the burst of three: neither the slot the job holds nor the full queue
+    # turns a replay away, the tenant's rate does.
+    assert [r.status_code for r in replays] == [200, 200, 429], [r.text for r in replays]
+    assert {r.json()["id"] for r in replays[:2]} == {first.json()["id"]}
+    assert replays[2].json()["error"]["code"] == "rate_limited"
+    assert int(replays[2].headers["retry-after"]) >= 1
+    assert [job for job, _ in spy.calls] == [first.json()["id"]]
+
+
+def test_a_first_request_slower_than_its_claim_keeps_the_key_to_one_job(own_valkey: OwnValkey) -> None:
+    spy = SpySubmitter(forward=False)
+    app = create_app(own_valkey.settings(auth=False, idempotency_claim_s=1), submitter=spy)
+    key = str(uuid.uuid4())
+    claim = idempotency_key(key_digest(DEFAULT_TENANT, key))
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    body = json.dumps({"prompt": "Slow to arrive."}).encode()
+    arrived = threading.Event()
+    with serve(app) as base, ThreadPoolExecutor(2) as pool:
+        url = f"{base}/v1/jobs"
+        first = pool.submit(httpx.post, url, content=_slow_json(body, arrived), headers=headers, timeout=60)
+        wait_for(lambda: bool(own_valkey.store.client.exists(claim)), 10, "the first request's claim", [])
+        time.sleep(2.5)  # the first request's body is still arriving two and a half claim lifetimes later
+        second = pool.submit(httpx.post, url, content=body, headers=headers, timeout=60)
+        announcements = app.state.announcements
+        wait_for(lambda: second.done() or announcements.waiting > 0, 10, "the second request to wait", [])
+        arrived.set()
+        answers = [first.result(), second.result()]
+    assert [a.status_code for a in answers] == [202, 200], [a.text for a in answers]
+    assert answers[1].headers["idempotent-replayed"] == "true"
+    assert answers[0].json()["id"] == answers[1].json()["id"]
+    assert len(spy.calls) == 1  # one job for the key
+
+
+def test_requests_waiting_behind_a_slow_first_barely_touch_redis(own_valkey: OwnValkey) -> None:
+    spy = SpySubmitter(forward=False)
+    app = create_app(own_valkey.settings(auth=False), submitter=spy)
+    key, waiters, window_s = str(uuid.uuid4()), 10, 2.5
+    claim = idempotency_key(key_digest(DEFAULT_TENANT, key))
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    body = json.dumps({"prompt": "Wait for me."}).encode()
+    arrived = threading.Event()
+
+    def calls_per_s() -> float:  # the API's Redis calls per second over the window
+        before, started = own_valkey.calls(), time.monotonic()
+        time.sleep(window_s)
+        return (own_valkey.calls() - before) / (time.monotonic() - started)
+
+    with serve(app) as base, ThreadPoolExecutor(waiters + 1) as pool:
+        url = f"{base}/v1/jobs"
+        first = pool.submit(httpx.post, url, content=_slow_json(body, arrived), headers=headers, timeout=60)
+        wait_for(lambda: bool(own_valkey.store.client.exists(claim)), 10, "the first request's claim", [])
+        alone = calls_per_s()  # the API's own background (queue monitor, the claim's renewal) with nobody waiting
+        retries = [pool.submit(httpx.post, url, content=body, headers=headers, timeout=60) for _ in range(waiters)]
+        busy = calls_per_s()
+        arrived.set()
+        answers = [first.result(), *(r.result() for r in retries)]
+    assert [a.status_code for a in answers] == [202] + [200] * waiters, [a.text for a in answers]
+    assert {a.json()["id"] for a in answers} == {answers[0].json()["id"]}
+    per_waiter_s = (busy - alone) / waiters
+    # Polling every 20 ms made about 80 calls per waiting second; announcements and a 1 s fallback look make 2.
+    assert per_waiter_s < 8, f"{per_waiter_s:.1f} Redis calls per waiter per second ({alone:.0f}/s with none)"
+
+
+def test_only_the_holder_of_a_claim_renews_it(job_store: Store) -> None:
+    keys, digest = job_store.idempotency, key_digest(DEFAULT_TENANT, str(uuid.uuid4()))
+    stored = idempotency_key(digest)
+    assert keys.claim(digest, "first", ttl_s=5) is None
+    assert keys.claim(digest, "second", ttl_s=5) == "first"  # held: what the second gets is the first's claim
+    assert not keys.renew(digest, "second", ttl_s=100)
+    assert job_store.client.ttl(stored) <= 5  # another request's renewal extends nothing
+    assert keys.renew(digest, "first", ttl_s=100)
+    assert job_store.client.ttl(stored) > 5
+    assert keys.remember(digest, Remembered("first", "request"), ttl_s=200)
+    assert not keys.renew(digest, "first", ttl_s=100)  # settled: nothing left to renew
+    assert keys.claim(digest, "third", ttl_s=5) == Remembered("first", "request")
+    job_store.client.delete(stored)

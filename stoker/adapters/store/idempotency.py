@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import redis
 
-from stoker.adapters.store.keys import idempotency_key
+from stoker.adapters.store.keys import idempotency_key, settled_channel
 from stoker.core.idempotency import CLAIM_PREFIX, Remembered
 
-# Written over only by the request holding the claim; a claim it gives up is deleted only if still its own.
+# Written over only by the request holding the claim; a claim it gives up is deleted only if still its own. Either
+# way the requests waiting on the claim hear of it at once (ARGV[4], a channel the API's announcements listen to).
 _IF_CLAIMED_BY = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[2] == '' then return redis.call('DEL', KEYS[1]) end
-redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3]) end
+redis.call('PUBLISH', ARGV[4], '')
 return 1
+"""
+
+# A claim's lifetime is extended only by the request holding it: a lapsed claim another request took stays theirs.
+_RENEW_IF_CLAIMED_BY = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('EXPIRE', KEYS[1], ARGV[2])
 """
 
 
@@ -22,6 +29,7 @@ class IdempotencyKeys:
     def __init__(self, client: redis.Redis[bytes]) -> None:
         self.redis = client
         self._if_claimed_by = client.register_script(_IF_CLAIMED_BY)
+        self._renew_if_claimed_by = client.register_script(_RENEW_IF_CLAIMED_BY)
 
     def claim(self, digest: str, job_id: str, ttl_s: int) -> Remembered | str | None:
         """Claim a key for a new job: None if claimed now; else what holds it (the job it made, or the claim of a
@@ -35,11 +43,19 @@ class IdempotencyKeys:
         value = raw.decode()
         return value.removeprefix(CLAIM_PREFIX) if value.startswith(CLAIM_PREFIX) else Remembered.load(value)
 
+    def renew(self, digest: str, job_id: str, ttl_s: int) -> bool:
+        """Give this request's claim `ttl_s` more; False if the claim was no longer its own (lapsed, taken over,
+        or settled)."""
+        args = [CLAIM_PREFIX + job_id, ttl_s]
+        return bool(self._renew_if_claimed_by(keys=[idempotency_key(digest)], args=args))
+
     def remember(self, digest: str, remembered: Remembered, ttl_s: int) -> bool:
         """Turn this request's claim into the job it made, for `ttl_s`; False if the claim was no longer its own."""
-        args = [CLAIM_PREFIX + remembered.job_id, remembered.dump(), ttl_s]
+        job_id = remembered.job_id
+        args = [CLAIM_PREFIX + job_id, remembered.dump(), ttl_s, settled_channel(job_id)]
         return bool(self._if_claimed_by(keys=[idempotency_key(digest)], args=args))
 
     def release(self, digest: str, job_id: str) -> None:
         """Give up a claim whose request made no job (refused, failed), so a retry may claim it."""
-        self._if_claimed_by(keys=[idempotency_key(digest)], args=[CLAIM_PREFIX + job_id, "", 0])
+        args = [CLAIM_PREFIX + job_id, "", 0, settled_channel(job_id)]
+        self._if_claimed_by(keys=[idempotency_key(digest)], args=args)

@@ -48,8 +48,15 @@ def answer_channel(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:piece"
 
 
-#: Every job's announcements (ended, answer piece), for a listener that serves many waiting requests at once.
-ANNOUNCEMENT_PATTERNS = (f"{PREFIX}:job:*:done", f"{PREFIX}:job:*:piece")
+def settled_channel(job_id: str) -> str:
+    """Pub/sub channel announcing that the Idempotency-Key claimed for a job id was settled: it names the job the
+    claim made, or it was given up without one."""
+    return f"{PREFIX}:job:{job_id}:settled"
+
+
+#: Every job's announcements (ended, answer piece, key settled), for a listener that serves many waiting requests at
+#: once.
+ANNOUNCEMENT_PATTERNS = (f"{PREFIX}:job:*:done", f"{PREFIX}:job:*:piece", f"{PREFIX}:job:*:settled")
 
 
 def announced_job(channel: str) -> str:
