@@ -1,0 +1,75 @@
+"""Sampling the broker costs no connection: an idle API's Redis client count stays flat however long it runs."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from kombu.connection import Connection
+
+from api.app import create_app
+from api.pressure import QueueMonitor
+from stoker.adapters.broker import queue_depths
+from stoker.adapters.store import Store
+from stoker.settings import ApiSettings
+from tests.conftest import missing
+from tests.integration.conftest import SpySubmitter
+from tests.integration.test_rabbitmq import AMQP_URL, _rabbit_answers
+
+#: A database no other test uses: every client on it is one this module opened.
+SAMPLED_DB = 9
+
+
+def _clients(server: redis.Redis, db: int) -> int:
+    """Connections the server holds on one database."""
+    return sum(1 for client in server.client_list() if int(client.get("db", -1)) == db)
+
+
+@pytest.fixture
+def broker_url(store_redis: redis.Redis) -> str:
+    """An empty broker database: every stage queue is missing, the case that used to open a connection per queue."""
+    url = f"{os.environ['STOKER_TEST_REDIS']}/{SAMPLED_DB}"
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+def test_sampling_queue_depths_over_and_over_opens_no_connection(store_redis: redis.Redis, broker_url: str) -> None:
+    store = Store.over(store_redis, blob_ttl_s=60, job_ttl_s=60)
+    monitor = QueueMonitor(ApiSettings(broker_url=broker_url), store)
+    try:
+        monitor.sample()
+        before = _clients(store_redis, SAMPLED_DB)
+        for _ in range(120):  # a minute of the API's sampling
+            snapshot = monitor.sample()
+        assert _clients(store_redis, SAMPLED_DB) == before
+        assert {q.name: q.depth for q in snapshot.queues} == dict.fromkeys(monitor.queues, 0)
+    finally:
+        monitor.close()
+
+
+def test_readiness_probes_open_no_connection(store_redis: redis.Redis, broker_url: str) -> None:
+    settings = ApiSettings(broker_url=broker_url)
+    with TestClient(create_app(settings, submitter=SpySubmitter(forward=False))) as client:
+        assert client.get("/readyz").status_code == 200
+        before = _clients(store_redis, SAMPLED_DB)
+        answers = [client.get("/readyz").status_code for _ in range(200)]
+        after = _clients(store_redis, SAMPLED_DB)
+    assert answers == [200] * 200
+    assert after == before
+
+
+def test_depths_over_amqp_leave_no_channel_open() -> None:
+    if not _rabbit_answers():
+        missing(f"no RabbitMQ answers at {AMQP_URL}")
+    never = [f"never-declared-{uuid.uuid4().hex[:8]}" for _ in range(3)]
+    with Connection(AMQP_URL, connect_timeout=3) as connection:  # type: ignore[no-untyped-call]
+        connection.ensure_connection(max_retries=1)
+        queue_depths(connection, never)
+        before = len(connection.connection.channels)
+        for _ in range(30):
+            depths = queue_depths(connection, never)
+        assert len(connection.connection.channels) == before
+    assert depths == dict.fromkeys(never, 0)
