@@ -162,7 +162,7 @@ def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, jo
         try:
             for item in accepted.inputs:
                 if item.url is None:  # a URL input's bytes are stored by the worker that fetches them
-                    store.blobs.put_blob(item.digest, item.data)
+                    store.blobs.put_blob(item.digest, item.data, job_id)
             store.jobs.create_job(
                 job_id,
                 accepted.prompt,
@@ -185,6 +185,7 @@ def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, jo
         except Exception as exc:
             log.warning("could not enqueue job %s: %r", job_id, exc)
             store.jobs.delete_job(job_id)
+            store.blobs.release(job_id)
             raise BrokerUnavailable("the broker cannot be reached") from exc
     job = store.jobs.load_job(job_id)
     assert job is not None

@@ -37,7 +37,7 @@ def _fetch(job_id: str, record: InputRecord) -> None:
     if not store.tenants.charge_bytes(tenant, job_id, len(data)):
         raise StorageQuotaExceeded(f"storing these {len(data)} bytes would pass the input bytes its tenant may hold")
     digest = content_hash(data)
-    store.blobs.put_blob(digest, data)
+    store.blobs.put_blob(digest, data, job_id)
     record.content_hash, record.size_bytes = digest, len(data)
 
 

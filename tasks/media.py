@@ -84,9 +84,9 @@ def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     frame = InputRecord(index=slot, kind="image", content_hash="", size_bytes=0, status="skipped")
     address = resources.keyframe_address(video.content_hash, slot, count, cache_scope(job_id))
     try:
-        chosen = through_cache(frame, address, lambda: _take_keyframe(video, address, slot, count), wait_s=5.0)
-        if chosen.get("digest") and not _restore_frame(address, ContentHash(chosen["digest"])):
-            chosen = _take_keyframe(video, address, slot, count)  # the cache lost the picture: take it again
+        chosen = through_cache(frame, address, lambda: _take_keyframe(job_id, video, address, slot, count), wait_s=5.0)
+        if chosen.get("digest") and not _restore_frame(job_id, address, ContentHash(chosen["digest"])):
+            chosen = _take_keyframe(job_id, video, address, slot, count)  # the cache lost the picture: take it again
     except StokerError as exc:
         log.info("job %s input %d: no keyframe %d (%s)", job_id, index, slot, exc.code)
         chosen = {}
@@ -102,7 +102,7 @@ def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     return handoff(job_id, target, frame)
 
 
-def _take_keyframe(video: InputRecord, address: CacheAddress, slot: int, count: int) -> dict[str, Any]:
+def _take_keyframe(job_id: str, video: InputRecord, address: CacheAddress, slot: int, count: int) -> dict[str, Any]:
     """Seek to keyframe `slot` of `count`; store its PNG as an input blob (and in the cache)."""
     data = input_bytes(video, "keyframes")
     info = probe_media(data, resources.settings().max_media_seconds)
@@ -113,18 +113,18 @@ def _take_keyframe(video: InputRecord, address: CacheAddress, slot: int, count: 
         return {}
     at, png = taken
     digest = content_hash(png)
-    resources.store().blobs.put_blob(digest, png)
+    resources.store().blobs.put_blob(digest, png, job_id)
     resources.cache().put_bytes(address, png, part="png")
     return {"digest": digest, "size": len(png), "time_s": round(at, 3)}
 
 
-def _restore_frame(address: CacheAddress, digest: ContentHash) -> bool:
+def _restore_frame(job_id: str, address: CacheAddress, digest: ContentHash) -> bool:
     """Make sure a cached keyframe's picture is in the job store; False if neither store has it."""
     store = resources.store()
-    if store.blobs.get_blob(digest) is not None:
+    if store.blobs.hold(digest, job_id):
         return True
     png = resources.cache().get_bytes(address, part="png")
     if png is None:
         return False
-    store.blobs.put_blob(digest, png)
+    store.blobs.put_blob(digest, png, job_id)
     return True

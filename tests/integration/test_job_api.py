@@ -23,6 +23,7 @@ from api.app import create_app
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
 from stoker.core.idempotency import Remembered, key_digest
+from stoker.core.media import ContentHash
 from stoker.core.tenancy import DEFAULT_TENANT, issue_key
 from stoker.settings import ApiSettings
 from tests.fleet import own_fleet
@@ -398,3 +399,21 @@ def test_only_the_holder_of_a_claim_renews_it(job_store: Store) -> None:
     assert not keys.renew(digest, "first", ttl_s=100)  # settled: nothing left to renew
     assert keys.claim(digest, "third", ttl_s=5) == Remembered("first", "request")
     job_store.client.delete(stored)
+
+
+def test_the_store_lets_go_of_every_upload_once_its_jobs_end(api: Callable[..., TestClient], job_store: Store) -> None:
+    client = api()
+    auth = _tenant(job_store, "uploader")
+    pictures = [text_image(f"KEEP {uuid.uuid4().hex[:6]}") for _ in "ab"]
+    ids = []
+    for picture in (pictures[0], pictures[0], pictures[1]):  # two jobs share one picture
+        files = [("image", ("scan.png", picture, "image/png"))]
+        ids.append(client.post("/v1/jobs", data={"prompt": "Read it."}, files=files, headers=auth).json()["id"])
+    jobs = [_wait(client, job_id, auth) for job_id in ids]
+    assert [job["status"] for job in jobs] == ["succeeded"] * 3, jobs
+    digests = {job["inputs"][0]["content_hash"] for job in jobs}
+    assert len(digests) == 2
+    for digest in digests:
+        assert job_store.blobs.get_blob(ContentHash(digest)) is None
+        assert job_store.blobs.holders(ContentHash(digest)) == set()
+    assert job_store.tenants.usage(job_store.jobs.tenant(ids[0]) or "").stored_bytes == 0

@@ -10,9 +10,10 @@ import redis
 
 from stoker.adapters.store import Store
 from stoker.adapters.store.jobs import Ending
-from stoker.adapters.store.keys import ACTIVE_KEY, job_key, tokens_key
+from stoker.adapters.store.keys import ACTIVE_KEY, blob_holders_key, blob_key, job_blobs_key, job_key, tokens_key
 from stoker.core.deadlines import deadline_for
 from stoker.core.jobs import TERMINAL, ErrorInfo, InputRecord, ResultInfo
+from stoker.core.media import ContentHash
 from stoker.core.model import ModelRequest
 
 
@@ -68,3 +69,30 @@ def test_only_a_queued_job_starts(job_store: Store) -> None:
     finally:
         job_store.jobs.finish(job_id, "cancelled")
         job_store.client.zrem(ACTIVE_KEY, job_id)
+
+
+def test_a_blob_lives_until_the_last_job_holding_it_ends(job_store: Store) -> None:
+    first, second = _new_job(job_store), _new_job(job_store)
+    digest = ContentHash(uuid.uuid4().hex * 2)
+    job_store.blobs.put_blob(digest, b"x" * 1000, first)
+    job_store.blobs.put_blob(digest, b"x" * 1000, second)  # the same content in another job: stored once
+    try:
+        assert job_store.blobs.holders(digest) == {first, second}
+        job_store.jobs.finish(first, "succeeded")
+        assert job_store.blobs.get_blob(digest) == b"x" * 1000  # the other job still needs it
+        job_store.jobs.finish(second, "cancelled")
+        assert job_store.blobs.get_blob(digest) is None
+        assert not job_store.client.exists(blob_key(digest), blob_holders_key(digest), job_blobs_key(first))
+    finally:
+        job_store.client.zrem(ACTIVE_KEY, first, second)
+
+
+def test_a_job_never_accepted_lets_go_of_its_blobs_and_a_held_blob_cannot_be_revived(job_store: Store) -> None:
+    job_id = _new_job(job_store)
+    digest = ContentHash(uuid.uuid4().hex * 2)
+    job_store.blobs.put_blob(digest, b"y", job_id)
+    job_store.jobs.delete_job(job_id)
+    job_store.blobs.release(job_id)
+    assert job_store.blobs.get_blob(digest) is None
+    assert not job_store.blobs.hold(digest, job_id)  # gone: nothing to hold, and no holder left behind
+    assert not job_store.client.exists(blob_holders_key(digest), job_blobs_key(job_id))

@@ -12,6 +12,7 @@ from typing import Literal
 import redis
 from redis.client import PubSub
 
+from stoker.adapters.store.blobs import RELEASE_BLOBS
 from stoker.adapters.store.keys import (
     ACTIVE_KEY,
     CALLBACKS_DUE_KEY,
@@ -20,6 +21,7 @@ from stoker.adapters.store.keys import (
     JOB_COUNTS_KEY,
     done_channel,
     input_ref,
+    job_blobs_key,
     job_key,
     tenant_index_key,
     tenant_jobs_key,
@@ -83,6 +85,7 @@ return 'ok'
 # What the job held of its tenant's limits (in-flight slot, queue messages, stored bytes) is given back with it.
 _FINISH = (
     DROP_JOB
+    + RELEASE_BLOBS
     + TERMINAL_LUA
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -92,6 +95,7 @@ redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
 drop(KEYS[6], KEYS[7], KEYS[8], ARGV[1], ARGV[3])
+release_blobs(KEYS[10], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], 'callback') == 1 then  -- its client asked to be told: due now
   local clock = redis.call('TIME')
   redis.call('ZADD', KEYS[9], tonumber(clock[1]) + tonumber(clock[2]) / 1000000, ARGV[1])
@@ -202,7 +206,7 @@ class JobRepository:
             pipe.execute()
 
     def delete_job(self, job_id: str) -> None:
-        """Forget a job that was never enqueued."""
+        """Forget a job that was never enqueued (its blobs: `BlobRepository.release`)."""
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(job_key(job_id), tokens_key(job_id))
             pipe.zrem(ACTIVE_KEY, job_id)
@@ -343,7 +347,7 @@ def _finish_call(ending: Ending, now: float) -> tuple[list[str], list[str]]:
             fields[name] = value.model_dump_json()
     job_id = ending.job_id
     keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
-    keys += [*tenant_keys(ending.tenant), CALLBACKS_DUE_KEY]
+    keys += [*tenant_keys(ending.tenant), CALLBACKS_DUE_KEY, job_blobs_key(job_id)]
     return keys, [job_id, ending.status, ending.tenant, *(x for pair in fields.items() for x in pair)]
 
 

@@ -64,9 +64,25 @@ def announced_job(channel: str) -> str:
     return channel.split(":")[2]
 
 
+#: Where input bytes live; the job store's scripts build blob keys from it too.
+BLOB_PREFIX = f"{PREFIX}:blob:"
+#: Suffix of the set of unfinished jobs holding a blob (beside the blob's own key).
+BLOB_HOLDERS_SUFFIX = ":jobs"
+
+
 def blob_key(digest: ContentHash) -> str:
     """Raw input bytes, addressed by content."""
-    return f"{PREFIX}:blob:{digest}"
+    return f"{BLOB_PREFIX}{digest}"
+
+
+def blob_holders_key(digest: ContentHash) -> str:
+    """The unfinished jobs that use a blob: the last one to end deletes it."""
+    return f"{BLOB_PREFIX}{digest}{BLOB_HOLDERS_SUFFIX}"
+
+
+def job_blobs_key(job_id: str) -> str:
+    """The content hashes of the blobs a job holds, let go when it ends."""
+    return f"{PREFIX}:job:{job_id}:blobs"
 
 
 def cache_key(address: CacheAddress, part: str = "value") -> str:
