@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-#: OpenAI's limit on stop sequences.
-MAX_STOP = 4
+from stoker.core.model import MAX_STOP, MAX_STOP_CHARS
+
 #: Turns a chat may have.
 MAX_MESSAGES = 256
 
@@ -102,6 +102,8 @@ class ChatCompletionCreate(_Lenient):
     def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(len(stop) > MAX_STOP_CHARS for stop in ([value] if isinstance(value, str) else value or [])):
+            raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
         return value
 
     def stops(self) -> tuple[str, ...]:

@@ -160,9 +160,7 @@ def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, jo
         trace_id = trace_id_hex(span)
         traced = (trace_id, carrier()) if trace_id else None
         try:
-            for item in accepted.inputs:
-                if item.url is None:  # a URL input's bytes are stored by the worker that fetches them
-                    store.blobs.put_blob(item.digest, item.data, job_id)
+            # The record first: one too large (`record_too_large`) is refused before any byte is stored.
             store.jobs.create_job(
                 job_id,
                 accepted.prompt,
@@ -175,6 +173,9 @@ def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, jo
                 chat=accepted.chat,
                 callback_url=accepted.callback_url,
             )
+            for item in accepted.inputs:
+                if item.url is None:  # a URL input's bytes are stored by the worker that fetches them
+                    store.blobs.put_blob(item.digest, item.data, job_id)
             if request is not None:
                 store.jobs.hand_off(job_id, request, rev=None)
         except redis.RedisError as exc:

@@ -41,6 +41,9 @@ class CommonSettings(BaseSettings):
     redis_cert_file: Path | None = None
     redis_key_file: Path | None = None
     job_ttl_s: int = Field(86400, ge=60, description="How long a job record lives after it was accepted.")
+    #: The most a job's record may hold when it is created (prompt, chat, parameters, inputs' records): every field
+    #: a client sends is stored with its job for `job_ttl_s`, so none may make the record big (413 above).
+    max_record_bytes: int = Field(1 * MiB, ge=64 * 1024)
     #: Seconds to wait for the job store to connect or to answer one command before giving up on it (a stopped
     #: or partitioned Redis). Workers ride such an outage out with retries; the API answers 503 instead.
     store_timeout_s: float = Field(10.0, gt=0)

@@ -91,6 +91,12 @@ class PayloadTooLarge(InputError):
     http_status = 413
 
 
+class RecordTooLarge(PayloadTooLarge):
+    """The job's stored record would pass the size a record may have."""
+
+    code = "record_too_large"
+
+
 class TooManyInputs(InputError):
     """The request carries more inputs than allowed."""
 

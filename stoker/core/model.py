@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from stoker.core.errors import StokerError
 
 FinishReason = Literal["stop", "length"]
+
+
+#: OpenAI's limit on stop sequences, and stoker's on each one's length: they are stored with the job.
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
 
 
 class GenerationParams(BaseModel):
@@ -24,7 +29,7 @@ class GenerationParams(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: tuple[str, ...] = ()
+    stop: tuple[Annotated[str, Field(max_length=MAX_STOP_CHARS)], ...] = Field((), max_length=MAX_STOP)
     seed: int | None = None
 
     @property

@@ -12,6 +12,7 @@ from stoker.adapters.store import Store
 from stoker.adapters.store.jobs import Ending
 from stoker.adapters.store.keys import ACTIVE_KEY, blob_holders_key, blob_key, job_blobs_key, job_key, tokens_key
 from stoker.core.deadlines import deadline_for
+from stoker.core.errors import RecordTooLarge
 from stoker.core.jobs import TERMINAL, ErrorInfo, InputRecord, ResultInfo
 from stoker.core.media import ContentHash
 from stoker.core.model import ModelRequest
@@ -96,3 +97,13 @@ def test_a_job_never_accepted_lets_go_of_its_blobs_and_a_held_blob_cannot_be_rev
     assert job_store.blobs.get_blob(digest) is None
     assert not job_store.blobs.hold(digest, job_id)  # gone: nothing to hold, and no holder left behind
     assert not job_store.client.exists(blob_holders_key(digest), job_blobs_key(job_id))
+
+
+def test_a_record_over_its_size_limit_is_refused_before_anything_is_written(store_redis: redis.Redis) -> None:
+    store = Store.over(store_redis, blob_ttl_s=60, job_ttl_s=60, max_record_bytes=64 * 1024)
+    job_id, now = uuid.uuid4().hex, time.time()
+    with pytest.raises(RecordTooLarge) as refused:
+        store.jobs.create_job(job_id, "x" * 70_000, [], now, deadline_for(now, 60_000, 5_000), 60_000, tenant="t")
+    assert (refused.value.http_status, refused.value.code) == (413, "record_too_large")
+    assert not store_redis.exists(job_key(job_id))
+    assert store_redis.zscore(ACTIVE_KEY, job_id) is None

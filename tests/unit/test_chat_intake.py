@@ -116,3 +116,17 @@ def test_another_model_is_not_found() -> None:
     body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).encode()
     with pytest.raises(ModelNotFound):
         accept_chat(body, SETTINGS)
+
+
+@pytest.mark.parametrize("stop", ["x" * 257, ["ok", "y" * 1000], ["a", "b", "c", "d", "e"]])
+def test_stop_sequences_are_few_and_short(stop: Any) -> None:
+    with pytest.raises(StokerError) as refused:
+        _accept([{"role": "user", "content": "Hi."}], stop=stop)
+    assert refused.value.http_status == 422
+    assert refused.value.param == "stop"
+
+
+def test_the_core_refuses_long_stop_sequences_whoever_builds_the_parameters() -> None:
+    assert GenerationParams(stop=("x" * 256,)).stop == ("x" * 256,)
+    with pytest.raises(ValueError, match="256"):
+        GenerationParams(stop=("x" * 257,))

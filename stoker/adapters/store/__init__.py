@@ -38,11 +38,13 @@ class Store:
     callbacks: CallbackRepository
 
     @classmethod
-    def over(cls, client: redis.Redis[bytes], *, blob_ttl_s: int, job_ttl_s: int) -> Store:
+    def over(
+        cls, client: redis.Redis[bytes], *, blob_ttl_s: int, job_ttl_s: int, max_record_bytes: int = 1 << 20
+    ) -> Store:
         """Every repository over one client."""
         return cls(
             client=client,
-            jobs=JobRepository(client, ttl_s=job_ttl_s),
+            jobs=JobRepository(client, ttl_s=job_ttl_s, max_record_bytes=max_record_bytes),
             blobs=BlobRepository(client, ttl_s=blob_ttl_s),
             tenants=TenantRepository(client),
             stats=StatsRepository(client),
@@ -59,7 +61,10 @@ class Store:
     def connect(cls, settings: CommonSettings, *, retries: int = 1) -> Store:
         """The store at `settings.result_url` (connected lazily); see `clients.store_client` for `retries`."""
         return cls.over(
-            store_client(settings, retries=retries), blob_ttl_s=settings.blob_ttl_s, job_ttl_s=settings.job_ttl_s
+            store_client(settings, retries=retries),
+            blob_ttl_s=settings.blob_ttl_s,
+            job_ttl_s=settings.job_ttl_s,
+            max_record_bytes=settings.max_record_bytes,
         )
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from stoker.adapters.store.keys import (
 )
 from stoker.adapters.store.tenants import DROP_JOB, tenant_keys
 from stoker.core.deadlines import Deadline
+from stoker.core.errors import RecordTooLarge
 from stoker.core.jobs import (
     STAMPS,
     TERMINAL,
@@ -148,9 +149,10 @@ class Ending:
 class JobRepository:
     """One hash per job (`keys.job_key`), its model request, and its place on the reaper's watch list."""
 
-    def __init__(self, client: redis.Redis[bytes], *, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis[bytes], *, ttl_s: int, max_record_bytes: int = 1 << 20) -> None:
         self.redis = client
         self.ttl_s = ttl_s
+        self.max_record_bytes = max_record_bytes
         self._put_input = client.register_script(_PUT_INPUT)
         self._hand_off = client.register_script(_HAND_OFF)
         self._finish = client.register_script(_FINISH)
@@ -193,6 +195,7 @@ class JobRepository:
             fields["trace_context"] = json.dumps(trace[1])
         for record in inputs:
             fields[input_ref(record.index)] = record.model_dump_json()
+        self._check_size(fields)
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(job_key(job_id), mapping=fields)
             pipe.expire(job_key(job_id), self.ttl_s)
@@ -204,6 +207,14 @@ class JobRepository:
             pipe.expire(tenant_index_key(tenant), self.ttl_s)
             pipe.hincrby(JOB_COUNTS_KEY, "accepted", 1)
             pipe.execute()
+
+    def _check_size(self, fields: dict[str | bytes, str | bytes | float | int]) -> None:
+        size = sum(
+            len(str(name)) + len(value if isinstance(value, (str, bytes)) else repr(value))
+            for name, value in fields.items()
+        )
+        if size > self.max_record_bytes:
+            raise RecordTooLarge(f"the job's record would hold {size} bytes (limit {self.max_record_bytes})")
 
     def delete_job(self, job_id: str) -> None:
         """Forget a job that was never enqueued (its blobs: `BlobRepository.release`)."""
