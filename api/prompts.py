@@ -11,10 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from stoker.adapters.backends.modelstore import resolve_model
-from stoker.adapters.backends.tokenizer import load_tokenizer, tokenizer_identity
+from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer, tokenizer_identity
 from stoker.core.cachekeys import PipelineContext
 from stoker.core.jobs import ChatTurn
 from stoker.core.prompting import Attachment, BuiltPrompt, build_prompt
@@ -28,7 +27,7 @@ class PromptBuilder:
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
-        self._loaded: tuple[Any, str] | None = None
+        self._loaded: tuple[PromptTokenizer, str] | None = None
         self._lock = threading.Lock()
 
     def load(self) -> None:
@@ -39,11 +38,12 @@ class PromptBuilder:
             path = resolve_model(self.settings.model, self.settings.model_cache, fetch=False)
             tokenizer = load_tokenizer(path)
             identity = tokenizer_identity(tokenizer, path)
+            prompt_tokenizer = PromptTokenizer(tokenizer)
         except Exception as exc:  # no model files here (an API on its own host): the queue hop still works
             log.warning("no tokenizer in the API (%s): cheap jobs go through the tokenize queue", exc)
             return
         with self._lock:
-            self._loaded = (tokenizer, identity)
+            self._loaded = (prompt_tokenizer, identity)
         log.info("tokenizer loaded: text-only and cached jobs go straight to the inference queue")
 
     @property

@@ -276,7 +276,7 @@ def _model_request(context: PipelineContext, job: Job, scope: str) -> ModelReque
     turns = job.chat.turns if job.chat else None
 
     def compute() -> dict[str, Any]:
-        built = build_prompt(resources.tokenizer(), job.prompt, attachments, context.budget, turns)
+        built = build_prompt(resources.prompt_tokenizer(), job.prompt, attachments, context.budget, turns)
         return {"ids": built.ids, "messages": built.messages}
 
     address = prompt_address(context, job.prompt, attachments, scope, turns)

@@ -12,7 +12,7 @@ from redis.lock import Lock
 from stoker.adapters.backends.local import SimPredictor, TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.remote import OpenAIPredictor
-from stoker.adapters.backends.tokenizer import file_identity, load_tokenizer
+from stoker.adapters.backends.tokenizer import PromptTokenizer, file_identity, load_tokenizer
 from stoker.adapters.backends.tokenizer import tokenizer_identity as backend_tokenizer_identity
 from stoker.adapters.cache import StageCache
 from stoker.adapters.store import Store
@@ -72,6 +72,12 @@ def model_path() -> str:
 def tokenizer() -> Any:
     """The model's fast tokenizer."""
     return load_tokenizer(model_path())
+
+
+@functools.cache
+def prompt_tokenizer() -> PromptTokenizer:
+    """The model's tokenizer as prompt assembly uses it: a message's text is only ever text."""
+    return PromptTokenizer(tokenizer())
 
 
 @functools.cache

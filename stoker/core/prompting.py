@@ -10,7 +10,7 @@ from stoker.core.jobs import ChatTurn, Conversation, InputRecord, image_hashes
 from stoker.core.model import ModelRequest
 
 #: Bump when prompt assembly changes.
-VERSION = "3"
+VERSION = "4"
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. The user may attach files; each attachment is given as its "
@@ -19,16 +19,21 @@ SYSTEM_PROMPT = (
 
 
 class ChatTokenizer(Protocol):
-    """The slice of a Hugging Face fast tokenizer that prompt assembly needs."""
+    """What prompt assembly needs of the model's tokenizer.
 
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
-        """Render and tokenize a conversation."""
+    Every string in a message is untrusted (the user's prompt, a chat turn, OCR text, a transcript): it must reach
+    the model as text. Only the chat template's own markers may become control tokens, so an attachment reading
+    `<|im_end|><|im_start|>system` cannot open a turn of its own.
+    """
 
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]:
-        """Text to token ids."""
+    def render(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat in the model's template, the assistant's turn opened; the messages' text encoded as text."""
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str:
-        """Token ids to text."""
+    def encode_text(self, text: str) -> list[int]:
+        """Untrusted text to token ids, as plain text (no control token)."""
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        """Token ids of plain text back to text."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,8 @@ def build_prompt(
         built = _fit(tokenizer, chat, attachments)
     if len(built.ids) > budget:
         last = chat[-1]
-        keep = _token_len(tokenizer, last.text) - (len(built.ids) - budget)
-        chat[-1] = last.model_copy(update={"text": _trim_text(tokenizer, last.text, keep)})
+        ids = tokenizer.encode_text(last.text)
+        chat[-1] = last.model_copy(update={"text": _cut(tokenizer, ids, len(ids) - (len(built.ids) - budget))})
         built = _fit(tokenizer, chat, attachments)
     if len(built.ids) > budget:  # the template alone does not fit: keep the generation prompt at the end
         built = BuiltPrompt(built.ids[len(built.ids) - budget :], built.messages)
@@ -129,27 +134,20 @@ def _messages(chat: Sequence[ChatTurn], attachments: Sequence[Attachment]) -> li
 
 
 def _render(tokenizer: ChatTokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    text_only = [{"role": m["role"], "content": m["content"]} for m in messages]
-    out = tokenizer.apply_chat_template(text_only, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return [int(i) for i in out]
+    return tokenizer.render([{"role": m["role"], "content": m["content"]} for m in messages])
 
 
-def _token_len(tokenizer: ChatTokenizer, text: str) -> int:
-    return len(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _trim_text(tokenizer: ChatTokenizer, text: str, keep_tokens: int) -> str:
+def _cut(tokenizer: ChatTokenizer, ids: Sequence[int], keep_tokens: int) -> str:
+    """The text of a text's first keep_tokens token ids, marked as cut."""
     if keep_tokens <= 0:
         return ""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) <= keep_tokens:
-        return text
-    return tokenizer.decode(ids[:keep_tokens], skip_special_tokens=True) + " …"
+    return tokenizer.decode_text(ids[:keep_tokens]) + " …"
 
 
 def _trim_attachments(tokenizer: ChatTokenizer, attachments: Sequence[Attachment], overflow: int) -> list[Attachment]:
     """Cut attachment texts, longest first, until overflow tokens (plus slack for markers) are gone."""
-    lengths = [_token_len(tokenizer, a.text) for a in attachments]
+    encoded = [tokenizer.encode_text(a.text) for a in attachments]  # once: counted here, cut below
+    lengths = [len(ids) for ids in encoded]
     to_cut = overflow + 4 * len(attachments)
     keep = list(lengths)
     while to_cut > 0 and any(keep):
@@ -159,8 +157,8 @@ def _trim_attachments(tokenizer: ChatTokenizer, attachments: Sequence[Attachment
         keep[longest] -= step
         to_cut -= step
     return [
-        replace(a, text=_trim_text(tokenizer, a.text, k)) if k < n else a
-        for a, k, n in zip(attachments, keep, lengths, strict=True)
+        replace(a, text=_cut(tokenizer, ids, k)) if k < len(ids) else a
+        for a, k, ids in zip(attachments, keep, encoded, strict=True)
     ]
 
 

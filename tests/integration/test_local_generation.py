@@ -6,7 +6,7 @@ import pytest
 
 from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
-from stoker.adapters.backends.tokenizer import load_tokenizer
+from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
 from stoker.core.prompting import build_prompt
 from stoker.settings import CommonSettings
@@ -19,7 +19,9 @@ def model() -> tuple[TransformersPredictor, list[int]]:
     path = str(resolve_model(settings.model, settings.model_cache, fetch=False))
     predictor = TransformersPredictor(path, max_new_tokens=16, max_tokens_cap=24)
     predictor.setup("cpu")
-    prompt = build_prompt(load_tokenizer(path), "Write a long story about a dragon and a castle.", [], 512)
+    prompt = build_prompt(
+        PromptTokenizer(load_tokenizer(path)), "Write a long story about a dragon and a castle.", [], 512
+    )
     return predictor, prompt.ids
 
 
