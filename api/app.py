@@ -25,9 +25,9 @@ from api.routes import router
 from stoker.adapters.cache import StageCache
 from stoker.adapters.metrics import REQUESTS, JobCounts
 from stoker.adapters.store import Store
-from stoker.adapters.store.clients import async_store_client
+from stoker.adapters.store.clients import StoreOutOfMemory, async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
-from stoker.core.errors import BrokerUnavailable, StokerError, Unauthorized, error_envelope
+from stoker.core.errors import BrokerUnavailable, StokerError, StoreFull, Unauthorized, error_envelope
 from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
@@ -101,6 +101,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StokerError)
     async def stoker_error(_: Request, exc: StokerError) -> JSONResponse:
         return error_response(exc, _error_headers(exc))
+
+    @app.exception_handler(StoreOutOfMemory)
+    async def store_full(_: Request, exc: redis.RedisError) -> JSONResponse:
+        full = StoreFull("the job store is full: try again soon")
+        return error_response(full, _error_headers(full))
 
     @app.exception_handler(redis.RedisError)
     async def store_error(_: Request, exc: redis.RedisError) -> JSONResponse:

@@ -13,11 +13,13 @@ from starlette.concurrency import run_in_threadpool
 
 from stoker.adapters.broker import queue_depths, transport_options
 from stoker.adapters.store import Store
-from stoker.core.pressure import DrainMeter, QueueState, Refusal, admit, drain_rate
+from stoker.core.pressure import DrainMeter, QueueState, Refusal, StoreMemory, admit, drain_rate
 from stoker.core.queues import CPU_QUEUES, QUEUES, SYNC_QUEUE
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
+#: How often the store's memory is read (INFO costs more than the depth reads, and memory moves slowly).
+MEMORY_EVERY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class QueueMonitor:
         self.stale_s = stale_s
         self.meter = DrainMeter(window_s=10.0)
         self.latest: Snapshot | None = None
+        self.memory: StoreMemory | None = None
         self._connection: Connection | None = None
         self._lock = threading.Lock()  # the background loop and /v1/stats may sample at once
         #: The queues new jobs land in and wait behind: the synchronous baseline adds its one queue.
@@ -72,7 +75,18 @@ class QueueMonitor:
         rates = {q: self.meter.rate(q) for q in self.queues}
         states = [QueueState(q, depths[q], self.limit(q), round(drain_rate(q, rates), 3)) for q in self.queues]
         self.latest = Snapshot(now, states)
+        self._sample_memory(now)
         return self.latest
+
+    def _sample_memory(self, now: float) -> None:
+        if self.memory is not None and now - self.memory.at < MEMORY_EVERY_S:
+            return
+        try:
+            info = self.store.client.info("memory")
+        except Exception as exc:  # the queue sample stands; the memory view just ages (and then counts as unknown)
+            log.warning("cannot read the store's memory: %s", exc)
+            return
+        self.memory = StoreMemory(now, int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)))
 
     async def run(self) -> None:
         """Sample forever; a failed sample leaves no snapshot (admission then lets the broker decide)."""
@@ -103,6 +117,13 @@ class QueueMonitor:
         """Why a new job must be refused now, if it must."""
         snapshot = self.fresh()
         return admit(snapshot.queues, self.settings.admission_resume_ratio) if snapshot else None
+
+    def store_full(self) -> StoreMemory | None:
+        """The store's memory, when it is too full for new jobs (as last seen)."""
+        memory = self.memory
+        if memory is None or time.time() - memory.at > self.stale_s:
+            return None
+        return memory if memory.nearly_full(self.settings.store_memory_high_ratio) else None
 
     def close(self) -> None:
         """Drop the broker connection."""

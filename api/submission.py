@@ -26,10 +26,11 @@ from api.tenancy import admit, charge, release
 from stoker.adapters.cache import StageCache
 from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS
 from stoker.adapters.store import Store
+from stoker.adapters.store.clients import StoreOutOfMemory
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
 from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
 from stoker.core.deadlines import deadline_for
-from stoker.core.errors import BrokerUnavailable, Overloaded, RateLimited, StokerError
+from stoker.core.errors import BrokerUnavailable, Overloaded, RateLimited, StokerError, StoreFull
 from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job
 from stoker.core.model import ModelRequest
 from stoker.core.prompting import Attachment, attachment_for, model_request
@@ -113,7 +114,12 @@ async def _within_rate(request: Request, tenant: str) -> None:
 
 
 async def _refuse_under_pressure(state: State) -> None:
-    """429 while a queue is over its limit, with Retry-After from its measured drain rate; nothing written."""
+    """503 while the job store is nearly full; 429 while a queue is over its limit, with Retry-After from its
+    measured drain rate. Nothing written."""
+    full = state.monitor.store_full()
+    if full is not None:
+        ADMISSIONS.labels("refused").inc()
+        raise StoreFull(f"the job store holds {full.used >> 20} MiB of its {full.limit >> 20} MiB: try again soon")
     refusal = state.monitor.refusal()
     if refusal is None:
         return
@@ -178,6 +184,8 @@ def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, jo
                     store.blobs.put_blob(item.digest, item.data, job_id)
             if request is not None:
                 store.jobs.hand_off(job_id, request, rev=None)
+        except StoreOutOfMemory as exc:  # full before the monitor saw it: refused, not lost
+            raise StoreFull("the job store is full: try again soon") from exc
         except redis.RedisError as exc:
             raise BrokerUnavailable("the job store cannot be reached") from exc
         try:

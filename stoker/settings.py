@@ -69,6 +69,9 @@ class CommonSettings(BaseSettings):
     infer_low_watermark: int = Field(32, ge=0)
     #: After a 429, admission resumes once the queue is back under this share of its limit (sets Retry-After).
     admission_resume_ratio: float = Field(0.8, gt=0, le=1)
+    #: New jobs are refused (503 `store_full`) while the job store uses this share of its `maxmemory` (when it has
+    #: one): the store refuses writes beyond it, and running jobs must still be able to finish.
+    store_memory_high_ratio: float = Field(0.9, gt=0, le=1)
     #: Keyframes sampled from each video and sent through the image branch.
     video_keyframes: int = Field(3, ge=0, le=16)
     log_level: str = "INFO"
@@ -342,6 +345,9 @@ class StackSettings(ApiSettings):
     #: "user:password" for Flower's basic auth; without it Flower's HTTP API refuses every call.
     flower_basic_auth: str | None = None
     ready_timeout_s: float = Field(300.0, ge=1)
+    #: The embedded Valkey's memory limit (it refuses writes beyond it: noeviction); the API refuses new jobs with
+    #: 503 `store_full` before it is reached (`store_memory_high_ratio`).
+    embedded_maxmemory_mb: int = Field(2048, ge=64)
 
 
 class ClientSettings(BaseSettings):

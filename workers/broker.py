@@ -20,7 +20,10 @@ def free_port() -> int:
 
 
 def start_embedded(
-    port: int | None = None, data_dir: Path | None = None, preexec: Callable[[], None] | None = None
+    port: int | None = None,
+    data_dir: Path | None = None,
+    preexec: Callable[[], None] | None = None,
+    maxmemory_mb: int = 2048,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start valkey-server on loopback with AOF persistence (fsync on every write); returns it and its port.
 
@@ -46,6 +49,8 @@ def start_embedded(
             "",
             "--maxmemory-policy",
             "noeviction",
+            "--maxmemory",
+            f"{maxmemory_mb}mb",  # a bound on the machine's memory: writes beyond it fail, the API refuses first
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -164,7 +164,7 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
     if not url.startswith("redis") or redis_answers(url, tls=settings.redis_tls(url)):
         return {}
     console.print(f"no broker answers at {settings.broker_url}: starting an embedded Valkey")
-    proc, port = start_embedded(preexec=stack.tether)
+    proc, port = start_embedded(preexec=stack.tether, maxmemory_mb=settings.embedded_maxmemory_mb)
     stack.procs[BROKER] = proc
     urls = {"STOKER_BROKER_URL": f"redis://127.0.0.1:{port}/0", "STOKER_RESULT_URL": f"redis://127.0.0.1:{port}/1"}
     if not redis_answers(settings.cache_url, tls=settings.redis_tls(settings.cache_url)):

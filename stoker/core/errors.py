@@ -329,6 +329,16 @@ class BrokerUnavailable(TransientError):
     code = "broker_unavailable"
 
 
+class StoreFull(TransientError):
+    """The job store is nearly full: new jobs wait until running ones end and free their inputs."""
+
+    code = "store_full"
+
+    def __init__(self, message: str | None = None, *, retry_after_s: int = 5, stage: str | None = None) -> None:
+        super().__init__(message, stage=stage)
+        self.retry_after_s = retry_after_s
+
+
 class IdempotencyKeyInUse(TransientError):
     """A request with this Idempotency-Key is still being taken in: retry in a moment."""
 

@@ -134,3 +134,16 @@ def _busy_drain(samples: Sequence[_Sample], queue: str) -> tuple[int, float]:
         if step or waiting:
             drained, busy = drained + step, busy + (after.at - before.at)
     return drained, busy
+
+
+@dataclass(frozen=True)
+class StoreMemory:
+    """The job store's memory at one moment: bytes used, and its `maxmemory` (0: none set)."""
+
+    at: float
+    used: int
+    limit: int
+
+    def nearly_full(self, high_ratio: float) -> bool:
+        """Whether new work must wait: the store has a limit and uses at least `high_ratio` of it."""
+        return self.limit > 0 and self.used >= high_ratio * self.limit

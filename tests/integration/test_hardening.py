@@ -29,7 +29,7 @@ from tests.integration.conftest import SpySubmitter
 from tests.media import text_image
 from tests.serving import serve
 from workers.broker import start_embedded
-from workers.procs import stop
+from workers.procs import stop, wait_for
 
 
 def test_a_list_of_ten_thousand_inputs_is_refused_before_any_is_decoded(client: TestClient) -> None:
@@ -201,4 +201,31 @@ def test_a_stopped_broker_is_a_503_and_the_api_keeps_answering(store_redis: Any)
             assert health.status_code == 200
             assert api.post("/v1/jobs", data={"prompt": "after"}).status_code == 202
     finally:
+        stop(valkey, grace_s=10)
+
+
+def test_a_nearly_full_store_refuses_new_jobs_with_503_until_memory_is_freed() -> None:
+    import redis as redis_client
+
+    valkey, port = start_embedded(maxmemory_mb=64)
+    base = f"redis://127.0.0.1:{port}"
+    store = redis_client.Redis.from_url(f"{base}/1")
+    urls = {"broker_url": f"{base}/0", "result_url": f"{base}/1", "cache_url": f"{base}/2"}
+    try:
+        with TestClient(create_app(ApiSettings(auth=False, **urls), submitter=SpySubmitter(forward=False))) as api:
+            assert api.post("/v1/jobs", data={"prompt": "room"}).status_code == 202
+            for n in range(60):  # ~60 MiB of someone's data: past 90% of the 64 MiB the server may hold
+                store.set(f"filler:{n}", b"x" * (1 << 20))
+
+            def refused() -> bool:
+                return api.post("/v1/jobs", data={"prompt": "full?"}).status_code == 503
+
+            wait_for(refused, 15, "the API to see the store nearly full", [])
+            answer = api.post("/v1/jobs", data={"prompt": "full"})
+            assert answer.json()["error"]["code"] == "store_full"
+            assert int(answer.headers["retry-after"]) >= 1
+            store.delete(*(f"filler:{n}" for n in range(60)))
+            wait_for(lambda: not refused(), 15, "the API to see the memory freed", [])
+    finally:
+        store.close()
         stop(valkey, grace_s=10)

@@ -66,3 +66,7 @@ def redis_answers(url: str, timeout: float = 1.0, tls: Mapping[str, Any] | None 
             return bool(client.ping())
     except (redis.RedisError, OSError):
         return False
+
+
+#: What a store at its `maxmemory` answers a write with (noeviction); redis-py's type stubs predate it.
+StoreOutOfMemory: type[redis.RedisError] = redis.exceptions.OutOfMemoryError  # type: ignore[attr-defined]
