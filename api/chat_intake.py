@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import logging
 
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -27,8 +26,6 @@ from stoker.core.jobs import ChatTurn, Conversation, InputKind
 from stoker.core.model import GenerationParams
 from stoker.settings import ApiSettings
 
-log = logging.getLogger(__name__)
-
 
 async def read_chat(request: Request, settings: ApiSettings) -> tuple[ChatCompletionCreate, AcceptedRequest]:
     """Parse and check a chat request off the event loop (base64 media can be megabytes)."""
@@ -45,8 +42,6 @@ def accept_chat(body: bytes, settings: ApiSettings) -> tuple[ChatCompletionCreat
     except ValidationError as exc:
         where, message = first_error(exc)
         raise InvalidRequest(f"{where}: {message}", param=where) from exc
-    if spec.ignored():
-        log.info("chat request: ignoring unsupported fields %s", ", ".join(spec.ignored()))
     if spec.model != settings.public_model_name:
         raise ModelNotFound(f"the model `{spec.model}` does not exist here", param="model")
     turns, raw = _turns(spec.messages)
