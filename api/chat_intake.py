@@ -21,6 +21,7 @@ from api.chat_schemas import (
     VideoUrlPart,
 )
 from api.intake import AcceptedRequest, Payload, UrlInput, first_error, validate_inputs
+from api.limits import read_json
 from stoker.core.errors import InvalidRequest, ModelNotFound, UnsupportedMediaType
 from stoker.core.jobs import ChatTurn, Conversation, InputKind
 from stoker.core.model import GenerationParams
@@ -31,7 +32,7 @@ async def read_chat(request: Request, settings: ApiSettings) -> tuple[ChatComple
     """Parse and check a chat request off the event loop (base64 media can be megabytes)."""
     if not request.headers.get("content-type", "").startswith("application/json"):
         raise UnsupportedMediaType("send application/json")
-    body = await request.body()
+    body = await read_json(request, settings.max_json_values)
     return await run_in_threadpool(accept_chat, body, settings)
 
 
