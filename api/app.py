@@ -27,7 +27,7 @@ from stoker.adapters.metrics import REQUESTS, JobCounts
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import StoreOutOfMemory, async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
-from stoker.core.errors import BrokerUnavailable, StokerError, StoreFull, Unauthorized, error_envelope
+from stoker.core.errors import BrokerUnavailable, PayloadTooLarge, StokerError, StoreFull, Unauthorized, error_envelope
 from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
@@ -132,6 +132,8 @@ def _error_headers(exc: StokerError) -> dict[str, str] | None:
     """What a client needs besides the body: the auth scheme to use (401), or when to come back (transient)."""
     if isinstance(exc, Unauthorized):
         return {"WWW-Authenticate": 'Bearer realm="stoker"'}
+    if isinstance(exc, PayloadTooLarge):  # refused mid-body: closing spares reading (and discarding) the rest
+        return {"Connection": "close"}
     return None if exc.permanent else {"Retry-After": str(getattr(exc, "retry_after_s", 5))}
 
 

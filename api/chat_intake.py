@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import logging
 
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -22,19 +21,18 @@ from api.chat_schemas import (
     VideoUrlPart,
 )
 from api.intake import AcceptedRequest, Payload, UrlInput, first_error, validate_inputs
+from api.limits import read_json
 from stoker.core.errors import InvalidRequest, ModelNotFound, UnsupportedMediaType
 from stoker.core.jobs import ChatTurn, Conversation, InputKind
 from stoker.core.model import GenerationParams
 from stoker.settings import ApiSettings
-
-log = logging.getLogger(__name__)
 
 
 async def read_chat(request: Request, settings: ApiSettings) -> tuple[ChatCompletionCreate, AcceptedRequest]:
     """Parse and check a chat request off the event loop (base64 media can be megabytes)."""
     if not request.headers.get("content-type", "").startswith("application/json"):
         raise UnsupportedMediaType("send application/json")
-    body = await request.body()
+    body = await read_json(request, settings.max_json_values)
     return await run_in_threadpool(accept_chat, body, settings)
 
 
@@ -45,8 +43,6 @@ def accept_chat(body: bytes, settings: ApiSettings) -> tuple[ChatCompletionCreat
     except ValidationError as exc:
         where, message = first_error(exc)
         raise InvalidRequest(f"{where}: {message}", param=where) from exc
-    if spec.ignored():
-        log.info("chat request: ignoring unsupported fields %s", ", ".join(spec.ignored()))
     if spec.model != settings.public_model_name:
         raise ModelNotFound(f"the model `{spec.model}` does not exist here", param="model")
     turns, raw = _turns(spec.messages)

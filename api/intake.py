@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
+from api.limits import read_json
 from api.schemas import MAX_JSON_INPUTS, JobCreate
 from stoker.core.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType, UrlRejected
 from stoker.core.jobs import Conversation, InputKind
@@ -64,7 +65,7 @@ async def read_request(request: Request, settings: ApiSettings) -> AcceptedReque
         fields = await _read_multipart(request, settings)
     elif content_type.startswith("application/json"):
         # parsed and base64-decoded in a worker thread: a big body must not stall the event loop
-        fields = await run_in_threadpool(_read_json, await request.body(), settings)
+        fields = await run_in_threadpool(_read_json, await read_json(request, settings.max_json_values), settings)
     else:
         raise UnsupportedMediaType("send multipart/form-data, a url-encoded form or application/json")
     prompt, raw, deadline, callback = fields

@@ -95,14 +95,11 @@ def _reaper(args: argparse.Namespace, _: list[str]) -> int:
 
 
 def _api(args: argparse.Namespace, _: list[str]) -> int:
-    import uvicorn
-
-    from api.app import create_app
+    from api.server import serve
     from stoker.settings import ApiSettings
 
     overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
-    settings = ApiSettings(**overrides)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
+    serve(ApiSettings(**overrides))
     return 0
 
 

@@ -154,6 +154,19 @@ class ApiSettings(CommonSettings):
     #: the connection open during preprocessing.
     sse_keepalive_s: float = Field(10.0, gt=0)
 
+    # What one connection may cost the API's one event loop (`api.server` builds uvicorn's config from these).
+    #: The request line and headers together; a longer head is refused 431 once this much has arrived.
+    max_header_bytes: int = Field(16 * 1024, ge=1024)
+    #: A request's head must be in this long after the connection opened (or its first byte, on a kept-alive
+    #: connection); a later one is answered 408 and closed.
+    header_timeout_s: float = Field(10.0, gt=0)
+    #: An idle kept-alive connection is closed after this long.
+    keep_alive_s: int = Field(5, ge=1)
+    #: A JSON body may hold this many values (`,` `[` `{` counted as it streams in, inside strings too); past
+    #: that it is refused 413 before it is parsed: what parsing costs, all of it holding the GIL, grows with the
+    #: values, not the bytes (base64 media stays within `max_body_bytes`).
+    max_json_values: int = Field(16_384, ge=256)
+
     @property
     def tenant_limits(self) -> TenantLimits:
         """What each tenant may do."""

@@ -177,18 +177,7 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
 def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> None:
     workers = WorkerSettings(broker_url=settings.broker_url, result_url=settings.result_url)
     py = sys.executable
-    api = [
-        py,
-        "-m",
-        "uvicorn",
-        "--factory",
-        "api.app:create_app",
-        "--host",
-        settings.host,
-        "--port",
-        str(settings.port),
-    ]
-    stack.start("api", api, env)
+    stack.start("api", api_argv(settings), env)
     for offset, kind in enumerate(METRICS_KINDS):
         metrics = settings.metrics_base_port + offset if settings.metrics_base_port else 0
         stack.start(f"{kind}-worker", worker_argv(kind, workers), {**worker_env(kind, env), **_metrics(metrics)})
@@ -206,6 +195,12 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
     # Flower reads FLOWER_* options from its environment: the credentials stay off its command line (and `ps`).
     auth = {"FLOWER_BASIC_AUTH": settings.flower_basic_auth} if settings.flower_basic_auth else {}
     stack.start("flower", flower, {**env, **auth})
+
+
+def api_argv(settings: StackSettings) -> list[str]:
+    """The API's command line: `stoker api`, as every deployment runs it, so that it is served with the same bounds
+    on what one connection may cost (`api.server`)."""
+    return [sys.executable, "-m", "stoker.cli", "api", "--host", settings.host, "--port", str(settings.port)]
 
 
 def _metrics(port: int) -> dict[str, str]:

@@ -97,6 +97,27 @@ class RecordTooLarge(PayloadTooLarge):
     code = "record_too_large"
 
 
+class MalformedRequest(InputError):
+    """The request is not valid HTTP/1.1."""
+
+    code = "malformed_request"
+    http_status = 400
+
+
+class HeadersTooLarge(InputError):
+    """The request line and headers are larger than the configured limit."""
+
+    code = "headers_too_large"
+    http_status = 431
+
+
+class RequestTimeout(InputError):
+    """The request line and headers did not arrive within the configured time."""
+
+    code = "request_timeout"
+    http_status = 408
+
+
 class TooManyInputs(InputError):
     """The request carries more inputs than allowed."""
 

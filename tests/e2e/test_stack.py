@@ -207,7 +207,7 @@ def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_pat
         assert _poll(base, response.json()["id"])["status"] == "succeeded"
         started = _descendants(proc.pid)
         names = {_cmdline(pid) for pid in started}
-        assert any("uvicorn" in name for name in names), names
+        assert any("stoker.cli api" in name for name in names), names
         assert sum("celery" in name and " worker " in name for name in names) >= 3, names
         assert any("valkey-server" in name for name in names), names
         # A second stack with the same API port is told which port, before it starts anything.

@@ -1,0 +1,254 @@
+"""One client cannot stall the API: a huge request head, a huge request target, trickled headers or a JSON body of
+countless values is refused (or closed) while `/healthz` keeps answering as fast, measured against its own idle
+latency on the same server. A real `stoker api` process on loopback and raw sockets, so nothing in between
+buffers or bounds what is sent."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from workers.broker import free_port
+from workers.procs import spawn, stop, tail, wait_for
+
+MiB = 1024 * 1024
+#: The server's deadline on a request's head, short so that the trickle test takes seconds.
+HEADER_TIMEOUT_S = 1.0
+#: How long each attack is repeated while `/healthz` is probed (an attack that takes longer runs to its end).
+ATTACK_WINDOW_S = 1.0
+#: How often `/healthz` is probed: the probes must not be the load.
+PROBE_EVERY_S = 0.01
+#: What a refused attack may get: a structured 4xx, or a connection the server closed.
+REFUSED = {400, 408, 413, 431, "closed"}
+
+
+@dataclass(frozen=True)
+class Server:
+    """The API process under attack."""
+
+    port: int
+    log: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`stoker api` as every deployment starts it, with a short header timeout."""
+    port, log = free_port(), tmp_path_factory.mktemp("slow-clients") / "api.log"
+    env = {**os.environ, "STOKER_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "STOKER_API_TOKENIZE": "false"}
+    proc = spawn(["api", "--port", str(port)], env, log)
+    try:
+        wait_for(lambda: _answers(port), 60, f"the API\n{tail(log)}", [proc])
+        yield Server(port, log)
+    finally:
+        stop(proc)
+
+
+def _answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _probe(client: httpx.Client) -> float:
+    """Seconds one `/healthz` took."""
+    started = time.perf_counter()
+    response = client.get("/healthz", timeout=60)
+    assert response.status_code == 200
+    return time.perf_counter() - started
+
+
+def _median_over_time(latencies: list[float]) -> float:
+    """The latency that probes at most this slow spent half of the probing time in: a stall counts for as long as
+    it lasted (a probe sent at any moment of it would have waited), not as one probe among many fast ones."""
+    half, spent = sum(latencies) / 2, 0.0
+    for latency in sorted(latencies):
+        spent += latency
+        if spent >= half:
+            return latency
+    raise ValueError("no probes")
+
+
+def _idle_p50(server: Server) -> float:
+    with httpx.Client(base_url=server.base) as client:
+        _probe(client)  # the connection is open before anything is measured
+        return _median_over_time([_probe(client) for _ in range(20)])
+
+
+def _p50_during(server: Server, attack: Callable[[], object]) -> tuple[float, list[object]]:
+    """The median over time of `/healthz` latency while `attack` runs again and again for ATTACK_WINDOW_S (or once,
+    to its end, when one attack takes longer), and what each attack got."""
+    outcomes: list[object] = []
+    failed: list[BaseException] = []
+
+    def repeat() -> None:
+        until = time.monotonic() + ATTACK_WINDOW_S
+        try:
+            outcomes.append(attack())
+            while time.monotonic() < until:
+                outcomes.append(attack())
+        except BaseException as exc:  # raised again in the test's thread, below
+            failed.append(exc)
+
+    latencies: list[float] = []
+    attacker = threading.Thread(target=repeat, daemon=True)
+    with httpx.Client(base_url=server.base) as client:
+        _probe(client)
+        attacker.start()
+        while attacker.is_alive():
+            latencies.append(_probe(client))
+            attacker.join(PROBE_EVERY_S)  # the probes' pace: they must not be the load
+    if failed:
+        raise failed[0]
+    return _median_over_time(latencies), outcomes
+
+
+def _assert_unstalled(idle: float, attacked: float) -> None:
+    """The ratio the API must hold under attack: 20 × its idle median, or 100 ms where that is less (medians over
+    time, both)."""
+    assert attacked < max(20 * idle, 0.1), f"/healthz p50 {attacked * 1e3:.1f} ms under attack, {idle * 1e3:.1f} idle"
+
+
+def _send(port: int, payload: bytes) -> object:
+    """Send payload on a fresh connection; the status the server answered, or "closed" if it closed the connection
+    before answering (it may stop reading and reset the connection as soon as it has seen enough)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        try:
+            sock.sendall(payload)
+            answer = sock.recv(64)
+        except OSError:  # reset while sending or reading: the server refused to read the rest
+            return "closed"
+    if not answer:
+        return "closed"
+    return int(answer.split(b" ", 2)[1])
+
+
+def _big_value() -> bytes:
+    return b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (32 * MiB) + b"\r\n\r\n"
+
+
+def _big_target() -> bytes:
+    return b"GET /healthz?" + b"a" * (32 * MiB) + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def _many_lines() -> bytes:
+    return b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(200_000)) + b"\r\n"
+
+
+@pytest.mark.parametrize("make", [_big_value, _big_target, _many_lines], ids=["header-value", "target", "header-lines"])
+def test_a_huge_request_head_is_refused_without_stalling_healthz(server: Server, make: Callable[[], bytes]) -> None:
+    head = make()  # built here, not at collection: 32 MiB each
+    idle = _idle_p50(server)
+    attacked, outcomes = _p50_during(server, lambda: _send(server.port, head))
+    _assert_unstalled(idle, attacked)
+    assert set(outcomes) <= REFUSED, outcomes
+
+
+def _json_job(inputs: int) -> bytes:
+    body = b'{"prompt":"hi","inputs":[' + b",".join([b'{"kind":"image","url":"https://example.com/a.png"}'] * inputs)
+    body += b"]}"
+    head = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    return head % len(body) + body
+
+
+def test_a_json_body_of_countless_values_is_refused_before_it_is_parsed(server: Server) -> None:
+    attack = _json_job(350_000)
+    assert len(attack) < 20 * MiB  # under the body limit: only the count of its values can refuse it
+    idle = _idle_p50(server)
+    attacked, outcomes = _p50_during(server, lambda: _send(server.port, attack))
+    _assert_unstalled(idle, attacked)
+    assert set(outcomes) <= REFUSED, outcomes
+
+
+def test_trickled_headers_are_cut_off_at_the_header_timeout(server: Server) -> None:
+    """150 connections each sending a header line every few hundred ms, never the end of the head: each is answered
+    408 and closed once its head is HEADER_TIMEOUT_S late, and `/healthz` answers as fast meanwhile."""
+    idle = _idle_p50(server)
+    conns = [_Trickle(socket.create_connection(("127.0.0.1", server.port), timeout=5)) for _ in range(150)]
+    opened = time.monotonic()
+
+    def trickle() -> bool:
+        for conn in conns:
+            conn.step(opened)
+        return all(conn.closed_after is not None for conn in conns)
+
+    try:
+        attacked, _ = _p50_during(server, lambda: wait_for(trickle, 5 * HEADER_TIMEOUT_S, "closed trickles", []))
+    finally:
+        for conn in conns:
+            conn.sock.close()
+    _assert_unstalled(idle, attacked)
+    assert min(conn.closed_after or 0 for conn in conns) >= HEADER_TIMEOUT_S
+    heads, bodies = zip(*(conn.received.split(b"\r\n\r\n", 1) for conn in conns), strict=True)
+    assert {head.split(b"\r\n", 1)[0] for head in heads} == {b"HTTP/1.1 408 Request Timeout"}
+    assert {json.loads(body)["error"]["code"] for body in bodies} == {"request_timeout"}
+
+
+def test_a_kept_alive_connection_s_next_head_has_the_same_deadline(server: Server) -> None:
+    """After a first request answered, the next head on the same connection trickles: it is cut off as well."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    first = b""
+    while not first.endswith(b'{"status":"ok"}'):
+        first += sock.recv(4096)
+    assert first.startswith(b"HTTP/1.1 200")
+    conn = _Trickle(sock)
+    started = time.monotonic()
+
+    def cut_off() -> bool:
+        conn.step(started)
+        return conn.closed_after is not None
+
+    try:
+        wait_for(cut_off, 5 * HEADER_TIMEOUT_S, "the trickle cut off", [])
+    finally:
+        sock.close()
+    assert conn.received.startswith(b"HTTP/1.1 408 Request Timeout")
+    assert (conn.closed_after or 0) >= HEADER_TIMEOUT_S
+
+
+class _Trickle:
+    """A connection that sends its request head a line at a time and never ends it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.received = b""
+        #: Seconds from opening to the server's close; None while open.
+        self.closed_after: float | None = None
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        sock.setblocking(False)
+
+    def step(self, opened: float) -> None:
+        """Read what the server sent (noting when it closed), then send one more header line."""
+        if self.closed_after is not None:
+            return
+        while (chunk := self._read()) is not None:
+            if not chunk:
+                self.closed_after = time.monotonic() - opened
+                return
+            self.received += chunk
+        with contextlib.suppress(OSError):  # closed under us: the next step reads the end
+            self.sock.send(b"X-Trickle: 1\r\n")
+
+    def _read(self) -> bytes | None:
+        """The next bytes, b"" at the end, None when nothing is there yet."""
+        try:
+            return self.sock.recv(4096)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""

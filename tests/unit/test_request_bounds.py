@@ -1,0 +1,76 @@
+"""What one request may cost the API before any route runs: the server's config (one, from settings, whichever way
+the API is started) and the JSON body read counting its values as it streams in."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.types import Message
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from api.limits import read_json
+from api.server import HeadBoundedProtocol, server_config
+from stoker.core.errors import PayloadTooLarge
+from stoker.settings import ApiSettings, StackSettings
+from workers.stack import api_argv
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_server_bounds_a_request_head_in_bytes_and_time() -> None:
+    settings = ApiSettings(max_header_bytes=4096, header_timeout_s=2.5, keep_alive_s=7)
+    config = server_config(settings, app=FastAPI())
+    assert config.http is HeadBoundedProtocol
+    assert issubclass(HeadBoundedProtocol, H11Protocol)  # h11: httptools bounds no head
+    assert config.h11_max_incomplete_event_size == 4096
+    assert config.header_timeout_s == 2.5
+    assert config.timeout_keep_alive == 7
+    assert config.ws == "none"
+
+
+def test_every_way_the_api_is_started_runs_stoker_api() -> None:
+    """`stoker api` builds the server from `server_config`: the stack, the image, Compose and Kubernetes run it."""
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    k8s = [doc for doc in yaml.safe_load_all((ROOT / "deploy/k8s/stoker.yaml").read_text()) if doc]
+    deployment = next(doc for doc in k8s if doc["metadata"]["name"] == "stoker-api" and doc["kind"] == "Deployment")
+    cmd = next(line for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("CMD "))
+    commands = [
+        compose["services"]["api"]["command"],
+        deployment["spec"]["template"]["spec"]["containers"][0]["command"],
+        json.loads(cmd.removeprefix("CMD ")),
+    ]
+    assert all(command[:2] == ["stoker", "api"] for command in commands), commands
+    assert api_argv(StackSettings(port=8123))[1:6] == ["-m", "stoker.cli", "api", "--host", "127.0.0.1"]
+
+
+def _request(chunks: list[bytes], received: list[int]) -> Request:
+    async def receive() -> Message:
+        received.append(1)
+        more = len(received) < len(chunks)
+        return {"type": "http.request", "body": chunks[len(received) - 1], "more_body": more}
+
+    return Request({"type": "http", "method": "POST", "headers": []}, receive)
+
+
+def test_a_json_body_of_too_many_values_is_refused_before_the_rest_is_read() -> None:
+    chunks = [b"[" + b"0," * 1000] * 100  # about 100 000 values, in 100 chunks
+    received: list[int] = []
+    with pytest.raises(PayloadTooLarge) as refused:
+        asyncio.run(read_json(_request(chunks, received), max_values=16_384))
+    assert len(received) == 17  # the chunk that passed the limit was the last one read
+    assert refused.value.envelope()["error"]["code"] == "payload_too_large"
+
+
+def test_a_json_body_within_its_values_is_read_whole_whatever_its_bytes() -> None:
+    """Base64 has no value openers: a big inline medium costs no values."""
+    chunks = [b'{"prompt":"hi","inputs":[{"kind":"image","data":"', *[b"QUJD" * 16_384] * 64, b'"}]}']
+    received: list[int] = []
+    body = asyncio.run(read_json(_request(chunks, received), max_values=256))
+    assert body == b"".join(chunks)
+    assert len(received) == len(chunks)
