@@ -23,13 +23,28 @@ from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
 from stoker.core.batching import idle_gap_summary
 from stoker.core.errors import BrokerUnavailable, Cancelled, JobAlreadyEnded, JobNotFound
-from stoker.core.jobs import Cursor, Job, JobStatus
+from stoker.core.jobs import JOB_ID, Cursor, Job, JobStatus
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 #: The longest ?wait= a request may name (the `max_long_poll_s` setting may cut it shorter).
 MAX_WAIT_S = 30.0
+
+
+def job_id_of_path(job_id: str) -> str:
+    """The path's job id, when it has the shape of one (32 lowercase hex digits, as intake makes them).
+
+    Anything else is answered exactly like an unknown job (404 `job_not_found`), before any store call: an id such
+    as `<id>:tokens` would otherwise name another key of that job in Redis, and how that read fails would tell a
+    live job of another tenant from an unknown one."""
+    if not JOB_ID.fullmatch(job_id):
+        raise JobNotFound(f"no job {job_id}")
+    return job_id
+
+
+#: A job id from the path, checked after the API key (a request without one is 401 whatever id it names).
+JobId = Annotated[str, Depends(job_id_of_path)]
 
 
 @router.post(
@@ -103,8 +118,8 @@ def _page(
 )
 async def get_job(
     request: Request,
-    job_id: str,
     tenant: Annotated[str, Depends(within_rate)],
+    job_id: JobId,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0,
 ) -> JobPublic:
     """The job; with ?wait=S, hold the answer until the job is terminal or S seconds pass. Another tenant's job is
@@ -136,7 +151,7 @@ async def _wait_terminal(request: Request, store: Store, job_id: str, wait: floa
     responses=error_responses(401, 404, 409, 429),
 )
 async def cancel_job(
-    request: Request, job_id: str, tenant: Annotated[str, Depends(within_rate)]
+    request: Request, tenant: Annotated[str, Depends(within_rate)], job_id: JobId
 ) -> JobPublic | JSONResponse:
     """Cancel a job that has not ended: it ends `cancelled` at once, its remaining work is skipped or stopped, and
     it never reaches the model. 409 `job_already_ended` if it had ended, with `job` {id, status} beside the error;

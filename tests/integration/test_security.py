@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import redis_answers
-from stoker.adapters.store.keys import BUSY_TENANTS_KEY
+from stoker.adapters.store.keys import BUSY_TENANTS_KEY, tokens_key
 from stoker.core.jobs import ErrorInfo
 from stoker.core.tenancy import issue_key, parse_key
 from stoker.settings import ApiSettings
@@ -196,6 +196,31 @@ def test_another_tenants_job_is_404_like_an_unknown_one(
     started = time.monotonic()
     assert api.get(f"/v1/jobs/{job_id}", params={"wait": 5}, headers=globex.auth).status_code == 404
     assert time.monotonic() - started < 2  # a long poll on someone else's job is not held either
+
+
+def test_a_malformed_job_id_is_404_like_an_unknown_one_and_reaches_no_store_key(
+    tenants: tuple[Tenant, Tenant], store_redis: redis.Redis
+) -> None:
+    acme, globex = tenants
+    spy = SpySubmitter(forward=False)
+    with TestClient(create_app(ApiSettings(auth=True), submitter=spy)) as api:
+        response = _post_as(api, acme, prompt="Say hello.")
+        assert response.status_code == 202, response.text
+        job_id = response.json()["id"]
+        store_redis.set(tokens_key(job_id), "[1, 2, 3]")  # its token ids, as the tokenize stage leaves them
+        unknown_id = uuid.uuid4().hex
+        envelope = {"type": "not_found_error", "param": None, "code": "job_not_found"}
+        for tenant in (acme, globex):
+            # `<id>:tokens` names the job's token key: a live job's read must fail exactly as an unknown one's.
+            for path in (f"{job_id}:tokens", f"{unknown_id}:tokens", job_id.upper(), job_id[:-1], f"{job_id}0"):
+                for method, params in (("GET", {}), ("GET", {"wait": 1}), ("DELETE", {})):
+                    answer = api.request(method, f"/v1/jobs/{path}", params=params, headers=tenant.auth)
+                    assert answer.status_code == 404, (tenant.name, method, path, answer.text)
+                    assert answer.json() == {"error": {**envelope, "message": f"no job {path}"}}
+        _unauthorized(api.get(f"/v1/jobs/{job_id}:tokens"))  # the key is checked first, as for any id
+        # None of those DELETEs reached the job (it would be 409 now); this one does, and gives its share back.
+        cancelled = api.delete(f"/v1/jobs/{job_id}", headers=acme.auth)
+        assert (cancelled.status_code, cancelled.json()["status"]) == (200, "cancelled")
 
 
 def test_over_the_request_rate_is_429_with_retry_after(
