@@ -1,9 +1,13 @@
-"""compose.yaml stays consistent with the code: services, settings names, health checks."""
+"""The deployment files stay consistent with the code and with themselves: the Dockerfile's sources, compose.yaml
+(services, settings names, health checks, what `docker compose config` checks), Prometheus, Grafana, Kubernetes."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,6 +29,211 @@ def compose() -> dict[str, Any]:
     """The parsed compose file."""
     data: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
     return data
+
+
+# -- the image: every COPY source is in the build context ---------------------------------------------------------
+def _instructions(dockerfile: str) -> list[list[str]]:
+    """The Dockerfile's instructions, continuation lines joined, comments dropped, each split into words."""
+    joined = re.sub(
+        r"\\\n", " ", "\n".join(line for line in dockerfile.splitlines() if not line.lstrip().startswith("#"))
+    )
+    return [line.split() for line in joined.splitlines() if line.strip()]
+
+
+def _copy_sources(dockerfile: str) -> list[str]:
+    """The build-context paths the Dockerfile's COPY and ADD instructions read (not those from another stage)."""
+    sources = []
+    for words in _instructions(dockerfile):
+        if words[0].upper() not in ("COPY", "ADD"):
+            continue
+        args = words[1:]
+        if any(a.startswith("--from=") for a in args):
+            continue
+        paths = json.loads(" ".join(args)) if args[0].startswith("[") else [a for a in args if not a.startswith("--")]
+        sources += paths[:-1]  # the last one is the destination
+    return sources
+
+
+def _ignore_rules(text: str) -> list[tuple[bool, re.Pattern[str]]]:
+    """.dockerignore's patterns in order, each as (re-included, regex): Go's filepath.Match with `**`."""
+    rules = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated, line = line.startswith("!"), line.removeprefix("!").strip().strip("/")
+        regex = re.escape(line).replace(r"\*\*/", "(?:.*/)?").replace(r"\*\*", ".*")
+        regex = regex.replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        rules.append((negated, re.compile(regex)))
+    return rules
+
+
+def _ignored(path: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
+    """Whether the build context leaves `path` out: the last rule matching it, or a folder above it, decides."""
+    parts = Path(path).parts
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for negated, pattern in rules:
+        if any(pattern.fullmatch(prefix) for prefix in prefixes):
+            ignored = not negated
+    return ignored
+
+
+def test_every_copy_source_of_the_dockerfile_is_in_the_build_context() -> None:
+    sources = _copy_sources((ROOT / "Dockerfile").read_text())
+    rules = _ignore_rules((ROOT / ".dockerignore").read_text())
+    assert {"pyproject.toml", "stoker", "api", "tasks", "workers"} <= {s.strip("./") for s in sources}
+    for source in sources:
+        matches = list(ROOT.glob(source.removeprefix("./"))) if "*" in source else [ROOT / source]
+        assert matches, f"COPY {source}: nothing matches"
+        for match in matches:
+            assert match.exists(), f"COPY {source}: no such file in the repository"
+            assert not _ignored(str(match.relative_to(ROOT)), rules), f"COPY {source}: left out by .dockerignore"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    readme = re.search(r'^readme = "(.+)"', pyproject, re.MULTILINE)
+    assert readme is not None
+    assert readme.group(1) in sources  # `pip install .` reads it
+
+
+def test_the_dockerignore_reading_follows_docker() -> None:
+    rules = _ignore_rules("# comment\n.venv\n**/__pycache__\ntests\n!tests/keep.py\n*.log\n")
+    assert _ignored(".venv/bin/python", rules)
+    assert _ignored("stoker/core/__pycache__/x.pyc", rules)
+    assert _ignored("__pycache__", rules)
+    assert _ignored("tests/unit/test_x.py", rules)
+    assert not _ignored("tests/keep.py", rules)
+    assert _ignored("build.log", rules)
+    assert not _ignored("stoker/build.log", rules)  # `*` does not cross a folder
+    assert not _ignored("stoker/settings.py", rules)
+
+
+# -- compose.yaml as `docker compose config` reads it --------------------------------------------------------------
+#: `$$` (a literal `$`), `$VAR`, and `${VAR}` with an optional `:-default`, `-default`, `:?message` or `?message`;
+#: any other `${` is an invalid template ("invalid interpolation format"). A `$` before anything else is literal.
+INTERPOLATION = re.compile(
+    r"\$\$|\$\{(?P<name>[A-Za-z_]\w*)(?:(?P<op>:?[-?])[^}]*)?\}|\$(?P<bare>[A-Za-z_]\w*)|(?P<bad>\$\{)"
+)
+
+
+def _strings(node: Any) -> list[str]:
+    """Every string in a parsed YAML document, keys included."""
+    if isinstance(node, dict):
+        return [s for k, v in node.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(node, list):
+        return [s for item in node for s in _strings(item)]
+    return [node] if isinstance(node, str) else []
+
+
+def _interpolation_problems(compose: dict[str, Any]) -> list[str]:
+    """What compose's interpolation would refuse or silently blank: an invalid `${…}`, or a variable with neither a
+    default nor a requirement (unset, it becomes an empty string with only a warning)."""
+    problems = []
+    for text in _strings(compose):
+        for match in INTERPOLATION.finditer(text):
+            if match.group("bad"):
+                problems.append(f"an invalid interpolation in {text!r} (a literal $ is written $$)")
+            elif match.group("bare"):
+                problems.append(f"${match.group('bare')} has no default and is not required (:?)")
+            elif match.group("name") and match.group("op") is None:
+                problems.append(f"${{{match.group('name')}}} has no default and is not required (:?)")
+    return problems
+
+
+def _reference_problems(compose: dict[str, Any], root: Path) -> list[str]:
+    """What compose resolves between services and the disk: depends_on names, profiles, declared volumes and secrets,
+    build contexts and bind-mounted files."""
+    services, problems = compose["services"], []
+    for name, service in services.items():
+        depends = service.get("depends_on", [])
+        for other in depends if isinstance(depends, list) else list(depends):
+            if other not in services:
+                problems.append(f"{name} depends on unknown service {other}")
+            elif services[other].get("profiles") and not set(services[other]["profiles"]) & set(
+                service.get("profiles", [])
+            ):
+                problems.append(
+                    f"{name} depends on {other}, which only starts with profiles {services[other]['profiles']}"
+                )
+        problems += _resource_problems(name, service, compose, root)
+    return problems
+
+
+def _resource_problems(name: str, service: dict[str, Any], compose: dict[str, Any], root: Path) -> list[str]:
+    """One service's secrets, volumes and build context against the top level and the disk."""
+    problems = [
+        f"{name}: undeclared secret {s}" for s in service.get("secrets", []) if s not in compose.get("secrets", {})
+    ]
+    for volume in service.get("volumes", []):
+        source = volume.split(":")[0]
+        if source.startswith((".", "/")):
+            if not (root / source).exists():
+                problems.append(f"{name}: bind mount {source} does not exist")
+        elif source not in (compose.get("volumes") or {}):
+            problems.append(f"{name}: undeclared volume {source}")
+    build = service.get("build")
+    if build is not None:
+        context = root / (build if isinstance(build, str) else build.get("context", "."))
+        dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        if not (context / dockerfile).is_file():
+            problems.append(f"{name}: no {dockerfile} in build context {context}")
+    return problems
+
+
+def test_compose_passes_what_docker_compose_config_checks(compose: dict[str, Any]) -> None:
+    assert _interpolation_problems(compose) == []
+    assert _reference_problems(compose, ROOT) == []
+    required = {
+        m.group("name") for t in _strings(compose) for m in INTERPOLATION.finditer(t) if m.group("op") in (":?", "?")
+    }
+    assert required == {"REDIS_PASSWORD", "FLOWER_BASIC_AUTH", "GRAFANA_ADMIN_PASSWORD"}
+
+
+def test_the_compose_checks_catch_what_they_look_for(compose: dict[str, Any]) -> None:
+    broken = json.loads(json.dumps(compose))
+    broken["services"]["api"]["depends_on"] = {"redis": {"condition": "service_healthy"}, "rediss": {}}
+    broken["services"]["api"]["secrets"] = ["nope"]
+    broken["services"]["reaper"]["depends_on"] = ["prometheus"]  # monitoring-only
+    broken["services"]["prometheus"]["volumes"] = ["./deploy/missing.yml:/etc/x.yml:ro"]
+    environment = {"A": "${UNSET}", "B": "${A:x}", "C": "$HOME", "D": "$$HOSTNAME", "E": "${OK:-1}", "F": "5$ each"}
+    broken["services"]["api"]["environment"] = environment
+    assert _reference_problems(broken, ROOT) == [
+        "api depends on unknown service rediss",
+        "api: undeclared secret nope",
+        "reaper depends on prometheus, which only starts with profiles ['monitoring']",
+        "prometheus: bind mount ./deploy/missing.yml does not exist",
+    ]
+    assert _interpolation_problems(broken) == [
+        "${UNSET} has no default and is not required (:?)",
+        "an invalid interpolation in '${A:x}' (a literal $ is written $$)",
+        "$HOME has no default and is not required (:?)",
+    ]
+
+
+def _compose_cli() -> list[str] | None:
+    """`docker compose` (v2: the plugin or a standalone binary), where one is installed."""
+    for argv in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(argv[0]) is None:
+            continue
+        version = subprocess.run([*argv, "version", "--short"], capture_output=True, text=True, timeout=30)
+        if version.returncode == 0 and version.stdout.strip().lstrip("v").startswith("2"):
+            return argv
+    return None
+
+
+def test_docker_compose_config_accepts_the_file_and_requires_its_secrets() -> None:
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("no `docker compose` v2 here: the YAML-level checks above stand in for `docker compose config`")
+    env = {**os.environ, "REDIS_PASSWORD": "x", "FLOWER_BASIC_AUTH": "a:b", "GRAFANA_ADMIN_PASSWORD": "y",
+           "FLOWER_PASSWORD": "b"}  # fmt: skip
+    argv = [*cli, "--project-directory", str(ROOT), "-f", str(ROOT / "compose.yaml")]
+    for profiles in ([], ["--profile", "monitoring", "--profile", "ocr-pool"]):
+        checked = subprocess.run([*argv, *profiles, "config", "--quiet"], env=env, capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stderr
+    env.pop("REDIS_PASSWORD")
+    refused = subprocess.run([*argv, "config", "--quiet"], env=env, capture_output=True, text=True)
+    assert refused.returncode != 0
+    assert "set REDIS_PASSWORD" in refused.stderr
 
 
 def test_every_service_is_there_with_a_health_check(compose: dict[str, Any]) -> None:
