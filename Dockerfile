@@ -28,5 +28,6 @@ ENV STOKER_MODEL_CACHE=/models \
 RUN stoker model fetch && chown -R stoker /models
 
 USER stoker
-EXPOSE 8000 5555
+# 8000: the API; 5555: Flower; 9105: the API's metrics (bound per STOKER_METRICS_HOST).
+EXPOSE 8000 5555 9105
 CMD ["stoker", "api", "--host", "0.0.0.0", "--port", "8000"]

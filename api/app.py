@@ -23,7 +23,7 @@ from api.pressure import QueueMonitor
 from api.prompts import PromptBuilder
 from api.routes import router
 from stoker.adapters.cache import StageCache
-from stoker.adapters.metrics import REQUESTS, JobCounts
+from stoker.adapters.metrics import REQUESTS, JobCounts, serve_api_metrics
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import StoreOutOfMemory, async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
@@ -45,6 +45,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.aioredis = async_store_client(settings)
         app.state.announcements = Announcements(app.state.aioredis)
+        stop_metrics = serve_api_metrics(settings.api_metrics_port, settings.metrics_host, app.state.metrics)
         background = [
             asyncio.create_task(app.state.monitor.run()),
             asyncio.create_task(asyncio.to_thread(app.state.prompts.load)),
@@ -53,6 +54,8 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
         yield
         for task in background:
             task.cancel()
+        if stop_metrics:
+            stop_metrics()
         app.state.monitor.close()
         await app.state.aioredis.aclose()
         app.state.store.close()

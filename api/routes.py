@@ -10,8 +10,7 @@ from typing import Annotated, Any
 
 import redis
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.announcements import Announcements
@@ -193,14 +192,6 @@ async def stats(request: Request) -> dict[str, Any]:
         **counters,
         "device_idle_gap": idle_gap_summary(gaps),
     }
-
-
-@router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request) -> Response:
-    """Prometheus metrics of this API process, and job counts of the whole deployment."""
-    own = await run_in_threadpool(generate_latest, REGISTRY)
-    jobs = await run_in_threadpool(generate_latest, request.app.state.metrics)
-    return Response(own + jobs, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz")

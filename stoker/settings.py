@@ -82,6 +82,9 @@ class CommonSettings(BaseSettings):
     #: at trace_file, shared by every process).
     trace_exporter: Literal["none", "console", "otlp", "file"] = "none"
     trace_file: Path | None = None
+    #: The address every Prometheus listener binds to: the API's metrics port and each worker's. Loopback unless a
+    #: deployment's scraper reaches them over a network (compose and Kubernetes set 0.0.0.0 inside the container).
+    metrics_host: str = "127.0.0.1"
 
     @property
     def public_model_name(self) -> str:
@@ -107,6 +110,9 @@ class ApiSettings(CommonSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    #: The API's Prometheus metrics, on a listener of their own at `metrics_host` (0: none): never on `port`, which
+    #: faces clients.
+    api_metrics_port: int = Field(9105, ge=0, le=65535)
     #: The API waits this long on its store (connect, one answer) and then answers 503 `broker_unavailable`.
     store_timeout_s: float = Field(3.0, gt=0)
     max_body_bytes: int = Field(20 * MiB, ge=1024)

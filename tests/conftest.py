@@ -34,6 +34,8 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("STOKER_MAX_NEW_TOKENS", "24")
     # The API requires keys by default; tests of auth and tenants build their apps with auth=True themselves.
     os.environ["STOKER_AUTH"] = "off"
+    # Apps built in this process serve no metrics listener unless a test gives one a port (many run at once).
+    os.environ["STOKER_API_METRICS_PORT"] = "0"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -74,9 +74,9 @@ class Stack:
 def run_stack(ports: Mapping[str, int | None] | None = None, auth: bool = False) -> int:
     """Start the whole stack and supervise it until Ctrl-C, SIGTERM or SIGHUP, or a child dies.
 
-    `ports` may name `port` (the API), `flower_port` and `metrics_base_port` (the first of the workers' three); they are
-    checked free before anything starts. API keys are off on this local stack unless `auth` (`stoker up --auth`);
-    STOKER_AUTH, when set, decides.
+    `ports` may name `port` (the API), `flower_port` and `metrics_base_port` (the first of the workers' three metrics
+    ports, the API's metrics on the next); they are checked free before anything starts. API keys are off on this
+    local stack unless `auth` (`stoker up --auth`); STOKER_AUTH, when set, decides.
     """
     settings = StackSettings()
     for name, value in (ports or {}).items():
@@ -137,7 +137,13 @@ def stack_ports(settings: StackSettings) -> list[Port]:
         option = "--metrics-port / STOKER_METRICS_BASE_PORT"
         for offset, kind in enumerate(METRICS_KINDS):
             ports.append(Port(settings.metrics_base_port + offset, f"the {kind} worker's metrics", option, "0.0.0.0"))
+        ports.append(Port(api_metrics_port(settings), "the API's metrics", option, settings.host))
     return ports
+
+
+def api_metrics_port(settings: StackSettings) -> int:
+    """The stack's API serves its metrics on the port after the workers' three (0: none, as theirs)."""
+    return settings.metrics_base_port + len(METRICS_KINDS) if settings.metrics_base_port else 0
 
 
 def check_ports(ports: list[Port]) -> None:
@@ -177,7 +183,9 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
 def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> None:
     workers = WorkerSettings(broker_url=settings.broker_url, result_url=settings.result_url)
     py = sys.executable
-    stack.start("api", api_argv(settings), env)
+    # The API's metrics on a listener of their own, on the stack's address: never on the API's port.
+    api_env = {**env, "STOKER_API_METRICS_PORT": str(api_metrics_port(settings)), "STOKER_METRICS_HOST": settings.host}
+    stack.start("api", api_argv(settings), api_env)
     for offset, kind in enumerate(METRICS_KINDS):
         metrics = settings.metrics_base_port + offset if settings.metrics_base_port else 0
         stack.start(f"{kind}-worker", worker_argv(kind, workers), {**worker_env(kind, env), **_metrics(metrics)})

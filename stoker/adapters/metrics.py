@@ -1,18 +1,20 @@
 """Prometheus metrics: what every stoker process exports, and how.
 
 Workers run in multiprocess mode (prefork children write to `PROMETHEUS_MULTIPROC_DIR`, the worker's parent serves
-the merged view on its metrics port); the API serves its own registry on `/metrics`, plus cluster-wide job counts
-read from Redis at scrape time.
+the merged view on its metrics port); the API serves its own registry, plus cluster-wide job counts read from Redis
+at scrape time, on a listener of its own (`STOKER_API_METRICS_PORT`), never on the public API port. Every metrics
+listener binds to `STOKER_METRICS_HOST` (127.0.0.1 unless a deployment opens it to its scraper).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
@@ -74,6 +76,37 @@ def serve_worker_metrics(port: int, directory: Path | None) -> bool:
     start_http_server(port, registry=registry)
     log.info("metrics on :%d/metrics (from %s)", port, directory)
     return True
+
+
+def serve_api_metrics(port: int, host: str, *collectors: Collector) -> Callable[[], None] | None:
+    """Serve this API process's own metrics and `collectors` on host:port, a listener apart from the API's (so
+    nothing public reaches them); returns what stops it, or None when port is 0 or cannot be bound (logged: the
+    API serves on without its metrics rather than not at all)."""
+    if not port:
+        return None
+    registry = CollectorRegistry()
+    for collector in (_ProcessMetrics(), *collectors):
+        registry.register(collector)
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        log.warning("API metrics not served: %s:%d unavailable (%s)", host, port, exc.strerror)
+        return None
+    log.info("API metrics on %s:%d/metrics", host, port)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return stop
+
+
+class _ProcessMetrics(Collector):
+    """This process's default registry (what the API's routes count), as one collector of another registry."""
+
+    def collect(self) -> Iterator[Metric]:
+        """The default registry's metrics, read at scrape time."""
+        yield from REGISTRY.collect()
 
 
 def forget_process(pid: int, directory: Path | None) -> None:

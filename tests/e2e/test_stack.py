@@ -37,7 +37,7 @@ FLOWER_AUTH = ("operator", "s3cret-for-tests")
 
 
 def _free_run(length: int) -> int:
-    """The first of `length` consecutive free ports (the workers' metrics ports)."""
+    """The first of `length` consecutive free ports (the workers' metrics ports, then the API's)."""
     for _ in range(50):
         first = free_port()
         if first + length <= 65535 and all(_bindable(first + i) for i in range(length)):
@@ -60,7 +60,7 @@ def _start_stack(env: dict[str, str], log: Path, flower_port: int | None = None)
         **env,
         "STOKER_PORT": str(port),
         "STOKER_FLOWER_PORT": str(flower_port or free_port()),
-        "STOKER_METRICS_BASE_PORT": str(_free_run(3)),
+        "STOKER_METRICS_BASE_PORT": str(_free_run(4)),
     }
     proc = spawn(["up"], env, log)
     base = f"http://127.0.0.1:{port}"
@@ -215,7 +215,7 @@ def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_pat
         second = subprocess.run(
             [sys.executable, "-m", "stoker.cli", "up", "--port", port],
             cwd=ROOT,
-            env={**env, "STOKER_FLOWER_PORT": str(free_port()), "STOKER_METRICS_BASE_PORT": str(_free_run(3))},
+            env={**env, "STOKER_FLOWER_PORT": str(free_port()), "STOKER_METRICS_BASE_PORT": str(_free_run(4))},
             capture_output=True,
             text=True,
             timeout=60,

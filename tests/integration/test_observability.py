@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from api.app import create_app
+from stoker.settings import ApiSettings
+from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
+from workers.broker import free_port
 from workers.procs import wait_for
 
 
@@ -32,8 +38,18 @@ def _worker_metrics(kind: str) -> dict[tuple[str, frozenset[tuple[str, str]]], f
     return _samples(httpx.get(f"http://127.0.0.1:{ports[kind]}/metrics", timeout=5).text)
 
 
-def test_stages_batches_cache_and_jobs_are_measured(client: TestClient, workers: dict[str, Path]) -> None:
-    api_before = _samples(client.get("/metrics").text)
+@pytest.fixture
+def metered(workers: dict[str, Path], spy: SpySubmitter) -> Iterator[tuple[TestClient, str]]:
+    """The API submitting to the real workers, and the URL of its metrics listener (a port of its own)."""
+    port = free_port()
+    with TestClient(create_app(ApiSettings(api_metrics_port=port), submitter=spy)) as api:
+        yield api, f"http://127.0.0.1:{port}/metrics"
+
+
+def test_stages_batches_cache_and_jobs_are_measured(metered: tuple[TestClient, str]) -> None:
+    client, metrics_url = metered
+    assert client.get("/metrics").status_code == 404  # not on the API's own port
+    api_before = _samples(httpx.get(metrics_url, timeout=5).text)
     image = text_image(f"METRIC {time.time_ns() % 100000}")
     files = [("image", ("m.png", image, "image/png"))]
     first = _wait(client, client.post("/v1/jobs", data={"prompt": "What does it say?"}, files=files).json()["id"])
@@ -45,7 +61,7 @@ def test_stages_batches_cache_and_jobs_are_measured(client: TestClient, workers:
     assert {"decode_queue", "decode", "ocr_queue", "ocr"} <= set(timings)
     assert 0 < first["preprocess_share"] < 1
 
-    api = _samples(client.get("/metrics").text)
+    api = _samples(httpx.get(metrics_url, timeout=5).text)
     assert _value(api, "stoker_api_admissions_total", outcome="accepted") >= 2
     assert (
         _value(api, "stoker_jobs_total", status="succeeded")

@@ -150,10 +150,10 @@ def test_no_key_is_401_and_nothing_is_written(
     _unauthorized(api.get("/v1/jobs/x", headers={"Authorization": "Basic dXNlcjpwYXNz"}))  # not a bearer key
     assert spy.calls == []
     assert _job_keys(store_redis) == before
-    # Probes and the scraper stay open: they carry no tenant's data.
+    # Probes stay open: they carry no tenant's data. Metrics are not on the public port at all.
     assert api.get("/healthz").status_code == 200
     assert api.get("/readyz").status_code == 200
-    assert api.get("/metrics").status_code == 200
+    assert api.get("/metrics").status_code == 404
 
 
 def test_a_wrong_unknown_or_revoked_key_is_401(

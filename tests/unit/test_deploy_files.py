@@ -17,11 +17,15 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from stoker.adapters import metrics
-from stoker.settings import StackSettings, WorkerSettings
+from stoker.settings import ApiSettings, StackSettings, WorkerSettings
 from tasks import celeryconfig
 from workers.launch import METRICS_PORTS, worker_kinds
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The API's settings as shipped (the suite's own environment changes some of them).
+API_PORT, API_METRICS_PORT, METRICS_HOST = (
+    ApiSettings.model_fields[name].default for name in ("port", "api_metrics_port", "metrics_host")
+)
 
 
 @pytest.fixture(scope="module")
@@ -297,10 +301,43 @@ def test_monitoring_is_an_optional_profile(compose: dict[str, Any]) -> None:
 def test_prometheus_scrapes_every_worker_on_its_metrics_port() -> None:
     config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert jobs["stoker-api"]["static_configs"][0]["targets"] == ["api:8000"]
+    api = jobs["stoker-api"]["dns_sd_configs"][0]
+    assert (api["names"], api["port"]) == (["api"], API_METRICS_PORT)  # its metrics listener
     for kind, port in METRICS_PORTS.items():
         discovery = jobs[f"stoker-{kind}-worker"]["dns_sd_configs"][0]
         assert (discovery["names"], discovery["port"]) == ([f"{kind}-worker"], port)
+
+
+def _published(port: str) -> tuple[str, str, str]:
+    """A compose `ports` entry as (host address, host port, container port); no address means every interface."""
+    parts = port.split(":")
+    return ("0.0.0.0", *parts) if len(parts) == 2 else (parts[0], parts[1], parts[2])  # type: ignore[return-value]
+
+
+def test_only_the_api_port_is_published_beyond_loopback(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        published = [_published(p) for p in service.get("ports", [])]
+        if name == "api":
+            assert published == [("0.0.0.0", "8000", "8000")]  # the API's port, and not its metrics listener
+        else:
+            assert all(host == "127.0.0.1" for host, _, _ in published), (name, published)
+    assert {"flower", "prometheus", "grafana"} <= {n for n, s in compose["services"].items() if s.get("ports")}
+    assert "ports" not in compose["services"]["redis"]
+    assert "ports" not in compose["services"]["cache"]
+    # Inside the compose network the metrics listeners answer the scraper: bound to the container's interfaces.
+    assert compose["x-stoker"]["environment"]["STOKER_METRICS_HOST"] == "0.0.0.0"
+    assert METRICS_HOST == "127.0.0.1"  # anywhere else, loopback unless a deployment says otherwise
+
+
+def test_kubernetes_routes_clients_to_the_api_port_and_only_the_scraper_to_metrics() -> None:
+    docs = _k8s()
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    assert config["STOKER_METRICS_HOST"] == "0.0.0.0"  # the pod's address, for the scraper
+    api = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "stoker-api")
+    ports = {p["name"]: p["containerPort"] for p in api["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert ports == {"http": API_PORT, "metrics": API_METRICS_PORT}
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "stoker-api")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == [API_PORT]
 
 
 def test_the_dashboard_only_charts_series_stoker_exports() -> None:

@@ -3,9 +3,14 @@ the device's busy and starved time."""
 
 from __future__ import annotations
 
+import httpx
+import pytest
+
 from stoker.adapters.client import waterfall
+from stoker.adapters.metrics import JobCounts, serve_api_metrics
 from stoker.core.jobs import ErrorInfo, InputRecord, Job, preprocess_share
 from tasks.monitoring import DeviceClock, job_line, starved_seconds
+from workers.broker import free_port
 
 TIMINGS = {"queued": 100.0, "preprocess": 300.0, "infer_wait": 50.0, "infer": 650.0, "total": 1000.0}
 
@@ -83,3 +88,22 @@ def test_the_device_is_starved_only_while_work_waits_upstream() -> None:
     assert starved_seconds(1.0, 0.25, cpu_backlog=3) == 0.75
     assert starved_seconds(1.0, 0.25, cpu_backlog=0) == 0.0
     assert starved_seconds(1.0, 1.0, cpu_backlog=9) == 0.0
+
+
+def test_the_api_metrics_listener_serves_its_collectors_on_its_own_address_only() -> None:
+    port = free_port()
+    counts = JobCounts(lambda: {"succeeded": 3})
+    stop = serve_api_metrics(port, "127.0.0.2", counts)  # a loopback address other than 127.0.0.1
+    assert stop is not None
+    try:
+        text = httpx.get(f"http://127.0.0.2:{port}/metrics", timeout=5).text
+        assert 'stoker_jobs_total{status="succeeded"} 3.0' in text  # the collector it was given
+        assert "stoker_api_request_duration_seconds" in text  # and this process's own registry
+        with pytest.raises(httpx.ConnectError):  # bound to that address, not to every interface
+            httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        assert serve_api_metrics(port, "127.0.0.2") is None  # taken: logged, and the API goes on without
+    finally:
+        stop()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.2:{port}/metrics", timeout=5)
+    assert serve_api_metrics(0, "127.0.0.1") is None

@@ -1,0 +1,35 @@
+"""`stoker up` without starting anything: the ports it claims and what each child is told to listen on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stoker.settings import StackSettings
+from workers.stack import Port, Stack, _start_all, stack_ports
+
+
+class Recorder(Stack):
+    """A stack that records what it would start."""
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        """Record the child's command and environment; start nothing."""
+        self.commands[name] = (argv, env)
+
+
+def _started(**settings: Any) -> dict[str, dict[str, str]]:
+    stack = Recorder(tether=lambda: None)
+    _start_all(StackSettings(**settings), stack, {"PATH": "/usr/bin"})
+    return {name: env for name, (_, env) in stack.commands.items()}
+
+
+def test_the_api_serves_its_metrics_after_the_workers_on_the_stacks_address() -> None:
+    ports = stack_ports(StackSettings(port=8001, flower_port=5556, metrics_base_port=9201))
+    assert Port(9204, "the API's metrics", "--metrics-port / STOKER_METRICS_BASE_PORT", "127.0.0.1") in ports
+    assert [p.number for p in ports] == [8001, 5556, 9201, 9202, 9203, 9204]
+    api = _started(metrics_base_port=9201)["api"]
+    assert (api["STOKER_API_METRICS_PORT"], api["STOKER_METRICS_HOST"]) == ("9204", "127.0.0.1")
+
+
+def test_no_metrics_base_port_means_no_metrics_listener_at_all() -> None:
+    assert [p.number for p in stack_ports(StackSettings(metrics_base_port=0))] == [8000, 5555]
+    assert _started(metrics_base_port=0)["api"]["STOKER_API_METRICS_PORT"] == "0"
