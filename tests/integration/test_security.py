@@ -32,6 +32,7 @@ from tests.conftest import missing
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
+from tests.unit.test_deploy_files import compose_acl
 from workers.broker import free_port
 from workers.procs import ROOT, wait_for
 
@@ -490,8 +491,8 @@ def _tls_binaries() -> list[str]:
 
 @pytest.fixture
 def tls_redis(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A Redis (or Valkey) speaking only TLS, certificates from a private CA, the default user off and one ACL user;
-    yields its rediss:// base URL and the CA file. Skipped where no server binary here was built with TLS."""
+    """A Redis (or Valkey) speaking only TLS, certificates from a private CA, the default user off and compose's ACL
+    user; yields its rediss:// base URL and the CA file. Skipped where no server binary here was built with TLS."""
     if shutil.which("openssl") is None:
         missing("openssl is needed to make the test certificates")
     _private_ca(tmp_path)
@@ -501,7 +502,7 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[str, Path]]:
                 "--dir", str(tmp_path),
                 "--tls-cert-file", "server.pem", "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.pem",
                 "--tls-auth-clients", "no", "--user", "default", "off",
-                "--user", TLS_USER, "on", f">{TLS_PASSWORD}", "~*", "&*", "+@all"]  # fmt: skip
+                "--user", TLS_USER, "on", f">{TLS_PASSWORD}", *compose_acl("redis")]  # fmt: skip
         proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"rediss://{TLS_USER}:{TLS_PASSWORD}@127.0.0.1:{port}"
         tls = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(tmp_path / "ca.pem")}

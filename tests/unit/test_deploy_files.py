@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,9 +16,14 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from celery.backends.base import KeyValueStoreBackend
+from kombu.pidbox import Mailbox
+from kombu.transport.redis import Channel
 from prometheus_client.metrics import MetricWrapperBase
 
 from stoker.adapters import metrics
+from stoker.adapters.store import keys
+from stoker.core.queues import CALLBACK_QUEUE, QUEUES, SYNC_QUEUE
 from stoker.settings import ApiSettings, StackSettings, WorkerSettings
 from tasks import celeryconfig
 from workers.launch import METRICS_PORTS, worker_kinds
@@ -290,6 +297,94 @@ def test_no_default_secret_anywhere(compose: dict[str, Any]) -> None:
     k8s = "\n".join(p.read_text() for p in (ROOT / "deploy" / "k8s").glob("*.yaml"))
     assert "change-me" not in k8s
     assert "stringData" not in k8s  # secrets are created by the operator, never shipped with values
+
+
+# -- the Redis ACL user: what stoker and Celery use, nothing more ----------------------------------------------------
+def _acl_rules(command: list[str]) -> list[str]:
+    """The `stoker` user's rules on a redis-server command line: what follows its password."""
+    start = command.index("stoker") + 2
+    assert command[start].startswith(">")  # on, then the password
+    return command[start + 1 :]
+
+
+def compose_acl(server: str) -> list[str]:
+    """The `stoker` user's rules on one of compose's Redis servers (`redis` or `cache`); the tests' servers use them."""
+    data = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    return _acl_rules(data["services"][server]["command"])
+
+
+def _k8s_acl(name: str) -> list[str]:
+    redis = next(d for d in _k8s() if d["kind"] in ("StatefulSet", "Deployment") and d["metadata"]["name"] == name)
+    shell = redis["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert shell[:2] == ["sh", "-c"]
+    return _acl_rules(shlex.split(shell[2]))
+
+
+#: A key of each kind stoker and Celery write on the broker and store Redis (kombu's and Celery's names from the
+#: libraries themselves): stoker's own, each queue and its priority lists, kombu's bindings and unacked messages,
+#: remote control (a worker's mailbox, a reply queue), an event receiver's queue, task and group results.
+BROKER_KEYS = [
+    keys.job_key("0" * 32),
+    keys.ACTIVE_KEY,
+    *(f"{q}{Channel.sep}{p}" for q in (*QUEUES, CALLBACK_QUEUE, SYNC_QUEUE) for p in ("", *Channel.priority_steps[1:])),
+    *(Channel.keyprefix_queue % name for name in ("decode", "reply.celery.pidbox", "celery.pidbox", "celeryev")),
+    Channel.unacked_key,
+    Channel.unacked_index_key,
+    Channel.unacked_mutex_key,
+    f"cpu@host.{Mailbox.exchange_fmt % 'celery'}",
+    f"6e1c2f3a-0d5e-4a8b-9c7d-1e2f3a4b5c6d.{Mailbox.reply_exchange_fmt % 'celery'}",
+    "celeryev.6e1c2f3a-0d5e-4a8b-9c7d-1e2f3a4b5c6d",
+    f"{KeyValueStoreBackend.task_keyprefix}6e1c2f3a-0d5e-4a8b-9c7d-1e2f3a4b5c6d",
+    f"{KeyValueStoreBackend.group_keyprefix}6e1c2f3a-0d5e-4a8b-9c7d-1e2f3a4b5c6d.j",
+]
+FANOUT = Channel.keyprefix_fanout.format(db=0)  # Celery's broadcast channels, on the broker's database 0
+#: Channels published to or subscribed by name, and patterns subscribed to (an ACL lets a pattern through only when
+#: it names that very pattern).
+BROKER_CHANNELS = [
+    keys.done_channel("0" * 32),
+    keys.CANCELLED_CHANNEL,
+    f"{KeyValueStoreBackend.task_keyprefix}6e1c2f3a",
+    f"{FANOUT}{Mailbox.exchange_fmt % 'celery'}",
+    f"{FANOUT}celeryev/worker.heartbeat",
+]
+BROKER_PATTERNS = [*keys.ANNOUNCEMENT_PATTERNS, f"{FANOUT}celeryev/*", f"{FANOUT}celeryev/worker.*"]
+
+
+def _allowed(rules: list[str], sigil: str, name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, rule[1:]) for rule in rules if rule.startswith(sigil))
+
+
+def test_the_redis_user_reaches_only_what_stoker_and_celery_use() -> None:
+    broker, cache = compose_acl("redis"), compose_acl("cache")
+    for rules in (broker, cache):
+        assert rules[0] == "resetkeys"  # nothing but the patterns that follow
+        assert "resetchannels" in rules
+        assert not {"~*", "&*", "allkeys", "allchannels", "allcommands", "nopass", "+@admin", "+@dangerous"} & set(
+            rules
+        )
+        commands = [r for r in rules if r[0] in "+-"]
+        assert commands.index("-@admin") > commands.index("+@all") < commands.index("-@dangerous")
+        assert commands.index("-@scripting") < commands.index("+evalsha")  # no EVAL, no FUNCTION
+    # What comes back after the dangerous commands went, each for a reason: INFO on the store, for the API's view of
+    # its memory (the cache's user needs none); of scripting, what redis-py's scripts use.
+    scripts = ["-@scripting", "+evalsha", "+script|load", "+script|exists"]
+    assert broker[broker.index("-@dangerous") + 1 :] == ["+info", *scripts]
+    assert cache[cache.index("-@dangerous") + 1 :] == scripts
+    for key in BROKER_KEYS:
+        assert _allowed(broker, "~", key), key
+    for key in ("foo", "stokerx", "_kombu", "celery"):
+        assert not _allowed(broker, "~", key), key
+    for channel in BROKER_CHANNELS:
+        assert _allowed(broker, "&", channel), channel
+    assert set(BROKER_PATTERNS) <= {r[1:] for r in broker if r.startswith("&")}
+    # The cache holds stage results only: stoker's keys, no channel.
+    assert [r for r in cache if r[0] in "~&"] == ["~stoker:*"]
+    assert _allowed(cache, "~", keys.CACHE_STATS_KEY)
+
+
+def test_kubernetes_redis_servers_have_the_same_user_as_compose() -> None:
+    assert _k8s_acl("stoker-redis") == compose_acl("redis")
+    assert _k8s_acl("stoker-cache") == compose_acl("cache")
 
 
 def test_monitoring_is_an_optional_profile(compose: dict[str, Any]) -> None:
