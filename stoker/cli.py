@@ -11,6 +11,10 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: the command loads what it runs when it runs
+    from stoker.adapters.store import Store
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,13 +69,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    keys = sub.add_parser("keys", help="API keys: create one for a tenant, list them, revoke one")
+    keys = sub.add_parser("keys", help="API keys: create one for a tenant, list them, revoke one; callback secrets")
     actions = keys.add_subparsers(dest="keys_action", required=True)
     create = actions.add_parser("create", help="create a key; it is printed once, on the last line")
     create.add_argument("--tenant", required=True)
     actions.add_parser("list", help="every key: id, tenant, created, revoked (never a secret)")
     revoke = actions.add_parser("revoke", help="revoke a key, by its id (or the whole key)")
     revoke.add_argument("key")
+    rotate = actions.add_parser(
+        "rotate-callback-secret", help="a new callback secret for a tenant; the old one still signs for --grace"
+    )
+    rotate.add_argument("--tenant", required=True)
+    rotate.add_argument(
+        "--grace", type=int, default=86400, help="seconds the old secret still signs beside the new (default 86400)"
+    )
 
 
 def _up(args: argparse.Namespace, _: list[str]) -> int:
@@ -184,11 +195,13 @@ def _keys(args: argparse.Namespace, _: list[str]) -> int:
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
         store.tenants.put_api_key(issued.record)
-        secret = settings.callback_secret or store.callbacks.secret(issued.record.tenant)
+        secret = store.callbacks.secret(issued.record.tenant)  # the tenant's own, never one another tenant holds
         print(f"tenant {issued.record.tenant}'s callbacks are signed with {secret} (stoker verify-callback)")
         print(f"created key {issued.record.key_id} for tenant {issued.record.tenant}; it is shown only now:")
         print(issued.token)
         return 0
+    if args.keys_action == "rotate-callback-secret":
+        return _rotate_callback_secret(store, args.tenant, args.grace, settings.callback_secret)
     if args.keys_action == "list":
         print(f"{'id':<16}  {'tenant':<24}  {'created (UTC)':<20}  state")
         for key in store.tenants.api_keys():
@@ -200,6 +213,24 @@ def _keys(args: argparse.Namespace, _: list[str]) -> int:
         print(f"no key {args.key}", file=sys.stderr)
         return 1
     print(f"revoked key {key_id}")
+    return 0
+
+
+def _rotate_callback_secret(store: Store, tenant: str, grace_s: int, configured: str | None) -> int:
+    """Replace a tenant's callback secret; the replaced one (for the default tenant without one of its own: the
+    deprecated deployment-wide secret) still signs beside the new for `grace_s` seconds."""
+    from stoker.core.callbacks import deployment_fallback
+    from stoker.core.tenancy import check_tenant
+
+    if grace_s < 0:
+        raise SystemExit("--grace must be 0 or more seconds")
+    try:
+        check_tenant(tenant)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    secret = store.callbacks.rotate(tenant, grace_s, deployment_fallback(tenant, configured))
+    print(f"tenant {tenant}'s callbacks are now signed with this secret and, for {grace_s} s, the old one too:")
+    print(secret)
     return 0
 
 

@@ -49,8 +49,9 @@ class CommonSettings(BaseSettings):
     store_timeout_s: float = Field(10.0, gt=0)
     model: str = Field(BUILTIN_MODEL, description="Built-in model name, a local HF directory or a hub id.")
     model_cache: Path = Path("~/.cache/stoker").expanduser()
-    #: Signs every tenant's completion callbacks when set (one secret for a deployment with one client); unset,
-    #: each tenant has its own, made on first use and shown by `stoker keys create`.
+    #: Deprecated. Each tenant's callbacks are signed with a secret of its own (made on first use, shown by `stoker
+    #: keys create`, replaced by `stoker keys rotate-callback-secret`); this one only stands in for the default
+    #: tenant's (auth off), until that tenant's secret is rotated, and never signs another tenant's callbacks.
     callback_secret: str | None = None
     #: New tokens per answer when a request names none (a job; a chat without `max_tokens`)…
     max_new_tokens: int = Field(64, ge=1, le=4096)

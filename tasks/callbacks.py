@@ -17,7 +17,7 @@ from celery import Task
 
 from stoker.adapters import urlfetch
 from stoker.adapters.urlfetch import FetchPolicy
-from stoker.core.callbacks import SIGNATURE_HEADER, TIMESTAMP_HEADER, backoff_s, sign
+from stoker.core.callbacks import SIGNATURE_HEADER, TIMESTAMP_HEADER, backoff_s, deployment_fallback, signature_header
 from stoker.core.errors import FetchTimeout, FetchUnavailable, StokerError
 from stoker.core.jobs import CallbackState, Job
 from stoker.core.tenancy import DEFAULT_TENANT
@@ -57,20 +57,22 @@ def deliver(self: Task, job_id: str) -> str:
 
 
 def send(url: str, job: Job) -> None:
-    """POST the job as GET /v1/jobs/{id} shows it, signed with its tenant's secret and the time of sending."""
+    """POST the job as GET /v1/jobs/{id} shows it, signed with its tenant's live secrets and the time of sending."""
     body = json.dumps(job.model_dump(mode="json")).encode()
     now = int(time.time())
     headers = {
         "Content-Type": "application/json",
         TIMESTAMP_HEADER: str(now),
-        SIGNATURE_HEADER: sign(secret(job.tenant or DEFAULT_TENANT), now, body),
+        SIGNATURE_HEADER: signature_header(live_secrets(job.tenant or DEFAULT_TENANT), now, body),
     }
     urlfetch.post(url, body, headers, policy())
 
 
-def secret(tenant: str) -> str:
-    """The secret a tenant's callbacks are signed with: the deployment's, when set; else the tenant's own."""
-    return resources.settings().callback_secret or resources.store().callbacks.secret(tenant)
+def live_secrets(tenant: str) -> list[str]:
+    """The secrets a tenant's callbacks are signed with: its own (two during a rotation's grace); the deprecated
+    deployment-wide one only for the default tenant, and only until that tenant has one of its own."""
+    fallback = deployment_fallback(tenant, resources.settings().callback_secret)
+    return resources.store().callbacks.live_secrets(tenant, fallback)
 
 
 def policy() -> FetchPolicy:

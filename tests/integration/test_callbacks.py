@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
@@ -20,7 +23,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from stoker.adapters.store import Store
-from stoker.core.callbacks import verify
+from stoker.core.callbacks import sign, verify
 from stoker.core.tenancy import DEFAULT_TENANT
 from tests.integration.conftest import URL_TEST_HOST
 from tests.integration.test_pipeline import _wait
@@ -165,3 +168,68 @@ def test_a_callback_url_is_checked_when_the_job_is_submitted(client: TestClient,
     response = client.post("/v1/jobs", data={"prompt": "hi", "callback_url": "ftp://example.com/hook"})
     assert response.status_code == 422
     assert (response.json()["error"]["code"], response.json()["error"]["param"]) == ("url_rejected", "callback_url")
+
+
+def _keys_cli(*args: str, **env: str) -> subprocess.CompletedProcess[bytes]:
+    argv = [sys.executable, "-m", "stoker.cli", "keys", *args]
+    return subprocess.run(argv, capture_output=True, cwd=ROOT, env={**os.environ, **env}, timeout=60)
+
+
+def test_each_tenant_gets_a_callback_secret_of_its_own_whatever_the_deployment_sets(store_redis: redis.Redis) -> None:
+    callbacks = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600).callbacks
+    printed = {}
+    for name in ("acme", "globex"):
+        tenant = f"{name}-{uuid.uuid4().hex[:8]}"
+        created = _keys_cli("create", "--tenant", tenant, STOKER_CALLBACK_SECRET="whsec_deployment")
+        assert created.returncode == 0, created.stderr
+        found = re.search(rb"whsec_\S+", created.stdout)
+        assert found is not None, created.stdout
+        printed[tenant] = found.group().decode()
+        assert callbacks.live_secrets(tenant) == [printed[tenant]]  # what its callbacks are signed with
+    assert len(set(printed.values())) == 2  # no tenant can sign another's callbacks
+    assert "whsec_deployment" not in printed.values()
+
+
+def test_a_rotated_secret_signs_beside_the_new_one_until_its_grace_ends(store_redis: redis.Redis) -> None:
+    callbacks = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600).callbacks
+    tenant = f"rotate-{uuid.uuid4().hex[:8]}"
+    first = callbacks.secret(tenant)
+    assert callbacks.live_secrets(tenant) == [first]
+    second = callbacks.rotate(tenant, grace_s=1)
+    assert callbacks.live_secrets(tenant) == [second, first]
+    wait_for(lambda: callbacks.live_secrets(tenant) == [second], 10, "the grace period to end", [])
+    third = callbacks.rotate(tenant, grace_s=0)
+    assert callbacks.live_secrets(tenant) == [third]  # no grace: the replaced secret stops signing at once
+    fourth, fifth = callbacks.rotate(tenant, grace_s=60), callbacks.rotate(tenant, grace_s=60)
+    assert callbacks.live_secrets(tenant) == [fifth, fourth]  # a rotation within the grace drops the older one
+    assert len({first, second, third, fourth, fifth}) == 5
+
+
+def test_the_deprecated_deployment_secret_stands_in_until_a_rotation(store_redis: redis.Redis) -> None:
+    callbacks = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600).callbacks
+    tenant = f"single-{uuid.uuid4().hex[:8]}"
+    assert callbacks.live_secrets(tenant, "whsec_deployment") == ["whsec_deployment"]
+    new = callbacks.rotate(tenant, grace_s=60, fallback="whsec_deployment")
+    assert callbacks.live_secrets(tenant, "whsec_deployment") == [new, "whsec_deployment"]  # its own wins now
+
+
+def test_after_a_rotation_deliveries_carry_both_signatures(
+    client: TestClient, receiver: Receiver, store_redis: redis.Redis
+) -> None:
+    old = _secret(store_redis)
+    rotated = _keys_cli("rotate-callback-secret", "--tenant", DEFAULT_TENANT, "--grace", "3600")
+    assert rotated.returncode == 0, rotated.stderr
+    new = rotated.stdout.decode().strip().splitlines()[-1]
+    assert new.startswith("whsec_")
+    assert new != old
+    job_id = _submit(client, receiver.url("/rotated"))
+    assert _settled(client, job_id)["callback"]["status"] == "delivered"
+    (delivery,) = receiver.for_job(job_id)
+    timestamp, signature = delivery.headers["X-Stoker-Timestamp"], delivery.headers["X-Stoker-Signature"]
+    assert len(signature.split(",")) == 2
+    assert signature.startswith(sign(new, int(timestamp), delivery.body))  # the new one first
+    for secret in (new, old):  # a receiver still on the old secret and one already on the new both accept it
+        argv = [sys.executable, "-m", "stoker.cli", "verify-callback", "--secret", secret, "--timestamp", timestamp]
+        checked = subprocess.run([*argv, "--signature", signature], input=delivery.body, capture_output=True, cwd=ROOT)
+        assert (checked.returncode, checked.stdout.strip()) == (0, b"valid")
+    assert not verify("whsec_someone-else", timestamp, delivery.body, signature, time.time())

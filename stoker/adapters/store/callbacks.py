@@ -4,9 +4,29 @@ from __future__ import annotations
 
 import redis
 
-from stoker.adapters.store.keys import CALLBACKS_DUE_KEY, callback_secret_key, job_key
+from stoker.adapters.store.keys import (
+    CALLBACKS_DUE_KEY,
+    callback_secret_key,
+    job_key,
+    previous_callback_secret_key,
+)
 from stoker.core.callbacks import new_secret
 from stoker.core.jobs import CallbackState
+
+#: KEYS: current, previous; ARGV: the new secret, the grace in seconds, what stood in for a missing current ("" for
+#: nothing). The replaced secret (or its stand-in) stays as the previous one for the grace, then expires; a rotation
+#: within the grace drops the older previous secret, a grace of 0 drops the replaced one at once.
+_ROTATE = """
+local old = redis.call('GET', KEYS[1])
+if not old and ARGV[3] ~= '' then old = ARGV[3] end
+redis.call('SET', KEYS[1], ARGV[1])
+if old and tonumber(ARGV[2]) > 0 then
+  redis.call('SET', KEYS[2], old, 'EX', ARGV[2])
+else
+  redis.call('DEL', KEYS[2])
+end
+return 1
+"""
 
 
 class CallbackRepository:
@@ -14,6 +34,7 @@ class CallbackRepository:
 
     def __init__(self, client: redis.Redis[bytes]) -> None:
         self.redis = client
+        self._rotate = client.register_script(_ROTATE)
 
     def due(self, now: float, limit: int = 100) -> list[str]:
         """Jobs whose callback should be sent now."""
@@ -38,9 +59,24 @@ class CallbackRepository:
             self.redis.hset(job_key(job_id), "callback", state.model_dump_json())
 
     def secret(self, tenant: str) -> str:
-        """The tenant's callback secret, made on first use (shown by `stoker keys create`)."""
-        key = callback_secret_key(tenant)
-        self.redis.set(key, new_secret(), nx=True)
-        raw = self.redis.get(key)
-        assert raw is not None
-        return raw.decode()
+        """The tenant's current callback secret, made on first use (shown by `stoker keys create`)."""
+        return self.live_secrets(tenant)[0]
+
+    def live_secrets(self, tenant: str, fallback: str | None = None) -> list[str]:
+        """The secrets the tenant's callbacks are signed with now: its current one first (made on first use, unless
+        `fallback` stands in for a missing one), then the one a rotation replaced, while its grace lasts."""
+        current_key, previous_key = callback_secret_key(tenant), previous_callback_secret_key(tenant)
+        if fallback is None:
+            self.redis.set(current_key, new_secret(), nx=True)
+        current, previous = self.redis.mget(current_key, previous_key)
+        first = current.decode() if current else fallback
+        assert first is not None
+        return [first, *([previous.decode()] if previous else [])]
+
+    def rotate(self, tenant: str, grace_s: int, fallback: str | None = None) -> str:
+        """Give the tenant a new secret and return it; the one it replaces (or `fallback`, standing in for a missing
+        one) still signs, beside the new, for `grace_s` seconds."""
+        secret = new_secret()
+        keys = [callback_secret_key(tenant), previous_callback_secret_key(tenant)]
+        self._rotate(keys=keys, args=[secret, grace_s, fallback or ""])
+        return secret

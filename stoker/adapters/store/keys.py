@@ -141,6 +141,11 @@ def callback_secret_key(tenant: str) -> str:
     return f"{PREFIX}:tenant:{tenant}:callback-secret"
 
 
+def previous_callback_secret_key(tenant: str) -> str:
+    """The secret a rotation replaced, kept (and still signing) until its grace period ends: the key expires then."""
+    return f"{PREFIX}:tenant:{tenant}:callback-secret:previous"
+
+
 #: Pub/sub channel on which every cancelled job's id is announced (inference consumers drop it before the device).
 CANCELLED_CHANNEL = f"{PREFIX}:cancelled"
 #: Ended jobs whose completion callback is due, scored by when (the reaper hands them to a worker).
