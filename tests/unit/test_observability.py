@@ -3,11 +3,13 @@ the device's busy and starved time."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
 from stoker.adapters.client import waterfall
-from stoker.adapters.metrics import JobCounts, serve_api_metrics
+from stoker.adapters.metrics import JobCounts, serve_api_metrics, serve_worker_metrics
 from stoker.core.jobs import ErrorInfo, InputRecord, Job, preprocess_share
 from tasks.monitoring import DeviceClock, job_line, starved_seconds
 from workers.broker import free_port
@@ -107,3 +109,16 @@ def test_the_api_metrics_listener_serves_its_collectors_on_its_own_address_only(
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.2:{port}/metrics", timeout=5)
     assert serve_api_metrics(0, "127.0.0.1") is None
+
+
+def test_a_workers_metrics_listener_binds_to_the_metrics_host_only(tmp_path: Path) -> None:
+    port = free_port()
+    stop = serve_worker_metrics(port, tmp_path, "127.0.0.2")
+    assert stop is not None
+    try:
+        assert httpx.get(f"http://127.0.0.2:{port}/metrics", timeout=5).status_code == 200
+        with pytest.raises(httpx.ConnectError):  # not on every interface
+            httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    finally:
+        stop()
+    assert serve_worker_metrics(0, tmp_path, "127.0.0.1") is None  # turned off

@@ -33,3 +33,12 @@ def test_the_api_serves_its_metrics_after_the_workers_on_the_stacks_address() ->
 def test_no_metrics_base_port_means_no_metrics_listener_at_all() -> None:
     assert [p.number for p in stack_ports(StackSettings(metrics_base_port=0))] == [8000, 5555]
     assert _started(metrics_base_port=0)["api"]["STOKER_API_METRICS_PORT"] == "0"
+
+
+def test_every_metrics_port_of_the_stack_is_on_its_address() -> None:
+    ports = stack_ports(StackSettings())
+    assert {p.host for p in ports} == {"127.0.0.1"}  # the workers' metrics too, not every interface
+    started = _started()
+    for name in ("api", "cpu-worker", "asr-worker", "infer-worker"):
+        assert started[name]["STOKER_METRICS_HOST"] == "127.0.0.1", name
+    assert [started[f"{k}-worker"]["STOKER_METRICS_PORT"] for k in ("cpu", "asr", "infer")] == ["9101", "9102", "9103"]
