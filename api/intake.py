@@ -104,8 +104,11 @@ def _read_json(body: bytes, settings: ApiSettings) -> Fields:
         spec = JobCreate.model_validate_json(body)
     except ValidationError as exc:
         where, message = first_error(exc)
-        if exc.errors()[0]["type"] == "too_long" and where == "inputs":
+        kind = exc.errors()[0]["type"]
+        if kind == "too_long" and where == "inputs":
             raise TooManyInputs(f"at most {MAX_JSON_INPUTS} inputs per job", param=where) from exc
+        if kind == "extra_forbidden":
+            raise InvalidRequest(f"unknown field: {where}", param=where) from exc
         raise InvalidRequest(f"{where}: {message}", param=where) from exc
     count_inputs([item.kind for item in spec.inputs], settings)  # before any base64 is decoded
     for position, item in enumerate(spec.inputs):

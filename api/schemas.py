@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stoker.core.jobs import Job
 
 
 class InputCreate(BaseModel):
     """One input of a JSON job request: media as base64, or an http(s) URL a worker fetches."""
+
+    #: A field stoker does not know is refused (422), never silently dropped: a misspelt `url` is not a job.
+    model_config = ConfigDict(extra="forbid")
 
     kind: Literal["image", "audio", "video"]
     data: str | None = Field(None, description="base64-encoded bytes")
@@ -29,7 +32,9 @@ MAX_JSON_INPUTS = 64
 
 
 class JobCreate(BaseModel):
-    """A JSON job request."""
+    """A JSON job request; unknown fields are refused (422 `invalid_request`), as in a multipart form."""
+
+    model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1)
     inputs: list[InputCreate] = Field(default_factory=list, max_length=MAX_JSON_INPUTS)

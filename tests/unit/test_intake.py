@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from api.intake import validate
+from api.intake import _read_json, validate
 from stoker.core.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType
 from stoker.core.media import content_hash
 from stoker.settings import ApiSettings
@@ -46,3 +48,28 @@ def test_deadline_defaults_from_settings_and_accepts_form_text() -> None:
 def test_bad_deadlines_are_refused(deadline: str | int) -> None:
     with pytest.raises(InvalidRequest, match="deadline_ms"):
         validate("hi", [], SETTINGS, deadline)
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ({"prompt": "hi", "callbak_url": "https://a.example/h"}, "callbak_url"),  # a misspelt field
+        (
+            {"prompt": "hi", "inputs": [{"kind": "image", "url": "https://a.example/x.png", "detail": "high"}]},
+            "inputs.0.detail",
+        ),
+    ],
+    ids=["top-level", "in-an-input"],
+)
+def test_a_json_job_with_an_unknown_field_is_refused(body: dict[str, object], where: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        _read_json(json.dumps(body).encode(), SETTINGS)
+    assert refused.value.envelope() == {
+        "error": {
+            "message": f"unknown field: {where}",
+            "type": "invalid_request_error",
+            "param": where,
+            "code": "invalid_request",
+        }
+    }
+    assert refused.value.http_status == 422
