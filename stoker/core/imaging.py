@@ -61,11 +61,21 @@ class DecodedImage:
     model_input: npt.NDArray[np.float16]  # 3×S×S, normalised
 
 
+#: What Pillow raises on bytes it cannot decode once the header was read: OSError (a truncated or broken stream),
+#: ValueError, SyntaxError (chunks out of order, e.g. an APNG's frame controls: "APNG contains frame sequence
+#: errors") and EOFError (data that ends early). Each is the image's fault: `image_corrupt`.
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError)
+
+
 def decode_image(data: bytes, params: DecodeParams) -> DecodedImage:
     """Decode image bytes safely: allowlisted formats, a pixel cap, fast downscale, EXIF orientation."""
     image = _open(data, params.max_pixels)
-    features = _features(image)
-    rgb = _load_downscaled(image, params.ocr_max_side)
+    try:
+        # Reading the features may decode already: Pillow reaches a PNG's EXIF by loading the frame before it.
+        features = _features(image)
+        rgb = _load_downscaled(image, params.ocr_max_side)
+    except DECODE_ERRORS as exc:
+        raise ImageCorrupt(f"cannot decode image: {exc}", stage="decode") from exc
     return DecodedImage(
         features=features,
         ocr_image=np.asarray(rgb.convert("L"), dtype=np.uint8),
@@ -106,6 +116,7 @@ def _features(image: Image.Image) -> ImageFeatures:
 
 
 def _exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation (1 when unreadable); a frame that cannot be decoded on the way is left to the caller."""
     try:
         return int(image.getexif().get(0x0112, 1))
     except (OSError, ValueError, TypeError):
@@ -113,19 +124,17 @@ def _exif_orientation(image: Image.Image) -> int:
 
 
 def _load_downscaled(image: Image.Image, max_side: int) -> Image.Image:
-    """Load pixel data at no more than max_side, letting the codec do the shrinking where it can."""
-    try:
-        if image.format == "JPEG":
-            # JPEG decodes at 1/2, 1/4 or 1/8 scale for free; draft picks the smallest scale ≥ the request.
-            image.draft("RGB", (max_side, max_side))
-        image.load()
-        image = ImageOps.exif_transpose(image)
-        factor = max(image.size) // max_side
-        if factor >= 2:
-            image = image.reduce(factor)
-        image = _to_rgb(image)
-    except (OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise ImageCorrupt(f"cannot decode image: {exc}", stage="decode") from exc
+    """Load pixel data at no more than max_side, letting the codec do the shrinking where it can (what it raises on
+    bytes it cannot decode, `DECODE_ERRORS`, the caller classifies)."""
+    if image.format == "JPEG":
+        # JPEG decodes at 1/2, 1/4 or 1/8 scale for free; draft picks the smallest scale ≥ the request.
+        image.draft("RGB", (max_side, max_side))
+    image.load()
+    image = ImageOps.exif_transpose(image)
+    factor = max(image.size) // max_side
+    if factor >= 2:
+        image = image.reduce(factor)
+    image = _to_rgb(image)
     if max(image.size) > max_side:
         image.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
     return image

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -78,3 +81,36 @@ def test_truncated_image_is_corrupt(fmt: str) -> None:
 def test_garbage_is_corrupt() -> None:
     with pytest.raises(ImageCorrupt):
         decode_image(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100, PARAMS)
+
+
+def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    """A PNG's chunks as (type, payload), in file order."""
+    chunks, position = [], 8
+    while position < len(data):
+        (length,) = struct.unpack(">I", data[position : position + 4])
+        chunks.append((data[position + 4 : position + 8], data[position + 8 : position + 8 + length]))
+        position += 12 + length
+    return chunks
+
+
+def _png(chunks: list[tuple[bytes, bytes]]) -> bytes:
+    """A PNG of these chunks, each with its CRC made right (so only their order is wrong)."""
+    body = b"".join(
+        struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+        for kind, payload in chunks
+    )
+    return b"\x89PNG\r\n\x1a\n" + body
+
+
+def test_an_apng_whose_frame_controls_are_out_of_order_is_corrupt() -> None:
+    frames = [Image.new("RGB", (32, 16), colour) for colour in ("red", "blue")]
+    chunks = _png_chunks(encode(frames[0], "PNG", save_all=True, append_images=frames[1:]))
+    kinds = [kind for kind, _ in chunks]
+    assert kinds == [b"IHDR", b"acTL", b"fcTL", b"IDAT", b"fcTL", b"fdAT", b"IEND"]
+    assert decode_image(_png(chunks), PARAMS).features.animated is True  # rebuilt as it was, it decodes
+    second = kinds.index(b"fcTL", 3)
+    chunks[second], chunks[second + 1] = chunks[second + 1], chunks[second]  # the frame's data before its control
+    with pytest.raises(ImageCorrupt) as info:
+        decode_image(_png(chunks), PARAMS)
+    assert (info.value.code, info.value.stage) == ("image_corrupt", "decode")
+    assert "frame sequence" in info.value.message
