@@ -48,6 +48,8 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	@# deploy/k8s against the Kubernetes schemas (strict: no unknown field); KEDA's custom resources have none here.
+	$(BIN)/kubernetes-validate --strict --quiet --no-warn deploy/k8s/*.yaml
 
 typecheck: $(VENV)/.installed
 	$(BIN)/mypy

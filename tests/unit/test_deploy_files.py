@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import kubernetes_validate
 import pytest
 import yaml
 from celery.backends.base import KeyValueStoreBackend
@@ -511,3 +512,43 @@ def test_kubernetes_settings_name_real_settings_and_the_gpu_goes_to_inference() 
             gpus[d["metadata"]["name"]] = "nvidia.com/gpu" in container.get("resources", {}).get("limits", {})
     assert {n for n in names if n.startswith("STOKER_")} <= known
     assert [name for name, gpu in gpus.items() if gpu] == ["stoker-infer-worker"]
+
+
+# -- deploy/k8s against the Kubernetes API's own schemas (`make lint` runs the same check) ------------------------
+#: Custom resources: their CRDs' schemas do not ship with kubernetes-validate (KEDA's are checked above).
+CUSTOM_API_GROUPS = ("keda.sh/",)
+
+
+def _schema_problems(document: dict[str, Any]) -> list[str]:
+    """What the Kubernetes schema of a document's kind refuses, strictly (no property the API does not know)."""
+    try:
+        kubernetes_validate.validate(document, kubernetes_validate.latest_version(), strict=True)
+    except kubernetes_validate.ValidationError as error:
+        where = ".".join(str(part) for part in error.path)
+        return [f"{document['kind']}/{document['metadata']['name']}: {where}: {error.message}"]
+    return []
+
+
+def test_every_kubernetes_manifest_passes_the_kubernetes_schemas() -> None:
+    checked = [d for d in _k8s() if not d["apiVersion"].startswith(CUSTOM_API_GROUPS)]
+    assert {d["kind"] for d in checked} >= {"ConfigMap", "Deployment", "Service", "StatefulSet", "NetworkPolicy"}
+    # A kind without a schema (a misspelt kind or apiVersion) raises SchemaNotFoundError: it fails the test too.
+    assert [problem for document in checked for problem in _schema_problems(document)] == []
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "refused"),
+    [
+        (("spec", "replicas"), "two", "is not of type 'integer'"),
+        (("spec", "template", "spec", "containers", 0, "imagePullPolice"), "Always", "imagePullPolice"),
+    ],
+)
+def test_the_schema_check_refuses_a_broken_deployment(path: tuple[str | int, ...], value: str, refused: str) -> None:
+    api = next(d for d in _k8s() if d["kind"] == "Deployment" and d["metadata"]["name"] == "stoker-api")
+    node: Any = api
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value
+    problems = _schema_problems(api)
+    assert len(problems) == 1
+    assert refused in problems[0]
