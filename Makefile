@@ -10,11 +10,12 @@ TORCH_SPEC ?= torch==2.13.0
 APT_PACKAGES ?= tesseract-ocr tesseract-ocr-eng tesseract-ocr-chi-sim espeak-ng fonts-wqy-zenhei
 PYTEST_ARGS ?=
 
-.PHONY: help install system-deps model up test lint typecheck unit integration e2e bench bench-quick clean
+.PHONY: help install system-deps model up test lint typecheck unit integration e2e bench bench-quick docs clean
 
 help:
 	@echo "make up    - install everything (venv, Debian packages, model) and start the stack"
 	@echo "make test  - install everything, then ruff, mypy and all tests (unit, integration, e2e)"
+	@echo "make docs  - write docs/configuration.md from the settings (stoker/settings.py)"
 	@echo "make bench - pipeline vs synchronous baseline, results and plots in docs/bench (bench-quick: < 3 min)"
 
 $(VENV)/.installed: pyproject.toml
@@ -63,6 +64,10 @@ bench-quick: install model
 
 bench: install model
 	$(BIN)/stoker bench --out docs/bench
+
+# The pages generated from the code: docs/configuration.md from stoker/settings.py (a unit test fails while stale).
+docs: $(VENV)/.installed
+	$(BIN)/stoker docs config > docs/configuration.md
 
 unit integration e2e: install model
 	$(BIN)/pytest tests/$@ $(PYTEST_ARGS)

@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="manage the model cache")
     model.add_argument("action", choices=["fetch", "path"])
     _keys_parser(sub)
+    docs = sub.add_parser("docs", help="print a generated documentation page (config: docs/configuration.md)")
+    docs.add_argument("page", choices=["config"])
     check = sub.add_parser("verify-callback", help="check a completion callback's signature (the body on stdin)")
     check.add_argument("--secret", required=True, help="the tenant's callback secret")
     check.add_argument("--timestamp", required=True, help="the X-Stoker-Timestamp header")
@@ -130,6 +132,13 @@ def _model(args: argparse.Namespace, _: list[str]) -> int:
 
     settings = CommonSettings()
     print(resolve_model(settings.model, settings.model_cache, fetch=args.action == "fetch"))
+    return 0
+
+
+def _docs(args: argparse.Namespace, _: list[str]) -> int:
+    from stoker.docs import configuration_page
+
+    sys.stdout.write(configuration_page())
     return 0
 
 
@@ -245,6 +254,7 @@ _HANDLERS = {
     "stats": _cache,
     "keys": _keys,
     "verify-callback": _verify_callback,
+    "docs": _docs,
 }
 
 if __name__ == "__main__":
