@@ -130,7 +130,7 @@ def test_a_receiver_gets_one_signed_post_per_job(
     assert verify(secret, timestamp, delivery.body, signature, time.time())
     assert not verify(secret, timestamp, delivery.body.replace(b"succeeded", b"failed"), signature, time.time())
     assert not verify("whsec_someone-else", timestamp, delivery.body, signature, time.time())
-    # The receiver's own check, as the README shows it.
+    # The receiver's own check, as docs/api.md shows it.
     argv = [sys.executable, "-m", "stoker.cli", "verify-callback", "--secret", secret, "--timestamp", timestamp]
     good = subprocess.run([*argv, "--signature", signature], input=delivery.body, capture_output=True, cwd=ROOT)
     bad = subprocess.run([*argv, "--signature", "v1=00"], input=delivery.body, capture_output=True, cwd=ROOT)
