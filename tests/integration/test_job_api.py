@@ -20,6 +20,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.context import context_of
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
 from stoker.core.idempotency import Remembered, key_digest
@@ -318,7 +319,7 @@ def test_replays_count_against_the_rate_but_take_no_slot_and_pass_queue_pressure
         assert first.status_code == 202, first.text
         with redis.Redis.from_url(settings.broker_url) as broker:
             broker.lpush("decode", "a", "b")  # the queue at its limit: new jobs are refused
-        monitor = client.app.state.monitor  # type: ignore[attr-defined]
+        monitor = context_of(client.app).monitor  # type: ignore[arg-type]
         wait_for(lambda: monitor.refusal() is not None, 10, "queue pressure", [])
         new = client.post("/v1/jobs", data={"prompt": "Another."}, headers=auth)
         assert (new.status_code, new.json()["error"]["code"]) == (429, "overloaded"), new.text
@@ -346,7 +347,7 @@ def test_a_first_request_slower_than_its_claim_keeps_the_key_to_one_job(own_valk
         wait_for(lambda: bool(own_valkey.store.client.exists(claim)), 10, "the first request's claim", [])
         time.sleep(2.5)  # the first request's body is still arriving two and a half claim lifetimes later
         second = pool.submit(httpx.post, url, content=body, headers=headers, timeout=60)
-        announcements = app.state.announcements
+        announcements = context_of(app).announcements
         wait_for(lambda: second.done() or announcements.waiting > 0, 10, "the second request to wait", [])
         arrived.set()
         answers = [first.result(), second.result()]
