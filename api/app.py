@@ -1,4 +1,4 @@
-"""The FastAPI application: create_app(settings) wires the store, the submitter and the routes."""
+"""The FastAPI application: create_app(settings) builds the API's context (`api.context`) and wires the routes."""
 
 from __future__ import annotations
 
