@@ -28,16 +28,15 @@ RECONNECT_S = 1.0
 class Announcements:
     """Fans the store's job announcements out to the requests of this process that wait on them."""
 
-    def __init__(self, client: aioredis.Redis[bytes]) -> None:
-        self._client = client
+    def __init__(self) -> None:
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self.listening = False
 
-    async def run(self) -> None:
-        """Listen until cancelled, reconnecting after any failure."""
+    async def run(self, client: aioredis.Redis[bytes]) -> None:
+        """Listen over `client` until cancelled, reconnecting after any failure."""
         while True:
             try:
-                await self._listen()
+                await self._listen(client)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -47,8 +46,8 @@ class Announcements:
                 self._wake_all()  # whoever waits looks again now rather than at its next poll
             await asyncio.sleep(RECONNECT_S)
 
-    async def _listen(self) -> None:
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+    async def _listen(self, client: aioredis.Redis[bytes]) -> None:
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.psubscribe(*ANNOUNCEMENT_PATTERNS)
             self.listening = True

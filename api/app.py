@@ -1,4 +1,4 @@
-"""The FastAPI application: create_app(settings) wires the store, the submitter and the routes."""
+"""The FastAPI application: create_app(settings) builds the API's context (`api.context`) and wires the routes."""
 
 from __future__ import annotations
 
@@ -9,28 +9,21 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis
-from celery import Celery
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 
-from api.announcements import Announcements
 from api.chat import router as chat_router
+from api.context import ApiContext
 from api.limits import BodyLimitMiddleware
-from api.pressure import QueueMonitor
-from api.prompts import PromptBuilder
 from api.routes import router
-from stoker.adapters.cache import StageCache
-from stoker.adapters.metrics import REQUESTS, JobCounts, serve_api_metrics
-from stoker.adapters.store import Store
+from stoker.adapters.metrics import REQUESTS, serve_api_metrics
 from stoker.adapters.store.clients import StoreOutOfMemory, async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
 from stoker.core.errors import BrokerUnavailable, PayloadTooLarge, StokerError, StoreFull, Unauthorized, error_envelope
 from stoker.settings import ApiSettings
-from tasks.app import make_app
-from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
+from tasks.pipeline import Submitter
 
 log = logging.getLogger(__name__)
 
@@ -40,50 +33,49 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     settings = settings or ApiSettings()
     if setup_tracing("stoker-api", settings.trace_exporter, settings.trace_file):
         instrument_celery()  # the job's trace context rides in the headers of the messages it publishes
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.aioredis = async_store_client(settings)
-        app.state.announcements = Announcements(app.state.aioredis)
-        stop_metrics = serve_api_metrics(settings.api_metrics_port, settings.metrics_host, app.state.metrics)
-        background = [
-            asyncio.create_task(app.state.monitor.run()),
-            asyncio.create_task(asyncio.to_thread(app.state.prompts.load)),
-            asyncio.create_task(app.state.announcements.run()),
-        ]
-        yield
-        for task in background:
-            task.cancel()
-        if stop_metrics:
-            stop_metrics()
-        app.state.monitor.close()
-        await app.state.aioredis.aclose()
-        app.state.store.close()
-
+    context = ApiContext.build(settings, submitter)
     shown = settings.api_docs
     app = FastAPI(
         title="stoker",
         version="0.1.0",
-        lifespan=lifespan,
+        lifespan=_lifespan(context),
         docs_url="/docs" if shown else None,
         redoc_url="/redoc" if shown else None,
         openapi_url="/openapi.json" if shown else None,
     )
-    app.state.settings = settings
-    app.state.store = Store.connect(settings)
-    app.state.cache = StageCache.connect(settings)
-    app.state.producer = make_app(settings)  # the Celery producer, from these settings and nothing else
-    app.state.submitter = submitter or _submitter(settings, app.state.producer)
-    app.state.monitor = QueueMonitor(settings, app.state.store)
-    app.state.prompts = PromptBuilder(settings)
-    app.state.metrics = CollectorRegistry()
-    app.state.metrics.register(JobCounts(app.state.store.stats.job_counts))
+    app.state.context = context  # read back, typed, by `api.context.api_context`
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.middleware("http")(_time_request)
     app.include_router(router)
     app.include_router(chat_router)
     _add_error_handlers(app)
     return app
+
+
+def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """While the app serves: the queue monitor samples, the tokenizer loads, announcements are listened to (over
+    an asyncio client of the serving loop's own); then every client is closed."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        listener = async_store_client(context.settings)
+        settings = context.settings
+        stop_metrics = serve_api_metrics(settings.api_metrics_port, settings.metrics_host, context.metrics)
+        background = [
+            asyncio.create_task(context.monitor.run()),
+            asyncio.create_task(asyncio.to_thread(context.prompts.load)),
+            asyncio.create_task(context.announcements.run(listener)),
+        ]
+        yield
+        for task in background:
+            task.cancel()
+        if stop_metrics:
+            stop_metrics()
+        context.monitor.close()
+        await listener.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; the stubs lag
+        context.store.close()
+
+    return lifespan
 
 
 async def _time_request(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -138,10 +130,3 @@ def _error_headers(exc: StokerError) -> dict[str, str] | None:
     if isinstance(exc, PayloadTooLarge):  # refused mid-body: closing spares reading (and discarding) the rest
         return {"Connection": "close"}
     return None if exc.permanent else {"Retry-After": str(getattr(exc, "retry_after_s", 5))}
-
-
-def _submitter(settings: ApiSettings, producer: Celery) -> Submitter:
-    """Celery canvases per stage, or, for the synchronous baseline, one message per whole job."""
-    if settings.pipeline_mode == "sync":
-        return SyncSubmitter(producer)
-    return CelerySubmitter(producer, keyframes=settings.video_keyframes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 import anyio
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.announcements import Announcements
+from api import idempotency
 from api.chat_intake import read_chat
 from api.chat_schemas import (
     AssistantMessage,
@@ -35,6 +35,7 @@ from api.chat_schemas import (
     Usage,
     chunk,
 )
+from api.context import ApiContext, Context
 from api.intake import AcceptedRequest
 from api.schemas import error_responses
 from api.submission import REPLAYED, cancel, submit_job
@@ -42,7 +43,6 @@ from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
 from stoker.core.errors import ClientGone, DeadlineExceeded, StokerError, error_envelope
 from stoker.core.jobs import ErrorInfo, Job
-from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -53,10 +53,9 @@ _STARTED = int(time.time())
 
 
 @router.get("/v1/models", response_model=ModelList, dependencies=[Depends(within_rate)])
-async def list_models(request: Request) -> ModelList:
+async def list_models(context: Context) -> ModelList:
     """The model served here, in OpenAI's list shape."""
-    settings: ApiSettings = request.app.state.settings
-    return ModelList(data=[ModelCard(id=settings.public_model_name, created=_STARTED)])
+    return ModelList(data=[ModelCard(id=context.settings.public_model_name, created=_STARTED)])
 
 
 @router.post(
@@ -64,9 +63,9 @@ async def list_models(request: Request) -> ModelList:
     response_model=ChatCompletion,
     responses=error_responses(401, 404, 413, 415, 422, 429, 499, 503, 504),
 )
-async def chat_completions(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> Any:
+async def chat_completions(request: Request, context: Context, tenant: Annotated[str, Depends(authenticate)]) -> Any:
     """Run the chat as a stoker job and answer when it ends (or stream the answer with `stream: true`)."""
-    settings: ApiSettings = request.app.state.settings
+    settings = context.settings
     spec: list[ChatCompletionCreate] = []
 
     async def read() -> AcceptedRequest:
@@ -74,16 +73,16 @@ async def chat_completions(request: Request, tenant: Annotated[str, Depends(auth
         spec.append(parsed)
         return accepted
 
-    submitted = await submit_job(request, tenant, read)
+    submitted = await submit_job(context, tenant, idempotency.key_of(request.headers, tenant), read)
     job = submitted.job
     headers = {"x-stoker-job-id": job.id, **({REPLAYED: "true"} if submitted.replayed else {})}
     model = settings.public_model_name
     until = time.monotonic() + (job.deadline_ms or settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
     if spec[0].stream:
         usage = bool(spec[0].stream_options and spec[0].stream_options.include_usage)
-        events = _stream(request, job.id, tenant, model, until, usage)
+        events = _stream(context, job.id, tenant, model, until, usage)
         return EventSourceResponse(events, ping=settings.sse_keepalive_s, headers=headers, sep="\n")
-    ended = await _wait_end(request, job.id, tenant, until)
+    ended = await _wait_end(context, request.is_disconnected, job.id, tenant, until)
     if ended is None:
         return JSONResponse(ClientGone().envelope(), status_code=499, headers=headers)
     failure = _failure(ended)
@@ -92,16 +91,17 @@ async def chat_completions(request: Request, tenant: Annotated[str, Depends(auth
     return JSONResponse(completion(ended, model).model_dump(mode="json"), headers=headers)
 
 
-async def _wait_end(request: Request, job_id: str, tenant: str, until: float) -> Job | None:
-    """The job once it ended, or as it stands at `until`; None if the client went away first (the job is then
-    given up)."""
-    store: Store = request.app.state.store
-    announcements: Announcements = request.app.state.announcements
+async def _wait_end(
+    context: ApiContext, disconnected: Callable[[], Awaitable[bool]], job_id: str, tenant: str, until: float
+) -> Job | None:
+    """The job once it ended, or as it stands at `until`; None if the client went away first (`disconnected`:
+    the job is then given up)."""
+    store, announcements = context.store, context.announcements
     with announcements.watch(job_id) as event:
         job = await _load(store, job_id, tenant)
         while not job.terminal and (remaining := until - time.monotonic()) > 0:
             await announcements.wait(event, remaining)
-            if await request.is_disconnected():
+            if await disconnected():
                 await run_in_threadpool(give_up, store, job_id)
                 return None
             job = await _load(store, job_id, tenant)
@@ -178,12 +178,11 @@ def facts(job: Job) -> StokerFacts:
 
 
 async def _stream(
-    request: Request, job_id: str, tenant: str, model: str, until: float, usage: bool
+    context: ApiContext, job_id: str, tenant: str, model: str, until: float, usage: bool
 ) -> AsyncIterator[dict[str, str]]:
     """The answer as `chat.completion.chunk` events, ending with `[DONE]`; keep-alive comments come from the
     response itself while this waits."""
-    store: Store = request.app.state.store
-    announcements: Announcements = request.app.state.announcements
+    store, announcements = context.store, context.announcements
     completion_id, created = f"chatcmpl-{job_id}", int(time.time())
     ended = False
     try:

@@ -16,11 +16,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import redis
-from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from api.announcements import Announcements
@@ -47,9 +46,9 @@ class Key:
     digest: str
 
 
-def key_of(request: Request, tenant: str) -> Key | None:
-    """The request's key, if it sent one (422 if it is not a valid key)."""
-    raw = request.headers.get(HEADER)
+def key_of(headers: Mapping[str, str], tenant: str) -> Key | None:
+    """The key among a request's headers, if it sent one (422 if it is not a valid key)."""
+    raw = headers.get(HEADER)
     return Key(key_digest(tenant, check_key(raw))) if raw is not None else None
 
 

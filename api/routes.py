@@ -13,7 +13,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.announcements import Announcements
+from api import idempotency
+from api.context import ApiContext, Context
 from api.intake import read_request
 from api.pressure import QueueMonitor
 from api.schemas import JobList, JobPublic, error_responses
@@ -23,7 +24,6 @@ from stoker.adapters.store import Store
 from stoker.core.batching import idle_gap_summary
 from stoker.core.errors import BrokerUnavailable, Cancelled, JobAlreadyEnded, JobNotFound
 from stoker.core.jobs import JOB_ID, Cursor, Job, JobStatus
-from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -52,15 +52,15 @@ JobId = Annotated[str, Depends(job_id_of_path)]
     response_model=JobPublic,
     responses=error_responses(401, 413, 415, 422, 429, 503),
 )
-async def create_job(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> JSONResponse:
+async def create_job(request: Request, context: Context, tenant: Annotated[str, Depends(authenticate)]) -> JSONResponse:
     """Accept a job: validate, store inputs and the job record, enqueue, answer 202 at once.
 
     While a queue is over its limit the job is refused before its body is read: 429 with Retry-After from the
     queue's measured drain rate, and nothing written. So is a job over its tenant's request rate or jobs in flight
     (429 `rate_limited` / `too_many_jobs_in_flight`).
     """
-    settings: ApiSettings = request.app.state.settings
-    submitted = await submit_job(request, tenant, lambda: read_request(request, settings))
+    key = idempotency.key_of(request.headers, tenant)
+    submitted = await submit_job(context, tenant, key, lambda: read_request(request, context.settings))
     job, headers = submitted.job, {"Location": f"/v1/jobs/{submitted.job.id}"}
     if submitted.replayed:  # the job an earlier request with this Idempotency-Key made
         return JSONResponse(job.model_dump(mode="json"), status_code=200, headers={**headers, REPLAYED: "true"})
@@ -73,7 +73,7 @@ async def create_job(request: Request, tenant: Annotated[str, Depends(authentica
     responses=error_responses(401, 422, 429),
 )
 async def list_jobs(
-    request: Request,
+    context: Context,
     tenant: Annotated[str, Depends(within_rate)],
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
@@ -81,9 +81,8 @@ async def list_jobs(
 ) -> JobList:
     """The tenant's recent jobs (as long as their records live, `STOKER_JOB_TTL_S`), newest first, `limit` a page,
     only those in `status` if given; pass `next_cursor` back as `cursor` for the next page."""
-    store: Store = request.app.state.store
     start = Cursor.decode(cursor) if cursor else None
-    jobs, last = await run_in_threadpool(_page, store, tenant, status, limit, start)
+    jobs, last = await run_in_threadpool(_page, context.store, tenant, status, limit, start)
     return JobList(data=jobs, next_cursor=last.encode() if last else None)
 
 
@@ -116,26 +115,24 @@ def _page(
     responses=error_responses(401, 404, 429),
 )
 async def get_job(
-    request: Request,
+    context: Context,
     tenant: Annotated[str, Depends(within_rate)],
     job_id: JobId,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0,
 ) -> JobPublic:
     """The job; with ?wait=S, hold the answer until the job is terminal or S seconds pass. Another tenant's job is
     answered exactly like an unknown one (404)."""
-    store: Store = request.app.state.store
     if wait > 0:
-        return await _wait_terminal(request, store, job_id, wait, tenant)
-    return _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
+        return await _wait_terminal(context, job_id, wait, tenant)
+    return _found(job_id, await run_in_threadpool(context.store.jobs.load_job, job_id), tenant)
 
 
-async def _wait_terminal(request: Request, store: Store, job_id: str, wait: float, tenant: str) -> JobPublic:
+async def _wait_terminal(context: ApiContext, job_id: str, wait: float, tenant: str) -> JobPublic:
     """The job once terminal, or as it stands after `wait` seconds (at most `max_long_poll_s`). Woken by this
     process's one announcement listener, and looking at least every second anyway: no connection is held per
     wait, and a Redis that restarted mid-wait costs latency, never a hang."""
-    settings: ApiSettings = request.app.state.settings
-    announcements: Announcements = request.app.state.announcements
-    until = time.monotonic() + min(wait, settings.max_long_poll_s)
+    store, announcements = context.store, context.announcements
+    until = time.monotonic() + min(wait, context.settings.max_long_poll_s)
     with announcements.watch(job_id) as event:
         job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
         while not job.terminal and (remaining := until - time.monotonic()) > 0:
@@ -150,12 +147,12 @@ async def _wait_terminal(request: Request, store: Store, job_id: str, wait: floa
     responses=error_responses(401, 404, 409, 429),
 )
 async def cancel_job(
-    request: Request, tenant: Annotated[str, Depends(within_rate)], job_id: JobId
+    context: Context, tenant: Annotated[str, Depends(within_rate)], job_id: JobId
 ) -> JobPublic | JSONResponse:
     """Cancel a job that has not ended: it ends `cancelled` at once, its remaining work is skipped or stopped, and
     it never reaches the model. 409 `job_already_ended` if it had ended, with `job` {id, status} beside the error;
     another tenant's job is 404 like an unknown one."""
-    store: Store = request.app.state.store
+    store = context.store
     _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
     cancelled = await run_in_threadpool(cancel, store, job_id, Cancelled("cancelled by its client", stage="api"))
     job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
@@ -173,18 +170,17 @@ def _found(job_id: str, job: Job | None, tenant: str) -> JobPublic:
 
 
 @router.get("/v1/stats", dependencies=[Depends(within_rate)])
-async def stats(request: Request) -> dict[str, Any]:
+async def stats(context: Context) -> dict[str, Any]:
     """Queue depths, limits and drain rates; the inference watermarks; device time; refusals."""
-    monitor: QueueMonitor = request.app.state.monitor
+    monitor, settings = context.monitor, context.settings
     snapshot = monitor.fresh()
     if snapshot is None:
         try:
             snapshot = await run_in_threadpool(monitor.sample)
         except Exception as exc:
             raise BrokerUnavailable("the broker cannot be reached") from exc
-    settings: ApiSettings = request.app.state.settings
-    counters = await run_in_threadpool(request.app.state.store.stats.counters)
-    gaps = await run_in_threadpool(request.app.state.store.stats.device_gaps)
+    counters = await run_in_threadpool(context.store.stats.counters)
+    gaps = await run_in_threadpool(context.store.stats.device_gaps)
     return {
         "sampled_at": snapshot.at,
         "queues": {q.name: {"depth": q.depth, "limit": q.limit, "drain_per_s": q.drain_per_s} for q in snapshot.queues},
@@ -201,12 +197,11 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(request: Request) -> JSONResponse:
+async def readyz(context: Context) -> JSONResponse:
     """Ready when both the broker and the job store answer."""
-    settings: ApiSettings = request.app.state.settings
     broker, store = await asyncio.gather(
-        _within(run_in_threadpool(_broker_ok, request.app.state.monitor), 3.0),
-        _within(run_in_threadpool(_store_ok, request.app.state.store), settings.store_timeout_s + 1),
+        _within(run_in_threadpool(_broker_ok, context.monitor), 3.0),
+        _within(run_in_threadpool(_store_ok, context.store), context.settings.store_timeout_s + 1),
     )
     body = {"broker": "ok" if broker else "unreachable", "store": "ok" if store else "unreachable"}
     return JSONResponse(body, status_code=200 if broker and store else 503)

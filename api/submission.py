@@ -7,37 +7,35 @@ queues: its prompt, from the cache or tokenized here, goes straight to the infer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import redis
-from fastapi import Request
 from opentelemetry.trace import SpanKind
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import State
 
 from api import idempotency
+from api.context import ApiContext
 from api.intake import AcceptedRequest
 from api.tenancy import admit, charge, release
-from stoker.adapters.cache import StageCache
 from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import StoreOutOfMemory
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
 from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
-from stoker.core.deadlines import deadline_for
+from stoker.core.deadlines import Deadline, deadline_for
 from stoker.core.errors import BrokerUnavailable, Overloaded, RateLimited, StokerError, StoreFull
 from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job
 from stoker.core.model import ModelRequest
 from stoker.core.prompting import Attachment, attachment_for, model_request
 from stoker.core.queues import job_messages
 from stoker.core.tenancy import cache_scope
-from stoker.settings import ApiSettings
-from tasks.pipeline import Start, Submitter
+from tasks.pipeline import Start
 
 log = logging.getLogger(__name__)
 #: Response header on a submission answered with the job an earlier one (same Idempotency-Key) made.
@@ -52,31 +50,30 @@ class Submitted:
     replayed: bool = False
 
 
-async def submit_job(request: Request, tenant: str, read: Callable[[], Awaitable[AcceptedRequest]]) -> Submitted:
+async def submit_job(
+    context: ApiContext, tenant: str, key: idempotency.Key | None, read: Callable[[], Awaitable[AcceptedRequest]]
+) -> Submitted:
     """Admit, read (with `read`), store and enqueue one job; the job as it now stands.
 
     While a queue is over its limit the job is refused before its body is read (429 with Retry-After from the
     queue's measured drain rate, nothing written); so is one over its tenant's rate or jobs in flight. With an
-    `Idempotency-Key` that already made a job, that job comes back instead (`api.idempotency`): counted against
-    the tenant's rate like any request, but taking no in-flight slot and never refused for queue pressure.
+    `Idempotency-Key` (`key`) that already made a job, that job comes back instead (`api.idempotency`): counted
+    against the tenant's rate like any request, but taking no in-flight slot and never refused for queue pressure.
     """
-    state = request.app.state
-    settings: ApiSettings = state.settings
     job_id = uuid.uuid4().hex
-    key = idempotency.key_of(request, tenant)
     if key is None:
-        return Submitted(await _submit(request, tenant, read, job_id))
-    await _within_rate(request, tenant)  # before the key is looked at: a replay costs the rate too
-    claim_s = settings.idempotency_claim_s
-    remembered = await idempotency.claim(state.store, state.announcements, key, job_id, claim_s)
+        return Submitted(await _submit(context, tenant, read, job_id))
+    await _within_rate(context, tenant)  # before the key is looked at: a replay costs the rate too
+    store, claim_s = context.store, context.settings.idempotency_claim_s
+    remembered = await idempotency.claim(store, context.announcements, key, job_id, claim_s)
     if remembered is not None:
-        return Submitted(await idempotency.replay(state.store, remembered, tenant, read), replayed=True)
-    async with idempotency.holding(state.store, key, job_id, claim_s) as claim:
-        return Submitted(await _submit(request, tenant, read, job_id, claim))
+        return Submitted(await idempotency.replay(store, remembered, tenant, read), replayed=True)
+    async with idempotency.holding(store, key, job_id, claim_s) as claim:
+        return Submitted(await _submit(context, tenant, read, job_id, claim))
 
 
 async def _submit(
-    request: Request,
+    context: ApiContext,
     tenant: str,
     read: Callable[[], Awaitable[AcceptedRequest]],
     job_id: str,
@@ -84,47 +81,45 @@ async def _submit(
 ) -> Job:
     """Take one new job in: queue pressure and the tenant's slot checked, its body read, the job made; with
     `claim`, the key it holds, remembered as naming the job once it is made."""
-    state = request.app.state
-    settings: ApiSettings = state.settings
-    await _refuse_under_pressure(state)
-    await admit(request, tenant, job_id, rated=claim is not None)  # a keyed request's rate was counted already
+    await _refuse_under_pressure(context)
+    await admit(context, tenant, job_id, rated=claim is not None)  # a keyed request's rate was counted already
     try:
         accepted = await read()
         if claim is not None:
             await claim.confirm()  # the key is still ours: no other request made its job meanwhile
-        job = await run_in_threadpool(_admit, state, accepted, settings, job_id=job_id, tenant=tenant)
+        job = await run_in_threadpool(_admit, context, accepted, job_id=job_id, tenant=tenant)
     except Exception as exc:
-        await release(request, tenant, job_id)  # not accepted after all: its in-flight slot is free again
+        await release(context, tenant, job_id)  # not accepted after all: its in-flight slot is free again
         if isinstance(exc, BrokerUnavailable):
             ADMISSIONS.labels("unavailable").inc()
         raise
     ADMISSIONS.labels("accepted").inc()
     if claim is not None:  # accepted: the key names this job from now on
-        await claim.remember(settings, accepted)
+        await claim.remember(context.settings, accepted)
     return job
 
 
-async def _within_rate(request: Request, tenant: str) -> None:
+async def _within_rate(context: ApiContext, tenant: str) -> None:
     """Count a submission against its tenant's rate alone (429 over it, a refused submission like any other)."""
     try:
-        await admit(request, tenant)
+        await admit(context, tenant)
     except RateLimited:
         ADMISSIONS.labels("rate_limited").inc()
         raise
 
 
-async def _refuse_under_pressure(state: State) -> None:
+async def _refuse_under_pressure(context: ApiContext) -> None:
     """503 while the job store is nearly full; 429 while a queue is over its limit, with Retry-After from its
     measured drain rate. Nothing written."""
-    full = state.monitor.store_full()
+    full = context.monitor.store_full()
     if full is not None:
         ADMISSIONS.labels("refused").inc()
         raise StoreFull(f"the job store holds {full.used >> 20} MiB of its {full.limit >> 20} MiB: try again soon")
-    refusal = state.monitor.refusal()
+    refusal = context.monitor.refusal()
     if refusal is None:
         return
     ADMISSIONS.labels("refused").inc()
-    await run_in_threadpool(state.store.stats.count_refusal, refusal.queue)
+    await run_in_threadpool(context.store.stats.count_refusal, refusal.queue)
     raise Overloaded(
         f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})",
         retry_after_s=refusal.retry_after_s,
@@ -138,98 +133,157 @@ def cancel(store: Store, job_id: str, reason: StokerError) -> bool:
     return store.jobs.finish(job_id, "cancelled", error=ErrorInfo(**reason.to_dict()))
 
 
-def _admit(state: State, accepted: AcceptedRequest, settings: ApiSettings, *, job_id: str, tenant: str) -> Job:
-    """Write inputs and record before enqueueing, so no worker can see a job that is not stored.
+@dataclass(frozen=True)
+class Admission:
+    """A job being taken in: its inputs' records, where it enters the pipeline, and when it must be answered."""
+
+    job_id: str
+    tenant: str
+    accepted: AcceptedRequest
+    records: list[InputRecord]
+    #: The first stage it runs: `preprocess`, or a later one when its inputs (and prompt) are cached.
+    start: Start
+    #: Its model request, when it skips straight to inference.
+    model_request: ModelRequest | None
+    created_at: float
+    deadline: Deadline
+
+
+def _admit(context: ApiContext, accepted: AcceptedRequest, *, job_id: str, tenant: str) -> Job:
+    """Write record and inputs before enqueueing, so no worker can see a job that is not stored.
 
     A job whose inputs are all preprocessed in the cache (in its tenant's scope), or that has none, skips the CPU
     preprocessing queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
     """
-    store: Store = state.store
-    submitter: Submitter = state.submitter
+    admission = _plan(context, accepted, job_id, tenant)
+    _charge_tenant(context, admission)
+    with _job_span(admission) as traced:
+        _write_job(context.store, admission, traced)
+        _enqueue(context, admission)
+    job = context.store.jobs.load_job(job_id)
+    assert job is not None
+    return job
+
+
+def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: str) -> Admission:
+    """The job's input records, how far it may skip (in its tenant's cache scope), and its deadline from now."""
+    settings = context.settings
     records = [
         InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data), url=item.url)
         for i, item in enumerate(accepted.inputs)
     ]
     scope = cache_scope(tenant, settings.cache_shared)
-    start, records, request = _shortcut(state, accepted, records, scope, job_id)
-    kinds = [(r.kind, r.url is not None) for r in records]
-    stored = sum(len(item.data) for item in accepted.inputs if item.url is None)
-    charge(state, tenant, job_id, job_messages(kinds, start, settings.video_keyframes), stored)
+    start, records, request = _shortcut(context, accepted, records, scope, job_id)
     now = time.time()
     deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
+    return Admission(job_id, tenant, accepted, records, start, request, now, deadline)
+
+
+def _charge_tenant(context: ApiContext, admission: Admission) -> None:
+    """Count the job's queue messages and the input bytes stored here against its tenant (raise if over)."""
+    kinds = [(r.kind, r.url is not None) for r in admission.records]
+    messages = job_messages(kinds, admission.start, context.settings.video_keyframes)
+    stored = sum(len(item.data) for item in admission.accepted.inputs if item.url is None)
+    charge(context, admission.tenant, admission.job_id, messages, stored)
+
+
+@contextlib.contextmanager
+def _job_span(admission: Admission) -> Iterator[tuple[str, dict[str, str]] | None]:
+    """The job's root span, open while it is written and enqueued; yields its trace (id, carrier) when traced."""
     attributes: dict[str, str | int] = {
-        "stoker.job_id": job_id,
-        "stoker.inputs": len(records),
-        "stoker.enters_at": start,
+        "stoker.job_id": admission.job_id,
+        "stoker.inputs": len(admission.records),
+        "stoker.enters_at": admission.start,
     }
     with tracer.start_as_current_span("job", kind=SpanKind.SERVER, attributes=attributes) as span:
         trace_id = trace_id_hex(span)
-        traced = (trace_id, carrier()) if trace_id else None
-        try:
-            # The record first: one too large (`record_too_large`) is refused before any byte is stored.
-            store.jobs.create_job(
-                job_id,
-                accepted.prompt,
-                records,
-                now,
-                deadline,
-                accepted.deadline_ms,
-                traced,
-                tenant=tenant,
-                chat=accepted.chat,
-                callback_url=accepted.callback_url,
-            )
-            for item in accepted.inputs:
-                if item.url is None:  # a URL input's bytes are stored by the worker that fetches them
-                    store.blobs.put_blob(item.digest, item.data, job_id)
-            if request is not None:
-                store.jobs.hand_off(job_id, request, rev=None)
-        except StoreOutOfMemory as exc:  # full before the monitor saw it: refused, not lost
-            raise StoreFull("the job store is full: try again soon") from exc
-        except redis.RedisError as exc:
-            raise BrokerUnavailable("the job store cannot be reached") from exc
-        try:
-            tokens = len(request.prompt_ids) if request else None
-            submitter.submit(job_id, records, start=start, deadline=deadline.at, prompt_tokens=tokens)
-        except Exception as exc:
-            log.warning("could not enqueue job %s: %r", job_id, exc)
-            store.jobs.delete_job(job_id)
-            store.blobs.release(job_id)
-            raise BrokerUnavailable("the broker cannot be reached") from exc
-    job = store.jobs.load_job(job_id)
-    assert job is not None
-    return job
+        yield (trace_id, carrier()) if trace_id else None
+
+
+def _write_job(store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None) -> None:
+    """The record, then the inputs, then the hand-off to inference; a store that is full or away is answered as
+    such (`store_full`, `broker_unavailable`)."""
+    try:
+        _create_record(store, admission, traced)
+        _store_inputs(store, admission)
+        if admission.model_request is not None:
+            store.jobs.hand_off(admission.job_id, admission.model_request, rev=None)
+    except StoreOutOfMemory as exc:  # full before the monitor saw it: refused, not lost
+        raise StoreFull("the job store is full: try again soon") from exc
+    except redis.RedisError as exc:
+        raise BrokerUnavailable("the job store cannot be reached") from exc
+
+
+def _create_record(store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None) -> None:
+    """The job's record, first: one too large (`record_too_large`) is refused before any byte is stored."""
+    accepted = admission.accepted
+    store.jobs.create_job(
+        admission.job_id,
+        accepted.prompt,
+        admission.records,
+        admission.created_at,
+        admission.deadline,
+        accepted.deadline_ms,
+        traced,
+        tenant=admission.tenant,
+        chat=accepted.chat,
+        callback_url=accepted.callback_url,
+    )
+
+
+def _store_inputs(store: Store, admission: Admission) -> None:
+    """The inputs' bytes, each blob held by the job; a URL input's bytes are stored by the worker that fetches
+    them."""
+    for item in admission.accepted.inputs:
+        if item.url is None:
+            store.blobs.put_blob(item.digest, item.data, admission.job_id)
+
+
+def _enqueue(context: ApiContext, admission: Admission) -> None:
+    """Publish the job's first message; if that fails, the job is unmade (record and blobs gone) and the broker
+    answered as away."""
+    job_id, request = admission.job_id, admission.model_request
+    try:
+        tokens = len(request.prompt_ids) if request else None
+        context.submitter.submit(
+            job_id, admission.records, start=admission.start, deadline=admission.deadline.at, prompt_tokens=tokens
+        )
+    except Exception as exc:
+        log.warning("could not enqueue job %s: %r", job_id, exc)
+        context.store.jobs.delete_job(job_id)
+        context.store.blobs.release(job_id)
+        raise BrokerUnavailable("the broker cannot be reached") from exc
 
 
 def _shortcut(
-    state: State, accepted: AcceptedRequest, records: list[InputRecord], scope: str, job_id: str
+    context: ApiContext, accepted: AcceptedRequest, records: list[InputRecord], scope: str, job_id: str
 ) -> tuple[Start, list[InputRecord], ModelRequest | None]:
     """How far a job may skip: to inference when every input is cached (or it has none) and its prompt is cached
     or can be tokenized here; to tokenize when only its inputs are cached."""
-    cache: StageCache = state.cache
-    context = cache.context()
-    if context is None or any(r.url is not None for r in records):  # nothing is known of a URL's content yet
+    cache = context.cache
+    pipeline = cache.context()
+    if pipeline is None or any(r.url is not None for r in records):  # nothing is known of a URL's content yet
         return "preprocess", records, None
-    filled = cache.get_inputs(context.identity, records, scope) if records else []
+    filled = cache.get_inputs(pipeline.identity, records, scope) if records else []
     if filled is None:
         return "preprocess", records, None
     filled = [f.model_copy(update={"size_bytes": r.size_bytes}) for f, r in zip(filled, records, strict=True)]
     attachments = [attachment_for(r) for r in filled]
     turns = accepted.chat.turns if accepted.chat else None
-    address = prompt_address(context, accepted.prompt, attachments, scope, turns)
+    address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns)
     found = cache.get_json(address)
     if found is not None:
         cache.record("tokenize", hit=True, cost_s=float(found.get("_cost_s", 0.0)))
-    elif state.monitor.room_for_inference():
-        found = _tokenize_here(state, context, address, accepted.prompt, attachments, turns)
+    elif context.monitor.room_for_inference():
+        found = _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns)
     if found is None:
         return "tokenize", filled, None
     return "infer", filled, model_request(found, filled, scope, accepted.chat, job_id)
 
 
 def _tokenize_here(
-    state: State,
-    context: PipelineContext,
+    context: ApiContext,
+    pipeline: PipelineContext,
     address: CacheAddress,
     prompt: str,
     attachments: list[Attachment],
@@ -237,12 +291,12 @@ def _tokenize_here(
 ) -> dict[str, Any] | None:
     """The tokenize stage's work, done in this (pool) thread; cached like the stage's own. None: not possible here."""
     started = time.perf_counter()
-    built = state.prompts.build(context, prompt, attachments, turns)
+    built = context.prompts.build(pipeline, prompt, attachments, turns)
     if built is None:
         return None
     cost = time.perf_counter() - started
     value = {"ids": built.ids, "messages": built.messages}
-    state.cache.put_json(address, {**value, "_cost_s": cost})
-    state.cache.record("tokenize", hit=False, cost_s=cost)
+    context.cache.put_json(address, {**value, "_cost_s": cost})
+    context.cache.record("tokenize", hit=False, cost_s=cost)
     STAGE_SECONDS.labels("tokenize", "miss").observe(cost)
     return value

@@ -10,13 +10,12 @@ from dataclasses import replace
 from typing import Annotated
 
 import redis
-from fastapi import Depends, Request
+from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import State
 
+from api.context import ApiContext, Context
 from stoker.adapters.metrics import ADMISSIONS
-from stoker.adapters.store import Store
 from stoker.core.errors import (
     BrokerUnavailable,
     PayloadTooLarge,
@@ -28,27 +27,24 @@ from stoker.core.errors import (
     Unauthorized,
 )
 from stoker.core.tenancy import DEFAULT_TENANT, IN_FLIGHT_RETRY_S, parse_key, verify
-from stoker.settings import ApiSettings
 
 #: Parses `Authorization: Bearer …` and puts the scheme in the OpenAPI docs; stoker answers a missing key itself.
 bearer = HTTPBearer(auto_error=False, description="An API key from `stoker keys create --tenant T`.")
 
 
 async def authenticate(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+    context: Context, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 ) -> str:
     """The tenant whose API key came with the request; 401 without a valid one. With auth off: the local tenant."""
-    settings: ApiSettings = request.app.state.settings
-    if not settings.auth:
+    if not context.settings.auth:
         return DEFAULT_TENANT
     if credentials is None:
         raise Unauthorized("send an API key: Authorization: Bearer <key>")
     parsed = parse_key(credentials.credentials)
     if parsed is None:
         raise Unauthorized("the API key is not valid")
-    store: Store = request.app.state.store
     try:
-        stored = await run_in_threadpool(store.tenants.get_api_key, parsed[0])
+        stored = await run_in_threadpool(context.store.tenants.get_api_key, parsed[0])
     except redis.RedisError as exc:
         raise BrokerUnavailable("the key store cannot be reached") from exc
     tenant = verify(parsed[1], stored)
@@ -57,26 +53,25 @@ async def authenticate(
     return tenant
 
 
-async def within_rate(request: Request, tenant: Annotated[str, Depends(authenticate)]) -> str:
+async def within_rate(context: Context, tenant: Annotated[str, Depends(authenticate)]) -> str:
     """The tenant, once its request is counted against its rate; 429 over it."""
-    await admit(request, tenant)
+    await admit(context, tenant)
     return tenant
 
 
-async def admit(request: Request, tenant: str, job_id: str | None = None, *, rated: bool = False) -> None:
+async def admit(context: ApiContext, tenant: str, job_id: str | None = None, *, rated: bool = False) -> None:
     """Count a request against the tenant's rate and, for a new job, hold one of its in-flight slots; 429 when
     either limit is reached (nothing counted then). `rated`: the request was counted already (an Idempotency-Key's
     first request is, before it claims the key), so only the slot is held. Limits apply to authenticated tenants
     only."""
-    settings: ApiSettings = request.app.state.settings
+    settings = context.settings
     if not settings.auth:
         return
-    store: Store = request.app.state.store
     # The slot is held at most this long before create_job ties it to the job's own deadline.
     hold_s = settings.max_deadline_ms / 1000
     limits = replace(settings.tenant_limits, rate_per_s=0) if rated else settings.tenant_limits  # 0: not counted
     try:
-        verdict = await run_in_threadpool(store.tenants.admit_tenant, tenant, limits, job_id, hold_s)
+        verdict = await run_in_threadpool(context.store.tenants.admit_tenant, tenant, limits, job_id, hold_s)
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     if verdict.outcome != "ok" and job_id is not None:
@@ -99,14 +94,13 @@ def refusal(outcome: str, retry_after_s: int = IN_FLIGHT_RETRY_S) -> StokerError
     return PayloadTooLarge("the job's inputs are more bytes than its tenant may store at once")
 
 
-def charge(state: State, tenant: str, job_id: str, messages: int, stored_bytes: int) -> None:
+def charge(context: ApiContext, tenant: str, job_id: str, messages: int, stored_bytes: int) -> None:
     """Count an admitted job's queue messages and input bytes against its tenant (auth on); raise if over."""
-    settings: ApiSettings = state.settings
+    settings = context.settings
     if not settings.auth:
         return
-    store: Store = state.store
     try:
-        outcome = store.tenants.charge_job(tenant, job_id, messages, stored_bytes, settings.tenant_limits)
+        outcome = context.store.tenants.charge_job(tenant, job_id, messages, stored_bytes, settings.tenant_limits)
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     if outcome != "ok":
@@ -114,11 +108,9 @@ def charge(state: State, tenant: str, job_id: str, messages: int, stored_bytes: 
         raise refusal(outcome)
 
 
-async def release(request: Request, tenant: str, job_id: str) -> None:
+async def release(context: ApiContext, tenant: str, job_id: str) -> None:
     """Give back the in-flight slot of a job that was not accepted after all (its slot lapses anyway if this fails)."""
-    settings: ApiSettings = request.app.state.settings
-    if not settings.auth:
+    if not context.settings.auth:
         return
-    store: Store = request.app.state.store
     with contextlib.suppress(redis.RedisError):
-        await run_in_threadpool(store.tenants.release_slot, tenant, job_id)
+        await run_in_threadpool(context.store.tenants.release_slot, tenant, job_id)

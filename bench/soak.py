@@ -211,6 +211,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--maxmemory-mb", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3, help="the load in this many equal rounds, read after each")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="stoker-soak-"))
     device = Device(base_ms=100.0, per_item_ms=20.0)
@@ -225,8 +226,8 @@ def main() -> None:
             port = int(base_url.rsplit(":", 1)[1])
             print(f"before the load: {before.clients} clients, by process {holders(port)}")
             load = Load()
-            for round_ in range(2):  # two halves: bounded pools stop growing after the first, a leak does not
-                drive(stack.base, args.load_s / 2, args.rate, args.seed + round_, load)
+            for round_ in range(args.rounds):  # pools stop growing once they reach the load's peak, a leak does not
+                drive(stack.base, args.load_s / args.rounds, args.rate, args.seed + round_, load)
                 after = settle(server, stack.base)
                 print(f"after load round {round_ + 1}: {after.clients} clients, by process {holders(port)}")
         print(report(idle_readings, before, after, load, args))

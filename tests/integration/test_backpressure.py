@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from api.context import context_of
 from tests.fakeopenai import fake_openai_server
 from tests.fleet import Fleet, own_fleet
 from tests.integration.test_pipeline import _wait
@@ -104,7 +105,7 @@ def test_overload_is_refused_with_retry_after_and_nothing_accepted_is_lost(fleet
         fleet.api(cpu_queue_limit=6, infer_queue_limit=10, api_tokenize=False) as client,
         redis.Redis.from_url(fleet.env["STOKER_BROKER_URL"]) as broker,
     ):
-        monitor = client.app.state.monitor  # type: ignore[attr-defined]
+        monitor = context_of(client.app).monitor  # type: ignore[arg-type]
         wait_for(lambda: monitor.fresh() is not None, 15, "the admission monitor's first sample", [])
         for n in range(80):
             records = _job_records(fleet)
@@ -159,7 +160,7 @@ def test_retry_after_predicts_how_long_the_queue_takes_to_drain() -> None:
     settings = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "400", "STOKER_SIM_PER_ITEM_MS": "0"}
     api = {"infer_queue_limit": 60, "admission_resume_ratio": 0.5, "infer_high_watermark": 1000}
     with own_fleet({**settings, "STOKER_MAX_BATCH_SIZE": "2"}, kinds=("cpu", "infer"), api=api) as crew:
-        monitor = crew.client.app.state.monitor  # type: ignore[attr-defined]
+        monitor = context_of(crew.client.app).monitor  # type: ignore[arg-type]
         wait_for(lambda: monitor.fresh() is not None, 15, "the admission monitor's first sample", [])
         retry_after = None
         for n in range(400):

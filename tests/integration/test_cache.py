@@ -16,6 +16,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.context import context_of
 from stoker.adapters.cache import StageCache
 from stoker.settings import ApiSettings, CommonSettings
 from tests.fleet import own_fleet
@@ -74,9 +75,9 @@ def test_without_a_tokenizer_the_api_sends_cached_inputs_to_tokenize(spy: SpySub
 def _until_tokenizer_loaded(client: TestClient, timeout_s: float = 60.0) -> None:
     """The API loads its tokenizer in the background at start, and samples the queues: until it has both, cheap
     jobs take the tokenize queue (without a fresh view of the inference queue, the one hop is not taken)."""
-    state = client.app.state  # type: ignore[attr-defined]
-    wait_for(lambda: state.prompts.loaded, timeout_s, "the API's tokenizer", [])
-    wait_for(lambda: state.monitor.fresh() is not None, timeout_s, "the API's first queue sample", [])
+    context = context_of(client.app)  # type: ignore[arg-type]
+    wait_for(lambda: context.prompts.loaded, timeout_s, "the API's tokenizer", [])
+    wait_for(lambda: context.monitor.fresh() is not None, timeout_s, "the API's first queue sample", [])
 
 
 def test_a_cached_stage_answers_in_a_fraction_of_its_cost(client: TestClient) -> None:

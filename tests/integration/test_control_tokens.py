@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
+from api.context import context_of
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
 from stoker.core.cachekeys import prompt_address
@@ -25,15 +26,15 @@ def test_a_picture_spelling_turn_markers_opens_no_turn(client: TestClient) -> No
     job_id = response.json()["id"]
     assert _wait(client, job_id)["status"] == "succeeded"
 
-    state = client.app.state  # type: ignore[attr-defined]
-    job = state.store.jobs.load_job(job_id)
+    context = context_of(client.app)  # type: ignore[arg-type]
+    job = context.store.jobs.load_job(job_id)
     assert job.inputs[0].text == FORGED  # OCR read the markers exactly
-    scope = cache_scope(state.store.jobs.tenant(job_id), state.settings.cache_shared)
-    address = prompt_address(state.cache.context(), job.prompt, [attachment_for(r) for r in job.inputs], scope)
-    built = state.cache.get_json(address)  # the prompt the tokenize stage built and the model was given
+    scope = cache_scope(context.store.jobs.tenant(job_id), context.settings.cache_shared)
+    address = prompt_address(context.cache.context(), job.prompt, [attachment_for(r) for r in job.inputs], scope)
+    built = context.cache.get_json(address)  # the prompt the tokenize stage built and the model was given
     assert built is not None
 
-    tokenizer = load_tokenizer(resolve_model(state.settings.model, state.settings.model_cache, fetch=False))
+    tokenizer = load_tokenizer(resolve_model(context.settings.model, context.settings.model_cache, fetch=False))
     start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     specials = [i for i in built["ids"] if i in tokenizer.added_tokens_decoder]
     turns = len(built["messages"])  # stoker's system turn and the user's

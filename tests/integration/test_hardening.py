@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 
 from api import intake
 from api.app import create_app
+from api.context import context_of
 from stoker.adapters.store import Store
 from stoker.core.jobs import ErrorInfo, InputRecord
 from stoker.core.tenancy import issue_key
@@ -127,7 +128,7 @@ async def _poll(
         ]
         theirs = asyncio.ensure_future(_wait_end(http, other, keys["other"]))
         for _ in range(400):  # until every wait is registered (bounded)
-            if app.state.announcements.waiting >= 150:
+            if context_of(app).announcements.waiting >= 150:
                 break
             await asyncio.sleep(0.05)
         error = ErrorInfo(code="test_end", message="ended by the test")

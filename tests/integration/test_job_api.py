@@ -20,6 +20,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.context import context_of
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
 from stoker.core.idempotency import Remembered, key_digest
@@ -156,7 +157,10 @@ def test_cancelling_twice_is_409_and_another_tenants_cancel_is_404(
     idle = SpySubmitter(forward=False)  # never runs: it stays cancellable
     client = api(submitter=idle)
     mine, theirs = _tenant(job_store, "owner"), _tenant(job_store, "stranger")
-    job_id = client.post("/v1/jobs", data={"prompt": "Wait for me."}, headers=mine).json()["id"]
+    # A picture no job sent before: it must be preprocessed, so the job stays queued (a text-only job may be
+    # tokenized in the API and handed straight to inference).
+    files = [("image", ("wait.png", text_image(f"WAIT {uuid.uuid4().hex[:6]}"), "image/png"))]
+    job_id = client.post("/v1/jobs", data={"prompt": "Wait for me."}, files=files, headers=mine).json()["id"]
     try:
         other = client.delete(f"/v1/jobs/{job_id}", headers=theirs)
         assert other.status_code == 404
@@ -318,7 +322,7 @@ def test_replays_count_against_the_rate_but_take_no_slot_and_pass_queue_pressure
         assert first.status_code == 202, first.text
         with redis.Redis.from_url(settings.broker_url) as broker:
             broker.lpush("decode", "a", "b")  # the queue at its limit: new jobs are refused
-        monitor = client.app.state.monitor  # type: ignore[attr-defined]
+        monitor = context_of(client.app).monitor  # type: ignore[arg-type]
         wait_for(lambda: monitor.refusal() is not None, 10, "queue pressure", [])
         new = client.post("/v1/jobs", data={"prompt": "Another."}, headers=auth)
         assert (new.status_code, new.json()["error"]["code"]) == (429, "overloaded"), new.text
@@ -346,7 +350,7 @@ def test_a_first_request_slower_than_its_claim_keeps_the_key_to_one_job(own_valk
         wait_for(lambda: bool(own_valkey.store.client.exists(claim)), 10, "the first request's claim", [])
         time.sleep(2.5)  # the first request's body is still arriving two and a half claim lifetimes later
         second = pool.submit(httpx.post, url, content=body, headers=headers, timeout=60)
-        announcements = app.state.announcements
+        announcements = context_of(app).announcements
         wait_for(lambda: second.done() or announcements.waiting > 0, 10, "the second request to wait", [])
         arrived.set()
         answers = [first.result(), second.result()]

@@ -20,6 +20,7 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.context import context_of
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import redis_answers
 from stoker.adapters.store.keys import BUSY_TENANTS_KEY, tokens_key
@@ -325,7 +326,7 @@ def paused(
         settings = ApiSettings(auth=True, broker_url=url, rate_limit_per_s=1000.0, rate_limit_burst=1000, **overrides)
         api = TestClient(create_app(settings, submitter=CelerySubmitter(make_app(settings))))
         opened.append(api.__enter__())
-        monitor = api.app.state.monitor  # type: ignore[attr-defined]
+        monitor = context_of(api.app).monitor  # type: ignore[arg-type]
         wait_for(lambda: monitor.fresh() is not None, 15, "the admission monitor's first sample", [])
         return api
 

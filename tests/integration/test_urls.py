@@ -190,48 +190,56 @@ def test_a_url_video_is_fetched_once_for_its_sound_and_its_keyframes(client: Tes
     assert [path for path, _ in media.hits[before:]] == ["/talk.mp4"]
 
 
-@pytest.mark.parametrize(
-    ("make_url", "reason"),
-    [
-        (lambda media, loopback: loopback.url("/text.png"), "loopback"),
-        (lambda media, loopback: "http://169.254.169.254/latest/meta-data/", "metadata"),
-        (lambda media, loopback: f"http://[::1]:{loopback.port}/text.png", "loopback"),
-        (lambda media, loopback: f"http://localhost:{loopback.port}/text.png", "loopback"),
-        (lambda media, loopback: media.url("/to-loopback"), "loopback"),
-        (lambda media, loopback: media.url("/to-metadata"), "metadata"),
-    ],
-    ids=["127.0.0.1", "169.254.169.254", "[::1]", "localhost", "redirect-to-loopback", "redirect-to-metadata"],
-)
+#: Every form of a forbidden address, and what its error names: (how to make the URL, reason).
+FORBIDDEN: dict[str, tuple[Callable[[Served, Served], str], str]] = {
+    "127.0.0.1": (lambda media, loopback: loopback.url("/text.png"), "loopback"),
+    "169.254.169.254": (lambda media, loopback: "http://169.254.169.254/latest/meta-data/", "metadata"),
+    "[::1]": (lambda media, loopback: f"http://[::1]:{loopback.port}/text.png", "loopback"),
+    "localhost": (lambda media, loopback: f"http://localhost:{loopback.port}/text.png", "loopback"),
+    "redirect-to-loopback": (lambda media, loopback: media.url("/to-loopback"), "loopback"),
+    "redirect-to-metadata": (lambda media, loopback: media.url("/to-metadata"), "metadata"),
+}
+
+
+def _submit_many(client: TestClient, urls: list[str]) -> dict[str, Any]:
+    """One job with an image input per URL (a job may have four)."""
+    body = {"prompt": "What does it say?", "inputs": [{"kind": "image", "url": url} for url in urls]}
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    accepted: dict[str, Any] = response.json()
+    return accepted
+
+
+@pytest.mark.parametrize("forms", [list(FORBIDDEN)[:4], list(FORBIDDEN)[4:]], ids=["direct", "redirected"])
 def test_forbidden_addresses_fail_the_input_and_the_job_degrades(
-    client: TestClient, media: Served, loopback: Served, make_url: Callable[[Served, Served], str], reason: str
+    client: TestClient, media: Served, loopback: Served, forms: list[str]
 ) -> None:
-    job = _wait(client, _submit(client, make_url(media, loopback))["id"])
+    # Four forms at a time, one input each: every input fails alone, with its own reason.
+    job = _wait(client, _submit_many(client, [FORBIDDEN[form][0](media, loopback) for form in forms])["id"])
     assert job["status"] == "degraded", job
-    item = job["inputs"][0]
-    assert item["status"] == "failed"
-    assert (item["error"]["code"], item["error"]["stage"]) == ("url_rejected", "fetch")
-    assert reason in item["error"]["message"]
+    for form, item in zip(forms, job["inputs"], strict=True):
+        assert item["status"] == "failed", (form, item)
+        assert (item["error"]["code"], item["error"]["stage"]) == ("url_rejected", "fetch"), form
+        assert FORBIDDEN[form][1] in item["error"]["message"], (form, item["error"])
     assert loopback.hits == []  # not one request reached it
     assert job["result"]["text"].strip()  # answered from the prompt alone
 
 
-@pytest.mark.parametrize(
-    ("path", "code"),
-    [
-        ("/declared-big.png", "fetch_too_large"),
-        ("/streamed-big.png", "fetch_too_large"),
-        ("/page.html", "unsupported_media_type"),
-        ("/missing.png", "fetch_failed"),
-    ],
-)
-def test_what_cannot_be_used_fails_the_input_with_its_code(
-    client: TestClient, media: Served, path: str, code: str
-) -> None:
-    job = _wait(client, _submit(client, media.url(path))["id"])
+#: What a URL may serve that cannot be used, and the code its input fails with.
+UNUSABLE = {
+    "/declared-big.png": "fetch_too_large",
+    "/streamed-big.png": "fetch_too_large",
+    "/page.html": "unsupported_media_type",
+    "/missing.png": "fetch_failed",
+}
+
+
+def test_what_cannot_be_used_fails_the_input_with_its_code(client: TestClient, media: Served) -> None:
+    job = _wait(client, _submit_many(client, [media.url(path) for path in UNUSABLE])["id"])
     assert job["status"] == "degraded", job
-    item = job["inputs"][0]
-    assert item["status"] == "failed"
-    assert item["error"]["code"] == code, item
+    for (path, code), item in zip(UNUSABLE.items(), job["inputs"], strict=True):
+        assert item["status"] == "failed", (path, item)
+        assert item["error"]["code"] == code, (path, item)
     assert job["result"]["text"].strip()
 
 

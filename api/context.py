@@ -1,0 +1,84 @@
+"""What every route of one API process works with, typed: built once by `create_app`, handed to routes by
+FastAPI's dependency injection (`Context`), and passed on from there as plain parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from celery import Celery
+from fastapi import Depends, FastAPI, Request
+from prometheus_client import CollectorRegistry
+
+from api.announcements import Announcements
+from api.pressure import QueueMonitor
+from api.prompts import PromptBuilder
+from stoker.adapters.cache import StageCache
+from stoker.adapters.metrics import JobCounts
+from stoker.adapters.store import Store
+from stoker.settings import ApiSettings
+from tasks.app import make_app
+from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
+
+
+@dataclass(frozen=True)
+class ApiContext:
+    """The API process's settings and the clients and helpers its routes share."""
+
+    settings: ApiSettings
+    store: Store
+    cache: StageCache
+    #: The Celery producer, from these settings and nothing else.
+    producer: Celery
+    #: The seam to the queue: what publishes a job's first message.
+    submitter: Submitter
+    #: Queue depths and store memory, sampled in the background, for admission control.
+    monitor: QueueMonitor
+    #: Tokenizes a prompt here when a job may skip straight to inference.
+    prompts: PromptBuilder
+    #: Wakes the requests that wait on a job (long-polls, chats, idempotent retries).
+    announcements: Announcements
+    #: The deployment's job counts, served on `/metrics` beside this process's own metrics.
+    metrics: CollectorRegistry
+
+    @classmethod
+    def build(cls, settings: ApiSettings, submitter: Submitter | None = None) -> ApiContext:
+        """The context for these settings; `submitter` replaces the one the settings would choose."""
+        store = Store.connect(settings)
+        producer = make_app(settings)
+        metrics = CollectorRegistry()
+        metrics.register(JobCounts(store.stats.job_counts))
+        return cls(
+            settings=settings,
+            store=store,
+            cache=StageCache.connect(settings),
+            producer=producer,
+            submitter=submitter or default_submitter(settings, producer),
+            monitor=QueueMonitor(settings, store),
+            prompts=PromptBuilder(settings),
+            announcements=Announcements(),
+            metrics=metrics,
+        )
+
+
+def default_submitter(settings: ApiSettings, producer: Celery) -> Submitter:
+    """Celery canvases per stage, or, for the synchronous baseline, one message per whole job."""
+    if settings.pipeline_mode == "sync":
+        return SyncSubmitter(producer)
+    return CelerySubmitter(producer, keyframes=settings.video_keyframes)
+
+
+def context_of(app: FastAPI) -> ApiContext:
+    """The context `create_app` gave this app."""
+    context = app.state.context
+    assert isinstance(context, ApiContext), context
+    return context
+
+
+def api_context(request: Request) -> ApiContext:
+    """The context of the app serving this request: a FastAPI dependency."""
+    return context_of(request.app)
+
+
+#: A route parameter that receives the API's context.
+Context = Annotated[ApiContext, Depends(api_context)]
