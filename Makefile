@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 APT_PACKAGES ?= tesseract-ocr tesseract-ocr-eng tesseract-ocr-chi-sim espeak-ng fonts-wqy-zenhei
 PYTEST_ARGS ?=
 
-.PHONY: help install system-deps model up test lint typecheck unit integration e2e bench bench-quick docs clean
+.PHONY: help install system-deps model tiny-vlm up test lint typecheck unit integration e2e bench bench-quick docs clean
 
 help:
 	@echo "make up    - install everything (venv, Debian packages, model) and start the stack"
@@ -42,6 +42,10 @@ system-deps:
 model: $(VENV)/.installed
 	$(BIN)/stoker model fetch
 
+# The SmolVLM-shaped test model (SmolLM2's weights, a random vision tower), built once into the model cache.
+tiny-vlm: model
+	$(BIN)/stoker model make-tiny-vlm
+
 up: install model
 	$(BIN)/stoker up
 
@@ -55,7 +59,7 @@ lint: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(BIN)/mypy
 
-test: install model lint typecheck
+test: install model tiny-vlm lint typecheck
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # Pipeline vs synchronous baseline (docs/benchmarks.md). Quick: < 3 min, one load; full: a sweep with plots.
@@ -69,7 +73,7 @@ bench: install model
 docs: $(VENV)/.installed
 	$(BIN)/stoker docs config > docs/configuration.md
 
-unit integration e2e: install model
+unit integration e2e: install model tiny-vlm
 	$(BIN)/pytest tests/$@ $(PYTEST_ARGS)
 
 clean:

@@ -58,7 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("stats", help="operator counters (the cache's, for now)")
     sub.add_parser("bench", help="benchmark the pipeline against the synchronous baseline (see --help)", add_help=False)
     model = sub.add_parser("model", help="manage the model cache")
-    model.add_argument("action", choices=["fetch", "path"])
+    model.add_argument("action", choices=["fetch", "path", "make-tiny-vlm"])
+    model.add_argument(
+        "dir", nargs="?", type=Path, default=None, help="make-tiny-vlm: build into DIR (default: the model cache)"
+    )
     _keys_parser(sub)
     docs = sub.add_parser("docs", help="print a generated documentation page (config: docs/configuration.md)")
     docs.add_argument("page", choices=["config"])
@@ -131,7 +134,18 @@ def _model(args: argparse.Namespace, _: list[str]) -> int:
     from stoker.settings import CommonSettings
 
     settings = CommonSettings()
+    if args.action == "make-tiny-vlm":
+        return _tiny_vlm(args.dir, settings.model_cache)
+    if args.dir is not None:
+        _parser().error(f"model {args.action} takes no directory")
     print(resolve_model(settings.model, settings.model_cache, fetch=args.action == "fetch"))
+    return 0
+
+
+def _tiny_vlm(target: Path | None, cache: Path) -> int:
+    from stoker.adapters.backends.tinyvlm import build_tiny_vlm, ensure_tiny_vlm
+
+    print(build_tiny_vlm(target, cache) if target is not None else ensure_tiny_vlm(cache))
     return 0
 
 

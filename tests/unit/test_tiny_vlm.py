@@ -1,0 +1,60 @@
+"""The SmolVLM-shaped test model: loaded as any vision-language model is, it reads images and answers."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from stoker.adapters.backends.modelstore import resolve_model
+from stoker.adapters.backends.tinyvlm import IMAGE_SEQ_LEN, IMAGE_TOKENS, TILE_TOKENS
+from stoker.settings import BUILTIN_MODEL, CommonSettings
+from tests.media import text_image
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_vlm: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    return AutoModelForImageTextToText.from_pretrained(tiny_vlm), AutoProcessor.from_pretrained(tiny_vlm)
+
+
+def test_it_loads_as_smolvlm_does(loaded: tuple[Any, Any]) -> None:
+    model, processor = loaded
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration"
+    assert type(processor).__name__ == "Idefics3Processor"
+    assert type(processor.image_processor).__name__ == "Idefics3ImageProcessorPil"  # no torchvision needed
+    assert processor.image_seq_len == IMAGE_SEQ_LEN
+    tokenizer = processor.tokenizer
+    for token in (*IMAGE_TOKENS, *TILE_TOKENS):
+        assert tokenizer.tokenize(token) == [token]
+    assert model.config.image_token_id == tokenizer.convert_tokens_to_ids("<image>")
+    assert model.get_input_embeddings().weight.shape[0] >= len(tokenizer)
+
+
+def test_its_language_model_is_smollm2(loaded: tuple[Any, Any]) -> None:
+    model, _ = loaded
+    text_model = Path(resolve_model(BUILTIN_MODEL, CommonSettings().model_cache, fetch=False))
+    with safe_open(text_model / "model.safetensors", framework="pt") as shipped:
+        name = "model.layers.7.mlp.down_proj.weight"
+        assert torch.equal(model.model.text_model.layers[7].mlp.down_proj.weight, shipped.get_tensor(name))
+        embeddings = shipped.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(model.get_input_embeddings().weight[: embeddings.shape[0]], embeddings)
+
+
+def test_it_answers_about_an_image(loaded: tuple[Any, Any]) -> None:
+    model, processor = loaded
+    picture = Image.open(io.BytesIO(text_image("HELLO", size=(1000, 400)))).convert("RGB")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What does it say?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=prompt, images=[picture], return_tensors="pt")
+    tiles = inputs["pixel_values"].shape[1]
+    assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == tiles * IMAGE_SEQ_LEN
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 8
