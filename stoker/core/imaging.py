@@ -83,6 +83,16 @@ def decode_image(data: bytes, params: DecodeParams) -> DecodedImage:
     )
 
 
+def decode_rgb(data: bytes, params: DecodeParams) -> Image.Image:
+    """The picture decode works from: EXIF-rotated RGB on white, longest side ≤ ocr_max_side (the same checks and
+    errors as `decode_image`). A model's image processor takes it from here."""
+    image = _open(data, params.max_pixels)
+    try:
+        return _load_downscaled(image, params.ocr_max_side)
+    except DECODE_ERRORS as exc:
+        raise ImageCorrupt(f"cannot decode image: {exc}", stage="decode") from exc
+
+
 def _open(data: bytes, max_pixels: int) -> Image.Image:
     Image.MAX_IMAGE_PIXELS = max_pixels
     try:

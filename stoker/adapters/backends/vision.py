@@ -1,0 +1,141 @@
+"""Model-ready image tensors, made by the model's own image processor on a CPU worker.
+
+A vision-language model reads an image as tensors its processor made: SmolVLM / Idefics3 tiles the picture into
+512-px crops plus a downscaled whole (`pixel_values`, `pixel_attention_mask`, and `rows` × `cols`, which the prompt
+needs to spell out one `<row_i_col_j>` and 64 `<image>` tokens per tile); Qwen2-VL cuts it into patches
+(`pixel_values`, `image_grid_thw`). Whatever the processor returns is kept, under its own names and shapes, so the
+inference side hands the tensors to the model as the processor would have. Only the image processor's config is
+read (`AutoImageProcessor.from_pretrained`): a CPU worker needs no weights.
+
+How the decode stage uses it (wired in with the decode task, not here)::
+
+    preparer = ImagePreparer.load(model_dir)          # once per worker process; None for a text-only model
+    ...
+    rgb = decode_rgb(data, params)                    # stoker.core.imaging: EXIF-rotated RGB on white
+    prepared = preparer.prepare(rgb)                  # ImageCorrupt (stage "decode") if the processor rejects it
+    cache.put_bytes(address, prepared.to_bytes(), part=...)  # the key includes preparer.identity
+
+and the inference side reads them back with `PreparedImage.from_bytes(raw)`, checks `meta["processor"]` against its
+own processor's identity, and turns `tensors` into torch tensors (`torch.from_numpy`, cast to the model's dtype).
+
+The bytes are safetensors (arrays and a JSON header, never pickle): floating tensors as float16 (pixel values are
+normalised to about [-1, 1]: float16 keeps 3 significant digits, half the bytes of float32), masks as bool.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+from PIL import Image
+from safetensors import SafetensorError
+from safetensors.numpy import load, save
+
+from stoker.core.errors import ImageCorrupt
+
+#: The layout of the bytes `PreparedImage.to_bytes` writes; bump when it changes.
+FORMAT = "stoker.vision/1"
+_META_KEY = "stoker"
+
+#: Keys of a processor's config that name where it was loaded from, not what it does.
+_PATH_KEYS = ("name_or_path", "_path", "_dir", "_file", "_commit_hash")
+
+Tensors = dict[str, npt.NDArray[Any]]
+
+
+def processor_identity(processor: Any) -> str:
+    """A stable hash of what the processor does: its class, transformers' version and its config (`to_dict()`,
+    sorted keys), without anything that says where it was loaded from. Equal identities make equal tensors."""
+    import transformers  # the processor's code: a new release may resize differently
+
+    config = {key: value for key, value in processor.to_dict().items() if not _path_like(key)}
+    described = {"class": type(processor).__name__, "transformers": transformers.__version__, "config": config}
+    text = json.dumps(described, sort_keys=True, separators=(",", ":"), default=str)
+    return blake3.blake3(text.encode()).hexdigest()[:32]
+
+
+def _path_like(key: str) -> bool:
+    return key.startswith("_") or key.endswith(_PATH_KEYS)
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image as the model's processor prepared it: its tensors, and what made them."""
+
+    tensors: Tensors
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        """safetensors bytes: the tensors, and `meta` as JSON in the header."""
+        header = {_META_KEY: json.dumps({"format": FORMAT, **self.meta}, sort_keys=True)}
+        return save({name: np.ascontiguousarray(array) for name, array in self.tensors.items()}, metadata=header)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PreparedImage:
+        """The inverse of `to_bytes`: the same tensors (dtype, shape and values) and metadata."""
+        try:
+            tensors = load(data)
+            meta = json.loads(_header(data)[_META_KEY])
+        except (SafetensorError, KeyError, ValueError) as exc:
+            raise ValueError(f"not prepared image tensors: {exc}") from exc
+        if meta.pop("format", None) != FORMAT:
+            raise ValueError(f"prepared image tensors are not {FORMAT}")
+        return cls(tensors=tensors, meta=meta)
+
+
+def _header(data: bytes) -> dict[str, str]:
+    """The safetensors header's metadata: an 8-byte little-endian length, then that much JSON."""
+    size = int.from_bytes(data[:8], "little")
+    metadata: dict[str, str] = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    return metadata
+
+
+@dataclass(frozen=True)
+class ImagePreparer:
+    """A model's image processor, ready to turn decoded pictures into that model's tensors."""
+
+    processor: Any
+    identity: str
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> ImagePreparer | None:
+        """The image processor a model directory (or hub id) declares; None when the model reads no images."""
+        from transformers import AutoImageProcessor  # heavy: only in the processes that prepare images
+
+        try:
+            processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        except OSError:  # no preprocessor_config.json: a text-only model
+            return None
+        return cls(processor=processor, identity=processor_identity(processor))
+
+    def prepare(self, rgb: Image.Image) -> PreparedImage:
+        """The model's tensors for one decoded picture (RGB, already EXIF-rotated, as decode makes it)."""
+        if rgb.mode != "RGB":
+            raise ValueError(f"prepare takes a decoded RGB picture, not {rgb.mode}")
+        try:
+            output = self.processor(images=rgb, **self._extra())
+        except ValueError as exc:
+            raise ImageCorrupt(f"the model's image processor cannot read this image: {exc}", stage="decode") from exc
+        tensors = {name: _stored(name, value) for name, value in output.items()}
+        meta = {"processor": self.identity, "processor_class": type(self.processor).__name__, "size": list(rgb.size)}
+        return PreparedImage(tensors=tensors, meta=meta)
+
+    def _extra(self) -> dict[str, Any]:
+        # Idefics3 / SmolVLM tell how the picture was tiled only when asked; the prompt needs it.
+        accepted = getattr(getattr(self.processor, "valid_kwargs", None), "__annotations__", {})
+        return {"return_row_col_info": True} if "return_row_col_info" in accepted else {}
+
+
+def _stored(name: str, value: Any) -> npt.NDArray[Any]:
+    """The dtype a tensor travels in: float16 for values, bool for masks, int64 for counts and grids."""
+    array = np.asarray(value)
+    if name.endswith("_mask"):
+        return array.astype(np.bool_)
+    if np.issubdtype(array.dtype, np.floating):
+        return array.astype(np.float16)
+    return array.astype(np.int64)
