@@ -22,7 +22,8 @@ from stoker.core.errors import FetchTimeout, FetchUnavailable, StokerError
 from stoker.core.jobs import CallbackState, Job
 from stoker.core.tenancy import DEFAULT_TENANT
 from stoker.core.urls import Allowlist
-from tasks import resources
+from stoker.runtime.context import WorkerContext
+from tasks.lifecycle import context
 from tasks.worker import app
 
 log = logging.getLogger(__name__)
@@ -34,13 +35,14 @@ RETRYABLE = (FetchUnavailable, FetchTimeout)
 @app.task(name="stoker.callback", bind=True, max_retries=None)
 def deliver(self: Task, job_id: str) -> str:
     """One attempt at POSTing an ended job to its callback URL; schedules the next attempt if this one may pass."""
-    store = resources.store()
+    ctx = context()
+    store = ctx.store
     state, job = store.callbacks.state(job_id), store.jobs.load_job(job_id)
     if state is None or job is None or state.status != "pending":
         return "skipped"
-    attempt, settings = state.attempts + 1, resources.settings()
+    attempt, settings = state.attempts + 1, ctx.settings
     try:
-        send(state.url, job)
+        send(ctx, state.url, job)
     except RETRYABLE as exc:
         left = attempt < settings.callback_max_attempts
         store.callbacks.record(job_id, _after(state, attempt, exc, "pending" if left else "failed"))
@@ -56,26 +58,26 @@ def deliver(self: Task, job_id: str) -> str:
     return "delivered"
 
 
-def send(url: str, job: Job) -> None:
+def send(ctx: WorkerContext, url: str, job: Job) -> None:
     """POST the job as GET /v1/jobs/{id} shows it, signed with its tenant's secret and the time of sending."""
     body = json.dumps(job.model_dump(mode="json")).encode()
     now = int(time.time())
     headers = {
         "Content-Type": "application/json",
         TIMESTAMP_HEADER: str(now),
-        SIGNATURE_HEADER: sign(secret(job.tenant or DEFAULT_TENANT), now, body),
+        SIGNATURE_HEADER: sign(secret(ctx, job.tenant or DEFAULT_TENANT), now, body),
     }
-    urlfetch.post(url, body, headers, policy())
+    urlfetch.post(url, body, headers, policy(ctx))
 
 
-def secret(tenant: str) -> str:
+def secret(ctx: WorkerContext, tenant: str) -> str:
     """The secret a tenant's callbacks are signed with: the deployment's, when set; else the tenant's own."""
-    return resources.settings().callback_secret or resources.store().callbacks.secret(tenant)
+    return ctx.settings.callback_secret or ctx.store.callbacks.secret(tenant)
 
 
-def policy() -> FetchPolicy:
+def policy(ctx: WorkerContext) -> FetchPolicy:
     """A callback goes where a URL input may be fetched from (the same allowlist), within its own time cap."""
-    s = resources.settings()
+    s = ctx.settings
     return FetchPolicy(0, s.callback_timeout_s, 0, Allowlist.parse(s.url_allowlist))
 
 

@@ -12,9 +12,9 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
+import celeryconfig
 from stoker.adapters import metrics
 from stoker.settings import StackSettings, WorkerSettings
-from tasks import celeryconfig
 from workers.launch import METRICS_PORTS, worker_kinds
 
 ROOT = Path(__file__).resolve().parents[2]

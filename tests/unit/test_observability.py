@@ -4,8 +4,9 @@ the device's busy and starved time."""
 from __future__ import annotations
 
 from stoker.adapters.client import waterfall
+from stoker.adapters.metrics import DeviceClock
 from stoker.core.jobs import ErrorInfo, InputRecord, Job, preprocess_share
-from tasks.monitoring import DeviceClock, job_line, starved_seconds
+from stoker.runtime.monitoring import job_line, starved_seconds
 
 TIMINGS = {"queued": 100.0, "preprocess": 300.0, "infer_wait": 50.0, "infer": 650.0, "total": 1000.0}
 
