@@ -19,8 +19,6 @@ import celeryconfig
 from stoker.core.queues import SENT_HEADER
 from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
 
-__all__ = ["SENT_HEADER", "configure", "make_app", "make_worker_app"]
-
 
 def make_app(settings: CommonSettings, include: Sequence[str] = ()) -> Celery:
     """A Celery app configured by `celeryconfig` for these settings (with stage time limits for a worker)."""
