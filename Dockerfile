@@ -13,8 +13,8 @@ RUN useradd --create-home --uid 10001 stoker
 WORKDIR /app
 
 RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
-# Celery's configuration is tasks/celeryconfig.py: it comes with the tasks package.
-COPY pyproject.toml README.md ./
+# Celery's configuration is the top-level celeryconfig.py, installed as a module of its own.
+COPY pyproject.toml README.md celeryconfig.py ./
 COPY stoker ./stoker
 COPY api ./api
 COPY tasks ./tasks

@@ -1,7 +1,9 @@
-"""The Celery applications: `make_app(settings)` builds one from a process's settings.
+"""The Celery applications: `make_app(settings)` builds one from a process's settings; `make_worker_app` builds the
+workers' app, configured from the worker's settings only when Celery first reads its configuration.
 
 The API builds its producer with the settings given to `create_app`; the workers' app (`tasks.worker.app`, what
-`celery -A tasks.worker` loads) is built from the worker's one `WorkerSettings`. Nobody reads the environment here.
+`celery -A tasks.worker` loads) takes the one `WorkerSettings` that `tasks.lifecycle` reads for its process.
+Nobody reads the environment here.
 """
 
 from __future__ import annotations
@@ -13,23 +15,33 @@ from typing import Any
 from celery import Celery
 from celery.signals import before_task_publish
 
+import celeryconfig
+from stoker.core.queues import SENT_HEADER
 from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
-from tasks import celeryconfig
-
-#: Message header holding when a task message was published: a stage's broker queue wait starts there.
-SENT_HEADER = "stoker_sent"
 
 
 def make_app(settings: CommonSettings, include: Sequence[str] = ()) -> Celery:
     """A Celery app configured by `celeryconfig` for these settings (with stage time limits for a worker)."""
+    app = make_worker_app(include)
+    configure(app, settings)
+    return app
+
+
+def make_worker_app(include: Sequence[str] = ()) -> Celery:
+    """A Celery app with `celeryconfig`'s flat settings; what depends on the deployment is added by `configure`,
+    which the workers' lifecycle calls when Celery first reads the configuration (never at import)."""
     app = Celery("stoker", include=list(include), set_as_current=False)
     app.config_from_object(celeryconfig)
+    return app
+
+
+def configure(app: Celery, settings: CommonSettings) -> None:
+    """The part of the configuration computed from settings: connection, and limits or producer by process."""
     app.conf.update(celeryconfig.connection(settings))
     if isinstance(settings, WorkerSettings):
         app.conf.update(celeryconfig.limits(settings))
     if isinstance(settings, ApiSettings):
         app.conf.update(celeryconfig.producer(settings))
-    return app
 
 
 @before_task_publish.connect

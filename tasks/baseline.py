@@ -9,6 +9,7 @@ the device waits while the thread preprocesses, and one slow input holds up ever
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -16,18 +17,18 @@ from collections.abc import Collection
 from typing import Any
 
 from celery.canvas import Signature, _chain, group
-from celery.signals import celeryd_after_setup
 from celery.worker.request import Request
 from celery_batches import Batches, SimpleRequest
 from celery_batches.trace import apply_batches_task
 
 from stoker.core.batching import BatchPolicy, Waiting, plan_batch
 from stoker.core.queues import SYNC_QUEUE
-from tasks import resources
-from tasks.batches import expire, serve_batch
-from tasks.inference import take_arrived, watchdog
+from stoker.runtime.batches import expire, serve_batch
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.feeder import as_waiting, take_arrived
+from stoker.runtime.handoff import tokenize_job
+from tasks.lifecycle import context, watchdog
 from tasks.pipeline import preprocessing_branches
-from tasks.preprocess import pipeline_context, tokenize_job
 from tasks.worker import app
 
 log = logging.getLogger(__name__)
@@ -52,24 +53,32 @@ class DeviceBatches(Batches):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._waiting: dict[str, tuple[Waiting, Request]] = {}
         self.running: Collection[Request] = ()
-        self.policy = BatchPolicy(
-            max_batch_size=resources.settings().max_batch_size,
-            max_batch_tokens=resources.settings().max_batch_tokens,
-            max_wait_s=resources.settings().max_wait_ms / 1000,
+
+    @property
+    def flush_every(self) -> int:
+        """celery-batches flushes at most this many at once: a full batch."""
+        return context().settings.max_batch_size
+
+    @functools.cached_property
+    def policy(self) -> BatchPolicy:
+        """The batching policy, from the worker's settings (read on the first flush, never at import)."""
+        s = context().settings
+        return BatchPolicy(
+            max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_s=s.max_wait_ms / 1000
         )
 
     def _do_flush(self) -> None:
         with self._lock:
             now = time.time()
             for request in take_arrived(self._buffer, self._buffer.qsize()):
-                self._waiting[request.id] = (_as_waiting(request, now), request)
+                self._waiting[request.id] = (as_waiting(request, now), request)
             plan = plan_batch([w for w, _ in self._waiting.values()], now, self.policy, not self._busy.is_set())
             expired = [self._waiting.pop(w.key)[1] for w in plan.expired]
             batch = [self._waiting.pop(w.key)[1] for w in plan.run]
             if not self._waiting and not batch:
                 self._stop_timer()
         for request in expired:
-            _drop_expired(request)
+            _drop_expired(context(), request)
         if batch:
             self._busy.set()
             try:
@@ -108,19 +117,12 @@ class DeviceBatches(Batches):  # type: ignore[misc]
         return self._pool.apply_async(apply_batches_task, (self, serializable, 0, None), callback=on_return)
 
 
-def _as_waiting(request: Request, now: float) -> Waiting:
-    """What the policy needs to know of a request: its size and deadline travel in the message."""
-    kwargs = request.kwargs or {}
-    tokens, deadline = kwargs.get("prompt_tokens"), kwargs.get("deadline")
-    return Waiting(request.id, int(tokens or 0), now, float(deadline) if deadline else None)
-
-
-def _drop_expired(request: Request) -> None:
+def _drop_expired(ctx: WorkerContext, request: Request) -> None:
     """A request whose deadline passed before its batch: the job fails, the message is done with."""
     job_id = str((request.kwargs or {}).get("job_id"))
     try:
-        expire(job_id, time.time())
-        resources.store().stats.count_drained("infer")
+        expire(ctx, job_id, time.time())
+        ctx.store.stats.count_drained("infer")
     finally:
         request.acknowledge()
 
@@ -132,33 +134,33 @@ TICK_S = 0.01
 @app.task(
     base=DeviceBatches,
     name="stoker.sync",
-    flush_every=resources.settings().max_batch_size,
     flush_interval=TICK_S,
     acks_late=True,
     ignore_result=True,
 )
 def sync_jobs(requests: list[SimpleRequest]) -> None:
     """Preprocess each job of the batch in this thread, one after another, then run the model on them at once."""
+    ctx = context()
     job_ids = [str(r.kwargs["job_id"]) for r in requests]
-    ready = [job_id for job_id in job_ids if preprocess_inline(job_id)]
-    resources.store().stats.count_drained(SYNC_QUEUE, len(job_ids))
-    serve_batch(ready, watchdog)
+    ready = [job_id for job_id in job_ids if preprocess_inline(ctx, job_id)]
+    ctx.store.stats.count_drained(SYNC_QUEUE, len(job_ids))
+    serve_batch(ctx, ready, watchdog())
 
 
-def preprocess_inline(job_id: str) -> bool:
+def preprocess_inline(ctx: WorkerContext, job_id: str) -> bool:
     """Run every pending stage of the job here (the same stage code the pipeline runs as tasks), then tokenize.
 
     True when the job now waits for the model.
     """
-    store = resources.store()
+    store = ctx.store
     job = store.jobs.load_job(job_id)
     if job is None or job.terminal:
         return False
     if job.status != "inferring":
         pending = [record for record in job.inputs if record.status == "pending"]
-        for branch in preprocessing_branches(job_id, pending, app, resources.settings().video_keyframes):
+        for branch in preprocessing_branches(job_id, pending, app, ctx.settings.video_keyframes):
             run_inline(branch)
-        tokenize_job(job_id, backpressure=False, enqueue=False)
+        tokenize_job(ctx, job_id, backpressure=False, enqueue=False)
     return store.jobs.get_request(job_id) is not None
 
 
@@ -171,11 +173,3 @@ def run_inline(signature: Signature, previous: Any = None) -> Any:
     if isinstance(signature, group):
         return [run_inline(task, previous) for task in signature.tasks]
     return signature() if previous is None else signature(previous)
-
-
-@celeryd_after_setup.connect
-def _preload(sender: str, instance: Any, **_: Any) -> None:
-    """The sync worker needs everything the CPU workers load, before its first job."""
-    if SYNC_QUEUE in set(instance.app.amqp.queues.consume_from or {}):
-        pipeline_context()
-        resources.tesseract()

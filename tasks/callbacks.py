@@ -22,7 +22,8 @@ from stoker.core.errors import FetchTimeout, FetchUnavailable, StokerError
 from stoker.core.jobs import CallbackState, Job
 from stoker.core.tenancy import DEFAULT_TENANT
 from stoker.core.urls import Allowlist
-from tasks import resources
+from stoker.runtime.context import WorkerContext
+from tasks.lifecycle import context
 from tasks.worker import app
 
 log = logging.getLogger(__name__)
@@ -34,13 +35,14 @@ RETRYABLE = (FetchUnavailable, FetchTimeout)
 @app.task(name="stoker.callback", bind=True, max_retries=None)
 def deliver(self: Task, job_id: str) -> str:
     """One attempt at POSTing an ended job to its callback URL; schedules the next attempt if this one may pass."""
-    store = resources.store()
+    ctx = context()
+    store = ctx.store
     state, job = store.callbacks.state(job_id), store.jobs.load_job(job_id)
     if state is None or job is None or state.status != "pending":
         return "skipped"
-    attempt, settings = state.attempts + 1, resources.settings()
+    attempt, settings = state.attempts + 1, ctx.settings
     try:
-        send(state.url, job)
+        send(ctx, state.url, job)
     except RETRYABLE as exc:
         left = attempt < settings.callback_max_attempts
         store.callbacks.record(job_id, _after(state, attempt, exc, "pending" if left else "failed"))
@@ -56,28 +58,28 @@ def deliver(self: Task, job_id: str) -> str:
     return "delivered"
 
 
-def send(url: str, job: Job) -> None:
+def send(ctx: WorkerContext, url: str, job: Job) -> None:
     """POST the job as GET /v1/jobs/{id} shows it, signed with its tenant's live secrets and the time of sending."""
     body = json.dumps(job.model_dump(mode="json")).encode()
     now = int(time.time())
     headers = {
         "Content-Type": "application/json",
         TIMESTAMP_HEADER: str(now),
-        SIGNATURE_HEADER: signature_header(live_secrets(job.tenant or DEFAULT_TENANT), now, body),
+        SIGNATURE_HEADER: signature_header(live_secrets(ctx, job.tenant or DEFAULT_TENANT), now, body),
     }
-    urlfetch.post(url, body, headers, policy())
+    urlfetch.post(url, body, headers, policy(ctx))
 
 
-def live_secrets(tenant: str) -> list[str]:
+def live_secrets(ctx: WorkerContext, tenant: str) -> list[str]:
     """The secrets a tenant's callbacks are signed with: its own (two during a rotation's grace); the deprecated
     deployment-wide one only for the default tenant, and only until that tenant has one of its own."""
-    fallback = deployment_fallback(tenant, resources.settings().callback_secret)
-    return resources.store().callbacks.live_secrets(tenant, fallback)
+    fallback = deployment_fallback(tenant, ctx.settings.callback_secret)
+    return ctx.store.callbacks.live_secrets(tenant, fallback)
 
 
-def policy() -> FetchPolicy:
+def policy(ctx: WorkerContext) -> FetchPolicy:
     """A callback goes where a URL input may be fetched from (the same allowlist), within its own time cap."""
-    s = resources.settings()
+    s = ctx.settings
     return FetchPolicy(0, s.callback_timeout_s, 0, Allowlist.parse(s.url_allowlist))
 
 

@@ -10,28 +10,34 @@ from typing import Any
 from celery import current_task
 
 from stoker.adapters import urlfetch
+from stoker.adapters.urlfetch import FetchPolicy
 from stoker.core.errors import FetchFailed, FetchUnavailable, StorageQuotaExceeded, UnsupportedMediaType
 from stoker.core.jobs import InputRecord
 from stoker.core.media import KIND_FORMATS, content_hash, sniff_format
 from stoker.core.tenancy import DEFAULT_TENANT
-from tasks import resources
-from tasks.stage import RETRY, run_input_stage, time_limit
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.stage import RETRY, run_input_stage, time_limit
+from tasks.lifecycle import context
 from tasks.worker import app
 
 
 @app.task(name="stoker.fetch", **RETRY)
 def fetch(job_id: str, ref: str) -> dict[str, Any]:
     """Download a URL input, check that its content is the declared kind, and store it for the stages after."""
-    # `done`: a redelivered message whose download was already stored has nothing left to do.
-    return run_input_stage(job_id, ref, "fetch", _fetch, opens_job=True, done=lambda record: bool(record.content_hash))
+    return run_input_stage(context(), job_id, ref, "fetch", _fetch, opens_job=True, done=_downloaded)
 
 
-def _fetch(job_id: str, record: InputRecord) -> None:
-    data = download(record)
+def _downloaded(record: InputRecord) -> bool:
+    """A redelivered message whose download was already stored has nothing left to do."""
+    return bool(record.content_hash)
+
+
+def _fetch(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:
+    data = download(record, ctx.fetch_policy)
     if sniff_format(record.kind, data) is None:
         allowed = ", ".join(KIND_FORMATS[record.kind])
         raise UnsupportedMediaType(f"the content at the URL is not {record.kind} in an allowed format ({allowed})")
-    store = resources.store()
+    store = ctx.store
     # Counted against the tenant's stored bytes like an upload: a small request must not make a worker store a lot.
     tenant = store.jobs.tenant(job_id) or DEFAULT_TENANT
     if not store.tenants.charge_bytes(tenant, job_id, len(data)):
@@ -41,12 +47,11 @@ def _fetch(job_id: str, record: InputRecord) -> None:
     record.content_hash, record.size_bytes = digest, len(data)
 
 
-def download(record: InputRecord) -> bytes:
+def download(record: InputRecord, policy: FetchPolicy) -> bytes:
     """The bytes at the record's URL, within the fetch caps (and the stage's own time limit, whatever blocks).
 
     A temporary failure is retried (RETRY); on the last try it fails the input as fetch_failed instead.
     """
-    policy = resources.fetch_policy()
     try:
         with time_limit(policy.timeout_s, "fetch"):
             return urlfetch.fetch(record.url or "", policy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import asdict
 from typing import Any
@@ -14,16 +15,19 @@ from stoker.core.cachekeys import CacheAddress
 from stoker.core.errors import StokerError
 from stoker.core.jobs import InputRecord, Segment
 from stoker.core.media import ContentHash, content_hash
-from tasks import resources
-from tasks.stage import (
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.stage import (
     RETRY,
     cache_scope,
+    follower_wait,
     handoff,
     input_bytes,
     run_input_stage,
     through_cache,
     time_limit,
 )
+from stoker.settings import WorkerSettings
+from tasks.lifecycle import context
 from tasks.worker import app
 
 log = logging.getLogger(__name__)
@@ -32,42 +36,41 @@ log = logging.getLogger(__name__)
 @app.task(name="stoker.probe", **RETRY)
 def probe(job_id: str, ref: str) -> dict[str, Any]:
     """Read duration and streams from the header; over-long, empty or unreadable media fail here, undecoded."""
-    return run_input_stage(job_id, ref, "probe", _probe, opens_job=True)
+    return run_input_stage(context(), job_id, ref, "probe", _probe, opens_job=True)
 
 
-def _probe(_: str, record: InputRecord) -> None:
-    info = probe_media(input_bytes(record, "probe"), resources.settings().max_media_seconds)
+def _probe(ctx: WorkerContext, _: str, record: InputRecord) -> None:
+    info = probe_media(input_bytes(ctx, record, "probe"), ctx.settings.max_media_seconds)
     record.features = info.to_dict()
 
 
 @app.task(name="stoker.transcribe", **RETRY)
 def transcribe(previous: dict[str, Any]) -> dict[str, Any]:
     """Transcribe the audio track with faster-whisper; a video without sound gets an empty transcript."""
-    return run_input_stage(previous["job_id"], previous["ref"], "transcribe", _transcribe)
+    return run_input_stage(context(), previous["job_id"], previous["ref"], "transcribe", _transcribe)
 
 
-def _transcribe(job_id: str, record: InputRecord) -> None:
-    s = resources.settings()
+def _transcribe(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:
+    s = ctx.settings
     if (record.features or {}).get("audio_streams", 1) == 0:
         record.text, record.segments, record.status = "", [], "ok"  # a video without sound: an empty transcript
         return
 
     def compute() -> dict[str, Any]:
-        with time_limit(transcribe_limit_s(record), "transcribe"):
-            samples = decode_audio(input_bytes(record, "transcribe"))
-            transcript = transcribe_samples(resources.speech_model(), samples, s.asr_beam_size)
+        with time_limit(transcribe_limit_s(s, record), "transcribe"):
+            samples = decode_audio(input_bytes(ctx, record, "transcribe"))
+            transcript = transcribe_samples(ctx.speech_model, samples, s.asr_beam_size)
         return {"text": transcript.text, "segments": [asdict(x) for x in transcript.segments]}
 
-    address = resources.transcribe_address(record.content_hash, cache_scope(job_id))
-    value = through_cache(record, address, compute, max(s.transcribe_soft_s - 1.0, 0.5))
+    address = ctx.transcribe_address(record.content_hash, cache_scope(ctx, job_id))
+    value = through_cache(ctx, record, address, compute, follower_wait(s.transcribe_soft_s))
     record.text = value["text"]
     record.segments = [Segment(**x) for x in value["segments"]]
     record.status = "ok"
 
 
-def transcribe_limit_s(record: InputRecord) -> float:
+def transcribe_limit_s(s: WorkerSettings, record: InputRecord) -> float:
     """Transcription's own limit: a base plus a share of the media's length, under the task's soft limit."""
-    s = resources.settings()
     duration = float((record.features or {}).get("duration_s", 0.0))
     return min(s.transcribe_base_s + s.transcribe_per_media_s * duration, s.transcribe_soft_s)
 
@@ -75,18 +78,20 @@ def transcribe_limit_s(record: InputRecord) -> float:
 @app.task(name="stoker.keyframe", **RETRY)
 def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     """Take keyframe `slot` of `count` from a video by seeking, and enter it into the image branch as an image."""
-    store = resources.store()
+    ctx = context()
+    store = ctx.store
     store.jobs.mark_started(job_id)
     target = frame_ref(index, slot)
     video = store.jobs.get_input(job_id, input_ref(index))
     if video is None or not video.content_hash or store.watch.stage_gate(job_id) != "open":  # no bytes: fetch failed
         return handoff(job_id, target, None)
     frame = InputRecord(index=slot, kind="image", content_hash="", size_bytes=0, status="skipped")
-    address = resources.keyframe_address(video.content_hash, slot, count, cache_scope(job_id))
+    address = ctx.keyframe_address(video.content_hash, slot, count, cache_scope(ctx, job_id))
+    take = functools.partial(_take_keyframe, ctx, job_id, video, address, slot, count)
     try:
-        chosen = through_cache(frame, address, lambda: _take_keyframe(job_id, video, address, slot, count), wait_s=5.0)
-        if chosen.get("digest") and not _restore_frame(job_id, address, ContentHash(chosen["digest"])):
-            chosen = _take_keyframe(job_id, video, address, slot, count)  # the cache lost the picture: take it again
+        chosen = through_cache(ctx, frame, address, take, wait_s=5.0)
+        if chosen.get("digest") and not _restore_frame(ctx, job_id, address, ContentHash(chosen["digest"])):
+            chosen = take()  # the cache lost the picture: take it again
     except StokerError as exc:
         log.info("job %s input %d: no keyframe %d (%s)", job_id, index, slot, exc.code)
         chosen = {}
@@ -102,28 +107,30 @@ def keyframe(job_id: str, index: int, slot: int, count: int) -> dict[str, Any]:
     return handoff(job_id, target, frame)
 
 
-def _take_keyframe(job_id: str, video: InputRecord, address: CacheAddress, slot: int, count: int) -> dict[str, Any]:
+def _take_keyframe(
+    ctx: WorkerContext, job_id: str, video: InputRecord, address: CacheAddress, slot: int, count: int
+) -> dict[str, Any]:
     """Seek to keyframe `slot` of `count`; store its PNG as an input blob (and in the cache)."""
-    data = input_bytes(video, "keyframes")
-    info = probe_media(data, resources.settings().max_media_seconds)
+    data = input_bytes(ctx, video, "keyframes")
+    info = probe_media(data, ctx.settings.max_media_seconds)
     times = keyframe_times(info.duration_s, count) if info.video_streams else []
-    limit = resources.settings().max_image_pixels
+    limit = ctx.settings.max_image_pixels
     taken = extract_frame(data, times[slot], limit) if slot < len(times) else None
     if taken is None:
         return {}
     at, png = taken
     digest = content_hash(png)
-    resources.store().blobs.put_blob(digest, png, job_id)
-    resources.cache().put_bytes(address, png, part="png")
+    ctx.store.blobs.put_blob(digest, png, job_id)
+    ctx.cache.put_bytes(address, png, part="png")
     return {"digest": digest, "size": len(png), "time_s": round(at, 3)}
 
 
-def _restore_frame(job_id: str, address: CacheAddress, digest: ContentHash) -> bool:
+def _restore_frame(ctx: WorkerContext, job_id: str, address: CacheAddress, digest: ContentHash) -> bool:
     """Make sure a cached keyframe's picture is in the job store; False if neither store has it."""
-    store = resources.store()
+    store = ctx.store
     if store.blobs.hold(digest, job_id):
         return True
-    png = resources.cache().get_bytes(address, part="png")
+    png = ctx.cache.get_bytes(address, part="png")
     if png is None:
         return False
     store.blobs.put_blob(digest, png, job_id)

@@ -8,13 +8,14 @@ url    fetch, then the branches of its kind (a video's in parallel: chain(fetch,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Literal, Protocol
 
 from celery import Celery, chain, chord, group
 from celery.canvas import Signature, _chain
 
+from stoker.adapters.broker import queue_depths
 from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.core.jobs import InputRecord
 
@@ -125,6 +126,31 @@ def infer_signature(job_id: str, prompt_tokens: int | None, deadline: float | No
 def enqueue_inference(job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery) -> None:
     """Put a tokenized job on the inference queue."""
     infer_signature(job_id, prompt_tokens, deadline, app).apply_async()
+
+
+class CeleryOutbox:
+    """The runtime's `Outbox` over a Celery app: its messages by task name, queue depths over its broker pool."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+    def enqueue_inference(self, job_id: str, prompt_tokens: int | None, deadline: float | None) -> None:
+        """Put a tokenized job on the inference queue."""
+        enqueue_inference(job_id, prompt_tokens, deadline, self.app)
+
+    def send_callback(self, job_id: str) -> None:
+        """Hand an ended job's completion callback to a CPU worker (`stoker.callback`)."""
+        self.app.signature("stoker.callback", args=(job_id,)).apply_async()
+
+    def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
+        """Each queue's depth; a connection that failed is closed, so the pool hands out a fresh one next time
+        instead of the same dead one."""
+        with self.app.pool.acquire(block=True, timeout=timeout_s) as connection:
+            try:
+                return queue_depths(connection, queues)
+            except Exception:
+                connection.close()
+                raise
 
 
 class CelerySubmitter:

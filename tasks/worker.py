@@ -1,9 +1,10 @@
-"""The workers' Celery app (`celery -A tasks.worker`), built from the worker's one settings object."""
+"""The workers' Celery app (`celery -A tasks.worker`): configured from the worker's one settings object when Celery
+first reads its configuration, and started and stopped by `tasks.lifecycle`."""
 
 from __future__ import annotations
 
-from tasks import resources
-from tasks.app import make_app
+from tasks import lifecycle
+from tasks.app import make_worker_app
 
 #: Every module defining tasks; a worker imports them all, whichever queues it consumes.
 TASK_MODULES = (
@@ -11,9 +12,9 @@ TASK_MODULES = (
     "tasks.media",
     "tasks.fetch",
     "tasks.inference",
-    "tasks.monitoring",
     "tasks.baseline",
     "tasks.callbacks",
 )
 
-app = make_app(resources.settings(), include=TASK_MODULES)
+app = make_worker_app(include=TASK_MODULES)
+lifecycle.wire(app)

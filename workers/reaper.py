@@ -12,16 +12,28 @@ from types import FrameType
 import redis
 
 from stoker.adapters.store.keys import REAPER_LEASE_KEY
-from tasks import resources
-from tasks.preprocess import pipeline_context
-from tasks.reaper import dispatch_callbacks, reap_once, recover_lost
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.reaping import dispatch_callbacks, reap_once, recover_lost
+from stoker.settings import WorkerSettings
+from tasks.app import make_app
+from tasks.pipeline import CeleryOutbox
 
 log = logging.getLogger(__name__)
 
 
 def run_reaper() -> int:
     """Take the reaper lease (or wait for it) and reap every interval until SIGTERM or SIGINT."""
-    settings, store = resources.settings(), resources.store()
+    settings = WorkerSettings()
+    ctx = WorkerContext(settings, CeleryOutbox(make_app(settings)))
+    try:
+        return _reap_until_stopped(ctx)
+    finally:
+        ctx.close()
+
+
+def _reap_until_stopped(ctx: WorkerContext) -> int:
+    """The reaper's loop: lease, reap, beat, until told to stop."""
+    settings, store = ctx.settings, ctx.store
     stopping = threading.Event()
 
     def stop(signum: int, _: FrameType | None) -> None:
@@ -29,7 +41,7 @@ def run_reaper() -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    pipeline_context()  # a cut-off tokenizes at once: load the tokenizer now
+    ctx.pipeline_context()  # a cut-off tokenizes at once: load the tokenizer now
     token = f"{socket.gethostname()}:{os.getpid()}"
     lease_s = max(settings.reaper_interval_s * 8, 2.0)
     log.info("reaper %s ready (every %.2fs)", token, settings.reaper_interval_s)
@@ -41,7 +53,7 @@ def run_reaper() -> int:
                 log.info("reaper %s %s the lease", token, "holds" if held else "lost")
                 leading = held
             if held:
-                done = reap_once() + recover_lost() + dispatch_callbacks()
+                done = reap_once(ctx) + recover_lost(ctx) + dispatch_callbacks(ctx)
                 if set(done) - {"wait"}:
                     log.info("reaped: %s", dict(done))
         except redis.RedisError as exc:

@@ -9,6 +9,8 @@ listener binds to `STOKER_METRICS_HOST` (127.0.0.1 unless a deployment opens it 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
@@ -147,3 +149,39 @@ class JobCounts(Collector):
         for status, value in sorted(counts.items()):
             family.add_metric([status], float(value))
         yield family
+
+
+class DeviceClock:
+    """Busy time of the device in this process: batches begin and end; `take` reads the busy seconds since the last
+    call (a batch still running counts up to now)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._busy = 0.0
+
+    def begin(self) -> None:
+        """A batch went onto the device."""
+        with self._lock:
+            self._since = self.clock()
+
+    def end(self) -> None:
+        """The batch came back."""
+        with self._lock:
+            if self._since is not None:
+                busy = self.clock() - self._since
+                self._busy += busy
+                DEVICE_BUSY_SECONDS.inc(busy)
+            self._since = None
+
+    def take(self) -> float:
+        """Busy seconds since the previous take."""
+        with self._lock:
+            now = self.clock()
+            busy = self._busy + (now - self._since if self._since is not None else 0.0)
+            self._busy = 0.0
+            if self._since is not None:
+                DEVICE_BUSY_SECONDS.inc(now - self._since)
+                self._since = now
+            return busy

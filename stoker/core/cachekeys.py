@@ -52,6 +52,27 @@ class PipelineContext:
     budget: int
 
 
+def pipeline_context(
+    *,
+    ocr_at: CacheAddress,
+    decode_at: CacheAddress,
+    asr: Sequence[Any],
+    keyframes: Sequence[Any],
+    tokenizer: str,
+    budget: int,
+) -> PipelineContext:
+    """The identity of whole cached inputs and prompts from every parameter that shapes them: the OCR and decode
+    addresses' fingerprints, the speech model, the keyframe choice, the stage versions and the tokenizer."""
+    identity = fingerprint(
+        ocr=ocr_at.fingerprint,
+        decode=decode_at.fingerprint,
+        asr=list(asr),
+        keyframes=list(keyframes),
+        versions=[imaging.VERSION, ocr.VERSION],
+    )
+    return PipelineContext(identity=identity, tokenizer=tokenizer, budget=budget)
+
+
 def decode_address(digest: str, scope: str, params: DecodeParams) -> CacheAddress:
     """Cache address of decode's output for this content under these decode parameters (and this Pillow)."""
     parts = fingerprint(params=asdict(params), pillow=PIL.__version__)

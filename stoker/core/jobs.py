@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from stoker.core.errors import InvalidRequest
+from stoker.core.errors import InvalidRequest, MediaEmpty
 from stoker.core.model import FinishReason, GenerationParams
 
 JobStatus = Literal["queued", "preprocessing", "inferring", "succeeded", "degraded", "failed", "cancelled"]
@@ -212,3 +212,14 @@ def image_hashes(inputs: list[InputRecord]) -> list[str]:
 def final_status(inputs: list[InputRecord]) -> JobStatus:
     """A job whose model run succeeded is degraded when any of its inputs failed."""
     return "degraded" if any(i.status == "failed" for i in inputs) else "succeeded"
+
+
+def settle_video(record: InputRecord) -> bool:
+    """A video with no audio stream is usable only through its keyframes; with none either, it failed."""
+    no_sound = (record.features or {}).get("audio_streams") == 0
+    frames_ok = any(f.status == "ok" for f in record.frames or [])
+    if record.kind != "video" or record.status != "ok" or not no_sound or frames_ok:
+        return False
+    record.status = "failed"
+    record.error = ErrorInfo(**MediaEmpty("no audio track and no decodable frame", stage="keyframes").to_dict())
+    return True

@@ -36,3 +36,7 @@ def job_messages(
     for kind, is_url in inputs:
         total += KIND_MESSAGES[kind] + (KEYFRAME_MESSAGES * keyframes if kind == "video" else 0) + int(is_url)
     return total
+
+
+#: Message header holding when a task message was published: a stage's broker queue wait starts there.
+SENT_HEADER = "stoker_sent"

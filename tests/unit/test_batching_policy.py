@@ -10,7 +10,7 @@ import pytest
 from stoker.core.batching import BatchPolicy, Waiting, idle_gap_summary, plan_batch, start_at, top_up
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, sampling_groups
 from stoker.core.pressure import DrainMeter, QueueState, Refusal, admit, drain_rate
-from tasks.batches import predict_grouped, predict_isolated
+from stoker.runtime.batches import predict_grouped, predict_isolated
 
 POLICY = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.05)
 

@@ -22,11 +22,11 @@ from kombu.pidbox import Mailbox
 from kombu.transport.redis import Channel
 from prometheus_client.metrics import MetricWrapperBase
 
+import celeryconfig
 from stoker.adapters import metrics
 from stoker.adapters.store import keys
 from stoker.core.queues import CALLBACK_QUEUE, QUEUES, SYNC_QUEUE
 from stoker.settings import ApiSettings, StackSettings, WorkerSettings
-from tasks import celeryconfig
 from workers.launch import METRICS_PORTS, worker_kinds
 
 ROOT = Path(__file__).resolve().parents[2]

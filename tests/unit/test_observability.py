@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from stoker.adapters.client import waterfall
-from stoker.adapters.metrics import JobCounts, serve_api_metrics, serve_worker_metrics
+from stoker.adapters.metrics import DeviceClock, JobCounts, serve_api_metrics, serve_worker_metrics
 from stoker.core.jobs import ErrorInfo, InputRecord, Job, preprocess_share
-from tasks.monitoring import DeviceClock, job_line, starved_seconds
+from stoker.runtime.monitoring import job_line, starved_seconds
 from workers.broker import free_port
 
 TIMINGS = {"queued": 100.0, "preprocess": 300.0, "infer_wait": 50.0, "infer": 650.0, "total": 1000.0}

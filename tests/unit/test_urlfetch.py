@@ -14,7 +14,6 @@ from stoker.adapters.urlfetch import FetchPolicy, fetch, resolve
 from stoker.core.errors import FetchFailed, FetchTimeout, FetchTooLarge, FetchUnavailable, UrlRejected
 from stoker.core.urls import Allowlist, IPAddress
 from tasks import fetch as fetch_task
-from tasks import resources
 
 PUBLIC = ip_address("93.184.216.34")
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 24
@@ -211,11 +210,10 @@ def test_a_last_temporary_failure_fails_the_input_as_fetch_failed(monkeypatch: p
     def unavailable(url: str, policy: FetchPolicy) -> bytes:
         raise FetchUnavailable("files.example answered HTTP 503")
 
-    monkeypatch.setattr(resources, "fetch_policy", lambda: POLICY)
     monkeypatch.setattr(fetch_task.urlfetch, "fetch", unavailable)
     from stoker.core.jobs import InputRecord
 
     record = InputRecord(index=0, kind="image", content_hash="", size_bytes=0, url="http://files.example/a")
     assert fetch_task.last_try()  # called in-process: there is no retry to wait for
     with pytest.raises(FetchFailed, match="503"):
-        fetch_task.download(record)
+        fetch_task.download(record, POLICY)

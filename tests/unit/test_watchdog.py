@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.watchdog import BatchWatchdog, RunningBatch
+from stoker.runtime.watchdog import BatchWatchdog, RunningBatch
 
 
 class Clock:

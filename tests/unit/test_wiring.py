@@ -17,13 +17,12 @@ from celery.exceptions import SoftTimeLimitExceeded
 from stoker.adapters.rlimits import cap_address_space
 from stoker.core.errors import BrokerUnavailable, ImageCorrupt, ModelUnavailable, StokerError, TransientError
 from stoker.core.jobs import InputRecord
+from stoker.runtime.stage import input_stage, time_limit
 from stoker.settings import WorkerSettings
-from tasks import resources
 from tasks.app import make_app
 from tasks.media import transcribe_limit_s
 from tasks.pipeline import job_canvas
 from tasks.preprocess import decode
-from tasks.stage import input_stage, time_limit
 from workers.launch import worker_argv
 
 #: A producer app, as the API builds one: signatures need no broker until sent.
@@ -159,11 +158,11 @@ def test_a_tighter_limit_inside_a_stage_raises_its_timeout() -> None:
 
 
 def test_transcription_gets_time_in_proportion_to_the_media_under_a_cap() -> None:
-    s = resources.settings()
+    s = WorkerSettings()
     short = InputRecord(index=0, kind="audio", content_hash="a", size_bytes=1, features={"duration_s": 20.0})
     long = short.model_copy(update={"features": {"duration_s": 590.0}})
-    assert transcribe_limit_s(short) == s.transcribe_base_s + 20.0 * s.transcribe_per_media_s
-    assert transcribe_limit_s(long) == s.transcribe_soft_s
+    assert transcribe_limit_s(s, short) == s.transcribe_base_s + 20.0 * s.transcribe_per_media_s
+    assert transcribe_limit_s(s, long) == s.transcribe_soft_s
 
 
 def test_visibility_timeout_must_outlast_every_limit() -> None:

@@ -3,7 +3,7 @@
 A batch is loaded (`load_batch`: one pipelined round trip for all its jobs), run (`run_batch`: the model, and
 nothing else: no Redis, no spans, no logging per job) and written (`write_batch`: results, stamps, counters in
 pipelined round trips, then spans, metrics and the log line of each job). The pipeline's consumer
-(`tasks.feeder.Feeder`) does the three in three threads so the device never waits; the synchronous baseline
+(`stoker.runtime.feeder.Feeder`) does the three in three threads so the device never waits; the synchronous baseline
 (`stoker.sync`, `tasks.baseline`) does them one after another in its one thread.
 """
 
@@ -17,7 +17,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from celery.worker.request import Request
 from opentelemetry.propagate import extract
 
 from stoker.adapters.metrics import BATCH_SECONDS, BATCH_SIZE, BATCH_WAIT_SECONDS, DEVICE_IDLE_GAP_SECONDS
@@ -35,11 +34,12 @@ from stoker.core.jobs import (
 )
 from stoker.core.model import ModelRequest, Prediction, Predictor, run_predictor, sampling_groups
 from stoker.core.tenancy import DEFAULT_TENANT
-from tasks import monitoring, resources
-from tasks.watchdog import BatchWatchdog
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.monitoring import log_job
+from stoker.runtime.seams import Message
+from stoker.runtime.watchdog import BatchWatchdog, RunningBatch
 
 log = logging.getLogger(__name__)
-_settings = resources.settings()
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class BatchItem:
 
     job_id: str
     pending: Pending
-    message: Request | None = None
+    message: Message | None = None
     #: When its message reached this consumer (a batch's wait for company, if any, counts from there).
     arrived: float = 0.0
 
@@ -77,38 +77,39 @@ class RanBatch:
     groups: int = 1
 
 
-def load_batch(job_ids: Sequence[str]) -> list[BatchItem]:
+def load_batch(ctx: WorkerContext, job_ids: Sequence[str]) -> list[BatchItem]:
     """The jobs still waiting for the model, loaded in one round trip. A job with no request left (a redelivered
     message of a job that ended) is skipped; one whose deadline passed is failed here, before the model."""
-    store = resources.store()
-    loaded = store.jobs.load_pending(list(dict.fromkeys(job_ids)))
+    loaded = ctx.store.jobs.load_pending(list(dict.fromkeys(job_ids)))
     now = time.time()
     items = []
     for job_id, pending in loaded.items():
         if pending is None:
             log.info("job %s has no pending request; skipping", job_id)
         elif pending.deadline and now >= pending.deadline:
-            expire(job_id, now)
+            expire(ctx, job_id, now)
         else:
             items.append(BatchItem(job_id, pending))
     return items
 
 
-def run_batch(items: list[BatchItem], watchdog: BatchWatchdog, idle_gap_s: float | None = None) -> RanBatch:
+def run_batch(
+    ctx: WorkerContext, items: list[BatchItem], watchdog: BatchWatchdog, idle_gap_s: float | None = None
+) -> RanBatch:
     """Run the model once over the batch (items one by one only if the batch fails). Touches nothing but the
     device: the watchdog and the busy clock are in memory."""
     batch_id = uuid.uuid4().hex[:12]
-    with device_turn():
+    with device_turn(ctx):
         started = time.time()
         watchdog.begin(batch_id, [i.job_id for i in items])
-        monitoring.device.begin()
+        ctx.device_clock.begin()
         calls: list[int] = []
-        predictor = resources.predictor()
+        predictor = ctx.predictor
         groups = sampling_groups([i.request for i in items], predictor.mixes_sampling)
         try:
             outcomes = predict_grouped(predictor, [i.request for i in items], groups, calls)
         finally:
-            monitoring.device.end()
+            ctx.device_clock.end()
             ran = watchdog.end()
         ended = time.time()
     overdue = bool(ran and ran.overdue)
@@ -127,41 +128,42 @@ def predict_grouped(
     return [o for o in outcomes if o is not None]
 
 
-def write_batch(ran: RanBatch) -> None:
+def write_batch(ctx: WorkerContext, ran: RanBatch) -> None:
     """Every job's result, its stamps and the batch's counters, pipelined; then spans, metrics and log lines."""
-    store = resources.store()
-    endings = [_ending(ran, item, outcome) for item, outcome in zip(ran.items, ran.outcomes, strict=True)]
+    store = ctx.store
+    model = ctx.predictor.name
+    endings = [_ending(ran, item, outcome, model) for item, outcome in zip(ran.items, ran.outcomes, strict=True)]
     written = store.jobs.finish_many(endings) if not ran.overdue else [False] * len(endings)
     store.stats.record_batch("infer", len(ran.items), ran.ended - ran.started, ran.idle_gap_s, ran.calls)
     _observe(ran)
     for item, outcome, ending, fresh in zip(ran.items, ran.outcomes, endings, written, strict=True):
         _span(ran, item, outcome)
         if fresh:
-            monitoring.log_job(_ended_job(item.pending, ending))
+            log_job(_ended_job(item.pending, ending))
     late = " (past its budget: results dropped)" if ran.overdue else ""
     log.info("batch %s: %d jobs in %.0f ms%s", ran.id, len(ran.items), (ran.ended - ran.started) * 1000, late)
 
 
-def serve_batch(job_ids: Sequence[str], watchdog: BatchWatchdog) -> None:
+def serve_batch(ctx: WorkerContext, job_ids: Sequence[str], watchdog: BatchWatchdog) -> None:
     """Load, run and write one batch in this thread (the synchronous baseline's way)."""
-    items = load_batch(job_ids)
+    items = load_batch(ctx, job_ids)
     if items:
-        write_batch(run_batch(items, watchdog))
+        write_batch(ctx, run_batch(ctx, items, watchdog))
 
 
-def fail_batch(items: Sequence[BatchItem], exc: BaseException) -> None:
+def fail_batch(ctx: WorkerContext, items: Sequence[BatchItem], exc: BaseException) -> None:
     """A batch that broke outside the model (a bug, a contract violation): its jobs fail now, structured, rather
     than wait for the reaper. Raises if even that cannot be written (the caller then hands the messages back)."""
     log.error("batch of %d failed outside the model: %r", len(items), exc)
     error = ErrorInfo(**InferenceFailed(f"the batch failed: {type(exc).__name__}", stage="infer").to_dict())
     endings = [Ending(i.job_id, i.pending.job.tenant or DEFAULT_TENANT, "failed", error=error) for i in items]
-    resources.store().jobs.finish_many(endings)
+    ctx.store.jobs.finish_many(endings)
 
 
-def expire(job_id: str, now: float) -> None:
+def expire(ctx: WorkerContext, job_id: str, now: float) -> None:
     """A job whose deadline passed before its batch: it fails, never reaching the model."""
     late = DeadlineExceeded("the deadline passed while the job waited for the model", stage="infer_queue")
-    if resources.store().jobs.finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
+    if ctx.store.jobs.finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
         log.info("job %s dropped before the model: its deadline passed", job_id)
 
 
@@ -193,7 +195,7 @@ def predict_isolated(
     return outcomes
 
 
-def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError) -> Ending:
+def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError, model: str) -> Ending:
     preprocessed = item.pending.preprocessed or ran.started
     wait_ms = round(max(ran.started - preprocessed, 0.0) * 1000, 2)
     batch = BatchInfo(id=ran.id, size=len(ran.items), wait_ms=wait_ms, groups=ran.groups)
@@ -204,7 +206,7 @@ def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError) -
         return Ending(item.job_id, tenant, "failed", error=error, batch=batch, stamps=stamps)
     result = ResultInfo(
         text=outcome.text,
-        model=resources.predictor().name,
+        model=model,
         prompt_tokens=outcome.prompt_tokens,
         completion_tokens=outcome.completion_tokens,
         finish_reason=outcome.finish_reason,
@@ -246,9 +248,16 @@ def _ns(seconds: float) -> int:
 
 
 @contextmanager
-def device_turn() -> Iterator[None]:
+def device_turn(ctx: WorkerContext) -> Iterator[None]:
     """This process's turn on the device. A simulated device shared by several processes (`STOKER_SIM_SHARED`,
     the benchmark's sync-pool baseline) takes a lock in Redis, so they get one device between them, not one each."""
-    lock = resources.device_lock()
+    lock = ctx.device_lock()
     with lock if lock is not None else nullcontext():
         yield
+
+
+def fail_overdue(ctx: WorkerContext, batch: RunningBatch, budget_s: float) -> None:
+    """The batch ran past its budget: its jobs fail now (a late return changes nothing)."""
+    late = InferenceFailed(f"batch {batch.id} ran past its {budget_s:.0f}s budget", stage="infer")
+    for job_id in batch.job_ids:
+        ctx.store.jobs.finish(job_id, "failed", error=ErrorInfo(**late.to_dict()))

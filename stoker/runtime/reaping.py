@@ -12,18 +12,16 @@ from collections import Counter
 from stoker.core.deadlines import JobClock, ReapPolicy, Verdict, decide
 from stoker.core.errors import DeadlineExceeded, InferenceFailed, WorkerLost
 from stoker.core.jobs import ErrorInfo
-from tasks import resources
-from tasks.monitoring import log_finished
-from tasks.pipeline import enqueue_inference
-from tasks.preprocess import cut_off, fail_unfinished
-from tasks.worker import app
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.handoff import cut_off, fail_unfinished
+from stoker.runtime.monitoring import log_finished
 
 log = logging.getLogger(__name__)
 
 
-def policy() -> ReapPolicy:
+def policy(ctx: WorkerContext) -> ReapPolicy:
     """The reaper's patience, from settings."""
-    s = resources.settings()
+    s = ctx.settings
     return ReapPolicy(
         redrive_after_s=s.redrive_after_s,
         max_redrives=s.max_redrives,
@@ -31,17 +29,17 @@ def policy() -> ReapPolicy:
     )
 
 
-def reap_once(now: float | None = None, limit: int = 200) -> Counter[str]:
+def reap_once(ctx: WorkerContext, now: float | None = None, limit: int = 200) -> Counter[str]:
     """Look at every job that is due, act on it, and count what was done."""
-    store = resources.store()
+    store = ctx.store
     now = time.time() if now is None else now
-    rules = policy()
+    rules = policy(ctx)
     done: Counter[str] = Counter()
     for job_id in store.watch.due_jobs(now, limit):
         clock = store.watch.clock(job_id)
         verdict = decide(clock, now, rules)
         try:
-            act(job_id, clock, verdict)
+            act(ctx, job_id, clock, verdict)
         except Exception:  # one job's trouble must not stop the reaper; look again shortly
             log.exception("reaper could not %s job %s", verdict.action, job_id)
             store.watch.watch_next(job_id, now + rules.recheck_s)
@@ -49,29 +47,29 @@ def reap_once(now: float | None = None, limit: int = 200) -> Counter[str]:
     return done
 
 
-def recover_lost() -> Counter[str]:
+def recover_lost(ctx: WorkerContext) -> Counter[str]:
     """Jobs held by inference consumers that died (their heartbeat lapsed), a batch on the device included: sent
     again at once, so a live worker serves them within seconds; a job lost with its consumer more than
     `max_deliveries` times fails as worker_lost."""
     done: Counter[str] = Counter()
-    for consumer, job_ids in resources.store().consumers.take_lost().items():
+    for consumer, job_ids in ctx.store.consumers.take_lost().items():
         log.warning("inference consumer %s is gone: sending its %d jobs again", consumer, len(job_ids))
         for job_id in job_ids:
-            done[resend_lost(job_id)] += 1
+            done[resend_lost(ctx, job_id)] += 1
     return done
 
 
-def dispatch_callbacks(now: float | None = None) -> Counter[str]:
+def dispatch_callbacks(ctx: WorkerContext, now: float | None = None) -> Counter[str]:
     """Hand every due completion callback to a CPU worker (`stoker.callback`); one that cannot be sent now is due
     again in a few seconds."""
-    store = resources.store()
+    store = ctx.store
     now = time.time() if now is None else now
     done: Counter[str] = Counter()
     for job_id in store.callbacks.due(now):
         if not store.callbacks.take(job_id):  # another reaper took it (it lost the lease meanwhile)
             continue
         try:
-            app.signature("stoker.callback", args=(job_id,)).apply_async()
+            ctx.outbox.send_callback(job_id)
         except Exception:
             log.exception("could not send the callback of job %s; again shortly", job_id)
             store.callbacks.put_back(job_id, now + 5)
@@ -80,41 +78,41 @@ def dispatch_callbacks(now: float | None = None) -> Counter[str]:
     return done
 
 
-def resend_lost(job_id: str) -> str:
+def resend_lost(ctx: WorkerContext, job_id: str) -> str:
     """One job of a dead consumer: send it to the inference queue again, or give up on it."""
-    store = resources.store()
+    store = ctx.store
     losses = store.watch.count_loss(job_id)
     if losses is None:
         return "forget"
-    if losses > resources.settings().max_deliveries:
+    if losses > ctx.settings.max_deliveries:
         lost = WorkerLost(f"its inference worker died {losses} times while holding it", stage="infer")
         if store.jobs.finish(job_id, "failed", error=ErrorInfo(**lost.to_dict())):
-            log_finished(job_id)
+            log_finished(store, job_id)
         return "lost"
     request, clock = store.jobs.get_request(job_id), store.watch.clock(job_id)
-    enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None, app)
+    ctx.outbox.enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None)
     return "resend"
 
 
-def act(job_id: str, clock: JobClock, verdict: Verdict) -> None:
+def act(ctx: WorkerContext, job_id: str, clock: JobClock, verdict: Verdict) -> None:
     """Carry out one verdict."""
-    store = resources.store()
+    store = ctx.store
     if verdict.action != "wait":
         log.warning("reaper: job %s → %s (status %s)", job_id, verdict.action, clock.status)
     store.watch.watch_next(job_id, verdict.next_at)  # first, so a crash below is retried
     if verdict.action == "cutoff":
-        cut_off(job_id)
+        cut_off(ctx, job_id)
     elif verdict.action == "expire":
         stage = "preprocess" if clock.preprocessed is None else "infer_queue"
         late = DeadlineExceeded("the deadline passed before the model could start", stage=stage)
-        fail_unfinished(job_id, late)
+        fail_unfinished(ctx, job_id, late)
         if store.jobs.finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
-            log_finished(job_id)
+            log_finished(store, job_id)
     elif verdict.action == "redrive":
         request = store.jobs.get_request(job_id)
         store.watch.count_redrive(job_id)
-        enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None, app)
+        ctx.outbox.enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None)
     elif verdict.action == "abandon":
         lost = InferenceFailed("the inference worker never reported back on this job's batch", stage="infer")
         if store.jobs.finish(job_id, "failed", error=ErrorInfo(**lost.to_dict())):
-            log_finished(job_id)
+            log_finished(store, job_id)

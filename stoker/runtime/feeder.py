@@ -1,7 +1,7 @@
 """The pipeline's inference consumer: work-conserving and double-buffered, so the device never waits on Redis.
 
-celery-batches hands each inference message over the moment it arrives (`Feed`, flush_every=1: no polling tick);
-three threads do the rest:
+celery-batches hands each inference message over the moment it arrives (`tasks.inference.Feed`, flush_every=1: no
+polling tick); three threads do the rest:
 
 - the **collector** takes what waits into the next batch (arrival order; size and token budget; deadlines dropped)
   and loads its requests, one pipelined round trip per top-up, while the device runs the batch before;
@@ -25,14 +25,13 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from queue import Queue
-
-from celery.worker.request import Request
+from queue import Empty, Queue
 
 from stoker.core.batching import BatchPolicy, Plan, Waiting, start_at, top_up
-from tasks import resources
-from tasks.batches import BatchItem, RanBatch, expire, fail_batch, load_batch, run_batch, write_batch
-from tasks.watchdog import BatchWatchdog
+from stoker.runtime.batches import BatchItem, RanBatch, expire, fail_batch, load_batch, run_batch, write_batch
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.seams import Message
+from stoker.runtime.watchdog import BatchWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +44,15 @@ CANCELLED_TTL_S = 600.0
 class Feeder:
     """Collects arriving inference messages into batches and keeps the device running them back to back."""
 
-    def __init__(self, policy: BatchPolicy, watchdog: BatchWatchdog, beat_s: float = 1.0) -> None:
+    def __init__(self, ctx: WorkerContext, policy: BatchPolicy, watchdog: BatchWatchdog, beat_s: float = 1.0) -> None:
+        self.ctx = ctx
         self.policy = policy
         self.watchdog = watchdog
         self.beat_s = beat_s
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._cond = threading.Condition()
-        self._waiting: dict[str, tuple[Waiting, Request]] = {}
-        self._loading: list[Request] = []
+        self._waiting: dict[str, tuple[Waiting, Message]] = {}
+        self._loading: list[Message] = []
         self._prepared: list[BatchItem] = []
         self._running: list[BatchItem] = []
         self._writing: Queue[tuple[RanBatch | None, list[BatchItem], BaseException | None]] = Queue(maxsize=1)
@@ -66,17 +66,17 @@ class Feeder:
         self._stopping = threading.Event()
 
     # -- arrivals (celery's consumer thread) ------------------------------------------------------------------
-    def add(self, requests: Sequence[Request]) -> None:
+    def add(self, requests: Sequence[Message]) -> None:
         """Messages that just arrived: named as held first (so a death from now on is seen), then they wait for the
         collector."""
         try:
-            resources.store().consumers.hold(self.consumer, [_job_of(r) for r in requests])
+            self.ctx.store.consumers.hold(self.consumer, [_job_of(r) for r in requests])
         except Exception as exc:  # the store is away: the broker's own redelivery still covers these
             log.warning("could not record held jobs: %s", exc)
         now = time.time()
         with self._cond:
             for request in requests:
-                self._waiting[request.id] = (_as_waiting(request, now), request)
+                self._waiting[request.id] = (as_waiting(request, now), request)
             self._cond.notify_all()
 
     def start(self) -> None:
@@ -109,7 +109,7 @@ class Feeder:
                 message.reject(requeue=True)
         for message in others:
             message.reject(requeue=True)
-        resources.store().consumers.leave(self.consumer)
+        self.ctx.store.consumers.leave(self.consumer)
 
     # -- the collector ------------------------------------------------------------------------------------------
     def _collect(self) -> None:
@@ -124,7 +124,7 @@ class Feeder:
             expired = [self._waiting.pop(w.key)[1] for w in plan.expired]
             self._loading = take
         for message in expired:
-            expire(_job_of(message), time.time())
+            expire(self.ctx, _job_of(message), time.time())
             self._done_with(message)
         arrived = {w.key: w.arrived for w in plan.run}
         items = [replace(item, arrived=arrived[item.message.id]) for item in self._load(take) if item.message]
@@ -142,11 +142,11 @@ class Feeder:
         plan = top_up(waiting, len(self._prepared), tokens, time.time(), self.policy)
         return plan if plan.run or plan.expired else None
 
-    def _load(self, messages: list[Request]) -> list[BatchItem]:
+    def _load(self, messages: list[Message]) -> list[BatchItem]:
         """The messages' jobs, loaded in one round trip; messages with nothing left to do are done with."""
         by_job = {_job_of(m): m for m in messages}
         try:
-            loaded = {item.job_id: item for item in load_batch(list(by_job))}
+            loaded = {item.job_id: item for item in load_batch(self.ctx, list(by_job))}
         except Exception:
             log.exception("could not load %d inference requests; handing them back", len(messages))
             for message in messages:
@@ -164,7 +164,7 @@ class Feeder:
         if not items:
             return
         try:
-            ran: RanBatch | None = run_batch(items, self.watchdog, gap)
+            ran: RanBatch | None = run_batch(self.ctx, items, self.watchdog, gap)
             failure: BaseException | None = None
         except Exception as exc:  # not the model's per-item failures (those are outcomes): a broken batch
             ran, failure = None, exc
@@ -205,9 +205,9 @@ class Feeder:
             self._written = items
         try:
             if ran is not None:
-                write_batch(ran)
+                write_batch(self.ctx, ran)
             else:
-                fail_batch(items, failure or RuntimeError("unknown"))
+                fail_batch(self.ctx, items, failure or RuntimeError("unknown"))
         except Exception:
             log.exception("batch of %d could not be written; its messages go back to the queue", len(items))
             _hand_back(items)
@@ -225,11 +225,11 @@ class Feeder:
         end those whose deadline passed before the device was free (never computed)."""
         started, late, dropped, at = self._errands.get()
         if started:
-            store = resources.store()
+            store = self.ctx.store
             store.jobs.stamp_many([i.job_id for i in started], "infer_start", at)
             store.stats.device_started(at)
         for item in late:
-            expire(item.job_id, at)
+            expire(self.ctx, item.job_id, at)
             if item.message is not None:
                 self._done_with(item.message)
         for item in dropped:  # cancelled: already ended, nothing to write
@@ -242,7 +242,7 @@ class Feeder:
         the store (no round trip before a batch). A message missed while the store is away costs only compute:
         the batch runs and its answer is not written."""
         try:
-            with resources.store().jobs.cancellations() as feed:
+            with self.ctx.store.jobs.cancellations() as feed:
                 while not self._stopping.is_set():
                     message = feed.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None:
@@ -261,21 +261,21 @@ class Feeder:
     def _beat(self) -> None:
         """Every `beat_s`: this consumer lives (the jobs it holds are written as they come and go)."""
         try:
-            resources.store().consumers.beat(self.consumer, ttl_s=self.beat_s * 3)
+            self.ctx.store.consumers.beat(self.consumer, ttl_s=self.beat_s * 3)
         except Exception as exc:  # the store is away: the next beat tries again
             log.warning("heartbeat failed: %s", exc)
         self._stopping.wait(self.beat_s)
 
     def _release(self, job_ids: list[str]) -> None:
         try:
-            resources.store().consumers.release(self.consumer, job_ids)
+            self.ctx.store.consumers.release(self.consumer, job_ids)
         except Exception as exc:  # a stale entry only makes the reaper look at an ended job, and forget it
             log.warning("could not release held jobs: %s", exc)
 
-    def _done_with(self, message: Request) -> None:
+    def _done_with(self, message: Message) -> None:
         """A message with nothing left to do: counted as drained, acked, no longer held."""
         try:
-            resources.store().stats.count_drained("infer")
+            self.ctx.store.stats.count_drained("infer")
         finally:
             message.acknowledge()
             self._release([_job_of(message)])
@@ -295,14 +295,25 @@ def _forever(step: Callable[[], None], stopping: threading.Event) -> Callable[[]
     return loop
 
 
-def _as_waiting(request: Request, now: float) -> Waiting:
+def take_arrived(buffer: Queue[Message], limit: int) -> list[Message]:
+    """Up to `limit` messages a receiver has buffered, without waiting."""
+    items: list[Message] = []
+    while len(items) < limit:
+        try:
+            items.append(buffer.get_nowait())
+        except Empty:
+            break
+    return items
+
+
+def as_waiting(request: Message, now: float) -> Waiting:
     """What the policy needs to know of a request: its size and deadline travel in the message."""
     kwargs = request.kwargs or {}
     tokens, deadline = kwargs.get("prompt_tokens"), kwargs.get("deadline")
     return Waiting(request.id, int(tokens or 0), now, float(deadline) if deadline else None)
 
 
-def _job_of(request: Request) -> str:
+def _job_of(request: Message) -> str:
     return str((request.kwargs or {}).get("job_id"))
 
 

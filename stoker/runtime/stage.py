@@ -12,12 +12,10 @@ from typing import Any, TypeGuard
 import redis
 from celery import current_task
 from celery.exceptions import SoftTimeLimitExceeded
-from celery.signals import task_postrun
 from opentelemetry.trace import Span
 
 from stoker.adapters.metrics import QUEUE_WAIT_SECONDS, STAGE_FAILURES, STAGE_SECONDS, cache_label
 from stoker.adapters.tracing import mark_failed, stage_span
-from stoker.core import tenancy
 from stoker.core.cachekeys import CacheAddress
 from stoker.core.errors import (
     AsrFailed,
@@ -36,8 +34,8 @@ from stoker.core.errors import (
 )
 from stoker.core.jobs import QUEUE_SUFFIX, ErrorInfo, InputRecord
 from stoker.core.media import ContentHash
-from tasks import resources
-from tasks.app import SENT_HEADER
+from stoker.core.queues import SENT_HEADER
+from stoker.runtime.context import WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -160,26 +158,27 @@ def _fail(record: InputRecord, exc: StokerError) -> None:
 
 
 def run_input_stage(
+    ctx: WorkerContext,
     job_id: str,
     ref: str,
     stage: str,
-    work: Callable[[str, InputRecord], None],
+    work: Callable[[WorkerContext, str, InputRecord], None],
     *,
     opens_job: bool = False,
     done: Callable[[InputRecord], bool] | None = None,
 ) -> dict[str, Any]:
     """The skeleton of every per-input stage task: read the record, check there is work (`has_work`; `done` says
-    a redelivered message already did it), run `work(job_id, record)` as the stage (`input_stage`: timings, span,
+    a redelivered message already did it), run `work(ctx, job_id, record)` as the stage (`input_stage`: timings, span,
     failures onto the record), write the record, and hand over to the next stage. `opens_job`: the first stage of
     a branch moves the job to preprocessing."""
-    store = resources.store()
+    store = ctx.store
     if opens_job:
         store.jobs.mark_started(job_id)
     record = store.jobs.get_input(job_id, ref)
-    if not has_work(record, job_id, ref, stage) or (done is not None and done(record)):
+    if not has_work(record, ctx, job_id, ref, stage) or (done is not None and done(record)):
         return handoff(job_id, ref, record)
     with input_stage(record, stage):
-        work(job_id, record)
+        work(ctx, job_id, record)
     store.jobs.put_input(job_id, ref, record)
     return handoff(job_id, ref, record)
 
@@ -194,19 +193,21 @@ def runnable(record: InputRecord | None) -> bool:
     return record is not None and record.status not in ("failed", "skipped")
 
 
-def cache_scope(job_id: str) -> str:
+def cache_scope(ctx: WorkerContext, job_id: str) -> str:
     """Whose stage-cache entries this job's stages read and write: its tenant's, from its record (or the one scope
     every tenant shares, when sharing is on)."""
-    return tenancy.cache_scope(
-        resources.store().jobs.tenant(job_id) or tenancy.DEFAULT_TENANT, resources.settings().cache_shared
-    )
+    return ctx.cache_scope(ctx.store.jobs.tenant(job_id))
 
 
 def through_cache(
-    record: InputRecord | None, address: CacheAddress, compute: Callable[[], dict[str, Any]], wait_s: float
+    ctx: WorkerContext,
+    record: InputRecord | None,
+    address: CacheAddress,
+    compute: Callable[[], dict[str, Any]],
+    wait_s: float,
 ) -> dict[str, Any]:
     """A stage result from the cache, from a concurrent twin (single flight), or computed here and cached."""
-    cache = resources.cache()
+    cache = ctx.cache
     started = time.perf_counter()
     found = cache.get_json(address)
     if found is None:
@@ -226,15 +227,20 @@ def through_cache(
     return found
 
 
-def input_bytes(record: InputRecord, stage: str) -> bytes:
+def follower_wait(soft_s: float) -> float:
+    """How long a stage may wait on a twin computing the same result: well inside its own soft limit."""
+    return max(soft_s - 1.0, 0.5)
+
+
+def input_bytes(ctx: WorkerContext, record: InputRecord, stage: str) -> bytes:
     """An input's bytes from the job store; they outlive every job that uses them."""
-    data = resources.store().blobs.get_blob(ContentHash(record.content_hash))
+    data = ctx.store.blobs.get_blob(ContentHash(record.content_hash))
     if data is None:
         raise InputExpired(f"input bytes expired before {stage}", stage=stage)
     return data
 
 
-def poison(record: InputRecord, stage: str) -> bool:
+def poison(ctx: WorkerContext, record: InputRecord, stage: str) -> bool:
     """True (and the record failed as worker_lost) when this message already took its worker down too often.
 
     Late acks requeue a task whose worker died; a task that kills every worker it lands on would loop forever.
@@ -243,56 +249,44 @@ def poison(record: InputRecord, stage: str) -> bool:
     if request is None or not request.id:
         return False
     # A retry re-sends the same task id: only deliveries beyond the retries mean a worker died.
-    deliveries = resources.store().deliveries.count_delivery(str(request.id)) - int(request.retries or 0)
-    if deliveries <= resources.settings().max_deliveries:
+    deliveries = ctx.store.deliveries.count_delivery(str(request.id)) - int(request.retries or 0)
+    if deliveries <= ctx.settings.max_deliveries:
         return False
     log.error("%s delivered %d times, its worker died each time: giving up", stage, deliveries - 1)
     _fail(record, WorkerLost(f"{stage} killed its worker {deliveries - 1} times", stage=stage))
     return True
 
 
-def give_up(job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
+def give_up(ctx: WorkerContext, job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
     """Whether to stop here because the message is poison; the failed record is then written."""
-    if not poison(record, stage):
+    if not poison(ctx, record, stage):
         return False
-    resources.store().jobs.put_input(job_id, ref, record)
+    ctx.store.jobs.put_input(job_id, ref, record)
     return True
 
 
-def past_budget(job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
+def past_budget(ctx: WorkerContext, job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
     """Whether the job's preprocessing budget is spent (or it went on without this input): then fail the input.
     A job that ended (cancelled) is past every budget too, and nothing is written for it."""
-    gate = resources.store().watch.stage_gate(job_id)
+    gate = ctx.store.watch.stage_gate(job_id)
     if gate == "open":
         return False
     if gate == "ended":
         log.info("job %s ended: %s skipped", job_id, stage)
         return True
     _fail(record, DeadlineExceeded(f"the job's preprocessing budget was spent before {stage}", stage=stage))
-    resources.store().jobs.put_input(job_id, ref, record)  # refused once the job went to inference: nothing to say
+    ctx.store.jobs.put_input(job_id, ref, record)  # refused once the job went to inference: nothing to say
     return True
 
 
-def has_work(record: InputRecord | None, job_id: str, ref: str, stage: str) -> TypeGuard[InputRecord]:
+def has_work(
+    record: InputRecord | None, ctx: WorkerContext, job_id: str, ref: str, stage: str
+) -> TypeGuard[InputRecord]:
     """Whether this stage has work on the record: it exists, nothing failed or skipped it, the job's budget is
     not spent, and the message is not poison."""
     return (
         record is not None
         and runnable(record)
-        and not past_budget(job_id, ref, record, stage)
-        and not give_up(job_id, ref, record, stage)
+        and not past_budget(ctx, job_id, ref, record, stage)
+        and not give_up(ctx, job_id, ref, record, stage)
     )
-
-
-@task_postrun.connect
-def _count_drained(task: Any = None, **_: Any) -> None:
-    """Count every stage message done with, per queue: the API derives drain rates (and Retry-After) from it."""
-    if task is None or task.name == "stoker.infer":  # the inference consumer counts whole batches itself
-        return
-    queue = (task.request.delivery_info or {}).get("routing_key")
-    if not queue:
-        return
-    try:
-        resources.store().stats.count_drained(str(queue))
-    except redis.RedisError:
-        log.warning("could not count a drained %s message", queue)

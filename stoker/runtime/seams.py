@@ -1,0 +1,38 @@
+"""The runtime's seams to the broker: what it sends (`Outbox`) and what it holds (`Message`). Celery implements
+them in `tasks`; a unit test implements them in memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+
+class Outbox(Protocol):
+    """What the runtime sends through the broker, and how full its queues are."""
+
+    def enqueue_inference(self, job_id: str, prompt_tokens: int | None, deadline: float | None) -> None:
+        """Put a tokenized job on the inference queue."""
+
+    def send_callback(self, job_id: str) -> None:
+        """Hand an ended job's completion callback to a CPU worker."""
+
+    def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
+        """Each queue's depth now; raises while the broker does not answer."""
+
+
+class Message(Protocol):
+    """A broker message a consumer holds until it acks it or hands it back (a Celery request)."""
+
+    @property
+    def id(self) -> str:
+        """The message's task id."""
+
+    @property
+    def kwargs(self) -> dict[str, Any] | None:
+        """What the message carries."""
+
+    def acknowledge(self) -> None:
+        """Done with: the broker forgets it."""
+
+    def reject(self, requeue: bool = False) -> None:
+        """Handed back (to the queue, with requeue)."""

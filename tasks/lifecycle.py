@@ -1,0 +1,260 @@
+"""A worker process's start and stop, in one place: every Celery signal a worker answers is wired here (`wire`).
+
+- configuration (the app's `on_configure`): the process's one `WorkerSettings` is read, and the part of the Celery
+  configuration computed from it applied;
+- `setup` (worker_init, in the worker's parent before its pool forks): the process's one `WorkerContext`, tracing
+  and CPU accounting;
+- `start` (celeryd_after_setup, once the consumed queues are known): what those queues need before their first
+  message (the tokenizer, tesseract, the model and the inference consumer), and the metrics endpoint;
+- a pool child's start and exit (worker_process_init / worker_process_shutdown), each task's accounting
+  (task_prerun / task_postrun);
+- `shutdown` (worker_shutting_down): the inference consumer hands its messages back; at worker_shutdown the
+  process's objects are frozen out of the interpreter's last collections.
+
+Task functions get the context from `context()`, the one accessor; everything below them takes it as a parameter.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import (
+    celeryd_after_setup,
+    task_postrun,
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutdown,
+    worker_shutting_down,
+)
+
+from stoker.adapters.metrics import forget_process, serve_worker_metrics
+from stoker.adapters.rlimits import cap_address_space
+from stoker.adapters.tracing import instrument_celery, setup_tracing
+from stoker.core.batching import BatchPolicy
+from stoker.core.queues import SYNC_QUEUE
+from stoker.runtime.batches import fail_overdue
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.feeder import Feeder
+from stoker.runtime.monitoring import account_cpu, count_cpu, cpu_seconds, watch_device
+from stoker.runtime.watchdog import BatchWatchdog, RunningBatch
+from stoker.settings import WorkerSettings
+from tasks.app import configure
+from tasks.pipeline import CeleryOutbox
+
+log = logging.getLogger(__name__)
+
+#: Exit status of an inference worker that gave up on a wedged device; its supervisor starts a fresh one.
+WEDGED_EXIT = 75
+
+
+@dataclass
+class _Process:
+    """What this process's lifecycle built, in the order it builds it."""
+
+    app: Celery | None = None
+    settings: WorkerSettings | None = None
+    context: WorkerContext | None = None
+    watchdog: BatchWatchdog | None = None
+    feeder: Feeder | None = None
+    main_pid: int | None = None
+    #: CPU seconds of this pool child when each of its running tasks started.
+    task_cpu: dict[str, float] = field(default_factory=dict)
+
+
+_process = _Process()
+
+
+# -- what tasks ask for ---------------------------------------------------------------------------------------
+def context() -> WorkerContext:
+    """This worker process's context; raises if `setup` did not run (the process is not a started worker)."""
+    if _process.context is None:
+        raise RuntimeError("no worker context: tasks.lifecycle.setup has not run in this process")
+    return _process.context
+
+
+def feeder() -> Feeder:
+    """This worker's inference consumer; raises unless the worker consumes the inference queue."""
+    if _process.feeder is None:
+        raise RuntimeError("no inference consumer: this worker does not consume the inference queue")
+    return _process.feeder
+
+
+def watchdog() -> BatchWatchdog:
+    """The device's watchdog; raises unless this worker runs the model."""
+    if _process.watchdog is None:
+        raise RuntimeError("no device watchdog: this worker does not run the model")
+    return _process.watchdog
+
+
+# -- start and stop -------------------------------------------------------------------------------------------
+def wire(app: Celery) -> None:
+    """Connect this module to the workers' app and to every worker signal (once)."""
+    _process.app = app
+    app.on_configure.connect(_configure, sender=app, weak=False)
+    for signal, handler in (
+        (worker_init, _on_worker_init),
+        (celeryd_after_setup, _on_after_setup),
+        (worker_process_init, _on_child_start),
+        (worker_process_shutdown, _on_child_exit),
+        (task_prerun, _on_task_start),
+        (task_postrun, _on_task_end),
+        (worker_shutting_down, _on_shutting_down),
+        (worker_shutdown, _on_shutdown),
+    ):
+        signal.connect(handler, weak=False, dispatch_uid=f"stoker.lifecycle.{handler.__name__}")
+
+
+def settings() -> WorkerSettings:
+    """This process's settings, read once (when Celery configures the app, or at setup if that came first)."""
+    if _process.settings is None:
+        _process.settings = WorkerSettings()
+    return _process.settings
+
+
+def setup(kind: str) -> WorkerContext:
+    """Build this process's context, and start tracing and CPU accounting for a worker of this kind."""
+    if _process.app is None:
+        raise RuntimeError("tasks.lifecycle.wire(app) must run before setup")
+    ctx = _process.context = WorkerContext(settings(), CeleryOutbox(_process.app))
+    _process.main_pid = os.getpid()
+    if setup_tracing(f"stoker-{kind}", ctx.settings.trace_exporter, ctx.settings.trace_file):
+        instrument_celery()  # before the pool forks: children inherit the provider and the instrumentation
+    account_cpu(ctx.store, kind)
+    return ctx
+
+
+def start(ctx: WorkerContext, queues: set[str]) -> None:
+    """Load what this worker's queues need before the first message arrives, so no task pays for it."""
+    started = time.perf_counter()
+    if "tokenize" in queues:
+        ctx.cache.publish_context(ctx.pipeline_context())  # the API can tokenize cheap jobs from now on
+    if "ocr" in queues:
+        _ = ctx.tesseract
+    if SYNC_QUEUE in queues:
+        ctx.pipeline_context()  # the sync worker runs every stage, tokenize included
+        _ = ctx.tesseract
+    if {"infer", SYNC_QUEUE} & queues:
+        _start_device(ctx, consume="infer" in queues)
+    log.info("worker resources preloaded in %.1fs", time.perf_counter() - started)
+    _serve_metrics(ctx.settings)
+
+
+def shutdown() -> None:
+    """A clean stop: the inference consumer's messages go back to the queue, and it stops beating."""
+    if _process.feeder is not None:
+        _process.feeder.give_back()
+
+
+def _start_device(ctx: WorkerContext, consume: bool) -> None:
+    """The model, its watchdog and the device monitor; with `consume`, the inference consumer too."""
+    s = ctx.settings
+    _ = ctx.predictor
+    dog = _process.watchdog = BatchWatchdog(
+        s.infer_batch_timeout_s, s.infer_wedge_grace_s, lambda batch: _fail_overdue(ctx, batch), _replace_worker
+    )
+    dog.watch()
+    watch_device(ctx.device_clock, ctx.outbox, s.device_sample_s)
+    if consume:
+        policy = BatchPolicy(
+            max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_s=s.max_wait_ms / 1000
+        )
+        _process.feeder = Feeder(ctx, policy, dog)
+        _process.feeder.start()
+
+
+def _fail_overdue(ctx: WorkerContext, batch: RunningBatch) -> None:
+    fail_overdue(ctx, batch, watchdog().budget_s)
+
+
+def _replace_worker(batch: RunningBatch) -> None:
+    """The device is wedged: hand the queued messages back and exit, so a fresh process takes over (the batch on
+    the device is acked: the watchdog already ended its jobs)."""
+    try:
+        if _process.feeder is not None:
+            _process.feeder.give_back(wedged=True)
+    finally:
+        logging.shutdown()
+        os._exit(WEDGED_EXIT)
+
+
+def _serve_metrics(s: WorkerSettings) -> None:
+    """The worker's parent serves the merged metrics of its pool."""
+    try:
+        serve_worker_metrics(s.metrics_port, s.prometheus_multiproc_dir, s.metrics_host)
+    except OSError as exc:  # a port in use must not take the worker down
+        log.warning("metrics port %s unavailable: %s", s.metrics_port, exc)
+
+
+# -- the signals ----------------------------------------------------------------------------------------------
+def _configure(sender: Celery, **_: Any) -> None:
+    configure(sender, settings())
+
+
+def _on_worker_init(**_: Any) -> None:
+    setup(settings().worker_kind)
+
+
+def _on_after_setup(sender: str, instance: Any, **_: Any) -> None:
+    start(context(), set(instance.app.amqp.queues.consume_from or {}))
+
+
+def _on_child_start(**_: Any) -> None:
+    """Each CPU and ASR pool child gets an address-space cap, so a decompression bomb (an image, or media whose
+    decode balloons) fails alone instead of taking the host's memory."""
+    s = context().settings
+    cap = {"cpu": s.cpu_address_space_mb, "ocr": s.cpu_address_space_mb, "asr": s.asr_address_space_mb}
+    if cap.get(s.worker_kind):
+        cap_address_space(cap[s.worker_kind])
+
+
+def _on_child_exit(pid: int | None = None, **_: Any) -> None:
+    """A pool child exits: its live gauges leave the merged view."""
+    if pid:
+        forget_process(pid, context().settings.prometheus_multiproc_dir)
+
+
+def _on_task_start(task_id: str | None = None, **_: Any) -> None:
+    """A prefork pool child counts the CPU of each task it runs (the parent counts its own)."""
+    if task_id and _process.main_pid is not None and os.getpid() != _process.main_pid:
+        _process.task_cpu[task_id] = cpu_seconds(children=True)
+
+
+def _on_task_end(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    ctx = context()
+    started = _process.task_cpu.pop(task_id or "", None)
+    if started is not None:
+        count_cpu(ctx.store, ctx.settings.worker_kind, cpu_seconds(children=True) - started)
+    _count_drained(ctx, task)
+
+
+def _count_drained(ctx: WorkerContext, task: Any) -> None:
+    """Count every stage message done with, per queue: the API derives drain rates (and Retry-After) from it."""
+    if task is None or task.name == "stoker.infer":  # the inference consumer counts whole batches itself
+        return
+    queue = (task.request.delivery_info or {}).get("routing_key")
+    if not queue:
+        return
+    try:
+        ctx.store.stats.count_drained(str(queue))
+    except redis.RedisError:
+        log.warning("could not count a drained %s message", queue)
+
+
+def _on_shutting_down(**_: Any) -> None:
+    shutdown()
+
+
+def _on_shutdown(**_: Any) -> None:
+    """Everything is stopped: the interpreter's last garbage collections over a loaded model (seconds on a busy
+    host) would only free memory the process gives back anyway, so its objects are frozen out of them. A worker
+    told to stop, or orphaned by its supervisor, is then gone in a moment."""
+    gc.freeze()

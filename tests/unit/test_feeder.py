@@ -1,0 +1,323 @@
+"""The inference consumer over an in-memory store, a fake predictor and fake messages: no Redis, no Celery.
+
+What is real is the feeder itself (its collector, device, writer and errand threads), the batching policy, and how
+batches are loaded, run and written; the fakes stand at stoker's own seams (the store's repositories, the
+`Predictor` hook contract, the `Message` a receiver hands over, the `Outbox`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from stoker.adapters.store.jobs import Ending, Pending
+from stoker.core.batching import BatchPolicy
+from stoker.core.jobs import ErrorInfo, Job
+from stoker.core.model import ModelRequest, Prediction
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.feeder import Feeder
+from stoker.runtime.watchdog import BatchWatchdog
+from stoker.settings import WorkerSettings
+from workers.procs import wait_for
+
+WAIT_S = 10.0
+
+
+class MemoryJobs:
+    """The job repository as the consumer uses it: pending jobs, endings, stamps and cancellations, in memory."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, Pending] = {}
+        self.ended: dict[str, Ending] = {}
+        self.loads: list[list[str]] = []
+        self.started: dict[str, float] = {}
+        self.cancelled: queue.Queue[str] = queue.Queue()
+        self._lock = threading.Lock()
+
+    def load_pending(self, job_ids: Sequence[str]) -> dict[str, Pending | None]:
+        with self._lock:
+            self.loads.append(list(job_ids))
+            return {j: None if j in self.ended else self.pending.get(j) for j in job_ids}
+
+    def finish(self, job_id: str, status: Any, error: ErrorInfo | None = None, **_: Any) -> bool:
+        return self.finish_many([Ending(job_id, "default", status, error=error)])[0]
+
+    def finish_many(self, endings: Sequence[Ending]) -> list[bool]:
+        with self._lock:
+            fresh = [e.job_id not in self.ended for e in endings]
+            for ending, new in zip(endings, fresh, strict=True):
+                if new:
+                    self.ended[ending.job_id] = ending
+            return fresh
+
+    def stamp_many(self, job_ids: Sequence[str], name: str, at: float) -> None:
+        for job_id in job_ids:
+            self.started[job_id] = at
+
+    @contextlib.contextmanager
+    def cancellations(self) -> Iterator[Any]:
+        yield self
+
+    def get_message(self, ignore_subscribe_messages: bool, timeout: float) -> dict[str, bytes] | None:
+        try:
+            return {"data": self.cancelled.get(timeout=timeout).encode()}
+        except queue.Empty:
+            return None
+
+
+class MemoryConsumers:
+    """Which jobs each consumer holds, and whether it left."""
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+        self.left = False
+
+    def hold(self, consumer: str, job_ids: Iterable[str]) -> None:
+        self.held |= set(job_ids)
+
+    def release(self, consumer: str, job_ids: Iterable[str]) -> None:
+        self.held -= set(job_ids)
+
+    def beat(self, consumer: str, ttl_s: float) -> None:
+        pass
+
+    def leave(self, consumer: str) -> None:
+        self.left = True
+
+
+class MemoryStats:
+    """Counters the consumer writes."""
+
+    def __init__(self) -> None:
+        self.drained = 0
+        self.batches: list[tuple[int, int]] = []
+
+    def count_drained(self, queue: str, n: int = 1) -> None:
+        self.drained += n
+
+    def device_started(self, at: float) -> None:
+        pass
+
+    def record_batch(self, queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1) -> None:
+        self.batches.append((size, calls))
+
+
+class MemoryStore:
+    """The store's repositories the inference consumer touches."""
+
+    def __init__(self) -> None:
+        self.jobs = MemoryJobs()
+        self.consumers = MemoryConsumers()
+        self.stats = MemoryStats()
+
+
+class GatedPredictor:
+    """A predictor that answers each prompt with its own text; with `gated`, each call waits until let through, so
+    a test decides how long a batch stays on the device. A prompt of "bad" breaks any call it is in."""
+
+    name = "fake"
+    mixes_sampling = True
+
+    def __init__(self, gated: bool = False) -> None:
+        self.gated = gated
+        self.calls: list[list[str]] = []
+        self.on_device = threading.Event()
+        self.gate = threading.Event()
+
+    def setup(self, device: str) -> None:
+        pass
+
+    def batch(self, requests: Sequence[ModelRequest]) -> list[str]:
+        return [r.messages[0]["content"] for r in requests]
+
+    def predict(self, batch: list[str]) -> list[str]:
+        self.calls.append(batch)
+        self.on_device.set()
+        if self.gated and not self.gate.wait(WAIT_S):
+            raise TimeoutError("the test never let the batch through")
+        if "bad" in batch:
+            raise RuntimeError("the model broke on this batch")
+        return batch
+
+    def unbatch(self, output: list[str]) -> list[Prediction]:
+        return [Prediction(text=f"answer to {text}", prompt_tokens=1, completion_tokens=1) for text in output]
+
+
+class FakeMessage:
+    """A broker message as Celery's request behaves: the first ack or reject settles it, later ones do nothing."""
+
+    def __init__(self, job_id: str, deadline: float | None = None) -> None:
+        self.id = f"task-{job_id}"
+        self.kwargs = {"job_id": job_id, "prompt_tokens": 1, "deadline": deadline}
+        self.settled: str | None = None
+        self.times_settled = 0
+
+    def acknowledge(self) -> None:
+        self._settle("acked")
+
+    def reject(self, requeue: bool = False) -> None:
+        self._settle("requeued" if requeue else "rejected")
+
+    def _settle(self, how: str) -> None:
+        self.times_settled += 1
+        if self.settled is None:
+            self.settled = how
+
+
+class NoOutbox:
+    """The consumer sends nothing through the broker."""
+
+    def enqueue_inference(self, job_id: str, prompt_tokens: int | None, deadline: float | None) -> None:
+        raise AssertionError("the consumer never enqueues")
+
+    def send_callback(self, job_id: str) -> None:
+        raise AssertionError("the consumer never sends callbacks")
+
+    def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
+        raise AssertionError("the consumer never reads queue depths")
+
+
+class Consumer:
+    """A started feeder over the in-memory store, and what it was built from."""
+
+    def __init__(self, predictor: GatedPredictor, max_batch_size: int) -> None:
+        self.store = MemoryStore()
+        self.predictor = predictor
+        ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=self.store, predictor=predictor)
+        policy = BatchPolicy(max_batch_size=max_batch_size, max_batch_tokens=10_000, max_wait_s=0.0)
+        watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
+        self.feeder = Feeder(ctx, policy, watchdog)
+        self.feeder.start()
+
+    def arrive(self, *job_ids: str, deadline: float | None = None) -> list[FakeMessage]:
+        """Jobs handed over by preprocessing, and their messages arriving at the consumer."""
+        for job_id in job_ids:
+            self.store.jobs.pending[job_id] = _pending(job_id, deadline)
+        messages = [FakeMessage(job_id, deadline) for job_id in job_ids]
+        self.feeder.add(messages)
+        return messages
+
+    def until(self, check: Any, what: str) -> None:
+        wait_for(check, WAIT_S, what, [])
+
+
+def _pending(job_id: str, deadline: float | None) -> Pending:
+    job = Job(id=job_id, status="inferring", prompt=job_id, inputs=[])
+    request = ModelRequest(prompt_ids=[1], messages=[{"role": "user", "content": job_id}])
+    return Pending(job=job, request=request, preprocessed=time.time(), deadline=deadline, trace=None)
+
+
+@pytest.fixture
+def consumers() -> Iterator[list[Consumer]]:
+    """Consumers a test starts; each is stopped afterwards the way a worker stops it."""
+    started: list[Consumer] = []
+    yield started
+    for consumer in started:
+        consumer.predictor.gate.set()
+        consumer.feeder.give_back()
+
+
+def _consumer(consumers: list[Consumer], predictor: GatedPredictor, max_batch_size: int) -> Consumer:
+    consumer = Consumer(predictor, max_batch_size)
+    consumers.append(consumer)
+    return consumer
+
+
+def test_the_next_batch_is_loaded_while_one_runs(consumers: list[Consumer]) -> None:
+    c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=2)
+    first = c.arrive("a", "b")
+    c.until(c.predictor.on_device.is_set, "the first batch on the device")
+    second = c.arrive("c", "d")
+    c.until(lambda: ["c", "d"] in c.store.jobs.loads, "the second batch loaded")
+    assert c.predictor.calls == [["a", "b"]]  # loaded while the first batch is still on the device
+    assert not c.store.jobs.ended
+    c.predictor.gate.set()
+    c.until(lambda: len(c.store.jobs.ended) == 4, "every job ended")
+    assert c.predictor.calls == [["a", "b"], ["c", "d"]]
+    assert {j: e.result.text for j, e in c.store.jobs.ended.items() if e.result} == {
+        j: f"answer to {j}" for j in "abcd"
+    }
+    assert [m.settled for m in first + second] == ["acked"] * 4
+    c.until(lambda: not c.store.consumers.held, "every job released")
+
+
+def test_jobs_whose_deadline_passed_never_reach_the_model(consumers: list[Consumer]) -> None:
+    c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=1)
+    running = c.arrive("running")
+    c.until(c.predictor.on_device.is_set, "a batch on the device")
+    late_on_arrival = c.arrive("late", deadline=time.time() - 1)
+    soon = time.time() + 0.5
+    waits_for_device = c.arrive("soon", deadline=soon)
+    c.until(lambda: ["soon"] in c.store.jobs.loads, "the next batch loaded before its deadline")
+    c.until(lambda: time.time() > soon, "its deadline passed while the device was busy")
+    c.predictor.gate.set()
+    c.until(lambda: len(c.store.jobs.ended) == 3, "every job ended")
+    assert c.predictor.calls == [["running"]]
+    for job_id in ("late", "soon"):
+        error = c.store.jobs.ended[job_id].error
+        assert error is not None
+        assert (error.code, error.stage) == ("deadline_exceeded", "infer_queue")
+    assert c.store.jobs.ended["running"].status == "succeeded"
+    assert [m.settled for m in running + late_on_arrival + waits_for_device] == ["acked"] * 3
+    assert c.store.stats.drained == 2  # the two dropped messages are done with, as drained
+
+
+def test_a_failing_batch_is_retried_one_by_one_so_only_the_bad_item_fails(consumers: list[Consumer]) -> None:
+    c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=3)
+    c.arrive("first")
+    c.until(c.predictor.on_device.is_set, "a batch on the device")
+    messages = c.arrive("good", "bad", "fine")  # they wait together for the device
+    c.until(lambda: ["good", "bad", "fine"] in c.store.jobs.loads, "the batch loaded")
+    c.predictor.gate.set()
+    c.until(lambda: len(c.store.jobs.ended) == 4, "every job ended")
+    assert c.predictor.calls[1:] == [["good", "bad", "fine"], ["good"], ["bad"], ["fine"]]
+    ended = c.store.jobs.ended
+    assert {j: ended[j].status for j in ("good", "bad", "fine")} == {
+        "good": "succeeded",
+        "bad": "failed",
+        "fine": "succeeded",
+    }
+    error = ended["bad"].error
+    assert error is not None
+    assert error.code == "inference_failed"
+    assert c.store.stats.batches[1] == (3, 4)  # one batch, four backend calls
+    assert [m.settled for m in messages] == ["acked"] * 3
+
+
+@pytest.mark.parametrize(("wedged", "running_settles"), [(False, "requeued"), (True, "acked")])
+def test_stopping_with_a_batch_on_the_device_hands_every_message_back(
+    consumers: list[Consumer], wedged: bool, running_settles: str
+) -> None:
+    c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=1)
+    running = c.arrive("running")
+    c.until(c.predictor.on_device.is_set, "a batch on the device")
+    prepared = c.arrive("prepared")
+    c.until(lambda: ["prepared"] in c.store.jobs.loads, "the next batch prepared")
+    waiting = c.arrive("waiting")  # behind the prepared batch: nothing has room for it yet
+    c.feeder.give_back(wedged=wedged)
+    assert running[0].settled == running_settles
+    assert [m.settled for m in prepared + waiting] == ["requeued", "requeued"]
+    assert c.store.consumers.left
+    c.predictor.gate.set()  # the batch comes back after the stop: nothing more is done with its message
+    c.until(lambda: "running" in c.store.jobs.ended, "the running batch written")
+    assert c.predictor.calls == [["running"]]
+    assert "prepared" not in c.store.jobs.ended
+    assert "waiting" not in c.store.jobs.ended
+
+
+def test_a_context_refuses_a_member_it_does_not_have() -> None:
+    with pytest.raises(TypeError, match="predictr"):
+        WorkerContext(WorkerSettings(), NoOutbox(), predictr=GatedPredictor())
+
+
+def test_a_given_member_is_used_and_no_other_is_built() -> None:
+    store = MemoryStore()
+    ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=store)
+    assert ctx.store is store
+    assert "predictor" not in vars(ctx)  # built only when asked for: only the inference worker loads a model
