@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import uuid
 from typing import Any
 
 import pytest
@@ -101,7 +102,9 @@ def test_unknown_job_is_404(client: TestClient) -> None:
 
 
 def test_wait_over_the_limit_is_rejected(client: TestClient) -> None:
-    response = client.get("/v1/jobs/anything", params={"wait": 31})
+    response = client.get(
+        f"/v1/jobs/{uuid.uuid4().hex}", params={"wait": 31}
+    )  # a well-formed id: a malformed one is 404
     assert response.status_code == 422
     assert response.json()["error"]["code"] == "invalid_request"
 
