@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from stoker.core.jobs import MAX_RECORD_BYTES
 from stoker.core.tenancy import TenantLimits
 from stoker.core.urls import Allowlist
 
@@ -64,7 +65,7 @@ class CommonSettings(BaseSettings):
     redis_key_file: Path | None = Field(None, description="For `rediss://` URLs: the client certificate's key.")
     job_ttl_s: int = Field(86400, ge=60, description="How long a job record lives after it was accepted.")
     max_record_bytes: int = Field(
-        1 * MiB,
+        MAX_RECORD_BYTES,
         ge=64 * 1024,
         description="The most a job's record may hold when it is created (prompt, chat, parameters, inputs' "
         "records): every field a client sends is stored with its job for `job_ttl_s`, so none may make the record "

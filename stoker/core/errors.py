@@ -296,6 +296,20 @@ class TransientError(StokerError):
     code = "transient_error"
     permanent = False
     http_status = 503
+    #: When to come back (the Retry-After header of an answer): each kind's default, or what the raiser knows.
+    retry_after_s: int = 5
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        retry_after_s: int | None = None,
+        stage: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message, stage=stage, param=param)
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
 
 class Overloaded(TransientError):
@@ -304,20 +318,13 @@ class Overloaded(TransientError):
     code = "overloaded"
     http_status = 429
 
-    def __init__(self, message: str | None = None, *, retry_after_s: int = 5, stage: str | None = None) -> None:
-        super().__init__(message, stage=stage)
-        self.retry_after_s = retry_after_s
-
 
 class TenantLimited(TransientError):
     """This tenant is over one of its limits: come back after Retry-After seconds."""
 
     code = "tenant_limited"
     http_status = 429
-
-    def __init__(self, message: str | None = None, *, retry_after_s: int = 1, stage: str | None = None) -> None:
-        super().__init__(message, stage=stage)
-        self.retry_after_s = retry_after_s
+    retry_after_s = 1
 
 
 class RateLimited(TenantLimited):
@@ -354,10 +361,6 @@ class StoreFull(TransientError):
     """The job store is nearly full: new jobs wait until running ones end and free their inputs."""
 
     code = "store_full"
-
-    def __init__(self, message: str | None = None, *, retry_after_s: int = 5, stage: str | None = None) -> None:
-        super().__init__(message, stage=stage)
-        self.retry_after_s = retry_after_s
 
 
 class IdempotencyKeyInUse(TransientError):

@@ -27,6 +27,9 @@ JOB_ID = re.compile(r"[0-9a-f]{32}")
 QUEUE_SUFFIX = "_queue"
 
 #: Timestamps a job collects on its way, in order (seconds since the epoch).
+#: The most a job's record may hold when it is created, unless a deployment sets otherwise (`max_record_bytes`).
+MAX_RECORD_BYTES = 1 << 20
+
 STAMPS = ("accepted", "started", "preprocessed", "infer_start", "infer_end", "done")
 
 

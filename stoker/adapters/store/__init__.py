@@ -17,6 +17,7 @@ from stoker.adapters.store.jobs import JobRepository
 from stoker.adapters.store.stats import StatsRepository
 from stoker.adapters.store.tenants import TenantRepository
 from stoker.adapters.store.watch import Watchlist
+from stoker.core.jobs import MAX_RECORD_BYTES
 from stoker.settings import CommonSettings
 
 
@@ -39,7 +40,7 @@ class Store:
 
     @classmethod
     def over(
-        cls, client: redis.Redis[bytes], *, blob_ttl_s: int, job_ttl_s: int, max_record_bytes: int = 1 << 20
+        cls, client: redis.Redis[bytes], *, blob_ttl_s: int, job_ttl_s: int, max_record_bytes: int = MAX_RECORD_BYTES
     ) -> Store:
         """Every repository over one client."""
         return cls(

@@ -31,6 +31,7 @@ from stoker.adapters.store.tenants import DROP_JOB, tenant_keys
 from stoker.core.deadlines import Deadline
 from stoker.core.errors import RecordTooLarge
 from stoker.core.jobs import (
+    MAX_RECORD_BYTES,
     STAMPS,
     TERMINAL,
     BatchInfo,
@@ -149,7 +150,7 @@ class Ending:
 class JobRepository:
     """One hash per job (`keys.job_key`), its model request, and its place on the reaper's watch list."""
 
-    def __init__(self, client: redis.Redis[bytes], *, ttl_s: int, max_record_bytes: int = 1 << 20) -> None:
+    def __init__(self, client: redis.Redis[bytes], *, ttl_s: int, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         self.redis = client
         self.ttl_s = ttl_s
         self.max_record_bytes = max_record_bytes
@@ -210,7 +211,7 @@ class JobRepository:
 
     def _check_size(self, fields: dict[str | bytes, str | bytes | float | int]) -> None:
         size = sum(
-            len(str(name)) + len(value if isinstance(value, (str, bytes)) else repr(value))
+            len(str(name)) + len(value if isinstance(value, bytes) else str(value).encode())
             for name, value in fields.items()
         )
         if size > self.max_record_bytes:
