@@ -88,7 +88,9 @@ def _tesseracts() -> list[int]:
 
 
 #: A dense page: tesseract needs seconds for it, long enough to cancel while it reads.
-SLOW_PAGE = text_image(" ".join(f"LINE{n}" for n in range(60)), size=(3000, 2200), font_size=40)
+SLOW_PAGE = text_image(
+    "\n".join(" ".join(f"LINE{row}W{n}" for n in range(14)) for row in range(20)), size=(3000, 2200), font_size=40
+)  # 20 dense lines: about 2 s of tesseract (one line of 60 words read in 0.6 s, shorter than a cancel's round trip)
 
 
 def test_cancelling_a_job_while_its_ocr_runs(api: Callable[..., TestClient], job_store: Store) -> None:
