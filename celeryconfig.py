@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stoker.adapters.broker import declare_queues, transport_options
+from stoker.adapters.broker import declare_queues, redis_transport, transport_options
 from stoker.core.queues import CALLBACK_QUEUE
 from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
 
@@ -50,8 +50,11 @@ result_backend_always_retry = True
 result_backend_max_retries = 30
 result_backend_max_sleep_between_retries_ms = 1000
 task_track_started = True
-worker_send_task_events = True
-task_send_sent_event = True
+# Task events only while someone watches: Flower turns them on in every worker while it runs (its `enable_events`,
+# every few seconds), so a stack without Flower does not pay for an event per task. And no task-sent event per
+# publish: it cost the API more CPU than the publish itself; Flower sees each task from task-received on.
+worker_send_task_events = False
+task_send_sent_event = False
 worker_hijack_root_logger = False
 
 
@@ -67,6 +70,8 @@ def connection(s: CommonSettings) -> dict[str, Any]:
         # One queue per stage, so each can be watched and scaled on its own (quorum queues on RabbitMQ).
         "task_queues": declare_queues(s.broker_url),
         "broker_transport_options": transport_options(s.broker_url, s.visibility_timeout_s),
+        # On Redis, kombu's transport with one client per pool (`stoker.adapters.broker.RedisChannel`).
+        "broker_transport": redis_transport(s.broker_url),
     }
 
 

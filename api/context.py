@@ -75,8 +75,9 @@ def context_of(app: FastAPI) -> ApiContext:
     return context
 
 
-def api_context(request: Request) -> ApiContext:
-    """The context of the app serving this request: a FastAPI dependency."""
+async def api_context(request: Request) -> ApiContext:
+    """The context of the app serving this request: a FastAPI dependency (async: FastAPI runs a plain `def`
+    dependency in its thread pool, a hop per request for one attribute read)."""
     return context_of(request.app)
 
 

@@ -31,12 +31,13 @@ router = APIRouter()
 MAX_WAIT_S = 30.0
 
 
-def job_id_of_path(job_id: str) -> str:
+async def job_id_of_path(job_id: str) -> str:
     """The path's job id, when it has the shape of one (32 lowercase hex digits, as intake makes them).
 
     Anything else is answered exactly like an unknown job (404 `job_not_found`), before any store call: an id such
     as `<id>:tokens` would otherwise name another key of that job in Redis, and how that read fails would tell a
-    live job of another tenant from an unknown one."""
+    live job of another tenant from an unknown one. Async, so FastAPI checks it on the loop, not in its thread
+    pool."""
     if not JOB_ID.fullmatch(job_id):
         raise JobNotFound(f"no job {job_id}")
     return job_id

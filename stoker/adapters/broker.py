@@ -1,4 +1,5 @@
-"""Reading the broker's queues: how deep each one is, over any kombu transport (Redis, RabbitMQ)."""
+"""The broker: its queues' declarations and depths over any kombu transport (Redis, RabbitMQ), and the Redis
+transport every stoker process's Celery app uses on a Redis broker."""
 
 from __future__ import annotations
 
@@ -8,11 +9,39 @@ from typing import Any
 
 from kombu.connection import Connection
 from kombu.entity import Queue
+from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from stoker.core.queues import CALLBACK_QUEUE, QUEUES, SYNC_QUEUE
 
 log = logging.getLogger(__name__)
+#: The Celery app's `broker_transport` on a Redis broker (`celeryconfig.connection`).
+REDIS_TRANSPORT = "stoker.adapters.broker:RedisTransport"
+
+
+class RedisChannel(kombu_redis.Channel):
+    """kombu's Redis channel, with one client per connection pool instead of a new one for every command.
+
+    kombu builds a fresh `redis.Redis` (whose constructor fills a table of a few hundred response callbacks) for
+    each publish, each message's place in the unacked index, each ack: with redis-py 5+ that was the largest single
+    CPU cost of the inference worker per job, and a part of every publish of the API. A client over a pool is safe
+    to share between threads (each command takes a connection from the pool), so one per pool serves them all;
+    when kombu replaces its pool (after a connection error), a new client is made for the new pool."""
+
+    def _create_client(self, asynchronous: bool = False) -> Any:
+        if asynchronous:
+            return super()._create_client(asynchronous=True)  # type: ignore[no-untyped-call]
+        pool = self.pool
+        client = self.__dict__.get("_shared_client")
+        if client is None or client.connection_pool is not pool:
+            client = self.__dict__["_shared_client"] = super()._create_client()  # type: ignore[no-untyped-call]
+        return client
+
+
+class RedisTransport(kombu_redis.Transport):
+    """kombu's Redis transport over `RedisChannel`."""
+
+    Channel = RedisChannel
 
 
 def queue_depths(connection: Connection, names: Iterable[str] = QUEUES) -> dict[str, int]:
@@ -56,6 +85,11 @@ def _close_quietly(channel: Any) -> None:
         channel.close()
     except Exception:  # already closed by the broker, or the connection is gone: nothing left to release
         log.debug("closing a depth channel failed", exc_info=True)
+
+
+def redis_transport(broker_url: str) -> str | None:
+    """The Celery app's `broker_transport` for this broker: stoker's on plain Redis, kombu's choice otherwise."""
+    return REDIS_TRANSPORT if broker_url.split("://", 1)[0] in ("redis", "rediss") else None
 
 
 def is_amqp(broker_url: str) -> bool:
