@@ -12,9 +12,10 @@ from kombu.connection import Connection
 
 from api.app import create_app
 from api.pressure import QueueMonitor
-from stoker.adapters.broker import queue_depths
+from stoker.adapters.broker import RedisChannel, queue_depths
 from stoker.adapters.store import Store
 from stoker.settings import ApiSettings
+from tasks.app import make_app
 from tests.conftest import missing
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_rabbitmq import AMQP_URL, _rabbit_answers
@@ -73,3 +74,18 @@ def test_depths_over_amqp_leave_no_channel_open() -> None:
             depths = queue_depths(connection, never)
         assert len(connection.connection.channels) == before
     assert depths == dict.fromkeys(never, 0)
+
+
+def test_the_celery_app_publishes_over_one_redis_client_per_pool(broker_url: str) -> None:
+    app = make_app(ApiSettings(broker_url=broker_url))
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        assert isinstance(channel, RedisChannel)
+        client = channel._create_client()
+        for n in range(3):
+            app.send_task("stoker.infer", kwargs={"job_id": f"j{n}"}, connection=connection)
+        assert channel._create_client() is client  # not a new redis.Redis per command
+        assert redis.Redis.from_url(broker_url).llen("infer") == 3
+        channel._pool = None  # what kombu does after a connection error: a new pool, and a client over it
+        assert channel._create_client() is not client
+        assert channel._create_client().connection_pool is channel.pool

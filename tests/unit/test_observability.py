@@ -7,7 +7,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI, HTTPException
+from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
 
+from api.app import RequestTimer
 from stoker.adapters.client import waterfall
 from stoker.adapters.metrics import DeviceClock, JobCounts, serve_api_metrics, serve_worker_metrics
 from stoker.core.jobs import ErrorInfo, InputRecord, Job, preprocess_share
@@ -122,3 +126,23 @@ def test_a_workers_metrics_listener_binds_to_the_metrics_host_only(tmp_path: Pat
     finally:
         stop()
     assert serve_worker_metrics(0, tmp_path, "127.0.0.1") is None  # turned off
+
+
+def test_request_latency_is_observed_by_route_template_and_status() -> None:
+    app = FastAPI()
+    app.add_middleware(RequestTimer)
+
+    @app.get("/things/{thing}")
+    async def thing(thing: str) -> dict[str, str]:
+        if thing == "missing":
+            raise HTTPException(404)
+        return {"thing": thing}
+
+    def count(status: str) -> float:
+        labels = {"method": "GET", "route": "/things/{thing}", "status": status}
+        return REGISTRY.get_sample_value("stoker_api_request_duration_seconds_count", labels) or 0.0
+
+    before = count("200"), count("404")
+    with TestClient(app) as client:
+        assert [client.get(f"/things/{n}").status_code for n in ("a", "b", "missing")] == [200, 200, 404]
+    assert (count("200") - before[0], count("404") - before[1]) == (2.0, 1.0)
