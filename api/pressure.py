@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -13,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from stoker.adapters.broker import queue_depths, transport_options
 from stoker.adapters.store import Store
+from stoker.core.pacing import Pace
 from stoker.core.pressure import DrainMeter, QueueState, Refusal, StoreMemory, admit, drain_rate
 from stoker.core.queues import CPU_QUEUES, QUEUES, SYNC_QUEUE
 from stoker.settings import ApiSettings
@@ -31,7 +33,9 @@ class Snapshot:
 
 
 class QueueMonitor:
-    """Samples queue depths (from the broker) and drain counters (from the store) every `interval_s`."""
+    """Samples queue depths (from the broker) and drain counters (from the store) every `interval_s`; while every
+    queue stays empty and no job is submitted, less and less often (up to `idle_max_wait_s`, well within `stale_s`),
+    until a submission (`touch`) or a queue that moves brings it back to `interval_s`."""
 
     def __init__(self, settings: ApiSettings, store: Store, interval_s: float = 0.5, stale_s: float = 5.0) -> None:
         self.settings = settings
@@ -43,6 +47,9 @@ class QueueMonitor:
         self.memory: StoreMemory | None = None
         self._connection: Connection | None = None
         self._lock = threading.Lock()  # the background loop and /v1/stats may sample at once
+        self.pace = Pace(interval_s, min(settings.idle_max_wait_s, stale_s / 2))
+        self._wake: asyncio.Event | None = None  # made in the serving loop, by `run`
+        self._touched = False  # a job was submitted since the last round
         #: The queues new jobs land in and wait behind: the synchronous baseline adds its one queue.
         self.queues = QUEUES if settings.pipeline_mode == "pipeline" else (*QUEUES, SYNC_QUEUE)
 
@@ -90,14 +97,28 @@ class QueueMonitor:
 
     async def run(self) -> None:
         """Sample forever; a failed sample leaves no snapshot (admission then lets the broker decide)."""
+        self._wake = wake = asyncio.Event()
         while True:
+            before = self.latest
             try:
-                await run_in_threadpool(self.sample)
+                after: Snapshot | None = await run_in_threadpool(self.sample)
             except Exception as exc:
                 if self.latest is not None:
                     log.warning("cannot sample the queues: %s", exc)
-                self.latest = None
-            await asyncio.sleep(self.interval_s)
+                self.latest = after = None
+            touched, self._touched = self._touched, False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), self.pace.next_wait(_moving(before, after) or touched))
+            wake.clear()
+
+    def touch(self) -> None:
+        """A job is being submitted (on the serving loop): the monitor keeps its own pace, and one that had slowed
+        down samples now (once: under load it is at its pace already, and a submission wakes nothing)."""
+        self._touched = True
+        if self.pace.slowed:
+            self.pace.reset()
+            if self._wake is not None:
+                self._wake.set()
 
     def fresh(self) -> Snapshot | None:
         """The latest snapshot, if recent enough to act on."""
@@ -130,3 +151,12 @@ class QueueMonitor:
         if self._connection is not None:
             self._connection.release()  # type: ignore[no-untyped-call]
             self._connection = None
+
+
+def _moving(before: Snapshot | None, after: Snapshot | None) -> bool:
+    """Whether the queues show work: anything waiting, or depths that changed between two samples (a failed sample
+    counts as work: the monitor keeps trying at its own pace)."""
+    if before is None or after is None:
+        return True
+    depths = [q.depth for q in after.queues]
+    return any(depths) or depths != [q.depth for q in before.queues]

@@ -111,6 +111,7 @@ async def _within_rate(context: ApiContext, tenant: str) -> None:
 async def _refuse_under_pressure(context: ApiContext) -> None:
     """503 while the job store is nearly full; 429 while a queue is over its limit, with Retry-After from its
     measured drain rate. Nothing written."""
+    context.monitor.touch()  # a monitor that slowed down while nothing happened samples at its own pace again
     full = context.monitor.store_full()
     if full is not None:
         ADMISSIONS.labels("refused").inc()

@@ -282,9 +282,33 @@ def measure(stack: Stack, name: str, send: Send, jobs: int, clients: int) -> dic
         "jobs": load.ok,
         "failed": dict(load.errors),
         "jobs_per_s": round(load.ok / wall, 1),
+        "wall_s": round(wall, 2),
         "cpu_ms_per_job": per_job,
         "stack_ms_per_job": round(sum(per_job.values()), 2),
     }
+
+
+def post_only(http: httpx.Client, n: int) -> bool:
+    """A text-only job through `POST /v1/jobs`, not waited for: the admission path alone."""
+    return http.post("/v1/jobs", data={"prompt": f"Question {n}: what is {n} squared?"}).status_code == 202
+
+
+def admission(stack: Stack, seconds: float, clients: int) -> dict[str, Any]:
+    """`POST /v1/jobs` as fast as `clients` closed-loop clients can send, for `seconds`: accepted jobs per second,
+    and how busy the API process was meanwhile (near 1 core: the API's own CPU is the ceiling)."""
+    before, started = cpu_by_kind(stack.proc.pid), time.monotonic()
+    load = Load(post_only, 10**9, clients)
+    driver = threading.Thread(target=load.run, args=(stack.base,), daemon=True)
+    driver.start()
+    time.sleep(seconds)
+    with load.lock:
+        accepted, load.jobs = load.ok, load.issued
+    wall = time.monotonic() - started
+    spent = delta(before, cpu_by_kind(stack.proc.pid))
+    driver.join()
+    cores = {k: round(v / wall, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v / wall >= 0.01}
+    per_post = round(spent.get("API", 0.0) * 1000 / max(accepted, 1), 2)
+    return {"accepted_per_s": round(accepted / wall, 1), "api_ms_per_post": per_post, "cores": cores}
 
 
 def idle(stack: Stack, seconds: float, settle_s: float = 5.0) -> dict[str, float]:
@@ -394,6 +418,9 @@ def markdown(rows: list[dict[str, Any]], idle_cores: dict[str, float], idle_s: f
         lines.append(f"| {kind} | " + " | ".join(cells) + f" | {idle_cores.get(kind, 0.0):.4f} |")
     totals = [f"**{r['stack_ms_per_job']:.2f}**" for r in rows]
     lines.append("| **stack** | " + " | ".join(totals) + f" | **{sum(idle_cores.values()):.4f}** |")
+    idle_total = sum(idle_cores.values())
+    marginal = [f"{r['stack_ms_per_job'] - idle_total * r['wall_s'] * 1000 / max(r['jobs'], 1):.2f}" for r in rows]
+    lines.append("| stack less its idle cost over the run | " + " | ".join(marginal) + " | |")
     rates = [f"{r['jobs']} jobs, {r['jobs_per_s']}/s" for r in rows]
     lines.append("| (answered, closed loop) | " + " | ".join(rates) + " | |")
     return "\n".join(lines)
@@ -446,6 +473,8 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=60.0, help="how long the idle stack is measured")
     parser.add_argument("--profile-s", type=float, default=15.0, help="py-spy's sampling time (0: no profile)")
     parser.add_argument("--cases", default="text,image,chat", help="of text, image, chat, chat-image")
+    parser.add_argument("--admission-s", type=float, default=0.0, help="POST-only load this long (0: none)")
+    parser.add_argument("--admission-clients", type=int, default=32)
     parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args()
     started = time.monotonic()
@@ -461,13 +490,21 @@ def main() -> None:
         wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
         rows = [measure(stack, name, cases[name], args.jobs, args.clients) for name in wanted]
         idle_cores = idle(stack, args.idle_s)
+        admitted = admission(stack, args.admission_s, args.admission_clients) if args.admission_s > 0 else None
         prof = profile(stack, args.profile_s, args.clients) if args.profile_s > 0 else {"skipped": "--profile-s 0"}
     table = markdown(rows, idle_cores, args.idle_s)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     cmd = "python -m bench.cost " + " ".join(sys.argv[1:])
     text = f"`{cmd}` ({when}, {time.monotonic() - started:.0f} s):\n\n{table}\n\n{profile_markdown(prof)}"
+    if admitted is not None:
+        text += (
+            f"\n\nAdmission, {args.admission_clients} clients posting text jobs for {args.admission_s:.0f} s: "
+            f"{admitted['accepted_per_s']} jobs/s accepted, {admitted['api_ms_per_post']} API CPU ms per POST; "
+            f"cores busy meanwhile: {admitted['cores']}"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cost.json").write_text(json.dumps({"rows": rows, "idle_cores": idle_cores, "profile": prof}, indent=1))
+    facts = {"rows": rows, "idle_cores": idle_cores, "admission": admitted, "profile": prof}
+    (RESULTS / "cost.json").write_text(json.dumps(facts, indent=1))
     (RESULTS / "cost.md").write_text(text + "\n")
     show(rows, idle_cores, args.idle_s)
     print(f"\n{text}")  # plain: markdown must not be wrapped

@@ -37,6 +37,15 @@ class CommonSettings(BaseSettings):
         description="How long input bytes and artefacts live in the store, at the longest (they are deleted when "
         "the last job that uses them ends).",
     )
+    idle_max_wait_s: float = Field(
+        2.0,
+        gt=0,
+        le=4.0,
+        description="While nothing happens, background loops (the API's queue monitor, the reaper, the inference "
+        "consumer's heartbeat and the device monitor) slow down, each up to this many seconds between rounds; the "
+        "first sign of work puts them back to their own pace. At most 4 s: the API acts on queue depths at most 5 s "
+        "old.",
+    )
     cache_url: str = Field(
         "redis://127.0.0.1:6379/2",
         description="Stage-result cache; give it its own Redis with allkeys-lru (the broker and result store keep "

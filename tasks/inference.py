@@ -25,7 +25,8 @@ class Feed(Batches):  # type: ignore[misc]
             feeder().add(arrived)
 
 
-@app.task(base=Feed, name="stoker.infer", flush_every=1, flush_interval=1.0, acks_late=True, ignore_result=True)
+# flush_every=1 flushes on every arrival; the interval's timer is only celery-batches' fallback, so it ticks rarely.
+@app.task(base=Feed, name="stoker.infer", flush_every=1, flush_interval=10.0, acks_late=True, ignore_result=True)
 def infer(requests: list[SimpleRequest]) -> None:
     """Never called: the feeder runs the batches (`Feed._do_flush` hands every message to it)."""
     raise RuntimeError("stoker.infer messages are served by the feeder")

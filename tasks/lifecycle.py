@@ -162,7 +162,7 @@ def _start_device(ctx: WorkerContext, consume: bool) -> None:
         s.infer_batch_timeout_s, s.infer_wedge_grace_s, lambda batch: _fail_overdue(ctx, batch), _replace_worker
     )
     dog.watch()
-    watch_device(ctx.device_clock, ctx.outbox, s.device_sample_s)
+    watch_device(ctx.device_clock, ctx.outbox, s.device_sample_s, s.idle_max_wait_s)
     if consume:
         policy = BatchPolicy(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_s=s.max_wait_ms / 1000

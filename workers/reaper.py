@@ -12,6 +12,7 @@ from types import FrameType
 import redis
 
 from stoker.adapters.store.keys import REAPER_LEASE_KEY
+from stoker.core.pacing import Pace
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.reaping import dispatch_callbacks, reap_once, recover_lost
 from stoker.settings import WorkerSettings
@@ -32,7 +33,8 @@ def run_reaper() -> int:
 
 
 def _reap_until_stopped(ctx: WorkerContext) -> int:
-    """The reaper's loop: lease, reap, beat, until told to stop."""
+    """The reaper's loop: lease, reap, beat, until told to stop. Every `reaper_interval_s` while any job is in
+    flight; while none is, it slows down to `idle_max_wait_s` (a job accepted meanwhile is looked at within that)."""
     settings, store = ctx.settings, ctx.store
     stopping = threading.Event()
 
@@ -43,10 +45,12 @@ def _reap_until_stopped(ctx: WorkerContext) -> int:
     signal.signal(signal.SIGINT, stop)
     ctx.pipeline_context()  # a cut-off tokenizes at once: load the tokenizer now
     token = f"{socket.gethostname()}:{os.getpid()}"
-    lease_s = max(settings.reaper_interval_s * 8, 2.0)
+    pace = Pace(settings.reaper_interval_s, settings.idle_max_wait_s)
+    lease_s = max(settings.reaper_interval_s * 8, pace.max_s * 3, 2.0)  # never lapses between two rounds
     log.info("reaper %s ready (every %.2fs)", token, settings.reaper_interval_s)
     leading = False
     while not stopping.is_set():
+        active = False
         try:
             held = store.leases.take_lease(REAPER_LEASE_KEY, token, lease_s)
             if held != leading:
@@ -56,9 +60,10 @@ def _reap_until_stopped(ctx: WorkerContext) -> int:
                 done = reap_once(ctx) + recover_lost(ctx) + dispatch_callbacks(ctx)
                 if set(done) - {"wait"}:
                     log.info("reaped: %s", dict(done))
+                active = bool(done) or store.watch.watching() > 0
         except redis.RedisError as exc:
             log.warning("reaper cannot reach the store: %s", exc)
         settings.reaper_heartbeat.touch()
-        stopping.wait(settings.reaper_interval_s)
+        stopping.wait(pace.next_wait(active))
     log.info("reaper %s stopped", token)
     return 0

@@ -28,6 +28,7 @@ from dataclasses import replace
 from queue import Empty, Queue
 
 from stoker.core.batching import BatchPolicy, Plan, Waiting, start_at, top_up
+from stoker.core.pacing import Pace
 from stoker.runtime.batches import BatchItem, RanBatch, expire, fail_batch, load_batch, run_batch, write_batch
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.seams import Message
@@ -49,6 +50,9 @@ class Feeder:
         self.policy = policy
         self.watchdog = watchdog
         self.beat_s = beat_s
+        #: The heartbeat's pace: every `beat_s` while the consumer holds jobs, slower while it holds none.
+        self.pace = Pace(beat_s, ctx.settings.idle_max_wait_s)
+        self._beat_now = threading.Event()
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._cond = threading.Condition()
         self._waiting: dict[str, tuple[Waiting, Message]] = {}
@@ -71,6 +75,9 @@ class Feeder:
         collector."""
         try:
             self.ctx.store.consumers.hold(self.consumer, [_job_of(r) for r in requests])
+            if self.pace.slowed:  # its last beat promised life for longer than a death may go unnoticed now
+                self._beat_at_pace(active=True)
+                self._beat_now.set()
         except Exception as exc:  # the store is away: the broker's own redelivery still covers these
             log.warning("could not record held jobs: %s", exc)
         now = time.time()
@@ -96,6 +103,7 @@ class Feeder:
         meanwhile is skipped when it comes back). `wedged`: the batch on the device is acked instead, since the
         watchdog already ended its jobs."""
         self._stopping.set()
+        self._beat_now.set()
         with self._cond:
             running = [i.message for i in self._running + self._written if i.message is not None]
             others = [r for _, r in self._waiting.values()] + [i.message for i in self._prepared if i.message]
@@ -259,12 +267,26 @@ class Feeder:
 
     # -- the heartbeat ------------------------------------------------------------------------------------------
     def _beat(self) -> None:
-        """Every `beat_s`: this consumer lives (the jobs it holds are written as they come and go)."""
+        """Every `beat_s` while it holds jobs, slower and slower while it holds none: this consumer lives (the jobs
+        it holds are written as they come and go). Each beat lasts three of its waits, so it never lapses while the
+        consumer lives; the first jobs after a quiet spell beat at once (`add`), back at `beat_s`."""
         try:
-            self.ctx.store.consumers.beat(self.consumer, ttl_s=self.beat_s * 3)
+            wait = self._beat_at_pace(active=self._holding())
         except Exception as exc:  # the store is away: the next beat tries again
             log.warning("heartbeat failed: %s", exc)
-        self._stopping.wait(self.beat_s)
+            wait = self.beat_s
+        self._beat_now.wait(wait)
+        self._beat_now.clear()
+
+    def _beat_at_pace(self, active: bool) -> float:
+        """Beat for three of the next waits; the next wait."""
+        wait = self.pace.next_wait(active)
+        self.ctx.store.consumers.beat(self.consumer, ttl_s=wait * 3)
+        return wait
+
+    def _holding(self) -> bool:
+        with self._cond:
+            return bool(self._waiting or self._loading or self._prepared or self._running or self._written)
 
     def _release(self, job_ids: list[str]) -> None:
         try:

@@ -11,6 +11,7 @@ import time
 from stoker.adapters.metrics import DEVICE_BUSY_RATIO, QUEUE_DEPTH, STARVATION_SECONDS, DeviceClock
 from stoker.adapters.store import Store
 from stoker.core.jobs import Job
+from stoker.core.pacing import Pace
 from stoker.core.queues import CPU_QUEUES, QUEUES
 from stoker.runtime.seams import Outbox
 
@@ -31,30 +32,38 @@ def sample_depths(outbox: Outbox) -> dict[str, int] | None:
         return None
 
 
-def watch_device(device: DeviceClock, outbox: Outbox, interval_s: float) -> threading.Thread:
+def watch_device(
+    device: DeviceClock, outbox: Outbox, interval_s: float, idle_max_s: float | None = None
+) -> threading.Thread:
     """Sample queue depths, the busy ratio and starvation every interval, in a daemon thread that outlives any
-    failed sample."""
+    failed sample; while the device is idle and every queue empty, less and less often (up to `idle_max_s`)."""
+    pace = Pace(interval_s, idle_max_s or interval_s)
 
-    def sample(span: float) -> None:
+    def sample(span: float) -> bool:
         busy = device.take()
         depths = sample_depths(outbox)
         if depths is None:  # the broker is away: no sample this time
-            return
+            return True
         for queue, depth in depths.items():
             QUEUE_DEPTH.labels(queue).set(depth)
         DEVICE_BUSY_RATIO.set(min(busy / span, 1.0) if span > 0 else 0.0)
-        STARVATION_SECONDS.inc(starved_seconds(span, busy, sum(depths[q] for q in CPU_QUEUES)))
+        # After a quiet spell only the last interval counts: the backlog seen now was not there all along.
+        starved = starved_seconds(min(span, interval_s + busy), busy, sum(depths[q] for q in CPU_QUEUES))
+        STARVATION_SECONDS.inc(starved)
+        return busy > 0 or any(depths.values())
 
     def loop() -> None:
-        last = time.monotonic()
+        last, wait = time.monotonic(), interval_s
         while True:
-            time.sleep(interval_s)
+            time.sleep(wait)
             now = time.monotonic()
             span, last = now - last, now
             try:
-                sample(span)
+                active = sample(span)
             except Exception:
                 log.exception("device sample failed")
+                active = True
+            wait = pace.next_wait(active)
 
     thread = threading.Thread(target=loop, name="device-monitor", daemon=True)
     thread.start()
@@ -104,8 +113,10 @@ def log_job(job: Job) -> None:
 #: Worker kinds whose tasks run in forked pool children (each child counts its own tasks); the others run tasks
 #: in the worker process itself, which then counts everything it and its subprocesses (tesseract) spent.
 PREFORK_KINDS = ("cpu", "ocr", "asr")
-#: How often a worker process adds its own CPU time to the count.
+#: How often a worker process adds its own CPU time to the count, and the least it writes (less waits for the next
+#: sample: an idle process writes once in a while, not every second).
 CPU_SAMPLE_S = 1.0
+CPU_MIN_WRITE_S = 0.01
 
 
 def cpu_seconds(children: bool) -> float:
@@ -136,8 +147,9 @@ def account_cpu(store: Store, kind: str) -> threading.Thread:
         while True:
             time.sleep(CPU_SAMPLE_S)
             now = cpu_seconds(children)
-            count_cpu(store, kind, now - last)
-            last = now
+            if now - last >= CPU_MIN_WRITE_S:
+                count_cpu(store, kind, now - last)
+                last = now
 
     thread = threading.Thread(target=loop, name="cpu-accounting", daemon=True)
     thread.start()

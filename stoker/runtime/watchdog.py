@@ -46,11 +46,13 @@ class BatchWatchdog:
         self.clock = clock
         self._lock = threading.Lock()
         self._batch: RunningBatch | None = None
+        self._begun = threading.Event()  # wakes a watch that sleeps while no batch runs
 
     def begin(self, batch_id: str, job_ids: Sequence[str]) -> None:
         """A batch went onto the device."""
         with self._lock:
             self._batch = RunningBatch(batch_id, tuple(job_ids), self.clock())
+        self._begun.set()
 
     def end(self) -> RunningBatch | None:
         """The batch came back; returns it (its `overdue` says whether its jobs were already failed)."""
@@ -72,6 +74,12 @@ class BatchWatchdog:
                 return "overdue", batch
             return "running", batch
 
+    def wait_for_batch(self, timeout_s: float | None = None) -> bool:
+        """Until a batch begins (one that began since the last wait counts); False if `timeout_s` passed first."""
+        begun = self._begun.wait(timeout_s)
+        self._begun.clear()
+        return begun
+
     def poll(self) -> Verdict:
         """Check once and act."""
         verdict, batch = self.check()
@@ -88,14 +96,18 @@ class BatchWatchdog:
         return verdict
 
     def watch(self, interval_s: float = 0.25) -> threading.Thread:
-        """Poll in a daemon thread for the life of the process."""
+        """Poll in a daemon thread for the life of the process, every interval while a batch runs; while none
+        does, sleep until one begins (an idle device costs no wake-ups)."""
 
         def loop() -> None:
             while True:
                 try:
-                    self.poll()
+                    verdict = self.poll()
                 except Exception:  # the watchdog must outlive any one failure
                     log.exception("watchdog check failed")
+                    verdict = "running"
+                if verdict == "idle":
+                    self.wait_for_batch()
                 time.sleep(interval_s)
 
         thread = threading.Thread(target=loop, name="batch-watchdog", daemon=True)

@@ -77,6 +77,7 @@ class MemoryConsumers:
     def __init__(self) -> None:
         self.held: set[str] = set()
         self.left = False
+        self.beats: list[float] = []  # each beat's time to live
 
     def hold(self, consumer: str, job_ids: Iterable[str]) -> None:
         self.held |= set(job_ids)
@@ -85,7 +86,7 @@ class MemoryConsumers:
         self.held -= set(job_ids)
 
     def beat(self, consumer: str, ttl_s: float) -> None:
-        pass
+        self.beats.append(ttl_s)
 
     def leave(self, consumer: str) -> None:
         self.left = True
@@ -321,3 +322,20 @@ def test_a_given_member_is_used_and_no_other_is_built() -> None:
     ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=store)
     assert ctx.store is store
     assert "predictor" not in vars(ctx)  # built only when asked for: only the inference worker loads a model
+
+
+def test_an_idle_consumer_beats_less_and_less_often_and_at_once_when_jobs_come() -> None:
+    store = MemoryStore()
+    settings = WorkerSettings(idle_max_wait_s=4.0)
+    ctx = WorkerContext(settings, NoOutbox(), store=store, predictor=GatedPredictor())
+    watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
+    feeder = Feeder(ctx, BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.0), watchdog, beat_s=0.5)
+    waits = [feeder._beat_at_pace(active=feeder._holding()) for _ in range(5)]  # the heartbeat's rounds, not started
+    assert waits == [1.0, 2.0, 4.0, 4.0, 4.0]  # nothing held: slower each round, up to idle_max_wait_s
+    assert store.consumers.beats == [3.0, 6.0, 12.0, 12.0, 12.0]  # each beat outlives three of its waits
+    feeder.add([FakeMessage("j1")])
+    assert store.consumers.held == {"j1"}
+    assert store.consumers.beats[-1] == 1.5  # a beat at once, for the pace of a consumer that holds jobs
+    assert feeder._beat_at_pace(active=feeder._holding()) == 0.5  # and it stays there while it holds them
+    feeder.add([FakeMessage("j2")])
+    assert len(store.consumers.beats) == 7  # already at its own pace: no extra beat per arrival

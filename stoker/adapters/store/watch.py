@@ -70,6 +70,10 @@ class Watchlist:
         """Jobs the reaper should look at now."""
         return [raw.decode() for raw in self.redis.zrangebyscore(ACTIVE_KEY, "-inf", now, start=0, num=limit)]
 
+    def watching(self) -> int:
+        """How many jobs the reaper watches (every job that has not ended)."""
+        return int(self.redis.zcard(ACTIVE_KEY))
+
     def watch_next(self, job_id: str, at: float | None) -> None:
         """When the reaper looks at a job again; None forgets it. A job that ended meanwhile stays forgotten."""
         if at is None:
