@@ -53,6 +53,7 @@ class Feeder:
         #: The heartbeat's pace: every `beat_s` while the consumer holds jobs, slower while it holds none.
         self.pace = Pace(beat_s, ctx.settings.idle_max_wait_s)
         self._beat_now = threading.Event()
+        self._arrived = False  # messages came since the last beat
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._cond = threading.Condition()
         self._waiting: dict[str, tuple[Waiting, Message]] = {}
@@ -75,6 +76,7 @@ class Feeder:
         collector."""
         try:
             self.ctx.store.consumers.hold(self.consumer, [_job_of(r) for r in requests])
+            self._arrived = True
             if self.pace.slowed:  # its last beat promised life for longer than a death may go unnoticed now
                 self._beat_at_pace(active=True)
                 self._beat_now.set()
@@ -267,11 +269,12 @@ class Feeder:
 
     # -- the heartbeat ------------------------------------------------------------------------------------------
     def _beat(self) -> None:
-        """Every `beat_s` while it holds jobs, slower and slower while it holds none: this consumer lives (the jobs
+        """Every `beat_s` while jobs come, slower and slower while none comes: this consumer lives (the jobs
         it holds are written as they come and go). Each beat lasts three of its waits, so it never lapses while the
         consumer lives; the first jobs after a quiet spell beat at once (`add`), back at `beat_s`."""
         try:
-            wait = self._beat_at_pace(active=self._holding())
+            arrived, self._arrived = self._arrived, False
+            wait = self._beat_at_pace(active=arrived or self._holding())
         except Exception as exc:  # the store is away: the next beat tries again
             log.warning("heartbeat failed: %s", exc)
             wait = self.beat_s

@@ -339,3 +339,8 @@ def test_an_idle_consumer_beats_less_and_less_often_and_at_once_when_jobs_come()
     assert feeder._beat_at_pace(active=feeder._holding()) == 0.5  # and it stays there while it holds them
     feeder.add([FakeMessage("j2")])
     assert len(store.consumers.beats) == 7  # already at its own pace: no extra beat per arrival
+    with feeder._cond:
+        feeder._waiting.clear()  # both jobs gone (as if answered) before the heartbeat's next round
+    feeder._beat_now.set()  # the round's wait after its beat returns at once
+    feeder._beat()
+    assert store.consumers.beats[-1] == 1.5  # jobs came since its last beat: still at its own pace
