@@ -44,6 +44,7 @@ def server_config(settings: ApiSettings, app: FastAPI | None = None) -> ApiServe
         ws="none",
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_keep_alive=settings.keep_alive_s,
+        access_log=settings.access_log,
         # No `limit_concurrency`: uvicorn counts open connections against it, so connections that trickle their
         # heads would get every other client a 503 until the header timeout closes them.
     )

@@ -327,6 +327,11 @@ class ApiSettings(CommonSettings):
         "kept-alive connection); a later one is answered 408 `request_timeout` and closed.",
     )
     keep_alive_s: int = Field(5, ge=1, description="An idle kept-alive connection is closed after this long.")
+    access_log: bool = Field(
+        False,
+        description="uvicorn's access log, a line per HTTP request (off: it cost the API a few per cent of its CPU "
+        "per job; every job still leaves its one line when it ends, and request latency is a metric).",
+    )
     max_json_values: int = Field(
         16_384,
         ge=256,

@@ -74,3 +74,8 @@ def test_a_json_body_within_its_values_is_read_whole_whatever_its_bytes() -> Non
     body = asyncio.run(read_json(_request(chunks, received), max_values=256))
     assert body == b"".join(chunks)
     assert len(received) == len(chunks)
+
+
+def test_the_access_log_is_off_unless_asked_for() -> None:
+    assert server_config(ApiSettings(), app=FastAPI()).access_log is False
+    assert server_config(ApiSettings(access_log=True), app=FastAPI()).access_log is True
