@@ -17,7 +17,7 @@ def test_a_pace_slows_while_idle_up_to_its_cap_and_snaps_back_on_activity() -> N
     pace.next_wait(active=False)
     pace.reset()
     assert pace.wait_s == 0.25
-    assert Pace(base_s=3.0, max_s=1.0).next_wait(active=False) == 3.0  # never slower than asked... nor faster
+    assert Pace(base_s=3.0, max_s=1.0).next_wait(active=False) == 3.0  # a cap below the own pace is that pace
 
 
 def _snapshot(*depths: int) -> Snapshot:
