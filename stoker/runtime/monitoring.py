@@ -39,7 +39,7 @@ def watch_device(
     failed sample; while the device is idle and every queue empty, less and less often (up to `idle_max_s`)."""
     pace = Pace(interval_s, idle_max_s or interval_s)
 
-    def sample(span: float) -> bool:
+    def sample(span: float, waited: float) -> bool:
         busy = device.take()
         depths = sample_depths(outbox)
         if depths is None:  # the broker is away: no sample this time
@@ -47,8 +47,9 @@ def watch_device(
         for queue, depth in depths.items():
             QUEUE_DEPTH.labels(queue).set(depth)
         DEVICE_BUSY_RATIO.set(min(busy / span, 1.0) if span > 0 else 0.0)
-        # After a quiet spell only the last interval counts: the backlog seen now was not there all along.
-        starved = starved_seconds(min(span, interval_s + busy), busy, sum(depths[q] for q in CPU_QUEUES))
+        # After a slowed-down wait only the last interval counts: the backlog seen now was not there all along.
+        counted = span if waited <= interval_s else min(span, interval_s + busy)
+        starved = starved_seconds(counted, busy, sum(depths[q] for q in CPU_QUEUES))
         STARVATION_SECONDS.inc(starved)
         return busy > 0 or any(depths.values())
 
@@ -59,7 +60,7 @@ def watch_device(
             now = time.monotonic()
             span, last = now - last, now
             try:
-                active = sample(span)
+                active = sample(span, wait)
             except Exception:
                 log.exception("device sample failed")
                 active = True
