@@ -6,16 +6,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.chat import router as chat_router
 from api.context import ApiContext
+from api.headers import SHOULD_RETRY, retry_headers
 from api.limits import BodyLimitMiddleware
 from api.routes import router
 from stoker.adapters.metrics import REQUESTS, serve_api_metrics
@@ -45,7 +47,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     )
     app.state.context = context  # read back, typed, by `api.context.api_context`
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.middleware("http")(_time_request)
+    app.add_middleware(RequestTimer)
     app.include_router(router)
     app.include_router(chat_router)
     _add_error_handlers(app)
@@ -78,13 +80,32 @@ def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsy
     return lifespan
 
 
-async def _time_request(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """Request latency by route template (not raw path: ids would explode the label set) and status."""
-    started = time.perf_counter()
-    response = await call_next(request)
-    route = getattr(request.scope.get("route"), "path", "unmatched")
-    REQUESTS.labels(request.method, route, str(response.status_code)).observe(time.perf_counter() - started)
-    return response
+class RequestTimer:
+    """Request latency by route template (not raw path: ids would explode the label set) and status.
+
+    Pure ASGI, not `BaseHTTPMiddleware`: the route's `receive` stays the server's own, so a waiting route hears its
+    client's `http.disconnect` (`api.disconnects`), and a streamed answer is not relayed through a second queue."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            REQUESTS.labels(scope["method"], route, str(status)).observe(time.perf_counter() - started)
 
 
 def error_response(exc: StokerError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -114,19 +135,21 @@ def _add_error_handlers(app: FastAPI) -> None:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         body = error_envelope(422, "invalid_request", f"{where}: {err['msg']}", param=where)
-        return JSONResponse(body, status_code=422)
+        return JSONResponse(body, status_code=422, headers={SHOULD_RETRY: "false"})
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         code = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         body = error_envelope(exc.status_code, code, str(exc.detail))
-        return JSONResponse(body, status_code=exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers={SHOULD_RETRY: "false"})
 
 
-def _error_headers(exc: StokerError) -> dict[str, str] | None:
-    """What a client needs besides the body: the auth scheme to use (401), or when to come back (transient)."""
+def _error_headers(exc: StokerError) -> dict[str, str]:
+    """What a client needs besides the body: whether a retry can help and when to come back (transient), the
+    auth scheme to use (401)."""
+    headers = retry_headers(exc)
     if isinstance(exc, Unauthorized):
-        return {"WWW-Authenticate": 'Bearer realm="stoker"'}
+        headers["WWW-Authenticate"] = 'Bearer realm="stoker"'
     if isinstance(exc, PayloadTooLarge):  # refused mid-body: closing spares reading (and discarding) the rest
-        return {"Connection": "close"}
-    return None if exc.permanent else {"Retry-After": str(getattr(exc, "retry_after_s", 5))}
+        headers["Connection"] = "close"
+    return headers

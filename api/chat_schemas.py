@@ -1,9 +1,10 @@
 """OpenAI's Chat Completions schemas, as far as stoker serves them: the request (with vLLM's `audio_url` and
 `video_url` parts), the `chat.completion` answer, its streamed `chat.completion.chunk`s and the model list.
 
-Unknown request fields are ignored, as vLLM does, and skipped by the parser without being built into Python
-objects (`extra="ignore"` with `model_validate_json`): keeping them, even only to log their names, made a body of
-millions of tiny unknown values cost the API seconds and hundreds of MiB.
+Unknown fields inside the request's parts are ignored, as vLLM does, and skipped by the parser without being built
+into Python objects (`extra="ignore"` with `model_validate_json`). Unknown top-level fields are kept, only so that
+their names can be logged (one line each): a body holds at most `max_json_values` values (refused 413 before it is
+parsed above that), so what they cost to build is bounded.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionCreate(_Lenient):
-    """A chat-completions request."""
+class ChatCompletionCreate(BaseModel):
+    """A chat-completions request; unknown top-level fields are kept in `model_extra`, to be logged and dropped."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -91,6 +94,8 @@ class ChatCompletionCreate(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, description="only 1 is served")
+    #: What an input that cannot be read does: `degrade` (answer from the rest, 200) or `fail` (422 with its code).
+    stoker_on_input_error: Literal["degrade", "fail"] | None = None
 
     @field_validator("n")
     @classmethod
@@ -169,6 +174,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "stoker"
+    #: The most new tokens one answer may have: a request without `max_tokens` gets up to this many, and one that
+    #: asks for more is refused (400 `max_tokens_over_cap`).
+    max_tokens_cap: int
 
 
 class ModelList(BaseModel):
