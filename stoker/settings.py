@@ -670,9 +670,13 @@ class StackSettings(ApiSettings):
 
 
 class ClientSettings(BaseSettings):
-    """`stoker submit`: the API key to send (STOKER_API_KEY) when none is given on the command line."""
+    """`stoker submit`: the API to talk to and the key to send, when the command line names none."""
 
     model_config = SettingsConfigDict(env_prefix="STOKER_", extra="ignore")
+
+    api_url: str = Field(
+        "http://127.0.0.1:8000", description="The API `stoker submit` talks to when `--api` names none."
+    )
 
     api_key: str | None = Field(None, description="The API key `stoker submit` sends when `--key` names none.")
 
