@@ -105,8 +105,8 @@ def _answer(job_id: str, job: Job | None, model: str, extra: dict[str, str]) -> 
 
 
 def _refusal(failure: tuple[int, dict[str, Any]], headers: dict[str, str]) -> JSONResponse:
-    """A job's failure as an answer: the same request again would get the same job back (and fail the same way
-    with any other within the retry window), so the client is told a retry will not help."""
+    """A job's failure as an answer. The client is told a retry will not help: the same request retried within
+    the retry window gets this same job back."""
     status, body = failure
     return JSONResponse(body, status_code=status, headers={**headers, SHOULD_RETRY: "false"})
 
