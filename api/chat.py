@@ -30,6 +30,7 @@ from api.chat_schemas import (
     ChatCompletion,
     ChatCompletionCreate,
     Choice,
+    ChoiceLogprobs,
     InputFacts,
     ModelCard,
     ModelList,
@@ -47,7 +48,7 @@ from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
 from stoker.core.errors import ClientGone, DeadlineExceeded, StokerError, error_envelope
 from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
-from stoker.core.jobs import ErrorInfo, Job, degraded_codes
+from stoker.core.jobs import ChoiceInfo, ErrorInfo, Job, degraded_codes
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -210,14 +211,21 @@ def completion(job: Job, model: str) -> ChatCompletion:
     """The ended job as OpenAI's `chat.completion`."""
     assert job.result is not None
     result = job.result
+    answers = [ChoiceInfo(text=result.text, finish_reason=result.finish_reason, logprobs=result.logprobs)]
     return ChatCompletion(
         id=f"chatcmpl-{job.id}",
         created=int(time.time()),
         model=model,
-        choices=[Choice(message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)],
+        choices=[_choice(index, answer) for index, answer in enumerate([*answers, *result.more])],
         usage=_usage(job),
         stoker=facts(job),
     )
+
+
+def _choice(index: int, answer: ChoiceInfo) -> Choice:
+    logprobs = ChoiceLogprobs(content=answer.logprobs) if answer.logprobs is not None else None
+    message = AssistantMessage(content=answer.text)
+    return Choice(index=index, message=message, finish_reason=answer.finish_reason, logprobs=logprobs)
 
 
 def _usage(job: Job) -> Usage:

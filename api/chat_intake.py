@@ -112,6 +112,9 @@ def _params(spec: ChatCompletionCreate, settings: ApiSettings) -> GenerationPara
         top_p=spec.top_p or 1.0,
         stop=spec.stops(),
         seed=spec.seed,
+        n=spec.n or 1,
+        logprobs=bool(spec.logprobs),
+        top_logprobs=spec.top_logprobs or 0,
     )
 
 

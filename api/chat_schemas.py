@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stoker.core.model import MAX_STOP, MAX_STOP_CHARS
+from stoker.core.model import MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS, MAX_TOP_LOGPROBS
 
 #: Turns a chat may have.
 MAX_MESSAGES = 256
@@ -93,16 +93,19 @@ class ChatCompletionCreate(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, description="only 1 is served")
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES, description=f"answers to make, at most {MAX_CHOICES}")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     #: What an input that cannot be read does: `degrade` (answer from the rest, 200) or `fail` (422 with its code).
     stoker_on_input_error: Literal["degrade", "fail"] | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return value
+    @model_validator(mode="after")
+    def _served_together(self) -> ChatCompletionCreate:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.stream and ((self.n or 1) > 1 or self.logprobs):
+            raise ValueError("n above 1 and logprobs are served on answers that are not streamed")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -131,10 +134,16 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChoiceLogprobs(BaseModel):
+    #: One entry per answer token: `token`, `logprob`, `bytes`, `top_logprobs`.
+    content: list[dict[str, Any]]
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
+    logprobs: ChoiceLogprobs | None = None
 
 
 class InputFacts(BaseModel):

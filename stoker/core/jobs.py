@@ -73,14 +73,27 @@ class InputRecord(BaseModel):
     frames: list[InputRecord] | None = None
 
 
+class ChoiceInfo(BaseModel):
+    """One more answer of a request that asked for several (`n`)."""
+
+    text: str
+    finish_reason: FinishReason = "stop"
+    logprobs: list[dict[str, Any]] | None = None
+
+
 class ResultInfo(BaseModel):
     """The model's answer."""
 
     text: str
     model: str
     prompt_tokens: int
+    #: Every answer's tokens, when several were asked for.
     completion_tokens: int
     finish_reason: FinishReason = "stop"
+    #: With `logprobs`: one entry per answer token (OpenAI's `logprobs.content`).
+    logprobs: list[dict[str, Any]] | None = None
+    #: With `n` above 1: the answers after the first.
+    more: list[ChoiceInfo] = Field(default_factory=list)
 
 
 class BatchInfo(BaseModel):

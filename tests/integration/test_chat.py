@@ -210,7 +210,7 @@ def test_a_stream_keeps_the_connection_alive_while_preprocessing_runs(base_url: 
 
 def test_refusals_raise_the_clients_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.UnprocessableEntityError) as many:
-        _ask(client, "hi", n=2)
+        _ask(client, "hi", n=5)
     assert many.value.code == "invalid_request"
     assert many.value.body["type"] == "invalid_request_error"
     assert many.value.response.headers["x-should-retry"] == "false"
@@ -227,6 +227,18 @@ def test_refusals_raise_the_clients_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.APIStatusError) as unsupported:
         _ask(client, not_an_image)
     assert (unsupported.value.status_code, unsupported.value.code) == (415, "unsupported_media_type")
+
+
+def test_n_answers_with_logprobs(client: openai.OpenAI) -> None:
+    answer = _ask(client, "Name a colour.", max_tokens=3, n=2, temperature=1.0, logprobs=True, top_logprobs=2).parse()
+    assert [c.index for c in answer.choices] == [0, 1]
+    counted = 0
+    for choice in answer.choices:
+        tokens = choice.logprobs.content
+        assert 1 <= len(tokens) <= 3
+        assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in tokens)
+        counted += len(tokens)
+    assert answer.usage.completion_tokens == counted
 
 
 def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:

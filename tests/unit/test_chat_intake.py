@@ -67,6 +67,8 @@ def test_turns_media_and_parameters_become_the_job() -> None:
     ]
     assert accepted.prompt == "and hear"
     assert accepted.chat.params == GenerationParams(max_tokens=100, temperature=0.7, top_p=0.5, stop=("END",), seed=3)
+    _, asked = _accept(messages[-1:], n=2, logprobs=True, top_logprobs=5)
+    assert (asked.chat.params.n, asked.chat.params.logprobs, asked.chat.params.top_logprobs) == (2, True, 5)
     assert accepted.chat.stream is False
     assert spec.stream is False
 
@@ -108,7 +110,9 @@ def test_the_input_error_choice_comes_from_the_body_or_else_the_header() -> None
 @pytest.mark.parametrize(
     ("messages", "fields", "error", "param"),
     [
-        ([{"role": "user", "content": "hi"}], {"n": 2}, InvalidRequest, "n"),
+        ([{"role": "user", "content": "hi"}], {"n": 5}, InvalidRequest, "n"),
+        ([{"role": "user", "content": "hi"}], {"n": 2, "stream": True}, InvalidRequest, "body"),
+        ([{"role": "user", "content": "hi"}], {"top_logprobs": 2}, InvalidRequest, "body"),
         ([{"role": "user", "content": "hi"}], {"stop": ["a", "b", "c", "d", "e"]}, InvalidRequest, "stop"),
         ([{"role": "system", "content": "only rules"}], {}, InvalidRequest, "messages"),
         ([{"role": "tool", "content": "x"}], {}, InvalidRequest, "messages.0.role"),
