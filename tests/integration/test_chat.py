@@ -187,7 +187,7 @@ def test_a_streamed_answer_comes_in_chunks_and_ends(client: openai.OpenAI) -> No
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
 
 
-def test_a_stream_keeps_the_connection_alive_while_preprocessing_runs(base_url: str) -> None:
+def test_a_stream_with_media_keeps_the_connection_alive_until_its_answer(base_url: str) -> None:
     audio = base64.b64encode(speech_wav()).decode()
     body = {
         "model": MODEL,
@@ -276,7 +276,7 @@ def test_a_client_that_goes_away_gives_its_job_up(base_url: str) -> None:
         job_id = response.headers["x-stoker-job-id"]
         first = next(line for line in response.iter_lines() if line.startswith("data:"))
         assert '"role":"assistant"' in first
-    # gone after the role chunk, while the audio is still being transcribed
+    # gone after the role chunk (sent once the audio was transcribed), before the answer
     job = httpx.get(f"{base_url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
     assert job["status"] == "cancelled"
     assert job["error"]["code"] == "client_disconnected"
