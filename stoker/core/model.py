@@ -51,9 +51,10 @@ class GenerationParams(BaseModel):
         shape = (self.n, self.logprobs, self.top_logprobs)
         return ("greedy", *shape) if self.greedy else ("sample", self.temperature, self.top_p, self.seed, *shape)
 
-    def new_tokens(self, default: int, cap: int) -> int:
-        """The number of new tokens this request may have."""
-        return max(1, min(self.max_tokens or default, cap))
+    def new_tokens(self, default: int, cap: int, room: int | None = None) -> int:
+        """The number of new tokens this request may have: as asked (or `default`), within the cap and the
+        context's room left after its prompt, where that is known."""
+        return max(1, min(self.max_tokens or default, cap, room if room is not None else cap))
 
 
 @dataclass(frozen=True)

@@ -85,3 +85,14 @@ def test_n_answers_with_their_tokens_log_probabilities(model: tuple[Transformers
             assert len(top) == 3
             assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
             assert entry["logprob"] <= top[0]["logprob"]
+
+
+def test_an_answer_stops_where_the_context_is_full(model: tuple[TransformersPredictor, list[int]]) -> None:
+    predictor, ids = model
+    predictor.max_context_tokens = len(ids) + 5
+    try:
+        (full,) = run_predictor(predictor, [_ask(ids, max_tokens=20)])
+    finally:
+        predictor.max_context_tokens = None
+    assert isinstance(full, Prediction)
+    assert (full.completion_tokens, full.finish_reason) == (5, "length")

@@ -41,8 +41,11 @@ class TransformersPredictor:
         name: str = "",
         vram_budget_gb: float | None = None,
         max_tokens_cap: int | None = None,
+        max_context_tokens: int | None = None,
     ) -> None:
         self.model_path = model_path
+        #: Prompt and answer together at most (an answer stops where the context is full).
+        self.max_context_tokens = max_context_tokens
         self.max_new_tokens = max_new_tokens
         self.max_tokens_cap = max_tokens_cap or max_new_tokens
         self.dtype = dtype
@@ -109,7 +112,9 @@ class TransformersPredictor:
             out = self._model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                max_new_tokens=max(self._limit(p) for p in batch.params),
+                max_new_tokens=max(
+                    self._limit(p, sum(m)) for p, m in zip(batch.params, batch.collated.attention_mask, strict=True)
+                ),
                 pad_token_id=self.pad_id,
                 return_dict_in_generate=True,
                 output_logits=first.logprobs,
@@ -118,8 +123,9 @@ class TransformersPredictor:
             steps = _steps(torch, out, batch.collated.width, first.top_logprobs) if first.logprobs else None
         return batch, out.sequences.tolist(), steps
 
-    def _limit(self, params: GenerationParams) -> int:
-        return params.new_tokens(self.max_new_tokens, self.max_tokens_cap)
+    def _limit(self, params: GenerationParams, prompt_tokens: int) -> int:
+        room = self.max_context_tokens - prompt_tokens if self.max_context_tokens else None
+        return params.new_tokens(self.max_new_tokens, self.max_tokens_cap, room)
 
     def unbatch(self, output: tuple[LocalBatch, list[list[int]], Steps | None]) -> list[Prediction]:
         """Decode each row's new tokens, cut to its own limit and stop sequences; a request's `n` rows become its
@@ -141,7 +147,7 @@ class TransformersPredictor:
     def _answer(
         self, new: list[int], params: GenerationParams, prompt_tokens: int, steps: list[Step] | None = None
     ) -> Prediction:
-        limit = self._limit(params)
+        limit = self._limit(params, prompt_tokens)
         kept = new[:limit]
         text, stopped = apply_stop(self._tokenizer.decode(kept, skip_special_tokens=True), params.stop)
         ended = stopped or len(kept) < limit  # an end-of-sequence token (or a stop sequence) came first
