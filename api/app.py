@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.chat import router as chat_router
 from api.context import ApiContext
+from api.headers import SHOULD_RETRY, retry_headers
 from api.limits import BodyLimitMiddleware
 from api.routes import router
 from stoker.adapters.metrics import REQUESTS, serve_api_metrics
@@ -83,8 +84,9 @@ class RequestTimer:
     """Request latency by route template (not raw path: ids would explode the label set) and status, up to the
     response's head (a streamed answer counts until it starts).
 
-    A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` (`app.middleware("http")`) runs every request's app in
-    a task of its own behind memory streams, which cost the API more CPU per job than the metric is worth."""
+    A plain ASGI middleware, not Starlette's `BaseHTTPMiddleware` (`app.middleware("http")`): that one runs every
+    request's app in a task of its own behind memory streams, which cost the API more CPU per job than the metric
+    is worth, and hides the client's `http.disconnect` from a waiting route (`api.disconnects`)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -133,19 +135,21 @@ def _add_error_handlers(app: FastAPI) -> None:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         body = error_envelope(422, "invalid_request", f"{where}: {err['msg']}", param=where)
-        return JSONResponse(body, status_code=422)
+        return JSONResponse(body, status_code=422, headers={SHOULD_RETRY: "false"})
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         code = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         body = error_envelope(exc.status_code, code, str(exc.detail))
-        return JSONResponse(body, status_code=exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers={SHOULD_RETRY: "false"})
 
 
-def _error_headers(exc: StokerError) -> dict[str, str] | None:
-    """What a client needs besides the body: the auth scheme to use (401), or when to come back (transient)."""
+def _error_headers(exc: StokerError) -> dict[str, str]:
+    """What a client needs besides the body: whether a retry can help and when to come back (transient), the
+    auth scheme to use (401)."""
+    headers = retry_headers(exc)
     if isinstance(exc, Unauthorized):
-        return {"WWW-Authenticate": 'Bearer realm="stoker"'}
+        headers["WWW-Authenticate"] = 'Bearer realm="stoker"'
     if isinstance(exc, PayloadTooLarge):  # refused mid-body: closing spares reading (and discarding) the rest
-        return {"Connection": "close"}
-    return None if exc.permanent else {"Retry-After": str(getattr(exc, "retry_after_s", 5))}
+        headers["Connection"] = "close"
+    return headers

@@ -2,9 +2,11 @@
 
 A chat is a stoker job like any other (same intake, tenant auth, admission control, cache, stages, batching and
 deadline; `GET /v1/jobs/{id}` shows it); this front holds the connection until the job ends and answers in
-OpenAI's shape, or streams it as Server-Sent Events: the role chunk at once, comment keep-alives while
-preprocessing runs, then the answer piece by piece where the backend streams (the `openai` backend passes the
-server's stream on) or in one piece. A client that goes away gives its job up: it is ended before the model.
+OpenAI's shape, or streams it as Server-Sent Events: once the job's inputs are read, the role chunk, comment
+keep-alives while it waits for the model, then the answer piece by piece where the backend streams (the `openai`
+backend passes the server's stream on) or in one piece. Every answer names its job (`x-stoker-job-id`) and the codes
+of the inputs that could not be read (`x-stoker-degraded`). A client that goes away gives its job up: it is ended
+before the model.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import anyio
@@ -22,12 +24,13 @@ from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import idempotency
-from api.chat_intake import read_chat
+from api.chat_intake import ON_INPUT_ERROR_HEADER, on_input_error_header, read_chat
 from api.chat_schemas import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionCreate,
     Choice,
+    ChoiceLogprobs,
     InputFacts,
     ModelCard,
     ModelList,
@@ -36,13 +39,16 @@ from api.chat_schemas import (
     chunk,
 )
 from api.context import ApiContext, Context
+from api.disconnects import ClientWatch, watching
+from api.headers import JOB_ID, SHOULD_RETRY, job_headers
 from api.intake import AcceptedRequest
 from api.schemas import error_responses
 from api.submission import REPLAYED, cancel, submit_job
 from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
 from stoker.core.errors import ClientGone, DeadlineExceeded, StokerError, error_envelope
-from stoker.core.jobs import ErrorInfo, Job
+from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
+from stoker.core.jobs import ChoiceInfo, ErrorInfo, Job, degraded_codes
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -54,58 +60,105 @@ _STARTED = int(time.time())
 
 @router.get("/v1/models", response_model=ModelList, dependencies=[Depends(within_rate)])
 async def list_models(context: Context) -> ModelList:
-    """The model served here, in OpenAI's list shape."""
-    return ModelList(data=[ModelCard(id=context.settings.public_model_name, created=_STARTED)])
+    """The model served here, in OpenAI's list shape, with the most new tokens one answer may have."""
+    settings = context.settings
+    card = ModelCard(id=settings.public_model_name, created=_STARTED, max_tokens_cap=settings.max_tokens_cap)
+    return ModelList(data=[card])
 
 
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletion,
-    responses=error_responses(401, 404, 413, 415, 422, 429, 499, 503, 504),
+    responses=error_responses(400, 401, 404, 413, 415, 422, 429, 499, 503, 504),
 )
 async def chat_completions(request: Request, context: Context, tenant: Annotated[str, Depends(authenticate)]) -> Any:
     """Run the chat as a stoker job and answer when it ends (or stream the answer with `stream: true`)."""
     settings = context.settings
     spec: list[ChatCompletionCreate] = []
+    chosen = on_input_error_header(request.headers.get(ON_INPUT_ERROR_HEADER))
 
     async def read() -> AcceptedRequest:
-        parsed, accepted = await read_chat(request, settings)
+        parsed, accepted = await read_chat(request, settings, chosen)
         spec.append(parsed)
         return accepted
 
-    submitted = await submit_job(context, tenant, idempotency.key_of(request.headers, tenant), read)
-    job = submitted.job
-    headers = {"x-stoker-job-id": job.id, **({REPLAYED: "true"} if submitted.replayed else {})}
-    model = settings.public_model_name
+    key = idempotency.key_of(request.headers, tenant)
+    retried = is_automatic_retry(request.headers.get(RETRY_COUNT_HEADER))
+    submitted = await submit_job(context, tenant, key, read, retried)
+    job, replayed = submitted.job, {REPLAYED: "true"} if submitted.replayed else {}
     until = time.monotonic() + (job.deadline_ms or settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
-    if spec[0].stream:
-        usage = bool(spec[0].stream_options and spec[0].stream_options.include_usage)
-        events = _stream(context, job.id, tenant, model, until, usage)
-        return EventSourceResponse(events, ping=settings.sse_keepalive_s, headers=headers, sep="\n")
-    ended = await _wait_end(context, request.is_disconnected, job.id, tenant, until)
-    if ended is None:
-        return JSONResponse(ClientGone().envelope(), status_code=499, headers=headers)
-    failure = _failure(ended)
+    async with watching(request.receive) as client:
+        if spec[0].stream:
+            return await _start_stream(context, client, job, tenant, until, spec[0], replayed)
+        ended = await _wait(context, client, job.id, tenant, until)
+    return _answer(job.id, ended, settings.public_model_name, replayed)
+
+
+def _answer(job_id: str, job: Job | None, model: str, extra: dict[str, str]) -> JSONResponse:
+    """The ended job as a `chat.completion`, or as the error it ended with (499 when its client left)."""
+    if job is None:
+        return JSONResponse(ClientGone().envelope(), status_code=499, headers={JOB_ID: job_id, **extra})
+    headers = {**job_headers(job), **extra}
+    failure = _failure(job)
     if failure is not None:
-        return JSONResponse(failure.envelope(), status_code=failure.http_status, headers=headers)
-    return JSONResponse(completion(ended, model).model_dump(mode="json"), headers=headers)
+        return _refusal(failure, headers)
+    return JSONResponse(completion(job, model).model_dump(mode="json"), headers=headers)
 
 
-async def _wait_end(
-    context: ApiContext, disconnected: Callable[[], Awaitable[bool]], job_id: str, tenant: str, until: float
+def _refusal(failure: tuple[int, dict[str, Any]], headers: dict[str, str]) -> JSONResponse:
+    """A job's failure as an answer. The client is told a retry will not help: the same request retried within
+    the retry window gets this same job back."""
+    status, body = failure
+    return JSONResponse(body, status_code=status, headers={**headers, SHOULD_RETRY: "false"})
+
+
+async def _start_stream(
+    context: ApiContext,
+    client: ClientWatch,
+    job: Job,
+    tenant: str,
+    until: float,
+    spec: ChatCompletionCreate,
+    extra: dict[str, str],
+) -> Any:
+    """A streamed answer, started once the job's inputs are read (as vLLM reads a request's images before its
+    stream starts): its headers then say whether it is degraded, and a job that failed on an input is a 422."""
+    if job.inputs:
+        settled = await _wait(context, client, job.id, tenant, until, settled=True)
+        if settled is None:
+            return JSONResponse(ClientGone().envelope(), status_code=499, headers={JOB_ID: job.id, **extra})
+        failure = _failure(settled) if settled.terminal else None
+        if failure is not None:
+            return _refusal(failure, {**job_headers(settled), **extra})
+        job = settled
+    settings = context.settings
+    usage = bool(spec.stream_options and spec.stream_options.include_usage)
+    events = _stream(context, job.id, tenant, settings.public_model_name, until, usage)
+    headers = {**job_headers(job), **extra}
+    return EventSourceResponse(events, ping=settings.sse_keepalive_s, headers=headers, sep="\n")
+
+
+async def _wait(
+    context: ApiContext, client: ClientWatch, job_id: str, tenant: str, until: float, settled: bool = False
 ) -> Job | None:
-    """The job once it ended, or as it stands at `until`; None if the client went away first (`disconnected`:
-    the job is then given up)."""
+    """The job once it ended (with `settled`: once its inputs were read and it went on to the model), or as it
+    stands at `until`; None if the client went away first: the job is then given up."""
     store, announcements = context.store, context.announcements
     with announcements.watch(job_id) as event:
+        client.wakes.add(event)
         job = await _load(store, job_id, tenant)
-        while not job.terminal and (remaining := until - time.monotonic()) > 0:
+        while not _reached(job, settled) and (remaining := until - time.monotonic()) > 0:
             await announcements.wait(event, remaining)
-            if await disconnected():
+            if client.left:
                 await run_in_threadpool(give_up, store, job_id)
                 return None
             job = await _load(store, job_id, tenant)
+        client.wakes.discard(event)
     return job
+
+
+def _reached(job: Job, settled: bool) -> bool:
+    return job.terminal or (settled and job.status == "inferring")
 
 
 async def _load(store: Store, job_id: str, tenant: str) -> Job:
@@ -122,14 +175,21 @@ def give_up(store: Store, job_id: str) -> None:
         log.info("job %s cancelled: its client went away", job_id)
 
 
-def _failure(job: Job) -> StokerError | None:
-    """Why a job has no answer: its own error, or the deadline when it had not ended in time."""
+def _failure(job: Job) -> tuple[int, dict[str, Any]] | None:
+    """Why a job has no answer, as an HTTP status and error body: its own error (an unreadable input's code, 422,
+    for a chat that asked to fail on one), or the deadline when it had not ended in time."""
     if not job.terminal:
-        return DeadlineExceeded("the job did not end within its deadline")
+        return _status_and_body(DeadlineExceeded("the job did not end within its deadline"))
     if job.result is not None:
         return None
     info = job.error or ErrorInfo(code="internal_error", message="the job ended without an answer")
-    return _as_error(info)
+    if job.chat and job.chat.on_input_error == "fail" and info.code in degraded_codes(job.inputs):
+        return 422, error_envelope(422, info.code, info.message, stage=info.stage)
+    return _status_and_body(_as_error(info))
+
+
+def _status_and_body(error: StokerError) -> tuple[int, dict[str, Any]]:
+    return error.http_status, error.envelope()
 
 
 def _as_error(info: ErrorInfo) -> StokerError:
@@ -151,14 +211,21 @@ def completion(job: Job, model: str) -> ChatCompletion:
     """The ended job as OpenAI's `chat.completion`."""
     assert job.result is not None
     result = job.result
+    answers = [ChoiceInfo(text=result.text, finish_reason=result.finish_reason, logprobs=result.logprobs)]
     return ChatCompletion(
         id=f"chatcmpl-{job.id}",
         created=int(time.time()),
         model=model,
-        choices=[Choice(message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)],
+        choices=[_choice(index, answer) for index, answer in enumerate([*answers, *result.more])],
         usage=_usage(job),
         stoker=facts(job),
     )
+
+
+def _choice(index: int, answer: ChoiceInfo) -> Choice:
+    logprobs = ChoiceLogprobs(content=answer.logprobs) if answer.logprobs is not None else None
+    message = AssistantMessage(content=answer.text)
+    return Choice(index=index, message=message, finish_reason=answer.finish_reason, logprobs=logprobs)
 
 
 def _usage(job: Job) -> Usage:
@@ -214,7 +281,7 @@ def _closing(
     """What ends a stream: the answer (if it was not streamed), the finish reason and usage; or the error."""
     failure = _failure(job)
     if failure is not None:
-        return [error_envelope(failure.http_status, failure.code, failure.message, stage=failure.stage)]
+        return [failure[1]]
     assert job.result is not None
     bodies = [] if streamed else [chunk(completion_id, created, model, {"content": job.result.text})]
     bodies.append(chunk(completion_id, created, model, {}, finish_reason=job.result.finish_reason))

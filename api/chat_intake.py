@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
+from typing import Literal
 
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -22,27 +24,51 @@ from api.chat_schemas import (
 )
 from api.intake import AcceptedRequest, Payload, UrlInput, first_error, validate_inputs
 from api.limits import read_json
-from stoker.core.errors import InvalidRequest, ModelNotFound, UnsupportedMediaType
+from stoker.core.errors import InvalidRequest, ModelNotFound, TooManyTokens, UnsupportedMediaType
 from stoker.core.jobs import ChatTurn, Conversation, InputKind
 from stoker.core.model import GenerationParams
 from stoker.settings import ApiSettings
 
+log = logging.getLogger(__name__)
 
-async def read_chat(request: Request, settings: ApiSettings) -> tuple[ChatCompletionCreate, AcceptedRequest]:
+
+#: The header form of `stoker_on_input_error` (the body's field wins where both are sent).
+ON_INPUT_ERROR_HEADER = "X-Stoker-On-Input-Error"
+#: Unknown top-level fields logged per request at most, and the length of a name as logged.
+LOGGED_UNKNOWN, LOGGED_NAME_CHARS = 16, 64
+OnInputError = Literal["degrade", "fail"]
+
+
+def on_input_error_header(value: str | None) -> OnInputError | None:
+    """The header's choice, if sent (422 for anything but `degrade` or `fail`)."""
+    if value is None:
+        return None
+    choice = value.strip().lower()
+    if choice not in ("degrade", "fail"):
+        raise InvalidRequest(f"{ON_INPUT_ERROR_HEADER} must be `degrade` or `fail`", param=ON_INPUT_ERROR_HEADER)
+    return "fail" if choice == "fail" else "degrade"
+
+
+async def read_chat(
+    request: Request, settings: ApiSettings, on_input_error: OnInputError | None = None
+) -> tuple[ChatCompletionCreate, AcceptedRequest]:
     """Parse and check a chat request off the event loop (base64 media can be megabytes)."""
     if not request.headers.get("content-type", "").startswith("application/json"):
         raise UnsupportedMediaType("send application/json")
     body = await read_json(request, settings.max_json_values)
-    return await run_in_threadpool(accept_chat, body, settings)
+    return await run_in_threadpool(accept_chat, body, settings, on_input_error)
 
 
-def accept_chat(body: bytes, settings: ApiSettings) -> tuple[ChatCompletionCreate, AcceptedRequest]:
+def accept_chat(
+    body: bytes, settings: ApiSettings, on_input_error: OnInputError | None = None
+) -> tuple[ChatCompletionCreate, AcceptedRequest]:
     """The request, and the job it makes: its turns, its media as inputs, its generation parameters."""
     try:
         spec = ChatCompletionCreate.model_validate_json(body)
     except ValidationError as exc:
         where, message = first_error(exc)
         raise InvalidRequest(f"{where}: {message}", param=where) from exc
+    _log_unknown(spec)
     if spec.model != settings.public_model_name:
         raise ModelNotFound(f"the model `{spec.model}` does not exist here", param="model")
     turns, raw = _turns(spec.messages)
@@ -50,7 +76,8 @@ def accept_chat(body: bytes, settings: ApiSettings) -> tuple[ChatCompletionCreat
         raise InvalidRequest("the chat needs at least one user message", param="messages")
     if sum(len(t.text) for t in turns) > settings.max_prompt_chars:
         raise InvalidRequest(f"the chat's text exceeds {settings.max_prompt_chars} characters", param="messages")
-    conversation = Conversation(turns=turns, params=_params(spec, settings), stream=spec.stream)
+    choice = spec.stoker_on_input_error or on_input_error or "degrade"
+    conversation = Conversation(turns=turns, params=_params(spec, settings), stream=spec.stream, on_input_error=choice)
     last_user = next(t.text for t in reversed(turns) if t.role == "user")
     accepted = AcceptedRequest(
         prompt=last_user,
@@ -61,14 +88,33 @@ def accept_chat(body: bytes, settings: ApiSettings) -> tuple[ChatCompletionCreat
     return spec, accepted
 
 
+def _log_unknown(spec: ChatCompletionCreate) -> None:
+    """One line per unknown top-level field (its name, cut short), then they are dropped."""
+    unknown = list(spec.model_extra or {})
+    for name in unknown[:LOGGED_UNKNOWN]:
+        log.info("chat request: unknown field %r ignored", name[:LOGGED_NAME_CHARS])
+    if len(unknown) > LOGGED_UNKNOWN:
+        log.info("chat request: %d more unknown fields ignored", len(unknown) - LOGGED_UNKNOWN)
+    if spec.model_extra:
+        spec.model_extra.clear()
+
+
 def _params(spec: ChatCompletionCreate, settings: ApiSettings) -> GenerationParams:
-    asked = spec.max_completion_tokens or spec.max_tokens
+    """The answer's parameters: as many new tokens as asked, within the server's cap (400 above it, as vLLM
+    answers a request its context cannot hold), or up to the cap when none are asked."""
+    field = "max_completion_tokens" if spec.max_completion_tokens else "max_tokens"
+    asked, cap = spec.max_completion_tokens or spec.max_tokens, settings.max_tokens_cap
+    if asked is not None and asked > cap:
+        raise TooManyTokens(f"`{field}` is {asked}, but this server answers at most {cap} new tokens", param=field)
     return GenerationParams(
-        max_tokens=min(asked, settings.max_tokens_cap) if asked else None,
+        max_tokens=asked or cap,
         temperature=spec.temperature or 0.0,
         top_p=spec.top_p or 1.0,
         stop=spec.stops(),
         seed=spec.seed,
+        n=spec.n or 1,
+        logprobs=bool(spec.logprobs),
+        top_logprobs=spec.top_logprobs or 0,
     )
 
 

@@ -1,18 +1,19 @@
 """OpenAI's Chat Completions schemas, as far as stoker serves them: the request (with vLLM's `audio_url` and
 `video_url` parts), the `chat.completion` answer, its streamed `chat.completion.chunk`s and the model list.
 
-Unknown request fields are ignored, as vLLM does, and skipped by the parser without being built into Python
-objects (`extra="ignore"` with `model_validate_json`): keeping them, even only to log their names, made a body of
-millions of tiny unknown values cost the API seconds and hundreds of MiB.
+Unknown fields inside the request's parts are ignored, as vLLM does, and skipped by the parser without being built
+into Python objects (`extra="ignore"` with `model_validate_json`). Unknown top-level fields are kept, only so that
+their names can be logged (one line each): a body holds at most `max_json_values` values (refused 413 before it is
+parsed above that), so what they cost to build is bounded.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stoker.core.model import MAX_STOP, MAX_STOP_CHARS
+from stoker.core.model import MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS, MAX_TOP_LOGPROBS
 
 #: Turns a chat may have.
 MAX_MESSAGES = 256
@@ -77,8 +78,10 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionCreate(_Lenient):
-    """A chat-completions request."""
+class ChatCompletionCreate(BaseModel):
+    """A chat-completions request; unknown top-level fields are kept in `model_extra`, to be logged and dropped."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -90,14 +93,19 @@ class ChatCompletionCreate(_Lenient):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, description="only 1 is served")
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES, description=f"answers to make, at most {MAX_CHOICES}")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    #: What an input that cannot be read does: `degrade` (answer from the rest, 200) or `fail` (422 with its code).
+    stoker_on_input_error: Literal["degrade", "fail"] | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return value
+    @model_validator(mode="after")
+    def _served_together(self) -> ChatCompletionCreate:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.stream and ((self.n or 1) > 1 or self.logprobs):
+            raise ValueError("n above 1 and logprobs are served on answers that are not streamed")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -126,10 +134,16 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChoiceLogprobs(BaseModel):
+    #: One entry per answer token: `token`, `logprob`, `bytes`, `top_logprobs`.
+    content: list[dict[str, Any]]
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
+    logprobs: ChoiceLogprobs | None = None
 
 
 class InputFacts(BaseModel):
@@ -169,6 +183,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "stoker"
+    #: The most new tokens one answer may have: a request without `max_tokens` gets up to this many, and one that
+    #: asks for more is refused (400 `max_tokens_over_cap`).
+    max_tokens_cap: int
 
 
 class ModelList(BaseModel):

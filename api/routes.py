@@ -9,12 +9,14 @@ from collections.abc import Awaitable
 from typing import Annotated, Any
 
 import redis
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import idempotency
 from api.context import ApiContext, Context
+from api.disconnects import ClientWatch, watching
+from api.headers import SHOULD_RETRY, job_headers
 from api.intake import read_request
 from api.pressure import QueueMonitor
 from api.schemas import JobList, JobPublic, error_responses
@@ -23,6 +25,7 @@ from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
 from stoker.core.batching import idle_gap_summary
 from stoker.core.errors import BrokerUnavailable, Cancelled, JobAlreadyEnded, JobNotFound
+from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
 from stoker.core.jobs import JOB_ID, Cursor, Job, JobStatus
 
 log = logging.getLogger(__name__)
@@ -61,8 +64,10 @@ async def create_job(request: Request, context: Context, tenant: Annotated[str, 
     (429 `rate_limited` / `too_many_jobs_in_flight`).
     """
     key = idempotency.key_of(request.headers, tenant)
-    submitted = await submit_job(context, tenant, key, lambda: read_request(request, context.settings))
-    job, headers = submitted.job, {"Location": f"/v1/jobs/{submitted.job.id}"}
+    retried = is_automatic_retry(request.headers.get(RETRY_COUNT_HEADER))
+    submitted = await submit_job(context, tenant, key, lambda: read_request(request, context.settings), retried)
+    job = submitted.job
+    headers = {"Location": f"/v1/jobs/{job.id}", **job_headers(job)}
     if submitted.replayed:  # the job an earlier request with this Idempotency-Key made
         return JSONResponse(job.model_dump(mode="json"), status_code=200, headers={**headers, REPLAYED: "true"})
     return JSONResponse(job.model_dump(mode="json"), status_code=202, headers=headers)
@@ -116,6 +121,8 @@ def _page(
     responses=error_responses(401, 404, 429),
 )
 async def get_job(
+    request: Request,
+    response: Response,
     context: Context,
     tenant: Annotated[str, Depends(within_rate)],
     job_id: JobId,
@@ -124,21 +131,28 @@ async def get_job(
     """The job; with ?wait=S, hold the answer until the job is terminal or S seconds pass. Another tenant's job is
     answered exactly like an unknown one (404)."""
     if wait > 0:
-        return await _wait_terminal(context, job_id, wait, tenant)
-    return _found(job_id, await run_in_threadpool(context.store.jobs.load_job, job_id), tenant)
+        async with watching(request.receive) as client:
+            job = await _wait_terminal(context, client, job_id, wait, tenant)
+    else:
+        job = _found(job_id, await run_in_threadpool(context.store.jobs.load_job, job_id), tenant)
+    response.headers.update(job_headers(job))
+    return job
 
 
-async def _wait_terminal(context: ApiContext, job_id: str, wait: float, tenant: str) -> JobPublic:
-    """The job once terminal, or as it stands after `wait` seconds (at most `max_long_poll_s`). Woken by this
-    process's one announcement listener, and looking at least every second anyway: no connection is held per
-    wait, and a Redis that restarted mid-wait costs latency, never a hang."""
+async def _wait_terminal(context: ApiContext, client: ClientWatch, job_id: str, wait: float, tenant: str) -> JobPublic:
+    """The job once terminal, or as it stands after `wait` seconds (at most `max_long_poll_s`), or when the client
+    left (the job goes on: only a chat's own client gives its job up). Woken by this process's one announcement
+    listener, and looking at least every second anyway: no connection is held per wait, and a Redis that restarted
+    mid-wait costs latency, never a hang."""
     store, announcements = context.store, context.announcements
     until = time.monotonic() + min(wait, context.settings.max_long_poll_s)
     with announcements.watch(job_id) as event:
+        client.wakes.add(event)
         job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
-        while not job.terminal and (remaining := until - time.monotonic()) > 0:
+        while not job.terminal and not client.left and (remaining := until - time.monotonic()) > 0:
             await announcements.wait(event, remaining)
             job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
+        client.wakes.discard(event)
     return job
 
 
@@ -159,8 +173,9 @@ async def cancel_job(
     job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
     if not cancelled:
         error = JobAlreadyEnded(f"job {job_id} already ended: {job.status}")
-        return JSONResponse({**error.envelope(), "job": {"id": job_id, "status": job.status}}, status_code=409)
-    return job
+        body = {**error.envelope(), "job": {"id": job_id, "status": job.status}}
+        return JSONResponse(body, status_code=409, headers={**job_headers(job), SHOULD_RETRY: "false"})
+    return JSONResponse(job.model_dump(mode="json"), headers=job_headers(job))
 
 
 def _found(job_id: str, job: Job | None, tenant: str) -> JobPublic:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -29,8 +30,9 @@ from stoker.adapters.store.clients import StoreOutOfMemory
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
 from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
 from stoker.core.deadlines import Deadline, deadline_for
-from stoker.core.errors import BrokerUnavailable, Overloaded, RateLimited, StokerError, StoreFull
-from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job
+from stoker.core.errors import BrokerUnavailable, ClientGone, Overloaded, RateLimited, StokerError, StoreFull
+from stoker.core.idempotency import recent_digest
+from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job, input_failure
 from stoker.core.model import ModelRequest
 from stoker.core.prompting import Attachment, attachment_for, model_request
 from stoker.core.queues import job_messages
@@ -51,7 +53,11 @@ class Submitted:
 
 
 async def submit_job(
-    context: ApiContext, tenant: str, key: idempotency.Key | None, read: Callable[[], Awaitable[AcceptedRequest]]
+    context: ApiContext,
+    tenant: str,
+    key: idempotency.Key | None,
+    read: Callable[[], Awaitable[AcceptedRequest]],
+    retried: bool = False,
 ) -> Submitted:
     """Admit, read (with `read`), store and enqueue one job; the job as it now stands.
 
@@ -59,10 +65,12 @@ async def submit_job(
     queue's measured drain rate, nothing written); so is one over its tenant's rate or jobs in flight. With an
     `Idempotency-Key` (`key`) that already made a job, that job comes back instead (`api.idempotency`): counted
     against the tenant's rate like any request, but taking no in-flight slot and never refused for queue pressure.
+    Without a key, a client's automatic retry (`retried`) of a request that made a job a moment ago gets that job
+    back the same way (`_submit_unkeyed`).
     """
     job_id = uuid.uuid4().hex
     if key is None:
-        return Submitted(await _submit(context, tenant, read, job_id))
+        return await _submit_unkeyed(context, tenant, _ReadOnce(read), job_id, retried)
     await _within_rate(context, tenant)  # before the key is looked at: a replay costs the rate too
     store, claim_s = context.store, context.settings.idempotency_claim_s
     remembered = await idempotency.claim(store, context.announcements, key, job_id, claim_s)
@@ -70,6 +78,53 @@ async def submit_job(
         return Submitted(await idempotency.replay(store, remembered, tenant, read), replayed=True)
     async with idempotency.holding(store, key, job_id, claim_s) as claim:
         return Submitted(await _submit(context, tenant, read, job_id, claim))
+
+
+@dataclass
+class _ReadOnce:
+    """A request's body, read and checked on first use and handed out again after."""
+
+    read: Callable[[], Awaitable[AcceptedRequest]]
+    accepted: AcceptedRequest | None = None
+
+    async def __call__(self) -> AcceptedRequest:
+        if self.accepted is None:
+            self.accepted = await self.read()
+        return self.accepted
+
+
+async def _submit_unkeyed(context: ApiContext, tenant: str, read: _ReadOnce, job_id: str, retried: bool) -> Submitted:
+    """A request without an Idempotency-Key: a new job, remembered by the request's fingerprint for a short
+    while; an automatic retry of an identical request within that while gets its job back (the openai client
+    retries a 5xx or a dropped connection twice, sending no key). The retry's body is read before queue pressure
+    is looked at: a replay makes no job, so it is never refused for pressure."""
+    window_s = context.settings.retry_window_s
+    if retried and window_s > 0:
+        accepted = await read()
+        digest = recent_digest(tenant, idempotency.fingerprint(accepted))
+        earlier = await run_in_threadpool(_recent_job, context.store, digest, tenant)
+        if earlier is not None:
+            log.info("job %s answers an automatic retry of the request that made it", earlier.id)
+            return Submitted(earlier, replayed=True)
+    job = await _submit(context, tenant, read, job_id)
+    if window_s > 0 and read.accepted is not None:
+        digest = recent_digest(tenant, idempotency.fingerprint(read.accepted))
+        ttl_s = math.ceil(read.accepted.deadline_ms / 1000) + window_s
+        with contextlib.suppress(redis.RedisError):  # the job is made: a retry then makes another, no worse
+            await run_in_threadpool(context.store.idempotency.note_recent, digest, job.id, ttl_s)
+    return Submitted(job)
+
+
+def _recent_job(store: Store, digest: str, tenant: str) -> Job | None:
+    """The job an identical request of this tenant made a moment ago, unless its client gave it up (then the
+    retry, from that same client, is its new attempt)."""
+    job_id = store.idempotency.recent(digest)
+    job = store.jobs.load_job(job_id) if job_id is not None else None
+    if job is None or job.tenant != tenant:
+        return None
+    if job.status == "cancelled" and job.error is not None and job.error.code == ClientGone.code:
+        return None
+    return job
 
 
 async def _submit(
@@ -269,6 +324,8 @@ def _shortcut(
     if filled is None:
         return "preprocess", records, None
     filled = [f.model_copy(update={"size_bytes": r.size_bytes}) for f, r in zip(filled, records, strict=True)]
+    if accepted.chat and accepted.chat.on_input_error == "fail" and input_failure(filled):
+        return "tokenize", filled, None  # where a job that fails on an unreadable input ends, before the model
     attachments = [attachment_for(r) for r in filled]
     turns = accepted.chat.turns if accepted.chat else None
     address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns)

@@ -49,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     submit = sub.add_parser("submit", help="submit files and a prompt, wait, print the answer and timings")
     submit.add_argument("files", nargs="*", type=Path)
     submit.add_argument("--prompt", required=True)
-    submit.add_argument("--url", default="http://127.0.0.1:8000")
+    submit.add_argument(
+        "--api", "--url", dest="api", default=None, help="the API's URL (default: $STOKER_API_URL, else :8000)"
+    )
     submit.add_argument("--timeout", type=float, default=300.0)
     submit.add_argument("--key", default=None, help="API key (default: $STOKER_API_KEY)")
     cache = sub.add_parser("cache", help="stage-result cache: hit/miss counters, or clear it")
@@ -123,8 +125,9 @@ def _submit(args: argparse.Namespace, _: list[str]) -> int:
     from stoker.adapters.client import render_job, submit_files
     from stoker.settings import ClientSettings
 
-    key = args.key or ClientSettings().api_key
-    job = submit_files(args.url, args.prompt, args.files, args.timeout, api_key=key)
+    client = ClientSettings()
+    key = args.key or client.api_key
+    job = submit_files(args.api or client.api_url, args.prompt, args.files, args.timeout, api_key=key)
     render_job(job)
     return 0 if job["status"] in ("succeeded", "degraded") else 1
 

@@ -103,13 +103,16 @@ class CommonSettings(BaseSettings):
         64,
         ge=1,
         le=4096,
-        description="New tokens per answer when a request names none (a job; a chat without `max_tokens`).",
+        description="New tokens per answer of a job of the job API (a chat without `max_tokens` gets up to "
+        "`max_tokens_cap`).",
     )
     max_tokens_cap: int = Field(
         512,
         ge=1,
         le=32_768,
-        description="The most a chat request may ask for (`max_tokens` / `max_completion_tokens` above it are capped).",
+        description="The most new tokens a chat answer may have, shown in `/v1/models` (`max_tokens_cap`): a chat "
+        "without `max_tokens` gets up to this many; one asking for more (`max_tokens` or `max_completion_tokens`) "
+        "is refused 400 `max_tokens_over_cap`.",
     )
     served_model_name: str | None = Field(
         None,
@@ -279,6 +282,13 @@ class ApiSettings(CommonSettings):
         86_400,
         ge=60,
         description="A POST with an `Idempotency-Key` header made within this long gets the same job back on a retry.",
+    )
+    retry_window_s: int = Field(
+        60,
+        ge=0,
+        description="A client's automatic retry (`x-stainless-retry-count` above 0, as the openai client sends) of "
+        "a request without an `Idempotency-Key` gets the job an identical request made back, for as long as that "
+        "job may run (its deadline) plus this long, instead of a second job; 0: every retry makes a new job.",
     )
     idempotency_claim_s: int = Field(
         60,
@@ -674,9 +684,13 @@ class StackSettings(ApiSettings):
 
 
 class ClientSettings(BaseSettings):
-    """`stoker submit`: the API key to send (STOKER_API_KEY) when none is given on the command line."""
+    """`stoker submit`: the API to talk to and the key to send, when the command line names none."""
 
     model_config = SettingsConfigDict(env_prefix="STOKER_", extra="ignore")
+
+    api_url: str = Field(
+        "http://127.0.0.1:8000", description="The API `stoker submit` talks to when `--api` names none."
+    )
 
     api_key: str | None = Field(None, description="The API key `stoker submit` sends when `--key` names none.")
 

@@ -60,13 +60,30 @@ def _app(state: FakeServer) -> FastAPI:
             usage = {"prompt_tokens": len(text.split()), "completion_tokens": 5}
             if body.get("stream"):
                 return StreamingResponse(_chunks(state.pieces, usage), media_type="text/event-stream")
-            choice = {"message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
-            return JSONResponse({"choices": [choice], "usage": usage})
+            return JSONResponse({"choices": _choices(body, answer), "usage": usage})
         finally:
             with state.lock:
                 state.in_flight -= 1
 
     return app
+
+
+def _choices(body: dict[str, Any], answer: str) -> list[dict[str, Any]]:
+    """`n` choices (the request's, or one), each with a made-up logprob per word when `logprobs` was asked."""
+    choices = []
+    for index in range(int(body.get("n") or 1)):
+        text = f"{answer} (choice {index})" if index else answer
+        choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
+        if body.get("logprobs"):
+            top = int(body.get("top_logprobs") or 0)
+            entries = [_logprob(word, -0.5) for word in text.split()]
+            choice["logprobs"] = {"content": [{**e, "top_logprobs": [e] * top} for e in entries]}
+        choices.append({**choice, "finish_reason": "stop"})
+    return choices
+
+
+def _logprob(token: str, value: float) -> dict[str, Any]:
+    return {"token": token, "logprob": value, "bytes": list(token.encode())}
 
 
 def _chunks(pieces: list[str], usage: dict[str, int]) -> Iterator[str]:

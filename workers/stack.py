@@ -269,7 +269,9 @@ def _announce(settings: StackSettings) -> None:
     if settings.auth:
         keys = f"on: STOKER_RESULT_URL={store} stoker keys create --tenant NAME   (the key is its last line)"
     console.print(f"  API keys {keys}")
-    console.print("  try:     stoker submit IMAGE.png --prompt 'What does it say?'   (Ctrl-C stops everything)")
+    key = " --key KEY" if settings.auth else ""
+    console.print(f"  try:     stoker submit IMAGE.png --prompt 'What does it say?' --api {base}{key}", soft_wrap=True)
+    console.print("  (Ctrl-C stops everything)")
 
 
 def _without_password(url: str) -> str:

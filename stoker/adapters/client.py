@@ -18,18 +18,29 @@ from stoker.core.media import guess_kind
 def submit_files(
     base_url: str, prompt: str, files: list[Path], timeout_s: float = 300.0, api_key: str | None = None
 ) -> dict[str, Any]:
-    """Submit a job with these files, long-poll until it is terminal, return the job JSON."""
+    """Submit a job with these files, long-poll until it is terminal, return the job JSON. An API that cannot be
+    reached ends the command with one line saying so (SystemExit), not a traceback."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=base_url, timeout=60, headers=headers) as http:
-        parts = [_part(f) for f in files]
-        response = http.post("/v1/jobs", data={"prompt": prompt}, files=parts)
-        if response.status_code != 202:
-            raise SystemExit(f"rejected ({response.status_code}): {response.text}")
-        job: dict[str, Any] = response.json()
-        deadline = time.monotonic() + timeout_s
-        while job["status"] not in TERMINAL and time.monotonic() < deadline:
-            job = http.get(f"/v1/jobs/{job['id']}", params={"wait": 30}).json()
-        return job
+    parts = [_part(f) for f in files]
+    try:
+        with httpx.Client(base_url=base_url, timeout=60, headers=headers) as http:
+            return _run_job(http, prompt, parts, timeout_s)
+    except httpx.TransportError as exc:
+        raise SystemExit(
+            f"no stoker API answers at {base_url} ({type(exc).__name__}: {exc or 'no answer'}); start one with "
+            "`stoker up`, or name it with --api URL or STOKER_API_URL"
+        ) from None
+
+
+def _run_job(http: httpx.Client, prompt: str, parts: list[Any], timeout_s: float) -> dict[str, Any]:
+    response = http.post("/v1/jobs", data={"prompt": prompt}, files=parts)
+    if response.status_code != 202:
+        raise SystemExit(f"rejected ({response.status_code}): {response.text}")
+    job: dict[str, Any] = response.json()
+    deadline = time.monotonic() + timeout_s
+    while job["status"] not in TERMINAL and time.monotonic() < deadline:
+        job = http.get(f"/v1/jobs/{job['id']}", params={"wait": 30}).json()
+    return job
 
 
 def _part(path: Path) -> tuple[str, tuple[str, bytes, str]]:

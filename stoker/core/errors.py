@@ -77,6 +77,13 @@ class InvalidRequest(InputError):
     http_status = 422
 
 
+class TooManyTokens(InputError):
+    """The request asks for more new tokens than this server gives one answer (its cap)."""
+
+    code = "max_tokens_over_cap"
+    http_status = 400
+
+
 class UnsupportedMediaType(InputError):
     """The file's content is not an allowed media format."""
 

@@ -73,14 +73,27 @@ class InputRecord(BaseModel):
     frames: list[InputRecord] | None = None
 
 
+class ChoiceInfo(BaseModel):
+    """One more answer of a request that asked for several (`n`)."""
+
+    text: str
+    finish_reason: FinishReason = "stop"
+    logprobs: list[dict[str, Any]] | None = None
+
+
 class ResultInfo(BaseModel):
     """The model's answer."""
 
     text: str
     model: str
     prompt_tokens: int
+    #: Every answer's tokens, when several were asked for.
     completion_tokens: int
     finish_reason: FinishReason = "stop"
+    #: With `logprobs`: one entry per answer token (OpenAI's `logprobs.content`).
+    logprobs: list[dict[str, Any]] | None = None
+    #: With `n` above 1: the answers after the first.
+    more: list[ChoiceInfo] = Field(default_factory=list)
 
 
 class BatchInfo(BaseModel):
@@ -112,6 +125,9 @@ class Conversation(BaseModel):
     params: GenerationParams = Field(default_factory=GenerationParams)
     #: The client reads the answer as a stream: a backend that can stream sends it piece by piece.
     stream: bool = False
+    #: An input that cannot be read: `degrade` answers from what is left (the job `degraded`); `fail` ends the job
+    #: `failed` with that input's error before the model runs.
+    on_input_error: Literal["degrade", "fail"] = "degrade"
 
 
 class CallbackState(BaseModel):
@@ -215,6 +231,23 @@ def image_hashes(inputs: list[InputRecord]) -> list[str]:
 def final_status(inputs: list[InputRecord]) -> JobStatus:
     """A job whose model run succeeded is degraded when any of its inputs failed."""
     return "degraded" if any(i.status == "failed" for i in inputs) else "succeeded"
+
+
+def degraded_codes(inputs: list[InputRecord]) -> list[str]:
+    """The error codes of a job's inputs that could not be read, each once, in the inputs' order."""
+    codes = [i.error.code if i.error else "input_failed" for i in inputs if i.status == "failed"]
+    return list(dict.fromkeys(codes))
+
+
+def input_failure(inputs: list[InputRecord]) -> ErrorInfo | None:
+    """What ends a job that asked to fail on an unreadable input: the first such input's error (its code, where
+    it is), or None while every input is readable."""
+    failed = next((i for i in inputs if i.status == "failed"), None)
+    if failed is None:
+        return None
+    error = failed.error or ErrorInfo(code="input_failed", message="it could not be read")
+    where = f"input {failed.index} ({failed.kind})"
+    return ErrorInfo(code=error.code, message=f"{where} could not be read: {error.message}", stage=error.stage)
 
 
 def settle_video(record: InputRecord) -> bool:

@@ -18,6 +18,10 @@ FinishReason = Literal["stop", "length"]
 #: OpenAI's limit on stop sequences, and stoker's on each one's length: they are stored with the job.
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
+#: The most choices (`n`) one request may ask for: each is a whole answer of the device's time.
+MAX_CHOICES = 4
+#: The most alternatives per token (`top_logprobs`), as OpenAI's limit.
+MAX_TOP_LOGPROBS = 20
 
 
 class GenerationParams(BaseModel):
@@ -31,6 +35,11 @@ class GenerationParams(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     stop: tuple[Annotated[str, Field(max_length=MAX_STOP_CHARS)], ...] = Field((), max_length=MAX_STOP)
     seed: int | None = None
+    #: Answers to make (OpenAI's `n`).
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    #: Each answer token's log probability, and that of the `top_logprobs` likeliest tokens at its place.
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
@@ -39,11 +48,13 @@ class GenerationParams(BaseModel):
 
     def sampling_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share one generate call (greedy ones all can, whatever their seed)."""
-        return ("greedy",) if self.greedy else ("sample", self.temperature, self.top_p, self.seed)
+        shape = (self.n, self.logprobs, self.top_logprobs)
+        return ("greedy", *shape) if self.greedy else ("sample", self.temperature, self.top_p, self.seed, *shape)
 
-    def new_tokens(self, default: int, cap: int) -> int:
-        """The number of new tokens this request may have."""
-        return max(1, min(self.max_tokens or default, cap))
+    def new_tokens(self, default: int, cap: int, room: int | None = None) -> int:
+        """The number of new tokens this request may have: as asked (or `default`), within the cap and the
+        context's room left after its prompt, where that is known."""
+        return max(1, min(self.max_tokens or default, cap, room if room is not None else cap))
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,10 @@ class Prediction:
     completion_tokens: int
     #: `length`: it stopped at its token limit; `stop`: it ended on its own (or on a stop sequence).
     finish_reason: FinishReason = "stop"
+    #: With `logprobs`: one entry per answer token, in OpenAI's shape (`token`, `logprob`, `bytes`, `top_logprobs`).
+    logprobs: list[dict[str, Any]] | None = None
+    #: With `n` above 1: the answers after this one (their `completion_tokens` are counted in this one's).
+    more: tuple[Prediction, ...] = ()
 
 
 #: What a backend makes of one request: its answer, or the error that request alone ran into.

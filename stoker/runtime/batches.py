@@ -25,6 +25,7 @@ from stoker.adapters.tracing import mark_failed, tracer
 from stoker.core.errors import DeadlineExceeded, InferenceFailed, StokerError
 from stoker.core.jobs import (
     BatchInfo,
+    ChoiceInfo,
     ErrorInfo,
     Job,
     ResultInfo,
@@ -210,6 +211,8 @@ def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError, m
         prompt_tokens=outcome.prompt_tokens,
         completion_tokens=outcome.completion_tokens,
         finish_reason=outcome.finish_reason,
+        logprobs=outcome.logprobs,
+        more=[ChoiceInfo(text=m.text, finish_reason=m.finish_reason, logprobs=m.logprobs) for m in outcome.more],
     )
     status = final_status(item.pending.job.inputs)
     return Ending(item.job_id, tenant, status, result=result, batch=batch, stamps=stamps)

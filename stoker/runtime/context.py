@@ -120,6 +120,7 @@ class WorkerContext:
                 name=s.model,
                 vram_budget_gb=s.vram_budget_gb,
                 max_tokens_cap=s.max_tokens_cap,
+                max_context_tokens=s.max_context_tokens,
             )
         chosen.setup(s.device)
         return chosen

@@ -15,7 +15,7 @@ from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.adapters.tracing import stage_span
 from stoker.core.cachekeys import PipelineContext, prompt_address
 from stoker.core.errors import DeadlineExceeded, StokerError
-from stoker.core.jobs import ErrorInfo, InputRecord, Job, settle_video
+from stoker.core.jobs import ErrorInfo, InputRecord, Job, input_failure, settle_video
 from stoker.core.model import ModelRequest
 from stoker.core.pressure import room_to_enqueue
 from stoker.core.prompting import attachment_for, build_prompt, model_request
@@ -44,6 +44,8 @@ def tokenize_job(ctx: WorkerContext, job_id: str, backpressure: bool = True, enq
             return {"job_id": job_id, "skipped": True}
         if _settle_videos(ctx, job_id, job.inputs):
             continue
+        if _fails_on_input(ctx, job):
+            return {"job_id": job_id, "failed": "input"}
         scope = ctx.cache_scope(job.tenant)
         try:
             context = ctx.pipeline_context()
@@ -124,6 +126,17 @@ def _settle_videos(ctx: WorkerContext, job_id: str, inputs: list[InputRecord]) -
                 job_id, input_ref(record.index), record.model_copy(update={"frames": None})
             )
     return changed
+
+
+def _fails_on_input(ctx: WorkerContext, job: Job) -> bool:
+    """A chat that asked to fail on an unreadable input (`stoker_on_input_error: fail`) and has one ends `failed`
+    with that input's error here: it never reaches the model."""
+    failure = input_failure(job.inputs) if job.chat and job.chat.on_input_error == "fail" else None
+    if failure is None:
+        return False
+    ctx.store.jobs.finish(job.id, "failed", error=failure)
+    log.info("job %s failed on its input: %s", job.id, failure.code)
+    return True
 
 
 def _tokenize_failed(ctx: WorkerContext, job_id: str, exc: Exception) -> dict[str, Any]:

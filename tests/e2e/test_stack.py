@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -90,6 +92,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "STOKER_RESULT_URL": f"{redis_base}/{store_db}",
         "STOKER_CACHE_URL": f"{redis_base}/{cache_db}",
         "STOKER_FLOWER_BASIC_AUTH": ":".join(FLOWER_AUTH),
+        "STOKER_MAX_TOKENS_CAP": "32",  # the README's snippet asks for 32
     }
     log = tmp_path_factory.mktemp("stack") / "up.log"
     proc, base = _start_stack(env, log, FLOWER_PORT)
@@ -134,6 +137,26 @@ def test_flower_watches_the_workers(stack: str) -> None:
     assert {name.split("@")[0] for name in workers} >= {"cpu", "asr", "infer"}
 
 
+def test_the_readmes_python_snippets_run_as_written(stack: str, tmp_path: Path) -> None:
+    snippets = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert snippets
+    (tmp_path / "invoice.png").write_bytes(text_image("INVOICE 4711"))
+    for snippet in snippets:
+        code = snippet.replace("http://127.0.0.1:8000", stack)  # the only change: where this stack listens
+        argv = [sys.executable, "-c", code]
+        out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False)
+        assert out.returncode == 0, out.stderr
+        assert "4711" in out.stdout  # the stoker object's account of the picture
+
+
+def _banner_command(path: Path) -> list[str]:
+    """The command `stoker up` offers to try, as a user pastes it (a real picture for its IMAGE.png)."""
+    line = next(line for line in SUPERVISOR["log"].read_text().splitlines() if "try:" in line)
+    pasted = shlex.split(line.split("try:", 1)[1])
+    assert pasted[0] == "stoker"
+    return [sys.executable, "-m", "stoker.cli", *(str(path) if word == "IMAGE.png" else word for word in pasted[1:])]
+
+
 def _submit_cli(stack: str, path: Path, prompt: str) -> subprocess.CompletedProcess[str]:
     """Run `stoker submit` against the stack, as a user would."""
     argv = [sys.executable, "-m", "stoker.cli", "submit", str(path), "--prompt", prompt, "--url", stack]
@@ -143,7 +166,9 @@ def _submit_cli(stack: str, path: Path, prompt: str) -> subprocess.CompletedProc
 def test_submit_command_prints_the_answer_and_timings(stack: str, tmp_path: Path) -> None:
     image = tmp_path / "receipt.png"
     image.write_bytes(text_image("RECEIPT 2024"))
-    out = _submit_cli(stack, image, "What does it say?")
+    argv = _banner_command(image)
+    assert argv[argv.index("--api") + 1] == stack
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "status succeeded" in out.stdout
     assert "RECEIPT" in out.stdout

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import json
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +23,7 @@ from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
 from tests.media import speech_wav, text_image, truncated
 from tests.serving import serve
+from workers.procs import wait_for
 
 MODEL = ApiSettings().public_model_name
 
@@ -94,15 +97,39 @@ def test_an_image_as_a_data_url_is_read_and_answered(client: openai.OpenAI, base
     assert job["chat"]["params"]["max_tokens"] == 8
 
 
-def test_a_truncated_jpeg_still_gets_an_answer_and_says_it_degraded(client: openai.OpenAI) -> None:
+def test_a_truncated_jpeg_still_gets_an_answer_and_says_it_degraded(client: openai.OpenAI, base_url: str) -> None:
     broken = truncated(text_image("CHAT TORN", fmt="JPEG"))
     parts = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": data_url(broken)}}]
-    answer = _ask(client, parts, max_tokens=4).parse()
+    raw = _ask(client, parts, max_tokens=4)
+    assert raw.headers["x-stoker-degraded"] == "image_corrupt"  # for clients that drop the stoker object
+    answer = raw.parse()
     facts = answer.model_extra["stoker"]
     assert facts["status"] == "degraded"
     assert facts["inputs"][0]["status"] == "failed"
     assert facts["inputs"][0]["error_code"] == "image_corrupt"
     assert answer.choices[0].message.content
+    body = {"model": MODEL, "stream": True, "max_tokens": 2, "messages": [{"role": "user", "content": parts}]}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as streamed:
+        assert streamed.headers["x-stoker-degraded"] == "image_corrupt"  # the stream starts once inputs are read
+        assert [line for line in streamed.iter_lines() if line][-1] == "data: [DONE]"
+
+
+def test_a_chat_may_ask_to_fail_on_an_unreadable_picture_instead(client: openai.OpenAI, base_url: str) -> None:
+    broken = truncated(text_image("FAIL HARD", fmt="JPEG"))
+    parts = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": data_url(broken)}}]
+    with pytest.raises(openai.UnprocessableEntityError) as failed:
+        _ask(client, parts, max_tokens=4, extra_body={"stoker_on_input_error": "fail"})
+    assert failed.value.code == "image_corrupt"
+    headers = failed.value.response.headers
+    assert (headers["x-stoker-degraded"], headers["x-should-retry"]) == ("image_corrupt", "false")
+    job = httpx.get(f"{base_url}/v1/jobs/{headers['x-stoker-job-id']}").json()
+    assert (job["status"], job["error"]["code"], job["result"], job["batch"]) == ("failed", "image_corrupt", None, None)
+    # streamed, asked by header, its picture's failure now cached: refused before the stream starts
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": parts}]}
+    fail = {"X-Stoker-On-Input-Error": "fail"}
+    streamed = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=fail, timeout=120)
+    assert streamed.status_code == 422
+    assert streamed.json()["error"]["code"] == "image_corrupt"
 
 
 def test_audio_is_transcribed_for_the_chat(client: openai.OpenAI) -> None:
@@ -160,7 +187,7 @@ def test_a_streamed_answer_comes_in_chunks_and_ends(client: openai.OpenAI) -> No
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
 
 
-def test_a_stream_keeps_the_connection_alive_while_preprocessing_runs(base_url: str) -> None:
+def test_a_stream_with_media_keeps_the_connection_alive_until_its_answer(base_url: str) -> None:
     audio = base64.b64encode(speech_wav()).decode()
     body = {
         "model": MODEL,
@@ -183,9 +210,16 @@ def test_a_stream_keeps_the_connection_alive_while_preprocessing_runs(base_url: 
 
 def test_refusals_raise_the_clients_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.UnprocessableEntityError) as many:
-        _ask(client, "hi", n=2)
+        _ask(client, "hi", n=5)
     assert many.value.code == "invalid_request"
     assert many.value.body["type"] == "invalid_request_error"
+    assert many.value.response.headers["x-should-retry"] == "false"
+    (card,) = client.models.list().data
+    cap = card.model_extra["max_tokens_cap"]
+    with pytest.raises(openai.BadRequestError) as over:  # as vLLM: refused, not silently cut
+        _ask(client, "hi", max_completion_tokens=cap + 1)
+    assert (over.value.code, over.value.param) == ("max_tokens_over_cap", "max_completion_tokens")
+    assert f"at most {cap} new tokens" in over.value.message
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert unknown.value.code == "model_not_found"
@@ -193,6 +227,18 @@ def test_refusals_raise_the_clients_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.APIStatusError) as unsupported:
         _ask(client, not_an_image)
     assert (unsupported.value.status_code, unsupported.value.code) == (415, "unsupported_media_type")
+
+
+def test_n_answers_with_logprobs(client: openai.OpenAI) -> None:
+    answer = _ask(client, "Name a colour.", max_tokens=3, n=2, temperature=1.0, logprobs=True, top_logprobs=2).parse()
+    assert [c.index for c in answer.choices] == [0, 1]
+    counted = 0
+    for choice in answer.choices:
+        tokens = choice.logprobs.content
+        assert 1 <= len(tokens) <= 3
+        assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in tokens)
+        counted += len(tokens)
+    assert answer.usage.completion_tokens == counted
 
 
 def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
@@ -219,6 +265,7 @@ def test_auth_size_and_rate_refusals(secured: Callable[..., AbstractContextManag
             keyed.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
         assert limited.value.code == "rate_limited"
         assert int(limited.value.response.headers["retry-after"]) >= 1
+        assert limited.value.response.headers["x-should-retry"] == "true"
 
 
 def test_a_client_that_goes_away_gives_its_job_up(base_url: str) -> None:
@@ -229,7 +276,7 @@ def test_a_client_that_goes_away_gives_its_job_up(base_url: str) -> None:
         job_id = response.headers["x-stoker-job-id"]
         first = next(line for line in response.iter_lines() if line.startswith("data:"))
         assert '"role":"assistant"' in first
-    # gone after the role chunk, while the audio is still being transcribed
+    # gone after the role chunk (sent once the audio was transcribed), before the answer
     job = httpx.get(f"{base_url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
     assert job["status"] == "cancelled"
     assert job["error"]["code"] == "client_disconnected"
@@ -257,3 +304,66 @@ def test_a_retried_chat_with_its_idempotency_key_gets_the_same_answer(client: op
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         _ask(client, "Say goodbye.", extra_headers=key)
     assert refused.value.code == "idempotency_key_reused"
+
+
+def _jobs_with_prompt(base_url: str, prompt: str) -> list[dict[str, Any]]:
+    listed = httpx.get(f"{base_url}/v1/jobs", params={"limit": 20}, timeout=30).json()["data"]
+    return [job for job in listed if job["prompt"] == prompt]
+
+
+def test_a_non_streamed_client_that_goes_away_gives_its_job_up(base_url: str) -> None:
+    prompt = f"What is said? {uuid.uuid4().hex[:8]}"
+    audio = base64.b64encode(speech_wav("The parcel for the northern office leaves on Tuesday morning.")).decode()
+    content = [
+        {"type": "text", "text": prompt},
+        {"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}},
+    ]
+    body = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}).encode()
+    url = httpx.URL(base_url)
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((url.host, url.port), timeout=30) as raw:
+        raw.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for(lambda: _jobs_with_prompt(base_url, prompt), 30, "the chat's job", [])
+        (job,) = _jobs_with_prompt(base_url, prompt)
+        assert job["status"] in ("queued", "preprocessing")  # its audio is still being transcribed
+    ended = httpx.get(f"{base_url}/v1/jobs/{job['id']}", params={"wait": 30}, timeout=40).json()
+    assert (ended["status"], ended["error"]["code"], ended["result"]) == ("cancelled", "client_disconnected", None)
+
+
+class LosesFirstAnswer:
+    """A gateway in front of the API that loses the first chat answer: its client gets a 503 (and retries, as
+    the openai client does), though the API made the job and answered."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.lost: list[str] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions" or self.lost:
+            await self.app(scope, receive, send)
+            return
+
+        async def swallow(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.lost.append(dict(message["headers"])[b"x-stoker-job-id"].decode())
+
+        await self.app(scope, receive, swallow)
+        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"bad gateway"})
+
+
+def test_the_openai_clients_automatic_retry_makes_no_second_job(workers: dict[str, Path]) -> None:
+    prompt = f"Say hi. {uuid.uuid4().hex[:8]}"
+    gateway = LosesFirstAnswer(create_app(ApiSettings()))
+    with serve(gateway) as base:
+        retrying = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=2, timeout=120)
+        with retrying:
+            raw = _ask(retrying, prompt, max_tokens=2)
+        assert raw.retries_taken == 1
+        assert raw.headers["x-stoker-job-id"] == gateway.lost[0]  # the retry got the first request's job
+        assert raw.headers["idempotent-replayed"] == "true"
+        assert raw.parse().choices[0].message.content
+        assert len(_jobs_with_prompt(base, prompt)) == 1
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120) as plain:
+            again = _ask(plain, prompt, max_tokens=2)  # asked again, not retried: a job of its own
+        assert again.headers["x-stoker-job-id"] != gateway.lost[0]

@@ -120,3 +120,23 @@ def test_a_streamed_answer_is_passed_on_piece_by_piece(chain: tuple[FakeServer, 
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["length"]  # the server's own finish reason
     assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_n_and_logprobs_reach_the_server_and_every_choice_comes_back(chain: tuple[FakeServer, openai.OpenAI]) -> None:
+    fake, client = chain
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Two answers (marker-n)."}],
+        n=2,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    body = _sent(fake, "marker-n")
+    assert (body["n"], body["logprobs"], body["top_logprobs"]) == (2, True, 3)
+    assert [c.message.content for c in answer.choices] == [
+        "fake saw 0 image(s); jpeg=True",
+        "fake saw 0 image(s); jpeg=True (choice 1)",
+    ]
+    for choice in answer.choices:
+        assert [t.token for t in choice.logprobs.content] == choice.message.content.split()
+        assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)

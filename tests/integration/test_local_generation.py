@@ -65,3 +65,34 @@ def test_seeded_sampling_repeats_itself(model: tuple[TransformersPredictor, list
     assert isinstance(first, Prediction)
     assert isinstance(second, Prediction)
     assert first.text == second.text
+
+
+def test_n_answers_with_their_tokens_log_probabilities(model: tuple[TransformersPredictor, list[int]]) -> None:
+    predictor, ids = model
+    params = {"max_tokens": 4, "temperature": 1.0, "seed": 3, "n": 2, "logprobs": True, "top_logprobs": 3}
+    (answer,) = run_predictor(predictor, [_ask(ids, **params)])
+    assert isinstance(answer, Prediction)
+    (other,) = answer.more
+    assert answer.completion_tokens == 8  # both answers' tokens
+    for choice in (answer, other):
+        assert choice.logprobs is not None
+        assert len(choice.logprobs) == 4  # one entry per token
+        assert "".join(entry["token"] for entry in choice.logprobs).strip() == choice.text
+        for entry in choice.logprobs:
+            assert entry["logprob"] <= 0
+            assert bytes(entry["bytes"]).decode() == entry["token"]
+            top = entry["top_logprobs"]
+            assert len(top) == 3
+            assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+            assert entry["logprob"] <= top[0]["logprob"]
+
+
+def test_an_answer_stops_where_the_context_is_full(model: tuple[TransformersPredictor, list[int]]) -> None:
+    predictor, ids = model
+    predictor.max_context_tokens = len(ids) + 5
+    try:
+        (full,) = run_predictor(predictor, [_ask(ids, max_tokens=20)])
+    finally:
+        predictor.max_context_tokens = None
+    assert isinstance(full, Prediction)
+    assert (full.completion_tokens, full.finish_reason) == (5, "length")

@@ -84,8 +84,11 @@ def test_corrupt_image_fails_alone_and_the_job_degrades(client: TestClient) -> N
         files=[("image", ("a.png", broken, "image/png")), ("image", ("b.png", good, "image/png"))],
     )
     assert response.status_code == 202, response.text
+    assert response.headers["x-stoker-job-id"] == response.json()["id"]
     job = _wait(client, response.json()["id"])
     assert job["status"] == "degraded", job
+    read = client.get(f"/v1/jobs/{job['id']}")
+    assert (read.headers["x-stoker-job-id"], read.headers["x-stoker-degraded"]) == (job["id"], "image_corrupt")
     failed, ok = job["inputs"]
     assert failed["status"] == "failed"
     assert failed["error"]["code"] == "image_corrupt"

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from typing import Any
 
 import pytest
 
-from api.chat_intake import accept_chat
-from stoker.core.errors import InvalidRequest, ModelNotFound, StokerError, TooManyInputs, UnsupportedMediaType
+from api.chat_intake import accept_chat, on_input_error_header
+from stoker.core.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    StokerError,
+    TooManyInputs,
+    TooManyTokens,
+    UnsupportedMediaType,
+)
 from stoker.core.model import GenerationParams
 from stoker.settings import ApiSettings
 from tests.media import speech_wav, text_image
@@ -45,7 +53,7 @@ def test_turns_media_and_parameters_become_the_job() -> None:
             ],
         },
     ]
-    spec, accepted = _accept(messages, max_completion_tokens=500, temperature=0.7, top_p=0.5, stop="END", seed=3)
+    spec, accepted = _accept(messages, max_completion_tokens=100, temperature=0.7, top_p=0.5, stop="END", seed=3)
     assert [(t.role, t.text, t.inputs) for t in accepted.chat.turns] == [
         ("system", "Be brief.", []),
         ("user", "See", [0]),
@@ -59,22 +67,52 @@ def test_turns_media_and_parameters_become_the_job() -> None:
     ]
     assert accepted.prompt == "and hear"
     assert accepted.chat.params == GenerationParams(max_tokens=100, temperature=0.7, top_p=0.5, stop=("END",), seed=3)
+    _, asked = _accept(messages[-1:], n=2, logprobs=True, top_logprobs=5)
+    assert (asked.chat.params.n, asked.chat.params.logprobs, asked.chat.params.top_logprobs) == (2, True, 5)
     assert accepted.chat.stream is False
     assert spec.stream is False
 
 
-def test_unknown_fields_are_ignored_and_greedy_is_the_default() -> None:
-    spec, accepted = _accept([{"role": "user", "content": "hi"}], logit_bias={"1": 2}, tools=[], n=1)
-    assert spec.model_extra is None
-    assert {"logit_bias", "tools"}.isdisjoint(spec.model_dump())
+def test_unknown_fields_are_logged_once_each_then_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="api.chat_intake")
+    spec, accepted = _accept([{"role": "user", "content": "hi"}], logit_bias={"1": 2}, guided_json={}, n=1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "chat request: unknown field 'logit_bias' ignored",
+        "chat request: unknown field 'guided_json' ignored",
+    ]
+    assert not spec.model_extra
+    assert {"logit_bias", "guided_json"}.isdisjoint(spec.model_dump())
     assert accepted.chat.params.greedy
-    assert accepted.chat.params.max_tokens is None
+
+
+def test_a_chat_without_max_tokens_may_answer_up_to_the_cap_and_one_over_it_is_refused() -> None:
+    _, accepted = _accept([{"role": "user", "content": "hi"}])
+    assert accepted.chat.params.max_tokens == SETTINGS.max_tokens_cap
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(TooManyTokens) as over:
+            _accept([{"role": "user", "content": "hi"}], **{field: SETTINGS.max_tokens_cap + 1})
+        assert (over.value.param, over.value.http_status) == (field, 400)
+        assert str(SETTINGS.max_tokens_cap) in over.value.message
+
+
+def test_the_input_error_choice_comes_from_the_body_or_else_the_header() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert _accept(messages)[1].chat.on_input_error == "degrade"
+    assert _accept(messages, stoker_on_input_error="fail")[1].chat.on_input_error == "fail"
+    body = json.dumps({"model": MODEL, "messages": messages}).encode()
+    assert accept_chat(body, SETTINGS, on_input_error_header("FAIL"))[1].chat.on_input_error == "fail"
+    with pytest.raises(InvalidRequest):
+        on_input_error_header("maybe")
+    with pytest.raises(InvalidRequest):
+        _accept(messages, stoker_on_input_error="maybe")
 
 
 @pytest.mark.parametrize(
     ("messages", "fields", "error", "param"),
     [
-        ([{"role": "user", "content": "hi"}], {"n": 2}, InvalidRequest, "n"),
+        ([{"role": "user", "content": "hi"}], {"n": 5}, InvalidRequest, "n"),
+        ([{"role": "user", "content": "hi"}], {"n": 2, "stream": True}, InvalidRequest, "body"),
+        ([{"role": "user", "content": "hi"}], {"top_logprobs": 2}, InvalidRequest, "body"),
         ([{"role": "user", "content": "hi"}], {"stop": ["a", "b", "c", "d", "e"]}, InvalidRequest, "stop"),
         ([{"role": "system", "content": "only rules"}], {}, InvalidRequest, "messages"),
         ([{"role": "tool", "content": "x"}], {}, InvalidRequest, "messages.0.role"),

@@ -42,6 +42,8 @@ def test_token_limits_default_and_cap() -> None:
     assert GenerationParams().new_tokens(default=64, cap=512) == 64
     assert GenerationParams(max_tokens=1000).new_tokens(default=64, cap=512) == 512
     assert GenerationParams(max_tokens=5).new_tokens(default=64, cap=512) == 5
+    assert GenerationParams(max_tokens=500).new_tokens(default=64, cap=512, room=40) == 40  # the context is full
+    assert GenerationParams().new_tokens(default=64, cap=512, room=0) == 1
 
 
 def test_a_request_round_trips_with_its_parameters_and_stream() -> None:

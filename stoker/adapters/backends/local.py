@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stoker.core.batching import Collated, collate_left, strip_generated
@@ -41,8 +41,11 @@ class TransformersPredictor:
         name: str = "",
         vram_budget_gb: float | None = None,
         max_tokens_cap: int | None = None,
+        max_context_tokens: int | None = None,
     ) -> None:
         self.model_path = model_path
+        #: Prompt and answer together at most (an answer stops where the context is full).
+        self.max_context_tokens = max_context_tokens
         self.max_new_tokens = max_new_tokens
         self.max_tokens_cap = max_tokens_cap or max_new_tokens
         self.dtype = dtype
@@ -91,13 +94,15 @@ class TransformersPredictor:
         """Left-pad the prompts so generation starts at the same column for all."""
         return LocalBatch(collate_left([r.prompt_ids for r in requests], self.pad_id), [r.params for r in requests])
 
-    def predict(self, batch: LocalBatch) -> tuple[LocalBatch, list[list[int]]]:
-        """One generate call for the whole batch, as long as its longest-asking request needs."""
+    def predict(self, batch: LocalBatch) -> tuple[LocalBatch, list[list[int]], Steps | None]:
+        """One generate call for the whole batch, as long as its longest-asking request needs: each prompt's row
+        repeated for its `n` answers (the call's requests share `n` and `logprobs`: they are in the sampling
+        key), and with `logprobs` each step's raw logits kept for the answers' log probabilities."""
         import torch  # heavy: see setup()
 
-        ids = torch.tensor(batch.collated.input_ids, device=self._device)
-        mask = torch.tensor(batch.collated.attention_mask, device=self._device)
         first = batch.params[0]
+        ids = torch.tensor(batch.collated.input_ids, device=self._device).repeat_interleave(first.n, dim=0)
+        mask = torch.tensor(batch.collated.attention_mask, device=self._device).repeat_interleave(first.n, dim=0)
         sampling: dict[str, Any] = {"do_sample": False}
         if not first.greedy:
             sampling = {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p}
@@ -107,27 +112,42 @@ class TransformersPredictor:
             out = self._model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                max_new_tokens=max(self._limit(p) for p in batch.params),
+                max_new_tokens=max(
+                    self._limit(p, sum(m)) for p, m in zip(batch.params, batch.collated.attention_mask, strict=True)
+                ),
                 pad_token_id=self.pad_id,
+                return_dict_in_generate=True,
+                output_logits=first.logprobs,
                 **sampling,
             )
-        return batch, out.tolist()
+            steps = _steps(torch, out, batch.collated.width, first.top_logprobs) if first.logprobs else None
+        return batch, out.sequences.tolist(), steps
 
-    def _limit(self, params: GenerationParams) -> int:
-        return params.new_tokens(self.max_new_tokens, self.max_tokens_cap)
+    def _limit(self, params: GenerationParams, prompt_tokens: int) -> int:
+        room = self.max_context_tokens - prompt_tokens if self.max_context_tokens else None
+        return params.new_tokens(self.max_new_tokens, self.max_tokens_cap, room)
 
-    def unbatch(self, output: tuple[LocalBatch, list[list[int]]]) -> list[Prediction]:
-        """Decode each row's new tokens, cut to its own limit and stop sequences."""
-        batch, rows = output
+    def unbatch(self, output: tuple[LocalBatch, list[list[int]], Steps | None]) -> list[Prediction]:
+        """Decode each row's new tokens, cut to its own limit and stop sequences; a request's `n` rows become its
+        answer and the `more` after it."""
+        batch, rows, steps = output
         stops = {self.pad_id, int(self._tokenizer.eos_token_id)}
         generated = strip_generated(rows, batch.collated.width, stops)
-        return [
-            self._answer(new, params, sum(mask))
-            for new, params, mask in zip(generated, batch.params, batch.collated.attention_mask, strict=True)
-        ]
+        n = batch.params[0].n
+        predictions = []
+        for i, (params, mask) in enumerate(zip(batch.params, batch.collated.attention_mask, strict=True)):
+            answers = [
+                self._answer(generated[row], params, sum(mask), steps[row] if steps else None)
+                for row in range(i * n, (i + 1) * n)
+            ]
+            tokens = sum(a.completion_tokens for a in answers)
+            predictions.append(replace(answers[0], completion_tokens=tokens, more=tuple(answers[1:])))
+        return predictions
 
-    def _answer(self, new: list[int], params: GenerationParams, prompt_tokens: int) -> Prediction:
-        limit = self._limit(params)
+    def _answer(
+        self, new: list[int], params: GenerationParams, prompt_tokens: int, steps: list[Step] | None = None
+    ) -> Prediction:
+        limit = self._limit(params, prompt_tokens)
         kept = new[:limit]
         text, stopped = apply_stop(self._tokenizer.decode(kept, skip_special_tokens=True), params.stop)
         ended = stopped or len(kept) < limit  # an end-of-sequence token (or a stop sequence) came first
@@ -136,7 +156,46 @@ class TransformersPredictor:
             prompt_tokens=prompt_tokens,
             completion_tokens=len(kept),
             finish_reason="stop" if ended else "length",
+            logprobs=[self._entry(step) for step in steps[: len(kept)]] if steps is not None else None,
         )
+
+    def _entry(self, step: Step) -> dict[str, Any]:
+        """One answer token's log probability and its likeliest alternatives, in OpenAI's shape."""
+        (chosen, logprob), top = step
+        return {**self._token(chosen, logprob), "top_logprobs": [self._token(t, lp) for t, lp in top]}
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+#: One generated token's (id, log probability), and the likeliest tokens' at its place.
+Step = tuple[tuple[int, float], list[tuple[int, float]]]
+#: Per row of a generate call, per new token.
+Steps = list[list[Step]]
+
+
+def _steps(torch: Any, out: Any, width: int, top: int) -> Steps:
+    """Each row's new tokens' log probabilities under the model's raw logits (before temperature or top_p, as
+    OpenAI's), with the `top` likeliest tokens at each place."""
+    logits = torch.stack(out.logits, dim=1).float()  # rows x new tokens x vocabulary
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = out.sequences[:, width : width + logits.shape[1]]
+    picked = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+    best = logprobs.topk(top, dim=-1) if top else None
+    rows: Steps = []
+    for row in range(logits.shape[0]):
+        tokens = list(zip(chosen[row].tolist(), picked[row].tolist(), strict=True))
+        rows.append(list(zip(tokens, _alternatives(best, row, len(tokens)), strict=True)))
+    return rows
+
+
+def _alternatives(best: Any, row: int, count: int) -> list[list[tuple[int, float]]]:
+    """A row's likeliest tokens at each of its `count` places (none when no `top_logprobs` were asked)."""
+    if best is None:
+        return [[] for _ in range(count)]
+    indices, values = best.indices[row].tolist(), best.values[row].tolist()
+    return [list(zip(i, v, strict=True)) for i, v in zip(indices, values, strict=True)]
 
 
 class SimPredictor:

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -114,6 +114,10 @@ class OpenAIPredictor:
             body["stop"] = list(params.stop)
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.n > 1:
+            body["n"] = params.n
+        if params.logprobs:
+            body |= {"logprobs": True, "top_logprobs": params.top_logprobs}
         return body
 
     def _message(self, message: dict[str, Any], scope: str) -> dict[str, Any]:
@@ -246,15 +250,24 @@ class _Streamed:
 
 
 def _prediction(data: dict[str, Any]) -> Prediction:
+    """The server's answer: its first choice, the others (`n`) after it, each with its logprobs if it sent them."""
     try:
-        choice = data["choices"][0]
-        text = choice["message"]["content"] or ""
+        choices = sorted(data["choices"], key=lambda c: int(c.get("index", 0)))
+        first, *more = [_choice(c) for c in choices]
         usage = data.get("usage") or {}
-    except (KeyError, IndexError, TypeError) as exc:
-        raise InferenceFailed(f"the inference server's answer has no message: {exc}", stage="infer") from exc
+    except (KeyError, ValueError, TypeError) as exc:
+        raise InferenceFailed(f"the inference server's answer has no message: {exc!r}", stage="infer") from exc
+    tokens = int(usage.get("completion_tokens", 0))
+    return replace(first, prompt_tokens=int(usage.get("prompt_tokens", 0)), completion_tokens=tokens, more=tuple(more))
+
+
+def _choice(choice: dict[str, Any]) -> Prediction:
+    text = choice["message"]["content"] or ""
+    logprobs = (choice.get("logprobs") or {}).get("content")
     return Prediction(
         text=str(text).strip(),
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        completion_tokens=int(usage.get("completion_tokens", 0)),
+        prompt_tokens=0,
+        completion_tokens=0,
         finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
+        logprobs=list(logprobs) if logprobs is not None else None,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from stoker.adapters.store.keys import idempotency_key, settled_channel
+from stoker.adapters.store.keys import idempotency_key, recent_request_key, settled_channel
 from stoker.core.idempotency import CLAIM_PREFIX, Remembered
 
 # Written over only by the request holding the claim; a claim it gives up is deleted only if still its own. Either
@@ -59,3 +59,13 @@ class IdempotencyKeys:
         """Give up a claim whose request made no job (refused, failed), so a retry may claim it."""
         args = [CLAIM_PREFIX + job_id, "", 0, settled_channel(job_id)]
         self._if_claimed_by(keys=[idempotency_key(digest)], args=args)
+
+    def note_recent(self, digest: str, job_id: str, ttl_s: int) -> None:
+        """Remember for `ttl_s` that the request with this digest (one without a key) made `job_id` (the latest
+        such request's job, when several were alike)."""
+        self.redis.set(recent_request_key(digest), job_id, ex=ttl_s)
+
+    def recent(self, digest: str) -> str | None:
+        """The job the latest request with this digest made, while it is remembered."""
+        raw = self.redis.get(recent_request_key(digest))
+        return raw.decode() if raw is not None else None

@@ -20,6 +20,7 @@ from stoker.adapters.store.keys import (
     IN_FLIGHT_GRACE_S,
     JOB_COUNTS_KEY,
     done_channel,
+    handed_off_channel,
     input_ref,
     job_blobs_key,
     job_key,
@@ -79,6 +80,7 @@ redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
 redis.call('HSETNX', KEYS[1], 'ts:started', ARGV[3])
 redis.call('HSET', KEYS[1], 'ts:preprocessed', ARGV[3], 'status', 'inferring')
 redis.call('ZADD', KEYS[3], 'XX', ARGV[3], ARGV[6])  -- the reaper re-plans it now: redrive time, deadline
+redis.call('PUBLISH', ARGV[7], '')  -- a chat waiting for its inputs to settle starts its answer now
 return 'ok'
 """
 )
@@ -255,6 +257,7 @@ class JobRepository:
         handed the job over or it ended.
         """
         args = [rev or 0, request.to_json(), repr(time.time()), self.ttl_s, "1" if rev is None else "0", job_id]
+        args.append(handed_off_channel(job_id))
         result = self._hand_off(keys=[job_key(job_id), tokens_key(job_id), ACTIVE_KEY], args=args)
         outcome = result.decode() if isinstance(result, bytes) else str(result)
         assert outcome in ("ok", "stale", "done"), outcome

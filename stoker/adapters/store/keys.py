@@ -48,6 +48,11 @@ def answer_channel(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:piece"
 
 
+def handed_off_channel(job_id: str) -> str:
+    """Pub/sub channel announcing that a job's preprocessing ended: it was handed to inference."""
+    return f"{PREFIX}:job:{job_id}:handed"
+
+
 def settled_channel(job_id: str) -> str:
     """Pub/sub channel announcing that the Idempotency-Key claimed for a job id was settled: it names the job the
     claim made, or it was given up without one."""
@@ -56,7 +61,7 @@ def settled_channel(job_id: str) -> str:
 
 #: Every job's announcements (ended, answer piece, key settled), for a listener that serves many waiting requests at
 #: once.
-ANNOUNCEMENT_PATTERNS = (f"{PREFIX}:job:*:done", f"{PREFIX}:job:*:piece", f"{PREFIX}:job:*:settled")
+ANNOUNCEMENT_PATTERNS = tuple(f"{PREFIX}:job:*:{event}" for event in ("done", "piece", "settled", "handed"))
 
 
 def announced_job(channel: str) -> str:
@@ -134,6 +139,12 @@ def tenant_index_key(tenant: str) -> str:
 def idempotency_key(digest: str) -> str:
     """A tenant's idempotency key (by `core.idempotency.key_digest`): its claim, then the job it made."""
     return f"{PREFIX}:idempotency:{digest}"
+
+
+def recent_request_key(digest: str) -> str:
+    """The job a tenant's request without an Idempotency-Key made, by the request's digest, kept a short while so
+    that a client's automatic retry of it gets that job back."""
+    return f"{PREFIX}:recent:{digest}"
 
 
 def callback_secret_key(tenant: str) -> str:
