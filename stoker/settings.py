@@ -46,6 +46,12 @@ class CommonSettings(BaseSettings):
     cache_max_value_bytes: int = Field(
         8 * MiB, ge=1024, description="A stage result bigger than this is not cached (and counted as oversize)."
     )
+    cache_max_tensor_bytes: int = Field(
+        64 * MiB,
+        ge=1024,
+        description="The same for a picture's model-ready tensors (a model that sees): float16 tiles are large "
+        "(SmolVLM's 17 crops of 512×512 are 27 MB). Tensors over it are prepared again from the upload when needed.",
+    )
     cache_enabled: bool = Field(True, description="The stage-result cache; `false` turns it off.")
     cache_shared: bool = Field(
         False,

@@ -10,7 +10,7 @@ import numpy.typing as npt
 
 from stoker.adapters.tracing import mark_failed, stage_span
 from stoker.core.arrays import array_from_bytes, array_to_bytes
-from stoker.core.cachekeys import OCR_IMAGE, PICTURE, VISION_TENSORS, CacheAddress
+from stoker.core.cachekeys import OCR_IMAGE, PICTURE, CacheAddress
 from stoker.core.errors import StageKilled
 from stoker.core.imaging import DecodedImage, decode_image, served_picture
 from stoker.core.jobs import InputRecord
@@ -35,8 +35,7 @@ def _decode_and_cache(
         ctx.cache.put_bytes(address, array_to_bytes(decoded.ocr_image), part=OCR_IMAGE)
     if decoded.picture is not None and ctx.image_preparer is not None:
         prepared = ctx.image_preparer.prepare(decoded.picture)
-        vision_at = ctx.vision_address(record.content_hash, address.scope)
-        ctx.cache.put_bytes(vision_at, prepared.to_bytes(), part=VISION_TENSORS)
+        ctx.put_prepared(ctx.vision_address(record.content_hash, address.scope), prepared)
         value["prepared"] = {"processor": ctx.image_preparer.identity, "layout": ctx.image_preparer.layout(prepared)}
     if decoded.picture is not None and ctx.picture_bounds is not None:
         ctx.cache.put_bytes(address, served_picture(decoded.picture, *ctx.picture_bounds), part=PICTURE)

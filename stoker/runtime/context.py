@@ -175,8 +175,13 @@ class WorkerContext:
             prepared = preparer.prepare(picture)
         except StokerError:
             return None
-        self.cache.put_bytes(address, prepared.to_bytes(), part=VISION_TENSORS)
+        self.put_prepared(address, prepared)
         return prepared
+
+    def put_prepared(self, address: CacheAddress, prepared: PreparedImage) -> None:
+        """Cache a picture's tensors at its vision address (under the tensors' own size cap)."""
+        limit = self.settings.cache_max_tensor_bytes
+        self.cache.put_bytes(address, prepared.to_bytes(), part=VISION_TENSORS, limit=limit)
 
     def _picture_again(self, digest: str) -> Image.Image | None:
         """The decoded picture from the input's bytes in the job store; None when they are gone or undecodable."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterator
-from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -16,8 +14,8 @@ from PIL import Image
 from api.app import create_app
 from stoker.core.media import content_hash
 from stoker.settings import ApiSettings
-from tests.fakeopenai import FakeServer, fake_openai_server
-from tests.fleet import Fleet, own_fleet
+from tests.fakeopenai import FakeServer
+from tests.fleet import Fleet
 from tests.media import speech_wav, text_image
 from tests.serving import serve
 
@@ -25,23 +23,14 @@ MODEL = ApiSettings().public_model_name
 
 
 @pytest.fixture(scope="module")
-def chain(tiny_vlm: Path) -> Iterator[tuple[FakeServer, openai.OpenAI]]:
-    """The fake server, a fleet whose inference worker is the `openai` backend pointed at it, and stoker's API
-    over HTTP with the official client in front. The served model is the tiny VLM (its image processor's config
-    says the size a picture is sent at), with OCR asked for (`on`: a model that sees would skip it by default)."""
-    with fake_openai_server() as fake:
-        settings = {
-            "STOKER_BACKEND": "openai",
-            "STOKER_OPENAI_BASE_URL": fake.url,
-            "STOKER_OPENAI_MODEL": "vlm",
-            "STOKER_MODEL": str(tiny_vlm),
-            "STOKER_OCR": "on",
-        }
-        with ExitStack() as stack:
-            fleet = stack.enter_context(own_fleet(settings, kinds=("cpu", "asr", "infer")))
-            base = stack.enter_context(serve(create_app(_settings(fleet))))
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-            yield fake, stack.enter_context(client)
+def chain(vlm_fleet: tuple[FakeServer, Fleet]) -> Iterator[tuple[FakeServer, openai.OpenAI]]:
+    """The fake server behind the fleet serving the tiny VLM (`vlm_fleet`), and stoker's API over HTTP with the
+    official client in front."""
+    fake, fleet = vlm_fleet
+    with serve(create_app(_settings(fleet))) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        with client:
+            yield fake, client
 
 
 def _settings(fleet: Fleet) -> ApiSettings:
@@ -91,8 +80,7 @@ def test_the_server_gets_the_whole_chat_a_resized_picture_and_the_parameters(
     assert system == {"role": "system", "content": "You read documents."}  # as sent, nothing added
     assert first["role"] == "user"
     text, picture = first["content"]
-    assert "Keep this page (marker-one)." in text["text"]
-    assert "TOTAL 99" in text["text"]  # OCR was asked for: what it read travels with the picture
+    assert text["text"] == "Keep this page (marker-one)."  # a model that sees reads the page itself: no OCR text
     png = base64.b64decode(picture["image_url"]["url"].split(",", 1)[1])
     # At the served model's own size (its processor's longest edge, 1024), not a thumbnail of the 1600×400 upload;
     # named by the upload's content hash.
