@@ -105,6 +105,7 @@ class WorkerContext:
         if s.backend == "sim":
             chosen = SimPredictor(s.sim_base_ms, s.sim_per_item_ms, fault=s.sim_fault)
         elif s.backend == "openai":
+            _ = self.decode_outputs  # the served model's image processor, loaded now: never inside a batch
             chosen = OpenAIPredictor(
                 s.openai_base_url,
                 s.openai_model,

@@ -126,6 +126,10 @@ def vlm_fleet(tiny_vlm: Path) -> Iterator[tuple[FakeServer, Fleet]]:
             "STOKER_OPENAI_MODEL": "vlm",
             "STOKER_MODEL": str(tiny_vlm),
             "STOKER_MAX_CONTEXT_TOKENS": "4096",
+            # Decode runs the model's image processor too (resize, tile, normalise): on a CPU other tests share,
+            # a picture can take longer than the default 3 s.
+            "STOKER_DECODE_SOFT_S": "20",
+            "STOKER_DECODE_HARD_S": "25",
         }
         with own_fleet(settings, kinds=("cpu", "asr", "infer")) as fleet:
             yield fake, fleet

@@ -21,6 +21,7 @@ from stoker.adapters.store.keys import cache_key
 from stoker.core.cachekeys import VISION_TENSORS, prompt_address, vision_address
 from stoker.core.imaging import DecodeParams
 from stoker.core.jobs import InputRecord
+from stoker.core.media import ContentHash
 from stoker.core.prompting import attachment_for
 from stoker.core.tenancy import DEFAULT_TENANT, cache_scope
 from stoker.settings import CommonSettings, WorkerSettings
@@ -154,3 +155,37 @@ def test_bad_pictures_fail_alone_and_the_prompt_says_which(vlm_fleet: tuple[Fake
     sent = [p for p in server.pictures if p.uuid in hashes]
     assert [(p.uuid, p.format) for p in sent] == [(h, "PNG") for h in hashes]
     assert [p.size for p in sent] == [(500, 300), (1, 1024)]  # under the 1024 edge as uploaded; the sliver shrunk
+
+
+def test_the_inference_side_gets_tensors_from_the_cache_or_the_held_upload(
+    fleet: Fleet, processor: Any, tiny_vlm: Path
+) -> None:
+    from stoker.runtime.context import WorkerContext
+
+    picture = photo(400, 300, seed=13)
+    upload = encode(picture, "PNG")
+    job = _run(fleet, [("p.png", upload)])
+    digest, scope = job["inputs"][0]["content_hash"], cache_scope(DEFAULT_TENANT, shared=False)
+    urls = {k: fleet.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
+    ctx = WorkerContext(WorkerSettings(**urls, model=str(tiny_vlm)), outbox=None)  # type: ignore[arg-type]
+    direct = processor.image_processor(images=picture)["pixel_values"].astype(np.float16)
+    key = cache_key(ctx.vision_address(digest, scope), VISION_TENSORS)
+    assert ctx.cache.redis is not None
+    try:
+        cached = ctx.prepared_image(digest, scope)
+        assert cached is not None
+        np.testing.assert_array_equal(cached.tensors["pixel_values"], direct)
+        # The cache lost them while a job still holds the upload: prepared again from it, and cached again.
+        ctx.store.blobs.put_blob(ContentHash(digest), upload, "a-job-still-running")
+        ctx.cache.redis.delete(key)
+        again = ctx.prepared_image(digest, scope)
+        assert again is not None
+        np.testing.assert_array_equal(again.tensors["pixel_values"], direct)
+        assert ctx.cache.redis.exists(key)
+        # Neither the cache nor the job store has them: None, for the inference side to fail that request alone.
+        ctx.store.blobs.release("a-job-still-running")
+        ctx.cache.redis.delete(key)
+        assert ctx.store.blobs.get_blob(ContentHash(digest)) is None
+        assert ctx.prepared_image(digest, scope) is None
+    finally:
+        ctx.close()

@@ -170,3 +170,31 @@ def test_a_picture_the_processor_rejects_is_a_structured_error(qwen2_vl: ImagePr
     with pytest.raises(ImageCorrupt, match="aspect ratio") as caught:
         qwen2_vl.prepare(decode_picture(sliver, PARAMS))
     assert (caught.value.code, caught.value.stage) == ("image_corrupt", "decode")
+
+
+@pytest.mark.parametrize(
+    ("vlm", "mode", "backend", "ocr", "picture"),
+    [
+        (True, "auto", "transformers", False, None),  # a model that sees looks for itself
+        (True, "on", "transformers", True, None),
+        (False, "auto", "transformers", True, None),  # a text-only model reads pictures as their OCR text
+        (False, "off", "transformers", False, None),
+        (True, "auto", "openai", False, (LONGEST_EDGE, 0)),  # the served model's own size
+        (False, "auto", "openai", True, (4096, 0)),  # no processor to ask: the bound alone
+    ],
+)
+def test_what_decode_makes_follows_the_model_and_the_ocr_mode(
+    tiny_vlm: Path, vlm: bool, mode: str, backend: str, ocr: bool, picture: tuple[int, int] | None
+) -> None:
+    from stoker.runtime.context import WorkerContext
+    from stoker.settings import WorkerSettings
+
+    model = str(tiny_vlm) if vlm else BUILTIN_MODEL
+    ctx = WorkerContext(WorkerSettings(model=model, ocr=mode, backend=backend), outbox=None)  # type: ignore[arg-type]
+    try:
+        ctx.model_path  # noqa: B018 (the built-in model must be fetched)
+    except ModelUnavailable as exc:
+        missing(str(exc))
+    assert (ctx.image_preparer is not None, ctx.ocr_runs, ctx.picture_bounds) == (vlm, ocr, picture)
+    assert ctx.decode_needs.picture == (vlm or picture is not None)
+    assert ctx.decode_outputs.processor == (ctx.image_preparer.identity if ctx.image_preparer else "")
