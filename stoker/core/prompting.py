@@ -75,7 +75,8 @@ class Attachment:
         props = ", ".join(f"{k}={v}" for k, v in sorted(self.features.items()))
         head = f"[{name}" + (f": {props}" if props else "") + "]"
         if self.left_out:
-            head += f"\n({self.kind} left out: the prompt had no room for it)"
+            what = "image left out" if self.kind == "image" else "keyframes left out"
+            head += f"\n({what}: the prompt had no room for {'it' if self.kind == 'image' else 'them'})"
         if self.text is None:
             return head
         label = {"audio": "Transcript", "video": "Transcript and on-screen text"}.get(self.kind, "Text read from it")

@@ -27,7 +27,7 @@ from stoker.core.tenancy import DEFAULT_TENANT, cache_scope
 from stoker.settings import CommonSettings, WorkerSettings
 from tests.fakeopenai import FakeServer
 from tests.fleet import Fleet
-from tests.media import PICTURES, encode, photo, png_bomb, text_image, truncated
+from tests.media import PICTURES, encode, photo, png_bomb, text_image, text_video, truncated
 
 PROMPT = "What colour is it?"
 
@@ -189,3 +189,24 @@ def test_the_inference_side_gets_tensors_from_the_cache_or_the_held_upload(
         assert ctx.prepared_image(digest, scope) is None
     finally:
         ctx.close()
+
+
+def test_video_keyframes_take_the_same_picture_path(fleet: Fleet, processor: Any) -> None:
+    response = fleet.client.post(
+        "/v1/jobs",
+        data={"prompt": "What is shown?"},
+        files=[("video", ("mute.webm", text_video("MUTE 3", None, fmt="matroska"), "video/webm"))],
+    )
+    assert response.status_code == 202, response.text
+    job = fleet.client.get(f"/v1/jobs/{response.json()['id']}", params={"wait": 30}).json()
+    deadline = time.monotonic() + 120
+    while job["status"] not in ("succeeded", "degraded", "failed") and time.monotonic() < deadline:
+        job = fleet.client.get(f"/v1/jobs/{job['id']}", params={"wait": 5}).json()
+    assert job["status"] == "succeeded", job
+    frames = job["inputs"][0]["frames"]
+    assert len(frames) == 3
+    assert all(f["prepared"] and f["text"] is None for f in frames)  # prepared for the model, not OCR'd
+    built = _built(fleet, job)
+    assert built["images"] == [f["content_hash"] for f in frames]  # in the order they were taken
+    global_views = processor.tokenizer.convert_tokens_to_ids("<global-img>")
+    assert built["ids"].count(global_views) == 3  # one picture's placeholder group per keyframe
