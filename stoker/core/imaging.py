@@ -96,7 +96,7 @@ def decode_image(data: bytes, params: DecodeParams, needs: DecodeNeeds | None = 
     return DecodedImage(features=features, ocr_image=gray, picture=picture)
 
 
-def decode_picture(data: bytes, params: DecodeParams) -> Image.Image:
+def decode_rgb(data: bytes, params: DecodeParams) -> Image.Image:
     """The full picture alone (the same checks and errors as `decode_image`): EXIF-rotated RGB on white, at full
     resolution. A model's image processor takes it from here."""
     picture = decode_image(data, params, DecodeNeeds(ocr=False, picture=True)).picture

@@ -29,7 +29,7 @@ from stoker.core import asr, cachekeys, tenancy
 from stoker.core.asr import SpeechModel
 from stoker.core.cachekeys import PICTURE, VISION_TENSORS, CacheAddress, DecodeOutputs, PipelineContext, fingerprint
 from stoker.core.errors import StokerError
-from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_picture, served_picture
+from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_rgb, served_picture
 from stoker.core.media import ContentHash
 from stoker.core.model import Predictor
 from stoker.core.ocr import tesseract_version
@@ -190,7 +190,7 @@ class WorkerContext:
         if data is None:
             return None
         try:
-            return decode_picture(data, self.decode_params)
+            return decode_rgb(data, self.decode_params)
         except StokerError:
             return None
 

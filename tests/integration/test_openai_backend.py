@@ -8,12 +8,12 @@ import pytest
 
 from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.core.errors import InferenceFailed, ModelUnavailable
-from stoker.core.imaging import DecodeParams, decode_picture, served_picture
+from stoker.core.imaging import DecodeParams, decode_rgb, served_picture
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
 from tests.fakeopenai import FakeServer, Picture, fake_openai_server
 from tests.media import text_image
 
-PICTURE = served_picture(decode_picture(text_image("HELLO"), DecodeParams()), 4096)
+PICTURE = served_picture(decode_rgb(text_image("HELLO"), DecodeParams()), 4096)
 
 
 _OPENED: list[OpenAIPredictor] = []

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from stoker.core.errors import ImageCorrupt, ImageTooLarge
-from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_image, decode_picture, served_picture, within
+from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_image, decode_rgb, served_picture, within
 from tests.media import encode, png_bomb, text_image, truncated
 
 PARAMS = DecodeParams(max_pixels=90_000_000, ocr_max_side=2048)
@@ -49,7 +49,7 @@ def test_the_full_picture_is_not_shrunk_for_ocr() -> None:
 
 
 def test_the_served_picture_fits_the_bounds_losslessly_and_is_never_enlarged() -> None:
-    picture = decode_picture(text_image("PAGE", size=(1600, 400)), PARAMS)
+    picture = decode_rgb(text_image("PAGE", size=(1600, 400)), PARAMS)
     served = Image.open(io.BytesIO(served_picture(picture, 1024)))
     assert (served.format, served.size) == ("PNG", (1024, 256))
     small = Image.open(io.BytesIO(served_picture(picture, 4096)))

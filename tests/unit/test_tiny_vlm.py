@@ -13,7 +13,7 @@ from safetensors import safe_open
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tinyvlm import IMAGE_SEQ_LEN, IMAGE_TOKENS, TILE_TOKENS
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
-from stoker.core.imaging import DecodeParams, decode_picture
+from stoker.core.imaging import DecodeParams, decode_rgb
 from stoker.settings import BUILTIN_MODEL, CommonSettings
 from tests.media import text_image
 
@@ -52,7 +52,7 @@ def test_it_answers_from_the_prepared_tensors(loaded: tuple[Any, Any], tiny_vlm:
     model, processor = loaded
     preparer = ImagePreparer.load(tiny_vlm)
     assert preparer is not None
-    rgb = decode_picture(text_image("HELLO", size=(1000, 400)), DecodeParams())
+    rgb = decode_rgb(text_image("HELLO", size=(1000, 400)), DecodeParams())
     prepared = PreparedImage.from_bytes(preparer.prepare(rgb).to_bytes())
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What does it say?"}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)

@@ -15,7 +15,7 @@ from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tinyvlm import IMAGE_SEQ_LEN, LONGEST_EDGE, TILE
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.core.errors import ImageCorrupt, ModelUnavailable
-from stoker.core.imaging import DecodeParams, decode_picture
+from stoker.core.imaging import DecodeParams, decode_rgb
 from stoker.settings import BUILTIN_MODEL, CommonSettings
 from tests.conftest import missing
 from tests.media import PICTURES, encode, exif_rotated, large_page, photo, png_alpha
@@ -36,7 +36,7 @@ def preparer(tiny_vlm: Path) -> ImagePreparer:
 def test_tensors_equal_the_processor_run_on_the_picture(preparer: ImagePreparer, name: str) -> None:
     make, tiles = PICTURES[name]
     data, picture = make()
-    prepared = PreparedImage.from_bytes(preparer.prepare(decode_picture(data, PARAMS)).to_bytes())
+    prepared = PreparedImage.from_bytes(preparer.prepare(decode_rgb(data, PARAMS)).to_bytes())
     direct = preparer.processor(images=picture, return_row_col_info=True)
 
     assert set(prepared.tensors) == {"pixel_values", "pixel_attention_mask", "rows", "cols"}
@@ -56,17 +56,17 @@ def test_tensors_equal_the_processor_run_on_the_picture(preparer: ImagePreparer,
 
 def test_transparency_is_white_and_rotation_is_applied(preparer: ImagePreparer) -> None:
     # The global view (last crop) of the alpha picture: its left half is paper white, 1.0 once normalised.
-    alpha = preparer.prepare(decode_picture(png_alpha()[0], PARAMS)).tensors["pixel_values"][0, -1]
+    alpha = preparer.prepare(decode_rgb(png_alpha()[0], PARAMS)).tensors["pixel_values"][0, -1]
     assert float(alpha[:, :, : TILE // 4].min()) == 1.0
     assert float(alpha[:, :, -TILE // 4 :].min()) < 1.0
     stored_landscape = encode(photo(1000, 400, seed=2), "JPEG", quality=90)
-    plain = preparer.prepare(decode_picture(stored_landscape, PARAMS))
-    turned = preparer.prepare(decode_picture(exif_rotated()[0], PARAMS))
+    plain = preparer.prepare(decode_rgb(stored_landscape, PARAMS))
+    turned = preparer.prepare(decode_rgb(exif_rotated()[0], PARAMS))
     assert (plain.meta["size"], turned.meta["size"]) == ([1000, 400], [400, 1000])
 
 
 def test_round_trip_through_bytes_is_exact(preparer: ImagePreparer) -> None:
-    prepared = preparer.prepare(decode_picture(large_page()[0], PARAMS))
+    prepared = preparer.prepare(decode_rgb(large_page()[0], PARAMS))
     data = prepared.to_bytes()
     back = PreparedImage.from_bytes(data)
     assert back.meta == prepared.meta
@@ -120,7 +120,7 @@ def test_identity_follows_the_processor_config_only(tiny_vlm: Path, preparer: Im
 def test_a_config_change_changes_the_tensors_it_stands_for(tiny_vlm: Path, tmp_path: Path) -> None:
     unsplit = ImagePreparer.load(_processor_copy(tiny_vlm, tmp_path / "split", do_image_splitting=False))
     assert unsplit is not None
-    prepared = unsplit.prepare(decode_picture(large_page()[0], PARAMS))
+    prepared = unsplit.prepare(decode_rgb(large_page()[0], PARAMS))
     assert prepared.tensors["pixel_values"].shape == (1, 1, 3, TILE, TILE)
     assert prepared.tensors["rows"].tolist() == [[0]]
     assert prepared.meta["processor"] == unsplit.identity
@@ -154,7 +154,7 @@ def qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> ImagePreparer:
 
 def test_qwen2_vl_tensors_are_its_patches_and_grid(qwen2_vl: ImagePreparer) -> None:
     data, picture = exif_rotated()
-    prepared = PreparedImage.from_bytes(qwen2_vl.prepare(decode_picture(data, PARAMS)).to_bytes())
+    prepared = PreparedImage.from_bytes(qwen2_vl.prepare(decode_rgb(data, PARAMS)).to_bytes())
     direct = qwen2_vl.processor(images=picture)
     assert set(prepared.tensors) == {"pixel_values", "image_grid_thw"}
     np.testing.assert_array_equal(prepared.tensors["pixel_values"], direct["pixel_values"].astype(np.float16))
@@ -168,7 +168,7 @@ def test_a_picture_the_processor_rejects_is_a_structured_error(qwen2_vl: ImagePr
     # Qwen2-VL refuses an aspect ratio over 200: a 1×500 sliver is the picture's fault, not the model's.
     sliver = encode(Image.new("RGB", (1, 500), "white"), "PNG")
     with pytest.raises(ImageCorrupt, match="aspect ratio") as caught:
-        qwen2_vl.prepare(decode_picture(sliver, PARAMS))
+        qwen2_vl.prepare(decode_rgb(sliver, PARAMS))
     assert (caught.value.code, caught.value.stage) == ("image_corrupt", "decode")
 
 

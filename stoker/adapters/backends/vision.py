@@ -11,7 +11,7 @@ How the decode stage uses it (`tasks.preprocess`, through `WorkerContext.image_p
 
     preparer = ImagePreparer.load(model_dir)          # once per worker process; None for a text-only model
     ...
-    rgb = decode_picture(data, params)                # stoker.core.imaging: EXIF-rotated RGB on white, full size
+    rgb = decode_rgb(data, params)                # stoker.core.imaging: EXIF-rotated RGB on white, full size
     prepared = preparer.prepare(rgb)                  # ImageCorrupt (stage "decode") if the processor rejects it
     cache.put_bytes(vision_address, prepared.to_bytes(), part=VISION_TENSORS)  # the address has preparer.identity
 
