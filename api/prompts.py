@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 
 from stoker.adapters.backends.modelstore import resolve_model
-from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer, tokenizer_identity
+from stoker.adapters.backends.tokenizer import PromptTokenizer, load_prompt_tokenizer
 from stoker.core.cachekeys import PipelineContext
 from stoker.core.jobs import ChatTurn
 from stoker.core.prompting import Attachment, BuiltPrompt, build_prompt
@@ -36,9 +36,8 @@ class PromptBuilder:
             return
         try:
             path = resolve_model(self.settings.model, self.settings.model_cache, fetch=False)
-            tokenizer = load_tokenizer(path)
-            identity = tokenizer_identity(tokenizer, path)
-            prompt_tokenizer = PromptTokenizer(tokenizer)
+            prompt_tokenizer = load_prompt_tokenizer(path)
+            identity = prompt_tokenizer.identity(path)
         except Exception as exc:  # no model files here (an API on its own host): the queue hop still works
             log.warning("no tokenizer in the API (%s): cheap jobs go through the tokenize queue", exc)
             return
@@ -65,4 +64,4 @@ class PromptBuilder:
             loaded = self._loaded
         if loaded is None or loaded[1] != context.tokenizer:
             return None
-        return build_prompt(loaded[0], prompt, attachments, context.budget, turns)
+        return build_prompt(loaded[0], prompt, attachments, context.budget, turns, context.system)

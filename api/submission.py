@@ -336,7 +336,7 @@ def _shortcut(
         found = _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns)
     if found is None:
         return "tokenize", filled, None
-    return "infer", filled, model_request(found, filled, scope, accepted.chat, job_id)
+    return "infer", filled, model_request(found, scope, accepted.chat, job_id)
 
 
 def _tokenize_here(
@@ -353,7 +353,7 @@ def _tokenize_here(
     if built is None:
         return None
     cost = time.perf_counter() - started
-    value = {"ids": built.ids, "messages": built.messages}
+    value = {"ids": built.ids, "messages": built.messages, "images": built.images}
     context.cache.put_json(address, {**value, "_cost_s": cost})
     context.cache.record("tokenize", hit=False, cost_s=cost)
     STAGE_SECONDS.labels("tokenize", "miss").observe(cost)

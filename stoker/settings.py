@@ -55,6 +55,12 @@ class CommonSettings(BaseSettings):
     cache_max_value_bytes: int = Field(
         8 * MiB, ge=1024, description="A stage result bigger than this is not cached (and counted as oversize)."
     )
+    cache_max_tensor_bytes: int = Field(
+        64 * MiB,
+        ge=1024,
+        description="The same for a picture's model-ready tensors (a model that sees): float16 tiles are large "
+        "(SmolVLM's 17 crops of 512×512 are 27 MB). Tensors over it are prepared again from the upload when needed.",
+    )
     cache_enabled: bool = Field(True, description="The stage-result cache; `false` turns it off.")
     cache_shared: bool = Field(
         False,
@@ -410,16 +416,20 @@ class WorkerSettings(CommonSettings):
         ge=1,
         description="Header pixel cap (Pillow's default is 89.5M), read from the header; over it is `image_too_large`.",
     )
-    image_size: int = Field(
-        224, ge=16, description="Side of the square model-ready image (letterboxed, normalised array)."
-    )
     ocr_max_side: int = Field(
         2048,
         ge=64,
-        description="Longest side of the image handed to OCR (JPEGs are decoded at reduced scale).",
+        description="Longest side of the image handed to OCR (JPEGs are decoded at reduced scale when no model "
+        "needs the full picture).",
     )
 
     # OCR.
+    ocr: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Whether images (and video keyframes) are OCR'd: `auto` for a text-only model, not for a model "
+        "that sees (`STOKER_MODEL` with an image processor); `on` always; `off` never. The prompt carries OCR text "
+        "only when OCR ran.",
+    )
     ocr_langs: str = Field("eng", description="tesseract languages, e.g. `eng+chi_sim`.")
     tesseract_cmd: str = Field("tesseract", description="The tesseract binary the OCR stage runs.")
     ocr_timeout_s: float = Field(8.0, description="Bounds tesseract itself, within the OCR stage's limits.")
@@ -509,7 +519,15 @@ class WorkerSettings(CommonSettings):
         None, gt=0, description="On CUDA: the share of GPU memory this worker may take, in GiB (unset: all of it)."
     )
     max_context_tokens: int = Field(
-        2048, ge=64, description="Prompt + answer budget; attachment text is trimmed first."
+        2048,
+        ge=64,
+        description="Prompt + answer budget; attachment text is trimmed first, then old chat turns, then pictures "
+        "(whole).",
+    )
+    system_prompt: str = Field(
+        "",
+        description="A system prompt put before every chat (empty: none; the chat reaches the model as it was sent, "
+        "with the model's own template).",
     )
     handoff_max_wait_s: float = Field(
         60.0,
@@ -532,6 +550,13 @@ class WorkerSettings(CommonSettings):
     )
 
     # The `openai` backend: an OpenAI-compatible server (e.g. `vllm serve`).
+    openai_image_max_side: int = Field(
+        4096,
+        ge=64,
+        description="`openai` backend: the longest side of a picture sent to the server, at most. Below it, the "
+        "picture is sent at the served model's own size (its image processor's config, from `STOKER_MODEL`) or "
+        "as uploaded when smaller, losslessly (PNG) from the decoded original.",
+    )
     openai_base_url: str = Field(
         "http://127.0.0.1:8001/v1", description="`openai` backend: the server's base URL (e.g. `vllm serve`)."
     )

@@ -137,6 +137,8 @@ def start(ctx: WorkerContext, queues: set[str]) -> None:
     started = time.perf_counter()
     if "tokenize" in queues:
         ctx.cache.publish_context(ctx.pipeline_context())  # the API can tokenize cheap jobs from now on
+    if {"decode", "ocr"} & queues:
+        _ = ctx.decode_outputs  # the served model's image processor (or that it has none): OCR runs or not
     if "ocr" in queues:
         _ = ctx.tesseract
     if SYNC_QUEUE in queues:

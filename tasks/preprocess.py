@@ -10,9 +10,9 @@ import numpy.typing as npt
 
 from stoker.adapters.tracing import mark_failed, stage_span
 from stoker.core.arrays import array_from_bytes, array_to_bytes
-from stoker.core.cachekeys import MODEL_INPUT, OCR_IMAGE, CacheAddress
+from stoker.core.cachekeys import OCR_IMAGE, PICTURE, CacheAddress
 from stoker.core.errors import StageKilled
-from stoker.core.imaging import DecodedImage, decode_image
+from stoker.core.imaging import DecodedImage, decode_image, served_picture
 from stoker.core.jobs import InputRecord
 from stoker.core.ocr import read_text
 from stoker.runtime.context import WorkerContext
@@ -27,15 +27,24 @@ log = logging.getLogger(__name__)
 def _decode_and_cache(
     ctx: WorkerContext, record: InputRecord, address: CacheAddress
 ) -> tuple[dict[str, Any], DecodedImage]:
-    decoded = decode_image(input_bytes(ctx, record, "decode"), ctx.decode_params)
-    ctx.cache.put_bytes(address, array_to_bytes(decoded.ocr_image), part=OCR_IMAGE)
-    ctx.cache.put_bytes(address, array_to_bytes(decoded.model_input), part=MODEL_INPUT)
-    return {"features": decoded.features.to_dict()}, decoded
+    """Decode what this configuration needs and cache each part: the OCR image, the model's image tensors (their
+    layout goes into the record), the picture for a server that sees."""
+    decoded = decode_image(input_bytes(ctx, record, "decode"), ctx.decode_params, ctx.decode_needs)
+    value: dict[str, Any] = {"features": decoded.features.to_dict()}
+    if decoded.ocr_image is not None:
+        ctx.cache.put_bytes(address, array_to_bytes(decoded.ocr_image), part=OCR_IMAGE)
+    if decoded.picture is not None and ctx.image_preparer is not None:
+        prepared = ctx.image_preparer.prepare(decoded.picture)
+        ctx.put_prepared(ctx.vision_address(record.content_hash, address.scope), prepared)
+        value["prepared"] = {"processor": ctx.image_preparer.identity, "layout": ctx.image_preparer.layout(prepared)}
+    if decoded.picture is not None and ctx.picture_bounds is not None:
+        ctx.cache.put_bytes(address, served_picture(decoded.picture, *ctx.picture_bounds), part=PICTURE)
+    return value, decoded
 
 
 @app.task(name="stoker.decode", **RETRY)
 def decode(job_id: str, ref: str) -> dict[str, Any]:
-    """Decode one image: arrays into the cache, features into the record."""
+    """Decode one image: its parts into the cache, its features (and its picture's layout) into the record."""
     return run_input_stage(context(), job_id, ref, "decode", _decode, opens_job=True)
 
 
@@ -44,6 +53,9 @@ def _decode(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:
     wait = follower_wait(ctx.settings.decode_soft_s)
     value = through_cache(ctx, record, address, lambda: _decode_and_cache(ctx, record, address)[0], wait)
     record.features = value["features"]
+    record.prepared = value.get("prepared")
+    if not ctx.ocr_runs:
+        record.status = "ok"  # nothing more to read from it: the OCR stage passes it through
 
 
 def _ocr_pixels(ctx: WorkerContext, record: InputRecord, scope: str) -> npt.NDArray[np.uint8]:
@@ -52,13 +64,17 @@ def _ocr_pixels(ctx: WorkerContext, record: InputRecord, scope: str) -> npt.NDAr
     raw = ctx.cache.get_bytes(address, part=OCR_IMAGE)
     if raw is not None:
         return array_from_bytes(raw)  # type: ignore[return-value]
-    return _decode_and_cache(ctx, record, address)[1].ocr_image
+    pixels = _decode_and_cache(ctx, record, address)[1].ocr_image
+    assert pixels is not None  # OCR runs: decode made its image
+    return pixels
 
 
 @app.task(name="stoker.ocr", **RETRY)
 def ocr(previous: dict[str, Any]) -> dict[str, Any]:
-    """Read the text of one decoded image; a record that failed or was skipped passes straight through."""
-    return run_input_stage(context(), previous["job_id"], previous["ref"], "ocr", _ocr)
+    """Read the text of one decoded image; a record that failed or was skipped passes straight through, and so does
+    every record when OCR does not run for this model (`STOKER_OCR`)."""
+    ctx = context()
+    return run_input_stage(ctx, previous["job_id"], previous["ref"], "ocr", _ocr, done=lambda _: not ctx.ocr_runs)
 
 
 def _ocr(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import threading
 from collections.abc import Iterator
@@ -13,10 +14,20 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from PIL import Image
 
 from tests.serving import serve
 
-JPEG_MAGIC = b"\xff\xd8"
+
+@dataclass(frozen=True)
+class Picture:
+    """One `image_url` part as the fake decoded it: the data URL's media type, the picture's format and size, and
+    the part's `uuid` (vLLM's per-item cache key)."""
+
+    media_type: str
+    format: str
+    size: tuple[int, int]
+    uuid: str | None
 
 
 @dataclass
@@ -25,6 +36,8 @@ class FakeServer:
 
     url: str = ""
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    #: Every picture received, decoded, in arrival order.
+    pictures: list[Picture] = field(default_factory=list)
     delay_s: float = 0.0
     #: Answer this status to any request whose text contains the key.
     fail_on: dict[str, int] = field(default_factory=dict)
@@ -54,9 +67,10 @@ def _app(state: FakeServer) -> FastAPI:
                 if key in text:
                     return JSONResponse({"error": {"message": "no"}}, status_code=status)
             images = [] if isinstance(user, str) else [p for p in user if p["type"] == "image_url"]
-            jpegs = [base64.b64decode(p["image_url"]["url"].split(",", 1)[1]) for p in images]
-            all_jpeg = all(j[:2] == JPEG_MAGIC for j in jpegs)
-            answer = f"fake saw {len(jpegs)} image(s); jpeg={all_jpeg}"
+            pictures = [_picture(p) for p in images]
+            with state.lock:
+                state.pictures += pictures
+            answer = f"fake saw {len(pictures)} image(s)"
             usage = {"prompt_tokens": len(text.split()), "completion_tokens": 5}
             if body.get("stream"):
                 return StreamingResponse(_chunks(state.pieces, usage), media_type="text/event-stream")
@@ -84,6 +98,15 @@ def _choices(body: dict[str, Any], answer: str) -> list[dict[str, Any]]:
 
 def _logprob(token: str, value: float) -> dict[str, Any]:
     return {"token": token, "logprob": value, "bytes": list(token.encode())}
+
+
+def _picture(part: dict[str, Any]) -> Picture:
+    """Decode an `image_url` part's data URL, as vLLM would."""
+    head, data = part["image_url"]["url"].split(",", 1)
+    image = Image.open(io.BytesIO(base64.b64decode(data)))
+    image.load()
+    media_type = head.removeprefix("data:").removesuffix(";base64")
+    return Picture(media_type, str(image.format), image.size, part.get("uuid"))
 
 
 def _chunks(pieces: list[str], usage: dict[str, int]) -> Iterator[str]:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import av
+import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 
@@ -134,3 +135,80 @@ def flac_claiming(seconds: float, rate: int = 8000) -> bytes:
 def long_speech_wav(repeats: int) -> bytes:
     """The sentence spoken `repeats` times in one WAV: long enough to catch a transcription in the act."""
     return speech_wav(". ".join([SENTENCE] * repeats))
+
+
+def photo(width: int, height: int, seed: int = 0) -> Image.Image:
+    """Smooth colour gradients with noise: what a camera picture compresses like."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / max(width, 1), y * 255 / max(height, 1), (x + y) % 256], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def reopened(data: bytes) -> Image.Image:
+    """The file's stored pixels as Pillow reads them, with no orientation applied."""
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+def landscape() -> tuple[bytes, Image.Image]:
+    data = encode(photo(1000, 400), "JPEG", quality=90)
+    return data, reopened(data)
+
+
+def portrait() -> tuple[bytes, Image.Image]:
+    data = encode(photo(400, 1000, seed=1), "PNG")
+    return data, reopened(data)
+
+
+def exif_rotated() -> tuple[bytes, Image.Image]:
+    """Stored landscape, shown portrait: orientation 6 says turn it 90° clockwise."""
+    stored = photo(1000, 400, seed=2)
+    exif = stored.getexif()
+    exif[0x0112] = 6
+    data = encode(stored, "JPEG", quality=90, exif=exif.tobytes())
+    return data, reopened(data).transpose(Image.Transpose.ROTATE_270)
+
+
+def png_alpha() -> tuple[bytes, Image.Image]:
+    """Left half transparent: the picture shows white there, as decode puts it on paper."""
+    rgba = photo(600, 300, seed=3).convert("RGBA")
+    alpha = np.full((300, 600), 255, dtype=np.uint8)
+    alpha[:, :300] = 0
+    rgba.putalpha(Image.fromarray(alpha, "L"))
+    pixels = np.asarray(rgba.convert("RGB")).copy()
+    pixels[:, :300] = 255
+    return encode(rgba, "PNG"), Image.fromarray(pixels, "RGB")
+
+
+def cmyk_jpeg() -> tuple[bytes, Image.Image]:
+    data = encode(photo(640, 480, seed=4).convert("CMYK"), "JPEG", quality=90)
+    return data, reopened(data).convert("RGB")
+
+
+def one_pixel() -> tuple[bytes, Image.Image]:
+    data = encode(Image.new("RGB", (1, 1), (200, 30, 90)), "PNG")
+    return data, reopened(data)
+
+
+def large_page() -> tuple[bytes, Image.Image]:
+    """Bigger than the processor's longest edge (it is shrunk, then tiled) and than OCR's side (a JPEG that decode
+    would draft-decode at half scale for OCR alone)."""
+    data = encode(photo(2200, 1400, seed=5), "JPEG", quality=90)
+    return data, reopened(data)
+
+
+#: Pictures for the image path, each as (file bytes, the picture a user would hand the model's processor in-process:
+#: EXIF-rotated RGB, transparency on white), and the tiles (rows, cols) SmolVLM's processor cuts it into at 1024 px
+#: and 512-px tiles (the tiny VLM's).
+PICTURES = {
+    "landscape": (landscape, (1, 2)),
+    "portrait": (portrait, (2, 1)),
+    "exif_rotated": (exif_rotated, (2, 1)),
+    "png_alpha": (png_alpha, (1, 2)),
+    "cmyk_jpeg": (cmyk_jpeg, (2, 2)),
+    "one_pixel": (one_pixel, (2, 2)),
+    "large_page": (large_page, (2, 2)),
+}

@@ -61,11 +61,11 @@ class StageCache:
         """Cache a JSON result; False when it is over the size cap or the cache is unavailable."""
         return self.put_bytes(address, json.dumps(value).encode())
 
-    def put_bytes(self, address: CacheAddress, data: bytes, part: str = "value") -> bool:
-        """Cache one binary part."""
+    def put_bytes(self, address: CacheAddress, data: bytes, part: str = "value", limit: int | None = None) -> bool:
+        """Cache one binary part (refused over `limit`, `max_value_bytes` unless given)."""
         if self.redis is None:
             return False
-        if len(data) > self.max_value_bytes:
+        if len(data) > (limit or self.max_value_bytes):
             self._count(address.stage, "oversize")
             return False
         try:

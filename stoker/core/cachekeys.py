@@ -18,9 +18,27 @@ from stoker.core.imaging import DecodeParams
 from stoker.core.jobs import ChatTurn
 from stoker.core.prompting import Attachment
 
-#: The parts of one decode entry: the grayscale picture OCR reads, and the letterboxed picture the model sees.
+#: The parts of one decode entry: the grayscale picture OCR reads, and the picture a server that sees images gets
+#: (PNG, at the served model's own size).
 OCR_IMAGE = "ocr_image"
-MODEL_INPUT = "model_input"
+PICTURE = "picture"
+#: The part of a vision entry (`vision_address`): the served model's image processor's tensors (safetensors).
+VISION_TENSORS = "vision_tensors"
+#: The stage version of vision entries: bump when what the decode stage stores there changes.
+VISION_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class DecodeOutputs:
+    """What the decode stage makes under this configuration, beyond the features: part of its cache address.
+
+    `ocr`: the grayscale OCR image; `processor`: the identity of the model's image processor whose tensors it
+    stores ("" for none); `picture`: the served picture's bounds (longest side, pixels) for a server that sees
+    images, or None."""
+
+    ocr: bool = True
+    processor: str = ""
+    picture: tuple[int, int] | None = None
 
 
 def fingerprint(**parts: Any) -> str:
@@ -45,11 +63,13 @@ class CacheAddress:
 
 @dataclass(frozen=True)
 class PipelineContext:
-    """The workers' identity as published for the API: preprocessing fingerprint, tokenizer, prompt budget."""
+    """The workers' identity as published for the API: preprocessing fingerprint, tokenizer, prompt budget, and
+    the configured system prompt ("" for none)."""
 
     identity: str
     tokenizer: str
     budget: int
+    system: str = ""
 
 
 def pipeline_context(
@@ -60,28 +80,41 @@ def pipeline_context(
     keyframes: Sequence[Any],
     tokenizer: str,
     budget: int,
+    system: str = "",
 ) -> PipelineContext:
     """The identity of whole cached inputs and prompts from every parameter that shapes them: the OCR and decode
-    addresses' fingerprints, the speech model, the keyframe choice, the stage versions and the tokenizer."""
+    addresses' fingerprints (the decode's say whether OCR runs, and which image processor's tensors it makes), the
+    speech model, the keyframe choice, the stage versions and the tokenizer."""
     identity = fingerprint(
         ocr=ocr_at.fingerprint,
         decode=decode_at.fingerprint,
         asr=list(asr),
         keyframes=list(keyframes),
-        versions=[imaging.VERSION, ocr.VERSION],
+        versions=[imaging.VERSION, ocr.VERSION, VISION_VERSION],
     )
-    return PipelineContext(identity=identity, tokenizer=tokenizer, budget=budget)
+    return PipelineContext(identity=identity, tokenizer=tokenizer, budget=budget, system=system)
 
 
-def decode_address(digest: str, scope: str, params: DecodeParams) -> CacheAddress:
-    """Cache address of decode's output for this content under these decode parameters (and this Pillow)."""
-    parts = fingerprint(params=asdict(params), pillow=PIL.__version__)
+def decode_address(digest: str, scope: str, params: DecodeParams, outputs: DecodeOutputs | None = None) -> CacheAddress:
+    """Cache address of decode's output for this content under these decode parameters and outputs (and this
+    Pillow)."""
+    made = asdict(outputs or DecodeOutputs())
+    parts = fingerprint(params=asdict(params), outputs=made, pillow=PIL.__version__)
     return CacheAddress("decode", imaging.VERSION, digest, parts, scope)
 
 
-def ocr_address(digest: str, scope: str, *, params: DecodeParams, langs: str, tesseract: str) -> CacheAddress:
+def vision_address(digest: str, scope: str, params: DecodeParams, processor: str) -> CacheAddress:
+    """Cache address of one picture's tensors as the model's image processor (named by its identity) makes them
+    from the decoded picture."""
+    parts = fingerprint(params=asdict(params), processor=processor, pillow=PIL.__version__)
+    return CacheAddress("vision", f"{imaging.VERSION}.{VISION_VERSION}", digest, parts, scope)
+
+
+def ocr_address(
+    digest: str, scope: str, *, params: DecodeParams, langs: str, tesseract: str, outputs: DecodeOutputs | None = None
+) -> CacheAddress:
     """Cache address of OCR text: languages, tesseract version and the decode it reads from."""
-    decoded = decode_address(digest, scope, params).fingerprint
+    decoded = decode_address(digest, scope, params, outputs).fingerprint
     parts = fingerprint(langs=langs, tesseract=tesseract, decode=decoded)
     return CacheAddress("ocr", ocr.VERSION, digest, parts, scope)
 
@@ -105,10 +138,11 @@ def prompt_address(
     scope: str,
     turns: Sequence[ChatTurn] | None = None,
 ) -> CacheAddress:
-    """Cache address of a tokenized prompt: the whole prompt material (a chat's every turn) under this tokenizer
-    and budget."""
+    """Cache address of a tokenized prompt: the whole prompt material (a chat's every turn) under this tokenizer,
+    budget and system prompt."""
     chat = [t.model_dump() for t in turns] if turns else None
-    material = json.dumps([prompt, [asdict(a) for a in attachments], context.budget, chat], sort_keys=True).encode()
+    parts = [prompt, [asdict(a) for a in attachments], context.budget, chat, context.system]
+    material = json.dumps(parts, sort_keys=True).encode()
     digest = blake3.blake3(material).hexdigest()
     return CacheAddress("tokenize", prompting.VERSION, digest, context.tokenizer, scope)
 

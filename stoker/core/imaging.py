@@ -1,4 +1,5 @@
-"""Image decode: bytes in, a model-ready array, an OCR-ready grayscale image and structured features out."""
+"""Image decode: bytes in; structured features, the grayscale image OCR reads and the full picture a model's image
+processor (or a server that sees) works from, out."""
 
 from __future__ import annotations
 
@@ -20,11 +21,7 @@ from stoker.core.media import IMAGE_FORMATS
 register_heif_opener(thumbnails=False)
 
 #: Bump when decode's output changes for the same input and parameters: cached results then miss.
-VERSION = "1"
-
-# CLIP's normalisation: what most vision encoders expect.
-_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
-_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
+VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -32,8 +29,16 @@ class DecodeParams:
     """Everything that changes what decode produces."""
 
     max_pixels: int = 90_000_000
-    image_size: int = 224
     ocr_max_side: int = 2048
+
+
+@dataclass(frozen=True)
+class DecodeNeeds:
+    """What decode must make for the configured model: the OCR image (when OCR runs), the full picture (for a
+    model's image processor or a server that sees images)."""
+
+    ocr: bool = True
+    picture: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,11 +59,11 @@ class ImageFeatures:
 
 @dataclass(frozen=True)
 class DecodedImage:
-    """What the decode stage hands on."""
+    """What the decode stage hands on: only what was asked for (`DecodeNeeds`)."""
 
     features: ImageFeatures
-    ocr_image: npt.NDArray[np.uint8]  # H×W grayscale, longest side ≤ ocr_max_side
-    model_input: npt.NDArray[np.float16]  # 3×S×S, normalised
+    ocr_image: npt.NDArray[np.uint8] | None  # H×W grayscale, longest side ≤ ocr_max_side
+    picture: Image.Image | None  # EXIF-rotated RGB on white, at full resolution
 
 
 #: What Pillow raises on bytes it cannot decode once the header was read: OSError (a truncated or broken stream),
@@ -67,30 +72,36 @@ class DecodedImage:
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError)
 
 
-def decode_image(data: bytes, params: DecodeParams) -> DecodedImage:
-    """Decode image bytes safely: allowlisted formats, a pixel cap, fast downscale, EXIF orientation."""
+def decode_image(data: bytes, params: DecodeParams, needs: DecodeNeeds | None = None) -> DecodedImage:
+    """Decode image bytes safely (allowlisted formats, a pixel cap, EXIF orientation) into what `needs` asks for.
+
+    Without the full picture, the codec shrinks while decoding (a JPEG's draft scale) to what OCR reads: fast. With
+    it, the image is decoded at full resolution (within the pixel cap) and the OCR image shrunk from that: a model's
+    processor resizes the original itself, and any shrinking before it (draft, reduce, a resample of our own) would
+    change the tensors it makes. Its cost is memory: a picture at the 90 MP cap is 270 MB of RGB (plus the decoder's
+    frame while converting), well inside a CPU pool child's address-space cap (`cpu_address_space_mb`)."""
+    needs = needs or DecodeNeeds()
     image = _open(data, params.max_pixels)
     try:
         # Reading the features may decode already: Pillow reaches a PNG's EXIF by loading the frame before it.
         features = _features(image)
-        rgb = _load_downscaled(image, params.ocr_max_side)
+        if needs.picture:
+            picture = _load_full(image)
+            small = _shrunk(picture, params.ocr_max_side) if needs.ocr else None
+        else:
+            picture, small = None, _load_downscaled(image, params.ocr_max_side)
     except DECODE_ERRORS as exc:
         raise ImageCorrupt(f"cannot decode image: {exc}", stage="decode") from exc
-    return DecodedImage(
-        features=features,
-        ocr_image=np.asarray(rgb.convert("L"), dtype=np.uint8),
-        model_input=model_ready(rgb, params.image_size),
-    )
+    gray = np.asarray(small.convert("L"), dtype=np.uint8) if small is not None and needs.ocr else None
+    return DecodedImage(features=features, ocr_image=gray, picture=picture)
 
 
 def decode_rgb(data: bytes, params: DecodeParams) -> Image.Image:
-    """The picture decode works from: EXIF-rotated RGB on white, longest side ≤ ocr_max_side (the same checks and
-    errors as `decode_image`). A model's image processor takes it from here."""
-    image = _open(data, params.max_pixels)
-    try:
-        return _load_downscaled(image, params.ocr_max_side)
-    except DECODE_ERRORS as exc:
-        raise ImageCorrupt(f"cannot decode image: {exc}", stage="decode") from exc
+    """The full picture alone (the same checks and errors as `decode_image`): EXIF-rotated RGB on white, at full
+    resolution. A model's image processor takes it from here."""
+    picture = decode_image(data, params, DecodeNeeds(ocr=False, picture=True)).picture
+    assert picture is not None
+    return picture
 
 
 def _open(data: bytes, max_pixels: int) -> Image.Image:
@@ -143,9 +154,23 @@ def _load_downscaled(image: Image.Image, max_side: int) -> Image.Image:
     image = ImageOps.exif_transpose(image)
     factor = max(image.size) // max_side
     if factor >= 2:
+        image = image.reduce(factor)  # before converting: the composite on white then works on fewer pixels
+    return _shrunk(_to_rgb(image), max_side)
+
+
+def _load_full(image: Image.Image) -> Image.Image:
+    """Load every pixel: EXIF-rotated RGB on white."""
+    image.load()
+    return _to_rgb(ImageOps.exif_transpose(image))
+
+
+def _shrunk(image: Image.Image, max_side: int) -> Image.Image:
+    """At most max_side on the longest side: a box reduce by whole factors first (fast), then Lanczos."""
+    factor = max(image.size) // max_side
+    if factor >= 2:
         image = image.reduce(factor)
-    image = _to_rgb(image)
     if max(image.size) > max_side:
+        image = image.copy()
         image.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
     return image
 
@@ -159,18 +184,24 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def model_ready(rgb: Image.Image, size: int) -> npt.NDArray[np.float16]:
-    """Letterbox to size×size (nothing cropped away), normalise, channels first."""
-    boxed = ImageOps.pad(rgb, (size, size), method=Image.Resampling.BICUBIC, color=(0, 0, 0))
-    pixels = np.asarray(boxed, dtype=np.float32) / 255.0
-    normalised = (pixels - _MEAN) / _STD
-    return np.ascontiguousarray(normalised.transpose(2, 0, 1), dtype=np.float16)
+def within(size: tuple[int, int], max_side: int, max_pixels: int | None = None) -> tuple[int, int]:
+    """The largest size of the same aspect ratio no bigger than size, max_side on its longest side and max_pixels in
+    all (never enlarged; each side at least 1)."""
+    width, height = size
+    scale = min(1.0, max_side / max(width, height))
+    if max_pixels:
+        scale = min(scale, (max_pixels / (width * height)) ** 0.5)
+    if scale >= 1.0:
+        return size
+    return max(1, round(width * scale)), max(1, round(height * scale))
 
 
-def model_input_jpeg(model_input: npt.NDArray[np.float16], quality: int = 90) -> bytes:
-    """The model-ready array back as a JPEG picture (un-normalised, channels last): for servers that take images."""
-    pixels = model_input.astype(np.float32).transpose(1, 2, 0) * _STD + _MEAN
-    rgb = Image.fromarray(np.clip(pixels * 255.0 + 0.5, 0, 255).astype(np.uint8), "RGB")
+def served_picture(picture: Image.Image, max_side: int, max_pixels: int | None = None) -> bytes:
+    """The picture for a server that sees images: shrunk (Lanczos) to fit max_side and max_pixels, never enlarged,
+    as a lossless PNG."""
+    target = within(picture.size, max_side, max_pixels)
+    if target != picture.size:
+        picture = picture.resize(target, Image.Resampling.LANCZOS)
     out = io.BytesIO()
-    rgb.save(out, "JPEG", quality=quality)
+    picture.save(out, "PNG", compress_level=1)  # lossless; level 1: a fraction of the time, bytes a little larger
     return out.getvalue()

@@ -71,6 +71,9 @@ class InputRecord(BaseModel):
     time_s: float | None = None
     #: For a video: the keyframes that went through the image branch.
     frames: list[InputRecord] | None = None
+    #: For a picture, with a model that sees: its image processor's identity (`processor`) and the layout the
+    #: prompt spells out for it (`layout`: tile rows and cols, or a patch grid), so tokenize needs no tensors.
+    prepared: dict[str, Any] | None = None
 
 
 class ChoiceInfo(BaseModel):
@@ -220,12 +223,6 @@ def preprocess_share(timings_ms: dict[str, float]) -> float | None:
     if not total or pre is None:
         return None
     return round(min(pre / total, 1.0), 3)
-
-
-def image_hashes(inputs: list[InputRecord]) -> list[str]:
-    """Content hashes of the pictures a job's model may look at: decoded images and video keyframes."""
-    pictures = [f for r in inputs for f in ([r] if r.kind == "image" else r.frames or [])]
-    return [p.content_hash for p in pictures if p.status == "ok" and p.content_hash]
 
 
 def final_status(inputs: list[InputRecord]) -> JobStatus:

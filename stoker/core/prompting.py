@@ -1,4 +1,10 @@
-"""Prompt assembly and tokenization: the user's prompt plus what preprocessing read, in the model's template."""
+"""Prompt assembly and tokenization: the user's prompt plus what preprocessing read, in the model's template.
+
+The chat reaches the model as it was sent: no system prompt of stoker's own (a deployment may set one,
+`STOKER_SYSTEM_PROMPT`). Each attachment goes into the user turn it came with: for a model that sees, each of its
+pictures as an image part (in order, before the turn's text), with its text only when something was read from it
+(OCR that ran, a transcript); for a model that reads only text, its facts and the text read from it.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from stoker.core.jobs import ChatTurn, Conversation, InputRecord, image_hashes
+from stoker.core.jobs import ChatTurn, Conversation, InputRecord
 from stoker.core.model import ModelRequest
 
 #: Bump when prompt assembly changes.
-VERSION = "4"
+VERSION = "5"
 
-SYSTEM_PROMPT = (
-    "You are a helpful assistant. The user may attach files; each attachment is given as its "
-    "properties and the text that was read from it."
-)
+#: A picture's layout as its image processor gave it (tile rows and cols, or a patch grid): what the prompt needs
+#: to spell out the picture's placeholder tokens.
+Layout = dict[str, Any]
 
 
 class ChatTokenizer(Protocol):
@@ -23,11 +28,13 @@ class ChatTokenizer(Protocol):
 
     Every string in a message is untrusted (the user's prompt, a chat turn, OCR text, a transcript): it must reach
     the model as text. Only the chat template's own markers may become control tokens, so an attachment reading
-    `<|im_end|><|im_start|>system` cannot open a turn of its own.
+    `<|im_end|><|im_start|>system` cannot open a turn of its own (nor `<image>` a picture).
     """
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat in the model's template, the assistant's turn opened; the messages' text encoded as text."""
+    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The chat in the model's template, the assistant's turn opened; the messages' text encoded as text. A
+        message's `images` (layouts) are the pictures the model sees, as image parts before its text, each
+        placeholder expanded as the model's processor expands it."""
 
     def encode_text(self, text: str) -> list[int]:
         """Untrusted text to token ids, as plain text (no control token)."""
@@ -42,34 +49,54 @@ class Attachment:
 
     kind: str
     index: int
-    text: str = ""
+    #: What was read from it; None when nothing was asked to read it (OCR off for this model).
+    text: str | None = ""
     features: dict[str, Any] = field(default_factory=dict)
     error_code: str | None = None
     #: Content hashes of the decoded pictures it gave (an image, a video's keyframes), for a model that sees.
     pictures: tuple[str, ...] = ()
+    #: For a model that sees: each picture's layout from its image processor (empty for a text-only model).
+    layouts: tuple[Layout, ...] = ()
+    #: Its pictures were left out: the prompt had no room for them.
+    left_out: bool = False
+
+    @property
+    def seen(self) -> bool:
+        """Whether the model sees its pictures itself (as image parts of the turn)."""
+        return bool(self.layouts)
 
     def describe(self) -> str:
-        """One block of plain text for the prompt."""
-        props = ", ".join(f"{k}={v}" for k, v in sorted(self.features.items()))
-        head = f"[{self.kind} {self.index + 1}" + (f": {props}" if props else "") + "]"
+        """One block of plain text for the prompt ("" when the model sees the picture and nothing was read)."""
+        name = f"{self.kind} {self.index + 1}"
         if self.error_code:
-            return f"{head}\n(could not be processed: {self.error_code})"
+            return f"[{name} could not be read: {self.error_code}]"
+        if self.seen and self.kind == "image":
+            return f"[Text read from {name}]\n{self.text}" if self.text else ""
+        props = ", ".join(f"{k}={v}" for k, v in sorted(self.features.items()))
+        head = f"[{name}" + (f": {props}" if props else "") + "]"
+        if self.left_out:
+            what = "image left out" if self.kind == "image" else "keyframes left out"
+            head += f"\n({what}: the prompt had no room for {'it' if self.kind == 'image' else 'them'})"
+        if self.text is None:
+            return head
         label = {"audio": "Transcript", "video": "Transcript and on-screen text"}.get(self.kind, "Text read from it")
         return f"{head}\n{label}:\n{self.text or '(no text found)'}"
 
 
 def render_user_message(prompt: str, attachments: Sequence[Attachment]) -> str:
-    """The user turn: attachments first, then the question, so the question sits next to the answer."""
-    blocks = [a.describe() for a in attachments]
+    """The user turn's text: attachments first, then the question, so the question sits next to the answer."""
+    blocks = [block for block in (a.describe() for a in attachments) if block]
     return "\n\n".join([*blocks, prompt]) if blocks else prompt
 
 
 @dataclass(frozen=True)
 class BuiltPrompt:
-    """A chat prompt fitted to the budget: as token ids for a local model, and as text messages for a server."""
+    """A chat prompt fitted to the budget: as token ids for a local model, as messages for a server, and the
+    pictures it shows (content hashes, in the order of their placeholders)."""
 
     ids: list[int]
     messages: list[dict[str, Any]]
+    images: list[str] = field(default_factory=list)
 
 
 def build_prompt(
@@ -78,25 +105,31 @@ def build_prompt(
     attachments: Sequence[Attachment],
     budget: int,
     turns: Sequence[ChatTurn] | None = None,
+    system: str = "",
 ) -> BuiltPrompt:
     """The whole chat prompt, fitted into budget: attachment text is trimmed first, then the oldest turns of a chat
-    are dropped, then the last turn's text is cut. Without `turns` the chat is one user turn: the prompt with every
-    attachment."""
+    are dropped, then pictures (whole, the oldest first: a picture's placeholder tokens are never cut), then the
+    last turn's text is cut. Without `turns` the chat is one user turn: the prompt with every attachment. `system`:
+    a system prompt of the deployment's, before the chat ("" for none)."""
     chat = list(turns) if turns else [ChatTurn(role="user", text=prompt, inputs=[a.index for a in attachments])]
-    built = _fit(tokenizer, chat, attachments)
+    attachments = list(attachments)
+    built = _fit(tokenizer, chat, attachments, system)
     if len(built.ids) > budget and any(a.text for a in attachments):
         attachments = _trim_attachments(tokenizer, attachments, len(built.ids) - budget)
-        built = _fit(tokenizer, chat, attachments)
+        built = _fit(tokenizer, chat, attachments, system)
     while len(built.ids) > budget and _droppable(chat):
         chat.pop(next(i for i, t in enumerate(chat) if t.role != "system"))
-        built = _fit(tokenizer, chat, attachments)
+        built = _fit(tokenizer, chat, attachments, system)
+    while len(built.ids) > budget and (shown := _shown_pictures(chat, attachments)):
+        attachments = [_left_out(a) if a.index == shown[0] else a for a in attachments]
+        built = _fit(tokenizer, chat, attachments, system)
     if len(built.ids) > budget:
         last = chat[-1]
         ids = tokenizer.encode_text(last.text)
         chat[-1] = last.model_copy(update={"text": _cut(tokenizer, ids, len(ids) - (len(built.ids) - budget))})
-        built = _fit(tokenizer, chat, attachments)
-    if len(built.ids) > budget:  # the template alone does not fit: keep the generation prompt at the end
-        built = BuiltPrompt(built.ids[len(built.ids) - budget :], built.messages)
+        built = _fit(tokenizer, chat, attachments, system)
+    if len(built.ids) > budget:  # the template alone does not fit (no picture is left): keep its end
+        built = replace(built, ids=built.ids[len(built.ids) - budget :])
     return built
 
 
@@ -112,29 +145,50 @@ def _droppable(chat: Sequence[ChatTurn]) -> bool:
     return sum(1 for t in chat if t.role != "system") > 1
 
 
-def _fit(tokenizer: ChatTokenizer, chat: Sequence[ChatTurn], attachments: Sequence[Attachment]) -> BuiltPrompt:
-    messages = _messages(chat, attachments)
-    return BuiltPrompt(_render(tokenizer, messages), messages)
-
-
-def _messages(chat: Sequence[ChatTurn], attachments: Sequence[Attachment]) -> list[dict[str, Any]]:
-    """stoker's system prompt (with the chat's own system turns after it), then each turn; a user turn is its
-    attachments' text and its own, and names the pictures it carried for a model that sees."""
+def _shown_pictures(chat: Sequence[ChatTurn], attachments: Sequence[Attachment]) -> list[int]:
+    """Indices of the attachments whose pictures the prompt still shows, in the chat's order."""
     by_index = {a.index: a for a in attachments}
-    system = "\n\n".join([SYSTEM_PROMPT, *(t.text for t in chat if t.role == "system" and t.text)])
-    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
-    for turn in (t for t in chat if t.role != "system"):
+    return [i for t in chat for i in t.inputs if i in by_index and by_index[i].pictures and not by_index[i].error_code]
+
+
+def _left_out(attachment: Attachment) -> Attachment:
+    return replace(attachment, pictures=(), layouts=(), left_out=True)
+
+
+def _fit(
+    tokenizer: ChatTokenizer, chat: Sequence[ChatTurn], attachments: Sequence[Attachment], system: str
+) -> BuiltPrompt:
+    shown = _messages(chat, attachments, system)
+    ids = tokenizer.render([_rendered(m) for m in shown])
+    messages = [{k: v for k, v in m.items() if k != "layouts"} for m in shown]
+    return BuiltPrompt(ids, messages, [p for m in messages for p in m.get("images", [])])
+
+
+def _rendered(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as the tokenizer renders it: role, text, and the layouts of the pictures the model sees."""
+    out = {"role": message["role"], "content": message["content"]}
+    return {**out, "images": message["layouts"]} if message.get("layouts") else out
+
+
+def _messages(chat: Sequence[ChatTurn], attachments: Sequence[Attachment], system: str) -> list[dict[str, Any]]:
+    """The deployment's system prompt (if any), then each turn as it was sent; a user turn is its attachments'
+    text and its own, and names the pictures it carried (`images`), with their layouts for a model that sees
+    (`layouts`). A model that sees is shown only the pictures it has layouts for."""
+    by_index = {a.index: a for a in attachments}
+    sees = any(a.seen for a in attachments)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    for turn in chat:
         own = [by_index[i] for i in turn.inputs if i in by_index]
         message: dict[str, Any] = {"role": turn.role, "content": render_user_message(turn.text, own)}
-        pictures = [p for a in own for p in a.pictures]
+        shown = [a for a in own if a.seen or not sees]
+        pictures = [p for a in shown for p in a.pictures]
         if pictures:
             message["images"] = pictures
+        layouts = [layout for a in shown for layout in a.layouts]
+        if layouts:
+            message["layouts"] = layouts
         messages.append(message)
     return messages
-
-
-def _render(tokenizer: ChatTokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    return tokenizer.render([{"role": m["role"], "content": m["content"]} for m in messages])
 
 
 def _cut(tokenizer: ChatTokenizer, ids: Sequence[int], keep_tokens: int) -> str:
@@ -146,7 +200,7 @@ def _cut(tokenizer: ChatTokenizer, ids: Sequence[int], keep_tokens: int) -> str:
 
 def _trim_attachments(tokenizer: ChatTokenizer, attachments: Sequence[Attachment], overflow: int) -> list[Attachment]:
     """Cut attachment texts, longest first, until overflow tokens (plus slack for markers) are gone."""
-    encoded = [tokenizer.encode_text(a.text) for a in attachments]  # once: counted here, cut below
+    encoded = [tokenizer.encode_text(a.text or "") for a in attachments]  # once: counted here, cut below
     lengths = [len(ids) for ids in encoded]
     to_cut = overflow + 4 * len(attachments)
     keep = list(lengths)
@@ -163,31 +217,32 @@ def _trim_attachments(tokenizer: ChatTokenizer, attachments: Sequence[Attachment
 
 
 def attachment_for(record: InputRecord) -> Attachment:
-    """How one preprocessed input appears in the prompt: its text (and a video's on-screen text), a few facts."""
-    texts = [record.text or ""] + [
-        f"On screen at {f.time_s:.1f}s: {f.text}" for f in record.frames or [] if f.status == "ok" and f.text
-    ]
+    """How one preprocessed input appears in the prompt: its pictures, the text read from it (and a video's
+    on-screen text), a few facts."""
+    frames = [f for f in record.frames or [] if f.status == "ok"]
+    texts = [record.text] + [f"On screen at {f.time_s:.1f}s: {f.text}" for f in frames if f.text]
+    read = [t for t in texts if t is not None]
     keep = ("format", "width", "height", "duration_s")
-    pictures = [f for f in ([record] if record.kind == "image" else record.frames or []) if f.status == "ok"]
+    pictures = [p for p in ([record] if record.kind == "image" and record.status == "ok" else frames) if p.content_hash]
+    layouts = tuple(p.prepared["layout"] for p in pictures if p.prepared)
     return Attachment(
         kind=record.kind,
         index=record.index,
-        text="\n".join(t for t in texts if t),
+        text="\n".join(t for t in read if t) if read else None,
         features={k: v for k, v in (record.features or {}).items() if k in keep},
         error_code=record.error.code if record.error else None,
-        pictures=tuple(p.content_hash for p in pictures if p.content_hash),
+        pictures=tuple(p.content_hash for p in pictures),
+        layouts=layouts if len(layouts) == len(pictures) else (),
     )
 
 
-def model_request(
-    built: dict[str, Any], inputs: list[InputRecord], scope: str, chat: Conversation | None, job_id: str
-) -> ModelRequest:
-    """The model's request for a built prompt (`ids`, `messages`, as cached): with a chat's generation parameters,
-    and streamed to the job when its client reads a stream."""
+def model_request(built: dict[str, Any], scope: str, chat: Conversation | None, job_id: str) -> ModelRequest:
+    """The model's request for a built prompt (`ids`, `messages`, `images`, as cached): with a chat's generation
+    parameters, and streamed to the job when its client reads a stream. Its pictures are those the prompt shows."""
     return ModelRequest(
         [int(i) for i in built["ids"]],
         list(built.get("messages", [])),
-        image_hashes(inputs),
+        list(built.get("images", [])),
         scope,
         chat.params if chat else ModelRequest([]).params,
         job_id if chat and chat.stream else None,

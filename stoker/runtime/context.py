@@ -12,23 +12,25 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
 from redis.lock import Lock
 
 from stoker.adapters.backends.local import SimPredictor, TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.remote import OpenAIPredictor
-from stoker.adapters.backends.tokenizer import PromptTokenizer, file_identity, load_tokenizer
-from stoker.adapters.backends.tokenizer import tokenizer_identity as backend_tokenizer_identity
+from stoker.adapters.backends.tokenizer import PromptTokenizer, file_identity, load_prompt_tokenizer, load_tokenizer
+from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.cache import StageCache
 from stoker.adapters.metrics import DeviceClock
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import DEVICE_LOCK_KEY
 from stoker.adapters.urlfetch import FetchPolicy
 from stoker.core import asr, cachekeys, tenancy
-from stoker.core.arrays import array_from_bytes
 from stoker.core.asr import SpeechModel
-from stoker.core.cachekeys import MODEL_INPUT, CacheAddress, PipelineContext, fingerprint
-from stoker.core.imaging import DecodeParams, model_input_jpeg
+from stoker.core.cachekeys import PICTURE, VISION_TENSORS, CacheAddress, DecodeOutputs, PipelineContext, fingerprint
+from stoker.core.errors import StokerError
+from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_rgb, served_picture
+from stoker.core.media import ContentHash
 from stoker.core.model import Predictor
 from stoker.core.ocr import tesseract_version
 from stoker.core.urls import Allowlist
@@ -85,13 +87,15 @@ class WorkerContext:
 
     @cached_property
     def prompt_tokenizer(self) -> PromptTokenizer:
-        """The model's tokenizer as prompt assembly uses it: a message's text is only ever text."""
-        return PromptTokenizer(self.tokenizer)
+        """The model's tokenizer as prompt assembly uses it: a message's text is only ever text; a model that sees
+        gets its pictures' placeholders as its processor expands them."""
+        return load_prompt_tokenizer(self.model_path, self.tokenizer)
 
     @cached_property
     def tokenizer_identity(self) -> str:
-        """What identifies the tokenizer and its chat template, part of the tokenize cache fingerprint."""
-        return backend_tokenizer_identity(self.tokenizer, self.model_path)
+        """What identifies the tokenizer, its chat template and its processor, part of the tokenize cache
+        fingerprint."""
+        return self.prompt_tokenizer.identity(self.model_path)
 
     @cached_property
     def predictor(self) -> Predictor:
@@ -101,6 +105,7 @@ class WorkerContext:
         if s.backend == "sim":
             chosen = SimPredictor(s.sim_base_ms, s.sim_per_item_ms, fault=s.sim_fault)
         elif s.backend == "openai":
+            _ = self.decode_outputs  # the served model's image processor, loaded now: never inside a batch
             chosen = OpenAIPredictor(
                 s.openai_base_url,
                 s.openai_model,
@@ -137,17 +142,102 @@ class WorkerContext:
         return self.store.client.lock(DEVICE_LOCK_KEY, timeout=hold_s, sleep=0.005, thread_local=False)
 
     def picture(self, digest: str, scope: str) -> bytes | None:
-        """A decoded image as the model sees it (letterboxed, resized), as JPEG, from the cache scope it was
-        decoded in; None if the cache no longer has it."""
-        raw = self.cache.get_bytes(self.decode_address(digest, scope), part=MODEL_INPUT)
-        return model_input_jpeg(array_from_bytes(raw)) if raw is not None else None  # type: ignore[arg-type]
+        """A decoded picture as a server that sees images gets it (PNG, at the served model's size), from the cache
+        scope it was decoded in, or made again from the input's bytes while the job store still holds them; None
+        when neither has it."""
+        address = self.decode_address(digest, scope)
+        found = self.cache.get_bytes(address, part=PICTURE)
+        if found is not None or self.picture_bounds is None:
+            return found
+        picture = self._picture_again(digest)
+        if picture is None:
+            return None
+        png = served_picture(picture, *self.picture_bounds)
+        self.cache.put_bytes(address, png, part=PICTURE)
+        return png
+
+    def prepared_image(self, digest: str, scope: str) -> PreparedImage | None:
+        """One picture's tensors as the served model's image processor made them in the decode stage (from the
+        cache scope it was decoded in), or prepared again from the input's bytes while the job store still holds
+        them (and cached); None for a text-only model, or when neither has it."""
+        preparer = self.image_preparer
+        if preparer is None:
+            return None
+        address = self.vision_address(digest, scope)
+        found = self.cache.get_bytes(address, part=VISION_TENSORS)
+        if found is not None:
+            try:
+                return PreparedImage.from_bytes(found)
+            except ValueError:
+                pass  # not what this version writes: prepared again below
+        picture = self._picture_again(digest)
+        if picture is None:
+            return None
+        try:
+            prepared = preparer.prepare(picture)
+        except StokerError:
+            return None
+        self.put_prepared(address, prepared)
+        return prepared
+
+    def put_prepared(self, address: CacheAddress, prepared: PreparedImage) -> None:
+        """Cache a picture's tensors at its vision address (under the tensors' own size cap)."""
+        limit = self.settings.cache_max_tensor_bytes
+        self.cache.put_bytes(address, prepared.to_bytes(), part=VISION_TENSORS, limit=limit)
+
+    def _picture_again(self, digest: str) -> Image.Image | None:
+        """The decoded picture from the input's bytes in the job store; None when they are gone or undecodable."""
+        data = self.store.blobs.get_blob(ContentHash(digest))
+        if data is None:
+            return None
+        try:
+            return decode_rgb(data, self.decode_params)
+        except StokerError:
+            return None
 
     # -- the CPU stages ---------------------------------------------------------------------------------------
     @cached_property
     def decode_params(self) -> DecodeParams:
         """Decode parameters from settings."""
         s = self.settings
-        return DecodeParams(max_pixels=s.max_image_pixels, image_size=s.image_size, ocr_max_side=s.ocr_max_side)
+        return DecodeParams(max_pixels=s.max_image_pixels, ocr_max_side=s.ocr_max_side)
+
+    @cached_property
+    def image_preparer(self) -> ImagePreparer | None:
+        """The configured model's own image processor (its config alone: no weights), or None for a model that
+        reads only text."""
+        return ImagePreparer.load(self.model_path)
+
+    @cached_property
+    def ocr_runs(self) -> bool:
+        """Whether images are OCR'd (`STOKER_OCR`): `auto` reads them for a text-only model and leaves a model
+        that sees to look for itself."""
+        mode = self.settings.ocr
+        return mode == "on" or (mode == "auto" and self.image_preparer is None)
+
+    @cached_property
+    def picture_bounds(self) -> tuple[int, int] | None:
+        """With the `openai` backend, the bounds of the picture the server gets (longest side, pixels; 0 for no
+        pixel bound): the served model's own size policy from its image processor's config, under
+        `openai_image_max_side`. None for any other backend."""
+        s = self.settings
+        if s.backend != "openai":
+            return None
+        side, pixels = self.image_preparer.size_policy() if self.image_preparer else (None, None)
+        return min(side or s.openai_image_max_side, s.openai_image_max_side), pixels or 0
+
+    @cached_property
+    def decode_outputs(self) -> DecodeOutputs:
+        """What the decode stage makes under this configuration (part of its cache address)."""
+        preparer = self.image_preparer
+        identity = preparer.identity if preparer else ""
+        return DecodeOutputs(ocr=self.ocr_runs, processor=identity, picture=self.picture_bounds)
+
+    @cached_property
+    def decode_needs(self) -> DecodeNeeds:
+        """What decode must make: the OCR image when OCR runs, the full picture for a processor or a server."""
+        outputs = self.decode_outputs
+        return DecodeNeeds(ocr=outputs.ocr, picture=bool(outputs.processor) or outputs.picture is not None)
 
     @cached_property
     def fetch_policy(self) -> FetchPolicy:
@@ -191,13 +281,20 @@ class WorkerContext:
 
     # -- cache addresses under this worker's parameters -------------------------------------------------------
     def decode_address(self, digest: str, scope: str) -> CacheAddress:
-        """Cache address of decode's output for this content under this worker's decode parameters."""
-        return cachekeys.decode_address(digest, scope, self.decode_params)
+        """Cache address of decode's output for this content under this worker's decode parameters and outputs."""
+        return cachekeys.decode_address(digest, scope, self.decode_params, self.decode_outputs)
+
+    def vision_address(self, digest: str, scope: str) -> CacheAddress:
+        """Cache address of a picture's tensors from the configured model's image processor (a model that sees)."""
+        identity = self.image_preparer.identity if self.image_preparer else ""
+        return cachekeys.vision_address(digest, scope, self.decode_params, identity)
 
     def ocr_address(self, digest: str, scope: str) -> CacheAddress:
         """Cache address of OCR text under this worker's languages, tesseract and decode parameters."""
         langs = self.settings.ocr_langs
-        return cachekeys.ocr_address(digest, scope, params=self.decode_params, langs=langs, tesseract=self.tesseract)
+        return cachekeys.ocr_address(
+            digest, scope, params=self.decode_params, langs=langs, tesseract=self.tesseract, outputs=self.decode_outputs
+        )
 
     def transcribe_address(self, digest: str, scope: str) -> CacheAddress:
         """Cache address of a transcript under this worker's speech model and beam."""
@@ -221,6 +318,7 @@ class WorkerContext:
             keyframes=[s.video_keyframes, s.max_media_seconds],
             tokenizer=self.tokenizer_identity,
             budget=window - s.max_new_tokens,
+            system=s.system_prompt,
         )
 
     def cache_scope(self, tenant: str | None) -> str:

@@ -161,9 +161,9 @@ def _model_request(ctx: WorkerContext, context: PipelineContext, job: Job, scope
     turns = job.chat.turns if job.chat else None
 
     def compute() -> dict[str, Any]:
-        built = build_prompt(ctx.prompt_tokenizer, job.prompt, attachments, context.budget, turns)
-        return {"ids": built.ids, "messages": built.messages}
+        built = build_prompt(ctx.prompt_tokenizer, job.prompt, attachments, context.budget, turns, context.system)
+        return {"ids": built.ids, "messages": built.messages, "images": built.images}
 
     address = prompt_address(context, job.prompt, attachments, scope, turns)
     value = through_cache(ctx, None, address, compute, follower_wait(ctx.settings.tokenize_soft_s))
-    return model_request(value, job.inputs, scope, job.chat, job.id)
+    return model_request(value, scope, job.chat, job.id)

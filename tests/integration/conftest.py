@@ -12,6 +12,8 @@ import redis
 from fastapi.testclient import TestClient
 
 from stoker.core.jobs import InputRecord
+from tests.fakeopenai import FakeServer, fake_openai_server
+from tests.fleet import Fleet, own_fleet
 from workers.broker import free_port
 from workers.procs import spawn, stop, tail, wait_for
 
@@ -109,3 +111,25 @@ def client(workers: dict[str, Path], spy: SpySubmitter) -> Iterator[TestClient]:
 
     with TestClient(create_app(ApiSettings(), submitter=spy)) as test_client:
         yield test_client
+
+
+@pytest.fixture(scope="session")
+def vlm_fleet(tiny_vlm: Path) -> Iterator[tuple[FakeServer, Fleet]]:
+    """The fake OpenAI-compatible server, and a fleet whose inference worker is the `openai` backend pointed at it,
+    serving the tiny VLM (`STOKER_MODEL`: its image processor prepares the pictures, its processor's template builds
+    the prompts; OCR `auto`, so off), with a context long enough for four pictures. One fleet for every test of the
+    image path with a model that sees."""
+    with fake_openai_server() as fake:
+        settings = {
+            "STOKER_BACKEND": "openai",
+            "STOKER_OPENAI_BASE_URL": fake.url,
+            "STOKER_OPENAI_MODEL": "vlm",
+            "STOKER_MODEL": str(tiny_vlm),
+            "STOKER_MAX_CONTEXT_TOKENS": "4096",
+            # Decode runs the model's image processor too (resize, tile, normalise): on a CPU other tests share,
+            # a picture can take longer than the default 3 s.
+            "STOKER_DECODE_SOFT_S": "20",
+            "STOKER_DECODE_HARD_S": "25",
+        }
+        with own_fleet(settings, kinds=("cpu", "asr", "infer")) as fleet:
+            yield fake, fleet

@@ -209,7 +209,7 @@ def _row(table: str, stage: str) -> list[str]:
 
 
 def test_the_cache_commands_show_hits_misses_and_oversize_and_clear_one_stage() -> None:
-    # Decode's pictures (224×224 for the model, the page for OCR) are over a 4 KiB cap and never kept; OCR's text is.
+    # Decode's page for OCR is over a 4 KiB cap and never kept; OCR's text is.
     device = {"STOKER_BACKEND": "sim", "STOKER_CACHE_MAX_VALUE_BYTES": "4096"}
     with own_fleet(device, kinds=("cpu", "infer")) as crew:
 

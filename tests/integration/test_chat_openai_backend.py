@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterator
-from contextlib import ExitStack
 from typing import Any
 
 import openai
@@ -13,9 +12,10 @@ import pytest
 from PIL import Image
 
 from api.app import create_app
+from stoker.core.media import content_hash
 from stoker.settings import ApiSettings
-from tests.fakeopenai import FakeServer, fake_openai_server
-from tests.fleet import Fleet, own_fleet
+from tests.fakeopenai import FakeServer
+from tests.fleet import Fleet
 from tests.media import speech_wav, text_image
 from tests.serving import serve
 
@@ -23,16 +23,14 @@ MODEL = ApiSettings().public_model_name
 
 
 @pytest.fixture(scope="module")
-def chain() -> Iterator[tuple[FakeServer, openai.OpenAI]]:
-    """The fake server, a fleet whose inference worker is the `openai` backend pointed at it, and stoker's API
-    over HTTP with the official client in front."""
-    with fake_openai_server() as fake:
-        settings = {"STOKER_BACKEND": "openai", "STOKER_OPENAI_BASE_URL": fake.url, "STOKER_OPENAI_MODEL": "vlm"}
-        with ExitStack() as stack:
-            fleet = stack.enter_context(own_fleet(settings, kinds=("cpu", "asr", "infer")))
-            base = stack.enter_context(serve(create_app(_settings(fleet))))
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-            yield fake, stack.enter_context(client)
+def chain(vlm_fleet: tuple[FakeServer, Fleet]) -> Iterator[tuple[FakeServer, openai.OpenAI]]:
+    """The fake server behind the fleet serving the tiny VLM (`vlm_fleet`), and stoker's API over HTTP with the
+    official client in front."""
+    fake, fleet = vlm_fleet
+    with serve(create_app(_settings(fleet))) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        with client:
+            yield fake, client
 
 
 def _settings(fleet: Fleet) -> ApiSettings:
@@ -53,13 +51,14 @@ def test_the_server_gets_the_whole_chat_a_resized_picture_and_the_parameters(
     chain: tuple[FakeServer, openai.OpenAI],
 ) -> None:
     fake, client = chain
+    upload = text_image("TOTAL 99", size=(1600, 400))
     messages = [
         {"role": "system", "content": "You read documents."},
         {
             "role": "user",
             "content": [
                 {"type": "text", "text": "Keep this page (marker-one)."},
-                {"type": "image_url", "image_url": {"url": _data_url(text_image("TOTAL 99", size=(1600, 400)))}},
+                {"type": "image_url", "image_url": {"url": _data_url(upload)}},
             ],
         },
         {"role": "assistant", "content": "Kept."},
@@ -68,7 +67,7 @@ def test_the_server_gets_the_whole_chat_a_resized_picture_and_the_parameters(
     answer = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=7, temperature=0.3, top_p=0.9, stop=["END"], seed=11
     )
-    assert answer.choices[0].message.content == "fake saw 0 image(s); jpeg=True"  # the last turn has no picture
+    assert answer.choices[0].message.content == "fake saw 0 image(s)"  # the last turn has no picture
     body = _sent(fake, "marker-one")
     assert (body["max_tokens"], body["temperature"], body["top_p"], body["stop"], body["seed"]) == (
         7,
@@ -78,14 +77,15 @@ def test_the_server_gets_the_whole_chat_a_resized_picture_and_the_parameters(
         11,
     )
     system, first, assistant, last = body["messages"]
-    assert system["role"] == "system"
-    assert "You read documents." in system["content"]
+    assert system == {"role": "system", "content": "You read documents."}  # as sent, nothing added
     assert first["role"] == "user"
     text, picture = first["content"]
-    assert "Keep this page (marker-one)." in text["text"]
-    assert "TOTAL 99" in text["text"]  # what OCR read travels with the picture
-    jpeg = base64.b64decode(picture["image_url"]["url"].split(",", 1)[1])
-    assert Image.open(io.BytesIO(jpeg)).size == (224, 224)  # the preprocessed picture, not the 1600×400 upload
+    assert text["text"] == "Keep this page (marker-one)."  # a model that sees reads the page itself: no OCR text
+    png = base64.b64decode(picture["image_url"]["url"].split(",", 1)[1])
+    # At the served model's own size (its processor's longest edge, 1024), not a thumbnail of the 1600×400 upload;
+    # named by the upload's content hash.
+    assert Image.open(io.BytesIO(png)).size == (1024, 256)
+    assert picture["uuid"] == content_hash(upload)
     assert assistant == {"role": "assistant", "content": "Kept."}
     assert last["role"] == "user"
     assert last["content"].endswith("What is the total?")

@@ -8,12 +8,12 @@ import pytest
 
 from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.core.errors import InferenceFailed, ModelUnavailable
-from stoker.core.imaging import DecodeParams, decode_image, model_input_jpeg
+from stoker.core.imaging import DecodeParams, decode_rgb, served_picture
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
-from tests.fakeopenai import FakeServer, fake_openai_server
+from tests.fakeopenai import FakeServer, Picture, fake_openai_server
 from tests.media import text_image
 
-PICTURE = model_input_jpeg(decode_image(text_image("HELLO"), DecodeParams(90_000_000, 224, 2048)).model_input)
+PICTURE = served_picture(decode_rgb(text_image("HELLO"), DecodeParams()), 4096)
 
 
 _OPENED: list[OpenAIPredictor] = []
@@ -48,12 +48,14 @@ def _predictor(server: FakeServer, **kwargs: object) -> OpenAIPredictor:
 def test_each_request_carries_its_text_and_its_preprocessed_picture(server: FakeServer) -> None:
     outcomes = run_predictor(_predictor(server), [_request("what does it say?", ["pic"]), _request("hi")])
     assert isinstance(outcomes[0], Prediction)
-    assert outcomes[0].text == "fake saw 1 image(s); jpeg=True"
-    assert outcomes[1].text == "fake saw 0 image(s); jpeg=True"  # type: ignore[union-attr]
+    assert outcomes[0].text == "fake saw 1 image(s)"
+    assert outcomes[1].text == "fake saw 0 image(s)"  # type: ignore[union-attr]
     body = next(b for b in server.bodies if not isinstance(b["messages"][-1]["content"], str))
     parts = body["messages"][-1]["content"]
     assert parts[0] == {"type": "text", "text": "what does it say?"}
-    assert parts[1]["image_url"]["url"].startswith("data:image/jpeg;base64,")
+    assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert parts[1]["uuid"] == "pic"  # the content hash, as vLLM's per-item uuid
+    assert server.pictures == [Picture("image/png", "PNG", (800, 200), "pic")]
     assert (body["model"], body["max_tokens"], body["temperature"]) == ("fake-vlm", 16, 0)
 
 

@@ -8,6 +8,7 @@ from stoker.adapters.cache import StageCache
 from stoker.adapters.store.keys import cache_key, cache_lease_key
 from stoker.core.cachekeys import (
     CacheAddress,
+    DecodeOutputs,
     PipelineContext,
     decode_address,
     fingerprint,
@@ -15,6 +16,7 @@ from stoker.core.cachekeys import (
     ocr_address,
     prompt_address,
     transcribe_address,
+    vision_address,
 )
 from stoker.core.imaging import DecodeParams
 from stoker.core.tenancy import SHARED_SCOPE, cache_scope
@@ -24,7 +26,7 @@ from workers.broker import free_port
 SCOPE = cache_scope("acme", shared=False)
 
 
-PARAMS = DecodeParams(max_pixels=90_000_000, image_size=224, ocr_max_side=2000)
+PARAMS = DecodeParams(max_pixels=90_000_000, ocr_max_side=2000)
 
 
 def ocr_key(digest: str, scope: str = SCOPE, params: DecodeParams = PARAMS, langs: str = "eng") -> str:
@@ -42,9 +44,32 @@ def test_a_tesseract_upgrade_misses() -> None:
 
 
 def test_decode_parameters_change_decode_and_ocr_keys() -> None:
-    bigger = replace(PARAMS, image_size=336)
+    bigger = replace(PARAMS, ocr_max_side=3000)
     assert cache_key(decode_address("abc", SCOPE, bigger)) != cache_key(decode_address("abc", SCOPE, PARAMS))
     assert ocr_key("abc", params=bigger) != ocr_key("abc")
+
+
+def test_what_decode_makes_is_part_of_its_address() -> None:
+    """OCR on or off, the model's image processor and the served picture's bounds each change what decode stores."""
+    base = cache_key(decode_address("abc", SCOPE, PARAMS, DecodeOutputs()))
+    variants = [
+        DecodeOutputs(ocr=False),
+        DecodeOutputs(processor="p1"),
+        DecodeOutputs(picture=(1024, 0)),
+        DecodeOutputs(picture=(2048, 0)),
+    ]
+    keys = {cache_key(decode_address("abc", SCOPE, PARAMS, v)) for v in variants}
+    assert len(keys) == len(variants)
+    assert base not in keys
+    assert cache_key(decode_address("abc", SCOPE, PARAMS)) == base
+
+
+def test_vision_tensors_are_addressed_by_content_scope_and_processor() -> None:
+    base = cache_key(vision_address("abc", SCOPE, PARAMS, "p1"))
+    assert cache_key(vision_address("abc", SCOPE, PARAMS, "p2")) != base
+    assert cache_key(vision_address("abd", SCOPE, PARAMS, "p1")) != base
+    assert cache_key(vision_address("abc", SHARED_SCOPE, PARAMS, "p1")) != base
+    assert cache_key(vision_address("abc", SCOPE, replace(PARAMS, max_pixels=10), "p1")) != base
 
 
 def test_key_carries_stage_version_content_and_fingerprint() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import struct
 import zlib
 
@@ -10,21 +11,51 @@ import pytest
 from PIL import Image
 
 from stoker.core.errors import ImageCorrupt, ImageTooLarge
-from stoker.core.imaging import DecodeParams, decode_image
+from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_image, decode_rgb, served_picture, within
 from tests.media import encode, png_bomb, text_image, truncated
 
-PARAMS = DecodeParams(max_pixels=90_000_000, image_size=224, ocr_max_side=2048)
+PARAMS = DecodeParams(max_pixels=90_000_000, ocr_max_side=2048)
 
 
-def test_decode_yields_features_ocr_image_and_model_input() -> None:
+def test_decode_yields_features_and_the_ocr_image() -> None:
     decoded = decode_image(text_image("HELLO", size=(800, 200)), PARAMS)
     assert decoded.features.format == "PNG"
     assert (decoded.features.width, decoded.features.height) == (800, 200)
+    assert decoded.ocr_image is not None
     assert decoded.ocr_image.shape == (200, 800)
     assert decoded.ocr_image.dtype == np.uint8
-    assert decoded.model_input.shape == (3, 224, 224)
-    assert decoded.model_input.dtype == np.float16
+    assert decoded.picture is None  # no model asked for the picture
     assert decoded.ocr_image.min() < 50 < 200 < decoded.ocr_image.max()  # black text on white survived
+
+
+def test_decode_makes_only_what_is_needed() -> None:
+    data = text_image("HELLO", size=(800, 200))
+    neither = decode_image(data, PARAMS, DecodeNeeds(ocr=False, picture=False))
+    assert (neither.ocr_image, neither.picture) == (None, None)
+    both = decode_image(data, PARAMS, DecodeNeeds(ocr=True, picture=True))
+    assert both.ocr_image is not None
+    assert both.picture is not None
+    assert both.picture.size == (800, 200)
+
+
+def test_the_full_picture_is_not_shrunk_for_ocr() -> None:
+    """A JPEG bigger than OCR's side: OCR gets it shrunk, the full picture keeps every pixel (no draft scale)."""
+    big = Image.new("RGB", (3000, 1000), "white")
+    decoded = decode_image(encode(big, "JPEG", quality=90), PARAMS, DecodeNeeds(ocr=True, picture=True))
+    assert decoded.picture is not None
+    assert decoded.picture.size == (3000, 1000)
+    assert decoded.ocr_image is not None
+    assert max(decoded.ocr_image.shape) <= 2048
+
+
+def test_the_served_picture_fits_the_bounds_losslessly_and_is_never_enlarged() -> None:
+    picture = decode_rgb(text_image("PAGE", size=(1600, 400)), PARAMS)
+    served = Image.open(io.BytesIO(served_picture(picture, 1024)))
+    assert (served.format, served.size) == ("PNG", (1024, 256))
+    small = Image.open(io.BytesIO(served_picture(picture, 4096)))
+    assert np.array_equal(np.asarray(small), np.asarray(picture))  # lossless, at the upload's own size
+    assert within((4000, 3000), 10_000, max_pixels=3_000_000) == (2000, 1500)
+    assert within((1, 1), 64) == (1, 1)
 
 
 def test_big_jpeg_is_downscaled_while_decoding() -> None:
@@ -66,8 +97,8 @@ def test_decompression_bomb_is_refused_before_decoding() -> None:
 def test_one_pixel_over_the_cap_is_refused() -> None:
     data = encode(Image.new("L", (101, 100)), "PNG")
     with pytest.raises(ImageTooLarge):
-        decode_image(data, DecodeParams(max_pixels=100 * 100, image_size=16, ocr_max_side=64))
-    decode_image(data, DecodeParams(max_pixels=101 * 100, image_size=16, ocr_max_side=64))
+        decode_image(data, DecodeParams(max_pixels=100 * 100, ocr_max_side=64))
+    decode_image(data, DecodeParams(max_pixels=101 * 100, ocr_max_side=64))
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +18,7 @@ from stoker.core.errors import ImageCorrupt, ModelUnavailable
 from stoker.core.imaging import DecodeParams, decode_rgb
 from stoker.settings import BUILTIN_MODEL, CommonSettings
 from tests.conftest import missing
-from tests.media import encode
+from tests.media import PICTURES, encode, exif_rotated, large_page, photo, png_alpha
 
 PARAMS = DecodeParams()
 #: The files an image processor is read from: a CPU worker needs no weights.
@@ -31,80 +30,6 @@ def preparer(tiny_vlm: Path) -> ImagePreparer:
     loaded = ImagePreparer.load(tiny_vlm)
     assert loaded is not None
     return loaded
-
-
-def photo(width: int, height: int, seed: int = 0) -> Image.Image:
-    """Smooth colour gradients with noise: what a camera picture compresses like."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 / max(width, 1), y * 255 / max(height, 1), (x + y) % 256], axis=-1)
-    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-    return Image.fromarray(pixels, "RGB")
-
-
-def reopened(data: bytes) -> Image.Image:
-    """The file's stored pixels as Pillow reads them, with no orientation applied."""
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image
-
-
-def landscape() -> tuple[bytes, Image.Image]:
-    data = encode(photo(1000, 400), "JPEG", quality=90)
-    return data, reopened(data)
-
-
-def portrait() -> tuple[bytes, Image.Image]:
-    data = encode(photo(400, 1000, seed=1), "PNG")
-    return data, reopened(data)
-
-
-def exif_rotated() -> tuple[bytes, Image.Image]:
-    """Stored landscape, shown portrait: orientation 6 says turn it 90° clockwise."""
-    stored = photo(1000, 400, seed=2)
-    exif = stored.getexif()
-    exif[0x0112] = 6
-    data = encode(stored, "JPEG", quality=90, exif=exif.tobytes())
-    return data, reopened(data).transpose(Image.Transpose.ROTATE_270)
-
-
-def png_alpha() -> tuple[bytes, Image.Image]:
-    """Left half transparent: the picture shows white there, as decode puts it on paper."""
-    rgba = photo(600, 300, seed=3).convert("RGBA")
-    alpha = np.full((300, 600), 255, dtype=np.uint8)
-    alpha[:, :300] = 0
-    rgba.putalpha(Image.fromarray(alpha, "L"))
-    pixels = np.asarray(rgba.convert("RGB")).copy()
-    pixels[:, :300] = 255
-    return encode(rgba, "PNG"), Image.fromarray(pixels, "RGB")
-
-
-def cmyk_jpeg() -> tuple[bytes, Image.Image]:
-    data = encode(photo(640, 480, seed=4).convert("CMYK"), "JPEG", quality=90)
-    return data, reopened(data).convert("RGB")
-
-
-def one_pixel() -> tuple[bytes, Image.Image]:
-    data = encode(Image.new("RGB", (1, 1), (200, 30, 90)), "PNG")
-    return data, reopened(data)
-
-
-def large_page() -> tuple[bytes, Image.Image]:
-    """Bigger than the processor's longest edge: it is shrunk, then tiled."""
-    data = encode(photo(1600, 1200, seed=5), "PNG")
-    return data, reopened(data)
-
-
-#: Each picture, and the tiles (rows, cols) SmolVLM's processor cuts it into at 1024 px and 512-px tiles.
-PICTURES = {
-    "landscape": (landscape, (1, 2)),
-    "portrait": (portrait, (2, 1)),
-    "exif_rotated": (exif_rotated, (2, 1)),
-    "png_alpha": (png_alpha, (1, 2)),
-    "cmyk_jpeg": (cmyk_jpeg, (2, 2)),
-    "one_pixel": (one_pixel, (2, 2)),
-    "large_page": (large_page, (2, 2)),
-}
 
 
 @pytest.mark.parametrize("name", PICTURES)
@@ -245,3 +170,31 @@ def test_a_picture_the_processor_rejects_is_a_structured_error(qwen2_vl: ImagePr
     with pytest.raises(ImageCorrupt, match="aspect ratio") as caught:
         qwen2_vl.prepare(decode_rgb(sliver, PARAMS))
     assert (caught.value.code, caught.value.stage) == ("image_corrupt", "decode")
+
+
+@pytest.mark.parametrize(
+    ("vlm", "mode", "backend", "ocr", "picture"),
+    [
+        (True, "auto", "transformers", False, None),  # a model that sees looks for itself
+        (True, "on", "transformers", True, None),
+        (False, "auto", "transformers", True, None),  # a text-only model reads pictures as their OCR text
+        (False, "off", "transformers", False, None),
+        (True, "auto", "openai", False, (LONGEST_EDGE, 0)),  # the served model's own size
+        (False, "auto", "openai", True, (4096, 0)),  # no processor to ask: the bound alone
+    ],
+)
+def test_what_decode_makes_follows_the_model_and_the_ocr_mode(
+    tiny_vlm: Path, vlm: bool, mode: str, backend: str, ocr: bool, picture: tuple[int, int] | None
+) -> None:
+    from stoker.runtime.context import WorkerContext
+    from stoker.settings import WorkerSettings
+
+    model = str(tiny_vlm) if vlm else BUILTIN_MODEL
+    ctx = WorkerContext(WorkerSettings(model=model, ocr=mode, backend=backend), outbox=None)  # type: ignore[arg-type]
+    try:
+        ctx.model_path  # noqa: B018 (the built-in model must be fetched)
+    except ModelUnavailable as exc:
+        missing(str(exc))
+    assert (ctx.image_preparer is not None, ctx.ocr_runs, ctx.picture_bounds) == (vlm, ocr, picture)
+    assert ctx.decode_needs.picture == (vlm or picture is not None)
+    assert ctx.decode_outputs.processor == (ctx.image_preparer.identity if ctx.image_preparer else "")

@@ -1,11 +1,13 @@
 """The `openai` backend: an OpenAI-compatible chat-completions server (`vllm serve`, …) as the device.
 
 Each batch's requests go out concurrently (at most `max_in_flight` at a time) with the chat as text turns, each
-decoded picture in the turn it came with as a base64 JPEG data URL of the *preprocessed* image, and the request's
-own generation parameters; the server batches them itself. A request whose client reads a stream is asked for as a
-stream, and every piece is handed to `pieces` as it arrives. Server answers map onto the error taxonomy: overload
-and unreachability are transient (retried with backoff, then `model_unavailable`; a stream that already sent
-pieces is not retried), anything else is `inference_failed` for that request alone.
+decoded picture in the turn it came with as an `image_url` part: a base64 PNG data URL of the decoded original
+(EXIF-rotated, at the served model's own size, never a thumbnail) and stoker's content hash as vLLM's per-item
+`uuid`, so vLLM's processor cache keys agree across its API servers; and the request's own generation parameters;
+the server batches them itself. A request whose client reads a stream is asked for as a stream, and every piece
+is handed to `pieces` as it arrives. Server answers map onto the error taxonomy: overload and unreachability are
+transient (retried with backoff, then `model_unavailable`; a stream that already sent pieces is not retried),
+anything else is `inference_failed` for that request alone.
 """
 
 from __future__ import annotations
@@ -121,21 +123,23 @@ class OpenAIPredictor:
         return body
 
     def _message(self, message: dict[str, Any], scope: str) -> dict[str, Any]:
-        """A text turn; one that carried pictures becomes text and image parts."""
+        """A text turn; one that carried pictures becomes text and image parts (each with its content hash as
+        vLLM's `uuid`)."""
         text = {"role": message["role"], "content": message["content"]}
-        pictures = [p for p in (self._data_url(d, scope) for d in message.get("images", [])) if p]
+        pictures = [(d, url) for d in message.get("images", []) if (url := self._data_url(d, scope))]
         if not pictures:
             return text
-        parts = [{"type": "text", "text": message["content"]}]
-        parts += [{"type": "image_url", "image_url": {"url": p}} for p in pictures]
+        parts: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}]
+        parts += [{"type": "image_url", "image_url": {"url": url}, "uuid": digest} for digest, url in pictures]
         return {"role": message["role"], "content": parts}
 
     def _data_url(self, digest: str, scope: str) -> str | None:
-        jpeg = self.images(digest, scope) if self.images else None
-        if jpeg is None:
-            log.info("picture %s is no longer cached; sending the text alone", digest[:12])
+        picture = self.images(digest, scope) if self.images else None
+        if picture is None:
+            log.info("picture %s is gone (cache and job store); sending the text alone", digest[:12])
             return None
-        return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+        kind = "png" if picture.startswith(b"\x89PNG") else "jpeg"
+        return f"data:image/{kind};base64," + base64.b64encode(picture).decode()
 
     def predict(self, batch: list[Call]) -> list[Outcome]:
         """All requests concurrently, at most max_in_flight at a time; each ends as a prediction or an error."""

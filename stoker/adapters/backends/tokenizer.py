@@ -4,10 +4,15 @@ load it the same way, so a prompt tokenized by either is the same prompt (and th
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from stoker.adapters.backends.vision import processor_identity
 from stoker.core.cachekeys import fingerprint
 from stoker.core.errors import StokerError
 
@@ -23,6 +28,58 @@ def load_tokenizer(model_path: str) -> Any:
 _TEXT_ONLY = "{{ messages[0]['content'] }}"
 
 
+class ImageTokens:
+    """How a vision-language model's prompt spells a picture: the image token its chat template writes for each
+    image part, and what its processor expands that token into for one picture's layout (tile rows and cols, a
+    patch grid), read from the model's own processor (`replace_image_token`), never written out here."""
+
+    def __init__(self, processor: Any, tokenizer: Any) -> None:
+        self.processor = processor
+        self.tokenizer = tokenizer
+        self.template = str(processor.chat_template)
+        self.token_id = int(tokenizer.convert_tokens_to_ids(processor.image_token))
+        self.identity = processor_identity(processor)
+        self._expand = lru_cache(maxsize=256)(self._expansion)
+
+    @classmethod
+    def load(cls, model_path: str, tokenizer: Any) -> ImageTokens | None:
+        """The model's processor, when it has an image processor, an image token and a chat template; else None."""
+        from transformers import AutoProcessor  # heavy: see load_tokenizer
+
+        try:
+            processor = AutoProcessor.from_pretrained(model_path)
+        except (OSError, ValueError):  # no processor files: a text-only model
+            return None
+        if not all(getattr(processor, name, None) for name in ("image_processor", "image_token", "chat_template")):
+            return None
+        return cls(processor, tokenizer)
+
+    def expansion(self, layout: dict[str, Any]) -> list[int]:
+        """The token ids the processor puts in place of one image token, for a picture of this layout."""
+        return self._expand(json.dumps(layout, sort_keys=True))
+
+    def _expansion(self, layout_json: str) -> list[int]:
+        # The layout as the image processor returned it for one picture (`rows`: [[r]], `image_grid_thw`: [[t, h,
+        # w]]): arrays, as the processor indexes them.
+        inputs = {name: np.asarray(value) for name, value in json.loads(layout_json).items()}
+        text = self.processor.replace_image_token(inputs, image_idx=0)
+        # The expansion is tokenized alone: it begins and ends with special tokens, which the tokenizer never
+        # merges with the text around them, so these are the ids it has inside the whole prompt.
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def expand(self, ids: list[int], layouts: list[dict[str, Any]]) -> list[int]:
+        """Rendered ids with each image token the template wrote replaced by its picture's expansion, in order."""
+        positions = [i for i, token in enumerate(ids) if token == self.token_id]
+        if len(positions) != len(layouts):
+            raise StokerError(f"the chat template wrote {len(positions)} image tokens for {len(layouts)} pictures")
+        out: list[int] = []
+        start = 0
+        for at, layout in zip(positions, layouts, strict=True):
+            out += ids[start:at] + self.expansion(layout)
+            start = at + 1
+        return out + ids[start:]
+
+
 class PromptTokenizer:
     """The model's tokenizer as prompt assembly uses it (`stoker.core.prompting.ChatTokenizer`): text in a message
     is encoded as text, whatever it spells; only the chat template's own markers are control tokens.
@@ -30,19 +87,50 @@ class PromptTokenizer:
     Control tokens are every special token of the tokenizer (a vision model's `<image>` and the like included) and
     the added tokens its template writes; transformers' `sanitize_control_tokens` marks them where they occur in the
     messages' strings, renders the template and encodes what it marked as plain text.
+
+    For a model that sees (`images`), every message is rendered as content parts with the processor's chat
+    template: one image part per picture, then the text. The image tokens in the rendered ids are then exactly
+    those the template wrote for the image parts (user text cannot spell one), and each is expanded at the id level
+    as the processor expands it: the ids equal the processor's own for the same chat, and the text stays sanitised.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, images: ImageTokens | None = None) -> None:
         # An older transformers would hand the unknown keyword to the template as a variable and encode every
         # control token the messages spell: refuse it rather than build such prompts.
         if "sanitize_control_tokens" not in inspect.signature(tokenizer.apply_chat_template).parameters:
             raise StokerError("this transformers cannot encode a message's control tokens as text: needs >= 5.24")
         self.tokenizer = tokenizer
+        self.images = images
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat in the model's template, the assistant's turn opened; the messages' text encoded as text."""
+    def identity(self, model_path: str) -> str:
+        """What identifies this tokenizer, its template and (for a model that sees) its processor."""
+        return tokenizer_identity(self.tokenizer, model_path, self.images.identity if self.images else "")
+
+    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The chat in the model's template, the assistant's turn opened; the messages' text encoded as text, each
+        message's pictures (`images`: their layouts) as image parts before it, expanded as the processor does."""
+        if self.images is None:
+            if any(m.get("images") for m in messages):
+                raise StokerError("pictures for a model that reads no images", stage="tokenize")
+            return self._apply([{"role": m["role"], "content": m["content"]} for m in messages])
+        parts = [
+            {
+                "role": m["role"],
+                "content": [{"type": "image"} for _ in m.get("images", [])] + [{"type": "text", "text": m["content"]}],
+            }
+            for m in messages
+        ]
+        ids = self._apply(parts, chat_template=self.images.template)
+        return self.images.expand(ids, [layout for m in messages for layout in m.get("images", [])])
+
+    def _apply(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
         out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False, sanitize_control_tokens=True
+            messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            sanitize_control_tokens=True,
+            **template,
         )
         return [int(i) for i in out]
 
@@ -67,13 +155,23 @@ class PromptTokenizer:
         return str(self.tokenizer.decode(list(token_ids)))
 
 
-def tokenizer_identity(tokenizer: Any, model_path: str) -> str:
-    """What identifies the tokenizer and its chat template, part of the tokenize cache fingerprint."""
+def load_prompt_tokenizer(model_path: str, tokenizer: Any | None = None) -> PromptTokenizer:
+    """The model's tokenizer (loaded when not given) as prompt assembly uses it, with its processor's image tokens
+    for a model that sees."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)
+    return PromptTokenizer(tokenizer, ImageTokens.load(model_path, tokenizer))
+
+
+def tokenizer_identity(tokenizer: Any, model_path: str, processor: str = "") -> str:
+    """What identifies the tokenizer and its chat template (and the processor that expands a picture's
+    placeholder, for a model that sees), part of the tokenize cache fingerprint."""
     import transformers  # heavy: see load_tokenizer
 
     template = str(getattr(tokenizer, "chat_template", "") or "")
     files = file_identity(Path(model_path) / "tokenizer.json")
     parts = {"template": template, "vocab": len(tokenizer), "files": files, "hf": transformers.__version__}
+    if processor:
+        parts["processor"] = processor
     return fingerprint(path=model_path, **parts)
 
 

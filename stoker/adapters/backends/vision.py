@@ -7,16 +7,17 @@ needs to spell out one `<row_i_col_j>` and 64 `<image>` tokens per tile); Qwen2-
 inference side hands the tensors to the model as the processor would have. Only the image processor's config is
 read (`AutoImageProcessor.from_pretrained`): a CPU worker needs no weights.
 
-How the decode stage uses it (wired in with the decode task, not here)::
+How the decode stage uses it (`tasks.preprocess`, through `WorkerContext.image_preparer`)::
 
     preparer = ImagePreparer.load(model_dir)          # once per worker process; None for a text-only model
     ...
-    rgb = decode_rgb(data, params)                    # stoker.core.imaging: EXIF-rotated RGB on white
+    rgb = decode_rgb(data, params)                # stoker.core.imaging: EXIF-rotated RGB on white, full size
     prepared = preparer.prepare(rgb)                  # ImageCorrupt (stage "decode") if the processor rejects it
-    cache.put_bytes(address, prepared.to_bytes(), part=...)  # the key includes preparer.identity
+    cache.put_bytes(vision_address, prepared.to_bytes(), part=VISION_TENSORS)  # the address has preparer.identity
 
-and the inference side reads them back with `PreparedImage.from_bytes(raw)`, checks `meta["processor"]` against its
-own processor's identity, and turns `tensors` into torch tensors (`torch.from_numpy`, cast to the model's dtype).
+and the inference side reads them back (`WorkerContext.prepared_image(digest, scope)`: `PreparedImage.from_bytes`),
+checks `meta["processor"]` against its own processor's identity, and turns `tensors` into torch tensors
+(`torch.from_numpy`, cast to the model's dtype).
 
 The bytes are safetensors (arrays and a JSON header, never pickle): floating tensors as float16 (pixel values are
 normalised to about [-1, 1]: float16 keeps 3 significant digits, half the bytes of float32), masks as bool.
@@ -124,6 +125,27 @@ class ImagePreparer:
         tensors = {name: _stored(name, value) for name, value in output.items()}
         meta = {"processor": self.identity, "processor_class": type(self.processor).__name__, "size": list(rgb.size)}
         return PreparedImage(tensors=tensors, meta=meta)
+
+    def layout(self, prepared: PreparedImage) -> dict[str, Any]:
+        """What the prompt needs of a prepared picture to spell out its placeholder tokens: its integer tensors
+        (tile `rows` and `cols`, a patch grid `image_grid_thw`), as the processor returned them (nested lists)."""
+        return {
+            name: value.tolist()
+            for name, value in prepared.tensors.items()
+            if value.dtype == np.int64 and not name.endswith("_mask")
+        }
+
+    def size_policy(self) -> tuple[int | None, int | None]:
+        """The largest picture the processor keeps before it resizes (longest side, pixels; None where it sets no
+        bound): Idefics3 / SmolVLM resize the longest edge to `size["longest_edge"]`; Qwen2-VL to at most
+        `max_pixels` (its `size["longest_edge"]` counts pixels)."""
+        processor = self.processor
+        size = getattr(processor, "size", None) or {}
+        pixels = getattr(processor, "max_pixels", None)
+        if pixels or getattr(processor, "merge_size", None):  # Qwen2-VL and kin: a pixel budget
+            return None, int(pixels or size.get("longest_edge") or 0) or None
+        side = size.get("longest_edge") if hasattr(size, "get") else None
+        return (int(side) if side else None), None
 
     def _extra(self) -> dict[str, Any]:
         # Idefics3 / SmolVLM tell how the picture was tiled only when asked; the prompt needs it.
