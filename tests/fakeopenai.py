@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import threading
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ class FakeServer:
     fail_on: dict[str, int] = field(default_factory=dict)
     #: What a streamed answer (`stream: true`) is made of, piece by piece.
     pieces: list[str] = field(default_factory=lambda: ["Hel", "lo ", "from ", "the ", "fake."])
+    #: Each `image_embeds` part received, decoded as vLLM decodes it: (shape, dtype).
+    embeds: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -54,6 +57,9 @@ def _app(state: FakeServer) -> FastAPI:
                 if key in text:
                     return JSONResponse({"error": {"message": "no"}}, status_code=status)
             images = [] if isinstance(user, str) else [p for p in user if p["type"] == "image_url"]
+            embeds = [] if isinstance(user, str) else [_embeds(p) for p in user if p["type"] == "image_embeds"]
+            with state.lock:
+                state.embeds.extend((tuple(e.shape), str(e.dtype)) for e in embeds)
             jpegs = [base64.b64decode(p["image_url"]["url"].split(",", 1)[1]) for p in images]
             all_jpeg = all(j[:2] == JPEG_MAGIC for j in jpegs)
             answer = f"fake saw {len(jpegs)} image(s); jpeg={all_jpeg}"
@@ -67,6 +73,13 @@ def _app(state: FakeServer) -> FastAPI:
                 state.in_flight -= 1
 
     return app
+
+
+def _embeds(part: dict[str, Any]) -> Any:
+    """An `image_embeds` part's tensor, read as vLLM reads it: base64 of `torch.save` bytes, `weights_only`."""
+    import torch  # only the tests that send embeddings need it
+
+    return torch.load(io.BytesIO(base64.b64decode(part["image_embeds"])), weights_only=True)
 
 
 def _chunks(pieces: list[str], usage: dict[str, int]) -> Iterator[str]:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from stoker.core.errors import InvalidRequest, MediaEmpty
-from stoker.core.model import FinishReason, GenerationParams
+from stoker.core.model import EncoderUse, FinishReason, GenerationParams
 
 JobStatus = Literal["queued", "preprocessing", "inferring", "succeeded", "degraded", "failed", "cancelled"]
 InputKind = Literal["image", "audio", "video"]
@@ -71,6 +71,9 @@ class InputRecord(BaseModel):
     time_s: float | None = None
     #: For a video: the keyframes that went through the image branch.
     frames: list[InputRecord] | None = None
+    #: For a picture a vision-language model read: `hit` when its vision embeddings were cached, `miss` when the
+    #: vision encoder ran for it (written when the job ends).
+    encoder: EncoderUse | None = None
 
 
 class ResultInfo(BaseModel):

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from stoker.core.errors import StokerError
 
 FinishReason = Literal["stop", "length"]
+#: Whether a picture's vision embeddings came from the cache (`hit`) or from running the vision encoder (`miss`).
+EncoderUse = Literal["hit", "miss"]
 
 
 #: OpenAI's limit on stop sequences, and stoker's on each one's length: they are stored with the job.
@@ -97,6 +99,8 @@ class Prediction:
     completion_tokens: int
     #: `length`: it stopped at its token limit; `stop`: it ended on its own (or on a stop sequence).
     finish_reason: FinishReason = "stop"
+    #: Per picture it read (content hash): whether the vision encoder ran for it or its embeddings were cached.
+    encoder: dict[str, EncoderUse] = field(default_factory=dict)
 
 
 #: What a backend makes of one request: its answer, or the error that request alone ran into.

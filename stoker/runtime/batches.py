@@ -212,7 +212,7 @@ def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError, m
         finish_reason=outcome.finish_reason,
     )
     status = final_status(item.pending.job.inputs)
-    return Ending(item.job_id, tenant, status, result=result, batch=batch, stamps=stamps)
+    return Ending(item.job_id, tenant, status, result=result, batch=batch, stamps=stamps, encoder=outcome.encoder)
 
 
 def _ended_job(pending: Pending, ending: Ending) -> Job:

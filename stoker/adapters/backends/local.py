@@ -93,6 +93,10 @@ class TransformersPredictor:
 
     def predict(self, batch: LocalBatch) -> tuple[LocalBatch, list[list[int]]]:
         """One generate call for the whole batch, as long as its longest-asking request needs."""
+        return batch, self._generate(batch)
+
+    def _generate(self, batch: LocalBatch, **inputs: Any) -> list[list[int]]:
+        """The model's generate over the left-padded batch (with any further model inputs): every row's ids."""
         import torch  # heavy: see setup()
 
         ids = torch.tensor(batch.collated.input_ids, device=self._device)
@@ -110,8 +114,10 @@ class TransformersPredictor:
                 max_new_tokens=max(self._limit(p) for p in batch.params),
                 pad_token_id=self.pad_id,
                 **sampling,
+                **inputs,
             )
-        return batch, out.tolist()
+        rows: list[list[int]] = out.tolist()
+        return rows
 
     def _limit(self, params: GenerationParams) -> int:
         return params.new_tokens(self.max_new_tokens, self.max_tokens_cap)
@@ -119,12 +125,15 @@ class TransformersPredictor:
     def unbatch(self, output: tuple[LocalBatch, list[list[int]]]) -> list[Prediction]:
         """Decode each row's new tokens, cut to its own limit and stop sequences."""
         batch, rows = output
-        stops = {self.pad_id, int(self._tokenizer.eos_token_id)}
-        generated = strip_generated(rows, batch.collated.width, stops)
+        generated = strip_generated(rows, batch.collated.width, self._stop_ids())
         return [
             self._answer(new, params, sum(mask))
             for new, params, mask in zip(generated, batch.params, batch.collated.attention_mask, strict=True)
         ]
+
+    def _stop_ids(self) -> set[int]:
+        """The ids a row ends at: padding and end of sequence."""
+        return {self.pad_id, int(self._tokenizer.eos_token_id)}
 
     def _answer(self, new: list[int], params: GenerationParams, prompt_tokens: int) -> Prediction:
         limit = self._limit(params)
