@@ -114,7 +114,7 @@ def test_each_picture_says_whether_its_vision_embeddings_hit_when_the_job_ends(j
     now = time.time()
     seen, new = "cd" * 32, "ef" * 32
     records = [InputRecord(index=i, kind="image", content_hash=h, size_bytes=10) for i, h in enumerate((seen, new))]
-    records.append(InputRecord(index=2, kind="text", content_hash="01" * 32, size_bytes=3))
+    records.append(InputRecord(index=2, kind="audio", content_hash="01" * 32, size_bytes=3))
     job_store.jobs.create_job(job_id, "Hi.", records, now, deadline_for(now, 60_000, 5_000), 60_000, tenant="t")
     try:
         result = ResultInfo(text="a shoe", model="m", prompt_tokens=3, completion_tokens=2)
