@@ -42,17 +42,19 @@ WORDS = ["shoe", "red", "size", "42", "invoice", "total", "blue", "order", "sale
 
 
 def pictures(jobs: int, repeat: float, seed: int = 11) -> list[bytes]:
-    """Deterministic pictures of text; a `repeat` share are byte-identical repeats of earlier ones."""
+    """Deterministic pictures of text: `round(jobs × repeat)` of them byte-identical repeats of earlier ones, spread
+    through the workload."""
     from PIL import Image, ImageDraw, ImageFont
 
     rng = random.Random(seed)
+    repeats = set(rng.sample(range(1, jobs), min(round(jobs * repeat), jobs - 1)))
     made: list[bytes] = []
-    for _ in range(jobs):
-        if made and rng.random() < repeat:
+    for n in range(jobs):
+        if n in repeats:
             made.append(rng.choice(made))
             continue
         image = Image.new("RGB", (800, 200), "white")
-        text = " ".join(rng.choices(WORDS, k=4))
+        text = f"{n} " + " ".join(rng.choices(WORDS, k=4))
         ImageDraw.Draw(image).text((20, 60), text, fill="black", font=ImageFont.load_default(size=48))
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import shutil
 import uuid
@@ -177,10 +178,16 @@ def test_a_mixed_batch_gives_each_request_its_solo_answer_and_a_broken_one_fails
     short = ModelRequest(unplaced, images=[two], scope="shared", params=requests[2].params)
     solo = [_answer(predictor, r).text for r in requests]
 
-    together = run_predictor(predictor, [requests[0], gone, requests[1], short, requests[2]])
+    foreign = pictures.add("42", (200, 800))  # prepared by another processor (another config, another model)
+    made = PreparedImage.from_bytes(pictures.stored[foreign])
+    pictures.stored[foreign] = PreparedImage(made.tensors, {**made.meta, "processor": "another"}).to_bytes()
+    alien = ModelRequest(requests[2].prompt_ids, images=[foreign], scope="shared", params=requests[2].params)
+
+    together = run_predictor(predictor, [requests[0], gone, requests[1], short, alien, requests[2]])
     assert isinstance(together[1], ImageTensorsMissing)
     assert isinstance(together[3], ImageFeaturesMismatch)
-    answers = [together[0], together[2], together[4]]
+    assert isinstance(together[4], ImageFeaturesMismatch)
+    answers = [together[0], together[2], together[5]]
     assert [a.text for a in answers if isinstance(a, Prediction)] == solo
 
 
@@ -291,3 +298,11 @@ def test_the_openai_backend_sends_the_cached_embeddings_as_vllm_reads_them(
     assert sent.dtype == expected.dtype == predictor._model.dtype
     assert torch.equal(sent, expected)
     assert server.embeds == [(tuple(sent.shape), str(sent.dtype))] * 2
+    # vLLM takes image_embeds in one message of a request: pictures on two turns go as pictures
+    turns = [{"role": "user", "content": "a", "images": [digest]}, {"role": "user", "content": "b", "images": [digest]}]
+    body = remote.body(ModelRequest([1], turns, [digest, digest], "shared"))
+    assert "image_embeds" not in json.dumps(body)
+    # what the model cannot read never leaves: another width, another dtype
+    for wrong in (sent[:, :-1], sent.to(torch.float16), sent[None]):
+        with pytest.raises(ImageFeaturesMismatch):
+            embedder.check(wrong)

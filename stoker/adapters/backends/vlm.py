@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.adapters.backends.local import LocalBatch, TransformersPredictor
-from stoker.adapters.backends.vision import PreparedImage
+from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.embeddings import CacheFactory, EmbeddingCache, model_identity
 from stoker.adapters.metrics import VISION_ENCODER_SECONDS
 from stoker.core.batching import collate_left
@@ -69,6 +69,8 @@ class VisionEncoder:
         self.device = "cpu"
         #: Pictures this process ran through the encoder (misses), for tests and benchmarks.
         self.calls = 0
+        #: The identity of the model's own image processor: tensors another one made are not read.
+        self.processor = ""
         self._inputs: set[str] = set()
 
     def setup(self, device: str) -> None:
@@ -82,6 +84,8 @@ class VisionEncoder:
         self.model.to(device).eval()
         self._inputs = set(inspect.signature(self.model.model.get_image_features).parameters)
         self.cache = self.caches(model_identity(self.model_path, dtype=str(self.model.dtype)))
+        preparer = ImagePreparer.load(self.model_path)
+        self.processor = preparer.identity if preparer is not None else ""
 
     @property
     def hidden_size(self) -> int:
@@ -96,6 +100,8 @@ class VisionEncoder:
         prepared = self.prepared(digest, scope)
         if prepared is None:
             raise ImageTensorsMissing(stage="infer")
+        if prepared.meta.get("processor") != self.processor:
+            raise ImageFeaturesMismatch("the picture was prepared by another image processor", stage="infer")
         started = time.perf_counter()
         features = self.encode(prepared)
         VISION_ENCODER_SECONDS.observe(time.perf_counter() - started)
