@@ -111,7 +111,7 @@ class VisionEncoder:
 
     def encode(self, prepared: PreparedImage) -> Any:
         """Run the vision encoder and connector on one picture's tensors, as its processor made them."""
-        import torch  # heavy: see load()
+        import torch  # heavy: see setup()
 
         inputs: dict[str, Any] = {}
         for name, array in prepared.tensors.items():
@@ -123,11 +123,19 @@ class VisionEncoder:
             output = self.model.model.get_image_features(**inputs, return_dict=True)
         return output.pooler_output[0]
 
+    @property
+    def tokens_per_tile(self) -> int:
+        """Idefics3 / SmolVLM: the image tokens one tile becomes ((side / patch)² patches, pixel-shuffled)."""
+        vision = self.model.config.vision_config
+        scale = int(getattr(self.model.config, "scale_factor", 1))
+        return int((vision.image_size // vision.patch_size) ** 2 // scale**2)
+
     def check(self, features: Any) -> None:
-        """Embeddings this model can read: 2-D, its text model's width, its dtype (a server fed another shape may
-        crash, so they are checked before they leave)."""
-        if features.ndim != 2 or features.shape[1] != self.hidden_size or features.dtype != self.model.dtype:
-            expected = f"(tokens, {self.hidden_size}) {self.model.dtype}"
+        """Embeddings this model can read: whole tiles of image tokens × its text model's width, in its dtype (a
+        server fed another shape may crash, so they are checked before they leave)."""
+        tiles_ok = features.ndim == 2 and features.shape[0] > 0 and features.shape[0] % self.tokens_per_tile == 0
+        if not tiles_ok or features.shape[1] != self.hidden_size or features.dtype != self.model.dtype:
+            expected = f"(n × {self.tokens_per_tile}, {self.hidden_size}) {self.model.dtype}"
             found = f"{tuple(features.shape)} {features.dtype}"
             raise ImageFeaturesMismatch(f"vision embeddings are {found}, not {expected}", stage="infer")
 
@@ -250,7 +258,7 @@ def tensor_base64(tensor: Any) -> str:
     `torch.load(weights_only=True)`), base64-encoded."""
     import io
 
-    import torch  # heavy: see VisionEncoder.setup()
+    import torch  # heavy: only the inference worker sends embeddings
 
     buffer = io.BytesIO()
     torch.save(tensor.detach().to("cpu").contiguous(), buffer)
