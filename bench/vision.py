@@ -6,10 +6,11 @@ In one process, as the inference worker runs it (`VisionLanguagePredictor`, one 
 prepared first by the model's image processor (the CPU workers' part, not timed), then
 
 1. the vision encoder's time for one picture on a miss (encoder and connector) and on a hit (this worker's memory;
-   the shared store in Redis, read and decoded), in milliseconds;
+   the shared store in Redis, read and decoded), in milliseconds of the device's clock (below);
 2. a workload of `--jobs` image jobs where a `--repeat` share show a picture an earlier job showed, run twice,
-   cache off and cache on: the device's time (everything the inference worker does per batch), the encoder's part
-   of it, and the encoder's share.
+   cache off and cache on: the device's time (everything the inference worker does per batch: on a CPU, this
+   process's CPU seconds, which other work on the machine does not stretch), the encoder's part of it, and the
+   encoder's share.
 
 The shared store is Redis database 5 of STOKER_BENCH_REDIS (default redis://127.0.0.1:6379), flushed first. Prints
 a markdown table and writes it as JSON to bench/results/vision.json.
@@ -88,6 +89,16 @@ class Prepared:
         return PreparedImage.from_bytes(raw) if raw is not None else None
 
 
+#: The device's clock: on a CPU, this process's CPU seconds (other work on the machine stretches wall time, not
+#: these); on a GPU, wall time (`--device cuda` synchronises around each measured part).
+CLOCK = {"cpu": time.process_time}
+
+
+def clock(device: str) -> Any:
+    """The clock that measures device time on this device."""
+    return CLOCK.get(device, time.perf_counter)
+
+
 class Timed:
     """A predictor's encoder, timed: seconds spent in it."""
 
@@ -95,13 +106,14 @@ class Timed:
         self.seconds = 0.0
         encoder = predictor.encoder
         run = encoder.encode
+        now = clock(encoder.device)
 
         def encode(prepared: PreparedImage) -> Any:
-            started = time.perf_counter()
+            started = now()
             try:
-                return run(prepared)
+                return _synced(run(prepared), encoder.device)
             finally:
-                self.seconds += time.perf_counter() - started
+                self.seconds += now() - started
 
         encoder.encode = encode  # type: ignore[method-assign]
 
@@ -110,11 +122,12 @@ def run_workload(predictor: VisionLanguagePredictor, prepared: Prepared, tokens:
     """Every job, one a batch: device seconds, the encoder's part, and pictures encoded."""
     timed = Timed(predictor)
     calls = predictor.encoder.calls
-    started = time.perf_counter()
+    now = clock(predictor.encoder.device)
+    started = now()
     for digest in prepared.order:
         request = ModelRequest(prepared.ids[digest], images=[digest], params=GenerationParams(max_tokens=tokens))
         run_predictor(predictor, [request])
-    device = time.perf_counter() - started
+    device = now() - started
     return {
         "device_s": round(device, 3),
         "encoder_s": round(timed.seconds, 3),
@@ -123,21 +136,30 @@ def run_workload(predictor: VisionLanguagePredictor, prepared: Prepared, tokens:
     }
 
 
+def _synced(result: Any, device: str) -> Any:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+    return result
+
+
 def per_picture(predictor: VisionLanguagePredictor, prepared: Prepared, shared: SharedEmbeddings) -> dict[str, float]:
     """Milliseconds for one picture's embeddings: a miss, a hit in memory, a hit in the shared store."""
     encoder = predictor.encoder
     identity = uuid.uuid4().hex
+    now = clock(encoder.device)
     timings: dict[str, list[float]] = {"miss_ms": [], "hit_local_ms": [], "hit_shared_ms": []}
     for digest in list(prepared.tensors)[:5]:
         encoder.cache = EmbeddingCache(identity, local_bytes=64 * 1024**2, shared=shared)
         for name in ("miss_ms", "hit_local_ms"):
-            started = time.perf_counter()
-            encoder.embeddings(digest, "")
-            timings[name].append((time.perf_counter() - started) * 1000)
+            started = now()
+            _synced(encoder.embeddings(digest, ""), encoder.device)
+            timings[name].append((now() - started) * 1000)
         encoder.cache = EmbeddingCache(identity, local_bytes=0, shared=shared)  # a restarted worker
-        started = time.perf_counter()
-        encoder.embeddings(digest, "")
-        timings["hit_shared_ms"].append((time.perf_counter() - started) * 1000)
+        started = now()
+        _synced(encoder.embeddings(digest, ""), encoder.device)
+        timings["hit_shared_ms"].append((now() - started) * 1000)
     return {name: round(statistics.median(values), 2) for name, values in timings.items()}
 
 
