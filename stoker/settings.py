@@ -535,6 +535,29 @@ class WorkerSettings(CommonSettings):
         description="How long tokenize may hold a job while the inference queue is above its high watermark.",
     )
 
+    # Vision embeddings: what a vision-language model's encoder (and connector) made of a picture, cached by its
+    # content hash and the model's identity, so a picture any worker has seen skips the encoder everywhere.
+    vision_embeddings_cache: bool = Field(
+        True,
+        description="Cache vision embeddings (this worker's memory, then the shared store); `false`: every "
+        "picture runs the vision encoder.",
+    )
+    vision_embeddings_local_bytes: int = Field(
+        512 * 1024**2,
+        ge=0,
+        description="This inference worker's in-memory vision embeddings, at most (bytes; least recently used "
+        "go first; 0: none kept in memory).",
+    )
+    vision_embeddings_shared_bytes: int = Field(
+        2 * 1024**3,
+        ge=0,
+        description="The shared store's vision embeddings (in the cache Redis), at most (bytes; the oldest go "
+        "first, counted as evictions; 0: no shared store).",
+    )
+    vision_embeddings_ttl_s: int = Field(
+        24 * 3600, ge=1, description="How long a picture's vision embeddings live in the shared store."
+    )
+
     # The `sim` backend: a simulated accelerator, a batch takes base + per item (ms), asleep.
     sim_base_ms: float = Field(20.0, ge=0, description="`sim` backend: each batch's base time (ms), asleep.")
     sim_per_item_ms: float = Field(5.0, ge=0, description="`sim` backend: the time each item adds (ms).")
@@ -566,6 +589,12 @@ class WorkerSettings(CommonSettings):
         8, ge=1, description="`openai` backend: requests of a batch sent at once, at most."
     )
     openai_timeout_s: float = Field(60.0, gt=0, description="`openai` backend: each request's timeout.")
+    openai_image_embeds: bool = Field(
+        False,
+        description="`openai` backend, for a vLLM started with `--enable-mm-embeds`: this worker loads the vision "
+        "encoder of `STOKER_MODEL`, and each picture goes to the server as its (cached) vision embeddings, an "
+        "`image_embeds` part, so the server never runs its encoder. Only for a trusted server of the same model.",
+    )
 
     max_deliveries: int = Field(
         3,

@@ -43,6 +43,8 @@ class FakeServer:
     fail_on: dict[str, int] = field(default_factory=dict)
     #: What a streamed answer (`stream: true`) is made of, piece by piece.
     pieces: list[str] = field(default_factory=lambda: ["Hel", "lo ", "from ", "the ", "fake."])
+    #: Each `image_embeds` part received, decoded as vLLM decodes it: (shape, dtype).
+    embeds: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -67,9 +69,11 @@ def _app(state: FakeServer) -> FastAPI:
                 if key in text:
                     return JSONResponse({"error": {"message": "no"}}, status_code=status)
             images = [] if isinstance(user, str) else [p for p in user if p["type"] == "image_url"]
+            embeds = [] if isinstance(user, str) else [_embeds(p) for p in user if p["type"] == "image_embeds"]
             pictures = [_picture(p) for p in images]
             with state.lock:
                 state.pictures += pictures
+                state.embeds.extend((tuple(e.shape), str(e.dtype)) for e in embeds)
             answer = f"fake saw {len(pictures)} image(s)"
             usage = {"prompt_tokens": len(text.split()), "completion_tokens": 5}
             if body.get("stream"):
@@ -107,6 +111,13 @@ def _picture(part: dict[str, Any]) -> Picture:
     image.load()
     media_type = head.removeprefix("data:").removesuffix(";base64")
     return Picture(media_type, str(image.format), image.size, part.get("uuid"))
+
+
+def _embeds(part: dict[str, Any]) -> Any:
+    """An `image_embeds` part's tensor, read as vLLM reads it: base64 of `torch.save` bytes, `weights_only`."""
+    import torch  # only the tests that send embeddings need it
+
+    return torch.load(io.BytesIO(base64.b64decode(part["image_embeds"])), weights_only=True)
 
 
 def _chunks(pieces: list[str], usage: dict[str, int]) -> Iterator[str]:

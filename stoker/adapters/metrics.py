@@ -53,6 +53,27 @@ DEVICE_BUSY_RATIO = Gauge(
     multiprocess_mode="mostrecent",
 )
 DEVICE_BUSY_SECONDS = Counter("stoker_device_busy_seconds_total", "Seconds the device spent on batches.")
+#: Seconds: a vision encoder runs one picture in milliseconds (a GPU) to seconds (a big page on a CPU).
+ENCODER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+VISION_EMBEDDING_LOOKUPS = Counter(
+    "stoker_vision_embeddings_lookups_total",
+    "Vision-embeddings cache lookups, by tier (`local`: this worker's memory, `shared`: the fleet's store) and "
+    "result (a picture that misses both runs the vision encoder).",
+    ["tier", "result"],
+)
+VISION_ENCODER_SECONDS = Histogram(
+    "stoker_vision_encoder_seconds", "Vision encoder (and connector) time of one picture.", buckets=ENCODER_BUCKETS
+)
+VISION_EMBEDDING_EVICTIONS = Counter(
+    "stoker_vision_embeddings_evictions_total",
+    "Vision embeddings dropped to keep a tier under its size cap.",
+    ["tier"],
+)
+VISION_EMBEDDING_STORE_FAILURES = Counter(
+    "stoker_vision_embeddings_store_failures_total",
+    "Reads or writes of the shared vision-embeddings store that failed (each costs a recomputation at most).",
+    ["op"],
+)
 STARVATION_SECONDS = Counter(
     "stoker_device_starved_seconds_total",
     "Seconds the device sat idle while jobs waited in CPU queues: add CPU workers when this grows.",

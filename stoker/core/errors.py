@@ -210,6 +210,12 @@ class AsrTimeout(StageTimeout):
     code = "asr_timeout"
 
 
+class ImageTensorsMissing(InputExpired):
+    """The image's prepared tensors are no longer in the cache, nor its bytes in the store: send the job again."""
+
+    code = "image_tensors_missing"
+
+
 class AsrFailed(InputError):
     """Transcription failed on this media."""
 
@@ -408,3 +414,9 @@ class InferenceFailed(StokerError):
     """The model failed on this request."""
 
     code = "inference_failed"
+
+
+class ImageFeaturesMismatch(InferenceFailed):
+    """The prompt's image tokens and the pictures' features do not match: the model cannot place them."""
+
+    code = "image_features_mismatch"

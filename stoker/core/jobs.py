@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from stoker.core.errors import InvalidRequest, MediaEmpty
-from stoker.core.model import FinishReason, GenerationParams
+from stoker.core.model import EncoderUse, FinishReason, GenerationParams
 
 JobStatus = Literal["queued", "preprocessing", "inferring", "succeeded", "degraded", "failed", "cancelled"]
 InputKind = Literal["image", "audio", "video"]
@@ -74,6 +74,10 @@ class InputRecord(BaseModel):
     #: For a picture, with a model that sees: its image processor's identity (`processor`) and the layout the
     #: prompt spells out for it (`layout`: tile rows and cols, or a patch grid), so tokenize needs no tensors.
     prepared: dict[str, Any] | None = None
+
+    #: For a picture a vision-language model read: `hit` when its vision embeddings were cached, `miss` when the
+    #: vision encoder ran for it (written when the job ends).
+    encoder: EncoderUse | None = None
 
 
 class ChoiceInfo(BaseModel):

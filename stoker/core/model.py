@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from stoker.core.errors import StokerError
 
 FinishReason = Literal["stop", "length"]
+#: Whether a picture's vision embeddings came from the cache (`hit`) or from running the vision encoder (`miss`).
+EncoderUse = Literal["hit", "miss"]
 
 
 #: OpenAI's limit on stop sequences, and stoker's on each one's length: they are stored with the job.
@@ -112,6 +114,8 @@ class Prediction:
     logprobs: list[dict[str, Any]] | None = None
     #: With `n` above 1: the answers after this one (their `completion_tokens` are counted in this one's).
     more: tuple[Prediction, ...] = ()
+    #: Per picture it read (content hash): whether the vision encoder ran for it or its embeddings were cached.
+    encoder: dict[str, EncoderUse] = field(default_factory=dict)
 
 
 #: What a backend makes of one request: its answer, or the error that request alone ran into.

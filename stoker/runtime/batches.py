@@ -215,7 +215,7 @@ def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError, m
         more=[ChoiceInfo(text=m.text, finish_reason=m.finish_reason, logprobs=m.logprobs) for m in outcome.more],
     )
     status = final_status(item.pending.job.inputs)
-    return Ending(item.job_id, tenant, status, result=result, batch=batch, stamps=stamps)
+    return Ending(item.job_id, tenant, status, result=result, batch=batch, stamps=stamps, encoder=outcome.encoder)
 
 
 def _ended_job(pending: Pending, ending: Ending) -> Job:

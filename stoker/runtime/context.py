@@ -20,9 +20,12 @@ from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.backends.tokenizer import PromptTokenizer, file_identity, load_prompt_tokenizer, load_tokenizer
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
+from stoker.adapters.backends.vlm import VisionEncoder, VisionLanguagePredictor, is_vision_language
 from stoker.adapters.cache import StageCache
+from stoker.adapters.embeddings import EmbeddingCache, SharedEmbeddings
 from stoker.adapters.metrics import DeviceClock
 from stoker.adapters.store import Store
+from stoker.adapters.store.clients import cache_client
 from stoker.adapters.store.keys import DEVICE_LOCK_KEY
 from stoker.adapters.urlfetch import FetchPolicy
 from stoker.core import asr, cachekeys, tenancy
@@ -116,19 +119,48 @@ class WorkerContext:
                 images=self.picture,
                 pieces=self.store.answers.append,
                 max_tokens_cap=s.max_tokens_cap,
+                embedder=self._image_embedder(),
             )
         else:
-            chosen = TransformersPredictor(
-                self.model_path,
-                max_new_tokens=s.max_new_tokens,
-                dtype=s.dtype,
-                name=s.model,
-                vram_budget_gb=s.vram_budget_gb,
-                max_tokens_cap=s.max_tokens_cap,
-                max_context_tokens=s.max_context_tokens,
-            )
+            chosen = self._local_predictor()
         chosen.setup(s.device)
         return chosen
+
+    def _local_predictor(self) -> TransformersPredictor:
+        """The `transformers` backend: a vision-language model when STOKER_MODEL names one, else a text model."""
+        s = self.settings
+        options: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "dtype": s.dtype, "name": s.model}
+        options |= {"vram_budget_gb": s.vram_budget_gb, "max_tokens_cap": s.max_tokens_cap}
+        options |= {"max_context_tokens": s.max_context_tokens}
+        if is_vision_language(self.model_path):
+            prepared = self.prepared_image
+            return VisionLanguagePredictor(self.model_path, prepared=prepared, caches=self.embedding_cache, **options)
+        return TransformersPredictor(self.model_path, **options)
+
+    def _image_embedder(self) -> VisionEncoder | None:
+        """The `openai` backend's own vision encoder (STOKER_OPENAI_IMAGE_EMBEDS), set up with the backend."""
+        if not self.settings.openai_image_embeds:
+            return None
+        prepared = self.prepared_image
+        return VisionEncoder(self.model_path, prepared, self.embedding_cache, self.settings.dtype)
+
+    @cached_property
+    def shared_embeddings(self) -> SharedEmbeddings | None:
+        """The fleet's vision-embeddings store in the cache Redis; None when caching or the shared tier is off."""
+        s = self.settings
+        client = cache_client(s) if s.vision_embeddings_cache and s.vision_embeddings_shared_bytes else None
+        if client is None:
+            return None
+        return SharedEmbeddings(client, max_bytes=s.vision_embeddings_shared_bytes, ttl_s=s.vision_embeddings_ttl_s)
+
+    def embedding_cache(self, model_identity: str) -> EmbeddingCache | None:
+        """The vision-embeddings cache of the model with this identity, under this worker's decode parameters
+        (they shape the tensors the embeddings are made from); None when STOKER_VISION_EMBEDDINGS_CACHE is off."""
+        s = self.settings
+        if not s.vision_embeddings_cache:
+            return None
+        identity = fingerprint(model=model_identity, decode=repr(self.decode_params))
+        return EmbeddingCache(identity, local_bytes=s.vision_embeddings_local_bytes, shared=self.shared_embeddings)
 
     def device_lock(self) -> Lock | None:
         """The lock that makes several processes share one simulated device (`STOKER_SIM_SHARED`); None otherwise.

@@ -134,8 +134,8 @@ def test_n_and_logprobs_reach_the_server_and_every_choice_comes_back(chain: tupl
     body = _sent(fake, "marker-n")
     assert (body["n"], body["logprobs"], body["top_logprobs"]) == (2, True, 3)
     assert [c.message.content for c in answer.choices] == [
-        "fake saw 0 image(s); jpeg=True",
-        "fake saw 0 image(s); jpeg=True (choice 1)",
+        "fake saw 0 image(s)",
+        "fake saw 0 image(s) (choice 1)",
     ]
     for choice in answer.choices:
         assert [t.token for t in choice.logprobs.content] == choice.message.content.split()

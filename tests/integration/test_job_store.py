@@ -107,3 +107,21 @@ def test_a_record_over_its_size_limit_is_refused_before_anything_is_written(stor
     assert (refused.value.http_status, refused.value.code) == (413, "record_too_large")
     assert not store_redis.exists(job_key(job_id))
     assert store_redis.zscore(ACTIVE_KEY, job_id) is None
+
+
+def test_each_picture_says_whether_its_vision_embeddings_hit_when_the_job_ends(job_store: Store) -> None:
+    job_id = uuid.uuid4().hex
+    now = time.time()
+    seen, new = "cd" * 32, "ef" * 32
+    records = [InputRecord(index=i, kind="image", content_hash=h, size_bytes=10) for i, h in enumerate((seen, new))]
+    records.append(InputRecord(index=2, kind="audio", content_hash="01" * 32, size_bytes=3))
+    job_store.jobs.create_job(job_id, "Hi.", records, now, deadline_for(now, 60_000, 5_000), 60_000, tenant="t")
+    try:
+        result = ResultInfo(text="a shoe", model="m", prompt_tokens=3, completion_tokens=2)
+        ending = Ending(job_id, "t", "succeeded", result=result, encoder={seen: "hit", new: "miss"})
+        assert job_store.jobs.finish_many([ending]) == [True]
+        job = job_store.jobs.load_job(job_id)
+        assert job is not None
+        assert [r.encoder for r in job.inputs] == ["hit", "miss", None]
+    finally:
+        job_store.client.zrem(ACTIVE_KEY, job_id)

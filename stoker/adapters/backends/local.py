@@ -98,6 +98,11 @@ class TransformersPredictor:
         """One generate call for the whole batch, as long as its longest-asking request needs: each prompt's row
         repeated for its `n` answers (the call's requests share `n` and `logprobs`: they are in the sampling
         key), and with `logprobs` each step's raw logits kept for the answers' log probabilities."""
+        return (batch, *self._generate(batch))
+
+    def _generate(self, batch: LocalBatch, **inputs: Any) -> tuple[list[list[int]], Steps | None]:
+        """The model's generate over the left-padded batch (with any further model inputs): every row's ids, and
+        with `logprobs` each row's steps."""
         import torch  # heavy: see setup()
 
         first = batch.params[0]
@@ -119,9 +124,10 @@ class TransformersPredictor:
                 return_dict_in_generate=True,
                 output_logits=first.logprobs,
                 **sampling,
+                **inputs,
             )
             steps = _steps(torch, out, batch.collated.width, first.top_logprobs) if first.logprobs else None
-        return batch, out.sequences.tolist(), steps
+        return out.sequences.tolist(), steps
 
     def _limit(self, params: GenerationParams, prompt_tokens: int) -> int:
         room = self.max_context_tokens - prompt_tokens if self.max_context_tokens else None
@@ -131,8 +137,7 @@ class TransformersPredictor:
         """Decode each row's new tokens, cut to its own limit and stop sequences; a request's `n` rows become its
         answer and the `more` after it."""
         batch, rows, steps = output
-        stops = {self.pad_id, int(self._tokenizer.eos_token_id)}
-        generated = strip_generated(rows, batch.collated.width, stops)
+        generated = strip_generated(rows, batch.collated.width, self._stop_ids())
         n = batch.params[0].n
         predictions = []
         for i, (params, mask) in enumerate(zip(batch.params, batch.collated.attention_mask, strict=True)):
@@ -143,6 +148,10 @@ class TransformersPredictor:
             tokens = sum(a.completion_tokens for a in answers)
             predictions.append(replace(answers[0], completion_tokens=tokens, more=tuple(answers[1:])))
         return predictions
+
+    def _stop_ids(self) -> set[int]:
+        """The ids a row ends at: padding and end of sequence."""
+        return {self.pad_id, int(self._tokenizer.eos_token_id)}
 
     def _answer(
         self, new: list[int], params: GenerationParams, prompt_tokens: int, steps: list[Step] | None = None

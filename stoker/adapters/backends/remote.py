@@ -18,13 +18,14 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
+from stoker.adapters.backends.vlm import VisionEncoder, tensor_base64
 from stoker.core.errors import InferenceFailed, ModelUnavailable, StokerError
-from stoker.core.model import ModelRequest, Outcome, Prediction
+from stoker.core.model import EncoderUse, ModelRequest, Outcome, Prediction
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class Call:
 
     body: dict[str, Any]
     stream_to: str | None = None
+    #: Per picture sent as embeddings (content hash): whether they came from the cache.
+    encoder: dict[str, EncoderUse] = field(default_factory=dict)
 
 
 class OpenAIPredictor:
@@ -59,6 +62,7 @@ class OpenAIPredictor:
         attempts: int = 3,
         pieces: Callable[[str, str], None] | None = None,
         max_tokens_cap: int | None = None,
+        embedder: VisionEncoder | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -71,6 +75,8 @@ class OpenAIPredictor:
         self.attempts = attempts
         self.pieces = pieces
         self.max_tokens_cap = max_tokens_cap or max_new_tokens
+        #: With `--enable-mm-embeds` on the server: pictures go as their vision embeddings, made (or cached) here.
+        self.embedder = embedder
         self._client: httpx.Client | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -81,6 +87,8 @@ class OpenAIPredictor:
         limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=self.max_in_flight)
         self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=self.timeout_s, limits=limits)
         self._pool = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="openai")
+        if self.embedder is not None:
+            self.embedder.setup(device)
         log.info("openai backend: %s model %s, %d in flight", self.base_url, self.model, self.max_in_flight)
 
     def close(self) -> None:
@@ -94,15 +102,21 @@ class OpenAIPredictor:
 
     def batch(self, requests: Sequence[ModelRequest]) -> list[Call]:
         """One chat-completions call per request."""
-        return [Call(self.body(r), r.stream_to if self.pieces else None) for r in requests]
+        calls = []
+        for r in requests:
+            used: dict[str, EncoderUse] = {}
+            calls.append(Call(self.body(r, used), r.stream_to if self.pieces else None, used))
+        return calls
 
-    def body(self, request: ModelRequest) -> dict[str, Any]:
+    def body(self, request: ModelRequest, used: dict[str, EncoderUse] | None = None) -> dict[str, Any]:
         """The request as the server takes it: the chat's turns, each user turn with the pictures it carried (a
-        request whose turns name none: every picture on the last user turn), and its generation parameters."""
-        messages = [self._message(m, request.scope) for m in request.messages]
+        request whose turns name none: every picture on the last user turn), and its generation parameters.
+        With an embedder, a request's pictures go as embeddings (`used` says which hit the cache)."""
         named = any("images" in m for m in request.messages)
+        embeds = self._embeds_for(request, named, {} if used is None else used)
+        messages = [self._message(m, request.scope, embeds) for m in request.messages]
         if request.images and not named and messages and messages[-1]["role"] == "user":
-            messages[-1] = self._message({**messages[-1], "images": request.images}, request.scope)
+            messages[-1] = self._message({**messages[-1], "images": request.images}, request.scope, embeds)
         params = request.params
         body: dict[str, Any] = {
             "model": self.model,
@@ -122,15 +136,45 @@ class OpenAIPredictor:
             body |= {"logprobs": True, "top_logprobs": params.top_logprobs}
         return body
 
-    def _message(self, message: dict[str, Any], scope: str) -> dict[str, Any]:
+    def _embeds_for(
+        self, request: ModelRequest, named: bool, used: dict[str, EncoderUse]
+    ) -> dict[str, EncoderUse] | None:
+        """Whether a request's pictures go as embeddings (`used`, which records their cache use): with an embedder,
+        when one turn carries them all (vLLM takes `image_embeds` parts in one message of a request); None: they go
+        as pictures."""
+        turns = sum(1 for m in request.messages if m.get("images")) if named else int(bool(request.images))
+        if self.embedder is None or turns != 1:
+            if self.embedder is not None and turns > 1:
+                log.info("pictures on %d turns: sent as pictures, not embeddings", turns)
+            return None
+        return used
+
+    def _message(
+        self, message: dict[str, Any], scope: str, embeds: dict[str, EncoderUse] | None = None
+    ) -> dict[str, Any]:
         """A text turn; one that carried pictures becomes text and image parts (each with its content hash as
-        vLLM's `uuid`)."""
+        vLLM's `uuid`), or, with `embeds`, text and `image_embeds` parts."""
+        if embeds is not None and message.get("images"):
+            return self._embeds_message(message, scope, embeds)
         text = {"role": message["role"], "content": message["content"]}
         pictures = [(d, url) for d in message.get("images", []) if (url := self._data_url(d, scope))]
         if not pictures:
             return text
         parts: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}]
         parts += [{"type": "image_url", "image_url": {"url": url}, "uuid": digest} for digest, url in pictures]
+        return {"role": message["role"], "content": parts}
+
+    def _embeds_message(self, message: dict[str, Any], scope: str, used: dict[str, EncoderUse]) -> dict[str, Any]:
+        """A turn whose pictures go as vLLM's `image_embeds` parts: each picture's embeddings (tokens × the text
+        model's hidden size, checked against the model), `torch.save`d and base64-encoded, with its content hash
+        as the item's uuid."""
+        assert self.embedder is not None
+        parts: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}]
+        for digest in message["images"]:
+            tensor, use = self.embedder.embeddings(digest, scope)
+            self.embedder.check(tensor)
+            used.setdefault(digest, use)
+            parts.append({"type": "image_embeds", "image_embeds": tensor_base64(tensor), "uuid": digest})
         return {"role": message["role"], "content": parts}
 
     def _data_url(self, digest: str, scope: str) -> str | None:
@@ -156,7 +200,8 @@ class OpenAIPredictor:
         sent = [0]
         for attempt in range(self.attempts):
             try:
-                return self._stream(call, sent) if call.stream_to else self._post(call.body)
+                answer = self._stream(call, sent) if call.stream_to else self._post(call.body)
+                return replace(answer, encoder=call.encoder) if call.encoder else answer
             except StokerError as exc:
                 if exc.permanent or sent[0]:  # a stream that sent pieces cannot be taken back: no retry
                     return exc

@@ -47,7 +47,7 @@ from stoker.core.jobs import (
     compute_timings,
     preprocess_share,
 )
-from stoker.core.model import ModelRequest
+from stoker.core.model import EncoderUse, ModelRequest
 from stoker.core.tenancy import DEFAULT_TENANT
 
 #: Lua: the terminal statuses (written once, never changed), from the core's one list.
@@ -147,6 +147,8 @@ class Ending:
     batch: BatchInfo | None = None
     #: More timestamps to write with it (name → time), e.g. when its batch started and ended.
     stamps: dict[str, float] = field(default_factory=dict)
+    #: Per picture the model read (content hash): whether its vision embeddings hit the cache.
+    encoder: dict[str, EncoderUse] = field(default_factory=dict)
 
 
 class JobRepository:
@@ -360,6 +362,8 @@ def _finish_call(ending: Ending, now: float) -> tuple[list[str], list[str]]:
     for name, value in (("result", ending.result), ("error", ending.error), ("batch", ending.batch)):
         if value is not None:
             fields[name] = value.model_dump_json()
+    if ending.encoder:
+        fields["encoder"] = json.dumps(ending.encoder, sort_keys=True)
     job_id = ending.job_id
     keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
     keys += [*tenant_keys(ending.tenant), CALLBACKS_DUE_KEY, job_blobs_key(job_id)]
@@ -386,6 +390,8 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
     """Assemble a Job from the fields of its Redis hash."""
     fields = {k.decode(): v.decode() for k, v in raw.items()}
     inputs = _nest_inputs({k: InputRecord.model_validate_json(v) for k, v in fields.items() if k.startswith("input:")})
+    if "encoder" in fields:
+        _mark_encoder(inputs, json.loads(fields["encoder"]))
     stamps = {name: float(fields[f"ts:{name}"]) for name in STAMPS if f"ts:{name}" in fields}
     timings = compute_timings(stamps)
     return Job(
@@ -404,6 +410,14 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
         callback=CallbackState.model_validate_json(fields["callback"]) if "callback" in fields else None,
         tenant=fields.get("tenant", DEFAULT_TENANT),
     )
+
+
+def _mark_encoder(records: Iterable[InputRecord], used: dict[str, EncoderUse]) -> None:
+    """Each picture (or keyframe) the model read says whether its vision embeddings hit the cache: one field
+    written when the job ended, not one write per input."""
+    for record in records:
+        record.encoder = used.get(record.content_hash, record.encoder)
+        _mark_encoder(record.frames or [], used)
 
 
 def _nest_inputs(records: dict[str, InputRecord]) -> list[InputRecord]:

@@ -99,6 +99,19 @@ def cache_key(address: CacheAddress, part: str = "value") -> str:
     return f"{PREFIX}:cache:{a.stage}:{a.version}:{a.digest}:{a.fingerprint}:{a.scope}:{part}"
 
 
+def embedding_key(model: str, digest: str) -> str:
+    """A picture's vision embeddings (after the connector) under one model's identity, shared by the fleet."""
+    return f"{PREFIX}:vision-embeddings:{model}:{digest}"
+
+
+#: The shared vision-embeddings store's bookkeeping: entries by when they were written, their sizes, the bytes
+#: they hold together, and how many were evicted to stay under the size cap.
+EMBEDDINGS_INDEX_KEY = f"{PREFIX}:vision-embeddings:index"
+EMBEDDINGS_SIZES_KEY = f"{PREFIX}:vision-embeddings:sizes"
+EMBEDDINGS_BYTES_KEY = f"{PREFIX}:vision-embeddings:bytes"
+EMBEDDINGS_EVICTIONS_KEY = f"{PREFIX}:vision-embeddings:evictions"
+
+
 def cache_pattern(stage: str | None = None) -> str:
     """A SCAN pattern matching every cached result (of one stage)."""
     return f"{PREFIX}:cache:{stage or '*'}:*"
