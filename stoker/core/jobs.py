@@ -71,6 +71,8 @@ class InputRecord(BaseModel):
     time_s: float | None = None
     #: For a video: the keyframes that went through the image branch.
     frames: list[InputRecord] | None = None
+    #: For a page OCR'd in bands (each its own task): how many it was cut into.
+    bands: int | None = None
 
 
 class ResultInfo(BaseModel):
