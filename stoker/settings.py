@@ -660,8 +660,8 @@ class StackSettings(ApiSettings):
         9101,
         ge=0,
         le=65533,
-        description="`stoker up` (`--metrics-port`): the CPU, ASR and inference workers serve their metrics on "
-        "this port and the next two, the API on the next; 0 turns them off.",
+        description="`stoker up` (`--metrics-port`): the CPU worker serves its metrics on this port, the inference "
+        "worker two on (the one between is for an ASR worker run apart), the API on the next; 0 turns them off.",
     )
     flower_basic_auth: str | None = Field(
         None,

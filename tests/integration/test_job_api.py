@@ -100,6 +100,7 @@ def test_cancelling_a_job_while_its_ocr_runs(api: Callable[..., TestClient], job
     assert job["status"] == "cancelled"
     assert (job["result"], job["batch"]) == (None, None)  # never reached the model
     assert job["inputs"][0]["status"] == "pending"  # nothing half-written after the cancel
+    assert job["inputs"][0]["bands"] == 3  # a dense page: OCR'd in bands, and none of them wrote after the cancel
     assert "infer_wait" not in job["timings_ms"]
     assert not job_store.client.exists(tokens_key(job_id))
 

@@ -3,6 +3,7 @@ text whole-page OCR reads; a band that fails fails its page alone; bands cached 
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import uuid
@@ -16,7 +17,7 @@ from PIL import Image, ImageDraw, ImageFont
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.ocr import read_text
 from tests.conftest import pids_named
-from tests.media import encode, text_image
+from tests.media import encode, long_speech_wav, text_image
 from workers.procs import wait_for
 
 
@@ -89,3 +90,34 @@ def test_a_band_whose_tesseract_is_killed_fails_its_page_alone(client: TestClien
     assert kept["status"] == "ok"
     assert "KEPT" in kept["text"]
     assert job["result"]["text"].strip()  # the model still answered, with what could be read
+
+
+def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: TestClient) -> None:
+    from tasks.worker import app
+
+    speech = client.post(
+        "/v1/jobs", data={"prompt": "Summarise."}, files=[("audio", ("talk.wav", long_speech_wav(6), "audio/wav"))]
+    )
+    assert speech.status_code == 202, speech.text
+    pages = [_submit(client, _dense_page(uuid.uuid4().hex[:6].upper())) for _ in range(3)]
+    cpu = next(name for reply in app.control.ping(timeout=1) for name in reply if name.startswith("cpu@"))
+    inspect = app.control.inspect(destination=[cpu], timeout=2)
+    children = int(inspect.stats()[cpu]["pool"]["max-concurrency"])
+    samples: list[tuple[int, int, bool]] = []  # (running, waiting, speech running)
+
+    broker: redis.Redis[bytes] = redis.Redis.from_url(os.environ["STOKER_BROKER_URL"])
+
+    def sample() -> bool:
+        running, reserved = inspect.active()[cpu], inspect.reserved()[cpu]
+        waiting = int(broker.llen("ocr")) + sum(1 for t in reserved if t["name"].startswith("stoker.ocr"))
+        samples.append((len(running), waiting, any(t["name"] == "stoker.transcribe" for t in running)))
+        return all(client.get(f"/v1/jobs/{j}").json()["status"] != "preprocessing" for j in pages)
+
+    wait_for(sample, 120, "the pages to be read", [])
+    busy = [s for s in samples if s[1] > 0]  # while OCR work waited in the worker
+    assert any(s[2] for s in busy), samples  # the transcription ran in the same pool meanwhile
+    # No child sat idle: active and reserved are two round trips, so one sample may straddle a child's hand-over
+    # to its next task; a child left idle shows in two samples in a row.
+    idle = [s[1] > 0 and s[0] < children for s in samples]
+    assert not any(a and b for a, b in itertools.pairwise(idle)), samples
+    _wait(client, speech.json()["id"])  # over before the next test

@@ -95,7 +95,7 @@ def test_inference_worker_may_hold_whole_batches() -> None:
 def test_cpu_worker_runs_prefork_so_time_limits_apply() -> None:
     argv = worker_argv("cpu", WorkerSettings(cpu_pool=3), ["--loglevel", "DEBUG"])
     assert argv[argv.index("--pool") + 1] == "prefork"
-    assert argv[argv.index("--queues") + 1] == "decode,ocr,tokenize,callbacks"
+    assert argv[argv.index("--queues") + 1] == "decode,ocr,asr,tokenize,callbacks"  # every CPU stage, speech too
     assert argv[argv.index("--concurrency") + 1] == "3"
     assert argv[-2:] == ["--loglevel", "DEBUG"]
 
