@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.adapters.broker import declare_queues, transport_options
-from stoker.core.queues import CALLBACK_QUEUE
+from stoker.core.queues import CALLBACK_QUEUE, OCR_BANDS_QUEUE
 from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
 
 # JSON only: a pickled message is refused, and messages carry keys, never media.
@@ -25,7 +25,7 @@ task_default_queue = "tokenize"
 task_routes = {
     "stoker.decode": {"queue": "decode"},
     "stoker.ocr": {"queue": "ocr"},
-    "stoker.ocr_band": {"queue": "ocr"},
+    "stoker.ocr_band": {"queue": OCR_BANDS_QUEUE},
     "stoker.probe": {"queue": "decode"},
     "stoker.keyframe": {"queue": "decode"},
     # URL inputs are downloaded on the CPU workers' decode queue: no worker kind of its own.

@@ -64,11 +64,13 @@ def ocr(self: Task, previous: dict[str, Any]) -> dict[str, Any]:
     """Read the text of one decoded image; a record that failed or was skipped passes straight through. A dense
     page is cut into bands instead, each its own `stoker.ocr_band` task in the job's chord."""
     ctx, job_id, ref = context(), previous["job_id"], previous["ref"]
-    spread: list[Band] = []
+    # Bands join the job's chord; called in-line (the synchronous baseline) there is none: the page is read whole.
+    spread: list[Band] | None = [] if self.request.chord else None
     outcome = run_input_stage(ctx, job_id, ref, "ocr", functools.partial(_ocr, spread=spread))
     deadline = ctx.store.watch.clock(job_id).deadline or None if spread else None
-    for index, band in enumerate(spread):  # sent once the page's record says it waits for them
-        args = (job_id, ref, index, band.top, band.bottom, band.overlapped, len(spread))
+    bands = spread or []
+    for index, band in enumerate(bands):  # sent once the page's record says it waits for them
+        args = (job_id, ref, index, band.top, band.bottom, band.overlapped, len(bands))
         band_task = app.signature("stoker.ocr_band", args=args, immutable=True)
         if deadline is not None:
             band_task.set(expires=datetime.fromtimestamp(deadline, UTC))
@@ -76,14 +78,14 @@ def ocr(self: Task, previous: dict[str, Any]) -> dict[str, Any]:
     return outcome
 
 
-def _ocr(ctx: WorkerContext, job_id: str, record: InputRecord, spread: list[Band]) -> None:
+def _ocr(ctx: WorkerContext, job_id: str, record: InputRecord, spread: list[Band] | None) -> None:
     s = ctx.settings
     scope = cache_scope(ctx, job_id)
     address = ctx.ocr_address(record.content_hash, scope)
     found = ctx.cache.get_json(address)
     pixels = None if found is not None else _ocr_pixels(ctx, record, scope)
-    bands = [] if pixels is None else bands_for(ctx, pixels)
-    if len(bands) > 1:  # the bands read it; the record waits for them
+    bands = [] if pixels is None or spread is None else bands_for(ctx, pixels)
+    if spread is not None and len(bands) > 1:  # the bands read it; the record waits for them
         record.bands = len(bands)
         spread.extend(bands)
         return

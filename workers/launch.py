@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from stoker.core.queues import CALLBACK_QUEUE
+from stoker.core.queues import CALLBACK_QUEUE, OCR_BANDS_QUEUE
 from stoker.settings import WorkerSettings
 
 
@@ -29,8 +29,8 @@ def worker_kinds(settings: WorkerSettings) -> dict[str, WorkerKind]:
     to run them apart on hosts big enough to size each pool on its own.
     """
     return {
-        "cpu": WorkerKind(("decode", "ocr", "asr", "tokenize", CALLBACK_QUEUE), "prefork", "cpu"),
-        "ocr": WorkerKind(("ocr",), "prefork", "cpu"),
+        "cpu": WorkerKind(("decode", "ocr", OCR_BANDS_QUEUE, "asr", "tokenize", CALLBACK_QUEUE), "prefork", "cpu"),
+        "ocr": WorkerKind(("ocr", OCR_BANDS_QUEUE), "prefork", "cpu"),
         "asr": WorkerKind(("asr",), "prefork", settings.asr_device),
         "infer": WorkerKind(("infer",), settings.infer_pool, settings.device),
     }

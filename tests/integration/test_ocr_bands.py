@@ -14,6 +14,7 @@ import redis
 from fastapi.testclient import TestClient
 from PIL import Image, ImageDraw, ImageFont
 
+from stoker.adapters.store.keys import job_key
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.ocr import read_text
 from tests.conftest import pids_named
@@ -109,7 +110,8 @@ def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: 
 
     def sample() -> bool:
         running, reserved = inspect.active()[cpu], inspect.reserved()[cpu]
-        waiting = int(broker.llen("ocr")) + sum(1 for t in reserved if t["name"].startswith("stoker.ocr"))
+        queued = sum(int(broker.llen(queue)) for queue in ("ocr", "ocr_bands"))
+        waiting = queued + sum(1 for t in reserved if t["name"].startswith("stoker.ocr"))
         samples.append((len(running), waiting, any(t["name"] == "stoker.transcribe" for t in running)))
         return all(client.get(f"/v1/jobs/{j}").json()["status"] != "preprocessing" for j in pages)
 
@@ -121,3 +123,15 @@ def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: 
     idle = [s[1] > 0 and s[0] < children for s in samples]
     assert not any(a and b for a, b in itertools.pairwise(idle)), samples
     _wait(client, speech.json()["id"])  # over before the next test
+
+
+def test_a_small_page_after_three_large_ones_is_read_before_them(client: TestClient, store_redis: redis.Redis) -> None:
+    large = [_submit(client, _dense_page(uuid.uuid4().hex[:6].upper())) for _ in range(3)]
+    small = _submit(client, text_image(f"SMALL {uuid.uuid4().hex[:6].upper()}"))
+    for job_id in [*large, small]:
+        assert _wait(client, job_id)["status"] == "succeeded"
+    read_at = {j: float(store_redis.hget(job_key(j), "ts:preprocessed") or 0) for j in [*large, small]}
+    order = sorted(read_at, key=read_at.__getitem__)
+    # The small page's OCR took its turn beside the bands, not after the nine of them: at most the first large
+    # page (whose bands the pool had taken before the small one arrived) is read before it.
+    assert order.index(small) <= 1, order

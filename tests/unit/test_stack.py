@@ -49,6 +49,6 @@ def test_the_stacks_one_cpu_pool_has_the_children_a_separate_asr_worker_would_ha
     stack = Recorder(tether=lambda: None)
     _start_all(StackSettings(), stack, {"PATH": "/usr/bin"})
     argv = stack.commands["cpu-worker"][0]
-    assert argv[argv.index("--queues") + 1] == "decode,ocr,asr,tokenize,callbacks"
+    assert argv[argv.index("--queues") + 1] == "decode,ocr,ocr_bands,asr,tokenize,callbacks"
     concurrency = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--concurrency"]
     assert concurrency[-1] == "3"  # cpu_pool 2 + asr_concurrency 1: the last --concurrency wins
