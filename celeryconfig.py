@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.adapters.broker import declare_queues, redis_transport, transport_options
-from stoker.core.queues import CALLBACK_QUEUE
+from stoker.core.queues import CALLBACK_QUEUE, OCR_BANDS_QUEUE
 from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
 
 # JSON only: a pickled message is refused, and messages carry keys, never media.
@@ -25,6 +25,7 @@ task_default_queue = "tokenize"
 task_routes = {
     "stoker.decode": {"queue": "decode"},
     "stoker.ocr": {"queue": "ocr"},
+    "stoker.ocr_band": {"queue": OCR_BANDS_QUEUE},
     "stoker.probe": {"queue": "decode"},
     "stoker.keyframe": {"queue": "decode"},
     # URL inputs are downloaded on the CPU workers' decode queue: no worker kind of its own.
@@ -91,6 +92,7 @@ def limits(s: WorkerSettings) -> dict[str, Any]:
         "task_annotations": {
             "stoker.decode": {"soft_time_limit": s.decode_soft_s, "time_limit": s.decode_hard_s},
             "stoker.ocr": {"soft_time_limit": s.ocr_soft_s, "time_limit": s.ocr_hard_s},
+            "stoker.ocr_band": {"soft_time_limit": s.ocr_soft_s, "time_limit": s.ocr_hard_s},
             # Tokenize may also wait for room in the inference queue (backpressure); its own work has tokenize_soft_s.
             "stoker.tokenize": {
                 "soft_time_limit": s.tokenize_soft_s + s.handoff_max_wait_s,

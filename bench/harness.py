@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import statistics
 import time
@@ -22,9 +23,9 @@ import httpx
 from rich.console import Console
 
 from bench.drive import drive
-from bench.report import markdown, percentile, plot, ratios, summarise
+from bench.report import RATIOS, markdown, percentile, plot, ratios, refusal, summarise
 from bench.stack import Device, Mode, bench_redis, bench_stack
-from bench.workload import Request, WorkloadSpec, describe, generate, text_png
+from bench.workload import WORKLOADS, Request, WorkloadSpec, describe, generate, text_png
 from workers.procs import ROOT
 
 console = Console(soft_wrap=True)
@@ -40,7 +41,14 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stoker bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a small run (< 4 min on 2 cores): one load, every mode")
     p.add_argument("--mode", choices=["all", *MODES], default="all")
-    p.add_argument("--rates", default=None, help="offered loads to sweep, jobs/s (default 1,2,3,4)")
+    p.add_argument("--rates", default=None, help="offered loads, jobs/s (default 1,2,3,4; device-bound 4,8,12)")
+    p.add_argument(
+        "--workload",
+        choices=["both", *WORKLOADS],
+        default=None,
+        help="the regimes to run: cpu-bound (today's mix), device-bound (light preprocessing; the device is the "
+        "limit), or both (default; --quick: cpu-bound)",
+    )
     p.add_argument("--jobs", type=int, default=None, help="requests per run (default 90)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--repeat", type=float, default=0.4, help="share of media requests repeating earlier media")
@@ -60,8 +68,11 @@ def parser() -> argparse.ArgumentParser:
 
 #: Defaults of a full run, and of --quick (one load, few jobs, a short drain and overhead run); options given
 #: on the command line win over both.
-FULL = {"rates": "1,2,3,4", "jobs": 90, "drain_s": 120.0, "overhead_jobs": 40}
-QUICK = {"rates": "3", "jobs": 36, "drain_s": 45.0, "overhead_jobs": 10}
+FULL = {"rates": "1,2,3,4", "jobs": 90, "drain_s": 120.0, "overhead_jobs": 40, "workload": "both"}
+QUICK = {"rates": "3", "jobs": 36, "drain_s": 45.0, "overhead_jobs": 10, "workload": "cpu-bound"}
+#: Offered loads of the device-bound regime (its device serves about 13 jobs/s in full batches of 8), unless
+#: --rates names others.
+DEVICE_BOUND_RATES = {"full": "4,8,12", "quick": "12"}
 
 
 def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -74,25 +85,40 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 when every run answered some jobs."""
-    args = with_defaults(parser().parse_args(argv))
-    rates = [float(r) for r in args.rates.split(",")]
+    raw = parser().parse_args(argv)
+    rates_given = raw.rates is not None
+    args = with_defaults(raw)
     modes = MODES if args.mode == "all" else (args.mode,)
     device = Device(args.backend, args.sim_base_ms, args.sim_per_item_ms, args.batch)
-    spec = WorkloadSpec(jobs=args.jobs, rate=1.0, seed=args.seed, repeat=args.repeat, bad=args.bad)
-    if args.quick:
-        spec = replace(spec, sizes=spec.sizes[:3])
     started = time.monotonic()
-    console.print(f"generating the workload ({args.jobs} requests, seed {args.seed})…")
-    workload = generate(spec)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.target:
-        rows, overhead = _runs(args, rates, modes, device, workload, None), []
-    else:
-        with bench_redis() as base:
-            rows = [] if args.overhead_only else _runs(args, rates, modes, device, workload, base)
-            overhead = _overhead(args, modes, device, base) if args.overhead_jobs else []
-    report = _report(args, device, spec, workload, rows, overhead, time.monotonic() - started)
-    return 0 if all(row["succeeded"] + row["degraded"] for row in rows) and report else 1
+    names = list(WORKLOADS) if args.workload == "both" else [args.workload]
+    runs = {name: _regime(args, name, rates_given) for name in names}
+    ok = True
+    with bench_redis() if not args.target else contextlib.nullcontext("") as base:
+        for name, (spec, rates, workload) in runs.items():
+            console.print(f"[bold]{name}[/] workload: {describe(workload)}")
+            rows = [] if args.overhead_only else _runs(args, rates, modes, device, workload, base or None)
+            for row in rows:
+                row["workload"] = name
+            first = name == names[0]
+            overhead = _overhead(args, modes, device, base) if args.overhead_jobs and first and base else []
+            ok &= _report(args, device, spec, workload, rows, overhead, time.monotonic() - started, name)
+            ok &= all(row["succeeded"] + row["degraded"] for row in rows)
+    return 0 if ok else 1
+
+
+def _regime(args: argparse.Namespace, name: str, rates_given: bool) -> tuple[WorkloadSpec, list[float], list[Request]]:
+    """One regime's workload and offered loads."""
+    spec = WorkloadSpec(jobs=args.jobs, rate=1.0, seed=args.seed, repeat=args.repeat, bad=args.bad)
+    spec = replace(spec, **WORKLOADS[name])  # type: ignore[arg-type]
+    if args.quick and name == "cpu-bound":
+        spec = replace(spec, sizes=spec.sizes[:3])
+    rates = args.rates
+    if name == "device-bound" and not rates_given:
+        rates = DEVICE_BOUND_RATES["quick" if args.quick else "full"]
+    console.print(f"generating the {name} workload ({args.jobs} requests, seed {args.seed})…")
+    return spec, [float(r) for r in rates.split(",")], generate(spec)
 
 
 def _runs(
@@ -212,13 +238,15 @@ def _report(
     rows: list[dict[str, Any]],
     overhead: list[dict[str, Any]],
     wall_s: float,
+    name: str = "cpu-bound",
 ) -> bool:
     pairs = _pairs(rows)
     table = markdown(rows, pairs)
     over = _overhead_markdown(overhead) if overhead else ""
-    head = f"{device.describe()}; workload {describe(workload)}; queue limits {args.queue_limit}"
-    (args.out / "results.md").write_text(f"{head}\n\n{table}\n\n{over}\n")
-    plots = plot(rows, args.out) if rows else []
+    head = f"{name}: {device.describe()}; workload {describe(workload)}; queue limits {args.queue_limit}"
+    suffix = "" if name == "cpu-bound" else f"-{name}"
+    (args.out / f"results{suffix}.md").write_text(f"{head}\n\n{table}\n\n{over}\n")
+    plots = plot(rows, args.out, "" if name == "cpu-bound" else name) if rows else []
     result = {
         "device": device.describe(),
         "backend": device.backend,
@@ -228,7 +256,7 @@ def _report(
         "overhead": overhead,
         "wall_s": round(wall_s, 1),
     }
-    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"results{suffix}.json").write_text(json.dumps(result, indent=1))
     print(f"\n{head}\n\n{table}\n\n{over}")  # plain: markdown must not be wrapped
     console.print(f"results, plots ({', '.join(p.name for p in plots)}) in {args.out}; took {wall_s:.0f} s")
     return True
@@ -240,8 +268,11 @@ def _pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_mode = {r["mode"]: r for r in rows if r["offered_per_s"] == rate}
         for baseline in BASELINES:
             if {"pipeline", baseline} <= set(by_mode):
-                vs = ratios(by_mode["pipeline"], by_mode[baseline])
-                pairs.append({"offered_per_s": rate, "baseline": baseline, "ratios": vs})
+                why = refusal(by_mode["pipeline"], by_mode[baseline])
+                vs = ratios(by_mode["pipeline"], by_mode[baseline]) if why is None else dict.fromkeys(RATIOS)
+                pairs.append({"offered_per_s": rate, "baseline": baseline, "ratios": vs, "refused": why})
+                if why:
+                    console.print(f"[yellow]offered {rate}/s, pipeline vs {baseline}: not compared: {why}[/]")
     return pairs
 
 

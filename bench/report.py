@@ -131,6 +131,26 @@ def busy_series(samples: list[Sample], start: float, window_s: float = 2.0) -> l
     return series
 
 
+#: A baseline that spent more CPU per job than this many times the pipeline's did work the pipeline did not
+#: (oversubscribed threads, a spinning lock): its ratios would compare a broken run, not a design.
+MAX_CPU_RATIO = 1.5
+
+
+def refusal(pipeline: dict[str, Any], baseline: dict[str, Any]) -> str | None:
+    """Why the two runs must not be compared (None: they may): a run that left jobs unanswered measured a
+    collapse, not a throughput; a baseline far costlier in CPU per job than the pipeline measured a fault."""
+    for row in (pipeline, baseline):
+        if row.get("unanswered"):
+            return f"{row['mode']} left {row['unanswered']} of {row.get('jobs', '?')} jobs unanswered"
+    ours, theirs = pipeline.get("cpu_s_per_job"), baseline.get("cpu_s_per_job")
+    if ours and theirs and theirs > MAX_CPU_RATIO * ours:
+        return (
+            f"{baseline['mode']} spent {theirs} CPU s per job, {theirs / ours:.1f}x the pipeline's {ours}"
+            f" (more than {MAX_CPU_RATIO}x): a fault in the baseline's run, not its design"
+        )
+    return None
+
+
 def ratios(pipeline: dict[str, Any], sync: dict[str, Any]) -> dict[str, float | None]:
     """pipeline ÷ sync for the headline metrics."""
     out: dict[str, float | None] = {}
@@ -147,7 +167,9 @@ def markdown(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
     heads = " | ".join(f"{k} ({v} is better)" for k, v in RATIOS.items())
     lines += ["", f"| offered jobs/s | pipeline ÷ | {heads} |", "|" + "---|" * (len(RATIOS) + 2)]
     for pair in pairs:
-        values = " | ".join(_cell(pair["ratios"][k]) for k in RATIOS)
+        values = " | ".join(_cell(pair["ratios"].get(k)) for k in RATIOS)
+        if pair.get("refused"):
+            values = f"not compared: {pair['refused']}" + " |" * (len(RATIOS) - 1)
         lines.append(f"| {pair['offered_per_s']} | {pair['baseline']} | {values} |")
     return "\n".join(lines)
 
@@ -156,15 +178,17 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Latency CDFs of every mode (per offered load), throughput against offered load, device busy over time."""
+def plot(rows: list[dict[str, Any]], out: Path, name: str = "") -> list[Path]:
+    """Latency CDFs of every mode (per offered load), throughput against offered load, device busy over time;
+    `name` (a workload's) prefixes the files."""
     import matplotlib  # heavy: only a run that draws its plots loads it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rates = sorted({row["offered_per_s"] for row in rows})
-    paths = [out / "latency_cdf.png", out / "throughput.png", out / "device_busy.png"]
+    prefix = f"{name}-" if name else ""
+    paths = [out / f"{prefix}{plot}.png" for plot in ("latency_cdf", "throughput", "device_busy")]
     fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):
         for row in (r for r in rows if r["offered_per_s"] == rate):

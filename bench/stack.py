@@ -25,11 +25,12 @@ from workers.broker import free_port, start_embedded
 from workers.procs import spawn, terminate
 
 Mode = Literal["pipeline", "sync", "sync-pool"]
-#: The pipeline's CPU processes: the CPU worker's pool children and the ASR worker's (their defaults). The
-#: sync-pool baseline gets as many synchronous workers, so both designs have the same CPUs at their disposal.
+#: The pipeline's CPU processes: the CPU worker's pool children, every CPU stage on each (as `stoker up` runs it:
+#: the CPU pool's 2 and the 1 an ASR worker would have). The sync-pool baseline gets as many synchronous workers,
+#: so both designs have the same CPUs at their disposal.
 CPU_PROCESSES = 2 + 1
 PROCESSES: dict[str, tuple[tuple[str, ...], ...]] = {
-    "pipeline": (("worker", "cpu"), ("worker", "asr"), ("worker", "infer"), ("reaper",)),
+    "pipeline": (("worker", "cpu", "--concurrency", str(CPU_PROCESSES)), ("worker", "infer"), ("reaper",)),
     "sync": (("worker", "sync"),),
     "sync-pool": tuple(("worker", "sync", "--hostname", f"sync{n}@%h") for n in range(CPU_PROCESSES)),
 }

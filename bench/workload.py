@@ -83,6 +83,15 @@ class WorkloadSpec:
     sizes: tuple[tuple[tuple[int, int], float], ...] = SIZES
 
 
+#: The two regimes `stoker bench` compares the designs in. `cpu-bound`: today's mix, where preprocessing on two
+#: cores is the limit both designs meet. `device-bound`: mostly text and repeated small media, so preprocessing is
+#: light and the (simulated) device is the bottleneck: there, batching across the whole fleet is what counts.
+WORKLOADS: dict[str, dict[str, object]] = {
+    "cpu-bound": {},
+    "device-bound": {"text": 0.7, "image": 0.25, "audio": 0.05, "repeat": 0.9, "dense_text": 0.2, "sizes": SIZES[:2]},
+}
+
+
 @dataclass
 class _Pool:
     """Media generated so far, per kind, for repeats."""

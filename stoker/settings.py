@@ -433,6 +433,26 @@ class WorkerSettings(CommonSettings):
     ocr_langs: str = Field("eng", description="tesseract languages, e.g. `eng+chi_sim`.")
     tesseract_cmd: str = Field("tesseract", description="The tesseract binary the OCR stage runs.")
     ocr_timeout_s: float = Field(8.0, description="Bounds tesseract itself, within the OCR stage's limits.")
+    ocr_band_min_pixels: int = Field(
+        1_500_000,
+        ge=0,
+        description="A page whose OCR image has more pixels is OCR'd in horizontal bands, each its own task on "
+        "any CPU child, so one dense page does not hold a child while small ones wait; 0 turns bands off.",
+    )
+    ocr_band_rows: int = Field(
+        512, ge=64, description="About how tall each band of a chunked page is (pixels of the OCR image)."
+    )
+    ocr_band_search_rows: int = Field(
+        96,
+        ge=0,
+        description="How far (rows) a cut between bands may move to reach a blank row, so no text line is cut.",
+    )
+    ocr_band_overlap_rows: int = Field(
+        48,
+        ge=0,
+        description="Where no blank row is in reach, the two bands share this many rows on each side of the cut "
+        "(a line through it is whole in both; the repeat is dropped when the texts are joined).",
+    )
 
     # Audio and video.
     max_media_seconds: float = Field(
@@ -718,8 +738,8 @@ class StackSettings(ApiSettings):
         9101,
         ge=0,
         le=65533,
-        description="`stoker up` (`--metrics-port`): the CPU, ASR and inference workers serve their metrics on "
-        "this port and the next two, the API on the next; 0 turns them off.",
+        description="`stoker up` (`--metrics-port`): the CPU worker serves its metrics on this port, the inference "
+        "worker two on (the one between is for an ASR worker run apart), the API on the next; 0 turns them off.",
     )
     flower_basic_auth: str | None = Field(
         None,

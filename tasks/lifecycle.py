@@ -213,7 +213,9 @@ def _on_child_start(**_: Any) -> None:
     """Each CPU and ASR pool child gets an address-space cap, so a decompression bomb (an image, or media whose
     decode balloons) fails alone instead of taking the host's memory."""
     s = context().settings
-    cap = {"cpu": s.cpu_address_space_mb, "ocr": s.cpu_address_space_mb, "asr": s.asr_address_space_mb}
+    # A `cpu` child may transcribe too (it serves every CPU stage): it gets the room the speech model needs.
+    both = (s.cpu_address_space_mb, s.asr_address_space_mb)
+    cap = {"cpu": 0 if 0 in both else max(both), "ocr": s.cpu_address_space_mb, "asr": s.asr_address_space_mb}
     if cap.get(s.worker_kind):
         cap_address_space(cap[s.worker_kind])
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from celery import Task
 
 from stoker.adapters.tracing import mark_failed, stage_span
 from stoker.core.arrays import array_from_bytes, array_to_bytes
@@ -14,7 +17,8 @@ from stoker.core.cachekeys import OCR_IMAGE, PICTURE, CacheAddress
 from stoker.core.errors import StageKilled
 from stoker.core.imaging import DecodedImage, decode_image, served_picture
 from stoker.core.jobs import InputRecord
-from stoker.core.ocr import read_text
+from stoker.core.ocr import Band, read_text
+from stoker.runtime.bands import bands_for, run_band
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.handoff import fail_unfinished, tokenize_job
 from stoker.runtime.stage import RETRY, cache_scope, follower_wait, input_bytes, run_input_stage, through_cache
@@ -69,29 +73,64 @@ def _ocr_pixels(ctx: WorkerContext, record: InputRecord, scope: str) -> npt.NDAr
     return pixels
 
 
-@app.task(name="stoker.ocr", **RETRY)
-def ocr(previous: dict[str, Any]) -> dict[str, Any]:
+@app.task(name="stoker.ocr", bind=True, **RETRY)
+def ocr(self: Task, previous: dict[str, Any]) -> dict[str, Any]:
     """Read the text of one decoded image; a record that failed or was skipped passes straight through, and so does
-    every record when OCR does not run for this model (`STOKER_OCR`)."""
-    ctx = context()
-    return run_input_stage(ctx, previous["job_id"], previous["ref"], "ocr", _ocr, done=lambda _: not ctx.ocr_runs)
+    every record when OCR does not run for this model (`STOKER_OCR`). A dense page is cut into bands instead, each
+    its own `stoker.ocr_band` task in the job's chord."""
+    ctx, job_id, ref = context(), previous["job_id"], previous["ref"]
+    # Bands join the job's chord; called in-line (the synchronous baseline) there is none: the page is read whole.
+    spread: list[Band] | None = [] if self.request.chord else None
+    work = functools.partial(_ocr, spread=spread)
+    outcome = run_input_stage(ctx, job_id, ref, "ocr", work, done=lambda _: not ctx.ocr_runs)
+    deadline = ctx.store.watch.clock(job_id).deadline or None if spread else None
+    bands = spread or []
+    for index, band in enumerate(bands):  # sent once the page's record says it waits for them
+        args = (job_id, ref, index, band.top, band.bottom, band.overlapped, len(bands))
+        band_task = app.signature("stoker.ocr_band", args=args, immutable=True)
+        if deadline is not None:
+            band_task.set(expires=datetime.fromtimestamp(deadline, UTC))
+        self.add_to_chord(band_task)
+    return outcome
 
 
-def _ocr(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:
+def _ocr(ctx: WorkerContext, job_id: str, record: InputRecord, spread: list[Band] | None) -> None:
     s = ctx.settings
     scope = cache_scope(ctx, job_id)
+    address = ctx.ocr_address(record.content_hash, scope)
+    found = ctx.cache.get_json(address)
+    pixels = None if found is not None else _ocr_pixels(ctx, record, scope)
+    bands = [] if pixels is None or spread is None else bands_for(ctx, pixels)
+    if spread is not None and len(bands) > 1:  # the bands read it; the record waits for them
+        record.bands = len(bands)
+        spread.extend(bands)
+        return
 
     def compute() -> dict[str, Any]:
-        pixels = _ocr_pixels(ctx, record, scope)
-        return {"text": read_text(pixels, s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd, cancelled=ended)}
+        page = pixels if pixels is not None else _ocr_pixels(ctx, record, scope)
+        return {"text": read_text(page, s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd, cancelled=ended)}
 
     def ended() -> bool:  # asked while tesseract runs: a cancelled job's OCR stops at once
         return ctx.store.watch.ended(job_id)
 
-    address = ctx.ocr_address(record.content_hash, scope)
     value = through_cache(ctx, record, address, compute, follower_wait(s.ocr_soft_s))
     record.text = value["text"]
     record.status = "ok"
+
+
+@app.task(name="stoker.ocr_band", **RETRY)
+def ocr_band(job_id: str, ref: str, index: int, top: int, bottom: int, overlapped: bool, count: int) -> dict[str, Any]:
+    """OCR one band of a dense page; the last band of the page joins their texts into its record."""
+    ctx = context()
+    record = ctx.store.jobs.get_input(job_id, ref)
+    scope = cache_scope(ctx, job_id)
+    page_at = ctx.ocr_address(record.content_hash if record else "", scope)
+    pixels = functools.partial(_ocr_pixels, ctx, record, scope) if record else _no_pixels
+    return run_band(ctx, job_id, ref, index, Band(top, bottom, overlapped), count, page_at, pixels)
+
+
+def _no_pixels() -> npt.NDArray[np.uint8]:
+    raise AssertionError("a band of a page that is gone reads no pixels")  # run_band returns before asking
 
 
 @app.task(name="stoker.tokenize", **RETRY)

@@ -63,6 +63,19 @@ def missing(reason: str) -> None:
     pytest.skip(reason)
 
 
+def pids_named(command: str) -> list[int]:
+    """Every process of this machine running `command` (its comm), e.g. the tesseracts the workers started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == command:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 @pytest.fixture(scope="session")
 def tiny_vlm() -> Path:
     """The SmolVLM-shaped test model, as `make test` builds it into the model cache (`stoker model make-tiny-vlm`)."""

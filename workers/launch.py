@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from stoker.core.queues import CALLBACK_QUEUE
+from stoker.core.queues import CALLBACK_QUEUE, OCR_BANDS_QUEUE
 from stoker.settings import WorkerSettings
 
 
@@ -24,11 +24,13 @@ class WorkerKind:
 def worker_kinds(settings: WorkerSettings) -> dict[str, WorkerKind]:
     """The queue groups: CPU stages and ASR on prefork (where time limits are enforced), inference on one thread.
 
-    `cpu` serves every CPU stage; `ocr` serves OCR alone, to add OCR capacity without more decode or tokenize.
+    `cpu` serves every CPU stage, speech included, so none of its children idles while any CPU stage has work
+    waiting (a child loads the speech model the first time it transcribes). `ocr` and `asr` serve one stage each,
+    to run them apart on hosts big enough to size each pool on its own.
     """
     return {
-        "cpu": WorkerKind(("decode", "ocr", "tokenize", CALLBACK_QUEUE), "prefork", "cpu"),
-        "ocr": WorkerKind(("ocr",), "prefork", "cpu"),
+        "cpu": WorkerKind(("decode", "ocr", OCR_BANDS_QUEUE, "asr", "tokenize", CALLBACK_QUEUE), "prefork", "cpu"),
+        "ocr": WorkerKind(("ocr", OCR_BANDS_QUEUE), "prefork", "cpu"),
         "asr": WorkerKind(("asr",), "prefork", settings.asr_device),
         "infer": WorkerKind(("infer",), settings.infer_pool, settings.device),
     }

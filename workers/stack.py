@@ -32,7 +32,7 @@ BROKER = "valkey"
 
 
 #: Children that are replaced when they exit (a worker that gave up on a wedged device exits to be replaced).
-RESTARTABLE = ("cpu-worker", "asr-worker", "infer-worker", "reaper")
+RESTARTABLE = ("cpu-worker", "infer-worker", "reaper")
 #: More restarts than this within RESTART_WINDOW_S means something is broken for good: stop the stack.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
@@ -130,8 +130,11 @@ class Port:
     host: str
 
 
-#: The workers whose metrics the stack serves, on consecutive ports from `metrics_base_port`.
-METRICS_KINDS = ("cpu", "asr", "infer")
+#: The stack's workers: one CPU pool for every CPU stage, speech included (no child idles while any stage has
+#: work), and the inference worker; their metrics on `metrics_base_port` plus their offset, as `stoker worker`
+#: numbers them (the ASR worker's port between them stays free for one run apart), the API's on the port after.
+METRICS_KINDS = {"cpu": 0, "infer": 2}
+API_METRICS_OFFSET = 3
 
 
 def stack_ports(settings: StackSettings) -> list[Port]:
@@ -142,7 +145,7 @@ def stack_ports(settings: StackSettings) -> list[Port]:
     ]
     if settings.metrics_base_port:
         option = "--metrics-port / STOKER_METRICS_BASE_PORT"
-        for offset, kind in enumerate(METRICS_KINDS):
+        for kind, offset in METRICS_KINDS.items():
             ports.append(
                 Port(settings.metrics_base_port + offset, f"the {kind} worker's metrics", option, settings.host)
             )
@@ -151,8 +154,8 @@ def stack_ports(settings: StackSettings) -> list[Port]:
 
 
 def api_metrics_port(settings: StackSettings) -> int:
-    """The stack's API serves its metrics on the port after the workers' three (0: none, as theirs)."""
-    return settings.metrics_base_port + len(METRICS_KINDS) if settings.metrics_base_port else 0
+    """The stack's API serves its metrics on the port after the workers' (0: none, as theirs)."""
+    return settings.metrics_base_port + API_METRICS_OFFSET if settings.metrics_base_port else 0
 
 
 def check_ports(ports: list[Port]) -> None:
@@ -201,9 +204,12 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
     py = sys.executable
     # The API's metrics on a listener of their own, on the stack's address: never on the API's port.
     stack.start("api", api_argv(settings), {**env, "STOKER_API_METRICS_PORT": str(api_metrics_port(settings))})
-    for offset, kind in enumerate(METRICS_KINDS):
+    # The CPU pool gets the children an ASR worker would have had as well: one pool, the same CPU processes.
+    extra = {"cpu": ["--concurrency", str(workers.cpu_pool + workers.asr_concurrency)]}
+    for kind, offset in METRICS_KINDS.items():
         metrics = settings.metrics_base_port + offset if settings.metrics_base_port else 0
-        stack.start(f"{kind}-worker", worker_argv(kind, workers), {**worker_env(kind, env), **_metrics(metrics)})
+        argv = worker_argv(kind, workers, extra.get(kind, []))
+        stack.start(f"{kind}-worker", argv, {**worker_env(kind, env), **_metrics(metrics)})
     stack.start("reaper", [py, "-m", "stoker.cli", "reaper"], worker_env("reaper", env))
     flower = [
         py,
@@ -253,7 +259,7 @@ def _http_ok(url: str) -> bool:
 
 def _workers_up(replies: list[dict[str, Any]]) -> bool:
     names = {name.split("@")[0] for reply in replies for name in reply}
-    return {"cpu", "asr", "infer"} <= names
+    return set(METRICS_KINDS) <= names
 
 
 def _announce(settings: StackSettings) -> None:

@@ -119,6 +119,13 @@ def ocr_address(
     return CacheAddress("ocr", ocr.VERSION, digest, parts, scope)
 
 
+def ocr_band_address(page: CacheAddress, top: int, bottom: int) -> CacheAddress:
+    """Cache address of one band's OCR text: the page's OCR address and the rows the band covers, so a retry or a
+    repeat of the page reuses every band already read."""
+    parts = fingerprint(page=page.fingerprint, top=top, bottom=bottom)
+    return CacheAddress("ocr_band", ocr.VERSION, page.digest, parts, page.scope)
+
+
 def transcribe_address(digest: str, scope: str, *, model: str, weights: str, beam: int) -> CacheAddress:
     """Cache address of a transcript: the speech model, its weights, its beam and VAD (always on)."""
     parts = fingerprint(model=model, weights=weights, beam=beam, vad=True)

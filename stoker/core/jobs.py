@@ -78,6 +78,8 @@ class InputRecord(BaseModel):
     #: For a picture a vision-language model read: `hit` when its vision embeddings were cached, `miss` when the
     #: vision encoder ran for it (written when the job ends).
     encoder: EncoderUse | None = None
+    #: For a page OCR'd in bands (each its own task): how many it was cut into.
+    bands: int | None = None
 
 
 class ChoiceInfo(BaseModel):

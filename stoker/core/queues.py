@@ -6,9 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
+#: The bands of dense pages (`stoker.ocr_band`): a queue of their own beside `ocr`, which a worker's consumer takes
+#: from in turn with every other queue (kombu rotates them), so a small page waits behind at most a band or two,
+#: never behind every band of the large pages that came before it, and bands are never starved by small pages.
+OCR_BANDS_QUEUE = "ocr_bands"
 #: Every queue stoker's workers consume, in pipeline order (celeryconfig routes tasks onto them).
-QUEUES = ("decode", "ocr", "asr", "tokenize", "infer")
-CPU_QUEUES = ("decode", "ocr", "asr", "tokenize")
+QUEUES = ("decode", "ocr", OCR_BANDS_QUEUE, "asr", "tokenize", "infer")
+CPU_QUEUES = ("decode", "ocr", OCR_BANDS_QUEUE, "asr", "tokenize")
 #: Completion callbacks of ended jobs (served by the CPU workers; not a stage, so not under admission limits).
 CALLBACK_QUEUE = "callbacks"
 #: The synchronous baseline's one queue (`STOKER_PIPELINE_MODE=sync`, benchmarks only): whole jobs wait here.

@@ -134,7 +134,7 @@ def test_flower_watches_the_workers(stack: str) -> None:
     response = httpx.get(f"{flower}/api/workers", params={"refresh": "true"}, auth=FLOWER_AUTH, timeout=30)
     assert response.status_code == 200
     workers = response.json()
-    assert {name.split("@")[0] for name in workers} >= {"cpu", "asr", "infer"}
+    assert {name.split("@")[0] for name in workers} >= {"cpu", "infer"}  # one CPU pool serves speech too
 
 
 def test_the_readmes_python_snippets_run_as_written(stack: str, tmp_path: Path) -> None:

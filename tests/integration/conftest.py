@@ -36,7 +36,8 @@ def store_redis() -> Iterator[redis.Redis]:
 
 @pytest.fixture(scope="session")
 def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """A CPU worker and an ASR worker (prefork), an inference worker and the reaper, as real processes."""
+    """A CPU worker (prefork: every CPU stage, speech included, as `stoker up` runs it), an inference worker and
+    the reaper, as real processes."""
     from tasks.worker import app
 
     logs = tmp_path_factory.mktemp("workers")
@@ -46,10 +47,10 @@ def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) 
     os.environ.setdefault("STOKER_URL_ALLOWLIST", URL_TEST_HOST)
     os.environ.setdefault("STOKER_CALLBACK_BACKOFF_S", "0.5")  # a retried callback's waits: 0.5 s, 1 s, …
     env = dict(os.environ)
-    ports = {kind: free_port() for kind in ("cpu", "asr", "infer")}
+    ports = {kind: free_port() for kind in ("cpu", "infer")}
     procs = {
         kind: spawn(["worker", kind, *extra], {**env, "STOKER_METRICS_PORT": str(ports[kind])}, logs / f"{kind}.log")
-        for kind, extra in (("cpu", ["--concurrency", "2"]), ("asr", ["--concurrency", "2"]), ("infer", []))
+        for kind, extra in (("cpu", ["--concurrency", "3"]), ("infer", []))
     }
 
     def all_answer() -> bool:

@@ -27,6 +27,7 @@ from stoker.core.idempotency import Remembered, key_digest
 from stoker.core.media import ContentHash
 from stoker.core.tenancy import DEFAULT_TENANT, issue_key
 from stoker.settings import ApiSettings
+from tests.conftest import pids_named
 from tests.fleet import own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.media import text_image
@@ -74,19 +75,6 @@ def _wait(client: TestClient, job_id: str, auth: dict[str, str]) -> dict[str, An
     raise AssertionError(f"job {job_id} not terminal: {job}")
 
 
-def _tesseracts() -> list[int]:
-    """Every tesseract process on this machine (the suite's workers run one test at a time)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().strip() == "tesseract":
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 #: A dense page: tesseract needs seconds for it, long enough to cancel while it reads.
 SLOW_PAGE = text_image(
     "\n".join(" ".join(f"LINE{row}W{n}" for n in range(14)) for row in range(20)), size=(3000, 2200), font_size=40
@@ -98,13 +86,13 @@ def test_cancelling_a_job_while_its_ocr_runs(api: Callable[..., TestClient], job
     auth = _tenant(job_store, "canceller")
     files = [("image", ("page.png", SLOW_PAGE, "image/png"))]
     job_id = client.post("/v1/jobs", data={"prompt": "Read it."}, files=files, headers=auth).json()["id"]
-    wait_for(lambda: bool(_tesseracts()), 60, "its OCR to start", [])
+    wait_for(lambda: bool(pids_named("tesseract")), 60, "its OCR to start", [])
     response = client.delete(f"/v1/jobs/{job_id}", headers=auth)
     assert response.status_code == 200, response.text
     cancelled = response.json()
     assert cancelled["status"] == "cancelled"
     assert cancelled["error"]["code"] == "cancelled"
-    wait_for(lambda: not _tesseracts(), 10, "its tesseract to stop", [])  # stopped, not left to finish
+    wait_for(lambda: not pids_named("tesseract"), 10, "its tesseract to stop", [])  # stopped, not left to finish
     second = client.post("/v1/jobs", data={"prompt": "Say hi."}, headers=auth)
     assert second.status_code == 202, second.text  # the one in-flight slot was given back
     assert _wait(client, second.json()["id"], auth)["status"] == "succeeded"
@@ -112,6 +100,7 @@ def test_cancelling_a_job_while_its_ocr_runs(api: Callable[..., TestClient], job
     assert job["status"] == "cancelled"
     assert (job["result"], job["batch"]) == (None, None)  # never reached the model
     assert job["inputs"][0]["status"] == "pending"  # nothing half-written after the cancel
+    assert job["inputs"][0]["bands"] == 3  # a dense page: OCR'd in bands, and none of them wrote after the cancel
     assert "infer_wait" not in job["timings_ms"]
     assert not job_store.client.exists(tokens_key(job_id))
 

@@ -51,7 +51,7 @@ def test_image_and_text_jobs_complete_over_rabbitmq(fleet: Fleet) -> None:
     assert "RABBIT" in image["inputs"][0]["text"]
     assert image["result"]["text"].strip()
     stats = fleet.client.get("/v1/stats").json()  # queue depths read over AMQP
-    assert set(stats["queues"]) == {"decode", "ocr", "asr", "tokenize", "infer"}
+    assert set(stats["queues"]) == {"decode", "ocr", "ocr_bands", "asr", "tokenize", "infer"}
 
 
 def test_the_queues_are_durable_quorum_queues(fleet: Fleet) -> None:

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import replace
 
 from bench.drive import Outcome, Run, Sample
-from bench.report import busy_series, markdown, percentile, ratios, summarise
+from bench.report import busy_series, markdown, percentile, ratios, refusal, summarise
 from bench.workload import WorkloadSpec, describe, generate
 
 SMALL = WorkloadSpec(jobs=60, rate=2.0, seed=3, sizes=(((640, 480), 0.5), ((800, 600), 0.5)), bad=0.05)
@@ -34,6 +34,19 @@ def test_percentiles_and_ratios() -> None:
     assert percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 3.0
     assert percentile([], 0.99) is None
     assert ratios({"throughput_per_s": 3.0, "p50_s": 1.0}, {"throughput_per_s": 2.0, "p50_s": 4.0})["p50_s"] == 0.25
+
+
+def test_runs_that_left_jobs_unanswered_or_a_baseline_burning_cpu_are_not_compared() -> None:
+    pipeline = {"mode": "pipeline", "jobs": 36, "unanswered": 0, "cpu_s_per_job": 0.63}
+    fair = {"mode": "sync-pool", "jobs": 36, "unanswered": 0, "cpu_s_per_job": 0.7}
+    assert refusal(pipeline, fair) is None
+    lost = refusal(pipeline, {**fair, "unanswered": 13})
+    assert lost == "sync-pool left 13 of 36 jobs unanswered"
+    burning = refusal(pipeline, {**fair, "cpu_s_per_job": 4.5})
+    assert burning is not None
+    assert "7.1x the pipeline's 0.63" in burning
+    table = markdown([pipeline], [{"offered_per_s": 3.0, "baseline": "sync", "ratios": {}, "refused": lost}])
+    assert "| 3.0 | sync | not compared: sync-pool left 13 of 36 jobs unanswered |" in table
 
 
 def test_busy_series_is_the_busy_share_of_a_trailing_window() -> None:

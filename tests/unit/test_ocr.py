@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
 from stoker.core.errors import Cancelled, OcrFailed, OcrTimeout
 from stoker.core.imaging import DecodeParams, decode_image
-from stoker.core.ocr import normalise_text, read_text
+from stoker.core.ocr import Band, join_bands, normalise_text, plan_bands, read_text
 from tests.conftest import missing
 from tests.media import text_image
 from workers.procs import running, wait_for
@@ -114,3 +116,52 @@ def test_simplified_chinese_is_read_with_chi_sim_and_not_without() -> None:
 
 def test_normalise_collapses_blank_lines_and_form_feeds() -> None:
     assert normalise_text("a\n\n\n b\n\x0c") == "a\n b"
+
+
+def _page(lines: int, size: tuple[int, int] = (1600, 1400), font_size: int = 36) -> npt.NDArray[np.uint8]:
+    """A page of `lines` text lines spaced as print is, as decode hands it to OCR (grayscale)."""
+    image = Image.new("L", size, 255)
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=font_size)
+    for row in range(lines):
+        draw.text(
+            (40, 30 + row * int(font_size * 1.6)), f"ROW{row} " + " ".join(f"W{row}X{n}" for n in range(9)), 0, font
+        )
+    return np.asarray(image, dtype=np.uint8)
+
+
+def test_bands_cut_only_at_blank_rows_and_cover_the_page() -> None:
+    gray = _page(22)
+    bands = plan_bands(gray, band_rows=400, search_rows=80, overlap_rows=24)
+    assert len(bands) == round(gray.shape[0] / 400)
+    assert bands[0].top == 0
+    assert bands[-1].bottom == gray.shape[0]
+    for above, below in itertools.pairwise(bands):
+        assert above.bottom == below.top  # no overlap: every cut found a blank row
+        assert not below.overlapped
+        assert (gray[above.bottom] >= 128).all()  # the cut row has no ink: no line was cut
+
+
+def test_a_page_without_blank_rows_is_cut_with_an_overlap() -> None:
+    gray = np.zeros((1200, 300), dtype=np.uint8)  # ink everywhere: nowhere to cut cleanly
+    bands = plan_bands(gray, band_rows=400, search_rows=80, overlap_rows=24)
+    assert [(b.top, b.bottom, b.overlapped) for b in bands] == [(0, 424, False), (376, 824, True), (776, 1200, True)]
+
+
+def test_a_short_page_is_one_band() -> None:
+    assert plan_bands(_page(3, size=(800, 500)), 400, 80, 24) == [Band(0, 500)]
+
+
+def test_joined_band_texts_drop_the_line_an_overlap_repeats() -> None:
+    bands = [Band(0, 100), Band(90, 200, overlapped=True), Band(200, 300)]
+    texts = ["one\ntwo  words", "two words\nthree", "three\nfour"]  # the clean cut keeps a repeat as it is
+    assert join_bands(texts, bands) == "one\ntwo  words\nthree\nthree\nfour"
+
+
+def test_a_dense_page_read_in_bands_reads_as_the_whole_page() -> None:
+    gray = _page(22)
+    bands = plan_bands(gray, band_rows=400, search_rows=80, overlap_rows=24)
+    whole = read_text(gray, "eng", timeout_s=30)
+    texts = [read_text(gray[b.top : b.bottom], "eng", timeout_s=30) for b in bands]
+    assert len(bands) >= 3
+    assert join_bands(texts, bands).split() == whole.split()

@@ -25,7 +25,7 @@ def _started(**settings: Any) -> dict[str, dict[str, str]]:
 def test_the_api_serves_its_metrics_after_the_workers_on_the_stacks_address() -> None:
     ports = stack_ports(StackSettings(port=8001, flower_port=5556, metrics_base_port=9201))
     assert Port(9204, "the API's metrics", "--metrics-port / STOKER_METRICS_BASE_PORT", "127.0.0.1") in ports
-    assert [p.number for p in ports] == [8001, 5556, 9201, 9202, 9203, 9204]
+    assert [p.number for p in ports] == [8001, 5556, 9201, 9203, 9204]
     api = _started(metrics_base_port=9201)["api"]
     assert (api["STOKER_API_METRICS_PORT"], api["STOKER_METRICS_HOST"]) == ("9204", "127.0.0.1")
 
@@ -39,6 +39,16 @@ def test_every_metrics_port_of_the_stack_is_on_its_address() -> None:
     ports = stack_ports(StackSettings())
     assert {p.host for p in ports} == {"127.0.0.1"}  # the workers' metrics too, not every interface
     started = _started()
-    for name in ("api", "cpu-worker", "asr-worker", "infer-worker"):
+    assert set(started) == {"api", "cpu-worker", "infer-worker", "reaper", "flower"}  # one CPU pool, speech too
+    for name in ("api", "cpu-worker", "infer-worker"):
         assert started[name]["STOKER_METRICS_HOST"] == "127.0.0.1", name
-    assert [started[f"{k}-worker"]["STOKER_METRICS_PORT"] for k in ("cpu", "asr", "infer")] == ["9101", "9102", "9103"]
+    assert [started[f"{k}-worker"]["STOKER_METRICS_PORT"] for k in ("cpu", "infer")] == ["9101", "9103"]
+
+
+def test_the_stacks_one_cpu_pool_has_the_children_a_separate_asr_worker_would_have_had() -> None:
+    stack = Recorder(tether=lambda: None)
+    _start_all(StackSettings(), stack, {"PATH": "/usr/bin"})
+    argv = stack.commands["cpu-worker"][0]
+    assert argv[argv.index("--queues") + 1] == "decode,ocr,ocr_bands,asr,tokenize,callbacks"
+    concurrency = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--concurrency"]
+    assert concurrency[-1] == "3"  # cpu_pool 2 + asr_concurrency 1: the last --concurrency wins

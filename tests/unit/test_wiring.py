@@ -95,7 +95,7 @@ def test_inference_worker_may_hold_whole_batches() -> None:
 def test_cpu_worker_runs_prefork_so_time_limits_apply() -> None:
     argv = worker_argv("cpu", WorkerSettings(cpu_pool=3), ["--loglevel", "DEBUG"])
     assert argv[argv.index("--pool") + 1] == "prefork"
-    assert argv[argv.index("--queues") + 1] == "decode,ocr,tokenize,callbacks"
+    assert argv[argv.index("--queues") + 1] == "decode,ocr,ocr_bands,asr,tokenize,callbacks"  # every CPU stage
     assert argv[argv.index("--concurrency") + 1] == "3"
     assert argv[-2:] == ["--loglevel", "DEBUG"]
 
@@ -232,9 +232,9 @@ def test_cpu_children_are_recycled() -> None:
     assert argv[argv.index("--max-memory-per-child") + 1] == "123456"
 
 
-def test_a_dedicated_ocr_pool_serves_ocr_alone_with_the_cpu_pool_size() -> None:
+def test_a_dedicated_ocr_pool_serves_ocr_and_its_bands_alone_with_the_cpu_pool_size() -> None:
     argv = worker_argv("ocr", WorkerSettings(cpu_pool=16))
-    assert argv[argv.index("--queues") + 1] == "ocr"
+    assert argv[argv.index("--queues") + 1] == "ocr,ocr_bands"  # whole pages and the bands of dense ones
     assert argv[argv.index("--pool") + 1] == "prefork"
     assert argv[argv.index("--concurrency") + 1] == "16"
 

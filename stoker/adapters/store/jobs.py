@@ -19,6 +19,8 @@ from stoker.adapters.store.keys import (
     CANCELLED_CHANNEL,
     IN_FLIGHT_GRACE_S,
     JOB_COUNTS_KEY,
+    band_ref,
+    bands_in_ref,
     done_channel,
     handed_off_channel,
     input_ref,
@@ -111,6 +113,20 @@ redis.call('PUBLISH', KEYS[4], ARGV[2])
     + "return 1\n"
 )
 
+# One band of a page OCR'd in bands (`stoker.runtime.bands`): kept beside the page's record while the job is still
+# preprocessing; the answer is how many of the page's bands are in, so the one that brings in the last joins them.
+_PUT_BAND = (
+    TERMINAL_LUA
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'ts:preprocessed') == 1 then return -1 end
+if TERMINAL[redis.call('HGET', KEYS[1], 'status')] then return -1 end
+if redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  return redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+end
+return tonumber(redis.call('HGET', KEYS[1], ARGV[3]) or '0')
+"""
+)
+
 # Only a queued job starts: a cancel (or any ending) that came first holds, and its stages see it ended.
 _START = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
@@ -162,6 +178,7 @@ class JobRepository:
         self._hand_off = client.register_script(_HAND_OFF)
         self._finish = client.register_script(_FINISH)
         self._start = client.register_script(_START)
+        self._put_band = client.register_script(_PUT_BAND)
 
     def create_job(
         self,
@@ -244,6 +261,21 @@ class JobRepository:
         Each record has a single writer at a time (its own chain; the reaper only after a cut-off).
         """
         return bool(self._put_input(keys=[job_key(job_id)], args=[ref, record.model_dump_json()]))
+
+    def put_band(self, job_id: str, ref: str, band: int, record: InputRecord) -> int:
+        """Keep one band's outcome of a page OCR'd in bands; how many of its bands are in now (a band redelivered
+        counts once), or -1 when the job went on without it (handed over, ended or gone)."""
+        args = [band_ref(ref, band), record.model_dump_json(), bands_in_ref(ref)]
+        return int(self._put_band(keys=[job_key(job_id)], args=args))
+
+    def bands(self, job_id: str, ref: str, count: int) -> list[InputRecord | None]:
+        """The outcomes of a page's bands, in order (None: not in)."""
+        raw = self.redis.hmget(job_key(job_id), [band_ref(ref, band) for band in range(count)])
+        return [InputRecord.model_validate_json(r) if r else None for r in raw]
+
+    def clear_bands(self, job_id: str, ref: str, count: int) -> None:
+        """Forget a page's band outcomes once its record holds their joined text."""
+        self.redis.hdel(job_key(job_id), *(band_ref(ref, band) for band in range(count)), bands_in_ref(ref))
 
     def load_for_handoff(self, job_id: str) -> tuple[Job | None, int]:
         """The job, and the revision of its input records to hand over against."""

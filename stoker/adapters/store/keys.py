@@ -23,6 +23,16 @@ def frame_ref(index: int, frame: int) -> str:
     return f"input:{index}:frame:{frame}"
 
 
+def band_ref(ref: str, band: int) -> str:
+    """Field holding one band's outcome of a page OCR'd in bands (beside the page's own record, `ref`)."""
+    return f"band:{ref}:{band}"
+
+
+def bands_in_ref(ref: str) -> str:
+    """Field counting how many bands of a page are in."""
+    return f"bands:{ref}"
+
+
 def deliveries_key(task_id: str) -> str:
     """How many times a task message was delivered to a worker."""
     return f"{PREFIX}:deliveries:{task_id}"

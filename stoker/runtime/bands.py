@@ -1,0 +1,103 @@
+"""Chunked OCR: a dense page is cut into horizontal bands (`stoker.core.ocr.plan_bands`), each OCR'd as a task of its
+own on any CPU child, and the band that comes in last joins their texts into the page's record.
+
+The LLM servers' answer to one long prompt holding a server while short ones queue (chunked prefill), for
+preprocessing: a page that takes seconds of tesseract no longer holds one child while small pages wait behind it;
+its bands spread over every child that is free. The bands join the job's chord (`Task.add_to_chord`), so tokenize
+runs only once every band is in, and a band killed outright is the chord's failure, as for any stage (`rescue`).
+Each band is cached under the page's OCR address and its rows: a retry or a repeat reuses what was read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from stoker.core.cachekeys import CacheAddress, ocr_band_address
+from stoker.core.errors import StokerError
+from stoker.core.jobs import ErrorInfo, InputRecord
+from stoker.core.ocr import Band, join_bands, plan_bands, read_text
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.stage import COST, follower_wait, handoff, has_work, input_stage, through_cache
+
+log = logging.getLogger(__name__)
+
+#: The stage name of one band (its timings, metrics and cache entries).
+STAGE = "ocr_band"
+
+Pixels = Callable[[], npt.NDArray[np.uint8]]
+
+
+def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
+    """How this worker cuts a page: one band when it is below the size threshold (or bands are off)."""
+    s = ctx.settings
+    height, width = pixels.shape[:2]
+    if s.ocr_band_min_pixels == 0 or height * width <= s.ocr_band_min_pixels:
+        return [Band(0, height)]
+    return plan_bands(pixels, s.ocr_band_rows, s.ocr_band_search_rows, s.ocr_band_overlap_rows)
+
+
+def run_band(
+    ctx: WorkerContext, job_id: str, ref: str, index: int, band: Band, count: int, page_at: CacheAddress, pixels: Pixels
+) -> dict[str, Any]:
+    """OCR one band of the page at `ref`, keep its outcome beside the page, and join the page if it was the last."""
+    page = ctx.store.jobs.get_input(job_id, ref)
+    if not has_work(page, ctx, job_id, ref, "ocr"):
+        return handoff(job_id, ref, page)
+    part = InputRecord(index=index, kind="image", content_hash=page.content_hash, size_bytes=0)
+    part.features = {"top": band.top, "bottom": band.bottom, "overlapped": band.overlapped}
+    with input_stage(part, STAGE):
+        part.text = _band_text(ctx, job_id, part, band, page_at, pixels)
+        part.status = "ok"
+    arrived = ctx.store.jobs.put_band(job_id, ref, index, part)
+    if arrived == count:
+        join_page(ctx, job_id, ref, count, page_at)
+    return handoff(job_id, ref, part)
+
+
+def _band_text(
+    ctx: WorkerContext, job_id: str, part: InputRecord, band: Band, page_at: CacheAddress, pixels: Pixels
+) -> str:
+    s = ctx.settings
+
+    def compute() -> dict[str, Any]:
+        rows = pixels()[band.top : band.bottom]
+        return {"text": read_text(rows, s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd, cancelled=ended)}
+
+    def ended() -> bool:  # asked while tesseract runs: a cancelled job's bands stop at once
+        return ctx.store.watch.ended(job_id)
+
+    address = ocr_band_address(page_at, band.top, band.bottom)
+    return str(through_cache(ctx, part, address, compute, follower_wait(s.ocr_soft_s))["text"])
+
+
+def join_page(ctx: WorkerContext, job_id: str, ref: str, count: int, page_at: CacheAddress) -> None:
+    """Every band of the page is in: its record gets their joined text (or the first band's error), and the page's
+    own OCR entry is cached, so a repeat of the page needs no band at all."""
+    jobs = ctx.store.jobs
+    page = jobs.get_input(job_id, ref)
+    parts = jobs.bands(job_id, ref, count)
+    if page is None or page.status != "pending" or any(p is None for p in parts):
+        return
+    done = [p for p in parts if p is not None]
+    failed = next((p for p in done if p.status == "failed"), None)
+    page.timings_ms[STAGE] = round(sum(p.timings_ms.get(STAGE, 0.0) for p in done), 2)
+    page.cache_hit[STAGE] = all(p.cache_hit.get(STAGE, False) for p in done)
+    if failed is not None:
+        page.status, page.error = "failed", failed.error or ErrorInfo(**StokerError("a band failed").to_dict())
+    else:
+        page.text = join_bands([p.text or "" for p in done], [_band(p) for p in done])
+        page.status = "ok"
+        ctx.cache.put_json(page_at, {"text": page.text, COST: page.timings_ms[STAGE] / 1000})
+    if jobs.put_input(job_id, ref, page):
+        jobs.clear_bands(job_id, ref, count)
+    log.info("job %s %s: %d bands joined (%s)", job_id, ref, count, page.status)
+
+
+def _band(part: InputRecord) -> Band:
+    features = part.features or {}
+    return Band(int(features["top"]), int(features["bottom"]), bool(features.get("overlapped")))

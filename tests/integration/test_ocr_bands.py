@@ -1,0 +1,137 @@
+"""Chunked OCR on real workers and the real tesseract: a dense page read as bands on any CPU child, joined into the
+text whole-page OCR reads; a band that fails fails its page alone; bands cached for a retry or a repeat."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import uuid
+from contextlib import suppress
+from typing import Any
+
+import redis
+from fastapi.testclient import TestClient
+from PIL import Image, ImageDraw, ImageFont
+
+from stoker.adapters.store.keys import job_key
+from stoker.core.imaging import DecodeParams, decode_image
+from stoker.core.ocr import read_text
+from tests.conftest import pids_named
+from tests.media import encode, long_speech_wav, text_image
+from workers.procs import wait_for
+
+
+def _dense_page(tag: str) -> bytes:
+    """A page of 14 lines across its width whose OCR image (2048 × 1433) is well over the band threshold: three
+    bands (short words: the model reads a short prompt)."""
+    image = Image.new("L", (2400, 1680), 255)
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=34)
+    for row in range(14):
+        line = f"{tag} ROW{row} " + " ".join(f"W{row}X{n}" for n in range(6))
+        draw.text((60, 60 + row * 100), line, fill=0, font=font)
+    return encode(image, "PNG")
+
+
+def _submit(client: TestClient, *images: bytes) -> str:
+    files = [("image", (f"page{n}.png", data, "image/png")) for n, data in enumerate(images)]
+    response = client.post("/v1/jobs", data={"prompt": "Read it."}, files=files)
+    assert response.status_code == 202, response.text
+    return str(response.json()["id"])
+
+
+def _wait(client: TestClient, job_id: str) -> dict[str, Any]:
+    for _ in range(10):
+        job: dict[str, Any] = client.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()
+        if job["status"] in ("succeeded", "degraded", "failed", "cancelled"):
+            return job
+    raise AssertionError(f"job {job_id} not terminal: {job}")
+
+
+def test_a_dense_page_is_read_in_bands_that_join_into_the_whole_page_text(client: TestClient) -> None:
+    page = _dense_page(uuid.uuid4().hex[:6].upper())
+    first = _wait(client, _submit(client, page))
+    assert first["status"] == "succeeded", first
+    read = first["inputs"][0]
+    assert read["bands"] == 3  # three band tasks, not one OCR of the whole page
+    assert read["cache_hit"]["ocr_band"] is False
+    assert read["timings_ms"]["ocr_band"] > 0
+    whole = read_text(decode_image(page, DecodeParams()).ocr_image, "eng", timeout_s=60)
+    assert read["text"].split() == whole.split()
+
+    again = _wait(client, _submit(client, page))["inputs"][0]  # a repeat: the input comes whole from the cache
+    assert (again["timings_ms"], again["cache_hit"]["ocr"], again["text"]) == ({}, True, read["text"])
+
+    cache: redis.Redis[bytes] = redis.Redis.from_url(os.environ["STOKER_CACHE_URL"])
+    digest = read["content_hash"]
+    lost = [*cache.keys(f"stoker:cache:ocr:*:{digest}:*"), *cache.keys(f"stoker:cache:input:*:{digest}:*")]
+    assert len(lost) == 2
+    cache.delete(*lost)  # the page's text is gone (evicted): its bands are still there
+    retried = _wait(client, _submit(client, page))["inputs"][0]
+    assert (retried["bands"], retried["cache_hit"]["ocr_band"], retried["text"]) == (3, True, read["text"])
+
+
+def test_a_band_whose_tesseract_is_killed_fails_its_page_alone(client: TestClient) -> None:
+    small = text_image(f"KEPT {uuid.uuid4().hex[:6].upper()}")
+    job_id = _submit(client, _dense_page(uuid.uuid4().hex[:6].upper()), small)
+
+    def small_read_and_a_band_running() -> bool:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        return job["inputs"][1]["status"] == "ok" and bool(pids_named("tesseract"))
+
+    wait_for(small_read_and_a_band_running, 60, "a band of the page to be read", [])
+    for pid in pids_named("tesseract"):  # only the page's bands read now
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job = _wait(client, job_id)
+    assert job["status"] == "degraded", job
+    page, kept = job["inputs"]
+    assert (page["status"], page["error"]["code"], page["bands"]) == ("failed", "ocr_failed", 3)
+    assert kept["status"] == "ok"
+    assert "KEPT" in kept["text"]
+    assert job["result"]["text"].strip()  # the model still answered, with what could be read
+
+
+def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: TestClient) -> None:
+    from tasks.worker import app
+
+    speech = client.post(
+        "/v1/jobs", data={"prompt": "Summarise."}, files=[("audio", ("talk.wav", long_speech_wav(6), "audio/wav"))]
+    )
+    assert speech.status_code == 202, speech.text
+    pages = [_submit(client, _dense_page(uuid.uuid4().hex[:6].upper())) for _ in range(3)]
+    cpu = next(name for reply in app.control.ping(timeout=1) for name in reply if name.startswith("cpu@"))
+    inspect = app.control.inspect(destination=[cpu], timeout=2)
+    children = int(inspect.stats()[cpu]["pool"]["max-concurrency"])
+    samples: list[tuple[int, int, bool]] = []  # (running, waiting, speech running)
+
+    broker: redis.Redis[bytes] = redis.Redis.from_url(os.environ["STOKER_BROKER_URL"])
+
+    def sample() -> bool:
+        running, reserved = inspect.active()[cpu], inspect.reserved()[cpu]
+        queued = sum(int(broker.llen(queue)) for queue in ("ocr", "ocr_bands"))
+        waiting = queued + sum(1 for t in reserved if t["name"].startswith("stoker.ocr"))
+        samples.append((len(running), waiting, any(t["name"] == "stoker.transcribe" for t in running)))
+        return all(client.get(f"/v1/jobs/{j}").json()["status"] != "preprocessing" for j in pages)
+
+    wait_for(sample, 120, "the pages to be read", [])
+    busy = [s for s in samples if s[1] > 0]  # while OCR work waited in the worker
+    assert any(s[2] for s in busy), samples  # the transcription ran in the same pool meanwhile
+    # No child sat idle: active and reserved are two round trips, so one sample may straddle a child's hand-over
+    # to its next task; a child left idle shows in two samples in a row.
+    idle = [s[1] > 0 and s[0] < children for s in samples]
+    assert not any(a and b for a, b in itertools.pairwise(idle)), samples
+    _wait(client, speech.json()["id"])  # over before the next test
+
+
+def test_a_small_page_after_three_large_ones_is_read_before_them(client: TestClient, store_redis: redis.Redis) -> None:
+    large = [_submit(client, _dense_page(uuid.uuid4().hex[:6].upper())) for _ in range(3)]
+    small = _submit(client, text_image(f"SMALL {uuid.uuid4().hex[:6].upper()}"))
+    for job_id in [*large, small]:
+        assert _wait(client, job_id)["status"] == "succeeded"
+    read_at = {j: float(store_redis.hget(job_key(j), "ts:preprocessed") or 0) for j in [*large, small]}
+    order = sorted(read_at, key=read_at.__getitem__)
+    # The small page's OCR took its turn beside the bands, not after the nine of them: at most the first large
+    # page (whose bands the pool had taken before the small one arrived) is read before it.
+    assert order.index(small) <= 1, order
