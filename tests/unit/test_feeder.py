@@ -173,7 +173,9 @@ class FakeMessage:
 class NoOutbox:
     """The consumer sends nothing through the broker."""
 
-    def enqueue_inference(self, job_id: str, prompt_tokens: int | None, deadline: float | None) -> None:
+    def enqueue_inference(
+        self, job_id: str, prompt_tokens: int | None, deadline: float | None, job_class: str = "interactive"
+    ) -> None:
         raise AssertionError("the consumer never enqueues")
 
     def send_callback(self, job_id: str) -> None:
