@@ -27,6 +27,7 @@ from api.chat import completion
 from api.chat_intake import accept_chat
 from api.context import ApiContext
 from api.files import store_file, sweep_expired_files
+from api.intake import AcceptedRequest
 from api.submission import cancel, submit_line
 from stoker.adapters.store.batches import PendingLine, Progress
 from stoker.adapters.store.keys import BATCH_FEEDER_LEASE_KEY
@@ -51,6 +52,8 @@ from stoker.core.errors import BatchCancelled, BatchExpired, StokerError, error_
 from stoker.core.jobs import ErrorInfo, Job
 
 log = logging.getLogger(__name__)
+#: The most lines fed in one tick (taken in concurrently).
+FEED_AT_ONCE = 32
 #: How often expired files are looked for.
 SWEEP_EVERY_S = 10.0
 
@@ -157,46 +160,65 @@ class BatchFeeder:
 
     # -- feeding ----------------------------------------------------------------------------------------------
     async def _feed(self, record: BatchRecord, room: int) -> int:
-        """Feed up to `room` of the batch's next lines; stops early at a refusal that will pass (tried again next
-        tick from the same line)."""
+        """Feed up to `room` of the batch's next lines (at most `FEED_AT_ONCE` a tick, taken in together, so the
+        lines' outcomes are collected between rounds); a refusal that will pass (the tenant's slots, the store,
+        the broker) stops the cursor at that line, tried again next tick."""
         store = self.context.store.batches
         progress = await run_in_threadpool(store.progress, record.id)
-        fed = 0
-        lines = await run_in_threadpool(_next_lines, self.context, record, progress, room)
+        lines = await run_in_threadpool(_next_lines, self.context, record, progress, min(room, FEED_AT_ONCE))
+        requests = [parsed for parsed, _ in lines if parsed is not None]
+        outcomes = dict(
+            zip(
+                [r.number for r in requests],
+                await asyncio.gather(*(self._feed_line(record, r) for r in requests)),
+                strict=True,
+            )
+        )
+        number = progress.lines
         for parsed, after in lines:
-            if parsed is not None:
-                outcome = await self._feed_line(record, parsed)
-                if outcome == "retry":
-                    break
-                fed += outcome == "fed"
-            progress = Progress(progress.lines + 1, after)
-            await run_in_threadpool(store.advance, record.id, progress)
+            if parsed is not None and outcomes[parsed.number] == "retry":
+                break  # fed again from here (those after it that were made are found to exist then)
+            number, progress = number + 1, Progress(number + 1, after)
+        await run_in_threadpool(store.advance, record.id, progress)
+        fed = sum(1 for outcome in outcomes.values() if outcome == "fed")
         if fed:
             await run_in_threadpool(store.count_fed, fed)
         return fed
 
     async def _feed_line(self, record: BatchRecord, line: BatchLine) -> str:
         """Make one line a job (or write why it cannot run): "fed", "done" (nothing to feed) or "retry"."""
-        store = self.context.store
         job_id = line_job_id(record.id, line.number)
         pending = PendingLine(job_id, line.custom_id, line.number)
-        if await run_in_threadpool(store.batches.settled, record.id, line.custom_id):
-            return "done"
-        await run_in_threadpool(store.batches.pend, record.id, pending)  # first: a crash from here on is resumed
-        if await run_in_threadpool(store.jobs.load_job, job_id) is not None:
-            return "fed"  # made before a crash: it is collected like any other
         try:
-            _, accepted = await run_in_threadpool(accept_chat, line.body, self.context.settings)
-            accepted = replace(accepted, deadline_ms=self._deadline_ms(record))
+            accepted = await run_in_threadpool(self._prepare, record, pending, line)
+            if accepted is None:
+                return "fed"  # made before a crash, or settled already: collected like any other
             await submit_line(self.context, record.tenant, job_id, accepted, record.id)
         except StokerError as exc:
-            if not exc.permanent:  # the tenant's slots, the store or the broker: the same line next tick
-                await run_in_threadpool(store.batches.unpend, record.id, job_id)
-                return "retry"
-            body = output_line(line.custom_id, job_id, exc.http_status, exc.envelope())
-            await run_in_threadpool(store.batches.settle, record.id, pending, body, ok=False)
-            return "done"
+            return await run_in_threadpool(self._refused, record, pending, exc)
         return "fed"
+
+    def _prepare(self, record: BatchRecord, pending: PendingLine, line: BatchLine) -> AcceptedRequest | None:
+        """Note the line as in flight (first: a crash from here on is resumed) and read its request the way
+        `/v1/chat/completions` reads one; None when there is nothing to make (it exists, or has its outcome)."""
+        store = self.context.store
+        if store.batches.settled(record.id, line.custom_id):
+            return None
+        store.batches.pend(record.id, pending)
+        if store.jobs.load_job(pending.job_id) is not None:
+            return None
+        _, accepted = accept_chat(line.body, self.context.settings)
+        return replace(accepted, deadline_ms=self._deadline_ms(record))
+
+    def _refused(self, record: BatchRecord, pending: PendingLine, exc: StokerError) -> str:
+        """A line the intake refused: for now ("retry", not in flight), or for good (its error line, "done")."""
+        store = self.context.store.batches
+        if not exc.permanent:
+            store.unpend(record.id, pending.job_id)
+            return "retry"
+        body = output_line(pending.custom_id, pending.job_id, exc.http_status, exc.envelope())
+        store.settle(record.id, pending, body, ok=False)
+        return "done"
 
     def _deadline_ms(self, record: BatchRecord) -> int:
         """A line's deadline: the longest a job may have, within what is left of the batch's window."""

@@ -6,43 +6,81 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
+from tests.fleet import QUICK_RECOVERY, Fleet, own_fleet
 from tests.media import text_image, truncated
-from workers.procs import wait_for
+from workers.broker import free_port
+from workers.procs import spawn, stop, wait_for
 
 MODEL = ApiSettings().public_model_name
 API = "http://testserver/v1"
-DEVICE = {
-    "STOKER_BACKEND": "sim",
-    "STOKER_SIM_BASE_MS": "40",
-    "STOKER_SIM_PER_ITEM_MS": "2",
-    "STOKER_MAX_BATCH_SIZE": "8",
-}
+
+
+#: The simulated device: a batch of up to 8 takes 40 ms + 2 ms per item.
+DEVICE = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "40", "STOKER_SIM_PER_ITEM_MS": "2"}
+
+
+@dataclass
+class Stack:
+    """The module's stack: workers and an API in this process (which serves, but feeds no batch), and an API
+    process of its own that feeds the batches (so a test can SIGKILL it)."""
+
+    fleet: Fleet
+    api: TestClient
+    feeder: subprocess.Popen[bytes]
+    port: int
+    env: dict[str, str]
+
+    def start_feeder(self) -> None:
+        """Start (or replace) the feeding API process, and wait until it serves."""
+        self.feeder = spawn(["api", "--port", str(self.port)], self.env, self.fleet.root / "api.log")
+        wait_for(self._serves, 120, "the feeding API", [self.feeder])
+
+    def _serves(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
 
 
 @pytest.fixture(scope="module")
-def api(workers: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    """The API in this process, over the suite's workers; it feeds batches every 0.1 s."""
-    settings = ApiSettings(files_dir=tmp_path_factory.mktemp("files"), batch_feed_interval_s=0.1)
-    with TestClient(create_app(settings)) as test_client:
-        yield test_client
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    files = tmp_path_factory.mktemp("files")
+    settings = {**DEVICE, **QUICK_RECOVERY, "STOKER_MAX_BATCH_SIZE": "8"}
+    api = {"files_dir": files, "batch_feeder": False}
+    with own_fleet(settings, kinds=("cpu", "infer"), api=api) as fleet:
+        env = {**fleet.env, "STOKER_FILES_DIR": str(files), "STOKER_BATCH_FEED_INTERVAL_S": "0.1"}
+        crew = Stack(fleet, fleet.client, None, free_port(), env)  # type: ignore[arg-type]
+        crew.start_feeder()
+        try:
+            yield crew
+        finally:
+            stop(crew.feeder)
+
+
+@pytest.fixture(scope="module")
+def api(stack: Stack) -> TestClient:
+    return stack.api
 
 
 @pytest.fixture(scope="module")
 def client(api: TestClient) -> openai.OpenAI:
-    """The official client, over that API."""
+    """The official client, over the in-process API."""
     return openai.OpenAI(base_url=API, api_key="unused", http_client=api, max_retries=0)
 
 
@@ -137,9 +175,9 @@ def test_validation_refuses_bad_files_with_line_numbers(client: openai.OpenAI) -
     assert failed.output_file_id is None
 
 
-def test_another_tenant_sees_no_file_batch_or_output(api: TestClient) -> None:
-    files_dir = api.app.state.context.settings.files_dir
-    with TestClient(create_app(ApiSettings(auth=True, batch_feeder=False, files_dir=files_dir))) as secured:
+def test_another_tenant_sees_no_file_batch_or_output(stack: Stack) -> None:
+    files_dir = stack.api.app.state.context.settings.files_dir
+    with stack.fleet.api(auth=True, batch_feeder=False, files_dir=files_dir) as secured:
         store = secured.app.state.context.store
         clients = []
         for name in ("acme", "globex"):
@@ -162,3 +200,107 @@ def test_another_tenant_sees_no_file_batch_or_output(api: TestClient) -> None:
         assert globex.files.list().data == []
         assert globex.batches.list().data == []
         assert json.loads(acme.files.content(done.output_file_id).text)["custom_id"] == "x"
+
+
+def test_interactive_requests_go_first_and_a_cancel_keeps_what_finished(client: openai.OpenAI, stack: Stack) -> None:
+    """While a batch of 300 lines waits, 20 interactive requests each run before the batch lines that were queued
+    and not yet on the device when they arrived (at most the device batch prepared when one reached the consumer,
+    and one more while it travelled there from the API, go first). Then the batch is cancelled: what finished is kept, the rest is in the error file, and
+    nothing of it reaches the device any more."""
+    batch = run_batch(client, jsonl([line(f"p{n}", f"Line {n}.") for n in range(300)]))
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 10, 60, "the batch running", [])
+    api, store = stack.api, stack.fleet.store()
+    ids = []
+    for n in range(20):
+        answer = api.post("/v1/jobs", json={"prompt": f"Interactive {n}, quickly."})
+        assert answer.status_code == 202, answer.text
+        ids.append(answer.json()["id"])
+    wait_for(lambda: all(store.hget(f"stoker:job:{i}", "ts:done") for i in ids), 60, "interactive jobs done", [])
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = wait_batch(client, batch.id, ("cancelled",))
+    ended = time.time()
+    outputs, errors = read_lines(client, done.output_file_id), read_lines(client, done.error_file_id)
+    assert len(outputs) >= 10
+    assert set(outputs) | set(errors) == {f"p{n}" for n in range(300)}
+    assert not set(outputs) & set(errors)
+    assert {row["error"]["code"] for row in errors.values()} == {"batch_cancelled"}
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(outputs), len(errors))
+    assert done.cancelling_at is not None
+    assert done.cancelled_at is not None
+    assert stack.api.post(f"/v1/batches/{batch.id}/cancel").status_code == 409
+
+    def stamps(job_id: str) -> tuple[float, float | None]:
+        accepted, started = store.hmget(f"stoker:job:{job_id}", ["ts:accepted", "ts:infer_start"])
+        return float(accepted or 0), float(started) if started else None
+
+    lines = [stamps(row["id"].removeprefix("batch_req_")) for row in (*outputs.values(), *errors.values())]
+    assert all(at is None or at <= ended for _, at in lines)  # nothing reached the device once it was cancelled
+    waiting = []
+    for job_id in ids:
+        arrived, started = stamps(job_id)
+        assert started is not None
+        assert api.get(f"/v1/jobs/{job_id}").json()["job_class"] == "interactive"
+        queued = [at for accepted, at in lines if accepted < arrived and (at is None or at > arrived)]
+        ahead = {at for at in queued if at is not None and at < started}
+        # the device batch prepared when it reached the consumer, and one more while it travelled from the API
+        assert len(ahead) <= 2, (job_id, len(queued), sorted(ahead))
+        waiting.append(len(queued))
+    assert max(waiting) > 3 * 8  # more lines waited than the batches let through: first-come would have failed
+
+
+def test_a_200_mb_upload_streams_through_the_api(stack: Stack) -> None:
+    """The feeding API process takes a 200 MB file: its peak memory grows by a few MB, not by the file."""
+    row = json.dumps(line("r", "x" * 3900)).encode() + b"\n"
+    count = 200_000_000 // len(row)
+
+    def body() -> Iterator[bytes]:
+        boundary = b"--stokerboundary"
+        yield boundary + b'\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        yield boundary + b'\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+        yield b"Content-Type: application/jsonl\r\n\r\n"
+        for _ in range(count // 64):
+            yield row * 64
+        yield boundary + b"--\r\n"
+
+    before = _peak_kib(stack.feeder.pid)
+    headers = {"Content-Type": "multipart/form-data; boundary=stokerboundary"}
+    url = f"http://127.0.0.1:{stack.port}/v1/files"
+    answer = httpx.post(url, content=body(), headers=headers, timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["bytes"] == len(row) * (count // 64) * 64 >= 190_000_000
+    growth_mib = (_peak_kib(stack.feeder.pid) - before) / 1024
+    assert growth_mib < 8, growth_mib
+    httpx.delete(f"{url}/{answer.json()['id']}")
+
+
+def _peak_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmHWM:")))
+
+
+def test_a_batch_survives_its_feeder_and_workers_being_killed(client: openai.OpenAI, stack: Stack) -> None:
+    """SIGKILL the feeding API, the inference and the CPU workers mid-batch; restarted, the batch completes with
+    every custom_id exactly once."""
+    picture = data_url(text_image("KILL 7", size=(240, 60), font_size=32), "image/png")
+    lines = [line(f"k{n}", f"Kill {n}.") for n in range(50)]
+    lines += [
+        line(f"ki{n}", [{"type": "text", "text": f"{n}"}, {"type": "image_url", "image_url": {"url": picture}}])
+        for n in range(10)
+    ]
+    batch = run_batch(client, jsonl(lines))
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, 60, "the batch running", [])
+    stack.feeder.send_signal(signal.SIGKILL)
+    stack.feeder.wait(10)
+    stack.fleet.kill("infer")
+    stack.fleet.kill("cpu")
+    halfway = client.batches.retrieve(batch.id)
+    assert halfway.status == "in_progress"
+    assert halfway.request_counts.completed < 60
+    for kind in ("cpu", "infer"):
+        stack.fleet.start(kind)
+    stack.start_feeder()
+    done = wait_batch(client, batch.id, ("completed",), timeout_s=120)
+    outputs = read_lines(client, done.output_file_id)  # fails on a custom_id written twice
+    assert set(outputs) == {item["custom_id"] for item in lines}
+    assert done.request_counts.completed == 60
+    assert done.error_file_id is None
