@@ -205,8 +205,8 @@ def test_another_tenant_sees_no_file_batch_or_output(stack: Stack) -> None:
 def test_interactive_requests_go_first_and_a_cancel_keeps_what_finished(client: openai.OpenAI, stack: Stack) -> None:
     """While a batch of 300 lines waits, 20 interactive requests each run before the batch lines that were queued
     and not yet on the device when they arrived (at most the device batch prepared when one reached the consumer,
-    and one more while it travelled there from the API, go first). Then the batch is cancelled: what finished is kept, the rest is in the error file, and
-    nothing of it reaches the device any more."""
+    and one more while it travelled there from the API, go first). Then the batch is cancelled: what finished is
+    kept, the rest is in the error file, and nothing of it reaches the device any more."""
     batch = run_batch(client, jsonl([line(f"p{n}", f"Line {n}.") for n in range(300)]))
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 10, 60, "the batch running", [])
     api, store = stack.api, stack.fleet.store()
