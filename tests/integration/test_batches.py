@@ -52,6 +52,9 @@ class Stack:
         wait_for(self._serves, 120, "the feeding API", [self.feeder])
 
     def _serves(self) -> bool:
+        """It answers, and has loaded its tokenizer (in the background, after it starts)."""
+        if "tokenizer loaded" not in (self.fleet.root / "api.log").read_text(errors="replace"):
+            return False
         try:
             return httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=1).status_code == 200
         except httpx.HTTPError:
@@ -260,7 +263,7 @@ def test_a_200_mb_upload_streams_through_the_api(stack: Stack) -> None:
         yield b"Content-Type: application/jsonl\r\n\r\n"
         for _ in range(count // 64):
             yield row * 64
-        yield boundary + b"--\r\n"
+        yield b"\r\n" + boundary + b"--\r\n"
 
     before = _peak_kib(stack.feeder.pid)
     headers = {"Content-Type": "multipart/form-data; boundary=stokerboundary"}
