@@ -8,6 +8,7 @@ import base64
 import json
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -279,6 +280,34 @@ def test_a_200_mb_upload_streams_through_the_api(stack: Stack) -> None:
 def _peak_kib(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmHWM:")))
+
+
+def test_stoker_batch_submit_writes_the_output_next_to_the_input(stack: Stack, tmp_path: Path) -> None:
+    source = tmp_path / "catalogue.jsonl"
+    source.write_bytes(jsonl([line(f"s{n}", f"Item {n}.") for n in range(3)] + [line("bad", [{"type": "x"}])]))
+    url = f"http://127.0.0.1:{stack.port}"
+    ran = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "batch", "submit", str(source), "--url", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "3 completed, 1 failed" in ran.stdout
+    outputs = [json.loads(row) for row in (tmp_path / "catalogue.output.jsonl").read_text().splitlines()]
+    assert sorted(row["custom_id"] for row in outputs) == ["s0", "s1", "s2"]
+    (error,) = [json.loads(row) for row in (tmp_path / "catalogue.errors.jsonl").read_text().splitlines()]
+    assert error["custom_id"] == "bad"
+    batch_id = next(word for word in ran.stdout.split() if word.startswith("batch_"))
+    shown = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "batch", "status", batch_id, "--url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "completed" in shown.stdout
 
 
 def test_a_batch_survives_its_feeder_and_workers_being_killed(client: openai.OpenAI, stack: Stack) -> None:
