@@ -15,7 +15,7 @@ from api.pressure import QueueMonitor
 from api.prompts import PromptBuilder
 from stoker.adapters.cache import StageCache
 from stoker.adapters.files import DirectoryStorage, FileStorage
-from stoker.adapters.metrics import JobCounts
+from stoker.adapters.metrics import BatchLines, JobCounts
 from stoker.adapters.store import Store
 from stoker.settings import ApiSettings
 from tasks.app import make_app
@@ -51,6 +51,7 @@ class ApiContext:
         producer = make_app(settings)
         metrics = CollectorRegistry()
         metrics.register(JobCounts(store.stats.job_counts))
+        metrics.register(BatchLines(store.batches.line_stats))
         return cls(
             settings=settings,
             store=store,
