@@ -236,13 +236,17 @@ def split_lines(chunks: Iterable[bytes]) -> Iterable[tuple[bytes, int]]:
 def batch_room(depths: dict[str, int], in_flight: int, *, max_in_flight: int, room: Room, holding: bool) -> int:
     """How many more batch lines may be fed now: none while the inference queue is over its watermarks (the same
     as tokenize's hand-off: above the high one, and after a pause until it is back at the low one; `holding`) or a
-    CPU queue is past half its admission limit; else what keeps the lines in the pipeline under `max_in_flight`.
+    CPU queue is past half its admission limit; else what keeps the lines in the pipeline under `max_in_flight` and
+    the inference queue at its low watermark.
     Batch lines are fed into the room interactive traffic leaves, never dumped whole."""
-    if not room_to_enqueue(depths.get("infer", 0), room.infer_high, room.infer_low, holding):
+    infer = depths.get("infer", 0)
+    if not room_to_enqueue(infer, room.infer_high, room.infer_low, holding):
         return 0
     if any(depth * 2 >= room.cpu_limit for name, depth in depths.items() if name != "infer"):
         return 0
-    return max(max_in_flight - in_flight, 0)
+    # Never more than up to the low watermark: the room above it stays the interactive jobs', so tokenize never
+    # holds one of them back because batch lines filled the inference queue.
+    return max(min(max_in_flight - in_flight, room.infer_low - infer), 0)
 
 
 @dataclass(frozen=True)

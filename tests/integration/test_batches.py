@@ -252,6 +252,22 @@ def test_interactive_requests_go_first_and_a_cancel_keeps_what_finished(client: 
     assert max(waiting) > 3 * 8  # more lines waited than the batches let through: first-come would have failed
 
 
+def test_a_batch_past_its_window_expires_with_its_unfinished_lines_in_the_error_file(
+    client: openai.OpenAI, stack: Stack
+) -> None:
+    batch = run_batch(client, jsonl([line(f"e{n}", f"Late {n}.") for n in range(150)]))
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, 60, "the batch running", [])
+    stack.api.app.state.context.store.batches.update(batch.id, expires_at=int(time.time()))  # its window is over
+    done = wait_batch(client, batch.id, ("expired", "completed"))
+    assert done.status == "expired"
+    assert done.expired_at is not None
+    outputs, errors = read_lines(client, done.output_file_id), read_lines(client, done.error_file_id)
+    assert len(outputs) >= 5
+    assert len(errors) > 0
+    assert set(outputs) | set(errors) == {f"e{n}" for n in range(150)}
+    assert {row["error"]["code"] for row in errors.values()} == {"batch_expired"}
+
+
 def test_a_200_mb_upload_streams_through_the_api(stack: Stack) -> None:
     """The feeding API process takes a 200 MB file: its peak memory grows by a few MB, not by the file."""
     row = json.dumps(line("r", "x" * 3900)).encode() + b"\n"

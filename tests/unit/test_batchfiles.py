@@ -64,7 +64,8 @@ def test_a_lines_job_id_is_the_same_every_time_it_is_fed() -> None:
 
 
 def test_batch_lines_are_fed_only_into_room_under_the_watermarks() -> None:
-    assert batch_room({"infer": 10, "decode": 0}, 20, max_in_flight=64, room=MARKS, holding=False) == 44
+    assert batch_room({"infer": 10, "decode": 0}, 20, max_in_flight=64, room=MARKS, holding=False) == 22
+    assert batch_room({"infer": 0}, 50, max_in_flight=64, room=MARKS, holding=False) == 14
     assert batch_room({"infer": 70}, 0, max_in_flight=64, room=MARKS, holding=False) == 0  # over the high mark
     assert batch_room({"infer": 40}, 0, max_in_flight=64, room=MARKS, holding=True) == 0  # not back at the low one
     assert batch_room({"infer": 0, "ocr": 250}, 0, max_in_flight=64, room=MARKS, holding=False) == 0
