@@ -360,8 +360,8 @@ class ApiSettings(CommonSettings):
         64,
         ge=1,
         description="Batch lines in the pipeline at once, over every batch: new lines are fed only into room under "
-        "this, never filling the inference queue past its low watermark, and only while every CPU queue is under half its "
-        "limit.",
+        "this, never filling the inference queue past its low watermark, and only while every CPU queue is under "
+        "half its limit.",
     )
     batch_feeder: bool = Field(
         True,

@@ -207,9 +207,9 @@ def test_another_tenant_sees_no_file_batch_or_output(stack: Stack) -> None:
 
 
 def test_interactive_requests_go_first_and_a_cancel_keeps_what_finished(client: openai.OpenAI, stack: Stack) -> None:
-    """While a batch of 300 lines waits, 20 interactive requests each run before the batch lines that were queued
-    and not yet on the device when they arrived (at most the device batch prepared when one reached the consumer,
-    and one more while it travelled there from the API, go first). Then the batch is cancelled: what finished is
+    """While a batch of 300 lines waits, 20 interactive requests each run before the batch lines that were waiting
+    for the device when they joined its queue (at most the device batch prepared when one reached the consumer,
+    and one more while it travelled there through the broker, go first). Then the batch is cancelled: what finished is
     kept, the rest is in the error file, and nothing of it reaches the device any more."""
     batch = run_batch(client, jsonl([line(f"p{n}", f"Line {n}.") for n in range(300)]))
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 10, 60, "the batch running", [])
@@ -234,8 +234,9 @@ def test_interactive_requests_go_first_and_a_cancel_keeps_what_finished(client: 
     assert stack.api.post(f"/v1/batches/{batch.id}/cancel").status_code == 409
 
     def stamps(job_id: str) -> tuple[float, float | None]:
-        accepted, started = store.hmget(f"stoker:job:{job_id}", ["ts:accepted", "ts:infer_start"])
-        return float(accepted or 0), float(started) if started else None
+        """When the job was handed to the inference queue (its prompt ready), and when its device batch began."""
+        queued, started = store.hmget(f"stoker:job:{job_id}", ["ts:preprocessed", "ts:infer_start"])
+        return float(queued or "inf"), float(started) if started else None
 
     lines = [stamps(row["id"].removeprefix("batch_req_")) for row in (*outputs.values(), *errors.values())]
     assert all(at is None or at <= ended for _, at in lines)  # nothing reached the device once it was cancelled
@@ -244,7 +245,7 @@ def test_interactive_requests_go_first_and_a_cancel_keeps_what_finished(client: 
         arrived, started = stamps(job_id)
         assert started is not None
         assert api.get(f"/v1/jobs/{job_id}").json()["job_class"] == "interactive"
-        queued = [at for accepted, at in lines if accepted < arrived and (at is None or at > arrived)]
+        queued = [at for handed, at in lines if handed < arrived and (at is None or at > arrived)]
         ahead = {at for at in queued if at is not None and at < started}
         # the device batch prepared when it reached the consumer, and one more while it travelled from the API
         assert len(ahead) <= 2, (job_id, len(queued), sorted(ahead))
