@@ -59,6 +59,8 @@ class _Receiver:
         self._part = _Part()
         self._header = (b"", b"")
         self._disposition = b""
+        #: The closing boundary arrived: a body cut short never stores what it had.
+        self.complete = False
 
     def callbacks(self) -> dict[str, Callable[..., None]]:
         return {
@@ -69,7 +71,11 @@ class _Receiver:
             "on_header_value": lambda d, s, e: self._grow(d[s:e], 1),
             "on_header_end": self._header_end,
             "on_headers_finished": self._headers_finished,
+            "on_end": self._finished,
         }
+
+    def _finished(self) -> None:
+        self.complete = True
 
     def _begin(self) -> None:
         self._part, self._disposition = _Part(), b""
@@ -137,6 +143,8 @@ async def stream_upload(request: Request, writer: FileWriter, max_bytes: int, qu
             pending, receiver.queued = b"".join(receiver.queued), []
             await run_in_threadpool(writer.write, pending)
     parser.finalize()
+    if not receiver.complete:
+        raise MalformedRequest("the multipart body ended before its closing boundary")
     upload = receiver.upload
     if upload.filename is None:
         raise InvalidRequest("the upload has no file (field `file`)", param="file")

@@ -270,6 +270,24 @@ def test_a_batch_past_its_window_expires_with_its_unfinished_lines_in_the_error_
     assert {row["error"]["code"] for row in errors.values()} == {"batch_expired"}
 
 
+def test_an_upload_over_the_limit_or_cut_short_is_refused_and_not_kept(stack: Stack) -> None:
+    files_dir = stack.api.app.state.context.settings.files_dir
+    with stack.fleet.api(files_max_bytes=2048, batch_feeder=False, files_dir=files_dir) as small:
+        official = openai.OpenAI(base_url=API, api_key="unused", http_client=small, max_retries=0)
+        known = {f.id for f in official.files.list().data}
+        with pytest.raises(openai.APIStatusError) as refused:
+            official.files.create(file=("big.jsonl", b"x" * 4096), purpose="batch")
+        assert refused.value.status_code == 413
+        head = b'--bb\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        cut = head + b'--bb\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{"a": 1}\n'
+        answer = small.post("/v1/files", content=cut, headers={"Content-Type": "multipart/form-data; boundary=bb"})
+        assert answer.status_code == 400
+        with pytest.raises(openai.BadRequestError):
+            official.files.create(file=("a.jsonl", b"{}\n"), purpose="assistants")  # type: ignore[arg-type]
+        assert {f.id for f in official.files.list().data} == known
+    assert not [p for p in files_dir.iterdir() if p.name.startswith(".")]  # no partial file left behind
+
+
 def test_a_200_mb_upload_streams_through_the_api(stack: Stack) -> None:
     """The feeding API process takes a 200 MB file: its peak memory grows by a few MB, not by the file."""
     row = json.dumps(line("r", "x" * 3900)).encode() + b"\n"
