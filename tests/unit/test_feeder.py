@@ -323,3 +323,21 @@ def test_a_given_member_is_used_and_no_other_is_built() -> None:
     ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=store)
     assert ctx.store is store
     assert "predictor" not in vars(ctx)  # built only when asked for: only the inference worker loads a model
+
+
+def test_an_interactive_request_takes_a_batch_lines_place_in_the_prepared_batch(consumers: list[Consumer]) -> None:
+    c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=2)
+    c.arrive("a")
+    c.until(c.predictor.on_device.is_set, "the first batch on the device")
+    for job_id in ("l1", "l2"):
+        c.store.jobs.pending[job_id] = _pending(job_id, None)
+    lines = [FakeMessage(job_id) for job_id in ("l1", "l2")]
+    for message in lines:
+        message.kwargs["job_class"] = "batch"
+    c.feeder.add(lines)
+    c.until(lambda: ["l1", "l2"] in c.store.jobs.loads, "a batch of two batch lines prepared")
+    c.arrive("x")
+    c.until(lambda: ["x"] in c.store.jobs.loads, "the interactive request loaded")
+    c.predictor.gate.set()
+    c.until(lambda: len(c.store.jobs.ended) == 4, "every job ended")
+    assert c.predictor.calls == [["a"], ["l1", "x"], ["l2"]]  # it waited only for the batch on the device
