@@ -11,7 +11,7 @@ from collections import Counter
 
 from stoker.core.deadlines import JobClock, ReapPolicy, Verdict, decide
 from stoker.core.errors import DeadlineExceeded, InferenceFailed, WorkerLost
-from stoker.core.jobs import ErrorInfo, JobClass
+from stoker.core.jobs import ErrorInfo
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.handoff import cut_off, fail_unfinished
 from stoker.runtime.monitoring import log_finished
@@ -90,15 +90,8 @@ def resend_lost(ctx: WorkerContext, job_id: str) -> str:
             log_finished(store, job_id)
         return "lost"
     request, clock = store.jobs.get_request(job_id), store.watch.clock(job_id)
-    tokens = len(request.prompt_ids) if request else None
-    ctx.outbox.enqueue_inference(job_id, tokens, clock.deadline or None, _class_of(ctx, job_id))
+    ctx.outbox.enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None)
     return "resend"
-
-
-def _class_of(ctx: WorkerContext, job_id: str) -> JobClass:
-    """A job's class, so a batch line sent again still waits behind interactive jobs."""
-    job = ctx.store.jobs.load_job(job_id)
-    return job.job_class if job is not None else "interactive"
 
 
 def act(ctx: WorkerContext, job_id: str, clock: JobClock, verdict: Verdict) -> None:
@@ -118,8 +111,7 @@ def act(ctx: WorkerContext, job_id: str, clock: JobClock, verdict: Verdict) -> N
     elif verdict.action == "redrive":
         request = store.jobs.get_request(job_id)
         store.watch.count_redrive(job_id)
-        tokens = len(request.prompt_ids) if request else None
-        ctx.outbox.enqueue_inference(job_id, tokens, clock.deadline or None, _class_of(ctx, job_id))
+        ctx.outbox.enqueue_inference(job_id, len(request.prompt_ids) if request else None, clock.deadline or None)
     elif verdict.action == "abandon":
         lost = InferenceFailed("the inference worker never reported back on this job's batch", stage="infer")
         if store.jobs.finish(job_id, "failed", error=ErrorInfo(**lost.to_dict())):
