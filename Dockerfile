@@ -26,6 +26,8 @@ ENV STOKER_MODEL_CACHE=/models \
     OMP_THREAD_LIMIT=1 \
     TOKENIZERS_PARALLELISM=false
 RUN stoker model fetch && chown -R stoker /models
+# Batch files (`STOKER_FILES_DIR`): a volume mounted here keeps this directory's owner.
+RUN mkdir -p /var/lib/stoker/files && chown stoker /var/lib/stoker/files
 
 USER stoker
 # 8000: the API; 5555: Flower; 9105: the API's metrics (bound per STOKER_METRICS_HOST).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stoker.adapters.broker import declare_queues, redis_transport, transport_options
+from stoker.adapters.broker import class_priority, declare_queues, is_amqp, redis_transport, transport_options
 from stoker.core.queues import CALLBACK_QUEUE, OCR_BANDS_QUEUE
 from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
 
@@ -40,6 +40,9 @@ task_routes = {
 }
 # An accepted job is never lost: ack after the work, requeue when a worker dies mid-task.
 task_acks_late = True
+# A batch line's messages carry a lower broker priority than interactive jobs' (`broker.class_priority`), and so
+# does every message its tasks publish on the way (the chord's tokenize, the hand-off to inference).
+task_inherit_parent_priority = True
 task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
 broker_connection_retry_on_startup = True
@@ -73,6 +76,9 @@ def connection(s: CommonSettings) -> dict[str, Any]:
         "broker_transport_options": transport_options(s.broker_url, s.visibility_timeout_s),
         # On Redis, kombu's transport with one client per pool (`stoker.adapters.broker.RedisChannel`).
         "broker_transport": redis_transport(s.broker_url),
+        # RabbitMQ's quorum queues take a message above priority 4 first: interactive jobs' say so (on Redis the
+        # default, 0, is already the first).
+        "task_default_priority": class_priority(s.broker_url, "interactive") if is_amqp(s.broker_url) else None,
     }
 
 

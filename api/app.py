@@ -15,8 +15,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.batches import router as batches_router
+from api.batchfeeder import BatchFeeder
 from api.chat import router as chat_router
 from api.context import ApiContext
+from api.files import router as files_router
 from api.headers import SHOULD_RETRY, retry_headers
 from api.limits import BodyLimitMiddleware
 from api.routes import router
@@ -46,10 +49,14 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
         openapi_url="/openapi.json" if shown else None,
     )
     app.state.context = context  # read back, typed, by `api.context.api_context`
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # A file upload streams to storage: its own, larger limit (with room for the multipart framing).
+    uploads = {"/v1/files": settings.files_max_bytes + 64 * 1024}
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, per_path=uploads)
     app.add_middleware(RequestTimer)
     app.include_router(router)
     app.include_router(chat_router)
+    app.include_router(files_router)
+    app.include_router(batches_router)
     _add_error_handlers(app)
     return app
 
@@ -68,6 +75,8 @@ def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsy
             asyncio.create_task(asyncio.to_thread(context.prompts.load)),
             asyncio.create_task(context.announcements.run(listener)),
         ]
+        if settings.batch_feeder:
+            background.append(asyncio.create_task(BatchFeeder(context).run()))
         yield
         for task in background:
             task.cancel()

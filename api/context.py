@@ -14,7 +14,8 @@ from api.announcements import Announcements
 from api.pressure import QueueMonitor
 from api.prompts import PromptBuilder
 from stoker.adapters.cache import StageCache
-from stoker.adapters.metrics import JobCounts
+from stoker.adapters.files import DirectoryStorage, FileStorage
+from stoker.adapters.metrics import BatchLines, JobCounts
 from stoker.adapters.store import Store
 from stoker.settings import ApiSettings
 from tasks.app import make_app
@@ -40,6 +41,8 @@ class ApiContext:
     announcements: Announcements
     #: The deployment's job counts, served on `/metrics` beside this process's own metrics.
     metrics: CollectorRegistry
+    #: Where the bytes of files (`/v1/files`, batches' output) live.
+    files: FileStorage
 
     @classmethod
     def build(cls, settings: ApiSettings, submitter: Submitter | None = None) -> ApiContext:
@@ -48,6 +51,7 @@ class ApiContext:
         producer = make_app(settings)
         metrics = CollectorRegistry()
         metrics.register(JobCounts(store.stats.job_counts))
+        metrics.register(BatchLines(store.batches.line_stats))
         return cls(
             settings=settings,
             store=store,
@@ -58,6 +62,7 @@ class ApiContext:
             prompts=PromptBuilder(settings),
             announcements=Announcements(),
             metrics=metrics,
+            files=DirectoryStorage(settings.files_dir),
         )
 
 

@@ -14,18 +14,21 @@ from stoker.core.errors import PayloadTooLarge
 class BodyLimitMiddleware:
     """Refuse bodies over max_bytes: at once from Content-Length, or as soon as the stream passes the limit."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, per_path: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        #: Paths with a limit of their own (a file upload's, streamed to storage).
+        self.per_path = per_path or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Wrap receive so that reading past the limit raises PayloadTooLarge."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.per_path.get(scope["path"], self.max_bytes)
         declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _reject(send, self.max_bytes)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _reject(send, limit)
             return
         seen = 0
 
@@ -34,8 +37,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
+                if seen > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
             return message
 
         await self.app(scope, limited, send)

@@ -203,6 +203,7 @@ async def stats(context: Context) -> dict[str, Any]:
         "infer_watermarks": {"high": settings.infer_high_watermark, "low": settings.infer_low_watermark},
         **counters,
         "device_idle_gap": idle_gap_summary(gaps),
+        "classes": {"batch": await run_in_threadpool(context.store.batches.line_stats)},
     }
 
 

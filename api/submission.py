@@ -13,7 +13,7 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
@@ -32,7 +32,7 @@ from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
 from stoker.core.deadlines import Deadline, deadline_for
 from stoker.core.errors import BrokerUnavailable, ClientGone, Overloaded, RateLimited, StokerError, StoreFull
 from stoker.core.idempotency import recent_digest
-from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job, input_failure
+from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job, JobClass, input_failure
 from stoker.core.model import ModelRequest
 from stoker.core.prompting import Attachment, attachment_for, model_request
 from stoker.core.queues import job_messages
@@ -182,6 +182,21 @@ async def _refuse_under_pressure(context: ApiContext) -> None:
     )
 
 
+async def submit_line(context: ApiContext, tenant: str, job_id: str, accepted: AcceptedRequest, batch_id: str) -> Job:
+    """A batch's line taken in as a job through the same intake as an interactive request: its tenant's in-flight
+    slot and fair share, the record (of class `batch`), the inputs, the first message at the batch class's broker
+    priority. What a client waits on is left out: the line's request was checked at `accept_chat` already, and the
+    batch feeder only feeds into room under the queues' watermarks, so the admission limits are not met here."""
+    await admit(context, tenant, job_id, rated=True)  # a line is not a request: the tenant's rate is not counted
+    try:
+        job = await run_in_threadpool(_admit, context, accepted, job_id=job_id, tenant=tenant, batch_id=batch_id)
+    except Exception:
+        await release(context, tenant, job_id)
+        raise
+    ADMISSIONS.labels("batch_line").inc()
+    return job
+
+
 def cancel(store: Store, job_id: str, reason: StokerError) -> bool:
     """End a job that has not ended as `cancelled` (with why), once: its in-flight slot and share are given back,
     its stages still queued are skipped when they arrive, a running OCR stops, and it never reaches the model (a
@@ -203,15 +218,24 @@ class Admission:
     model_request: ModelRequest | None
     created_at: float
     deadline: Deadline
+    #: The batch it is a line of (then of class `batch`); None for an interactive job.
+    batch_id: str | None = None
+
+    @property
+    def job_class(self) -> JobClass:
+        """Interactive, or a batch line."""
+        return "interactive" if self.batch_id is None else "batch"
 
 
-def _admit(context: ApiContext, accepted: AcceptedRequest, *, job_id: str, tenant: str) -> Job:
+def _admit(
+    context: ApiContext, accepted: AcceptedRequest, *, job_id: str, tenant: str, batch_id: str | None = None
+) -> Job:
     """Write record and inputs before enqueueing, so no worker can see a job that is not stored.
 
     A job whose inputs are all preprocessed in the cache (in its tenant's scope), or that has none, skips the CPU
     preprocessing queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
     """
-    admission = _plan(context, accepted, job_id, tenant)
+    admission = replace(_plan(context, accepted, job_id, tenant), batch_id=batch_id)
     _charge_tenant(context, admission)
     with _job_span(admission) as traced:
         _write_job(context.store, admission, traced)
@@ -284,6 +308,8 @@ def _create_record(store: Store, admission: Admission, traced: tuple[str, dict[s
         tenant=admission.tenant,
         chat=accepted.chat,
         callback_url=accepted.callback_url,
+        job_class=admission.job_class,
+        batch_id=admission.batch_id,
     )
 
 
@@ -302,7 +328,12 @@ def _enqueue(context: ApiContext, admission: Admission) -> None:
     try:
         tokens = len(request.prompt_ids) if request else None
         context.submitter.submit(
-            job_id, admission.records, start=admission.start, deadline=admission.deadline.at, prompt_tokens=tokens
+            job_id,
+            admission.records,
+            start=admission.start,
+            deadline=admission.deadline.at,
+            prompt_tokens=tokens,
+            job_class=admission.job_class,
         )
     except Exception as exc:
         log.warning("could not enqueue job %s: %r", job_id, exc)

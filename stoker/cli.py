@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         "dir", nargs="?", type=Path, default=None, help="make-tiny-vlm: build into DIR (default: the model cache)"
     )
     _keys_parser(sub)
+    _batch_parser(sub)
     docs = sub.add_parser("docs", help="print a generated documentation page (config: docs/configuration.md)")
     docs.add_argument("page", choices=["config"])
     check = sub.add_parser("verify-callback", help="check a completion callback's signature (the body on stdin)")
@@ -119,6 +120,44 @@ def _api(args: argparse.Namespace, _: list[str]) -> int:
     overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
     serve(ApiSettings(**overrides))
     return 0
+
+
+def _batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    batch = sub.add_parser("batch", help="OpenAI batch files: submit one and follow it, or show a batch")
+    actions = batch.add_subparsers(dest="batch_action", required=True)
+    submit = actions.add_parser("submit", help="upload FILE.jsonl, run it as a batch, write its output next to it")
+    submit.add_argument("file", type=Path)
+    submit.add_argument("--window", default="24h", help="the completion window (OpenAI offers 24h)")
+    status = actions.add_parser("status", help="a batch's status, request counts, files and errors")
+    status.add_argument("batch_id")
+    for action in (submit, status):
+        action.add_argument(
+            "--api", "--url", dest="api", default=None, help="the API's URL (default: $STOKER_API_URL, else :8000)"
+        )
+        action.add_argument("--key", default=None, help="API key (default: $STOKER_API_KEY)")
+
+
+def _batch(args: argparse.Namespace, _: list[str]) -> int:
+    from rich.console import Console
+
+    from stoker.adapters.batchclient import BatchClient, describe, follow, save_results
+    from stoker.settings import ClientSettings
+
+    console = Console()
+    settings = ClientSettings()
+    client = BatchClient(args.api or settings.api_url, args.key or settings.api_key)
+    try:
+        if args.batch_action == "status":
+            describe(client.retrieve(args.batch_id), console)
+            return 0
+        uploaded = client.upload(args.file)
+        batch = follow(client, client.create(uploaded["id"], args.window), console)
+        describe(batch, console)
+        for path in save_results(client, batch, args.file):
+            console.print(f"  wrote {path}")
+        return 0 if batch["status"] == "completed" else 1
+    finally:
+        client.close()
 
 
 def _submit(args: argparse.Namespace, _: list[str]) -> int:
@@ -266,6 +305,7 @@ _HANDLERS = {
     "reaper": _reaper,
     "api": _api,
     "submit": _submit,
+    "batch": _batch,
     "model": _model,
     "cache": _cache,
     "stats": _cache,

@@ -356,6 +356,52 @@ class ApiSettings(CommonSettings):
         "grows with the values, not the bytes (base64 media stays within `max_body_bytes`).",
     )
 
+    # OpenAI's Files and Batch APIs (`/v1/files`, `/v1/batches`): the limits are OpenAI's own by default.
+    files_dir: Path = Field(
+        Path("~/.cache/stoker/files").expanduser(),
+        description="Where uploaded and produced files are stored: a directory every API host of a deployment "
+        "shares (a volume).",
+    )
+    files_max_bytes: int = Field(
+        200 * 1000 * 1000,
+        ge=1,
+        description="The largest file `POST /v1/files` takes (413 `payload_too_large` past it, while it streams in).",
+    )
+    files_ttl_s: int = Field(
+        30 * 24 * 3600,
+        ge=60,
+        description="A file (uploaded, or a batch's output or error file) is deleted this long after it was made.",
+    )
+    files_tenant_max_bytes: int = Field(
+        10 * 1000 * 1000 * 1000,
+        ge=0,
+        description="Per tenant: the bytes its stored files may hold together (429 `tenant_storage_full`). 0: no cap.",
+    )
+    batch_max_requests: int = Field(
+        50_000, ge=1, description="The most requests (lines) a batch's input file may hold (the batch fails)."
+    )
+    batch_window_s: int = Field(
+        24 * 3600,
+        ge=1,
+        description="How long a batch (`completion_window` `24h`) may run: then it ends `expired`, its unfinished "
+        "lines in its error file.",
+    )
+    batch_max_in_flight: int = Field(
+        64,
+        ge=1,
+        description="Batch lines in the pipeline at once, over every batch: new lines are fed only into room under "
+        "this, never filling the inference queue past its low watermark, and only while every CPU queue is under "
+        "half its limit.",
+    )
+    batch_feeder: bool = Field(
+        True,
+        description="Run the batch feeder in this API process (one of a deployment's API processes feeds at a time, "
+        "by lease; another takes over within seconds when it dies). Off: this process only serves the API.",
+    )
+    batch_feed_interval_s: float = Field(
+        0.25, gt=0, description="How often the batch feeder looks for room, collects ended lines and moves batches on."
+    )
+
     @property
     def tenant_limits(self) -> TenantLimits:
         """What each tenant may do."""

@@ -15,9 +15,9 @@ from typing import Literal, Protocol
 from celery import Celery, chain, chord, group
 from celery.canvas import Signature, _chain
 
-from stoker.adapters.broker import queue_depths
+from stoker.adapters.broker import class_priority, queue_depths
 from stoker.adapters.store.keys import frame_ref, input_ref
-from stoker.core.jobs import InputRecord
+from stoker.core.jobs import InputRecord, JobClass
 
 #: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached).
 Start = Literal["preprocess", "tokenize", "infer"]
@@ -33,8 +33,10 @@ class Submitter(Protocol):
         start: Start = "preprocess",
         deadline: float | None = None,
         prompt_tokens: int | None = None,
+        job_class: JobClass = "interactive",
     ) -> None:
-        """Enqueue the job's work from `start` on; raises if the broker cannot take it."""
+        """Enqueue the job's work from `start` on (a batch line's behind every interactive job's); raises if the
+        broker cannot take it."""
 
 
 def job_canvas(
@@ -45,14 +47,17 @@ def job_canvas(
     start: Start = "preprocess",
     deadline: float | None = None,
     prompt_tokens: int | None = None,
+    job_class: JobClass = "interactive",
 ) -> Signature:
     """The Celery canvas for one job, from where it enters the pipeline.
 
     Stage messages expire at the job's deadline: a worker discards one still queued by then instead of running
-    it for nobody. (The reaper has moved the job on by then; the inference consumer drops late jobs itself.)
+    it for nobody. (The reaper has moved the job on by then; the inference consumer drops late jobs itself.) A
+    batch line's messages carry the batch class's broker priority, every one of them (and what its tasks publish
+    inherits it: `task_inherit_parent_priority`).
     """
     if start == "infer":
-        return infer_signature(job_id, prompt_tokens, deadline, app)
+        return infer_signature(job_id, prompt_tokens, deadline, app, job_class)
     tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id})
     branches = preprocessing_branches(job_id, inputs if start == "preprocess" else [], app, keyframes)
     if not branches:
@@ -61,22 +66,27 @@ def job_canvas(
         # Stages catch their own errors; this errback covers what they cannot (a hard time limit, a killed child).
         tokenize.link_error(app.signature("stoker.rescue", kwargs={"job_id": job_id}))
         canvas = chord(group(branches), tokenize)
+    options: dict[str, object] = {}
     if deadline is not None:
-        _expire_at(canvas, datetime.fromtimestamp(deadline, UTC))
+        options["expires"] = datetime.fromtimestamp(deadline, UTC)
+    if job_class != "interactive":
+        options["priority"] = class_priority(app.conf.broker_url or "", job_class)
+    if options:
+        _set_everywhere(canvas, options)
     return canvas
 
 
-def _expire_at(canvas: Signature, when: datetime) -> None:
-    """Set `expires` on every task of a canvas (chords, groups and chains are walked)."""
+def _set_everywhere(canvas: Signature, options: dict[str, object]) -> None:
+    """Set options (`expires`, `priority`) on every task of a canvas (chords, groups and chains are walked)."""
     if isinstance(canvas, chord):
-        _expire_at(canvas.body, when)
+        _set_everywhere(canvas.body, options)
         for task in canvas.tasks:
-            _expire_at(task, when)
+            _set_everywhere(task, options)
     elif isinstance(canvas, (group, _chain)):
         for task in canvas.tasks:
-            _expire_at(task, when)
+            _set_everywhere(task, options)
     else:
-        canvas.set(expires=when)
+        canvas.set(**options)
 
 
 def preprocessing_branches(
@@ -116,16 +126,23 @@ def _image_branch(app: Celery, job_id: str, ref: str) -> Signature:
     return chain(app.signature("stoker.decode", args=(job_id, ref), immutable=True), app.signature("stoker.ocr"))
 
 
-def infer_signature(job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery) -> Signature:
-    """The inference message: the job, and what the batching policy needs without a store lookup."""
-    return app.signature(
-        "stoker.infer", kwargs={"job_id": job_id, "prompt_tokens": prompt_tokens, "deadline": deadline}
-    )
+def infer_signature(
+    job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery, job_class: JobClass = "interactive"
+) -> Signature:
+    """The inference message: the job, and what the batching policy needs without a store lookup (a batch line
+    says so, and waits behind interactive jobs in the broker and on the device)."""
+    kwargs: dict[str, object] = {"job_id": job_id, "prompt_tokens": prompt_tokens, "deadline": deadline}
+    if job_class == "interactive":
+        return app.signature("stoker.infer", kwargs=kwargs)
+    kwargs["job_class"] = job_class
+    return app.signature("stoker.infer", kwargs=kwargs, priority=class_priority(app.conf.broker_url or "", job_class))
 
 
-def enqueue_inference(job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery) -> None:
+def enqueue_inference(
+    job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery, job_class: JobClass = "interactive"
+) -> None:
     """Put a tokenized job on the inference queue."""
-    infer_signature(job_id, prompt_tokens, deadline, app).apply_async()
+    infer_signature(job_id, prompt_tokens, deadline, app, job_class).apply_async()
 
 
 class CeleryOutbox:
@@ -134,9 +151,11 @@ class CeleryOutbox:
     def __init__(self, app: Celery) -> None:
         self.app = app
 
-    def enqueue_inference(self, job_id: str, prompt_tokens: int | None, deadline: float | None) -> None:
+    def enqueue_inference(
+        self, job_id: str, prompt_tokens: int | None, deadline: float | None, job_class: JobClass = "interactive"
+    ) -> None:
         """Put a tokenized job on the inference queue."""
-        enqueue_inference(job_id, prompt_tokens, deadline, self.app)
+        enqueue_inference(job_id, prompt_tokens, deadline, self.app, job_class)
 
     def send_callback(self, job_id: str) -> None:
         """Hand an ended job's completion callback to a CPU worker (`stoker.callback`)."""
@@ -167,9 +186,11 @@ class CelerySubmitter:
         start: Start = "preprocess",
         deadline: float | None = None,
         prompt_tokens: int | None = None,
+        job_class: JobClass = "interactive",
     ) -> None:
         """Publish the job's canvas."""
-        job_canvas(job_id, inputs, self.app, self.keyframes, start, deadline, prompt_tokens).apply_async()
+        canvas = job_canvas(job_id, inputs, self.app, self.keyframes, start, deadline, prompt_tokens, job_class)
+        canvas.apply_async()
 
 
 class SyncSubmitter:
@@ -185,6 +206,7 @@ class SyncSubmitter:
         start: Start = "preprocess",
         deadline: float | None = None,
         prompt_tokens: int | None = None,
+        job_class: JobClass = "interactive",
     ) -> None:
         """Publish the job whole; the sync worker preprocesses what is not done yet, then infers.
 

@@ -12,6 +12,7 @@ from kombu.entity import Queue
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from stoker.core.jobs import JobClass
 from stoker.core.queues import CALLBACK_QUEUE, QUEUES, SYNC_QUEUE
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,16 @@ def redis_transport(broker_url: str) -> str | None:
 def is_amqp(broker_url: str) -> bool:
     """Whether the broker speaks AMQP (RabbitMQ) rather than Redis."""
     return broker_url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp")
+
+
+def class_priority(broker_url: str, job_class: JobClass) -> int:
+    """The broker priority of a job class's messages, so a worker takes an interactive job's before any batch
+    line's on the same queue. Redis (kombu's priority steps, one list per step): 0 is taken first. RabbitMQ's quorum
+    queues: two levels, above 4 taken first."""
+    first = job_class == "interactive"
+    if is_amqp(broker_url):
+        return 9 if first else 0
+    return 0 if first else 9
 
 
 def declare_queues(broker_url: str) -> list[Queue]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
@@ -170,6 +170,29 @@ class JobCounts(Collector):
         for status, value in sorted(counts.items()):
             family.add_metric([status], float(value))
         yield family
+
+
+class BatchLines(Collector):
+    """Batch lines (jobs of class `batch`) across the deployment, from the store at scrape time: fed, completed and
+    failed (counters), waiting to be fed and in the pipeline (gauges)."""
+
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Read the counts at scrape time."""
+        done = CounterMetricFamily("stoker_batch_lines", "Batch lines fed, completed, failed.", labels=["outcome"])
+        queued = GaugeMetricFamily("stoker_batch_lines_queued", "Batch lines waiting or in flight.", labels=["state"])
+        try:
+            counts = self.read()
+        except Exception:  # the store is away: the scrape still answers
+            counts = {}
+        for outcome in ("fed", "completed", "failed"):
+            done.add_metric([outcome], float(counts.get(outcome, 0)))
+        for state in ("waiting", "in_flight"):
+            queued.add_metric([state], float(counts.get(state, 0)))
+        yield done
+        yield queued
 
 
 class DeviceClock:

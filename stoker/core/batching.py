@@ -45,12 +45,19 @@ def strip_generated(rows: Sequence[Sequence[int]], prompt_width: int, stop_ids: 
 
 @dataclass(frozen=True)
 class Waiting:
-    """A request waiting for the device: its size in prompt tokens, when it arrived, when it is due."""
+    """A request waiting for the device: its size in prompt tokens, when it arrived, when it is due, and whether it
+    is a batch line (served only after every interactive request waiting)."""
 
     key: str
     tokens: int
     arrived: float
     deadline: float | None = None
+    batch: bool = False
+
+    @property
+    def order(self) -> tuple[bool, float]:
+        """Where it stands in line: interactive requests first, each class in arrival order."""
+        return (self.batch, self.arrived)
 
 
 @dataclass(frozen=True)
@@ -101,13 +108,14 @@ def plan_batch(waiting: Sequence[Waiting], now: float, policy: BatchPolicy, devi
 
 def top_up(waiting: Sequence[Waiting], have: int, have_tokens: int, now: float, policy: BatchPolicy) -> Plan:
     """What joins the batch being prepared now, beside the `have` requests (of `have_tokens` prompt tokens)
-    already in it: the oldest waiting requests that fit its size and token budget, and those past their deadline.
+    already in it: the oldest waiting requests that fit its size and token budget (interactive ones before any
+    batch line), and those past their deadline.
 
     Work-conserving: nothing is held back to wait for company (`start_at` decides when the device starts).
     A request larger than the whole token budget still goes, alone, in a batch of its own.
     """
     expired = [w for w in waiting if w.deadline is not None and w.deadline <= now]
-    alive = sorted((w for w in waiting if w.deadline is None or w.deadline > now), key=lambda w: w.arrived)
+    alive = sorted((w for w in waiting if w.deadline is None or w.deadline > now), key=lambda w: w.order)
     take, tokens = 0, have_tokens
     while take < len(alive) and have + take < policy.max_batch_size:
         alone = have + take == 0

@@ -282,6 +282,41 @@ class IdempotencyKeyReused(InputError):
     http_status = 422
 
 
+class FileNotFound(StokerError):
+    """No such file."""
+
+    code = "file_not_found"
+    http_status = 404
+
+
+class BatchNotFound(StokerError):
+    """No such batch."""
+
+    code = "batch_not_found"
+    http_status = 404
+
+
+class BatchAlreadyEnded(StokerError):
+    """The batch has ended: it cannot be cancelled."""
+
+    code = "batch_already_ended"
+    http_status = 409
+
+
+class BatchCancelled(StokerError):
+    """The batch was cancelled before this request ran."""
+
+    code = "batch_cancelled"
+    http_status = 409
+
+
+class BatchExpired(StokerError):
+    """This request could not be executed before the batch's completion window expired."""
+
+    code = "batch_expired"
+    http_status = 504
+
+
 class JobAlreadyEnded(StokerError):
     """The job has already ended: there is nothing left to cancel."""
 
@@ -420,3 +455,14 @@ class ImageFeaturesMismatch(InferenceFailed):
     """The prompt's image tokens and the pictures' features do not match: the model cannot place them."""
 
     code = "image_features_mismatch"
+
+
+def error_class(code: str) -> type[StokerError]:
+    """The taxonomy's class of a stored error's code (its HTTP status with it); the root for an unknown code."""
+    todo: list[type[StokerError]] = [StokerError]
+    while todo:
+        cls = todo.pop()
+        if cls.code == code:
+            return cls
+        todo.extend(cls.__subclasses__())
+    return StokerError

@@ -15,6 +15,9 @@ from stoker.core.model import EncoderUse, FinishReason, GenerationParams
 
 JobStatus = Literal["queued", "preprocessing", "inferring", "succeeded", "degraded", "failed", "cancelled"]
 InputKind = Literal["image", "audio", "video"]
+#: A job's class: interactive requests go first at every queue and on the device; batch lines (`/v1/batches`) run
+#: on the capacity they leave.
+JobClass = Literal["interactive", "batch"]
 #: skipped: a video keyframe slot the video did not fill (too short, no picture).
 InputStatus = Literal["pending", "ok", "failed", "skipped"]
 #: A job in one of these will not change any more: `cancelled` by its client (DELETE, or a chat client gone).
@@ -170,6 +173,9 @@ class Job(BaseModel):
     chat: Conversation | None = None
     #: For a job with a `callback_url`: the delivery of its end to that URL.
     callback: CallbackState | None = None
+    #: Interactive, or a line of a batch (`batch_id`), which runs only on the capacity interactive jobs leave.
+    job_class: JobClass = "interactive"
+    batch_id: str | None = None
     #: Whose job it is: only that tenant may read it. Kept out of every answer (the caller knows who it is).
     tenant: str | None = Field(None, exclude=True)
 

@@ -145,12 +145,28 @@ class Feeder:
 
     def _plan_top_up(self) -> Plan | None:
         """What joins the prepared batch now (called holding the lock); None when nothing would change."""
-        if not self._waiting or len(self._prepared) >= self.policy.max_batch_size:
+        if not self._waiting:
+            return None
+        if len(self._prepared) >= self.policy.max_batch_size and not self._make_room_for_interactive():
             return None
         waiting = [w for w, _ in self._waiting.values()]
         tokens = sum(len(i.request.prompt_ids) for i in self._prepared)
         plan = top_up(waiting, len(self._prepared), tokens, time.time(), self.policy)
         return plan if plan.run or plan.expired else None
+
+    def _make_room_for_interactive(self) -> bool:
+        """A full prepared batch gives batch lines back to the waiting ones while interactive requests wait, so an
+        interactive request waits at most for the batch on the device (called holding the lock); True if any went
+        back."""
+        interactive = sum(1 for w, _ in self._waiting.values() if not w.batch)
+        lines = [i for i in self._prepared if i.message is not None and _is_batch_line(i.message)]
+        back = lines[len(lines) - min(interactive, len(lines)) :]
+        for item in back:
+            assert item.message is not None
+            self._waiting[item.message.id] = (as_waiting(item.message, item.arrived), item.message)
+        gone = {id(i) for i in back}
+        self._prepared = [i for i in self._prepared if id(i) not in gone]
+        return bool(back)
 
     def _load(self, messages: list[Message]) -> list[BatchItem]:
         """The messages' jobs, loaded in one round trip; messages with nothing left to do are done with."""
@@ -335,7 +351,11 @@ def as_waiting(request: Message, now: float) -> Waiting:
     """What the policy needs to know of a request: its size and deadline travel in the message."""
     kwargs = request.kwargs or {}
     tokens, deadline = kwargs.get("prompt_tokens"), kwargs.get("deadline")
-    return Waiting(request.id, int(tokens or 0), now, float(deadline) if deadline else None)
+    return Waiting(request.id, int(tokens or 0), now, float(deadline) if deadline else None, _is_batch_line(request))
+
+
+def _is_batch_line(request: Message) -> bool:
+    return (request.kwargs or {}).get("job_class") == "batch"
 
 
 def _job_of(request: Message) -> str:

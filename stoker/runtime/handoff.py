@@ -63,7 +63,7 @@ def tokenize_job(ctx: WorkerContext, job_id: str, backpressure: bool = True, enq
         if backpressure:
             wait_for_room(ctx, job_id, deadline)
         if enqueue:
-            ctx.outbox.enqueue_inference(job_id, len(request.prompt_ids), deadline)
+            ctx.outbox.enqueue_inference(job_id, len(request.prompt_ids), deadline, job.job_class)
         return {"job_id": job_id, "prompt_tokens": len(request.prompt_ids)}
     return {"job_id": job_id, "skipped": True}
 

@@ -6,12 +6,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from stoker.core.jobs import JobClass
+
 
 class Outbox(Protocol):
     """What the runtime sends through the broker, and how full its queues are."""
 
-    def enqueue_inference(self, job_id: str, prompt_tokens: int | None, deadline: float | None) -> None:
-        """Put a tokenized job on the inference queue."""
+    def enqueue_inference(
+        self, job_id: str, prompt_tokens: int | None, deadline: float | None, job_class: JobClass = "interactive"
+    ) -> None:
+        """Put a tokenized job on the inference queue (a batch line's behind interactive jobs)."""
 
     def send_callback(self, job_id: str) -> None:
         """Hand an ended job's completion callback to a CPU worker."""

@@ -90,12 +90,13 @@ class SpySubmitter:
         start: Any = "preprocess",
         deadline: float | None = None,
         prompt_tokens: int | None = None,
+        job_class: Any = "interactive",
     ) -> None:
         """Record, then forward."""
         self.calls.append((job_id, list(inputs)))
         self.starts[job_id] = start
         if self._next:
-            self._next.submit(job_id, inputs, start, deadline, prompt_tokens)
+            self._next.submit(job_id, inputs, start, deadline, prompt_tokens, job_class)
 
 
 @pytest.fixture

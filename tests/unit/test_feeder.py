@@ -174,7 +174,9 @@ class FakeMessage:
 class NoOutbox:
     """The consumer sends nothing through the broker."""
 
-    def enqueue_inference(self, job_id: str, prompt_tokens: int | None, deadline: float | None) -> None:
+    def enqueue_inference(
+        self, job_id: str, prompt_tokens: int | None, deadline: float | None, job_class: str = "interactive"
+    ) -> None:
         raise AssertionError("the consumer never enqueues")
 
     def send_callback(self, job_id: str) -> None:
@@ -344,3 +346,21 @@ def test_an_idle_consumer_beats_less_and_less_often_and_at_once_when_jobs_come()
     feeder._beat_now.set()  # the round's wait after its beat returns at once
     feeder._beat()
     assert store.consumers.beats[-1] == 1.5  # jobs came since its last beat: still at its own pace
+
+
+def test_an_interactive_request_takes_a_batch_lines_place_in_the_prepared_batch(consumers: list[Consumer]) -> None:
+    c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=2)
+    c.arrive("a")
+    c.until(c.predictor.on_device.is_set, "the first batch on the device")
+    for job_id in ("l1", "l2"):
+        c.store.jobs.pending[job_id] = _pending(job_id, None)
+    lines = [FakeMessage(job_id) for job_id in ("l1", "l2")]
+    for message in lines:
+        message.kwargs["job_class"] = "batch"
+    c.feeder.add(lines)
+    c.until(lambda: ["l1", "l2"] in c.store.jobs.loads, "a batch of two batch lines prepared")
+    c.arrive("x")
+    c.until(lambda: ["x"] in c.store.jobs.loads, "the interactive request loaded")
+    c.predictor.gate.set()
+    c.until(lambda: len(c.store.jobs.ended) == 4, "every job ended")
+    assert c.predictor.calls == [["a"], ["l1", "x"], ["l2"]]  # it waited only for the batch on the device

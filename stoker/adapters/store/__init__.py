@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import redis
 
 from stoker.adapters.store.answers import AnswerStreams
+from stoker.adapters.store.batches import BatchRepository, FileRepository
 from stoker.adapters.store.blobs import BlobRepository
 from stoker.adapters.store.callbacks import CallbackRepository
 from stoker.adapters.store.clients import store_client
@@ -37,6 +38,8 @@ class Store:
     answers: AnswerStreams
     idempotency: IdempotencyKeys
     callbacks: CallbackRepository
+    files: FileRepository
+    batches: BatchRepository
 
     @classmethod
     def over(
@@ -56,6 +59,8 @@ class Store:
             answers=AnswerStreams(client, ttl_s=blob_ttl_s),
             idempotency=IdempotencyKeys(client),
             callbacks=CallbackRepository(client),
+            files=FileRepository(client),
+            batches=BatchRepository(client),
         )
 
     @classmethod

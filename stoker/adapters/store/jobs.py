@@ -44,6 +44,7 @@ from stoker.core.jobs import (
     ErrorInfo,
     InputRecord,
     Job,
+    JobClass,
     JobStatus,
     ResultInfo,
     compute_timings,
@@ -193,6 +194,8 @@ class JobRepository:
         tenant: str,
         chat: Conversation | None = None,
         callback_url: str | None = None,
+        job_class: JobClass = "interactive",
+        batch_id: str | None = None,
     ) -> None:
         """Write a new job record atomically, in status queued, and put it under the reaper's watch.
 
@@ -210,6 +213,8 @@ class JobRepository:
         }
         if chat is not None:
             fields["chat"] = chat.model_dump_json()
+        if batch_id is not None:
+            fields["class"], fields["batch_id"] = job_class, batch_id
         if callback_url is not None:  # delivered once the job ends (the finish script queues it)
             fields["callback"] = CallbackState(url=callback_url).model_dump_json()
         if trace:  # (trace id, context carrier)
@@ -441,6 +446,8 @@ def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
         chat=Conversation.model_validate_json(fields["chat"]) if "chat" in fields else None,
         callback=CallbackState.model_validate_json(fields["callback"]) if "callback" in fields else None,
         tenant=fields.get("tenant", DEFAULT_TENANT),
+        job_class=fields.get("class", "interactive"),
+        batch_id=fields.get("batch_id"),
     )
 
 

@@ -226,3 +226,53 @@ CPU_KEY = f"{PREFIX}:cpu"
 DEVICE_LOCK_KEY = f"{PREFIX}:device:lock"
 #: The device's recent idle gaps between batches while work waited (seconds, newest first, capped).
 DEVICE_GAPS_KEY = f"{PREFIX}:device:gaps"
+
+
+def file_key(file_id: str) -> str:
+    """A stored file's record (its bytes live in the file storage, `stoker.adapters.files`)."""
+    return f"{PREFIX}:file:{file_id}"
+
+
+def tenant_files_key(tenant: str) -> str:
+    """A tenant's files by creation time (a sorted set: the listing, and the expiry sweep)."""
+    return f"{PREFIX}:files:{tenant}"
+
+
+def tenant_file_bytes_key(tenant: str) -> str:
+    """The bytes a tenant's stored files hold together (its stored-bytes quota for files)."""
+    return f"{PREFIX}:files:{tenant}:bytes"
+
+
+def batch_key(batch_id: str) -> str:
+    """A batch's record and its feeding progress (a hash)."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_pending_key(batch_id: str) -> str:
+    """A batch's lines fed and not yet collected: job id → its custom_id and line."""
+    return f"{PREFIX}:batch:{batch_id}:pending"
+
+
+def batch_output_key(batch_id: str) -> str:
+    """A batch's finished lines for the output file: custom_id → its output line (set once)."""
+    return f"{PREFIX}:batch:{batch_id}:output"
+
+
+def batch_errors_key(batch_id: str) -> str:
+    """A batch's failed or unrun lines for the error file: custom_id → its error line (set once)."""
+    return f"{PREFIX}:batch:{batch_id}:errors"
+
+
+def tenant_batches_key(tenant: str) -> str:
+    """A tenant's batches by creation time (a sorted set: the paginated listing)."""
+    return f"{PREFIX}:batches:{tenant}"
+
+
+#: Every file whose expiry is due, by when (a sorted set the expiry sweep reads), across tenants.
+FILES_EXPIRY_KEY = f"{PREFIX}:files:expiry"
+#: Batches that are not over yet: the batch feeder's work list.
+ACTIVE_BATCHES_KEY = f"{PREFIX}:batches:active"
+#: The lease of the one API process that feeds batches at a time.
+BATCH_FEEDER_LEASE_KEY = f"{PREFIX}:batch-feeder"
+#: Batch lines fed and done, by outcome: counters for /v1/stats and the metrics.
+BATCH_COUNTS_KEY = f"{PREFIX}:batch-lines"

@@ -1,0 +1,97 @@
+"""OpenAI's Batch API: `POST /v1/batches`, `GET /v1/batches/{id}`, `GET /v1/batches`, `POST /v1/batches/{id}/cancel`.
+
+Creating a batch only records it (`validating`); the batch feeder (`api.batchfeeder`) checks its input file, feeds
+its lines into the pipeline as room appears, collects their outcomes and writes the output and error files. A
+batch, like its files, is its tenant's alone: another tenant's id is 404.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from api.context import ApiContext, Context
+from api.files import owned_file, page_of
+from api.schemas import error_responses
+from api.tenancy import within_rate
+from stoker.core.batchfiles import ENDPOINTS, WINDOWS, BatchRecord, new_batch_id, now_s
+from stoker.core.errors import BatchAlreadyEnded, BatchNotFound, InvalidRequest
+
+router = APIRouter()
+Tenant = Annotated[str, Depends(within_rate)]
+
+
+class BatchCreate(BaseModel):
+    """A batch to run: its input file, the endpoint every line calls, the window it must finish in."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+@router.post("/v1/batches", response_model=BatchRecord, responses=error_responses(401, 404, 422, 429))
+async def create_batch(spec: BatchCreate, context: Context, tenant: Tenant) -> BatchRecord:
+    """Record a batch over one of the tenant's files; it is validated and run in the background."""
+    if spec.endpoint not in ENDPOINTS:
+        raise InvalidRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
+    if spec.completion_window not in WINDOWS:
+        raise InvalidRequest(f"completion_window must be one of {', '.join(WINDOWS)}", param="completion_window")
+    source = await owned_file(context, tenant, spec.input_file_id)
+    if source.purpose != "batch":
+        raise InvalidRequest("the input file must be one uploaded with purpose `batch`", param="input_file_id")
+    now = now_s()
+    window = min(WINDOWS[spec.completion_window], context.settings.batch_window_s)
+    record = BatchRecord(
+        id=new_batch_id(),
+        endpoint=spec.endpoint,
+        input_file_id=source.id,
+        completion_window=spec.completion_window,
+        status="validating",
+        created_at=now,
+        expires_at=now + window,
+        metadata=spec.metadata,
+        tenant=tenant,
+    )
+    await run_in_threadpool(context.store.batches.create, record)
+    return record
+
+
+@router.get("/v1/batches", responses=error_responses(401, 429))
+async def list_batches(
+    context: Context, tenant: Tenant, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None
+) -> dict[str, Any]:
+    """The tenant's batches, newest first (OpenAI's list shape, paginated by `after`)."""
+    found = await run_in_threadpool(context.store.batches.page, tenant, after, limit + 1)
+    return page_of(found, limit)
+
+
+@router.get("/v1/batches/{batch_id}", response_model=BatchRecord, responses=error_responses(401, 404, 429))
+async def retrieve_batch(batch_id: str, context: Context, tenant: Tenant) -> BatchRecord:
+    """A batch as it stands: status, timestamps, request counts, output and error files once it ended."""
+    return await owned_batch(context, tenant, batch_id)
+
+
+@router.post("/v1/batches/{batch_id}/cancel", response_model=BatchRecord, responses=error_responses(401, 404, 409))
+async def cancel_batch(batch_id: str, context: Context, tenant: Tenant) -> BatchRecord:
+    """Stop a batch: nothing more is fed, what is queued is cancelled, what finished is kept (`cancelling`, then
+    `cancelled` with the partial output)."""
+    record = await owned_batch(context, tenant, batch_id)
+    store = context.store.batches
+    moved = await run_in_threadpool(
+        lambda: store.move(batch_id, "cancelling", now_s(), only_from=("validating", "in_progress"))
+    )
+    if not moved and record.status != "cancelling":
+        raise BatchAlreadyEnded(f"the batch is {record.status}: it can no longer be cancelled")
+    return await owned_batch(context, tenant, batch_id)
+
+
+async def owned_batch(context: ApiContext, tenant: str, batch_id: str) -> BatchRecord:
+    """The tenant's batch; 404 when there is none or it is another tenant's."""
+    record = await run_in_threadpool(context.store.batches.get, batch_id)
+    if record is None or record.tenant != tenant:
+        raise BatchNotFound(f"no batch {batch_id}", param="batch_id")
+    return record

@@ -1,0 +1,263 @@
+"""OpenAI's Files and Batch APIs as plain values: a stored file's record, a batch's record and its statuses, an
+input file's lines checked one by one, and each line's output or error line.
+
+Pure: the API reads and writes these through the store and the file storage; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from stoker.core.pressure import room_to_enqueue
+
+#: OpenAI's batch statuses; the last five end a batch.
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+ENDED: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+#: The statuses a batch is fed, collected or finished from (the feeder's work list).
+ACTIVE: frozenset[str] = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
+#: The one endpoint a batch line may call here, and the one completion window OpenAI offers.
+ENDPOINTS = ("/v1/chat/completions",)
+WINDOWS = {"24h": 24 * 3600}
+FilePurpose = Literal["batch", "batch_output"]
+#: The most line errors a failed validation reports (OpenAI's `errors.data`).
+MAX_REPORTED_ERRORS = 100
+
+
+class FileRecord(BaseModel):
+    """A stored file, in OpenAI's `file` shape (its tenant kept out of every answer)."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    expires_at: int | None = None
+    filename: str
+    purpose: FilePurpose
+    status: Literal["uploaded", "processed"] = "processed"
+    status_details: str | None = None
+    tenant: str = Field("local", exclude=True)
+    lines: int = Field(0, exclude=True)
+
+
+class RequestCounts(BaseModel):
+    """How many of a batch's lines there are, and how many ended each way."""
+
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class LineError(BaseModel):
+    """One reason a batch cannot run (OpenAI's batch error: its line is 1-based)."""
+
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    """OpenAI's `errors` list of a batch."""
+
+    object: Literal["list"] = "list"
+    data: list[LineError] = Field(default_factory=list)
+
+
+class BatchRecord(BaseModel):
+    """A batch, in OpenAI's `batch` shape (its tenant kept out of every answer)."""
+
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: BatchErrors | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+    tenant: str = Field("local", exclude=True)
+
+    @property
+    def ended(self) -> bool:
+        """True once the batch will not change any more."""
+        return self.status in ENDED
+
+
+def new_file_id() -> str:
+    """A file id in OpenAI's form."""
+    return f"file-{uuid.uuid4().hex}"
+
+
+def new_batch_id() -> str:
+    """A batch id in OpenAI's form."""
+    return f"batch_{uuid.uuid4().hex}"
+
+
+def line_job_id(batch_id: str, line: int) -> str:
+    """The job id of a batch's line: the same every time it is fed, so a line fed again after a crash is seen to
+    exist already and is never run twice."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"stoker:{batch_id}:{line}").hex
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One valid line of an input file: its request body, as `/v1/chat/completions` would receive it."""
+
+    number: int
+    custom_id: str
+    body: bytes
+
+
+def parse_line(raw: bytes, number: int, endpoint: str) -> BatchLine | LineError:
+    """A line of an input file, or why it is not a request to `endpoint` (1-based line numbers)."""
+    try:
+        item = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return LineError(code="invalid_json_line", message=f"line {number} is not valid JSON", line=number)
+    if not isinstance(item, dict):
+        return LineError(code="invalid_json_line", message=f"line {number} is not a JSON object", line=number)
+    custom_id, method, url, body = (item.get(k) for k in ("custom_id", "method", "url", "body"))
+    if not isinstance(custom_id, str) or not custom_id:
+        return LineError(code="missing_custom_id", message="a line needs a custom_id", param="custom_id", line=number)
+    if method != "POST":
+        return LineError(code="invalid_method", message="only POST is supported", param="method", line=number)
+    if url != endpoint:
+        message = f"the url must be the batch's endpoint, {endpoint}"
+        return LineError(code="mismatched_endpoint", message=message, param="url", line=number)
+    if not isinstance(body, dict):
+        return LineError(code="invalid_body", message="body must be a JSON object", param="body", line=number)
+    return BatchLine(number, custom_id, json.dumps(body, separators=(",", ":")).encode())
+
+
+@dataclass
+class Validation:
+    """An input file checked line by line as it streams past: every line a request to the endpoint, every
+    `custom_id` once, one model for all."""
+
+    endpoint: str
+    max_lines: int
+    errors: list[LineError] = field(default_factory=list)
+    lines: int = 0
+    _seen: set[str] = field(default_factory=set)
+    _model: str | None = None
+
+    def add(self, raw: bytes) -> None:
+        """Check the next line (blank lines are skipped but counted, as line numbers are)."""
+        self.lines += 1
+        if not raw.strip():
+            return
+        parsed = parse_line(raw, self.lines, self.endpoint)
+        if isinstance(parsed, LineError):
+            self._error(parsed)
+            return
+        if parsed.custom_id in self._seen:
+            message = f"custom_id {parsed.custom_id!r} appears more than once"
+            self._error(LineError(code="duplicate_custom_id", message=message, param="custom_id", line=parsed.number))
+        self._seen.add(parsed.custom_id)
+        model = json.loads(parsed.body).get("model")
+        if self._model is None:
+            self._model = model
+        elif model != self._model:
+            message = f"every line must use the same model ({self._model!r}); this one uses {model!r}"
+            self._error(LineError(code="mismatched_model", message=message, param="body.model", line=parsed.number))
+
+    def _error(self, error: LineError) -> None:
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append(error)
+
+    def finish(self) -> list[LineError]:
+        """Every error found (a file of no request, or of too many lines, is one too)."""
+        if not self._seen and not self.errors:
+            self.errors.append(LineError(code="empty_file", message="the input file holds no request"))
+        if len(self._seen) > self.max_lines:
+            message = f"a batch may hold at most {self.max_lines} requests"
+            self.errors.insert(0, LineError(code="too_many_requests", message=message))
+        return self.errors
+
+    @property
+    def requests(self) -> int:
+        """Requests seen so far."""
+        return len(self._seen)
+
+
+def output_line(custom_id: str, job_id: str, status_code: int, body: dict[str, Any]) -> dict[str, Any]:
+    """The line of the output (2xx) or error file for a request that ran: OpenAI's `response` shape."""
+    return {
+        "id": f"batch_req_{job_id}",
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": job_id, "body": body},
+        "error": None,
+    }
+
+
+def unrun_line(custom_id: str, job_id: str, code: str, message: str) -> dict[str, Any]:
+    """The error file's line for a request that never ran (cancelled, expired, refused at intake)."""
+    return {
+        "id": f"batch_req_{job_id}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+
+
+def split_lines(chunks: Iterable[bytes]) -> Iterable[tuple[bytes, int]]:
+    """Each line of a byte stream (without its newline) and the offset just past it."""
+    pending, offset = b"", 0
+    for chunk in chunks:
+        pending += chunk
+        *done, pending = pending.split(b"\n")
+        for line in done:
+            offset += len(line) + 1
+            yield line, offset
+    if pending:
+        yield pending, offset + len(pending)
+
+
+def batch_room(depths: dict[str, int], in_flight: int, *, max_in_flight: int, room: Room, holding: bool) -> int:
+    """How many more batch lines may be fed now: none while the inference queue is over its watermarks (the same
+    as tokenize's hand-off: above the high one, and after a pause until it is back at the low one; `holding`) or a
+    CPU queue is past half its admission limit; else what keeps the lines in the pipeline under `max_in_flight` and
+    the inference queue at its low watermark.
+    Batch lines are fed into the room interactive traffic leaves, never dumped whole."""
+    infer = depths.get("infer", 0)
+    if not room_to_enqueue(infer, room.infer_high, room.infer_low, holding):
+        return 0
+    if any(depth * 2 >= room.cpu_limit for name, depth in depths.items() if name != "infer"):
+        return 0
+    # Never more than up to the low watermark: the room above it stays the interactive jobs', so tokenize never
+    # holds one of them back because batch lines filled the inference queue.
+    return max(min(max_in_flight - in_flight, room.infer_low - infer), 0)
+
+
+@dataclass(frozen=True)
+class Room:
+    """The queue marks batch feeding keeps under: the inference queue's watermarks, the CPU queues' limit."""
+
+    infer_high: int
+    infer_low: int
+    cpu_limit: int
+
+
+def now_s() -> int:
+    """Seconds since the epoch, as OpenAI's `*_at` fields count them."""
+    return int(time.time())

@@ -1,0 +1,88 @@
+"""Batch input files line by line, outcome lines, and how much room batch feeding takes: pure values."""
+
+from __future__ import annotations
+
+import json
+
+from stoker.core.batchfiles import (
+    BatchLine,
+    LineError,
+    Room,
+    Validation,
+    batch_room,
+    line_job_id,
+    parse_line,
+    split_lines,
+    unrun_line,
+)
+from stoker.core.batching import BatchPolicy, Waiting, top_up
+
+ENDPOINT = "/v1/chat/completions"
+MARKS = Room(infer_high=64, infer_low=32, cpu_limit=500)
+
+
+def raw(custom_id: str = "a", method: str = "POST", model: str = "m", url: str = ENDPOINT) -> bytes:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body}).encode()
+
+
+def test_a_line_is_parsed_or_refused_with_its_number() -> None:
+    parsed = parse_line(raw(), 3, ENDPOINT)
+    assert isinstance(parsed, BatchLine)
+    assert (parsed.number, parsed.custom_id, json.loads(parsed.body)["model"]) == (3, "a", "m")
+    refused = [parse_line(b, 7, ENDPOINT) for b in (b"{nope", b"[1]", raw(method="GET"), raw(url="/v1/embeddings"))]
+    assert all(isinstance(r, LineError) and r.line == 7 for r in refused)
+    codes = [r.code for r in refused if isinstance(r, LineError)]
+    assert codes == ["invalid_json_line", "invalid_json_line", "invalid_method", "mismatched_endpoint"]
+
+
+def test_validation_finds_duplicates_and_mixed_models_by_line() -> None:
+    check = Validation(ENDPOINT, max_lines=10)
+    for line in (raw("a"), b"", raw("a"), raw("b", model="other")):
+        check.add(line)
+    assert [(e.code, e.line) for e in check.finish()] == [("duplicate_custom_id", 3), ("mismatched_model", 4)]
+    assert check.requests == 2
+
+
+def test_validation_refuses_an_empty_file_and_too_many_requests() -> None:
+    assert [e.code for e in Validation(ENDPOINT, 5).finish()] == ["empty_file"]
+    check = Validation(ENDPOINT, max_lines=2)
+    for n in range(3):
+        check.add(raw(str(n)))
+    assert [e.code for e in check.finish()] == ["too_many_requests"]
+
+
+def test_lines_split_across_chunks_keep_their_offsets() -> None:
+    chunks = [b'{"a"', b":1}\n{", b'"b":2}\n', b"tail"]
+    assert list(split_lines(chunks)) == [(b'{"a":1}', 8), (b'{"b":2}', 16), (b"tail", 20)]
+
+
+def test_a_lines_job_id_is_the_same_every_time_it_is_fed() -> None:
+    assert line_job_id("batch_1", 5) == line_job_id("batch_1", 5)
+    assert len({line_job_id("batch_1", 5), line_job_id("batch_1", 6), line_job_id("batch_2", 5)}) == 3
+    assert len(line_job_id("batch_1", 5)) == 32
+
+
+def test_batch_lines_are_fed_only_into_room_under_the_watermarks() -> None:
+    assert batch_room({"infer": 10, "decode": 0}, 20, max_in_flight=64, room=MARKS, holding=False) == 22
+    assert batch_room({"infer": 0}, 50, max_in_flight=64, room=MARKS, holding=False) == 14
+    assert batch_room({"infer": 70}, 0, max_in_flight=64, room=MARKS, holding=False) == 0  # over the high mark
+    assert batch_room({"infer": 40}, 0, max_in_flight=64, room=MARKS, holding=True) == 0  # not back at the low one
+    assert batch_room({"infer": 0, "ocr": 250}, 0, max_in_flight=64, room=MARKS, holding=False) == 0
+    assert batch_room({"infer": 0}, 64, max_in_flight=64, room=MARKS, holding=False) == 0
+
+
+def test_interactive_requests_join_a_batch_before_older_batch_lines() -> None:
+    policy = BatchPolicy(max_batch_size=2, max_batch_tokens=1000, max_wait_s=0)
+    waiting = [Waiting("line1", 5, 1.0, batch=True), Waiting("line2", 5, 2.0, batch=True), Waiting("chat", 5, 3.0)]
+    assert [w.key for w in top_up(waiting, 0, 0, 4.0, policy).run] == ["chat", "line1"]
+
+
+def test_a_line_that_never_ran_says_why() -> None:
+    row = unrun_line("c1", "abc", "batch_expired", "too late")
+    assert row == {
+        "id": "batch_req_abc",
+        "custom_id": "c1",
+        "response": None,
+        "error": {"code": "batch_expired", "message": "too late"},
+    }
