@@ -133,5 +133,5 @@ def vlm_fleet(tiny_vlm: Path) -> Iterator[tuple[FakeServer, Fleet]]:
             "STOKER_DECODE_SOFT_S": "20",
             "STOKER_DECODE_HARD_S": "25",
         }
-        with own_fleet(settings, kinds=("cpu", "asr", "infer")) as fleet:
+        with own_fleet(settings) as fleet:  # the CPU pool serves speech too
             yield fake, fleet

@@ -49,7 +49,7 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
         "STOKER_TRANSCRIBE_SOFT_S": "60",
         "STOKER_TRANSCRIBE_HARD_S": "2",
     }
-    procs = {kind: spawn(["worker", kind], env, root / f"{kind}.log") for kind in ("cpu", "asr", "infer")}
+    procs = {kind: spawn(["worker", kind], env, root / f"{kind}.log") for kind in ("cpu", "infer")}
     reaper = spawn(["reaper"], env, root / "reaper.log")
     app = make_app(CommonSettings(broker_url=urls["STOKER_BROKER_URL"], result_url=urls["STOKER_RESULT_URL"]))
 
