@@ -23,7 +23,6 @@ RUN pip install --no-cache-dir .
 
 # Bake the built-in model into the image: no download at run time.
 ENV STOKER_MODEL_CACHE=/models \
-    OMP_THREAD_LIMIT=1 \
     TOKENIZERS_PARALLELISM=false
 RUN stoker model fetch && chown -R stoker /models
 # Batch files (`STOKER_FILES_DIR`): a volume mounted here keeps this directory's owner.

@@ -90,8 +90,10 @@ def worker_env(kind: str, base: Mapping[str, str]) -> dict[str, str]:
     env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"stoker-metrics-{kind}-")
     # Tokenizers parallelise internally; after a fork that deadlocks, so prefork children stay single-threaded.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if kind in ("cpu", "ocr", "sync"):
-        env.setdefault("OMP_THREAD_LIMIT", "1")  # tesseract: ~6x faster per job on small machines
+    # No OMP_THREAD_LIMIT for the worker itself: tesseract gets its own (`stoker.core.ocr.read_text`), and the
+    # speech model under OMP_THREAD_LIMIT=1 with its threads left to choose (CTranslate2) runs about 40x slower and
+    # transcribes garbage; a CPU child may transcribe.
+    env.pop("OMP_THREAD_LIMIT", None)
     return env
 
 

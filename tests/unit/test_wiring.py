@@ -23,7 +23,7 @@ from tasks.app import make_app
 from tasks.media import transcribe_limit_s
 from tasks.pipeline import job_canvas
 from tasks.preprocess import decode
-from workers.launch import worker_argv
+from workers.launch import worker_argv, worker_env
 
 #: A producer app, as the API builds one: signatures need no broker until sent.
 APP = make_app(WorkerSettings())
@@ -242,3 +242,10 @@ def test_a_dedicated_ocr_pool_serves_ocr_and_its_bands_alone_with_the_cpu_pool_s
 def test_concurrency_and_autoscale_from_the_command_line_win() -> None:
     argv = worker_argv("cpu", WorkerSettings(cpu_pool=2), ["--concurrency", "8", "--autoscale", "16,2"])
     assert argv[-4:] == ["--concurrency", "8", "--autoscale", "16,2"]
+
+
+def test_no_worker_runs_under_omp_thread_limit_which_is_tesseracts_alone() -> None:
+    # The speech model (CTranslate2) under OMP_THREAD_LIMIT=1 with its own thread count left to choose runs ~40x
+    # slower and transcribes garbage; every CPU child may transcribe, and tesseract sets its own limit.
+    for kind in ("cpu", "ocr", "asr", "sync"):
+        assert "OMP_THREAD_LIMIT" not in worker_env(kind, {"OMP_THREAD_LIMIT": "1", "PATH": "/usr/bin"}), kind
