@@ -130,8 +130,8 @@ def _answer(predictor: VisionLanguagePredictor, request: ModelRequest) -> Predic
 
 def _generated(predictor: VisionLanguagePredictor, request: ModelRequest) -> tuple[Prediction, list[int]]:
     """One request through the hook contract: its answer, and the token ids the model generated for it."""
-    batch, rows = predictor.predict(predictor.batch([request]))
-    (answer,) = predictor.unbatch((batch, rows))
+    batch, rows, steps = predictor.predict(predictor.batch([request]))
+    (answer,) = predictor.unbatch((batch, rows, steps))
     assert isinstance(answer, Prediction), answer
     return answer, rows[0][batch.local.collated.width :]
 
