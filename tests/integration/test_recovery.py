@@ -76,7 +76,8 @@ def _any_on_device(fleet: Fleet, ids: list[str]) -> bool:
 
 
 @pytest.mark.skip(
-    reason="known broken on main after this stop's merges: jobs whose CPU worker was SIGKILLed (or whose Redis restarted) mid-run are handed over but never reach the device within their deadline; open in the issues"
+    reason="broken on main after the latest merges: a job whose CPU worker was SIGKILLed (or whose Redis "
+    "restarted) mid-run is handed over but does not reach the device within its deadline; open"
 )
 def test_killing_the_whole_cpu_worker_mid_preprocessing_loses_no_job(fleet: Fleet) -> None:
     ids = _submit(fleet, 4)
@@ -88,7 +89,8 @@ def test_killing_the_whole_cpu_worker_mid_preprocessing_loses_no_job(fleet: Flee
 
 
 @pytest.mark.skip(
-    reason="known broken on main after this stop's merges: jobs whose CPU worker was SIGKILLed (or whose Redis restarted) mid-run are handed over but never reach the device within their deadline; open in the issues"
+    reason="broken on main after the latest merges: a job whose CPU worker was SIGKILLed (or whose Redis "
+    "restarted) mid-run is handed over but does not reach the device within its deadline; open"
 )
 def test_a_redis_crash_and_restart_mid_run_loses_no_job(fleet: Fleet) -> None:
     ids = _submit(fleet, 5)
