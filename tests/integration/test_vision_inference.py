@@ -212,7 +212,7 @@ def test_a_restarted_worker_hits_the_shared_store_and_another_model_misses(
     reads = pictures.reads
     batch = restarted.batch([_request(processor, PROMPTS[0], pictures, [digest])])
     assert (batch.encoder, restarted.encoder.calls, pictures.reads) == ({0: {digest: "hit"}}, 0, reads)
-    assert torch.equal(batch.features[0], computed)  # exactly what the first worker computed
+    assert torch.equal(batch.features[0][0], computed)  # exactly what the first worker computed (its one picture)
 
     # Another model's identity finds nothing; the same files elsewhere (another host's path, other mtimes) do.
     assert predictor.encoder.cache is not None
