@@ -14,6 +14,13 @@ from stoker.core.model import GenerationParams, ModelRequest, Prediction, apply_
 log = logging.getLogger(__name__)
 
 
+def torch_dtype(torch: Any, dtype: str, device: str) -> Any:
+    """The dtype a setting names; `auto`: bfloat16 on CUDA, float32 on a CPU."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
 @dataclass(frozen=True)
 class LocalBatch:
     """Left-padded prompts, with each request's generation parameters (one sampling key for the whole batch)."""
@@ -59,16 +66,23 @@ class TransformersPredictor:
         """Load tokenizer and weights (safetensors) onto device."""
         # heavy (torch, transformers): loaded by setup(), never at import
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         started = time.perf_counter()
         self._device = device
         if device.startswith("cuda") and self.vram_budget_gb:
             self._cap_vram(torch, device, self.vram_budget_gb)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self._model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._torch_dtype(torch, device))
-        self._model.to(device).eval()
+        self._model = self._load_model(device)
         log.info("model %s on %s loaded in %.1fs", self.name, device, time.perf_counter() - started)
+
+    def _load_model(self, device: str) -> Any:
+        """The causal LM's weights, on device, in inference mode."""
+        import torch  # heavy: see setup()
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype(torch, self.dtype, device))
+        return model.to(device).eval()
 
     @staticmethod
     def _cap_vram(torch: Any, device: str, budget_gb: float) -> None:
@@ -78,11 +92,6 @@ class TransformersPredictor:
         fraction = min(budget_gb * 1024**3 / total, 1.0)
         torch.cuda.set_per_process_memory_fraction(fraction, index)
         log.info("VRAM capped at %.1f GiB (%.0f%% of %s)", budget_gb, fraction * 100, device)
-
-    def _torch_dtype(self, torch: Any, device: str) -> Any:
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
     @property
     def pad_id(self) -> int:

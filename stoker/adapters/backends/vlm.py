@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from stoker.adapters.backends.local import LocalBatch, Steps, TransformersPredictor
+from stoker.adapters.backends.local import LocalBatch, Steps, TransformersPredictor, torch_dtype
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.embeddings import CacheFactory, EmbeddingCache, model_identity
 from stoker.adapters.metrics import VISION_ENCODER_SECONDS
@@ -36,13 +36,6 @@ log = logging.getLogger(__name__)
 
 #: Where a picture's prepared tensors come from: (content hash, cache scope) → tensors, None when they are gone.
 PreparedSource = Callable[[str, str], PreparedImage | None]
-
-
-def torch_dtype(torch: Any, dtype: str, device: str) -> Any:
-    """The dtype a setting names; `auto`: bfloat16 on CUDA, float32 on a CPU."""
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 def is_vision_language(model_path: str) -> bool:
@@ -164,19 +157,10 @@ class VisionLanguagePredictor(TransformersPredictor):
         super().__init__(model_path, **options)
         self.encoder = VisionEncoder(model_path, prepared, caches, self.dtype)
 
-    def setup(self, device: str) -> None:
-        """Load the tokenizer and the vision-language model onto device."""
-        import torch  # heavy: loaded by setup(), never at import
-        from transformers import AutoTokenizer
-
-        started = time.perf_counter()
-        self._device = device
-        if device.startswith("cuda") and self.vram_budget_gb:
-            self._cap_vram(torch, device, self.vram_budget_gb)
-        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+    def _load_model(self, device: str) -> Any:
+        """The vision-language model, through its encoder (one set of weights for both)."""
         self.encoder.setup(device)
-        self._model = self.encoder.model
-        log.info("vision-language model %s on %s loaded in %.1fs", self.name, device, time.perf_counter() - started)
+        return self.encoder.model
 
     @property
     def image_token_id(self) -> int:
