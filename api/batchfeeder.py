@@ -194,19 +194,30 @@ class BatchFeeder:
             if accepted is None:
                 return "fed"  # made before a crash, or settled already: collected like any other
             await submit_line(self.context, record.tenant, job_id, accepted, record.id)
+            await run_in_threadpool(self.context.store.batches.pend, record.id, replace(pending, sent=True))
         except StokerError as exc:
             return await run_in_threadpool(self._refused, record, pending, exc)
         return "fed"
 
     def _prepare(self, record: BatchRecord, pending: PendingLine, line: BatchLine) -> AcceptedRequest | None:
         """Note the line as in flight (first: a crash from here on is resumed) and read its request the way
-        `/v1/chat/completions` reads one; None when there is nothing to make (it exists, or has its outcome)."""
+        `/v1/chat/completions` reads one; None when there is nothing to make (its job was sent, or it has its
+        outcome). A job a feeder made but died before sending (still queued, its line not noted as sent) is
+        unmade and made again: otherwise it would wait for a message that never comes."""
         store = self.context.store
         if store.batches.settled(record.id, line.custom_id):
             return None
-        store.batches.pend(record.id, pending)
-        if store.jobs.load_job(pending.job_id) is not None:
+        earlier = store.batches.pended(record.id, pending.job_id)
+        if earlier is not None and earlier.sent:
             return None
+        store.batches.pend(record.id, pending)
+        made = store.jobs.load_job(pending.job_id)
+        if made is not None:
+            if made.status != "queued":
+                return None  # a worker started it: its message was sent
+            log.warning("batch %s: line %d's job was made but not sent; making it again", record.id, line.number)
+            store.jobs.delete_job(pending.job_id)
+            store.blobs.release(pending.job_id)
         _, accepted = accept_chat(line.body, self.context.settings)
         return replace(accepted, deadline_ms=self._deadline_ms(record))
 

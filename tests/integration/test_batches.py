@@ -346,10 +346,6 @@ def test_stoker_batch_submit_writes_the_output_next_to_the_input(stack: Stack, t
     assert "completed" in shown.stdout
 
 
-@pytest.mark.skip(
-    reason="known broken on main: after the feeding API and both workers are SIGKILLed, the restarted feeder feeds "
-    "no further line within 120 s (it passed before the batch code was merged with the rest; open in the issue)"
-)
 def test_a_batch_survives_its_feeder_and_workers_being_killed(client: openai.OpenAI, stack: Stack) -> None:
     """SIGKILL the feeding API, the inference and the CPU workers mid-batch; restarted, the batch completes with
     every custom_id exactly once."""

@@ -96,14 +96,19 @@ def test_a_band_whose_tesseract_is_killed_fails_its_page_alone(client: TestClien
 def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: TestClient) -> None:
     from tasks.worker import app
 
-    speech = client.post(
-        "/v1/jobs", data={"prompt": "Summarise."}, files=[("audio", ("talk.wav", long_speech_wav(6), "audio/wav"))]
-    )
-    assert speech.status_code == 202, speech.text
-    pages = [_submit(client, _dense_page(uuid.uuid4().hex[:6].upper())) for _ in range(3)]
     cpu = next(name for reply in app.control.ping(timeout=1) for name in reply if name.startswith("cpu@"))
     inspect = app.control.inspect(destination=[cpu], timeout=2)
     children = int(inspect.stats()[cpu]["pool"]["max-concurrency"])
+
+    def transcribing() -> bool:
+        return any(t["name"] == "stoker.transcribe" for t in inspect.active()[cpu])
+
+    speech = client.post(
+        "/v1/jobs", data={"prompt": "Summarise."}, files=[("audio", ("talk.wav", long_speech_wav(12), "audio/wav"))]
+    )
+    assert speech.status_code == 202, speech.text
+    wait_for(transcribing, 60, "the transcription to start", [])  # the pages arrive behind a running transcription
+    pages = [_submit(client, _dense_page(uuid.uuid4().hex[:6].upper())) for _ in range(3)]
     samples: list[tuple[int, int, bool]] = []  # (running, waiting, speech running)
 
     broker: redis.Redis[bytes] = redis.Redis.from_url(os.environ["STOKER_BROKER_URL"])

@@ -75,10 +75,6 @@ def _any_on_device(fleet: Fleet, ids: list[str]) -> bool:
         return any(store.hexists(f"stoker:job:{i}", "ts:infer_start") for i in ids)
 
 
-@pytest.mark.skip(
-    reason="broken on main after the latest merges: a job whose CPU worker was SIGKILLed (or whose Redis "
-    "restarted) mid-run is handed over but does not reach the device within its deadline; open"
-)
 def test_killing_the_whole_cpu_worker_mid_preprocessing_loses_no_job(fleet: Fleet) -> None:
     ids = _submit(fleet, 4)
     _until(lambda: "preprocessing" in _statuses(fleet, ids), 60, "preprocessing to start")
@@ -88,10 +84,6 @@ def test_killing_the_whole_cpu_worker_mid_preprocessing_loses_no_job(fleet: Flee
     _all_answered(fleet, ids)
 
 
-@pytest.mark.skip(
-    reason="broken on main after the latest merges: a job whose CPU worker was SIGKILLed (or whose Redis "
-    "restarted) mid-run is handed over but does not reach the device within its deadline; open"
-)
 def test_a_redis_crash_and_restart_mid_run_loses_no_job(fleet: Fleet) -> None:
     ids = _submit(fleet, 5)
     _until(lambda: "preprocessing" in _statuses(fleet, ids), 60, "preprocessing to start")

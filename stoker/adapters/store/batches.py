@@ -76,6 +76,8 @@ class PendingLine:
     job_id: str
     custom_id: str
     line: int
+    #: Its job's first message was published (until then a feeder that died may have made the record alone).
+    sent: bool = False
 
 
 class FileRepository:
@@ -199,9 +201,15 @@ class BatchRepository:
         return Progress(int(fed or 0), int(offset or 0))
 
     def pend(self, batch_id: str, line: PendingLine) -> None:
-        """Note a line as fed before its job is made: a crash between the two leaves it known, never lost."""
-        value = json.dumps({"custom_id": line.custom_id, "line": line.line})
+        """Note a line as fed before its job is made (and again once its job's message is sent, `line.sent`): a
+        crash between the steps leaves it known, never lost."""
+        value = json.dumps({"custom_id": line.custom_id, "line": line.line, "sent": line.sent})
         self.redis.hset(batch_pending_key(batch_id), line.job_id, value)
+
+    def pended(self, batch_id: str, job_id: str) -> PendingLine | None:
+        """The line in flight with this job id, if it is."""
+        raw = self.redis.hget(batch_pending_key(batch_id), job_id)
+        return None if raw is None else PendingLine(job_id, *_pending_fields(raw))
 
     def unpend(self, batch_id: str, job_id: str) -> None:
         """A line noted as fed was not made a job after all (refused for now): it is fed again later."""
@@ -214,7 +222,7 @@ class BatchRepository:
     def pending(self, batch_id: str) -> list[PendingLine]:
         """The batch's lines in flight."""
         raw = self.redis.hgetall(batch_pending_key(batch_id))
-        return [PendingLine(k.decode(), *_custom_and_line(v)) for k, v in raw.items()]
+        return [PendingLine(k.decode(), *_pending_fields(v)) for k, v in raw.items()]
 
     def in_flight(self, batch_ids: Iterable[str]) -> int:
         """Lines in flight across these batches."""
@@ -273,6 +281,6 @@ class BatchRepository:
         return {**totals, "in_flight": in_flight, "waiting": max(left - in_flight, 0)}
 
 
-def _custom_and_line(raw: bytes) -> tuple[str, int]:
+def _pending_fields(raw: bytes) -> tuple[str, int, bool]:
     value = json.loads(raw)
-    return str(value["custom_id"]), int(value["line"])
+    return str(value["custom_id"]), int(value["line"]), bool(value.get("sent", False))
