@@ -220,6 +220,8 @@ class Admission:
     deadline: Deadline
     #: The batch it is a line of (then of class `batch`); None for an interactive job.
     batch_id: str | None = None
+    #: When the reaper first looks whether a stage has started it (a first message lost with a worker is re-sent).
+    look_at: float | None = None
 
     @property
     def job_class(self) -> JobClass:
@@ -256,7 +258,8 @@ def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: s
     start, records, request = _shortcut(context, accepted, records, scope, job_id)
     now = time.time()
     deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
-    return Admission(job_id, tenant, accepted, records, start, request, now, deadline)
+    look_at = now + context.settings.redrive_after_s
+    return Admission(job_id, tenant, accepted, records, start, request, now, deadline, look_at=look_at)
 
 
 def _charge_tenant(context: ApiContext, admission: Admission) -> None:
@@ -310,6 +313,7 @@ def _create_record(store: Store, admission: Admission, traced: tuple[str, dict[s
         callback_url=accepted.callback_url,
         job_class=admission.job_class,
         batch_id=admission.batch_id,
+        look_at=admission.look_at,
     )
 
 

@@ -183,6 +183,17 @@ class CommonSettings(BaseSettings):
         "Loopback unless a deployment's scraper reaches them over a network (compose and Kubernetes set 0.0.0.0 "
         "inside the container).",
     )
+    # The reaper's patience (the API plans its first look at each job from it).
+    redrive_after_s: float = Field(
+        120.0,
+        gt=0,
+        description="A job handed to inference that has not started after this long is sent to the inference "
+        "queue again; one that no stage started after this long, while the CPU queues are empty (its first message "
+        "was lost with a worker), is sent to preprocessing again.",
+    )
+    max_redrives: int = Field(
+        3, ge=0, description="How many times the reaper re-sends one job (to preprocessing or to inference)."
+    )
 
     @property
     def public_model_name(self) -> str:
@@ -676,13 +687,6 @@ class WorkerSettings(CommonSettings):
 
     # The reaper: finds jobs that stopped making progress and moves them on.
     reaper_interval_s: float = Field(0.25, gt=0, description="How often the reaper looks for due jobs.")
-    redrive_after_s: float = Field(
-        120.0,
-        gt=0,
-        description="A job handed to inference that has not started after this long is sent to the inference "
-        "queue again.",
-    )
-    max_redrives: int = Field(3, ge=0, description="How many times the reaper re-sends one job to inference.")
     reaper_heartbeat: Path = Field(
         Path("/tmp/stoker-reaper.alive"), description="Touched on every reaper loop, for health checks."
     )

@@ -17,7 +17,7 @@ from celery.canvas import Signature, _chain
 
 from stoker.adapters.broker import class_priority, queue_depths
 from stoker.adapters.store.keys import frame_ref, input_ref
-from stoker.core.jobs import InputRecord, JobClass
+from stoker.core.jobs import InputRecord, Job, JobClass
 
 #: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached).
 Start = Literal["preprocess", "tokenize", "infer"]
@@ -148,8 +148,9 @@ def enqueue_inference(
 class CeleryOutbox:
     """The runtime's `Outbox` over a Celery app: its messages by task name, queue depths over its broker pool."""
 
-    def __init__(self, app: Celery) -> None:
+    def __init__(self, app: Celery, keyframes: int = 3) -> None:
         self.app = app
+        self.keyframes = keyframes
 
     def enqueue_inference(
         self, job_id: str, prompt_tokens: int | None, deadline: float | None, job_class: JobClass = "interactive"
@@ -160,6 +161,11 @@ class CeleryOutbox:
     def send_callback(self, job_id: str) -> None:
         """Hand an ended job's completion callback to a CPU worker (`stoker.callback`)."""
         self.app.signature("stoker.callback", args=(job_id,)).apply_async()
+
+    def resubmit(self, job: Job, deadline: float | None) -> None:
+        """The job's canvas from preprocessing, again (its stages skip what a first run already did)."""
+        canvas = job_canvas(job.id, job.inputs, self.app, self.keyframes, deadline=deadline, job_class=job.job_class)
+        canvas.apply_async()
 
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
         """Each queue's depth; a connection that failed is closed, so the pool hands out a fresh one next time

@@ -19,10 +19,13 @@ TEST_DBS = {"integration": (12, 13, 11), "e2e": (14, 15, 10)}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Point every process the tests start at a Redis that answers, before any stoker module reads settings."""
+    """Point every process the tests start at a Redis that answers, before any stoker module reads settings.
+
+    Under pytest-xdist (`make test` runs the files on parallel workers) the first worker uses that Redis and each
+    other worker a private one it starts, so no two workers share a database."""
     base = os.environ.get("STOKER_TEST_REDIS", "redis://127.0.0.1:6379")
-    if not redis_answers(f"{base}/0"):
-        proc, port = start_embedded()
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" or not redis_answers(f"{base}/0"):
+        proc, port = start_embedded(persist=False)
         _embedded.append(proc)
         base = f"redis://127.0.0.1:{port}"
     os.environ["STOKER_TEST_REDIS"] = base
@@ -63,17 +66,28 @@ def missing(reason: str) -> None:
     pytest.skip(reason)
 
 
-def pids_named(command: str) -> list[int]:
-    """Every process of this machine running `command` (its comm), e.g. the tesseracts the workers started."""
+def pids_named(command: str, under: int) -> list[int]:
+    """The processes running `command` (their comm) below process `under`, e.g. the tesseracts a CPU worker's pool
+    started (not those of another test's workers running meanwhile)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (entry / "comm").read_text().strip() == command:
+                if (entry / "comm").read_text().strip() == command and under in _ancestors(int(entry.name)):
                     found.append(int(entry.name))
             except OSError:
                 continue
     return found
+
+
+def _ancestors(pid: int) -> list[int]:
+    """pid's parent, its parent, … up to init."""
+    chain = []
+    while pid > 1:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state; comm may hold ")" or spaces
+        chain.append(pid)
+    return chain
 
 
 @pytest.fixture(scope="session")

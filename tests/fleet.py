@@ -19,7 +19,7 @@ from api.app import create_app
 from stoker.settings import ApiSettings, CommonSettings
 from tasks.app import make_app
 from workers.broker import start_embedded
-from workers.procs import spawn, stop, tail, wait_for
+from workers.procs import spawn, tail, terminate, wait_for
 
 KINDS = ("cpu", "infer")
 
@@ -113,7 +113,6 @@ def own_fleet(
     except Exception as exc:
         raise RuntimeError(crew.logs()) from exc
     finally:
-        for proc in crew.procs.values():
-            stop(proc)
+        terminate(list(crew.procs.values()), grace_s=20)  # every process told at once, each finishing meanwhile
         crew.valkey.kill()
         crew.valkey.wait(10)

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 def run_reaper() -> int:
     """Take the reaper lease (or wait for it) and reap every interval until SIGTERM or SIGINT."""
     settings = WorkerSettings()
-    ctx = WorkerContext(settings, CeleryOutbox(make_app(settings)))
+    ctx = WorkerContext(settings, CeleryOutbox(make_app(settings), settings.video_keyframes))
     try:
         return _reap_until_stopped(ctx)
     finally:

@@ -37,6 +37,7 @@ class JobClock:
     preprocessed: float | None = None
     infer_start: float | None = None
     redrives: int = 0
+    accepted: float | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class ReapPolicy:
     recheck_s: float = 5.0
 
 
-Action = Literal["forget", "wait", "cutoff", "expire", "redrive", "abandon"]
+Action = Literal["forget", "wait", "cutoff", "expire", "restart", "redrive", "abandon"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ def decide(clock: JobClock, now: float, policy: ReapPolicy) -> Verdict:
 
     forget   the job is gone or finished
     cutoff   preprocessing budget spent: fail unfinished inputs as deadline_exceeded, go to inference
+    restart  accepted long ago and no stage ever started it: its first message may be lost, send it again (the
+             reaper does so only while the CPU queues are empty, where no message of it can be waiting)
     expire   deadline passed before the model started: fail the job as deadline_exceeded
     redrive  handed to inference long ago and never started: send it to the inference queue again
     abandon  a batch started so long ago that it will never report: fail the job as inference_failed
@@ -82,6 +85,11 @@ def decide(clock: JobClock, now: float, policy: ReapPolicy) -> Verdict:
     if clock.preprocessed is None:
         if now >= clock.preprocess_by:
             return Verdict("cutoff", min(now + policy.recheck_s, clock.deadline))
+        if clock.status == "queued" and clock.accepted is not None and clock.redrives < policy.max_redrives:
+            restart_at = clock.accepted + policy.redrive_after_s * (clock.redrives + 1)
+            if now >= restart_at:
+                return Verdict("restart", min(now + policy.redrive_after_s, clock.preprocess_by))
+            return Verdict("wait", min(restart_at, clock.preprocess_by))
         return Verdict("wait", clock.preprocess_by)
     redrive_at = clock.preprocessed + policy.redrive_after_s * (clock.redrives + 1)
     if clock.redrives < policy.max_redrives and now >= redrive_at:

@@ -12,6 +12,7 @@ from collections import Counter
 from stoker.core.deadlines import JobClock, ReapPolicy, Verdict, decide
 from stoker.core.errors import DeadlineExceeded, InferenceFailed, WorkerLost
 from stoker.core.jobs import ErrorInfo
+from stoker.core.queues import CPU_QUEUES
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.handoff import cut_off, fail_unfinished
 from stoker.runtime.monitoring import log_finished
@@ -94,6 +95,21 @@ def resend_lost(ctx: WorkerContext, job_id: str) -> str:
     return "resend"
 
 
+def restart(ctx: WorkerContext, job_id: str, clock: JobClock) -> bool:
+    """A job no stage started long after it was accepted: while a CPU queue holds messages, its first one may be
+    waiting there (looked at again later); with them all empty it is nowhere (lost with a worker SIGKILLed as it
+    took it off the queue, or with a process that died between writing the record and publishing): sent again."""
+    if any(ctx.outbox.queue_depths(CPU_QUEUES).values()):
+        return False
+    job = ctx.store.jobs.load_job(job_id)
+    if job is None or job.status != "queued":
+        return False
+    log.warning("job %s: no stage started it and no CPU queue holds anything: sending it again", job_id)
+    ctx.store.watch.count_redrive(job_id)
+    ctx.outbox.resubmit(job, clock.deadline or None)
+    return True
+
+
 def act(ctx: WorkerContext, job_id: str, clock: JobClock, verdict: Verdict) -> None:
     """Carry out one verdict."""
     store = ctx.store
@@ -108,6 +124,8 @@ def act(ctx: WorkerContext, job_id: str, clock: JobClock, verdict: Verdict) -> N
         fail_unfinished(ctx, job_id, late)
         if store.jobs.finish(job_id, "failed", error=ErrorInfo(**late.to_dict())):
             log_finished(store, job_id)
+    elif verdict.action == "restart":
+        restart(ctx, job_id, clock)
     elif verdict.action == "redrive":
         request = store.jobs.get_request(job_id)
         store.watch.count_redrive(job_id)

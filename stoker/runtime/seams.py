@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from stoker.core.jobs import JobClass
+from stoker.core.jobs import Job, JobClass
 
 
 class Outbox(Protocol):
@@ -19,6 +19,9 @@ class Outbox(Protocol):
 
     def send_callback(self, job_id: str) -> None:
         """Hand an ended job's completion callback to a CPU worker."""
+
+    def resubmit(self, job: Job, deadline: float | None) -> None:
+        """Send a job that no stage started to preprocessing again (its first message was lost)."""
 
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
         """Each queue's depth now; raises while the broker does not answer."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from stoker.core.jobs import InputRecord
 from tests.fakeopenai import FakeServer, fake_openai_server
 from tests.fleet import Fleet, own_fleet
 from workers.broker import free_port
-from workers.procs import spawn, stop, tail, wait_for
+from workers.procs import spawn, stop, tail, terminate, wait_for
 
 #: A loopback address of the suite's own that the workers may fetch from (test_urls.py serves media there); every
 #: other private address stays refused, 127.0.0.1 included.
@@ -34,8 +36,16 @@ def store_redis() -> Iterator[redis.Redis]:
         db.close()
 
 
+@dataclass(frozen=True)
+class SessionWorkers:
+    """The session's worker processes, and each one's log."""
+
+    procs: dict[str, subprocess.Popen[bytes]]
+    logs: dict[str, Path]
+
+
 @pytest.fixture(scope="session")
-def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+def session_workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SessionWorkers]:
     """A CPU worker (prefork: every CPU stage, speech included, as `stoker up` runs it), an inference worker and
     the reaper, as real processes."""
     from tasks.worker import app
@@ -66,9 +76,14 @@ def workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) 
             stop(proc)
         raise RuntimeError(f"{exc}\n{details}") from exc
     os.environ["STOKER_TEST_METRICS"] = ",".join(f"{k}={v}" for k, v in ports.items())
-    yield {k: logs / f"{k}.log" for k in procs}
-    for proc in procs.values():
-        stop(proc)
+    yield SessionWorkers(procs, {k: logs / f"{k}.log" for k in procs})
+    terminate(list(procs.values()), grace_s=20)
+
+
+@pytest.fixture(scope="session")
+def workers(session_workers: SessionWorkers) -> dict[str, Path]:
+    """The session's workers, as their logs."""
+    return session_workers.logs
 
 
 class SpySubmitter:

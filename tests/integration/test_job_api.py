@@ -29,7 +29,7 @@ from stoker.core.tenancy import DEFAULT_TENANT, issue_key
 from stoker.settings import ApiSettings
 from tests.conftest import pids_named
 from tests.fleet import own_fleet
-from tests.integration.conftest import SpySubmitter
+from tests.integration.conftest import SessionWorkers, SpySubmitter
 from tests.media import text_image
 from tests.serving import serve
 from workers.broker import start_embedded
@@ -81,18 +81,22 @@ SLOW_PAGE = text_image(
 )  # 20 dense lines: about 2 s of tesseract (one line of 60 words read in 0.6 s, shorter than a cancel's round trip)
 
 
-def test_cancelling_a_job_while_its_ocr_runs(api: Callable[..., TestClient], job_store: Store) -> None:
+def test_cancelling_a_job_while_its_ocr_runs(
+    api: Callable[..., TestClient], job_store: Store, session_workers: SessionWorkers
+) -> None:
+    cpu_pid = session_workers.procs["cpu"].pid
     client = api(max_jobs_in_flight=1)
     auth = _tenant(job_store, "canceller")
     files = [("image", ("page.png", SLOW_PAGE, "image/png"))]
     job_id = client.post("/v1/jobs", data={"prompt": "Read it."}, files=files, headers=auth).json()["id"]
-    wait_for(lambda: bool(pids_named("tesseract")), 60, "its OCR to start", [])
+    wait_for(lambda: bool(pids_named("tesseract", cpu_pid)), 60, "its OCR to start", [])
     response = client.delete(f"/v1/jobs/{job_id}", headers=auth)
     assert response.status_code == 200, response.text
     cancelled = response.json()
     assert cancelled["status"] == "cancelled"
     assert cancelled["error"]["code"] == "cancelled"
-    wait_for(lambda: not pids_named("tesseract"), 10, "its tesseract to stop", [])  # stopped, not left to finish
+    # stopped, not left to finish
+    wait_for(lambda: not pids_named("tesseract", cpu_pid), 10, "its tesseract to stop", [])
     second = client.post("/v1/jobs", data={"prompt": "Say hi."}, headers=auth)
     assert second.status_code == 202, second.text  # the one in-flight slot was given back
     assert _wait(client, second.json()["id"], auth)["status"] == "succeeded"

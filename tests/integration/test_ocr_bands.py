@@ -18,6 +18,7 @@ from stoker.adapters.store.keys import job_key
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.ocr import read_text
 from tests.conftest import pids_named
+from tests.integration.conftest import SessionWorkers
 from tests.media import encode, long_speech_wav, text_image
 from workers.procs import wait_for
 
@@ -72,16 +73,19 @@ def test_a_dense_page_is_read_in_bands_that_join_into_the_whole_page_text(client
     assert (retried["bands"], retried["cache_hit"]["ocr_band"], retried["text"]) == (3, True, read["text"])
 
 
-def test_a_band_whose_tesseract_is_killed_fails_its_page_alone(client: TestClient) -> None:
+def test_a_band_whose_tesseract_is_killed_fails_its_page_alone(
+    client: TestClient, session_workers: SessionWorkers
+) -> None:
+    cpu_pid = session_workers.procs["cpu"].pid
     small = text_image(f"KEPT {uuid.uuid4().hex[:6].upper()}")
     job_id = _submit(client, _dense_page(uuid.uuid4().hex[:6].upper()), small)
 
     def small_read_and_a_band_running() -> bool:
         job = client.get(f"/v1/jobs/{job_id}").json()
-        return job["inputs"][1]["status"] == "ok" and bool(pids_named("tesseract"))
+        return job["inputs"][1]["status"] == "ok" and bool(pids_named("tesseract", cpu_pid))
 
     wait_for(small_read_and_a_band_running, 60, "a band of the page to be read", [])
-    for pid in pids_named("tesseract"):  # only the page's bands read now
+    for pid in pids_named("tesseract", cpu_pid):  # only the page's bands read now
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     job = _wait(client, job_id)

@@ -11,8 +11,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
+from api.app import create_app
+from stoker.settings import ApiSettings
 from tests.fleet import QUICK_RECOVERY, Fleet, own_fleet
+from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
 from workers.broker import start_embedded
@@ -55,7 +59,7 @@ def _statuses(fleet: Fleet, ids: list[str]) -> list[str]:
 def _all_answered(fleet: Fleet, ids: list[str]) -> list[dict[str, Any]]:
     jobs = [_wait(fleet.client, i) for i in ids]
     for job in jobs:
-        assert job["status"] in ("succeeded", "degraded"), (job, fleet.logs())
+        assert job["status"] in ("succeeded", "degraded"), (job["status"], job.get("error"), fleet.logs())
         assert job["result"]["text"].strip()
     return jobs
 
@@ -97,6 +101,21 @@ def test_a_redis_crash_and_restart_mid_run_loses_no_job(fleet: Fleet) -> None:
     jobs = _all_answered(fleet, ids)
     assert [j["status"] for j in jobs] == ["succeeded"] * len(ids), [j["inputs"] for j in jobs]
     assert all(p.poll() is None for p in fleet.procs.values()), fleet.logs()  # everyone reconnected, no one died
+
+
+def test_a_job_whose_first_message_never_reached_the_broker_is_sent_again(fleet: Fleet) -> None:
+    """An API that wrote the record and died before publishing (or a worker SIGKILLed as it took the message off
+    the queue): no stage ever starts the job; once the CPU queues are empty, the reaper sends it again."""
+    urls = {k: fleet.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
+    silent = SpySubmitter(forward=False)  # the record is written, its first message goes nowhere
+    files = [("image", ("lost.png", text_image(f"ORDER {time.time_ns() % 10000}"), "image/png"))]
+    with TestClient(create_app(ApiSettings(**urls, redrive_after_s=30), submitter=silent)) as api:
+        accepted = api.post("/v1/jobs", data={"prompt": "What is the order number?"}, files=files)
+    assert accepted.status_code == 202, accepted.text
+    (job,) = _all_answered(fleet, [accepted.json()["id"]])
+    assert job["status"] == "succeeded", job  # preprocessed and answered after the re-send, nothing failed
+    assert [j for j, _ in silent.calls] == [job["id"]]  # the API sent it once (nowhere); the reaper the rest
+    assert "sending it again" in fleet.logs()
 
 
 def test_a_wedged_batch_fails_its_jobs_and_the_worker_is_replaced(fleet: Fleet) -> None:

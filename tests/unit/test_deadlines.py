@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stoker.core.deadlines import JobClock, ReapPolicy, deadline_for, decide
+from stoker.core.deadlines import JobClock, ReapPolicy, Verdict, deadline_for, decide
 
 POLICY = ReapPolicy(redrive_after_s=30.0, max_redrives=2, batch_timeout_s=60.0, recheck_s=5.0)
 
@@ -66,3 +66,15 @@ def test_a_batch_that_never_reports_is_abandoned() -> None:
     running = _clock(status="inferring", preprocessed=10.0, infer_start=20.0)
     assert decide(running, 105.0, POLICY).action == "wait"  # past the deadline, but on the device: let it finish
     assert decide(running, 20.0 + 60.0 + 30.0, POLICY).action == "abandon"
+
+
+def test_a_job_no_stage_started_is_restarted_a_bounded_number_of_times() -> None:
+    queued = _clock(status="queued", deadline=1000.0, preprocess_by=900.0, accepted=0.0)
+    assert decide(queued, 10.0, POLICY) == Verdict("wait", 30.0)  # looked at again when it is due
+    assert decide(queued, 30.0, POLICY) == Verdict("restart", 60.0)
+    again = _clock(status="queued", deadline=1000.0, preprocess_by=900.0, accepted=0.0, redrives=1)
+    assert decide(again, 45.0, POLICY) == Verdict("wait", 60.0)  # the next try waits twice as long
+    spent = _clock(status="queued", deadline=1000.0, preprocess_by=900.0, accepted=0.0, redrives=2)
+    assert decide(spent, 500.0, POLICY) == Verdict("wait", 900.0)  # then only the cut-off is left
+    started = _clock(status="preprocessing", deadline=1000.0, preprocess_by=900.0, accepted=0.0)
+    assert decide(started, 500.0, POLICY) == Verdict("wait", 900.0)  # a stage has it: never sent twice

@@ -182,6 +182,9 @@ class NoOutbox:
     def send_callback(self, job_id: str) -> None:
         raise AssertionError("the consumer never sends callbacks")
 
+    def resubmit(self, job: object, deadline: float | None) -> None:
+        raise AssertionError("the consumer never resubmits")
+
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
         raise AssertionError("the consumer never reads queue depths")
 

@@ -196,8 +196,10 @@ class JobRepository:
         callback_url: str | None = None,
         job_class: JobClass = "interactive",
         batch_id: str | None = None,
+        look_at: float | None = None,
     ) -> None:
-        """Write a new job record atomically, in status queued, and put it under the reaper's watch.
+        """Write a new job record atomically, in status queued, and put it under the reaper's watch (its first look
+        at `look_at`, at the latest when the preprocessing budget is spent).
 
         The tenant's in-flight slot for it (taken at admission, if its limit is on) is now held until the job ends,
         or at the latest until a grace period after its deadline.
@@ -226,7 +228,7 @@ class JobRepository:
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(job_key(job_id), mapping=fields)
             pipe.expire(job_key(job_id), self.ttl_s)
-            pipe.zadd(ACTIVE_KEY, {job_id: deadline.preprocess_by})
+            pipe.zadd(ACTIVE_KEY, {job_id: min(deadline.preprocess_by, look_at or deadline.preprocess_by)})
             pipe.zadd(tenant_jobs_key(tenant), {job_id: deadline.at + IN_FLIGHT_GRACE_S}, xx=True)
             # The tenant's listing: entries older than the records themselves go, the index with its last job.
             pipe.zadd(tenant_index_key(tenant), {job_id: accepted})

@@ -34,7 +34,7 @@ class Watchlist:
 
     def clock(self, job_id: str) -> JobClock:
         """Where a job stands against its deadlines."""
-        names = ("status", "deadline", "preprocess_by", "ts:preprocessed", "ts:infer_start", "redrives")
+        names = ("status", "deadline", "preprocess_by", "ts:preprocessed", "ts:infer_start", "redrives", "ts:accepted")
         raw = dict(zip(names, self.redis.hmget(job_key(job_id), names), strict=True))
 
         def number(name: str) -> float | None:
@@ -48,6 +48,7 @@ class Watchlist:
             preprocessed=number("ts:preprocessed"),
             infer_start=number("ts:infer_start"),
             redrives=int(number("redrives") or 0),
+            accepted=number("ts:accepted"),
         )
 
     def stage_gate(self, job_id: str, now: float | None = None) -> Literal["open", "ended", "spent"]:
