@@ -59,6 +59,11 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
         f"{kind}@%h",  # %h: this host; add --hostname to run two of a kind on one host
         "--loglevel",
         settings.log_level,
+        # stoker revokes nothing through Celery (a cancel goes through the job store), so a starting worker has
+        # nothing to sync with the others (mingle: a second of every start), and no worker needs the others'
+        # events (gossip: every worker of a fleet woken by every other's heartbeat).
+        "--without-mingle",
+        "--without-gossip",
     ]
     recycle = [
         "--max-tasks-per-child",

@@ -6,6 +6,7 @@ without disturbing the other tests.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
 from workers.broker import start_embedded
+from workers.procs import tail
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +111,19 @@ def test_a_job_whose_first_message_never_reached_the_broker_is_sent_again(fleet:
     urls = {k: fleet.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
     silent = SpySubmitter(forward=False)  # the record is written, its first message goes nowhere
     files = [("image", ("lost.png", text_image(f"ORDER {time.time_ns() % 10000}"), "image/png"))]
-    with TestClient(create_app(ApiSettings(**urls, redrive_after_s=30), submitter=silent)) as api:
-        accepted = api.post("/v1/jobs", data={"prompt": "What is the order number?"}, files=files)
-    assert accepted.status_code == 202, accepted.text
-    (job,) = _all_answered(fleet, [accepted.json()["id"]])
-    assert job["status"] == "succeeded", job  # preprocessed and answered after the re-send, nothing failed
-    assert [j for j, _ in silent.calls] == [job["id"]]  # the API sent it once (nowhere); the reaper the rest
-    assert "sending it again" in fleet.logs()
+    fleet.kill("reaper", signal.SIGTERM)
+    fleet.start("reaper", STOKER_REDRIVE_AFTER_S="3")  # a patient reaper would take the fleet's 30 s
+    try:
+        with TestClient(create_app(ApiSettings(**urls, redrive_after_s=3), submitter=silent)) as api:
+            accepted = api.post("/v1/jobs", data={"prompt": "What is the order number?"}, files=files)
+        assert accepted.status_code == 202, accepted.text
+        (job,) = _all_answered(fleet, [accepted.json()["id"]])
+        assert job["status"] == "succeeded", job  # preprocessed and answered after the re-send, nothing failed
+        assert [j for j, _ in silent.calls] == [job["id"]]  # the API sent it once (nowhere); the reaper the rest
+        assert "sending it again" in tail(fleet.root / "reaper.log")
+    finally:
+        fleet.kill("reaper", signal.SIGTERM)
+        fleet.start("reaper")
 
 
 def test_a_wedged_batch_fails_its_jobs_and_the_worker_is_replaced(fleet: Fleet) -> None:
