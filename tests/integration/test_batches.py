@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,11 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from api.batchfeeder import BatchFeeder
+from api.context import context_of
+from stoker.adapters.store.batches import PendingLine
+from stoker.core.batchfiles import BatchLine, BatchRecord, line_job_id, parse_line
+from stoker.core.deadlines import deadline_for
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
 from tests.fleet import QUICK_RECOVERY, Fleet, own_fleet
@@ -372,3 +377,47 @@ def test_a_batch_survives_its_feeder_and_workers_being_killed(client: openai.Ope
     assert set(outputs) == {item["custom_id"] for item in lines}
     assert done.request_counts.completed == 60
     assert done.error_file_id is None
+
+
+def test_a_line_whose_job_was_made_but_never_sent_is_made_again(api: TestClient) -> None:
+    """The state a feeder SIGKILLed between a line's record and its publish leaves (the line noted, its job queued,
+    no message anywhere): the next feeder unmakes that job and makes it again. A line noted as sent, or whose job a
+    stage started, is left to be collected."""
+    context = context_of(api.app)
+    store = context.store
+    now = time.time()
+    record = BatchRecord(
+        id=f"batch_{uuid.uuid4().hex}",
+        endpoint="/v1/chat/completions",
+        input_file_id="file-unused",
+        completion_window="24h",
+        status="in_progress",
+        created_at=int(now),
+        expires_at=int(now) + 3600,
+    )
+    parsed = parse_line(json.dumps(line("orphan", "Hello.")).encode(), 1, record.endpoint)
+    assert isinstance(parsed, BatchLine)
+    pending = PendingLine(line_job_id(record.id, 1), "orphan", 1)
+    feeder = BatchFeeder(context)
+
+    def made_not_sent(sent: bool = False) -> None:
+        store.batches.pend(record.id, replace(pending, sent=sent))
+        deadline = deadline_for(now, 60_000, 5_000)
+        store.jobs.create_job(pending.job_id, "Hello.", [], now, deadline, 60_000, tenant=record.tenant)
+
+    made_not_sent()
+    assert feeder._prepare(record, pending, parsed) is not None  # to be made again
+    assert store.jobs.load_job(pending.job_id) is None  # the orphan record is gone first
+    assert store.batches.pended(record.id, pending.job_id) == pending  # still in flight, not yet sent
+
+    made_not_sent(sent=True)
+    assert feeder._prepare(record, pending, parsed) is None  # its message went out: collected like any other
+    assert store.jobs.load_job(pending.job_id) is not None
+
+    store.jobs.delete_job(pending.job_id)
+    made_not_sent()
+    assert store.jobs.mark_started(pending.job_id)  # a stage has it, so a message was sent after all
+    assert feeder._prepare(record, pending, parsed) is None
+    job = store.jobs.load_job(pending.job_id)
+    assert job is not None
+    assert job.status == "preprocessing"
