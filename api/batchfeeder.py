@@ -28,7 +28,7 @@ from api.chat_intake import accept_chat
 from api.context import ApiContext
 from api.files import store_file, sweep_expired_files
 from api.intake import AcceptedRequest
-from api.submission import cancel, submit_line
+from api.submission import cancel, submit_line, unmake
 from stoker.adapters.store.batches import PendingLine, Progress
 from stoker.adapters.store.keys import BATCH_FEEDER_LEASE_KEY
 from stoker.core.batchfiles import (
@@ -216,8 +216,7 @@ class BatchFeeder:
             if made.status != "queued":
                 return None  # a worker started it: its message was sent
             log.warning("batch %s: line %d's job was made but not sent; making it again", record.id, line.number)
-            store.jobs.delete_job(pending.job_id)
-            store.blobs.release(pending.job_id)
+            unmake(store, pending.job_id)
         _, accepted = accept_chat(line.body, self.context.settings)
         return replace(accepted, deadline_ms=self._deadline_ms(record))
 

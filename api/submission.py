@@ -341,9 +341,14 @@ def _enqueue(context: ApiContext, admission: Admission) -> None:
         )
     except Exception as exc:
         log.warning("could not enqueue job %s: %r", job_id, exc)
-        context.store.jobs.delete_job(job_id)
-        context.store.blobs.release(job_id)
+        unmake(context.store, job_id)
         raise BrokerUnavailable("the broker cannot be reached") from exc
+
+
+def unmake(store: Store, job_id: str) -> None:
+    """Forget a job whose first message was never sent: its record, and its hold on the uploads it stored."""
+    store.jobs.delete_job(job_id)
+    store.blobs.release(job_id)
 
 
 def _shortcut(

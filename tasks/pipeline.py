@@ -164,8 +164,7 @@ class CeleryOutbox:
 
     def resubmit(self, job: Job, deadline: float | None) -> None:
         """The job's canvas from preprocessing, again (its stages skip what a first run already did)."""
-        canvas = job_canvas(job.id, job.inputs, self.app, self.keyframes, deadline=deadline, job_class=job.job_class)
-        canvas.apply_async()
+        CelerySubmitter(self.app, self.keyframes).submit(job.id, job.inputs, deadline=deadline, job_class=job.job_class)
 
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
         """Each queue's depth; a connection that failed is closed, so the pool hands out a fresh one next time

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from stoker.settings import ApiSettings, CommonSettings
 from tasks.app import make_app
+from tasks.pipeline import Submitter
 from workers.broker import start_embedded
 from workers.procs import spawn, tail, terminate, wait_for
 
@@ -69,11 +70,12 @@ class Fleet:
 
         wait_for(answer, 180, f"workers {kinds}", [self.procs[k] for k in kinds])
 
-    def api(self, **settings: object) -> TestClient:
-        """Another API on this fleet, with other settings (enter it as a context manager)."""
+    def api(self, submitter: Submitter | None = None, **settings: object) -> TestClient:
+        """Another API on this fleet, with other settings (enter it as a context manager); its Celery producer
+        from these settings unless a `submitter` is given."""
         urls = {k: self.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
         chosen = ApiSettings(**{**urls, **settings})
-        return TestClient(create_app(chosen))  # its Celery producer, from these settings
+        return TestClient(create_app(chosen, submitter=submitter))
 
     def store(self) -> redis.Redis[bytes]:
         """A client on the fleet's job store."""

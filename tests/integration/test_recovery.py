@@ -12,10 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 
-from api.app import create_app
-from stoker.settings import ApiSettings
 from tests.fleet import QUICK_RECOVERY, Fleet, own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
@@ -108,13 +105,12 @@ def test_a_redis_crash_and_restart_mid_run_loses_no_job(fleet: Fleet) -> None:
 def test_a_job_whose_first_message_never_reached_the_broker_is_sent_again(fleet: Fleet) -> None:
     """An API that wrote the record and died before publishing (or a worker SIGKILLed as it took the message off
     the queue): no stage ever starts the job; once the CPU queues are empty, the reaper sends it again."""
-    urls = {k: fleet.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
     silent = SpySubmitter(forward=False)  # the record is written, its first message goes nowhere
     files = [("image", ("lost.png", text_image(f"ORDER {time.time_ns() % 10000}"), "image/png"))]
     fleet.kill("reaper", signal.SIGTERM)
     fleet.start("reaper", STOKER_REDRIVE_AFTER_S="3")  # a patient reaper would take the fleet's 30 s
     try:
-        with TestClient(create_app(ApiSettings(**urls, redrive_after_s=3), submitter=silent)) as api:
+        with fleet.api(silent, redrive_after_s=3) as api:
             accepted = api.post("/v1/jobs", data={"prompt": "What is the order number?"}, files=files)
         assert accepted.status_code == 202, accepted.text
         (job,) = _all_answered(fleet, [accepted.json()["id"]])
