@@ -183,6 +183,14 @@ def test_a_job_cancelled_while_it_waits_for_the_device_never_reaches_it() -> Non
             after = client.post("/v1/jobs", data={"prompt": "After."}).json()["id"]
             for job_id in (filler, after):  # in order: had the cancelled one run, it would have run before `after`
                 assert _wait(client, job_id, {})["status"] == "succeeded"
+
+            # The consumer counts a batch just after it writes the batch's results: wait until `after`'s is counted
+            # (no batch is marked running any more, and at least the two batches are in).
+            def counted() -> bool:
+                device = store.hgetall("stoker:device")
+                return b"running_since" not in device and int(device.get(b"batches", 0)) >= 2
+
+            wait_for(counted, 30, "the device's counters", [])
             device_items = int(store.hget("stoker:device", "items") or 0)
         assert device_items == 2  # the filler and the one after: never the cancelled one
         job = client.get(f"/v1/jobs/{waiting}").json()
