@@ -12,6 +12,7 @@ fed again is found to exist and never runs twice, and each `custom_id`'s outcome
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -71,15 +72,19 @@ class BatchFeeder:
         """Tick forever (the API's lifespan cancels it)."""
         interval = self.context.settings.batch_feed_interval_s
         lease_s = max(interval * 8, 2.0)
-        while True:
-            try:
-                if await run_in_threadpool(self._lease, lease_s):
-                    await self.tick()
-            except (redis.RedisError, OSError) as exc:
-                log.warning("batch feeder: %s", exc)
-            except Exception:  # the loop must outlive any one batch's failure
-                log.exception("batch feeder: a tick failed")
-            await asyncio.sleep(interval)
+        try:
+            while True:
+                try:
+                    if await run_in_threadpool(self._lease, lease_s):
+                        await self.tick()
+                except (redis.RedisError, OSError) as exc:
+                    log.warning("batch feeder: %s", exc)
+                except Exception:  # the loop must outlive any one batch's failure
+                    log.exception("batch feeder: a tick failed")
+                await asyncio.sleep(interval)
+        finally:  # a clean stop gives the lease up: another API process feeds at once, not when it lapses
+            with contextlib.suppress(redis.RedisError, OSError):
+                self.context.store.leases.release_lease(BATCH_FEEDER_LEASE_KEY, self.token)
 
     def _lease(self, lease_s: float) -> bool:
         return self.context.store.leases.take_lease(BATCH_FEEDER_LEASE_KEY, self.token, lease_s)

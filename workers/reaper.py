@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -65,5 +66,8 @@ def _reap_until_stopped(ctx: WorkerContext) -> int:
             log.warning("reaper cannot reach the store: %s", exc)
         settings.reaper_heartbeat.touch()
         stopping.wait(pace.next_wait(active))
+    if leading:
+        with contextlib.suppress(redis.RedisError):
+            store.leases.release_lease(REAPER_LEASE_KEY, token)
     log.info("reaper %s stopped", token)
     return 0

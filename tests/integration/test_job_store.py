@@ -125,3 +125,18 @@ def test_each_picture_says_whether_its_vision_embeddings_hit_when_the_job_ends(j
         assert [r.encoder for r in job.inputs] == ["hit", "miss", None]
     finally:
         job_store.client.zrem(ACTIVE_KEY, job_id)
+
+
+def test_a_lease_is_given_up_only_by_its_holder(job_store: Store) -> None:
+    leases, key = job_store.leases, f"stoker:test:lease:{uuid.uuid4().hex}"
+    try:
+        assert leases.take_lease(key, "first", 60)
+        assert not leases.take_lease(key, "second", 60)  # held: another waits
+        assert not leases.release_lease(key, "second")  # not its lease: still held
+        assert job_store.client.get(key) == b"first"
+        assert leases.release_lease(key, "first")
+        assert leases.take_lease(key, "second", 60)  # at once, not when the first would have lapsed
+        assert not leases.release_lease(key, "first")  # the old holder cannot take it from the new one
+        assert job_store.client.get(key) == b"second"
+    finally:
+        job_store.client.delete(key)

@@ -13,6 +13,11 @@ if holder and holder ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
+# Give a lease up, only if this token holds it.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 class DeliveryCounter:
@@ -37,7 +42,12 @@ class Leases:
     def __init__(self, client: redis.Redis[bytes]) -> None:
         self.redis = client
         self._lease = client.register_script(_LEASE)
+        self._release = client.register_script(_RELEASE)
 
     def take_lease(self, key: str, token: str, ttl_s: float) -> bool:
         """Take or renew an exclusive lease; False while someone else holds it."""
         return bool(self._lease(keys=[key], args=[token, int(ttl_s * 1000)]))
+
+    def release_lease(self, key: str, token: str) -> bool:
+        """Give up a lease this token holds (a clean stop: the next holder need not wait for it to lapse)."""
+        return bool(self._release(keys=[key], args=[token]))
