@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
 
 def interactive(rate: float, seconds: float, seed: int, tag: str) -> list[Request]:
     """Poisson arrivals of short text jobs, each prompt new (`tag` keeps the phases' prompts apart)."""
-    rng, at, out = random.Random(seed), 0.0, []
+    rng, at = random.Random(seed), 0.0
+    out: list[Request] = []
     while (at := at + rng.expovariate(rate)) < seconds:
         out.append(Request(len(out), at, "text", f"Say one word about item {tag}-{len(out)}-{rng.getrandbits(32)}."))
     return out

@@ -34,8 +34,8 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["STOKER_RESULT_URL"] = f"{base}/{store_db}"
     os.environ["STOKER_CACHE_URL"] = f"{base}/{cache_db}"
     # Short answers keep the suite fast on CPU; every test still checks that the model answered.
-    os.environ.setdefault("STOKER_MAX_NEW_TOKENS", "12")
-    os.environ.setdefault("STOKER_MAX_TOKENS_CAP", "12")  # what a chat without max_tokens may get
+    os.environ.setdefault("STOKER_MAX_NEW_TOKENS", "8")
+    os.environ.setdefault("STOKER_MAX_TOKENS_CAP", "8")  # what a chat without max_tokens may get
     # The API requires keys by default; tests of auth and tenants build their apps with auth=True themselves.
     os.environ["STOKER_AUTH"] = "off"
     # Apps built in this process serve no metrics listener unless a test gives one a port (many run at once).

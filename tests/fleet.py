@@ -35,6 +35,19 @@ QUICK_RECOVERY = {
     "STOKER_REDRIVE_AFTER_S": "30",
     "STOKER_HANDOFF_MAX_WAIT_S": "10",
 }
+#: The same for stacks on the simulated device whose stages see only small pictures and text: a dead worker's
+#: messages come back after 10 s, a lost inference message is re-sent after 10 (every stage's hard limit under
+#: the visibility timeout, the device's batches far under theirs).
+SIM_RECOVERY = {
+    **QUICK_RECOVERY,
+    "STOKER_VISIBILITY_TIMEOUT_S": "10",
+    **{f"STOKER_{stage}_SOFT_S": "6" for stage in ("OCR", "KEYFRAMES", "FETCH", "TRANSCRIBE")},
+    **{f"STOKER_{stage}_HARD_S": "8" for stage in ("OCR", "KEYFRAMES", "FETCH", "TRANSCRIBE")},
+    "STOKER_INFER_BATCH_TIMEOUT_S": "4",
+    "STOKER_INFER_WEDGE_GRACE_S": "2",
+    "STOKER_HANDOFF_MAX_WAIT_S": "5",
+    "STOKER_REDRIVE_AFTER_S": "10",
+}
 
 
 @dataclass

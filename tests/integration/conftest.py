@@ -131,6 +131,15 @@ def client(workers: dict[str, Path], spy: SpySubmitter) -> Iterator[TestClient]:
 
 
 @pytest.fixture(scope="session")
+def one_at_a_time() -> Iterator[Fleet]:
+    """CPU and inference workers on a simulated device that runs one job at a time, for a second: a test can hold
+    the device with one job and act while others wait for it. One fleet for every such test."""
+    settings = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "1000", "STOKER_MAX_BATCH_SIZE": "1"}
+    with own_fleet(settings, kinds=("cpu", "infer")) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="session")
 def vlm_fleet(tiny_vlm: Path) -> Iterator[tuple[FakeServer, Fleet]]:
     """The fake OpenAI-compatible server, and a fleet whose inference worker is the `openai` backend pointed at it,
     serving the tiny VLM (`STOKER_MODEL`: its image processor prepares the pictures, its processor's template builds

@@ -25,7 +25,7 @@ from stoker.adapters.store import Store
 from stoker.core.jobs import ErrorInfo, InputRecord
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
-from tests.fleet import own_fleet
+from tests.fleet import Fleet
 from tests.integration.conftest import SpySubmitter
 from tests.media import text_image
 from tests.serving import serve
@@ -152,9 +152,9 @@ async def _wait_end(http: httpx.AsyncClient, job_id: str, auth: dict[str, str]) 
     return job
 
 
-def test_a_stopped_store_is_a_503_and_service_returns_when_it_continues() -> None:
-    with own_fleet({"STOKER_BACKEND": "sim"}, kinds=("cpu", "infer"), api={"store_timeout_s": 1.0}) as crew:
-        api = crew.client
+def test_a_stopped_store_is_a_503_and_service_returns_when_it_continues(one_at_a_time: Fleet) -> None:
+    crew = one_at_a_time
+    with crew.api(store_timeout_s=1.0) as api:
         first = api.post("/v1/jobs", data={"prompt": "before"}).json()["id"]
         assert _ended(api, first)["status"] == "succeeded"
         os.kill(crew.valkey.pid, signal.SIGSTOP)  # what a partition looks like: connections open, no answers

@@ -28,7 +28,7 @@ from stoker.core.media import ContentHash
 from stoker.core.tenancy import DEFAULT_TENANT, issue_key
 from stoker.settings import ApiSettings
 from tests.conftest import pids_named
-from tests.fleet import own_fleet
+from tests.fleet import Fleet
 from tests.integration.conftest import SessionWorkers, SpySubmitter
 from tests.media import text_image
 from tests.serving import serve
@@ -170,31 +170,31 @@ def test_cancelling_twice_is_409_and_another_tenants_cancel_is_404(
         store_redis.zrem(ACTIVE_KEY, job_id)
 
 
-def test_a_job_cancelled_while_it_waits_for_the_device_never_reaches_it() -> None:
+def test_a_job_cancelled_while_it_waits_for_the_device_never_reaches_it(one_at_a_time: Fleet) -> None:
     # One job at a time on a device that takes 1 s: the second waits for the device while the first runs.
-    device = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "1000", "STOKER_MAX_BATCH_SIZE": "1"}
-    with own_fleet(device, kinds=("cpu", "infer")) as crew:
-        client = crew.client
+    crew = one_at_a_time
+    client = crew.client
+    with crew.store() as store:
+        before = int(store.hget("stoker:device", "batches") or 0), int(store.hget("stoker:device", "items") or 0)
         filler = client.post("/v1/jobs", data={"prompt": "Hold the device."}).json()["id"]
-        with crew.store() as store:
-            wait_for(lambda: store.hexists(f"stoker:job:{filler}", "ts:infer_start"), 30, "the filler's batch", [])
-            waiting = client.post("/v1/jobs", data={"prompt": "Cancel me."}).json()["id"]
-            assert client.delete(f"/v1/jobs/{waiting}").json()["status"] == "cancelled"
-            after = client.post("/v1/jobs", data={"prompt": "After."}).json()["id"]
-            for job_id in (filler, after):  # in order: had the cancelled one run, it would have run before `after`
-                assert _wait(client, job_id, {})["status"] == "succeeded"
+        wait_for(lambda: store.hexists(f"stoker:job:{filler}", "ts:infer_start"), 30, "the filler's batch", [])
+        waiting = client.post("/v1/jobs", data={"prompt": "Cancel me."}).json()["id"]
+        assert client.delete(f"/v1/jobs/{waiting}").json()["status"] == "cancelled"
+        after = client.post("/v1/jobs", data={"prompt": "After."}).json()["id"]
+        for job_id in (filler, after):  # in order: had the cancelled one run, it would have run before `after`
+            assert _wait(client, job_id, {})["status"] == "succeeded"
 
-            # The consumer counts a batch just after it writes the batch's results: wait until `after`'s is counted
-            # (no batch is marked running any more, and at least the two batches are in).
-            def counted() -> bool:
-                device = store.hgetall("stoker:device")
-                return b"running_since" not in device and int(device.get(b"batches", 0)) >= 2
+        # The consumer counts a batch just after it writes the batch's results: wait until `after`'s is counted
+        # (no batch is marked running any more, and at least the two batches are in).
+        def counted() -> bool:
+            device = store.hgetall("stoker:device")
+            return b"running_since" not in device and int(device.get(b"batches", 0)) >= before[0] + 2
 
-            wait_for(counted, 30, "the device's counters", [])
-            device_items = int(store.hget("stoker:device", "items") or 0)
-        assert device_items == 2  # the filler and the one after: never the cancelled one
-        job = client.get(f"/v1/jobs/{waiting}").json()
-        assert (job["status"], job["result"], job["batch"]) == ("cancelled", None, None)
+        wait_for(counted, 30, "the device's counters", [])
+        device_items = int(store.hget("stoker:device", "items") or 0) - before[1]
+    assert device_items == 2  # the filler and the one after: never the cancelled one
+    job = client.get(f"/v1/jobs/{waiting}").json()
+    assert (job["status"], job["result"], job["batch"]) == ("cancelled", None, None)
 
 
 def test_a_tenants_list_pages_through_every_job_once_newest_first(

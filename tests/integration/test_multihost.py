@@ -24,7 +24,7 @@ from stoker.settings import ApiSettings, CommonSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter
 from tests.conftest import missing
-from tests.fleet import QUICK_RECOVERY
+from tests.fleet import SIM_RECOVERY
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
 from workers.broker import free_port
@@ -126,7 +126,7 @@ def hosts() -> Iterator[tuple[Net, TestClient, dict[str, subprocess.Popen[bytes]
         "STOKER_RESULT_URL": f"{base}/1",
         "STOKER_CACHE_URL": f"{base}/2",
         "STOKER_METRICS_PORT": "0",
-        **QUICK_RECOVERY,
+        **SIM_RECOVERY,
         "STOKER_TRACE_EXPORTER": "none",
         # The device is simulated: this test is about hosts and redelivery, and four model copies on a small
         # machine would only test the machine.
@@ -135,7 +135,7 @@ def hosts() -> Iterator[tuple[Net, TestClient, dict[str, subprocess.Popen[bytes]
         "STOKER_SIM_PER_ITEM_MS": "20",
     }
     urls = {"broker_url": env["STOKER_BROKER_URL"], "result_url": env["STOKER_RESULT_URL"]}
-    app = make_app(CommonSettings(**urls, visibility_timeout_s=20))
+    app = make_app(CommonSettings(**urls, visibility_timeout_s=10))
     try:
         wait_for(lambda: redis_answers(f"{base}/0", 0.5), 30, "broker", [procs["broker"]])
         for host in ("1", "2"):
