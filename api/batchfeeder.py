@@ -12,7 +12,6 @@ fed again is found to exist and never runs twice, and each `custom_id`'s outcome
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -31,6 +30,7 @@ from api.files import store_file, sweep_expired_files
 from api.intake import AcceptedRequest
 from api.submission import cancel, submit_line, unmake
 from stoker.adapters.store.batches import PendingLine, Progress
+from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.keys import BATCH_FEEDER_LEASE_KEY
 from stoker.core.batchfiles import (
     BatchErrors,
@@ -83,8 +83,7 @@ class BatchFeeder:
                     log.exception("batch feeder: a tick failed")
                 await asyncio.sleep(interval)
         finally:  # a clean stop gives the lease up: another API process feeds at once, not when it lapses
-            with contextlib.suppress(redis.RedisError, OSError):
-                self.context.store.leases.release_lease(BATCH_FEEDER_LEASE_KEY, self.token)
+            give_up_lease(self.context.settings, BATCH_FEEDER_LEASE_KEY, self.token)
 
     def _lease(self, lease_s: float) -> bool:
         return self.context.store.leases.take_lease(BATCH_FEEDER_LEASE_KEY, self.token, lease_s)

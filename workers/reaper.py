@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -12,6 +11,7 @@ from types import FrameType
 
 import redis
 
+from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.keys import REAPER_LEASE_KEY
 from stoker.core.pacing import Pace
 from stoker.runtime.context import WorkerContext
@@ -67,7 +67,6 @@ def _reap_until_stopped(ctx: WorkerContext) -> int:
         settings.reaper_heartbeat.touch()
         stopping.wait(pace.next_wait(active))
     if leading:
-        with contextlib.suppress(redis.RedisError):
-            store.leases.release_lease(REAPER_LEASE_KEY, token)
+        give_up_lease(settings, REAPER_LEASE_KEY, token)
     log.info("reaper %s stopped", token)
     return 0

@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from stoker.adapters.store import Store
+from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.jobs import Ending
 from stoker.adapters.store.keys import ACTIVE_KEY, blob_holders_key, blob_key, job_blobs_key, job_key, tokens_key
 from stoker.core.deadlines import deadline_for
@@ -16,6 +17,8 @@ from stoker.core.errors import RecordTooLarge
 from stoker.core.jobs import TERMINAL, ErrorInfo, InputRecord, ResultInfo
 from stoker.core.media import ContentHash
 from stoker.core.model import ModelRequest
+from stoker.settings import CommonSettings
+from workers.broker import free_port
 
 
 @pytest.fixture
@@ -140,3 +143,19 @@ def test_a_lease_is_given_up_only_by_its_holder(job_store: Store) -> None:
         assert job_store.client.get(key) == b"second"
     finally:
         job_store.client.delete(key)
+
+
+def test_a_stopping_process_gives_its_lease_up_once_and_a_store_that_is_gone_is_no_error(
+    job_store: Store, store_redis: redis.Redis
+) -> None:
+    key = f"stoker:test:lease:{uuid.uuid4().hex}"
+    url = store_redis.connection_pool.connection_kwargs
+    live = CommonSettings(result_url=f"redis://{url['host']}:{url['port']}/{url['db']}")
+    try:
+        assert job_store.leases.take_lease(key, "me", 60)
+        assert give_up_lease(live, key, "me")
+        assert job_store.client.get(key) is None
+    finally:
+        job_store.client.delete(key)
+    gone = CommonSettings(result_url=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    assert not give_up_lease(gone, key, "me")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import redis
 
+from stoker.adapters.store.clients import store_client
 from stoker.adapters.store.keys import deliveries_key
+from stoker.settings import CommonSettings
 
 # Take or renew a lease held under a token.
 _LEASE = """
@@ -51,3 +55,11 @@ class Leases:
     def release_lease(self, key: str, token: str) -> bool:
         """Give up a lease this token holds (a clean stop: the next holder need not wait for it to lapse)."""
         return bool(self._release(keys=[key], args=[token]))
+
+
+def give_up_lease(settings: CommonSettings, key: str, token: str) -> bool:
+    """A stopping process's goodbye: its lease released on a client of its own that tries once (the store may be
+    gone already, as when the stack stops together), so the stop never waits on retries. False if not released."""
+    with contextlib.suppress(redis.RedisError, OSError), store_client(settings, retries=0) as client:
+        return Leases(client).release_lease(key, token)
+    return False
