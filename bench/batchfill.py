@@ -17,7 +17,6 @@ without), the device's busy share while the batch ran (from `/v1/stats` device s
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import random
 import tempfile
@@ -26,15 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.drive import Run, Sample, drive, sample
 from bench.report import percentile
 from bench.stack import Device, bench_redis, bench_stack
 from bench.workload import Request
+from stoker.adapters.batchclient import ENDED, BatchClient
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BATCH_ENDED = ("completed", "failed", "expired", "cancelled")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -73,26 +70,15 @@ def batch_file(lines: int, model: str, tag: str) -> bytes:
     return "".join(json.dumps(row) + "\n" for row in rows).encode()
 
 
-def submit_batch(http: httpx.Client, data: bytes) -> str:
-    """Upload the file and start its batch; the batch's id."""
-    upload = http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("lines.jsonl", io.BytesIO(data))})
-    upload.raise_for_status()
-    spec = {"input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
-    created = http.post("/v1/batches", json=spec)
-    created.raise_for_status()
-    return str(created.json()["id"])
-
-
-def follow(base: str, batch_id: str, samples: list[Sample], give_up_s: float) -> dict[str, Any]:
+def follow(client: BatchClient, batch_id: str, samples: list[Sample], give_up_s: float) -> dict[str, Any]:
     """Poll the batch (and /v1/stats, into `samples`) every 0.5 s until it ends; the batch as it ended."""
     deadline = time.monotonic() + give_up_s
-    with httpx.Client(base_url=base, timeout=10) as http:
-        while time.monotonic() < deadline:
-            samples.append(sample(http))
-            batch: dict[str, Any] = http.get(f"/v1/batches/{batch_id}").json()
-            if batch["status"] in BATCH_ENDED:
-                return batch
-            time.sleep(0.5)
+    while time.monotonic() < deadline:
+        samples.append(sample(client.http))
+        batch = client.retrieve(batch_id)
+        if batch["status"] in ENDED:
+            return batch
+        time.sleep(0.5)  # polling an HTTP API: the status has no push channel
     raise SystemExit(f"batch {batch_id} did not end within {give_up_s:.0f} s")
 
 
@@ -129,18 +115,21 @@ def main(argv: list[str] | None = None) -> int:
         bench_stack("pipeline", device, redis_base, Path(scratch) / "logs", STOKER_FILES_DIR=scratch) as stack,
     ):
         alone = drive(stack.base, interactive(rate, args.seconds, args.seed, "alone"), give_up_s=60)
-        with httpx.Client(base_url=stack.base, timeout=60) as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
-            batch_id = submit_batch(http, batch_file(args.lines, model, "fill"))
+        client = BatchClient(stack.base)
+        model = client.http.get("/v1/models").json()["data"][0]["id"]
+        lines = Path(scratch) / "lines.jsonl"
+        lines.write_bytes(batch_file(args.lines, model, "fill"))
+        batch_id = client.create(client.upload(lines)["id"])["id"]
         samples: list[Sample] = []
         ended: dict[str, Any] = {}
         follower = threading.Thread(
-            target=lambda: ended.update(follow(stack.base, batch_id, samples, give_up_s=3600)), daemon=True
+            target=lambda: ended.update(follow(client, batch_id, samples, give_up_s=3600)), daemon=True
         )
         follower.start()
         beside = drive(stack.base, interactive(rate, args.seconds, args.seed + 1, "beside"), give_up_s=60)
         follower.join()
-    result = report(args, capacity, rate, alone, beside, ended, samples)
+        client.close()
+    result = report(args, device, capacity, rate, alone, beside, ended, samples)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "batchfill.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
@@ -149,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(
     args: argparse.Namespace,
+    device: Device,
     capacity: float,
     rate: float,
     alone: Run,
@@ -166,7 +156,7 @@ def report(
     without, with_ = latencies(alone), latencies(beside)
     ratio = {q: round(with_[q] / without[q], 2) if with_[q] and without[q] else None for q in ("p50_s", "p99_s")}
     return {
-        "device": Device("sim", args.base_ms, args.per_item_ms, args.batch).describe(),
+        "device": device.describe(),
         "capacity_per_s": round(capacity, 1),
         "interactive_rate_per_s": round(rate, 1),
         "interactive_alone": without,
