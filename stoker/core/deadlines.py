@@ -38,6 +38,15 @@ class JobClock:
     infer_start: float | None = None
     redrives: int = 0
     accepted: float | None = None
+    #: When its first stage started it, and when a stage last wrote an input record (or a band of one).
+    started: float | None = None
+    progressed: float | None = None
+
+    @property
+    def last_progress(self) -> float | None:
+        """The last time the job moved: accepted, started, or a stage result written."""
+        moments = [t for t in (self.accepted, self.started, self.progressed) if t is not None]
+        return max(moments) if moments else None
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class ReapPolicy:
     batch_timeout_s: float = 60.0
     #: After a cut-off, look again this soon in case the hand-over itself did not happen.
     recheck_s: float = 5.0
+    #: The broker's: a message a dead worker held is back in its queue after this long (it outlasts every stage).
+    visibility_timeout_s: float = 300.0
 
 
 Action = Literal["forget", "wait", "cutoff", "expire", "restart", "redrive", "abandon"]
@@ -69,8 +80,9 @@ def decide(clock: JobClock, now: float, policy: ReapPolicy) -> Verdict:
 
     forget   the job is gone or finished
     cutoff   preprocessing budget spent: fail unfinished inputs as deadline_exceeded, go to inference
-    restart  accepted long ago and no stage ever started it: its first message may be lost, send it again (the
-             reaper does so only while the CPU queues are empty, where no message of it can be waiting)
+    restart  its preprocessing messages may be lost, send it again (the reaper does so only while the CPU queues
+             are empty, where no message of it can be waiting): accepted long ago and no stage ever started it, or
+             started and no stage wrote anything for longer than a dead worker's messages take to come back
     expire   deadline passed before the model started: fail the job as deadline_exceeded
     redrive  handed to inference long ago and never started: send it to the inference queue again
     abandon  a batch started so long ago that it will never report: fail the job as inference_failed
@@ -85,15 +97,35 @@ def decide(clock: JobClock, now: float, policy: ReapPolicy) -> Verdict:
     if clock.preprocessed is None:
         if now >= clock.preprocess_by:
             return Verdict("cutoff", min(now + policy.recheck_s, clock.deadline))
-        if clock.status == "queued" and clock.accepted is not None and clock.redrives < policy.max_redrives:
-            restart_at = clock.accepted + policy.redrive_after_s * (clock.redrives + 1)
-            if now >= restart_at:
-                return Verdict("restart", min(now + policy.redrive_after_s, clock.preprocess_by))
-            return Verdict("wait", min(restart_at, clock.preprocess_by))
-        return Verdict("wait", clock.preprocess_by)
+        restart_at = restart_due(clock, policy)
+        if restart_at is None:
+            return Verdict("wait", clock.preprocess_by)
+        if now >= restart_at:
+            return Verdict("restart", min(now + policy.redrive_after_s, clock.preprocess_by))
+        return Verdict("wait", min(restart_at, clock.preprocess_by))
     redrive_at = clock.preprocessed + policy.redrive_after_s * (clock.redrives + 1)
     if clock.redrives < policy.max_redrives and now >= redrive_at:
         return Verdict("redrive", min(now + policy.redrive_after_s, clock.deadline))
     if clock.redrives < policy.max_redrives:
         return Verdict("wait", min(redrive_at, clock.deadline))
     return Verdict("wait", clock.deadline)
+
+
+def restart_due(clock: JobClock, policy: ReapPolicy) -> float | None:
+    """When a job not yet handed to inference is presumed to have lost its preprocessing messages, each try waiting
+    longer than the one before; None when it is not sent again (its re-sends are spent, or no stage can have it).
+
+    Queued: `redrive_after_s` after it was accepted, and no stage started it. Preprocessing: the visibility timeout
+    plus `redrive_after_s` after its last progress. kombu's Redis transport takes a message off its queue before it
+    records it as unacknowledged, so a worker killed in between loses it for good; by then any message of the job
+    that was not lost has run or is back in a queue, which the reaper looks at before it sends anything again.
+    """
+    if clock.redrives >= policy.max_redrives:
+        return None
+    tries = clock.redrives + 1
+    if clock.status == "queued" and clock.accepted is not None:
+        return clock.accepted + policy.redrive_after_s * tries
+    last = clock.last_progress
+    if clock.status == "preprocessing" and last is not None:
+        return last + (policy.visibility_timeout_s + policy.redrive_after_s) * tries
+    return None

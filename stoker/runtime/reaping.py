@@ -27,6 +27,7 @@ def policy(ctx: WorkerContext) -> ReapPolicy:
         redrive_after_s=s.redrive_after_s,
         max_redrives=s.max_redrives,
         batch_timeout_s=s.infer_batch_timeout_s + s.infer_wedge_grace_s,
+        visibility_timeout_s=s.visibility_timeout_s,
     )
 
 
@@ -96,15 +97,23 @@ def resend_lost(ctx: WorkerContext, job_id: str) -> str:
 
 
 def restart(ctx: WorkerContext, job_id: str, clock: JobClock) -> bool:
-    """A job no stage started long after it was accepted: while a CPU queue holds messages, its first one may be
-    waiting there (looked at again later); with them all empty it is nowhere (lost with a worker SIGKILLed as it
-    took it off the queue, or with a process that died between writing the record and publishing): sent again."""
+    """A job whose preprocessing messages may be lost (`deadlines.restart_due`): no stage started it long after it
+    was accepted, or none wrote anything for longer than a dead worker's messages take to come back. While a CPU
+    queue holds messages, one of its may be waiting there (looked at again later); with them all empty it has none
+    left (lost with a worker SIGKILLed as it took one off the queue, or with a process that died between writing the
+    record and publishing): sent to preprocessing again. Its stages pass over inputs that failed or were skipped and
+    downloads already stored; the rest they do again, from the stage cache where a first run left its results."""
     if any(ctx.outbox.queue_depths(CPU_QUEUES).values()):
         return False
-    job = ctx.store.jobs.load_job(job_id)
-    if job is None or job.status != "queued":
+    if ctx.store.watch.clock(job_id) != clock:  # a stage moved it since the verdict: not lost after all
         return False
-    log.warning("job %s: no stage started it and no CPU queue holds anything: sending it again", job_id)
+    job = ctx.store.jobs.load_job(job_id)
+    if job is None or job.status not in ("queued", "preprocessing"):
+        return False
+    if job.status == "queued":
+        log.warning("job %s: no stage started it and no CPU queue holds anything: sending it again", job_id)
+    else:
+        log.warning("job %s: preprocessing stalled and no CPU queue holds anything: sending it again", job_id)
     ctx.store.watch.count_redrive(job_id)
     ctx.outbox.resubmit(job, clock.deadline or None)
     return True

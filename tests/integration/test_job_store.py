@@ -75,6 +75,32 @@ def test_only_a_queued_job_starts(job_store: Store) -> None:
         job_store.client.zrem(ACTIVE_KEY, job_id)
 
 
+def test_every_record_or_band_a_stage_writes_is_progress_the_reaper_reads(job_store: Store) -> None:
+    job_id = _new_job(job_store)
+    try:
+        assert job_store.jobs.mark_started(job_id)
+        clock = job_store.watch.clock(job_id)
+        assert clock.status == "preprocessing"
+        assert clock.progressed is None
+        assert clock.started is not None
+        assert clock.last_progress == clock.started
+        decoded = InputRecord(index=0, kind="image", content_hash="ab" * 32, size_bytes=10, bands=2)
+        assert job_store.jobs.put_input(job_id, "input:0", decoded)
+        written = job_store.watch.clock(job_id).progressed
+        assert written is not None
+        assert written >= clock.started
+        assert job_store.jobs.put_band(job_id, "input:0", 0, decoded) == 1
+        banded = job_store.watch.clock(job_id).progressed
+        assert banded is not None
+        assert banded >= written
+        job_store.jobs.hand_off(job_id, ModelRequest(prompt_ids=[1, 2, 3]), None)
+        assert not job_store.jobs.put_input(job_id, "input:0", decoded)  # refused once handed over: no progress
+        assert job_store.watch.clock(job_id).progressed == banded
+    finally:
+        job_store.jobs.finish(job_id, "cancelled")
+        job_store.client.zrem(ACTIVE_KEY, job_id)
+
+
 def test_a_blob_lives_until_the_last_job_holding_it_ends(job_store: Store) -> None:
     first, second = _new_job(job_store), _new_job(job_store)
     digest = ContentHash(uuid.uuid4().hex * 2)

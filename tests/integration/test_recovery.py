@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from stoker.adapters.store.keys import PROGRESS_FIELD, input_ref, job_key
 from tests.fleet import QUICK_RECOVERY, Fleet, own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
@@ -119,6 +120,37 @@ def test_a_job_whose_first_message_never_reached_the_broker_is_sent_again(fleet:
         assert "sending it again" in tail(fleet.root / "reaper.log")
     finally:
         fleet.kill("reaper", signal.SIGTERM)
+        fleet.start("reaper")
+
+
+def test_a_started_job_whose_next_message_was_lost_is_sent_again(fleet: Fleet) -> None:
+    """A worker SIGKILLed as it took a job's OCR message off the queue (kombu pops it before it records it as
+    unacknowledged): the job's decode ran, nothing else will. Once nothing moved it for the visibility timeout and
+    the redrive delay, with the CPU queues empty, the reaper sends it to preprocessing again and it is answered."""
+    silent = SpySubmitter(forward=False)  # the record is written, its canvas goes nowhere
+    files = [("image", ("stalled.png", text_image(f"ORDER {time.time_ns() % 10000}"), "image/png"))]
+    fleet.kill("reaper", signal.SIGTERM)  # the job is made stalled before any reaper sees it
+    try:
+        with fleet.api(silent, redrive_after_s=3) as api:
+            accepted = api.post("/v1/jobs", data={"prompt": "What is the order number?"}, files=files)
+        assert accepted.status_code == 202, accepted.text
+        job_id = accepted.json()["id"]
+        # Its first stage alone, as a real worker runs it: the job starts, the decoded image is written; the OCR
+        # message that would follow it never exists.
+        fleet.app.signature("stoker.decode", args=(job_id, input_ref(0)), immutable=True).apply_async()
+        with fleet.store() as store:
+            _until(lambda: store.hexists(job_key(job_id), PROGRESS_FIELD), 60, "the decoded image to be written")
+            assert store.hget(job_key(job_id), "status") == b"preprocessing"
+            fleet.start("reaper", STOKER_REDRIVE_AFTER_S="3")  # a patient reaper would take the fleet's 30 s
+            (job,) = _all_answered(fleet, [job_id])
+            assert job["status"] == "succeeded", job  # preprocessed and answered after the re-send, nothing failed
+            assert job["inputs"][0]["status"] == "ok", job["inputs"]
+            assert store.hget(job_key(job_id), "redrives") == b"1"  # sent again once
+        assert [j for j, _ in silent.calls] == [job_id]  # the API sent it once (nowhere); the reaper the rest
+        assert "preprocessing stalled" in tail(fleet.root / "reaper.log")
+    finally:
+        if fleet.procs["reaper"].poll() is None:
+            fleet.kill("reaper", signal.SIGTERM)
         fleet.start("reaper")
 
 

@@ -76,5 +76,51 @@ def test_a_job_no_stage_started_is_restarted_a_bounded_number_of_times() -> None
     assert decide(again, 45.0, POLICY) == Verdict("wait", 60.0)  # the next try waits twice as long
     spent = _clock(status="queued", deadline=1000.0, preprocess_by=900.0, accepted=0.0, redrives=2)
     assert decide(spent, 500.0, POLICY) == Verdict("wait", 900.0)  # then only the cut-off is left
-    started = _clock(status="preprocessing", deadline=1000.0, preprocess_by=900.0, accepted=0.0)
-    assert decide(started, 500.0, POLICY) == Verdict("wait", 900.0)  # a stage has it: never sent twice
+    started = _clock(status="preprocessing", deadline=1000.0, preprocess_by=900.0, accepted=0.0, started=400.0)
+    # A stage has it: not sent again before its messages could have come back (visibility timeout 300 + 30).
+    assert decide(started, 500.0, POLICY) == Verdict("wait", 730.0)
+
+
+#: The reaper's patience with a started job: the visibility timeout (10) plus redrive_after_s (30) per try.
+STALL = ReapPolicy(redrive_after_s=30.0, max_redrives=2, batch_timeout_s=60.0, recheck_s=5.0, visibility_timeout_s=10.0)
+
+
+def _started(**fields: float | int | str | None) -> JobClock:
+    """A job a stage started at 0 (accepted just before), with a long budget."""
+    base = {"deadline": 1000.0, "preprocess_by": 900.0, "accepted": -1.0, "started": 0.0}
+    return _clock(**{**base, **fields})
+
+
+def test_a_started_job_that_stopped_moving_is_restarted_past_the_visibility_timeout() -> None:
+    assert decide(_started(), 39.0, STALL) == Verdict("wait", 40.0)  # any live message may still come back
+    assert decide(_started(), 40.0, STALL) == Verdict("restart", 70.0)
+
+
+def test_a_started_job_restarts_from_its_last_progress() -> None:
+    moved = _started(progressed=25.0)  # a stage wrote a record at 25
+    assert decide(moved, 40.0, STALL) == Verdict("wait", 65.0)
+    assert decide(moved, 65.0, STALL).action == "restart"
+
+
+def test_a_started_job_is_restarted_a_bounded_number_of_times() -> None:
+    again = _started(redrives=1)
+    assert decide(again, 60.0, STALL) == Verdict("wait", 80.0)  # the next try waits twice as long
+    assert decide(again, 80.0, STALL).action == "restart"
+    spent = _started(redrives=2)
+    assert decide(spent, 500.0, STALL) == Verdict("wait", 900.0)  # then only the cut-off is left
+
+
+def test_a_started_job_is_cut_off_not_restarted_once_its_budget_is_spent() -> None:
+    assert decide(_started(preprocess_by=30.0), 35.0, STALL).action == "cutoff"
+    assert decide(_started(preprocess_by=35.0), 20.0, STALL) == Verdict("wait", 35.0)
+
+
+def test_a_job_handed_to_inference_is_never_restarted() -> None:
+    handed = _started(status="inferring", preprocessed=5.0, redrives=2)
+    assert decide(handed, 500.0, STALL) == Verdict("wait", 1000.0)
+
+
+def test_the_last_progress_is_the_latest_of_accepted_started_and_written() -> None:
+    assert _started(progressed=7.0).last_progress == 7.0
+    assert _started().last_progress == 0.0
+    assert JobClock(status="queued", deadline=1.0, preprocess_by=1.0).last_progress is None

@@ -19,6 +19,7 @@ from stoker.adapters.store.keys import (
     CANCELLED_CHANNEL,
     IN_FLIGHT_GRACE_S,
     JOB_COUNTS_KEY,
+    PROGRESS_FIELD,
     band_ref,
     bands_in_ref,
     done_channel,
@@ -57,14 +58,15 @@ from stoker.core.tenancy import DEFAULT_TENANT
 TERMINAL_LUA = "local TERMINAL = {" + ", ".join(f"{status} = true" for status in sorted(TERMINAL)) + "}\n"
 
 # An input record is written only while its job is still preprocessing: once the prompt was built from the
-# records, a stage finishing late must not change what the job says it used. `rev` counts the writes.
+# records, a stage finishing late must not change what the job says it used. `rev` counts the writes, and the
+# progress stamp says when the last one was (the reaper re-sends a preprocessing job that stopped moving).
 # Nor once the job ended (cancelled while a stage ran): no half-written record.
 _PUT_INPUT = (
     TERMINAL_LUA
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'ts:preprocessed') == 1 then return 0 end
 if TERMINAL[redis.call('HGET', KEYS[1], 'status')] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'rev', 1)
 return 1
 """
@@ -116,11 +118,13 @@ redis.call('PUBLISH', KEYS[4], ARGV[2])
 
 # One band of a page OCR'd in bands (`stoker.runtime.bands`): kept beside the page's record while the job is still
 # preprocessing; the answer is how many of the page's bands are in, so the one that brings in the last joins them.
+# A band that comes in is progress too, stamped like an input record.
 _PUT_BAND = (
     TERMINAL_LUA
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'ts:preprocessed') == 1 then return -1 end
 if TERMINAL[redis.call('HGET', KEYS[1], 'status')] then return -1 end
+redis.call('HSET', KEYS[1], ARGV[4], ARGV[5])
 if redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   return redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 end
@@ -263,16 +267,18 @@ class JobRepository:
         return InputRecord.model_validate_json(raw) if raw else None
 
     def put_input(self, job_id: str, ref: str, record: InputRecord) -> bool:
-        """Replace one record, unless the job already went to inference (or is gone); True if written.
+        """Replace one record, unless the job already went to inference (or is gone); True if written. The job's
+        progress stamp (`PROGRESS_FIELD`) is written with it.
 
         Each record has a single writer at a time (its own chain; the reaper only after a cut-off).
         """
-        return bool(self._put_input(keys=[job_key(job_id)], args=[ref, record.model_dump_json()]))
+        args = [ref, record.model_dump_json(), PROGRESS_FIELD, repr(time.time())]
+        return bool(self._put_input(keys=[job_key(job_id)], args=args))
 
     def put_band(self, job_id: str, ref: str, band: int, record: InputRecord) -> int:
         """Keep one band's outcome of a page OCR'd in bands; how many of its bands are in now (a band redelivered
         counts once), or -1 when the job went on without it (handed over, ended or gone)."""
-        args = [band_ref(ref, band), record.model_dump_json(), bands_in_ref(ref)]
+        args = [band_ref(ref, band), record.model_dump_json(), bands_in_ref(ref), PROGRESS_FIELD, repr(time.time())]
         return int(self._put_band(keys=[job_key(job_id)], args=args))
 
     def bands(self, job_id: str, ref: str, count: int) -> list[InputRecord | None]:

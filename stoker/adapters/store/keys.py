@@ -33,6 +33,10 @@ def bands_in_ref(ref: str) -> str:
     return f"bands:{ref}"
 
 
+#: Field of a job's hash: when a stage last wrote one of its input records or bands (the reaper's sign of progress).
+PROGRESS_FIELD = "ts:progress"
+
+
 def deliveries_key(task_id: str) -> str:
     """How many times a task message was delivered to a worker."""
     return f"{PREFIX}:deliveries:{task_id}"

@@ -8,7 +8,7 @@ from typing import Literal
 import redis
 
 from stoker.adapters.store.jobs import TERMINAL_LUA
-from stoker.adapters.store.keys import ACTIVE_KEY, job_key, tokens_key
+from stoker.adapters.store.keys import ACTIVE_KEY, PROGRESS_FIELD, job_key, tokens_key
 from stoker.core.deadlines import JobClock
 from stoker.core.jobs import TERMINAL
 
@@ -34,7 +34,17 @@ class Watchlist:
 
     def clock(self, job_id: str) -> JobClock:
         """Where a job stands against its deadlines."""
-        names = ("status", "deadline", "preprocess_by", "ts:preprocessed", "ts:infer_start", "redrives", "ts:accepted")
+        names = (
+            "status",
+            "deadline",
+            "preprocess_by",
+            "ts:preprocessed",
+            "ts:infer_start",
+            "redrives",
+            "ts:accepted",
+            "ts:started",
+            PROGRESS_FIELD,
+        )
         raw = dict(zip(names, self.redis.hmget(job_key(job_id), names), strict=True))
 
         def number(name: str) -> float | None:
@@ -49,6 +59,8 @@ class Watchlist:
             infer_start=number("ts:infer_start"),
             redrives=int(number("redrives") or 0),
             accepted=number("ts:accepted"),
+            started=number("ts:started"),
+            progressed=number(PROGRESS_FIELD),
         )
 
     def stage_gate(self, job_id: str, now: float | None = None) -> Literal["open", "ended", "spent"]:
