@@ -51,6 +51,7 @@ from stoker.core.batchfiles import (
 )
 from stoker.core.errors import BatchCancelled, BatchExpired, StokerError, error_class
 from stoker.core.jobs import ErrorInfo, Job
+from stoker.core.queues import inference_depth
 
 log = logging.getLogger(__name__)
 #: The most lines fed in one tick (taken in concurrently).
@@ -116,7 +117,7 @@ class BatchFeeder:
         if settings.auth and settings.max_jobs_in_flight > 0:  # leave a tenant room for its interactive jobs
             most = min(most, max(settings.max_jobs_in_flight // 2, 1))
         room = batch_room(depths, in_flight, max_in_flight=most, room=marks, holding=self.holding)
-        infer = depths.get("infer", 0)
+        infer = inference_depth(depths)
         self.holding = infer > settings.infer_high_watermark or (self.holding and infer > settings.infer_low_watermark)
         return room
 

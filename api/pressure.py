@@ -16,7 +16,7 @@ from stoker.adapters.broker import queue_depths, transport_options
 from stoker.adapters.store import Store
 from stoker.core.pacing import Pace
 from stoker.core.pressure import DrainMeter, QueueState, Refusal, StoreMemory, admit, drain_rate
-from stoker.core.queues import CPU_QUEUES, QUEUES, SYNC_QUEUE
+from stoker.core.queues import CPU_QUEUES, INFER_BATCH_QUEUE, QUEUES, SYNC_QUEUE
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,11 @@ class QueueMonitor:
     def refusal(self) -> Refusal | None:
         """Why a new job must be refused now, if it must."""
         snapshot = self.fresh()
-        return admit(snapshot.queues, self.settings.admission_resume_ratio) if snapshot else None
+        if snapshot is None:
+            return None
+        # Batch lines are fed only into the room the queues leave: their own queue never turns a client away.
+        queues = [q for q in snapshot.queues if q.name != INFER_BATCH_QUEUE]
+        return admit(queues, self.settings.admission_resume_ratio)
 
     def store_full(self) -> StoreMemory | None:
         """The store's memory, when it is too full for new jobs (as last seen)."""

@@ -169,7 +169,7 @@ def _start_device(ctx: WorkerContext, consume: bool) -> None:
         policy = BatchPolicy(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_s=s.max_wait_ms / 1000
         )
-        _process.feeder = Feeder(ctx, policy, dog)
+        _process.feeder = Feeder(ctx, policy, dog, lines=ctx.batch_lines)
         _process.feeder.start()
 
 

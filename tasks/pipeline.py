@@ -18,6 +18,7 @@ from celery.canvas import Signature, _chain
 from stoker.adapters.broker import class_priority, queue_depths
 from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.core.jobs import InputRecord, Job, JobClass
+from stoker.core.queues import INFER_BATCH_QUEUE
 
 #: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached).
 Start = Literal["preprocess", "tokenize", "infer"]
@@ -129,13 +130,15 @@ def _image_branch(app: Celery, job_id: str, ref: str) -> Signature:
 def infer_signature(
     job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery, job_class: JobClass = "interactive"
 ) -> Signature:
-    """The inference message: the job, and what the batching policy needs without a store lookup (a batch line
-    says so, and waits behind interactive jobs in the broker and on the device)."""
+    """The inference message: the job, and what the batching policy needs without a store lookup. A batch line
+    says so and goes to a queue of its own, which the inference consumer takes from only when no interactive
+    request waits (`stoker.runtime.feeder`)."""
     kwargs: dict[str, object] = {"job_id": job_id, "prompt_tokens": prompt_tokens, "deadline": deadline}
     if job_class == "interactive":
         return app.signature("stoker.infer", kwargs=kwargs)
     kwargs["job_class"] = job_class
-    return app.signature("stoker.infer", kwargs=kwargs, priority=class_priority(app.conf.broker_url or "", job_class))
+    priority = class_priority(app.conf.broker_url or "", job_class)
+    return app.signature("stoker.infer", kwargs=kwargs, queue=INFER_BATCH_QUEUE, priority=priority)
 
 
 def enqueue_inference(

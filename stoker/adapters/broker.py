@@ -4,6 +4,7 @@ transport every stoker process's Celery app uses on a Redis broker."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -132,3 +133,80 @@ def transport_options(broker_url: str, visibility_timeout_s: int, timeout_s: flo
         "unacked_mutex_expire": 30,
         **bounded,
     }
+
+
+class PulledMessage:
+    """A message taken from a queue by `PulledQueue.take`, held until it is acked or handed back (the `Message`
+    seam of the inference consumer, as a Celery request is)."""
+
+    def __init__(self, message: Any, lock: threading.Lock) -> None:
+        self._message = message
+        self._lock = lock
+        _, kwargs, _ = message.decode()  # Celery's message protocol 2: [args, kwargs, embed]
+        self.kwargs: dict[str, Any] | None = kwargs
+        self.id: str = str(message.headers.get("id"))
+
+    def acknowledge(self) -> None:
+        """Done with: the broker forgets it (a connection lost meanwhile leaves it to the broker's redelivery)."""
+        with self._lock:
+            self._quietly(self._message.ack)
+
+    def reject(self, requeue: bool = False) -> None:
+        """Handed back: to the front of its queue, with requeue."""
+        with self._lock:
+            self._quietly(lambda: self._message.reject(requeue=requeue))
+
+    def _quietly(self, settle: Any) -> None:
+        try:
+            settle()
+        except Exception as exc:  # the channel is gone: the broker redelivers the message (visibility timeout)
+            log.warning("could not settle message %s: %s", self.id, exc)
+
+
+class PulledQueue:
+    """One queue read a message at a time, when the reader has room, instead of consumed with a prefetch.
+
+    Celery's consumer takes messages from every queue it consumes as long as its prefetch has room: a queue of
+    low-priority work would fill that room and leave none for a higher-priority message published a moment later.
+    Reading this queue directly (kombu's `basic_get`, on any transport) keeps its messages in the broker until the
+    reader wants one. Taken messages are held unacked like a consumer's (redelivered if this process dies). One
+    lock serialises the channel: a kombu channel is not safe across threads, and messages are settled elsewhere.
+    """
+
+    def __init__(self, url: str, queue: Queue, **connection_options: Any) -> None:
+        self.url = url
+        self.queue = queue
+        self.options = connection_options
+        self._lock = threading.Lock()
+        self._connection: Connection | None = None
+        self._channel: Any = None
+
+    def take(self) -> PulledMessage | None:
+        """The next message waiting, or None when the queue is empty; raises while the broker does not answer."""
+        with self._lock:
+            try:
+                message = self._open().basic_get(self.queue.name, no_ack=False)
+            except Exception:
+                self._drop()
+                raise
+        return None if message is None else PulledMessage(message, self._lock)
+
+    def close(self) -> None:
+        """Drop the connection (messages taken and not settled go back to the queue, as a consumer's would)."""
+        with self._lock:
+            self._drop()
+
+    def _open(self) -> Any:
+        if self._channel is None:
+            self._connection = Connection(self.url, **self.options)  # type: ignore[no-untyped-call]
+            self._channel = self._connection.channel()  # type: ignore[no-untyped-call]
+            self.queue.bind(self._channel).declare()  # type: ignore[no-untyped-call]
+        return self._channel
+
+    def _drop(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
+            try:
+                connection.release()  # type: ignore[no-untyped-call]
+            except Exception:  # already broken: nothing left to release
+                log.debug("releasing a pulled queue's connection failed", exc_info=True)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from stoker.core.pressure import room_to_enqueue
+from stoker.core.queues import INFER_QUEUES, inference_depth
 
 #: OpenAI's batch statuses; the last five end a batch.
 BatchStatus = Literal[
@@ -239,10 +240,10 @@ def batch_room(depths: dict[str, int], in_flight: int, *, max_in_flight: int, ro
     CPU queue is past half its admission limit; else what keeps the lines in the pipeline under `max_in_flight` and
     the inference queue at its low watermark.
     Batch lines are fed into the room interactive traffic leaves, never dumped whole."""
-    infer = depths.get("infer", 0)
+    infer = inference_depth(depths)
     if not room_to_enqueue(infer, room.infer_high, room.infer_low, holding):
         return 0
-    if any(depth * 2 >= room.cpu_limit for name, depth in depths.items() if name != "infer"):
+    if any(depth * 2 >= room.cpu_limit for name, depth in depths.items() if name not in INFER_QUEUES):
         return 0
     # Never more than up to the low watermark: the room above it stays the interactive jobs', so tokenize never
     # holds one of them back because batch lines filled the inference queue.

@@ -106,16 +106,29 @@ def plan_batch(waiting: Sequence[Waiting], now: float, policy: BatchPolicy, devi
     return Plan(alive[:take], expired, rest, rest[0].arrived + policy.max_wait_s if rest else None)
 
 
-def top_up(waiting: Sequence[Waiting], have: int, have_tokens: int, now: float, policy: BatchPolicy) -> Plan:
+def top_up(
+    waiting: Sequence[Waiting],
+    have: int,
+    have_tokens: int,
+    now: float,
+    policy: BatchPolicy,
+    interactive_in_batch: bool = False,
+) -> Plan:
     """What joins the batch being prepared now, beside the `have` requests (of `have_tokens` prompt tokens)
     already in it: the oldest waiting requests that fit its size and token budget (interactive ones before any
     batch line), and those past their deadline.
+
+    A batch line never shares a batch with an interactive request (`interactive_in_batch`: the batch already
+    holds one): on a device whose batch takes longer the fuller it is, a line would make the interactive
+    request's batch slower. Lines wait for a batch of their own.
 
     Work-conserving: nothing is held back to wait for company (`start_at` decides when the device starts).
     A request larger than the whole token budget still goes, alone, in a batch of its own.
     """
     expired = [w for w in waiting if w.deadline is not None and w.deadline <= now]
-    alive = sorted((w for w in waiting if w.deadline is None or w.deadline > now), key=lambda w: w.order)
+    queued = sorted((w for w in waiting if w.deadline is None or w.deadline > now), key=lambda w: w.order)
+    lines_wait = interactive_in_batch or any(not w.batch for w in queued)
+    alive = [w for w in queued if not (lines_wait and w.batch)]
     take, tokens = 0, have_tokens
     while take < len(alive) and have + take < policy.max_batch_size:
         alone = have + take == 0
@@ -123,8 +136,8 @@ def top_up(waiting: Sequence[Waiting], have: int, have_tokens: int, now: float, 
             break
         tokens += alive[take].tokens
         take += 1
-    rest = alive[take:]
-    return Plan(alive[:take], expired, rest, None)
+    run = alive[:take]
+    return Plan(run, expired, queued[len(run) :], None)
 
 
 def start_at(arrivals: Sequence[float], now: float, policy: BatchPolicy) -> float | None:

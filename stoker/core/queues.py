@@ -3,16 +3,29 @@ messages a job puts on them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 #: The bands of dense pages (`stoker.ocr_band`): a queue of their own beside `ocr`, which a worker's consumer takes
 #: from in turn with every other queue (kombu rotates them), so a small page waits behind at most a band or two,
 #: never behind every band of the large pages that came before it, and bands are never starved by small pages.
 OCR_BANDS_QUEUE = "ocr_bands"
+#: Batch lines' inference messages: a queue of their own, which the inference consumer pulls from only into room
+#: interactive requests leave (`stoker.runtime.feeder`), so they never hold the prefetch an interactive request
+#: needs to reach the consumer while the device runs.
+INFER_BATCH_QUEUE = "infer_batch"
+#: The queues inference messages wait in: interactive jobs', then batch lines'.
+INFER_QUEUES = ("infer", INFER_BATCH_QUEUE)
 #: Every queue stoker's workers consume, in pipeline order (celeryconfig routes tasks onto them).
-QUEUES = ("decode", "ocr", OCR_BANDS_QUEUE, "asr", "tokenize", "infer")
+QUEUES = ("decode", "ocr", OCR_BANDS_QUEUE, "asr", "tokenize", *INFER_QUEUES)
 CPU_QUEUES = ("decode", "ocr", OCR_BANDS_QUEUE, "asr", "tokenize")
+
+
+def inference_depth(depths: Mapping[str, int]) -> int:
+    """Inference messages waiting, interactive and batch lines together."""
+    return sum(depths.get(name, 0) for name in INFER_QUEUES)
+
+
 #: Completion callbacks of ended jobs (served by the CPU workers; not a stage, so not under admission limits).
 CALLBACK_QUEUE = "callbacks"
 #: The synchronous baseline's one queue (`STOKER_PIPELINE_MODE=sync`, benchmarks only): whole jobs wait here.

@@ -21,6 +21,7 @@ from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.backends.tokenizer import PromptTokenizer, file_identity, load_prompt_tokenizer, load_tokenizer
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.backends.vlm import VisionEncoder, VisionLanguagePredictor, is_vision_language
+from stoker.adapters.broker import PulledQueue, declare_queues, redis_transport, transport_options
 from stoker.adapters.cache import StageCache
 from stoker.adapters.embeddings import EmbeddingCache, SharedEmbeddings
 from stoker.adapters.metrics import DeviceClock
@@ -36,8 +37,9 @@ from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_rgb, served_pi
 from stoker.core.media import ContentHash
 from stoker.core.model import Predictor
 from stoker.core.ocr import tesseract_version
+from stoker.core.queues import INFER_BATCH_QUEUE
 from stoker.core.urls import Allowlist
-from stoker.runtime.seams import Outbox
+from stoker.runtime.seams import LineSource, Outbox
 from stoker.settings import WorkerSettings
 
 
@@ -65,6 +67,19 @@ class WorkerContext:
     def cache(self) -> StageCache:
         """This worker's stage-result cache (disabled when STOKER_CACHE_ENABLED is false)."""
         return StageCache.connect(self.settings)
+
+    @cached_property
+    def batch_lines(self) -> LineSource:
+        """Where the inference consumer takes batch lines from when it has room for them: their own queue."""
+        s = self.settings
+        queue = next(q for q in declare_queues(s.broker_url) if q.name == INFER_BATCH_QUEUE)
+        return PulledQueue(
+            s.broker_url,
+            queue,
+            transport=redis_transport(s.broker_url),
+            transport_options=transport_options(s.broker_url, s.visibility_timeout_s),
+            ssl=s.redis_tls(s.broker_url) or False,
+        )
 
     @cached_property
     def device_clock(self) -> DeviceClock:

@@ -31,12 +31,14 @@ from stoker.core.batching import BatchPolicy, Plan, Waiting, start_at, top_up
 from stoker.core.pacing import Pace
 from stoker.runtime.batches import BatchItem, RanBatch, expire, fail_batch, load_batch, run_batch, write_batch
 from stoker.runtime.context import WorkerContext
-from stoker.runtime.seams import Message
+from stoker.runtime.seams import LineSource, Message
 from stoker.runtime.watchdog import BatchWatchdog
 
 log = logging.getLogger(__name__)
 
 
+#: How soon an empty batch-line queue is looked at again while lines come (it backs off while none do).
+LINE_POLL_S = 0.02
 #: Cancelled job ids kept in memory before the oldest are forgotten, and for how long at least.
 CANCELLED_KEPT = 4096
 CANCELLED_TTL_S = 600.0
@@ -45,11 +47,23 @@ CANCELLED_TTL_S = 600.0
 class Feeder:
     """Collects arriving inference messages into batches and keeps the device running them back to back."""
 
-    def __init__(self, ctx: WorkerContext, policy: BatchPolicy, watchdog: BatchWatchdog, beat_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        policy: BatchPolicy,
+        watchdog: BatchWatchdog,
+        beat_s: float = 1.0,
+        lines: LineSource | None = None,
+    ) -> None:
         self.ctx = ctx
         self.policy = policy
         self.watchdog = watchdog
         self.beat_s = beat_s
+        #: Where batch lines are taken from (their own queue), into room interactive requests leave.
+        self.lines = lines
+        self.line_batch = min(ctx.settings.line_batch_size, policy.max_batch_size)
+        #: How often an empty line queue is looked at: soon while lines come, slower and slower while none do.
+        self.line_pace = Pace(LINE_POLL_S, ctx.settings.idle_max_wait_s)
         #: The heartbeat's pace: every `beat_s` while the consumer holds jobs, slower while it holds none.
         self.pace = Pace(beat_s, ctx.settings.idle_max_wait_s)
         self._beat_now = threading.Event()
@@ -89,15 +103,18 @@ class Feeder:
             self._cond.notify_all()
 
     def start(self) -> None:
-        """Start the collector, device, writer and heartbeat threads."""
-        for name, loop in (
+        """Start the collector, device, writer and heartbeat threads (and the batch lines' taker, with lines)."""
+        loops = [
             ("collector", self._collect),
             ("device", self._run),
             ("writer", self._write),
             ("errands", self._run_errands),
             ("heartbeat", self._beat),
             ("cancellations", self._hear_cancellations),
-        ):
+        ]
+        if self.lines is not None:
+            loops.append(("lines", self._take_lines))
+        for name, loop in loops:
             threading.Thread(target=_forever(loop, self._stopping), name=f"infer-{name}", daemon=True).start()
 
     def give_back(self, wedged: bool = False) -> None:
@@ -119,6 +136,8 @@ class Feeder:
                 message.reject(requeue=True)
         for message in others:
             message.reject(requeue=True)
+        if self.lines is not None:
+            self.lines.close()
         self.ctx.store.consumers.leave(self.consumer)
 
     # -- the collector ------------------------------------------------------------------------------------------
@@ -147,26 +166,26 @@ class Feeder:
         """What joins the prepared batch now (called holding the lock); None when nothing would change."""
         if not self._waiting:
             return None
-        if len(self._prepared) >= self.policy.max_batch_size and not self._make_room_for_interactive():
+        if any(not w.batch for w, _ in self._waiting.values()):
+            self._lines_make_way()
+        if len(self._prepared) >= self.policy.max_batch_size:
             return None
         waiting = [w for w, _ in self._waiting.values()]
         tokens = sum(len(i.request.prompt_ids) for i in self._prepared)
-        plan = top_up(waiting, len(self._prepared), tokens, time.time(), self.policy)
+        interactive = any(i.message is None or not _is_batch_line(i.message) for i in self._prepared)
+        plan = top_up(waiting, len(self._prepared), tokens, time.time(), self.policy, interactive)
         return plan if plan.run or plan.expired else None
 
-    def _make_room_for_interactive(self) -> bool:
-        """A full prepared batch gives batch lines back to the waiting ones while interactive requests wait, so an
-        interactive request waits at most for the batch on the device (called holding the lock); True if any went
-        back."""
-        interactive = sum(1 for w, _ in self._waiting.values() if not w.batch)
-        lines = [i for i in self._prepared if i.message is not None and _is_batch_line(i.message)]
-        back = lines[len(lines) - min(interactive, len(lines)) :]
+    def _lines_make_way(self) -> None:
+        """Interactive requests wait: the batch lines of the prepared batch go back to the waiting ones, so the next
+        batch is the interactive requests' alone and each waits at most for the batch on the device (called
+        holding the lock)."""
+        back = [i for i in self._prepared if i.message is not None and _is_batch_line(i.message)]
         for item in back:
             assert item.message is not None
             self._waiting[item.message.id] = (as_waiting(item.message, item.arrived), item.message)
         gone = {id(i) for i in back}
         self._prepared = [i for i in self._prepared if id(i) not in gone]
-        return bool(back)
 
     def _load(self, messages: list[Message]) -> list[BatchItem]:
         """The messages' jobs, loaded in one round trip; messages with nothing left to do are done with."""
@@ -183,6 +202,39 @@ class Feeder:
             if by_job.get(_job_of(message)) is not message or _job_of(message) not in loaded:
                 self._done_with(message)  # a duplicate, or a job that ended or expired
         return [replace(item, message=by_job[job_id]) for job_id, item in loaded.items()]
+
+    # -- batch lines --------------------------------------------------------------------------------------------
+    def _take_lines(self) -> None:
+        """Batch lines are taken from their own queue only into room interactive requests leave: none while an
+        interactive request waits, and never more than `line_batch` held before the device takes them. So the
+        prefetch an interactive request reaches the consumer through is never full of lines, and the device
+        always has a batch of lines ready when no interactive request waits."""
+        assert self.lines is not None
+        with self._cond:
+            room = self._room_for_lines()
+            while not room and not self._stopping.is_set():
+                self._cond.wait()
+                room = self._room_for_lines()
+        if self._stopping.is_set():
+            return
+        try:
+            taken = _take(self.lines, room)
+        except Exception as exc:  # the broker is away: look again shortly
+            log.warning("cannot take batch lines: %s", exc)
+            self._stopping.wait(1.0)
+            return
+        if taken:
+            self.add(taken)
+        self._stopping.wait(self.line_pace.next_wait(active=bool(taken)) if len(taken) < room else 0)
+
+    def _room_for_lines(self) -> int:
+        """How many more batch lines the consumer may hold now (called holding the lock)."""
+        waiting = [w for w, _ in self._waiting.values()]
+        if any(not w.batch for w in waiting):
+            return 0
+        prepared = sum(1 for i in self._prepared if i.message is not None and _is_batch_line(i.message))
+        loading = sum(1 for m in self._loading if _is_batch_line(m))
+        return max(self.line_batch - len(waiting) - prepared - loading, 0)
 
     # -- the device ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -334,6 +386,17 @@ def _forever(step: Callable[[], None], stopping: threading.Event) -> Callable[[]
                 time.sleep(0.5)
 
     return loop
+
+
+def _take(lines: LineSource, limit: int) -> list[Message]:
+    """Up to `limit` batch lines waiting in their queue."""
+    taken: list[Message] = []
+    while len(taken) < limit:
+        message = lines.take()
+        if message is None:
+            break
+        taken.append(message)
+    return taken
 
 
 def take_arrived(buffer: Queue[Message], limit: int) -> list[Message]:

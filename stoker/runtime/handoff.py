@@ -15,10 +15,11 @@ from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.adapters.tracing import stage_span
 from stoker.core.cachekeys import PipelineContext, prompt_address
 from stoker.core.errors import DeadlineExceeded, StokerError
-from stoker.core.jobs import ErrorInfo, InputRecord, Job, input_failure, settle_video
+from stoker.core.jobs import ErrorInfo, InputRecord, Job, JobClass, input_failure, settle_video
 from stoker.core.model import ModelRequest
 from stoker.core.pressure import room_to_enqueue
 from stoker.core.prompting import attachment_for, build_prompt, model_request
+from stoker.core.queues import INFER_QUEUES
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.stage import follower_wait, through_cache, time_limit
 
@@ -61,16 +62,19 @@ def tokenize_job(ctx: WorkerContext, job_id: str, backpressure: bool = True, enq
         _remember_inputs(ctx, context, job.inputs, scope)
         deadline = store.watch.clock(job_id).deadline or None
         if backpressure:
-            wait_for_room(ctx, job_id, deadline)
+            wait_for_room(ctx, job_id, deadline, job.job_class)
         if enqueue:
             ctx.outbox.enqueue_inference(job_id, len(request.prompt_ids), deadline, job.job_class)
         return {"job_id": job_id, "prompt_tokens": len(request.prompt_ids)}
     return {"job_id": job_id, "skipped": True}
 
 
-def wait_for_room(ctx: WorkerContext, job_id: str, deadline: float | None) -> float:
+def wait_for_room(
+    ctx: WorkerContext, job_id: str, deadline: float | None, job_class: JobClass = "interactive"
+) -> float:
     """Hold the job while the inference queue is above its high watermark, until it drains to the low one, the
-    wait limit passes or the job's deadline does; returns the seconds waited.
+    wait limit passes or the job's deadline does; returns the seconds waited. An interactive job counts the
+    interactive queue only (batch lines never hold it back); a batch line counts both.
 
     Holding it here stalls this CPU worker: its prefetch bounds what it takes, and the CPU queues grow in the
     broker (where admission control sees them) instead of the inference queue or any worker's memory.
@@ -79,8 +83,9 @@ def wait_for_room(ctx: WorkerContext, job_id: str, deadline: float | None) -> fl
     started = time.time()
     until = min(started + s.handoff_max_wait_s, deadline or float("inf"))
     waiting = False
+    queues = INFER_QUEUES if job_class == "batch" else ("infer",)
     while True:
-        depth = ctx.outbox.queue_depths(["infer"])["infer"]
+        depth = sum(ctx.outbox.queue_depths(queues).values())
         if room_to_enqueue(depth, s.infer_high_watermark, s.infer_low_watermark, waiting) or time.time() >= until:
             break
         if not waiting:

@@ -43,3 +43,13 @@ class Message(Protocol):
 
     def reject(self, requeue: bool = False) -> None:
         """Handed back (to the queue, with requeue)."""
+
+
+class LineSource(Protocol):
+    """Batch lines' inference messages, taken one at a time when the consumer has room for them."""
+
+    def take(self) -> Message | None:
+        """The next line's message waiting, or None; raises while the broker does not answer."""
+
+    def close(self) -> None:
+        """Let go of the broker (lines taken and not settled go back to their queue)."""

@@ -14,8 +14,11 @@ from api.app import create_app
 from api.pressure import QueueMonitor
 from stoker.adapters.broker import RedisChannel, queue_depths
 from stoker.adapters.store import Store
-from stoker.settings import ApiSettings
+from stoker.core.queues import INFER_BATCH_QUEUE, INFER_QUEUES
+from stoker.runtime.context import WorkerContext
+from stoker.settings import ApiSettings, WorkerSettings
 from tasks.app import make_app
+from tasks.pipeline import CeleryOutbox, infer_signature
 from tests.conftest import missing
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_rabbitmq import AMQP_URL, _rabbit_answers
@@ -89,3 +92,38 @@ def test_the_celery_app_publishes_over_one_redis_client_per_pool(broker_url: str
         channel._pool = None  # what kombu does after a connection error: a new pool, and a client over it
         assert channel._create_client() is not client
         assert channel._create_client().connection_pool is channel.pool
+
+
+def test_batch_lines_wait_in_their_own_queue_until_taken_one_at_a_time(broker_url: str) -> None:
+    settings = WorkerSettings(broker_url=broker_url)
+    app = make_app(settings)
+    ctx = WorkerContext(settings, CeleryOutbox(app))
+    lines = ctx.batch_lines
+    try:
+        for job_id in ("line-1", "line-2"):
+            infer_signature(job_id, 3, None, app, "batch").apply_async()
+        infer_signature("chat-1", 3, None, app).apply_async()
+        with app.connection_for_read() as connection:
+            assert queue_depths(connection, INFER_QUEUES) == {"infer": 1, INFER_BATCH_QUEUE: 2}
+            first = lines.take()
+            assert first is not None
+            assert first.kwargs == {"job_id": "line-1", "prompt_tokens": 3, "deadline": None, "job_class": "batch"}
+            first.reject(requeue=True)  # handed back: it waits in the queue again
+            second = lines.take()
+            again = lines.take()
+            assert second is not None
+            assert again is not None
+            assert [m.kwargs["job_id"] for m in (second, again) if m.kwargs] == ["line-2", "line-1"]
+            second.acknowledge()
+            assert lines.take() is None  # the interactive job's message is not a line
+            assert queue_depths(connection, INFER_QUEUES) == {"infer": 1, INFER_BATCH_QUEUE: 0}
+            lines.close()  # a consumer that lets go without settling: its line goes back, as a worker's would
+            assert queue_depths(connection, INFER_QUEUES) == {"infer": 1, INFER_BATCH_QUEUE: 1}
+            back = lines.take()
+            assert back is not None
+            assert back.kwargs is not None
+            assert back.kwargs["job_id"] == "line-1"
+            back.acknowledge()
+            assert queue_depths(connection, INFER_QUEUES) == {"infer": 1, INFER_BATCH_QUEUE: 0}
+    finally:
+        lines.close()

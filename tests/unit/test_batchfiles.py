@@ -72,10 +72,19 @@ def test_batch_lines_are_fed_only_into_room_under_the_watermarks() -> None:
     assert batch_room({"infer": 0}, 64, max_in_flight=64, room=MARKS, holding=False) == 0
 
 
-def test_interactive_requests_join_a_batch_before_older_batch_lines() -> None:
+def test_interactive_requests_go_before_older_batch_lines_in_a_batch_of_their_own() -> None:
     policy = BatchPolicy(max_batch_size=2, max_batch_tokens=1000, max_wait_s=0)
     waiting = [Waiting("line1", 5, 1.0, batch=True), Waiting("line2", 5, 2.0, batch=True), Waiting("chat", 5, 3.0)]
-    assert [w.key for w in top_up(waiting, 0, 0, 4.0, policy).run] == ["chat", "line1"]
+    plan = top_up(waiting, 0, 0, 4.0, policy)
+    assert [w.key for w in plan.run] == ["chat"]
+    assert [w.key for w in plan.keep] == ["line1", "line2"]
+
+
+def test_batch_lines_join_only_a_batch_of_lines() -> None:
+    policy = BatchPolicy(max_batch_size=4, max_batch_tokens=1000, max_wait_s=0)
+    lines = [Waiting("line1", 5, 1.0, batch=True), Waiting("line2", 5, 2.0, batch=True)]
+    assert [w.key for w in top_up(lines, 1, 5, 4.0, policy).run] == ["line1", "line2"]
+    assert top_up(lines, 1, 5, 4.0, policy, interactive_in_batch=True).run == []
 
 
 def test_a_line_that_never_ran_says_why() -> None:

@@ -125,11 +125,18 @@ class GatedPredictor:
     name = "fake"
     mixes_sampling = True
 
-    def __init__(self, gated: bool = False) -> None:
+    def __init__(self, gated: bool = False, stepped: bool = False) -> None:
         self.gated = gated
         self.calls: list[list[str]] = []
         self.on_device = threading.Event()
         self.gate = threading.Event()
+        #: With `stepped`, each batch waits for a step of its own (`release`), so a test runs them one at a time.
+        self.stepped = stepped
+        self._steps = threading.Semaphore(0)
+
+    def release(self, batches: int = 1) -> None:
+        """Let that many more batches through (stepped)."""
+        self._steps.release(batches)
 
     def setup(self, device: str) -> None:
         pass
@@ -141,6 +148,8 @@ class GatedPredictor:
         self.calls.append(batch)
         self.on_device.set()
         if self.gated and not self.gate.wait(WAIT_S):
+            raise TimeoutError("the test never let the batch through")
+        if self.stepped and not self._steps.acquire(timeout=WAIT_S):
             raise TimeoutError("the test never let the batch through")
         if "bad" in batch:
             raise RuntimeError("the model broke on this batch")
@@ -171,6 +180,34 @@ class FakeMessage:
             self.settled = how
 
 
+class MemoryLines:
+    """Batch lines waiting in their queue: taken one at a time, and how many were taken."""
+
+    def __init__(self, *job_ids: str) -> None:
+        self.waiting = [_line(job_id) for job_id in job_ids]
+        self.messages = list(self.waiting)
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def take(self) -> FakeMessage | None:
+        with self._lock:
+            return self.waiting.pop(0) if self.waiting else None
+
+    @property
+    def taken(self) -> int:
+        with self._lock:
+            return len(self.messages) - len(self.waiting)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _line(job_id: str) -> FakeMessage:
+    message = FakeMessage(job_id)
+    message.kwargs["job_class"] = "batch"
+    return message
+
+
 class NoOutbox:
     """The consumer sends nothing through the broker."""
 
@@ -192,13 +229,17 @@ class NoOutbox:
 class Consumer:
     """A started feeder over the in-memory store, and what it was built from."""
 
-    def __init__(self, predictor: GatedPredictor, max_batch_size: int) -> None:
+    def __init__(
+        self, predictor: GatedPredictor, max_batch_size: int, lines: MemoryLines | None = None, line_batch: int = 4
+    ) -> None:
         self.store = MemoryStore()
         self.predictor = predictor
-        ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=self.store, predictor=predictor)
+        self.lines = lines
+        settings = WorkerSettings(line_batch_size=line_batch)
+        ctx = WorkerContext(settings, NoOutbox(), store=self.store, predictor=predictor)
         policy = BatchPolicy(max_batch_size=max_batch_size, max_batch_tokens=10_000, max_wait_s=0.0)
         watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
-        self.feeder = Feeder(ctx, policy, watchdog)
+        self.feeder = Feeder(ctx, policy, watchdog, lines=lines)
         self.feeder.start()
 
     def arrive(self, *job_ids: str, deadline: float | None = None) -> list[FakeMessage]:
@@ -226,11 +267,18 @@ def consumers() -> Iterator[list[Consumer]]:
     yield started
     for consumer in started:
         consumer.predictor.gate.set()
+        consumer.predictor.release(100)
         consumer.feeder.give_back()
 
 
-def _consumer(consumers: list[Consumer], predictor: GatedPredictor, max_batch_size: int) -> Consumer:
-    consumer = Consumer(predictor, max_batch_size)
+def _consumer(
+    consumers: list[Consumer],
+    predictor: GatedPredictor,
+    max_batch_size: int,
+    lines: MemoryLines | None = None,
+    line_batch: int = 4,
+) -> Consumer:
+    consumer = Consumer(predictor, max_batch_size, lines, line_batch)
     consumers.append(consumer)
     return consumer
 
@@ -351,19 +399,40 @@ def test_an_idle_consumer_beats_less_and_less_often_and_at_once_when_jobs_come()
     assert store.consumers.beats[-1] == 1.5  # jobs came since its last beat: still at its own pace
 
 
-def test_an_interactive_request_takes_a_batch_lines_place_in_the_prepared_batch(consumers: list[Consumer]) -> None:
+def test_an_interactive_request_goes_before_the_prepared_batch_lines_in_a_batch_of_its_own(
+    consumers: list[Consumer],
+) -> None:
     c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=2)
     c.arrive("a")
     c.until(c.predictor.on_device.is_set, "the first batch on the device")
     for job_id in ("l1", "l2"):
         c.store.jobs.pending[job_id] = _pending(job_id, None)
-    lines = [FakeMessage(job_id) for job_id in ("l1", "l2")]
-    for message in lines:
-        message.kwargs["job_class"] = "batch"
-    c.feeder.add(lines)
+    c.feeder.add([_line("l1"), _line("l2")])
     c.until(lambda: ["l1", "l2"] in c.store.jobs.loads, "a batch of two batch lines prepared")
     c.arrive("x")
     c.until(lambda: ["x"] in c.store.jobs.loads, "the interactive request loaded")
     c.predictor.gate.set()
     c.until(lambda: len(c.store.jobs.ended) == 4, "every job ended")
-    assert c.predictor.calls == [["a"], ["l1", "x"], ["l2"]]  # it waited only for the batch on the device
+    # It waited only for the batch on the device, and no line slowed its batch down.
+    assert c.predictor.calls == [["a"], ["x"], ["l1", "l2"]]
+
+
+def test_batch_lines_are_taken_only_into_room_and_step_aside_for_an_interactive_request(
+    consumers: list[Consumer],
+) -> None:
+    lines = MemoryLines(*(f"l{n}" for n in range(1, 7)))
+    predictor = GatedPredictor(stepped=True)
+    c = _consumer(consumers, predictor, max_batch_size=4, lines=lines, line_batch=2)
+    for message in lines.messages:
+        c.store.jobs.pending[message.kwargs["job_id"]] = _pending(message.kwargs["job_id"], None)
+    c.until(lambda: predictor.calls == [["l1", "l2"]], "a batch of two lines on the device")
+    c.until(lambda: ["l3", "l4"] in c.store.jobs.loads, "the next two lines prepared")
+    assert lines.taken == 4  # one batch of lines on the device and one prepared: the rest stay in the broker
+    c.arrive("x")
+    c.until(lambda: ["x"] in c.store.jobs.loads, "the interactive request loaded")
+    predictor.release(4)
+    c.until(lambda: len(c.store.jobs.ended) == 7, "every job ended")
+    assert predictor.calls == [["l1", "l2"], ["x"], ["l3", "l4"], ["l5", "l6"]]
+    assert [m.settled for m in lines.messages] == ["acked"] * 6
+    c.feeder.give_back()
+    assert lines.closed
