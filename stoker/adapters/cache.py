@@ -99,6 +99,8 @@ class StageCache:
 
         One caller holds the lease and computes; the others poll for its result. When the lease expires
         without a result (its holder died), the next poller takes over. A follower gives up after wait_s.
+        The result is read again once the lease is won: a holder that cached it and let go between this caller's
+        read and its lease left a free lease and a result, and computing again would be a second miss.
         """
         token = f"{os.getpid()}-{uuid.uuid4().hex}"  # the pid says which process holds it, for operators
         deadline = time.monotonic() + wait_s
@@ -106,10 +108,12 @@ class StageCache:
         try:
             while True:
                 found = self.get_json(address)
+                if found is None:
+                    held = self._acquire(address, token, lease_s)
+                    found = self.get_json(address) if held else None
                 if found is not None:
                     yield found
                     return
-                held = self._acquire(address, token, lease_s)
                 if held:
                     self._keep_alive(address, token, lease_s, renewing)
                 if held or self.redis is None or time.monotonic() >= deadline:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,7 +20,11 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.context import context_of
 from stoker.adapters.cache import StageCache
-from stoker.settings import ApiSettings, CommonSettings
+from stoker.adapters.store.keys import cache_key, cache_lease_key
+from stoker.core.cachekeys import CacheAddress
+from stoker.runtime.context import WorkerContext
+from stoker.runtime.stage import through_cache
+from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
 from tests.fleet import own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
@@ -122,6 +128,51 @@ def test_twenty_twins_run_ocr_once(client: TestClient) -> None:
     assert _count(after, "ocr", "misses") - _count(before, "ocr", "misses") == 1
     assert _count(after, "ocr", "hits") - _count(before, "ocr", "hits") == ran_ocr_task - 1
     assert _count(after, "decode", "misses") - _count(before, "decode", "misses") == 1
+
+
+class _FollowerCache(StageCache):
+    """A twin's cache that, the first time it goes for the lease after reading a miss, lets another twin run its
+    whole flight first (compute, cache the result, let the lease go): the interleaving of two worker processes
+    where a follower's read comes before its leader's write and its lease attempt after the leader let go."""
+
+    def __init__(self, twin: Callable[[], object]) -> None:
+        settings = CommonSettings()
+        client = redis.Redis.from_url(os.environ["STOKER_CACHE_URL"])
+        super().__init__(client, ttl_s=settings.cache_ttl_s, max_value_bytes=settings.cache_max_value_bytes)
+        self.twin: Callable[[], object] | None = twin
+
+    def _acquire(self, address: CacheAddress, token: str, lease_s: float) -> bool:
+        if self.twin is not None:
+            twin, self.twin = self.twin, None
+            twin()
+        return super()._acquire(address, token, lease_s)
+
+
+def test_a_twin_that_finishes_between_a_followers_read_and_its_lease_is_not_computed_again() -> None:
+    address = CacheAddress("decode", "1", uuid.uuid4().hex, "f", "twins")
+    computed: list[str] = []
+
+    def twin(name: str, cache: StageCache) -> dict[str, Any]:
+        def compute() -> dict[str, Any]:
+            computed.append(name)
+            return {"features": {"by": name}}
+
+        ctx = WorkerContext(WorkerSettings(), outbox=None, cache=cache)  # type: ignore[arg-type]
+        return through_cache(ctx, None, address, compute, wait_s=5.0)
+
+    leader = StageCache.connect(CommonSettings())
+    follower = _FollowerCache(lambda: twin("leader", leader))
+    try:
+        shared = twin("follower", follower)
+        assert computed == ["leader"]
+        assert shared == {"features": {"by": "leader"}}
+        assert follower.redis is not None
+        assert follower.redis.exists(cache_lease_key(address)) == 0  # nobody holds it once both are done
+    finally:
+        for cache in (leader, follower):
+            if cache.redis is not None:
+                cache.redis.delete(cache_key(address), cache_lease_key(address))
+                cache.redis.close()
 
 
 def test_jobs_complete_while_the_cache_is_flushed_under_them(client: TestClient) -> None:
