@@ -99,6 +99,18 @@ def latencies(run: Run) -> dict[str, Any]:
         "refused_429": sum(o.refusals for o in run.outcomes),
         "p50_s": percentile(answered, 0.5),
         "p99_s": percentile(answered, 0.99),
+        "phases_ms": phases(run),
+    }
+
+
+def phases(run: Run) -> dict[str, dict[str, float | None]]:
+    """Where the answered jobs' time went, from their records' timings: p50 and p99 of each phase (queued before
+    a stage started it, preprocessing, waiting for the device, on the device, the whole job in the store)."""
+    timings = [o.job.get("timings_ms", {}) for o in run.outcomes if o.job is not None]
+    return {
+        name: {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
+        for name in ("queued", "preprocess", "infer_wait", "infer", "total")
+        if (values := [t[name] for t in timings if name in t])
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -12,13 +13,14 @@ from typing import Any
 import pytest
 import redis
 from celery import chord
+from celery.app import backends as celery_backends
 from celery.exceptions import SoftTimeLimitExceeded
 
 from stoker.adapters.rlimits import cap_address_space
 from stoker.core.errors import BrokerUnavailable, ImageCorrupt, ModelUnavailable, StokerError, TransientError
 from stoker.core.jobs import InputRecord
 from stoker.runtime.stage import input_stage, time_limit
-from stoker.settings import WorkerSettings
+from stoker.settings import ApiSettings, WorkerSettings
 from tasks.app import make_app
 from tasks.media import transcribe_limit_s
 from tasks.pipeline import job_canvas
@@ -249,3 +251,25 @@ def test_no_worker_runs_under_omp_thread_limit_which_is_tesseracts_alone() -> No
     # slower and transcribes garbage; every CPU child may transcribe, and tesseract sets its own limit.
     for kind in ("cpu", "ocr", "asr", "sync"):
         assert "OMP_THREAD_LIMIT" not in worker_env(kind, {"OMP_THREAD_LIMIT": "1", "PATH": "/usr/bin"}), kind
+
+
+def test_the_result_backend_class_is_looked_up_once_however_many_threads_publish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lookups: list[str] = []
+    by_url = celery_backends.by_url
+
+    def counted(url: str, loader: object) -> tuple[type, str]:
+        lookups.append(url)
+        return by_url(url, loader)
+
+    monkeypatch.setattr(celery_backends, "by_url", counted)
+    app = make_app(ApiSettings())
+    made: list[object] = []
+    threads = [threading.Thread(target=lambda: made.append(app.backend)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({id(backend) for backend in made}) == 4  # still one backend per thread (Redis's is not thread-safe)
+    assert lookups == [app.conf.result_backend]
