@@ -188,8 +188,9 @@ class CommonSettings(BaseSettings):
         120.0,
         gt=0,
         description="A job handed to inference that has not started after this long is sent to the inference "
-        "queue again; one that no stage started after this long, while the CPU queues are empty (its first message "
-        "was lost with a worker), is sent to preprocessing again.",
+        "queue again; one that no stage started after this long, or whose preprocessing made no progress for the "
+        "visibility timeout plus this long, while the CPU queues are empty (a message was lost with a worker), is "
+        "sent to preprocessing again.",
     )
     max_redrives: int = Field(
         3, ge=0, description="How many times the reaper re-sends one job (to preprocessing or to inference)."

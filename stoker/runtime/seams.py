@@ -21,7 +21,8 @@ class Outbox(Protocol):
         """Hand an ended job's completion callback to a CPU worker."""
 
     def resubmit(self, job: Job, deadline: float | None) -> None:
-        """Send a job that no stage started to preprocessing again (its first message was lost)."""
+        """Send a job to preprocessing again: no stage started it, or its preprocessing stopped moving (a message
+        was lost)."""
 
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
         """Each queue's depth now; raises while the broker does not answer."""
