@@ -169,7 +169,8 @@ class PulledQueue:
     Celery's consumer takes messages from every queue it consumes as long as its prefetch has room: a queue of
     low-priority work would fill that room and leave none for a higher-priority message published a moment later.
     Reading this queue directly (kombu's `basic_get`, on any transport) keeps its messages in the broker until the
-    reader wants one. Taken messages are held unacked like a consumer's (redelivered if this process dies). One
+    reader wants one (kombu's `Queue.get`: a `basic_get`). Taken messages are held unacked like a consumer's
+    (redelivered if this process dies). One
     lock serialises the channel: a kombu channel is not safe across threads, and messages are settled elsewhere.
     """
 
@@ -179,17 +180,26 @@ class PulledQueue:
         self.options = connection_options
         self._lock = threading.Lock()
         self._connection: Connection | None = None
-        self._channel: Any = None
+        self._bound: Any = None
 
     def take(self) -> PulledMessage | None:
-        """The next message waiting, or None when the queue is empty; raises while the broker does not answer."""
-        with self._lock:
+        """The next message waiting, or None when the queue is empty; raises while the broker does not answer.
+        A message that is not a task message is dropped (rejected, never requeued) with an error logged."""
+        while True:
+            with self._lock:
+                try:
+                    message = self._open().get(no_ack=False, accept=["json"])
+                except Exception:
+                    self._drop()
+                    raise
+            if message is None:
+                return None
             try:
-                message = self._open().basic_get(self.queue.name, no_ack=False)
+                return PulledMessage(message, self._lock)
             except Exception:
-                self._drop()
-                raise
-        return None if message is None else PulledMessage(message, self._lock)
+                log.exception("dropping a message on %s that is not a task message", self.queue.name)
+                with self._lock:
+                    message.reject(requeue=False)
 
     def close(self) -> None:
         """Drop the connection (messages taken and not settled go back to the queue, as a consumer's would)."""
@@ -197,14 +207,16 @@ class PulledQueue:
             self._drop()
 
     def _open(self) -> Any:
-        if self._channel is None:
+        """The queue bound to a channel of this reader's own connection (kombu's `Queue.get` turns what the
+        transport hands over into a kombu message on any transport)."""
+        if self._bound is None:
             self._connection = Connection(self.url, **self.options)  # type: ignore[no-untyped-call]
-            self._channel = self._connection.channel()  # type: ignore[no-untyped-call]
-            self.queue.bind(self._channel).declare()  # type: ignore[no-untyped-call]
-        return self._channel
+            self._bound = self.queue.bind(self._connection.channel())  # type: ignore[no-untyped-call]
+            self._bound.declare()
+        return self._bound
 
     def _drop(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
+        connection, self._connection, self._bound = self._connection, None, None
         if connection is not None:
             try:
                 connection.release()  # type: ignore[no-untyped-call]

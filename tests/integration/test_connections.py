@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -12,7 +13,7 @@ from kombu.connection import Connection
 
 from api.app import create_app
 from api.pressure import QueueMonitor
-from stoker.adapters.broker import RedisChannel, queue_depths
+from stoker.adapters.broker import RedisChannel, declare_queues, queue_depths
 from stoker.adapters.store import Store
 from stoker.core.queues import INFER_BATCH_QUEUE, INFER_QUEUES
 from stoker.runtime.context import WorkerContext
@@ -22,6 +23,7 @@ from tasks.pipeline import CeleryOutbox, infer_signature
 from tests.conftest import missing
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_rabbitmq import AMQP_URL, _rabbit_answers
+from workers.procs import wait_for
 
 #: A database no other test uses: every client on it is one this module opened.
 SAMPLED_DB = 9
@@ -94,36 +96,75 @@ def test_the_celery_app_publishes_over_one_redis_client_per_pool(broker_url: str
         assert channel._create_client().connection_pool is channel.pool
 
 
-def test_batch_lines_wait_in_their_own_queue_until_taken_one_at_a_time(broker_url: str) -> None:
-    settings = WorkerSettings(broker_url=broker_url)
+@pytest.fixture(params=["redis", "amqp"])
+def lines_broker(request: pytest.FixtureRequest, broker_url: str) -> Iterator[str]:
+    """A broker whose inference queues are empty: the module's Redis database, or RabbitMQ's queues purged."""
+    if request.param == "redis":
+        yield broker_url
+        return
+    if not _rabbit_answers():
+        missing(f"no RabbitMQ answers at {AMQP_URL}")
+    with Connection(AMQP_URL) as connection:  # type: ignore[no-untyped-call]
+        channel = connection.channel()  # type: ignore[no-untyped-call]
+        for queue in declare_queues(AMQP_URL):
+            if queue.name in INFER_QUEUES:
+                bound = queue(channel)
+                bound.declare()
+                bound.purge()
+    yield AMQP_URL
+
+
+def test_batch_lines_wait_in_their_own_queue_until_taken_one_at_a_time(lines_broker: str) -> None:
+    settings = WorkerSettings(broker_url=lines_broker)
     app = make_app(settings)
-    ctx = WorkerContext(settings, CeleryOutbox(app))
-    lines = ctx.batch_lines
+    lines = WorkerContext(settings, CeleryOutbox(app)).batch_lines
     try:
         for job_id in ("line-1", "line-2"):
             infer_signature(job_id, 3, None, app, "batch").apply_async()
         infer_signature("chat-1", 3, None, app).apply_async()
         with app.connection_for_read() as connection:
-            assert queue_depths(connection, INFER_QUEUES) == {"infer": 1, INFER_BATCH_QUEUE: 2}
+
+            def depths() -> dict[str, int]:
+                return queue_depths(connection, INFER_QUEUES)
+
+            assert depths() == {"infer": 1, INFER_BATCH_QUEUE: 2}
             first = lines.take()
             assert first is not None
             assert first.kwargs == {"job_id": "line-1", "prompt_tokens": 3, "deadline": None, "job_class": "batch"}
             first.reject(requeue=True)  # handed back: it waits in the queue again
-            second = lines.take()
-            again = lines.take()
-            assert second is not None
-            assert again is not None
-            assert [m.kwargs["job_id"] for m in (second, again) if m.kwargs] == ["line-2", "line-1"]
-            second.acknowledge()
+            taken = [lines.take(), lines.take()]
+            assert sorted(m.kwargs["job_id"] for m in taken if m is not None and m.kwargs) == ["line-1", "line-2"]
             assert lines.take() is None  # the interactive job's message is not a line
-            assert queue_depths(connection, INFER_QUEUES) == {"infer": 1, INFER_BATCH_QUEUE: 0}
+            assert depths() == {"infer": 1, INFER_BATCH_QUEUE: 0}
+            kept = next(m for m in taken if m is not None and m.kwargs and m.kwargs["job_id"] == "line-2")
+            kept.acknowledge()
             lines.close()  # a consumer that lets go without settling: its line goes back, as a worker's would
-            assert queue_depths(connection, INFER_QUEUES) == {"infer": 1, INFER_BATCH_QUEUE: 1}
+            wait_for(lambda: depths()[INFER_BATCH_QUEUE] == 1, 10, "the unsettled line back in its queue", [])
             back = lines.take()
             assert back is not None
             assert back.kwargs is not None
             assert back.kwargs["job_id"] == "line-1"
             back.acknowledge()
-            assert queue_depths(connection, INFER_QUEUES) == {"infer": 1, INFER_BATCH_QUEUE: 0}
+            assert depths() == {"infer": 1, INFER_BATCH_QUEUE: 0}
+    finally:
+        lines.close()
+
+
+def test_a_message_on_the_lines_queue_that_is_no_task_is_dropped_not_handed_back(lines_broker: str) -> None:
+    settings = WorkerSettings(broker_url=lines_broker)
+    app = make_app(settings)
+    lines = WorkerContext(settings, CeleryOutbox(app)).batch_lines
+    try:
+        with app.connection_for_write() as connection:
+            connection.Producer().publish({"not": "a task"}, routing_key=INFER_BATCH_QUEUE, serializer="json")
+            infer_signature("line-3", 3, None, app, "batch").apply_async()
+            assert queue_depths(connection, [INFER_BATCH_QUEUE]) == {INFER_BATCH_QUEUE: 2}
+            taken = lines.take()
+            assert taken is not None
+            assert taken.kwargs is not None
+            assert taken.kwargs["job_id"] == "line-3"
+            taken.acknowledge()
+            lines.close()  # nothing unsettled is left to go back
+            assert queue_depths(connection, [INFER_BATCH_QUEUE]) == {INFER_BATCH_QUEUE: 0}
     finally:
         lines.close()

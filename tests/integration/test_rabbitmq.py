@@ -10,6 +10,7 @@ import amqp
 import pytest
 from kombu import Connection, Queue
 
+from stoker.core.queues import QUEUES
 from tests.conftest import missing
 from tests.fleet import Fleet, own_fleet
 from tests.integration.test_pipeline import _wait
@@ -51,7 +52,7 @@ def test_image_and_text_jobs_complete_over_rabbitmq(fleet: Fleet) -> None:
     assert "RABBIT" in image["inputs"][0]["text"]
     assert image["result"]["text"].strip()
     stats = fleet.client.get("/v1/stats").json()  # queue depths read over AMQP
-    assert set(stats["queues"]) == {"decode", "ocr", "ocr_bands", "asr", "tokenize", "infer"}
+    assert set(stats["queues"]) == set(QUEUES)
 
 
 def test_the_queues_are_durable_quorum_queues(fleet: Fleet) -> None:
