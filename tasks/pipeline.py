@@ -8,6 +8,8 @@ url    fetch, then the branches of its kind (a video's in parallel: chain(fetch,
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Literal, Protocol
@@ -181,11 +183,20 @@ class CeleryOutbox:
 
 
 class CelerySubmitter:
-    """Submits jobs to the broker as Celery canvases."""
+    """Submits jobs to the broker as Celery canvases.
+
+    A job's chord publishes through two of the app's pooled producers at once: its header group takes one and
+    hands it down, but Celery's chain drops it (`_chain.run` does not pass `producer` on), so each input's chain
+    takes a second. With more threads publishing at once than half the pool (`broker_pool_limit`, 10), every
+    producer was held by a thread waiting for its second: the API's publishes hung for good after a burst of
+    eleven media jobs. At most half the pool's worth of canvases are published at once.
+    """
 
     def __init__(self, app: Celery, keyframes: int = 3) -> None:
         self.app = app
         self.keyframes = keyframes
+        limit = app.conf.broker_pool_limit
+        self._publishing = threading.BoundedSemaphore(max(limit // 2, 1)) if limit else contextlib.nullcontext()
 
     def submit(
         self,
@@ -198,7 +209,8 @@ class CelerySubmitter:
     ) -> None:
         """Publish the job's canvas."""
         canvas = job_canvas(job_id, inputs, self.app, self.keyframes, start, deadline, prompt_tokens, job_class)
-        canvas.apply_async()
+        with self._publishing:
+            canvas.apply_async()
 
 
 class SyncSubmitter:

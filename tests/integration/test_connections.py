@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -15,11 +16,12 @@ from api.app import create_app
 from api.pressure import QueueMonitor
 from stoker.adapters.broker import RedisChannel, declare_queues, queue_depths
 from stoker.adapters.store import Store
+from stoker.core.jobs import InputRecord
 from stoker.core.queues import INFER_BATCH_QUEUE, INFER_QUEUES
 from stoker.runtime.context import WorkerContext
 from stoker.settings import ApiSettings, WorkerSettings
 from tasks.app import make_app
-from tasks.pipeline import CeleryOutbox, infer_signature
+from tasks.pipeline import CeleryOutbox, CelerySubmitter, infer_signature
 from tests.conftest import missing
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_rabbitmq import AMQP_URL, _rabbit_answers
@@ -168,3 +170,23 @@ def test_a_message_on_the_lines_queue_that_is_no_task_is_dropped_not_handed_back
             assert queue_depths(connection, [INFER_BATCH_QUEUE]) == {INFER_BATCH_QUEUE: 0}
     finally:
         lines.close()
+
+
+def test_a_burst_of_media_jobs_publishes_through_a_small_producer_pool(broker_url: str) -> None:
+    settings = ApiSettings(broker_url=broker_url)
+    app = make_app(settings)
+    app.conf.broker_pool_limit = 2  # one job's chord holds two producers at once (its group's, its chains')
+    submitter = CelerySubmitter(app)
+    pictures = [InputRecord(index=n, kind="image", content_hash=f"{n:02x}" * 32, size_bytes=10) for n in range(2)]
+    published: list[str] = []
+
+    def submit(n: int) -> None:
+        submitter.submit(f"job-{n}", pictures)
+        published.append(f"job-{n}")
+
+    threads = [threading.Thread(target=submit, args=(n,), daemon=True) for n in range(12)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: len(published) == len(threads), 30, "every job published", [])
+    with app.connection_for_read() as connection:
+        assert queue_depths(connection, ["decode"]) == {"decode": 2 * len(threads)}
