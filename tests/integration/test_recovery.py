@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from stoker.adapters.store.keys import PROGRESS_FIELD, input_ref, job_key
-from tests.fleet import QUICK_RECOVERY, Fleet, own_fleet
+from tests.fleet import QUICK_RECOVERY, SIM_RECOVERY, Fleet, own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
@@ -141,7 +141,9 @@ def test_a_started_job_whose_next_message_was_lost_is_sent_again(fleet: Fleet) -
         with fleet.store() as store:
             _until(lambda: store.hexists(job_key(job_id), PROGRESS_FIELD), 60, "the decoded image to be written")
             assert store.hget(job_key(job_id), "status") == b"preprocessing"
-            fleet.start("reaper", STOKER_REDRIVE_AFTER_S="3")  # a patient reaper would take the fleet's 30 s
+            # A patient reaper would take the fleet's 30 s; one that counts on a 10 s visibility timeout looks
+            # sooner (no message of this job exists to come back, whatever the broker's timeout).
+            fleet.start("reaper", **{**SIM_RECOVERY, "STOKER_REDRIVE_AFTER_S": "3"})
             (job,) = _all_answered(fleet, [job_id])
             assert job["status"] == "succeeded", job  # preprocessed and answered after the re-send, nothing failed
             assert job["inputs"][0]["status"] == "ok", job["inputs"]
