@@ -590,13 +590,13 @@ class WorkerSettings(CommonSettings):
         "one being written (its messages are acked only once its results are).",
     )
     line_batch_size: int = Field(
-        4,
+        2,
         ge=1,
-        description="The most batch lines (OpenAI Batch API work) the inference consumer takes into one batch. "
-        "Lines run only when no interactive request waits, so an interactive request that arrives waits at most "
-        "for the batch on the device: a smaller batch of lines bounds that wait on a device whose batches take "
-        "longer the fuller they are; on one whose batch costs the same at any size, `max_batch_size` gives lines "
-        "the most throughput at no cost to interactive latency.",
+        description="The most batch lines (OpenAI Batch API work) in one device batch while interactive requests "
+        "come (while none has come for 2 s, lines run in full batches). Lines run only when no interactive request "
+        "waits, so an interactive request that arrives waits at most for the batch on the device: fewer lines per "
+        "batch bound that wait on a device whose batches take longer the fuller they are; on one whose batch costs "
+        "the same at any size, `max_batch_size` gives lines the most throughput at no cost to interactive latency.",
     )
     device: str = Field("cpu", description="The inference device: `cuda` on a GPU host.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

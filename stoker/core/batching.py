@@ -113,6 +113,7 @@ def top_up(
     now: float,
     policy: BatchPolicy,
     interactive_in_batch: bool = False,
+    line_room: int | None = None,
 ) -> Plan:
     """What joins the batch being prepared now, beside the `have` requests (of `have_tokens` prompt tokens)
     already in it: the oldest waiting requests that fit its size and token budget (interactive ones before any
@@ -120,7 +121,7 @@ def top_up(
 
     A batch line never shares a batch with an interactive request (`interactive_in_batch`: the batch already
     holds one): on a device whose batch takes longer the fuller it is, a line would make the interactive
-    request's batch slower. Lines wait for a batch of their own.
+    request's batch slower. Lines wait for a batch of their own, of at most `line_room` more lines.
 
     Work-conserving: nothing is held back to wait for company (`start_at` decides when the device starts).
     A request larger than the whole token budget still goes, alone, in a batch of its own.
@@ -128,7 +129,9 @@ def top_up(
     expired = [w for w in waiting if w.deadline is not None and w.deadline <= now]
     queued = sorted((w for w in waiting if w.deadline is None or w.deadline > now), key=lambda w: w.order)
     lines_wait = interactive_in_batch or any(not w.batch for w in queued)
-    alive = [w for w in queued if not (lines_wait and w.batch)]
+    interactive = [w for w in queued if not w.batch]
+    lines = [] if lines_wait else [w for w in queued if w.batch][:line_room]
+    alive = interactive + lines
     take, tokens = 0, have_tokens
     while take < len(alive) and have + take < policy.max_batch_size:
         alone = have + take == 0

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: How soon an empty batch-line queue is looked at again while lines come (it backs off while none do).
 LINE_POLL_S = 0.02
+#: How long after the last interactive request batch lines still run in small batches (`Feeder._line_bound`).
+INTERACTIVE_QUIET_S = 2.0
 #: Cancelled job ids kept in memory before the oldest are forgotten, and for how long at least.
 CANCELLED_KEPT = 4096
 CANCELLED_TTL_S = 600.0
@@ -54,6 +56,7 @@ class Feeder:
         watchdog: BatchWatchdog,
         beat_s: float = 1.0,
         lines: LineSource | None = None,
+        interactive_quiet_s: float = INTERACTIVE_QUIET_S,
     ) -> None:
         self.ctx = ctx
         self.policy = policy
@@ -62,6 +65,8 @@ class Feeder:
         #: Where batch lines are taken from (their own queue), into room interactive requests leave.
         self.lines = lines
         self.line_batch = min(ctx.settings.line_batch_size, policy.max_batch_size)
+        self._interactive_at: float | None = None  # when the last interactive request arrived
+        self.interactive_quiet_s = interactive_quiet_s
         #: How often an empty line queue is looked at: soon while lines come, slower and slower while none do.
         self.line_pace = Pace(LINE_POLL_S, ctx.settings.idle_max_wait_s)
         #: The heartbeat's pace: every `beat_s` while the consumer holds jobs, slower while it holds none.
@@ -100,6 +105,8 @@ class Feeder:
         with self._cond:
             for request in requests:
                 self._waiting[request.id] = (as_waiting(request, now), request)
+            if not all(_is_batch_line(r) for r in requests):
+                self._interactive_at = now
             self._cond.notify_all()
 
     def start(self) -> None:
@@ -173,7 +180,9 @@ class Feeder:
         waiting = [w for w, _ in self._waiting.values()]
         tokens = sum(len(i.request.prompt_ids) for i in self._prepared)
         interactive = any(i.message is None or not _is_batch_line(i.message) for i in self._prepared)
-        plan = top_up(waiting, len(self._prepared), tokens, time.time(), self.policy, interactive)
+        now = time.time()
+        line_room = self._line_bound(now) - (len(self._prepared) if not interactive else 0)
+        plan = top_up(waiting, len(self._prepared), tokens, now, self.policy, interactive, max(line_room, 0))
         return plan if plan.run or plan.expired else None
 
     def _lines_make_way(self) -> None:
@@ -206,9 +215,9 @@ class Feeder:
     # -- batch lines --------------------------------------------------------------------------------------------
     def _take_lines(self) -> None:
         """Batch lines are taken from their own queue only into room interactive requests leave: none while an
-        interactive request waits, and never more than `line_batch` held before the device takes them. So the
-        prefetch an interactive request reaches the consumer through is never full of lines, and the device
-        always has a batch of lines ready when no interactive request waits."""
+        interactive request waits, and never more than a batch of them (`_line_bound`) held before the device
+        takes them. So the prefetch an interactive request reaches the consumer through is never full of lines,
+        and the device always has a batch of lines ready when no interactive request waits."""
         assert self.lines is not None
         with self._cond:
             room = self._room_for_lines()
@@ -234,7 +243,14 @@ class Feeder:
             return 0
         prepared = sum(1 for i in self._prepared if i.message is not None and _is_batch_line(i.message))
         loading = sum(1 for m in self._loading if _is_batch_line(m))
-        return max(self.line_batch - len(waiting) - prepared - loading, 0)
+        return max(self._line_bound(time.time()) - len(waiting) - prepared - loading, 0)
+
+    def _line_bound(self, now: float) -> int:
+        """Lines in a batch: `line_batch` while interactive requests come (an interactive request that arrives
+        waits at most for the batch on the device, so its lines are few), a full batch while none has come for
+        `interactive_quiet_s` (the device is the lines' alone: as many as it takes)."""
+        recent = self._interactive_at is not None and now - self._interactive_at < self.interactive_quiet_s
+        return self.line_batch if recent else self.policy.max_batch_size
 
     # -- the device ---------------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -85,6 +85,7 @@ def test_batch_lines_join_only_a_batch_of_lines() -> None:
     lines = [Waiting("line1", 5, 1.0, batch=True), Waiting("line2", 5, 2.0, batch=True)]
     assert [w.key for w in top_up(lines, 1, 5, 4.0, policy).run] == ["line1", "line2"]
     assert top_up(lines, 1, 5, 4.0, policy, interactive_in_batch=True).run == []
+    assert [w.key for w in top_up(lines, 1, 5, 4.0, policy, line_room=1).run] == ["line1"]
 
 
 def test_a_line_that_never_ran_says_why() -> None:

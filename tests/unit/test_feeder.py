@@ -239,7 +239,7 @@ class Consumer:
         ctx = WorkerContext(settings, NoOutbox(), store=self.store, predictor=predictor)
         policy = BatchPolicy(max_batch_size=max_batch_size, max_batch_tokens=10_000, max_wait_s=0.0)
         watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
-        self.feeder = Feeder(ctx, policy, watchdog, lines=lines)
+        self.feeder = Feeder(ctx, policy, watchdog, lines=lines, interactive_quiet_s=60.0)
         self.feeder.start()
 
     def arrive(self, *job_ids: str, deadline: float | None = None) -> list[FakeMessage]:
@@ -420,19 +420,21 @@ def test_an_interactive_request_goes_before_the_prepared_batch_lines_in_a_batch_
 def test_batch_lines_are_taken_only_into_room_and_step_aside_for_an_interactive_request(
     consumers: list[Consumer],
 ) -> None:
-    lines = MemoryLines(*(f"l{n}" for n in range(1, 7)))
+    lines = MemoryLines(*(f"l{n}" for n in range(1, 11)))
     predictor = GatedPredictor(stepped=True)
     c = _consumer(consumers, predictor, max_batch_size=4, lines=lines, line_batch=2)
     for message in lines.messages:
         c.store.jobs.pending[message.kwargs["job_id"]] = _pending(message.kwargs["job_id"], None)
-    c.until(lambda: predictor.calls == [["l1", "l2"]], "a batch of two lines on the device")
-    c.until(lambda: ["l3", "l4"] in c.store.jobs.loads, "the next two lines prepared")
-    assert lines.taken == 4  # one batch of lines on the device and one prepared: the rest stay in the broker
+    # No interactive request yet: the device is the lines', in full batches.
+    c.until(lambda: predictor.calls == [["l1", "l2", "l3", "l4"]], "a full batch of lines on the device")
+    c.until(lambda: ["l5", "l6", "l7", "l8"] in c.store.jobs.loads, "the next four lines prepared")
+    assert lines.taken == 8  # one batch of lines on the device and one prepared: the rest stay in the broker
     c.arrive("x")
     c.until(lambda: ["x"] in c.store.jobs.loads, "the interactive request loaded")
-    predictor.release(4)
-    c.until(lambda: len(c.store.jobs.ended) == 7, "every job ended")
-    assert predictor.calls == [["l1", "l2"], ["x"], ["l3", "l4"], ["l5", "l6"]]
-    assert [m.settled for m in lines.messages] == ["acked"] * 6
+    predictor.release(5)
+    c.until(lambda: len(c.store.jobs.ended) == 11, "every job ended")
+    # It waited only for the batch on the device; lines then ran two at a time while interactive requests came.
+    assert predictor.calls == [["l1", "l2", "l3", "l4"], ["x"], ["l5", "l6"], ["l7", "l8"], ["l9", "l10"]]
+    assert [m.settled for m in lines.messages] == ["acked"] * 10
     c.feeder.give_back()
     assert lines.closed
