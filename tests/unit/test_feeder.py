@@ -183,11 +183,18 @@ class FakeMessage:
 class MemoryLines:
     """Batch lines waiting in their queue: taken one at a time, and how many were taken."""
 
-    def __init__(self, *job_ids: str) -> None:
-        self.waiting = [_line(job_id) for job_id in job_ids]
-        self.messages = list(self.waiting)
+    def __init__(self) -> None:
+        self.waiting: list[FakeMessage] = []
+        self.messages: list[FakeMessage] = []
         self.closed = False
         self._lock = threading.Lock()
+
+    def put(self, *job_ids: str) -> None:
+        """Lines published to the queue."""
+        published = [_line(job_id) for job_id in job_ids]
+        with self._lock:
+            self.waiting += published
+            self.messages += published
 
     def take(self) -> FakeMessage | None:
         with self._lock:
@@ -420,11 +427,13 @@ def test_an_interactive_request_goes_before_the_prepared_batch_lines_in_a_batch_
 def test_batch_lines_are_taken_only_into_room_and_step_aside_for_an_interactive_request(
     consumers: list[Consumer],
 ) -> None:
-    lines = MemoryLines(*(f"l{n}" for n in range(1, 11)))
+    lines = MemoryLines()
     predictor = GatedPredictor(stepped=True)
     c = _consumer(consumers, predictor, max_batch_size=4, lines=lines, line_batch=2)
-    for message in lines.messages:
-        c.store.jobs.pending[message.kwargs["job_id"]] = _pending(message.kwargs["job_id"], None)
+    names = [f"l{n}" for n in range(1, 11)]
+    for job_id in names:
+        c.store.jobs.pending[job_id] = _pending(job_id, None)
+    lines.put(*names)  # handed over by preprocessing, their messages published
     # No interactive request yet: the device is the lines', in full batches.
     c.until(lambda: predictor.calls == [["l1", "l2", "l3", "l4"]], "a full batch of lines on the device")
     c.until(lambda: ["l5", "l6", "l7", "l8"] in c.store.jobs.loads, "the next four lines prepared")
