@@ -43,7 +43,7 @@ class StokerCelery(Celery):  # type: ignore[misc]
     A backend that is not thread-safe (Redis's) is made once for each thread that publishes, and Celery finds its
     class anew each time by reading every installed package's entry points: about 8 ms of CPU holding the GIL,
     paid by each new API thread on its first publish. When a batch began feeding, a burst of new threads stalled
-    every request of the API for up to half a second."""
+    every request of the API for up to a second."""
 
     @cached_property
     def _backend_class(self) -> tuple[type, str]:

@@ -152,7 +152,7 @@ class PulledMessage:
             self._quietly(self._message.ack)
 
     def reject(self, requeue: bool = False) -> None:
-        """Handed back: to the front of its queue, with requeue."""
+        """Handed back: to its queue again, with requeue (else dropped)."""
         with self._lock:
             self._quietly(lambda: self._message.reject(requeue=requeue))
 
@@ -168,10 +168,10 @@ class PulledQueue:
 
     Celery's consumer takes messages from every queue it consumes as long as its prefetch has room: a queue of
     low-priority work would fill that room and leave none for a higher-priority message published a moment later.
-    Reading this queue directly (kombu's `basic_get`, on any transport) keeps its messages in the broker until the
-    reader wants one (kombu's `Queue.get`: a `basic_get`). Taken messages are held unacked like a consumer's
-    (redelivered if this process dies). One
-    lock serialises the channel: a kombu channel is not safe across threads, and messages are settled elsewhere.
+    Reading this queue directly (kombu's `Queue.get`, a `basic_get` on any transport) keeps its messages in the
+    broker until the reader wants one. Taken messages are held unacked like a consumer's (redelivered if this
+    process dies). One lock serialises the channel: a kombu channel is not safe across threads, and messages are
+    settled from other threads than the one that took them.
     """
 
     def __init__(self, url: str, queue: Queue, **connection_options: Any) -> None:
