@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kombu.connection import Connection
@@ -111,11 +111,13 @@ def class_priority(broker_url: str, job_class: JobClass) -> int:
 
 def declare_queues(broker_url: str) -> list[Queue]:
     """The stage queues. On RabbitMQ they are quorum queues (replicated, durable, poison-aware); on Redis, lists."""
+    return [stage_queue(broker_url, name) for name in (*QUEUES, SYNC_QUEUE, CALLBACK_QUEUE)]
+
+
+def stage_queue(broker_url: str, name: str) -> Queue:
+    """One stage queue, declared as `declare_queues` declares it."""
     arguments = {"x-queue-type": "quorum"} if is_amqp(broker_url) else None
-    return [
-        Queue(name, routing_key=name, durable=True, queue_arguments=arguments)  # type: ignore[no-untyped-call]
-        for name in (*QUEUES, SYNC_QUEUE, CALLBACK_QUEUE)
-    ]
+    return Queue(name, routing_key=name, durable=True, queue_arguments=arguments)  # type: ignore[no-untyped-call]
 
 
 def transport_options(broker_url: str, visibility_timeout_s: int, timeout_s: float | None = None) -> dict[str, Any]:
@@ -156,7 +158,7 @@ class PulledMessage:
         with self._lock:
             self._quietly(lambda: self._message.reject(requeue=requeue))
 
-    def _quietly(self, settle: Any) -> None:
+    def _quietly(self, settle: Callable[[], object]) -> None:
         try:
             settle()
         except Exception as exc:  # the channel is gone: the broker redelivers the message (visibility timeout)

@@ -21,7 +21,7 @@ from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.backends.tokenizer import PromptTokenizer, file_identity, load_prompt_tokenizer, load_tokenizer
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.backends.vlm import VisionEncoder, VisionLanguagePredictor, is_vision_language
-from stoker.adapters.broker import PulledQueue, declare_queues, redis_transport, transport_options
+from stoker.adapters.broker import PulledQueue, redis_transport, stage_queue, transport_options
 from stoker.adapters.cache import StageCache
 from stoker.adapters.embeddings import EmbeddingCache, SharedEmbeddings
 from stoker.adapters.metrics import DeviceClock
@@ -72,10 +72,9 @@ class WorkerContext:
     def batch_lines(self) -> LineSource:
         """Where the inference consumer takes batch lines from when it has room for them: their own queue."""
         s = self.settings
-        queue = next(q for q in declare_queues(s.broker_url) if q.name == INFER_BATCH_QUEUE)
         return PulledQueue(
             s.broker_url,
-            queue,
+            stage_queue(s.broker_url, INFER_BATCH_QUEUE),
             transport=redis_transport(s.broker_url),
             transport_options=transport_options(s.broker_url, s.visibility_timeout_s),
             ssl=s.redis_tls(s.broker_url) or False,

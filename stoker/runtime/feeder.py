@@ -179,9 +179,10 @@ class Feeder:
             return None
         waiting = [w for w, _ in self._waiting.values()]
         tokens = sum(len(i.request.prompt_ids) for i in self._prepared)
-        interactive = any(i.message is None or not _is_batch_line(i.message) for i in self._prepared)
+        lines = len(self._prepared_lines())
+        interactive = lines < len(self._prepared)
         now = time.time()
-        line_room = self._line_bound(now) - (len(self._prepared) if not interactive else 0)
+        line_room = self._line_bound(now) - (lines if not interactive else 0)
         plan = top_up(waiting, len(self._prepared), tokens, now, self.policy, interactive, max(line_room, 0))
         return plan if plan.run or plan.expired else None
 
@@ -189,7 +190,7 @@ class Feeder:
         """Interactive requests wait: the batch lines of the prepared batch go back to the waiting ones, so the next
         batch is the interactive requests' alone and each waits at most for the batch on the device (called
         holding the lock)."""
-        back = [i for i in self._prepared if i.message is not None and _is_batch_line(i.message)]
+        back = self._prepared_lines()
         for item in back:
             assert item.message is not None
             self._waiting[item.message.id] = (as_waiting(item.message, item.arrived), item.message)
@@ -241,9 +242,12 @@ class Feeder:
         waiting = [w for w, _ in self._waiting.values()]
         if any(not w.batch for w in waiting):
             return 0
-        prepared = sum(1 for i in self._prepared if i.message is not None and _is_batch_line(i.message))
         loading = sum(1 for m in self._loading if _is_batch_line(m))
-        return max(self._line_bound(time.time()) - len(waiting) - prepared - loading, 0)
+        return max(self._line_bound(time.time()) - len(waiting) - len(self._prepared_lines()) - loading, 0)
+
+    def _prepared_lines(self) -> list[BatchItem]:
+        """The batch lines of the prepared batch (called holding the lock)."""
+        return [i for i in self._prepared if i.message is not None and _is_batch_line(i.message)]
 
     def _line_bound(self, now: float) -> int:
         """Lines in a batch: `line_batch` while interactive requests come (an interactive request that arrives
