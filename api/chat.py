@@ -211,7 +211,8 @@ def completion(job: Job, model: str) -> ChatCompletion:
     """The ended job as OpenAI's `chat.completion`."""
     assert job.result is not None
     result = job.result
-    answers = [ChoiceInfo(text=result.text, finish_reason=result.finish_reason, logprobs=result.logprobs)]
+    first = {"text": result.text, "finish_reason": result.finish_reason, "logprobs": result.logprobs}
+    answers = [ChoiceInfo(**first, tool_calls=result.tool_calls)]
     return ChatCompletion(
         id=f"chatcmpl-{job.id}",
         created=int(time.time()),
@@ -224,7 +225,8 @@ def completion(job: Job, model: str) -> ChatCompletion:
 
 def _choice(index: int, answer: ChoiceInfo) -> Choice:
     logprobs = ChoiceLogprobs(content=answer.logprobs) if answer.logprobs is not None else None
-    message = AssistantMessage(content=answer.text)
+    content = None if answer.tool_calls and not answer.text else answer.text
+    message = AssistantMessage(content=content, tool_calls=answer.tool_calls)
     return Choice(index=index, message=message, finish_reason=answer.finish_reason, logprobs=logprobs)
 
 
@@ -278,13 +280,20 @@ async def _stream(
 def _closing(
     job: Job, completion_id: str, created: int, model: str, streamed: bool, usage: bool
 ) -> list[dict[str, Any]]:
-    """What ends a stream: the answer (if it was not streamed), the finish reason and usage; or the error."""
+    """What ends a stream: the answer (if it was not streamed) and its calls, the finish reason and usage; or the
+    error."""
     failure = _failure(job)
     if failure is not None:
         return [failure[1]]
-    assert job.result is not None
-    bodies = [] if streamed else [chunk(completion_id, created, model, {"content": job.result.text})]
-    bodies.append(chunk(completion_id, created, model, {}, finish_reason=job.result.finish_reason))
+    result = job.result
+    assert result is not None
+    bodies = []
+    if not streamed and (result.text or not result.tool_calls):  # an answer of calls alone has no content
+        bodies.append(chunk(completion_id, created, model, {"content": result.text}))
+    if result.tool_calls:  # whole, in one delta: the answer is parsed for its calls once it is complete
+        calls = [{"index": i, **call} for i, call in enumerate(result.tool_calls)]
+        bodies.append(chunk(completion_id, created, model, {"tool_calls": calls}))
+    bodies.append(chunk(completion_id, created, model, {}, finish_reason=result.finish_reason))
     if usage:
         bodies.append(chunk(completion_id, created, model, usage=_usage(job)))
     return bodies

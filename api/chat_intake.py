@@ -24,6 +24,7 @@ from api.chat_schemas import (
 )
 from api.intake import AcceptedRequest, Payload, UrlInput, first_error, validate_inputs
 from api.limits import read_json
+from stoker.adapters.backends.grammar import check_grammar
 from stoker.core.errors import InvalidRequest, ModelNotFound, TooManyTokens, UnsupportedMediaType
 from stoker.core.jobs import ChatTurn, Conversation, InputKind
 from stoker.core.model import GenerationParams
@@ -77,7 +78,9 @@ def accept_chat(
     if sum(len(t.text) for t in turns) > settings.max_prompt_chars:
         raise InvalidRequest(f"the chat's text exceeds {settings.max_prompt_chars} characters", param="messages")
     choice = spec.stoker_on_input_error or on_input_error or "degrade"
-    conversation = Conversation(turns=turns, params=_params(spec, settings), stream=spec.stream, on_input_error=choice)
+    params = _params(spec, settings)
+    check_grammar(params)
+    conversation = Conversation(turns=turns, params=params, stream=spec.stream, on_input_error=choice)
     last_user = next(t.text for t in reversed(turns) if t.role == "user")
     accepted = AcceptedRequest(
         prompt=last_user,
@@ -115,6 +118,9 @@ def _params(spec: ChatCompletionCreate, settings: ApiSettings) -> GenerationPara
         n=spec.n or 1,
         logprobs=bool(spec.logprobs),
         top_logprobs=spec.top_logprobs or 0,
+        tools=tuple(spec.tools or ()),
+        tool_choice=spec.tool_choice,
+        response_format=spec.response_format,
     )
 
 
@@ -135,7 +141,12 @@ def _turns(messages: list[ChatMessage]) -> tuple[list[ChatTurn], list[tuple[Inpu
                 raise InvalidRequest(f"{where}: only user messages may carry media", param=where)
             indexes.append(len(raw))
             raw.append(_medium(part, where))
-        turns.append(ChatTurn(role=role, text="\n".join(texts), inputs=indexes))
+        calls = [c.model_dump() for c in message.tool_calls or []]
+        turns.append(
+            ChatTurn(
+                role=role, text="\n".join(texts), inputs=indexes, tool_calls=calls, tool_call_id=message.tool_call_id
+            )
+        )
     return turns, raw
 
 

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stoker.core.model import MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS, MAX_TOP_LOGPROBS
+from stoker.core.model import MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS, MAX_TOP_LOGPROBS, FinishReason
+from stoker.core.tools import MAX_TOOLS, NamedToolChoice, ResponseFormat, ToolChoice, ToolSpec
 
 #: Turns a chat may have.
 MAX_MESSAGES = 256
@@ -67,11 +68,34 @@ class VideoUrlPart(_Lenient):
 ContentPart = Annotated[TextPart | ImagePart | AudioPart | AudioUrlPart | VideoUrlPart, Field(discriminator="type")]
 
 
-class ChatMessage(_Lenient):
-    """One turn. `developer` is OpenAI's newer name for `system`."""
+class CalledFunction(_Lenient):
+    name: str
+    arguments: str
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class MessageToolCall(_Lenient):
+    """A call an earlier assistant turn made, sent back with the chat."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(_Lenient):
+    """One turn. `developer` is OpenAI's newer name for `system`; a `tool` turn is a call's result."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _calls_where_they_belong(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
 
 class StreamOptions(_Lenient):
@@ -96,8 +120,26 @@ class ChatCompletionCreate(BaseModel):
     n: int | None = Field(1, ge=1, le=MAX_CHOICES, description=f"answers to make, at most {MAX_CHOICES}")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    #: Accepted as OpenAI's; a forced call (`required`, a named function) is one call.
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     #: What an input that cannot be read does: `degrade` (answer from the rest, 200) or `fail` (422 with its code).
     stoker_on_input_error: Literal["degrade", "fail"] | None = None
+
+    @model_validator(mode="after")
+    def _tools_that_exist(self) -> ChatCompletionCreate:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: each function needs a name of its own")
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names `{self.tool_choice.function.name}`, which is not in tools")
+        if self.response_format and self.response_format.type == "json_schema" and not self.response_format.json_schema:
+            raise ValueError("response_format of type json_schema needs its json_schema")
+        return self
 
     @model_validator(mode="after")
     def _served_together(self) -> ChatCompletionCreate:
@@ -131,7 +173,9 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    #: None when the answer is only calls (as OpenAI's).
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChoiceLogprobs(BaseModel):
@@ -142,7 +186,7 @@ class ChoiceLogprobs(BaseModel):
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     logprobs: ChoiceLogprobs | None = None
 
 

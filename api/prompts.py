@@ -17,6 +17,7 @@ from stoker.adapters.backends.tokenizer import PromptTokenizer, load_prompt_toke
 from stoker.core.cachekeys import PipelineContext
 from stoker.core.jobs import ChatTurn
 from stoker.core.prompting import Attachment, BuiltPrompt, build_prompt
+from stoker.core.tools import ToolSpec
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class PromptBuilder:
         prompt: str,
         attachments: Sequence[Attachment],
         turns: Sequence[ChatTurn] | None = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> BuiltPrompt | None:
         """The prompt as the tokenize stage would build it; None when this API cannot (not loaded, or another
         tokenizer than the workers')."""
@@ -64,4 +66,4 @@ class PromptBuilder:
             loaded = self._loaded
         if loaded is None or loaded[1] != context.tokenizer:
             return None
-        return build_prompt(loaded[0], prompt, attachments, context.budget, turns, context.system)
+        return build_prompt(loaded[0], prompt, attachments, context.budget, turns, context.system, tools)

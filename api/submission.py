@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,9 +34,10 @@ from stoker.core.errors import BrokerUnavailable, ClientGone, Overloaded, RateLi
 from stoker.core.idempotency import recent_digest
 from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job, JobClass, input_failure
 from stoker.core.model import ModelRequest
-from stoker.core.prompting import Attachment, attachment_for, model_request
+from stoker.core.prompting import Attachment, attachment_for, model_request, offered_tools
 from stoker.core.queues import job_messages
 from stoker.core.tenancy import cache_scope
+from stoker.core.tools import ToolSpec
 from tasks.pipeline import Start
 
 log = logging.getLogger(__name__)
@@ -368,12 +369,13 @@ def _shortcut(
         return "tokenize", filled, None  # where a job that fails on an unreadable input ends, before the model
     attachments = [attachment_for(r) for r in filled]
     turns = accepted.chat.turns if accepted.chat else None
-    address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns)
+    tools = offered_tools(accepted.chat)
+    address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns, tools)
     found = cache.get_json(address)
     if found is not None:
         cache.record("tokenize", hit=True, cost_s=float(found.get("_cost_s", 0.0)))
     elif context.monitor.room_for_inference():
-        found = _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns)
+        found = _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools)
     if found is None:
         return "tokenize", filled, None
     return "infer", filled, model_request(found, scope, accepted.chat, job_id)
@@ -386,10 +388,11 @@ def _tokenize_here(
     prompt: str,
     attachments: list[Attachment],
     turns: list[ChatTurn] | None,
+    tools: Sequence[ToolSpec],
 ) -> dict[str, Any] | None:
     """The tokenize stage's work, done in this (pool) thread; cached like the stage's own. None: not possible here."""
     started = time.perf_counter()
-    built = context.prompts.build(pipeline, prompt, attachments, turns)
+    built = context.prompts.build(pipeline, prompt, attachments, turns, tools)
     if built is None:
         return None
     cost = time.perf_counter() - started

@@ -17,6 +17,7 @@ from stoker.core.avmedia import KEYFRAMES_VERSION
 from stoker.core.imaging import DecodeParams
 from stoker.core.jobs import ChatTurn
 from stoker.core.prompting import Attachment
+from stoker.core.tools import ToolSpec
 
 #: The parts of one decode entry: the grayscale picture OCR reads, and the picture a server that sees images gets
 #: (PNG, at the served model's own size).
@@ -144,11 +145,14 @@ def prompt_address(
     attachments: Sequence[Attachment],
     scope: str,
     turns: Sequence[ChatTurn] | None = None,
+    tools: Sequence[ToolSpec] = (),
 ) -> CacheAddress:
-    """Cache address of a tokenized prompt: the whole prompt material (a chat's every turn) under this tokenizer,
-    budget and system prompt."""
+    """Cache address of a tokenized prompt: the whole prompt material (a chat's every turn, the tools it offers)
+    under this tokenizer, budget and system prompt."""
     chat = [t.model_dump() for t in turns] if turns else None
     parts = [prompt, [asdict(a) for a in attachments], context.budget, chat, context.system]
+    if tools:
+        parts.append([t.model_dump() for t in tools])
     material = json.dumps(parts, sort_keys=True).encode()
     digest = blake3.blake3(material).hexdigest()
     return CacheAddress("tokenize", prompting.VERSION, digest, context.tokenizer, scope)

@@ -91,6 +91,8 @@ class ChoiceInfo(BaseModel):
     text: str
     finish_reason: FinishReason = "stop"
     logprobs: list[dict[str, Any]] | None = None
+    #: The calls of the request's tools this answer makes (OpenAI's `tool_calls` entries).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ResultInfo(BaseModel):
@@ -104,6 +106,8 @@ class ResultInfo(BaseModel):
     finish_reason: FinishReason = "stop"
     #: With `logprobs`: one entry per answer token (OpenAI's `logprobs.content`).
     logprobs: list[dict[str, Any]] | None = None
+    #: The calls of the request's tools the answer makes (OpenAI's `tool_calls` entries); None: it makes none.
+    tool_calls: list[dict[str, Any]] | None = None
     #: With `n` above 1: the answers after the first.
     more: list[ChoiceInfo] = Field(default_factory=list)
 
@@ -119,7 +123,7 @@ class BatchInfo(BaseModel):
     groups: int = 1
 
 
-ChatRole = Literal["system", "user", "assistant"]
+ChatRole = Literal["system", "user", "assistant", "tool"]
 
 
 class ChatTurn(BaseModel):
@@ -128,6 +132,10 @@ class ChatTurn(BaseModel):
     role: ChatRole
     text: str
     inputs: list[int] = Field(default_factory=list)
+    #: An assistant turn's calls of the chat's tools (OpenAI's `tool_calls` entries).
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    #: A `tool` turn: the call whose result it is.
+    tool_call_id: str | None = None
 
 
 class Conversation(BaseModel):

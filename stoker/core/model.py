@@ -11,8 +11,10 @@ from typing import Annotated, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from stoker.core.errors import StokerError
+from stoker.core.tools import MAX_TOOLS, ResponseFormat, ToolChoice, ToolSpec, call_mode
 
-FinishReason = Literal["stop", "length"]
+#: `tool_calls`: the answer is calls of the request's tools (OpenAI's).
+FinishReason = Literal["stop", "length", "tool_calls"]
 #: Whether a picture's vision embeddings came from the cache (`hit`) or from running the vision encoder (`miss`).
 EncoderUse = Literal["hit", "miss"]
 
@@ -42,6 +44,16 @@ class GenerationParams(BaseModel):
     #: Each answer token's log probability, and that of the `top_logprobs` likeliest tokens at its place.
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    #: The functions the model may call, and whether it must (OpenAI's `tools` and `tool_choice`).
+    tools: tuple[ToolSpec, ...] = Field((), max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    #: The answer's form: JSON (`json_object`), JSON valid against a schema (`json_schema`), or free text.
+    response_format: ResponseFormat | None = None
+
+    @property
+    def calls(self) -> str:
+        """What the answer must be as to tool calls (`stoker.core.tools.call_mode`)."""
+        return call_mode(self.tools, self.tool_choice)
 
     @property
     def greedy(self) -> bool:
@@ -116,6 +128,8 @@ class Prediction:
     more: tuple[Prediction, ...] = ()
     #: Per picture it read (content hash): whether the vision encoder ran for it or its embeddings were cached.
     encoder: dict[str, EncoderUse] = field(default_factory=dict)
+    #: The calls of the request's tools the answer makes (OpenAI's `tool_calls` entries); None: it makes none.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 #: What a backend makes of one request: its answer, or the error that request alone ran into.

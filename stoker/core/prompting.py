@@ -14,9 +14,10 @@ from typing import Any, Protocol
 
 from stoker.core.jobs import ChatTurn, Conversation, InputRecord
 from stoker.core.model import ModelRequest
+from stoker.core.tools import ToolSpec
 
 #: Bump when prompt assembly changes.
-VERSION = "5"
+VERSION = "6"
 
 #: A picture's layout as its image processor gave it (tile rows and cols, or a patch grid): what the prompt needs
 #: to spell out the picture's placeholder tokens.
@@ -31,10 +32,11 @@ class ChatTokenizer(Protocol):
     `<|im_end|><|im_start|>system` cannot open a turn of its own (nor `<image>` a picture).
     """
 
-    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: Sequence[ToolSpec] = ()) -> list[int]:
         """The chat in the model's template, the assistant's turn opened; the messages' text encoded as text. A
         message's `images` (layouts) are the pictures the model sees, as image parts before its text, each
-        placeholder expanded as the model's processor expands it."""
+        placeholder expanded as the model's processor expands it. `tools`: the functions the model is offered
+        (an assistant turn may carry its `tool_calls`, a `tool` turn a call's result)."""
 
     def encode_text(self, text: str) -> list[int]:
         """Untrusted text to token ids, as plain text (no control token)."""
@@ -106,28 +108,33 @@ def build_prompt(
     budget: int,
     turns: Sequence[ChatTurn] | None = None,
     system: str = "",
+    tools: Sequence[ToolSpec] = (),
 ) -> BuiltPrompt:
     """The whole chat prompt, fitted into budget: attachment text is trimmed first, then the oldest turns of a chat
     are dropped, then pictures (whole, the oldest first: a picture's placeholder tokens are never cut), then the
     last turn's text is cut. Without `turns` the chat is one user turn: the prompt with every attachment. `system`:
-    a system prompt of the deployment's, before the chat ("" for none)."""
+    a system prompt of the deployment's, before the chat ("" for none); `tools`: the functions offered."""
     chat = list(turns) if turns else [ChatTurn(role="user", text=prompt, inputs=[a.index for a in attachments])]
     attachments = list(attachments)
-    built = _fit(tokenizer, chat, attachments, system)
+
+    def fit() -> BuiltPrompt:
+        return _fit(tokenizer, chat, attachments, system, tools)
+
+    built = fit()
     if len(built.ids) > budget and any(a.text for a in attachments):
         attachments = _trim_attachments(tokenizer, attachments, len(built.ids) - budget)
-        built = _fit(tokenizer, chat, attachments, system)
+        built = fit()
     while len(built.ids) > budget and _droppable(chat):
         chat.pop(next(i for i, t in enumerate(chat) if t.role != "system"))
-        built = _fit(tokenizer, chat, attachments, system)
+        built = fit()
     while len(built.ids) > budget and (shown := _shown_pictures(chat, attachments)):
         attachments = [_left_out(a) if a.index == shown[0] else a for a in attachments]
-        built = _fit(tokenizer, chat, attachments, system)
+        built = fit()
     if len(built.ids) > budget:
         last = chat[-1]
         ids = tokenizer.encode_text(last.text)
         chat[-1] = last.model_copy(update={"text": _cut(tokenizer, ids, len(ids) - (len(built.ids) - budget))})
-        built = _fit(tokenizer, chat, attachments, system)
+        built = fit()
     if len(built.ids) > budget:  # the template alone does not fit (no picture is left): keep its end
         built = replace(built, ids=built.ids[len(built.ids) - budget :])
     return built
@@ -155,18 +162,28 @@ def _left_out(attachment: Attachment) -> Attachment:
     return replace(attachment, pictures=(), layouts=(), left_out=True)
 
 
+def offered_tools(chat: Conversation | None) -> tuple[ToolSpec, ...]:
+    """The functions a chat offers the model: its tools, unless it said the answer calls none."""
+    return chat.params.tools if chat and chat.params.calls != "none" else ()
+
+
 def _fit(
-    tokenizer: ChatTokenizer, chat: Sequence[ChatTurn], attachments: Sequence[Attachment], system: str
+    tokenizer: ChatTokenizer,
+    chat: Sequence[ChatTurn],
+    attachments: Sequence[Attachment],
+    system: str,
+    tools: Sequence[ToolSpec],
 ) -> BuiltPrompt:
     shown = _messages(chat, attachments, system)
-    ids = tokenizer.render([_rendered(m) for m in shown])
+    ids = tokenizer.render([_rendered(m) for m in shown], tools)
     messages = [{k: v for k, v in m.items() if k != "layouts"} for m in shown]
     return BuiltPrompt(ids, messages, [p for m in messages for p in m.get("images", [])])
 
 
 def _rendered(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as the tokenizer renders it: role, text, and the layouts of the pictures the model sees."""
-    out = {"role": message["role"], "content": message["content"]}
+    """A message as the tokenizer renders it: role, text, its calls or the call it answers, and the layouts of the
+    pictures the model sees."""
+    out: dict[str, Any] = {k: message[k] for k in ("role", "content", "tool_calls", "tool_call_id") if k in message}
     return {**out, "images": message["layouts"]} if message.get("layouts") else out
 
 
@@ -180,6 +197,10 @@ def _messages(chat: Sequence[ChatTurn], attachments: Sequence[Attachment], syste
     for turn in chat:
         own = [by_index[i] for i in turn.inputs if i in by_index]
         message: dict[str, Any] = {"role": turn.role, "content": render_user_message(turn.text, own)}
+        if turn.tool_calls:
+            message["tool_calls"] = turn.tool_calls
+        if turn.tool_call_id is not None:
+            message["tool_call_id"] = turn.tool_call_id
         shown = [a for a in own if a.seen or not sees]
         pictures = [p for a in shown for p in a.pictures]
         if pictures:

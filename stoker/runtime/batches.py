@@ -212,7 +212,11 @@ def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError, m
         completion_tokens=outcome.completion_tokens,
         finish_reason=outcome.finish_reason,
         logprobs=outcome.logprobs,
-        more=[ChoiceInfo(text=m.text, finish_reason=m.finish_reason, logprobs=m.logprobs) for m in outcome.more],
+        tool_calls=outcome.tool_calls,
+        more=[
+            ChoiceInfo(text=m.text, finish_reason=m.finish_reason, logprobs=m.logprobs, tool_calls=m.tool_calls)
+            for m in outcome.more
+        ],
     )
     status = final_status(item.pending.job.inputs)
     return Ending(item.job_id, tenant, status, result=result, batch=batch, stamps=stamps, encoder=outcome.encoder)

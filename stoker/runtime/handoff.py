@@ -18,7 +18,7 @@ from stoker.core.errors import DeadlineExceeded, StokerError
 from stoker.core.jobs import ErrorInfo, InputRecord, Job, JobClass, input_failure, settle_video
 from stoker.core.model import ModelRequest
 from stoker.core.pressure import room_to_enqueue
-from stoker.core.prompting import attachment_for, build_prompt, model_request
+from stoker.core.prompting import attachment_for, build_prompt, model_request, offered_tools
 from stoker.core.queues import INFER_QUEUES
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.stage import follower_wait, through_cache, time_limit
@@ -164,11 +164,13 @@ def _model_request(ctx: WorkerContext, context: PipelineContext, job: Job, scope
     was built before."""
     attachments = [attachment_for(r) for r in job.inputs]
     turns = job.chat.turns if job.chat else None
+    tools = offered_tools(job.chat)
 
     def compute() -> dict[str, Any]:
-        built = build_prompt(ctx.prompt_tokenizer, job.prompt, attachments, context.budget, turns, context.system)
+        tokenizer = ctx.prompt_tokenizer
+        built = build_prompt(tokenizer, job.prompt, attachments, context.budget, turns, context.system, tools)
         return {"ids": built.ids, "messages": built.messages, "images": built.images}
 
-    address = prompt_address(context, job.prompt, attachments, scope, turns)
+    address = prompt_address(context, job.prompt, attachments, scope, turns, tools)
     value = through_cache(ctx, None, address, compute, follower_wait(ctx.settings.tokenize_soft_s))
     return model_request(value, scope, job.chat, job.id)

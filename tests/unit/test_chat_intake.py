@@ -115,7 +115,7 @@ def test_the_input_error_choice_comes_from_the_body_or_else_the_header() -> None
         ([{"role": "user", "content": "hi"}], {"top_logprobs": 2}, InvalidRequest, "body"),
         ([{"role": "user", "content": "hi"}], {"stop": ["a", "b", "c", "d", "e"]}, InvalidRequest, "stop"),
         ([{"role": "system", "content": "only rules"}], {}, InvalidRequest, "messages"),
-        ([{"role": "tool", "content": "x"}], {}, InvalidRequest, "messages.0.role"),
+        ([{"role": "tool", "content": "x"}], {}, InvalidRequest, "messages.0"),
         (
             [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": _url(PNG)}}]}],
             {},

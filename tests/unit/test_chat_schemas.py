@@ -13,17 +13,17 @@ BASE = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text",
 
 
 def test_unknown_fields_inside_the_parts_are_dropped_at_parse_and_top_level_ones_are_named() -> None:
-    body = {**BASE, "tools": [{"type": "function"}], "logit_bias": {"1": 2}, "user": "u"}
+    body = {**BASE, "logit_bias": {"1": 2}, "user": "u", "metadata": {"k": "v"}}
     body["messages"][0]["name"] = "someone"  # type: ignore[index]
     spec = ChatCompletionCreate.model_validate_json(json.dumps(body))
     message = spec.messages[0]
-    assert set(spec.model_extra or {}) == {"tools", "logit_bias", "user"}
+    assert set(spec.model_extra or {}) == {"logit_bias", "user", "metadata"}
     assert message.model_extra is None
     assert not isinstance(message.content, str)
     assert message.content is not None
     assert message.content[0].model_extra is None
     dumped = spec.model_dump()
-    assert set(dumped["messages"][0]) == {"role", "content"}
+    assert set(dumped["messages"][0]) == {"role", "content", "tool_calls", "tool_call_id"}
     assert set(dumped["messages"][0]["content"][0]) == {"type", "text"}
 
 

@@ -30,6 +30,7 @@ from stoker.core.prompting import (
     build_prompt_ids,
     render_user_message,
 )
+from stoker.core.tools import ToolSpec
 from stoker.settings import ApiSettings, CommonSettings
 from tests.media import photo
 
@@ -53,8 +54,9 @@ class WordTokenizer:
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return " ".join(self.words[i] for i in token_ids)
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
-        text = " ".join(f"<{m['role']}> {m['content']} </turn>" for m in messages) + " <assistant>"
+    def render(self, messages: list[dict[str, str]], tools: Sequence[ToolSpec] = ()) -> list[int]:
+        text = " ".join(f"<tool> {t.function.name} </tool>" for t in tools) + " "
+        text += " ".join(f"<{m['role']}> {m['content']} </turn>" for m in messages) + " <assistant>"
         return self.encode_text(text)
 
 
@@ -192,7 +194,7 @@ def test_a_deployments_system_prompt_goes_first_and_is_the_only_addition() -> No
 class PictureTokenizer(WordTokenizer):
     """WordTokenizer for a model that sees: each picture is `<img>` plus one `<tile>` per tile of its layout."""
 
-    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: Sequence[ToolSpec] = ()) -> list[int]:
         def pictures(m: dict[str, Any]) -> str:
             return " ".join("<img> " + "<tile> " * (lay["rows"] * lay["cols"]) for lay in m.get("images", []))
 

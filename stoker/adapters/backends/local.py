@@ -5,11 +5,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from stoker.adapters.backends.grammar import GrammarMask, grammar_for, token_grammar
+from stoker.adapters.backends.streams import Pieces, RowStreams, StreamedRow
 from stoker.core.batching import Collated, collate_left, strip_generated
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, apply_stop
+from stoker.core.streaming import TextStream
+from stoker.core.tools import parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,8 @@ class LocalBatch:
 
     collated: Collated
     params: list[GenerationParams]
+    #: Per request: the job its answer is streamed to while it generates (None: sent whole).
+    stream_to: list[str | None] = field(default_factory=list)
 
 
 class TransformersPredictor:
@@ -34,7 +40,10 @@ class TransformersPredictor:
 
     One generate call takes one temperature / top_p / seed (`mixes_sampling` is False: the consumer groups a batch
     by them); requests of a call may differ in `max_tokens` (the call runs to the largest, each row is cut to its
-    own) and in stop sequences (applied to each row's text).
+    own), in stop sequences (applied to each row's text), in the grammar their answer must follow
+    (`response_format`, forced tool calls: `grammar.GrammarMask`), and in being streamed (`streams.RowStreams`,
+    given `pieces`). An answer of a request with tools is parsed for its calls, and is not streamed: its text may
+    turn out to be calls.
     """
 
     mixes_sampling = False
@@ -49,8 +58,10 @@ class TransformersPredictor:
         vram_budget_gb: float | None = None,
         max_tokens_cap: int | None = None,
         max_context_tokens: int | None = None,
+        pieces: Pieces | None = None,
     ) -> None:
         self.model_path = model_path
+        self.pieces = pieces
         #: Prompt and answer together at most (an answer stops where the context is full).
         self.max_context_tokens = max_context_tokens
         self.max_new_tokens = max_new_tokens
@@ -60,6 +71,7 @@ class TransformersPredictor:
         self.vram_budget_gb = vram_budget_gb
         self._model: Any = None
         self._tokenizer: Any = None
+        self._grammar_tokenizer: Any = None
         self._device = "cpu"
 
     def setup(self, device: str) -> None:
@@ -101,18 +113,20 @@ class TransformersPredictor:
 
     def batch(self, requests: Sequence[ModelRequest]) -> LocalBatch:
         """Left-pad the prompts so generation starts at the same column for all."""
-        return LocalBatch(collate_left([r.prompt_ids for r in requests], self.pad_id), [r.params for r in requests])
+        collated = collate_left([r.prompt_ids for r in requests], self.pad_id)
+        return LocalBatch(collated, [r.params for r in requests], [r.stream_to for r in requests])
 
-    def predict(self, batch: LocalBatch) -> tuple[LocalBatch, list[list[int]], Steps | None]:
+    def predict(self, batch: LocalBatch) -> Generated:
         """One generate call for the whole batch, as long as its longest-asking request needs: each prompt's row
         repeated for its `n` answers (the call's requests share `n` and `logprobs`: they are in the sampling
         key), and with `logprobs` each step's raw logits kept for the answers' log probabilities."""
-        return (batch, *self._generate(batch))
+        return self._generate(batch)
 
-    def _generate(self, batch: LocalBatch, **inputs: Any) -> tuple[list[list[int]], Steps | None]:
-        """The model's generate over the left-padded batch (with any further model inputs): every row's ids, and
-        with `logprobs` each row's steps."""
+    def _generate(self, batch: LocalBatch, **inputs: Any) -> Generated:
+        """The model's generate over the left-padded batch (with any further model inputs): every row's ids, with
+        `logprobs` each row's steps, and the rows it streamed."""
         import torch  # heavy: see setup()
+        from transformers import LogitsProcessorList
 
         first = batch.params[0]
         ids = torch.tensor(batch.collated.input_ids, device=self._device).repeat_interleave(first.n, dim=0)
@@ -122,6 +136,8 @@ class TransformersPredictor:
             sampling = {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p}
             if first.seed is not None:
                 torch.manual_seed(first.seed)
+        streams = self._streams(batch)
+        hooks = [hook for hook in (self._grammars(batch), streams) if hook is not None]
         with torch.inference_mode():
             out = self._model.generate(
                 input_ids=ids,
@@ -132,20 +148,52 @@ class TransformersPredictor:
                 pad_token_id=self.pad_id,
                 return_dict_in_generate=True,
                 output_logits=first.logprobs,
+                logits_processor=LogitsProcessorList(hooks),
                 **sampling,
                 **inputs,
             )
             steps = _steps(torch, out, batch.collated.width, first.top_logprobs) if first.logprobs else None
-        return out.sequences.tolist(), steps
+        return Generated(batch, out.sequences.tolist(), steps, streams)
+
+    def _grammars(self, batch: LocalBatch) -> GrammarMask | None:
+        """The rows' grammars (each request's, for each of its `n` rows); None when no row has one."""
+        n = batch.params[0].n
+        grammars = [grammar_for(p) for p in batch.params for _ in range(n)]
+        if not any(g is not None for g in grammars):
+            return None
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = token_grammar(self._tokenizer)
+        return GrammarMask(self._grammar_tokenizer, grammars, batch.collated.width)
+
+    def _streams(self, batch: LocalBatch) -> RowStreams | None:
+        """The rows streamed to their jobs: a streamed request's (one answer each: a stream has no `n`) whose
+        answer cannot turn out to be tool calls."""
+        if self.pieces is None:
+            return None
+        n = batch.params[0].n
+        rows = [
+            StreamedRow(i * n, job_id, self._limit(params, sum(mask)), TextStream(params.stop))
+            for i, (job_id, params, mask) in enumerate(
+                zip(batch.stream_to, batch.params, batch.collated.attention_mask, strict=True)
+            )
+            if job_id is not None and params.calls == "none"
+        ]
+        if not rows:
+            return None
+        decode = self._decode_new
+        return RowStreams(rows, batch.collated.width, decode, self._stop_ids(), self.pieces)
+
+    def _decode_new(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
     def _limit(self, params: GenerationParams, prompt_tokens: int) -> int:
         room = self.max_context_tokens - prompt_tokens if self.max_context_tokens else None
         return params.new_tokens(self.max_new_tokens, self.max_tokens_cap, room)
 
-    def unbatch(self, output: tuple[LocalBatch, list[list[int]], Steps | None]) -> list[Prediction]:
+    def unbatch(self, output: Generated) -> list[Prediction]:
         """Decode each row's new tokens, cut to its own limit and stop sequences; a request's `n` rows become its
-        answer and the `more` after it."""
-        batch, rows, steps = output
+        answer and the `more` after it. A streamed row's last piece is sent."""
+        batch, rows, steps = output.batch, output.rows, output.steps
         generated = strip_generated(rows, batch.collated.width, self._stop_ids())
         n = batch.params[0].n
         predictions = []
@@ -156,6 +204,8 @@ class TransformersPredictor:
             ]
             tokens = sum(a.completion_tokens for a in answers)
             predictions.append(replace(answers[0], completion_tokens=tokens, more=tuple(answers[1:])))
+            if output.streams is not None:
+                output.streams.finish(i * n, answers[0].text)
         return predictions
 
     def _stop_ids(self) -> set[int]:
@@ -169,13 +219,14 @@ class TransformersPredictor:
         kept = new[:limit]
         text, stopped = apply_stop(self._tokenizer.decode(kept, skip_special_tokens=True), params.stop)
         ended = stopped or len(kept) < limit  # an end-of-sequence token (or a stop sequence) came first
-        return Prediction(
+        answer = Prediction(
             text=text.strip(),
             prompt_tokens=prompt_tokens,
             completion_tokens=len(kept),
             finish_reason="stop" if ended else "length",
             logprobs=[self._entry(step) for step in steps[: len(kept)]] if steps is not None else None,
         )
+        return _with_calls(answer, params)
 
     def _entry(self, step: Step) -> dict[str, Any]:
         """One answer token's log probability and its likeliest alternatives, in OpenAI's shape."""
@@ -185,6 +236,27 @@ class TransformersPredictor:
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self._tokenizer.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _with_calls(answer: Prediction, params: GenerationParams) -> Prediction:
+    """An answer of a request with tools, its calls parsed out of its text (`finish_reason` `tool_calls`)."""
+    if params.calls == "none":
+        return answer
+    text, calls = parse_tool_calls(answer.text, params.tools)
+    if not calls:
+        return answer
+    dumped = [c.model_dump() for c in calls]
+    return replace(answer, text=text, tool_calls=dumped, finish_reason="tool_calls")
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What one generate call made: every row's ids, with `logprobs` each row's steps, and the streamed rows."""
+
+    batch: LocalBatch
+    rows: list[list[int]]
+    steps: Steps | None
+    streams: RowStreams | None = None
 
 
 #: One generated token's (id, log probability), and the likeliest tokens' at its place.

@@ -25,7 +25,7 @@ import httpx
 
 from stoker.adapters.backends.vlm import VisionEncoder, tensor_base64
 from stoker.core.errors import InferenceFailed, ModelUnavailable, StokerError
-from stoker.core.model import EncoderUse, ModelRequest, Outcome, Prediction
+from stoker.core.model import EncoderUse, GenerationParams, ModelRequest, Outcome, Prediction
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ class OpenAIPredictor:
         calls = []
         for r in requests:
             used: dict[str, EncoderUse] = {}
-            calls.append(Call(self.body(r, used), r.stream_to if self.pieces else None, used))
+            streamed = self.pieces is not None and r.params.calls == "none"  # calls come whole (see _Streamed)
+            calls.append(Call(self.body(r, used), r.stream_to if streamed else None, used))
         return calls
 
     def body(self, request: ModelRequest, used: dict[str, EncoderUse] | None = None) -> dict[str, Any]:
@@ -134,7 +135,7 @@ class OpenAIPredictor:
             body["n"] = params.n
         if params.logprobs:
             body |= {"logprobs": True, "top_logprobs": params.top_logprobs}
-        return body
+        return body | _structured(request.params)
 
     def _embeds_for(
         self, request: ModelRequest, named: bool, used: dict[str, EncoderUse]
@@ -156,7 +157,8 @@ class OpenAIPredictor:
         vLLM's `uuid`), or, with `embeds`, text and `image_embeds` parts."""
         if embeds is not None and message.get("images"):
             return self._embeds_message(message, scope, embeds)
-        text = {"role": message["role"], "content": message["content"]}
+        calls = {k: message[k] for k in ("tool_calls", "tool_call_id") if message.get(k)}
+        text = {"role": message["role"], "content": message["content"], **calls}
         pictures = [(d, url) for d in message.get("images", []) if (url := self._data_url(d, scope))]
         if not pictures:
             return text
@@ -313,10 +315,27 @@ def _prediction(data: dict[str, Any]) -> Prediction:
 def _choice(choice: dict[str, Any]) -> Prediction:
     text = choice["message"]["content"] or ""
     logprobs = (choice.get("logprobs") or {}).get("content")
+    calls = choice["message"].get("tool_calls") or None
+    ending = choice.get("finish_reason")
     return Prediction(
         text=str(text).strip(),
         prompt_tokens=0,
         completion_tokens=0,
-        finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
+        finish_reason="tool_calls" if calls else "length" if ending == "length" else "stop",
         logprobs=list(logprobs) if logprobs is not None else None,
+        tool_calls=[dict(c) for c in calls] if calls else None,
     )
+
+
+def _structured(params: GenerationParams) -> dict[str, Any]:
+    """A request's tools, tool choice and answer format, as the server takes them (it constrains its own
+    decoding: vLLM's structured outputs and tool parsers)."""
+    body: dict[str, Any] = {}
+    if params.tools:
+        body["tools"] = [t.model_dump(exclude_none=True) for t in params.tools]
+    if params.tool_choice is not None:
+        choice = params.tool_choice
+        body["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
+    if params.response_format is not None:
+        body["response_format"] = params.response_format.model_dump(exclude_none=True, by_alias=True)
+    return body

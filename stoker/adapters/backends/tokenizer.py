@@ -3,6 +3,7 @@ load it the same way, so a prompt tokenized by either is the same prompt (and th
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ import numpy as np
 from stoker.adapters.backends.vision import processor_identity
 from stoker.core.cachekeys import fingerprint
 from stoker.core.errors import StokerError
+from stoker.core.tools import ToolSpec, fold_tools
 
 
 def load_tokenizer(model_path: str) -> Any:
@@ -106,21 +108,30 @@ class PromptTokenizer:
         """What identifies this tokenizer, its template and (for a model that sees) its processor."""
         return tokenizer_identity(self.tokenizer, model_path, self.images.identity if self.images else "")
 
-    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: Sequence[ToolSpec] = ()) -> list[int]:
         """The chat in the model's template, the assistant's turn opened; the messages' text encoded as text, each
-        message's pictures (`images`: their layouts) as image parts before it, expanded as the processor does."""
+        message's pictures (`images`: their layouts) as image parts before it, expanded as the processor does.
+        With `tools`, or turns that call them: a template that renders tools gets them as they are; any other
+        reads them in the Hermes convention, in its plain turns (`stoker.core.tools.fold_tools`)."""
+        template = self.images.template if self.images else str(self.tokenizer.chat_template or "")
+        native = "tools" in template
+        calling = bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if calling and not native:
+            messages = fold_tools(messages, tools)
+        offered = [t.model_dump(exclude_none=True) for t in tools]
+        options: dict[str, Any] = {"tools": offered} if native and tools else {}
         if self.images is None:
             if any(m.get("images") for m in messages):
                 raise StokerError("pictures for a model that reads no images", stage="tokenize")
-            return self._apply([{"role": m["role"], "content": m["content"]} for m in messages])
+            return self._apply([_plain(m) for m in messages], **options)
         parts = [
             {
-                "role": m["role"],
+                **_plain(m),
                 "content": [{"type": "image"} for _ in m.get("images", [])] + [{"type": "text", "text": m["content"]}],
             }
             for m in messages
         ]
-        ids = self._apply(parts, chat_template=self.images.template)
+        ids = self._apply(parts, chat_template=self.images.template, **options)
         return self.images.expand(ids, [layout for m in messages for layout in m.get("images", [])])
 
     def _apply(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
@@ -153,6 +164,24 @@ class PromptTokenizer:
     def decode_text(self, token_ids: Sequence[int]) -> str:
         """Token ids of plain text back to text."""
         return str(self.tokenizer.decode(list(token_ids)))
+
+
+def _plain(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as a chat template takes it: role and text, and a call's arguments as an object (as templates
+    that render calls expect them, not OpenAI's JSON text)."""
+    out: dict[str, Any] = {"role": message["role"], "content": message["content"]}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_parsed_arguments(c) for c in message["tool_calls"]]
+    if message.get("tool_call_id") is not None:
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    with contextlib.suppress(TypeError, ValueError):  # not JSON: the template gets the text as it was sent
+        function["arguments"] = json.loads(function.get("arguments") or "{}")
+    return {**call, "function": function}
 
 
 def load_prompt_tokenizer(model_path: str, tokenizer: Any | None = None) -> PromptTokenizer:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from stoker.adapters.backends.local import LocalBatch, Steps, TransformersPredictor, torch_dtype
+from stoker.adapters.backends.local import Generated, LocalBatch, TransformersPredictor, torch_dtype
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.embeddings import CacheFactory, EmbeddingCache, model_identity
 from stoker.adapters.metrics import VISION_ENCODER_SECONDS
@@ -182,7 +182,8 @@ class VisionLanguagePredictor(TransformersPredictor):
             kept.append(position)
             features.append(found)
         prompts = [requests[i].prompt_ids for i in kept]
-        local = LocalBatch(collate_left(prompts, self.pad_id), [requests[i].params for i in kept])
+        streams = [requests[i].stream_to for i in kept]
+        local = LocalBatch(collate_left(prompts, self.pad_id), [requests[i].params for i in kept], streams)
         return VisionBatch(local, kept, len(requests), features, failed, encoder)
 
     def _pictures(self, request: ModelRequest) -> tuple[list[Any], dict[str, EncoderUse]]:
@@ -201,24 +202,24 @@ class VisionLanguagePredictor(TransformersPredictor):
             )
         return found, used
 
-    def predict(self, batch: VisionBatch) -> tuple[VisionBatch, list[list[int]], Steps | None]:  # type: ignore[override]
+    def predict(self, batch: VisionBatch) -> tuple[VisionBatch, Generated | None]:  # type: ignore[override]
         """One generate over the kept requests, their pictures' embeddings in place of the encoder (each request's
         repeated for each of its `n` rows, as its prompt is)."""
         if not batch.kept:
-            return batch, [], None
+            return batch, None
         n = batch.local.params[0].n
         pictures = [tensor for found in batch.features for _ in range(n) for tensor in found]
         if not pictures:
-            return (batch, *self._generate(batch.local))
+            return batch, self._generate(batch.local)
         from transformers.modeling_outputs import BaseModelOutputWithPooling  # heavy: see setup()
 
         encoded = {"image": BaseModelOutputWithPooling(pooler_output=pictures)}
-        return (batch, *self._generate(batch.local, mm_encoder_outputs=encoded))
+        return batch, self._generate(batch.local, mm_encoder_outputs=encoded)
 
-    def unbatch(self, output: tuple[VisionBatch, list[list[int]], Steps | None]) -> list[Outcome]:  # type: ignore[override]
+    def unbatch(self, output: tuple[VisionBatch, Generated | None]) -> list[Outcome]:  # type: ignore[override]
         """Every request's outcome in order: its answer (saying which pictures hit the cache), or its own error."""
-        batch, rows, steps = output
-        answers = super().unbatch((batch.local, rows, steps)) if batch.kept else []
+        batch, generated = output
+        answers = super().unbatch(generated) if generated is not None else []
         outcomes: list[Outcome] = []
         answered = dict(zip(batch.kept, answers, strict=True))
         for position in range(batch.size):

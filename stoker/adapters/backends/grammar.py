@@ -1,0 +1,132 @@
+"""Constrained decoding for the local model: a request's `response_format` and forced tool calls as an llguidance
+grammar, checked once at the API (a schema it cannot compile is refused there) and applied token by token inside the
+batched `generate` as a logits processor, one matcher per row.
+
+llguidance (the grammar engine behind vLLM's and llama.cpp's structured outputs) compiles JSON schemas and Lark
+grammars lazily, so a mask costs microseconds per token; it needs no torch.compile, which its own torch helper
+uses and a CPU host without a compiler cannot run: the bitmask is applied here with plain tensor ops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+from llguidance import LLMatcher, StructTag
+
+from stoker.core.errors import InvalidRequest
+from stoker.core.model import GenerationParams
+from stoker.core.tools import CALL_CLOSE, CALL_OPEN, ToolSpec, call_schema
+
+log = logging.getLogger(__name__)
+
+#: How JSON is written: OpenAI's and vLLM's answers are JSON a client parses, whitespace between tokens only.
+_JSON_OPTIONS: Any = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+def grammar_for(params: GenerationParams) -> str | None:
+    """The grammar the request's answer must follow; None: free text."""
+    mode = params.calls
+    if mode == "auto":
+        return _lazy_calls(params.tools)
+    if mode != "none":
+        tools = params.tools if mode == "required" else [t for t in params.tools if t.function.name == mode]
+        return _forced_call(tools)
+    answer = params.response_format
+    if answer is None or answer.type == "text":
+        return None
+    if answer.type == "json_object":
+        return _json({"type": "object"})
+    assert answer.json_schema is not None  # the request's validation asks for it
+    return _json(answer.json_schema.json_schema)
+
+
+def check_grammar(params: GenerationParams) -> None:
+    """Refuse (400) a request whose answer's grammar cannot be compiled, saying why."""
+    try:
+        grammar = grammar_for(params)
+        problem = LLMatcher.validate_grammar(grammar) if grammar is not None else ""
+    except ValueError as exc:
+        problem = str(exc)
+    if problem:
+        where = "tools" if params.calls != "none" else "response_format"
+        raise InvalidRequest(f"`{where}` cannot be used to constrain the answer: {problem.strip()[:500]}", param=where)
+
+
+def _json(schema: dict[str, Any]) -> str:
+    return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+
+
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """A schema for a grammar's `%json`, which takes its options from the schema itself."""
+    return {**schema, "x-guidance": {**_JSON_OPTIONS, **schema.get("x-guidance", {})}}
+
+
+def _forced_call(tools: Sequence[ToolSpec]) -> str:
+    """One call of one of the tools, in its tags. (`required` allows several calls in OpenAI's API, but a model
+    that must write a call tends to write the same one again until its token limit: one is what it is held to.)"""
+    schema = _compact({"anyOf": [call_schema(t) for t in tools]} if len(tools) > 1 else call_schema(tools[0]))
+    call = f"{json.dumps(CALL_OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CALL_CLOSE)}"
+    return LLMatcher.grammar_from_lark(f"start: {call}\n")
+
+
+def _lazy_calls(tools: Sequence[ToolSpec]) -> str:
+    """Free text, but once the model opens a call, a valid call of one of the tools."""
+    tags = [
+        StructTag(
+            trigger=CALL_OPEN,
+            begin=f'{CALL_OPEN}\n{{"name": {json.dumps(t.function.name)}, "arguments": ',
+            grammar=_compact(t.function.parameters),
+            end=f"}}\n{CALL_CLOSE}",
+        )
+        for t in tools
+    ]
+    return LLMatcher.grammar_from_lark(StructTag.to_grammar(tags, assume_special=False))
+
+
+def token_grammar(tokenizer: Any) -> llguidance.LLTokenizer:
+    """The model's tokenizer as llguidance reads it (about a second: built once per process)."""
+    import llguidance.hf  # needs transformers: loaded where the model is
+
+    return llguidance.hf.from_tokenizer(tokenizer)
+
+
+class GrammarMask:
+    """A logits processor for `generate`: each constrained row's next token is one its grammar allows; rows
+    without a grammar are left alone. A row that ends (its grammar complete, or the end-of-sequence token) is
+    left alone too: `generate` pads it from then on."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammars: Sequence[str | None], width: int) -> None:
+        self.width = width
+        self.matchers = [LLMatcher(tokenizer, g) if g is not None else None for g in grammars]
+        for row, matcher in enumerate(self.matchers):
+            if matcher is not None and matcher.is_error():
+                log.warning("row %d: grammar failed to load (%s): answer unconstrained", row, matcher.get_error())
+                self.matchers[row] = None
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch  # heavy: in the model's process only
+
+        if input_ids.shape[1] > self.width:
+            self._consume(input_ids[:, -1].tolist())
+        bits = torch.arange(32, dtype=torch.int32)
+        for row, matcher in enumerate(self.matchers):
+            if matcher is None or matcher.is_error():
+                continue  # a complete grammar's mask allows the end of sequence alone
+            packed = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+            allowed = ((packed.unsqueeze(-1) >> bits) & 1).flatten().bool()
+            vocab = scores.shape[1]
+            if allowed.shape[0] < vocab:
+                allowed = torch.cat([allowed, torch.zeros(vocab - allowed.shape[0], dtype=torch.bool)])
+            scores[row] = scores[row].masked_fill(~allowed[:vocab].to(scores.device), float("-inf"))
+        return scores
+
+    def _consume(self, tokens: list[int]) -> None:
+        for row, (matcher, token) in enumerate(zip(self.matchers, tokens, strict=True)):
+            if matcher is None or matcher.is_stopped() or matcher.is_error():
+                continue
+            if not matcher.consume_token(token):
+                log.warning("row %d: token %d refused by its grammar (%s)", row, token, matcher.get_error())
