@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from stoker.adapters.backends.local import TransformersPredictor
@@ -23,6 +25,14 @@ def model() -> tuple[TransformersPredictor, list[int]]:
         PromptTokenizer(load_tokenizer(path)), "Write a long story about a dragon and a castle.", [], 512
     )
     return predictor, prompt.ids
+
+
+@pytest.fixture(scope="module")
+def roomy(model: tuple[TransformersPredictor, list[int]]) -> TransformersPredictor:
+    """The built-in model with room for a whole tool call or JSON answer (64 new tokens)."""
+    predictor = TransformersPredictor(model[0].model_path, max_new_tokens=64, max_tokens_cap=64)
+    predictor.setup("cpu")
+    return predictor
 
 
 def _ask(ids: list[int], **params: object) -> ModelRequest:
@@ -96,3 +106,82 @@ def test_an_answer_stops_where_the_context_is_full(model: tuple[TransformersPred
         predictor.max_context_tokens = None
     assert isinstance(full, Prediction)
     assert (full.completion_tokens, full.finish_reason) == (5, "length")
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 8},
+        "pages": {"type": "integer", "minimum": 1, "maximum": 999},
+        "long": {"type": "boolean"},
+    },
+    "required": ["title", "pages", "long"],
+    "additionalProperties": False,
+}
+
+
+def test_one_call_holds_each_answer_to_its_own_schema_call_or_nothing(
+    model: tuple[TransformersPredictor, list[int]], roomy: TransformersPredictor
+) -> None:
+    predictor, ids = roomy, model[1]
+    schema = {"type": "json_schema", "json_schema": {"name": "book", "schema": ANSWER_SCHEMA, "strict": True}}
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    structured, called, free = run_predictor(
+        predictor,
+        [
+            _ask(ids, max_tokens=48, response_format=schema),
+            _ask(ids, max_tokens=48, tools=[WEATHER], tool_choice=forced),
+            _ask(ids, max_tokens=6),
+        ],
+    )
+    assert isinstance(structured, Prediction)
+    assert isinstance(called, Prediction)
+    assert isinstance(free, Prediction)
+    book = json.loads(structured.text)
+    assert set(book) == {"title", "pages", "long"}
+    assert isinstance(book["title"], str)
+    assert isinstance(book["pages"], int)
+    assert 1 <= book["pages"] <= 999
+    assert len(book["title"]) <= 8
+    assert structured.finish_reason == "stop"
+    assert isinstance(book["long"], bool)
+    assert called.finish_reason == "tool_calls"
+    assert called.text == ""
+    assert called.tool_calls is not None
+    (call,) = called.tool_calls
+    assert call["function"]["name"] == "get_weather"
+    assert set(json.loads(call["function"]["arguments"])) == {"city"}
+    assert free.tool_calls is None
+    assert not free.text.startswith("{")
+
+
+def test_a_streamed_request_sends_its_answer_while_the_call_generates(
+    model: tuple[TransformersPredictor, list[int]],
+) -> None:
+    predictor, ids = model
+    sent: list[tuple[str, str]] = []
+    predictor.pieces = lambda job_id, piece: sent.append((job_id, piece))
+    try:
+        streamed_request = ModelRequest(ids, params=GenerationParams(max_tokens=12), stream_to="job-s")
+        batch = predictor.batch([streamed_request, _ask(ids)])
+        generated = predictor.predict(batch)
+        during = list(sent)  # before the answers are taken apart: what went out while it generated
+        streamed, whole = predictor.unbatch(generated)
+    finally:
+        predictor.pieces = None
+    assert len(during) >= 3
+    assert {job for job, _ in sent} == {"job-s"}  # the row that was not streamed sent nothing
+    assert "".join(piece for _, piece in sent) == streamed.text
+    assert whole.text.startswith(streamed.text)
