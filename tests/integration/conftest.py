@@ -24,6 +24,10 @@ from workers.procs import spawn, stop, tail, terminate, wait_for
 URL_TEST_HOST = "127.0.0.2"
 
 
+#: The most new tokens the session's workers give an answer.
+ROOMY_TOKENS = 64
+
+
 @pytest.fixture(scope="session")
 def store_redis() -> Iterator[redis.Redis]:
     """The test store database, flushed at start."""
@@ -56,7 +60,10 @@ def session_workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathF
     os.environ["STOKER_TRACE_FILE"] = str(logs / "spans.jsonl")
     os.environ.setdefault("STOKER_URL_ALLOWLIST", URL_TEST_HOST)
     os.environ.setdefault("STOKER_CALLBACK_BACKOFF_S", "0.5")  # a retried callback's waits: 0.5 s, 1 s, …
-    env = dict(os.environ)
+    # The workers allow an answer room for a whole tool call or JSON object (the tests of tools and structured
+    # outputs ask for it, through an API of their own that allows it); every other test's API still caps a chat at
+    # STOKER_MAX_TOKENS_CAP, and a job without max_tokens still gets STOKER_MAX_NEW_TOKENS.
+    env = {**os.environ, "STOKER_MAX_TOKENS_CAP": str(ROOMY_TOKENS)}
     ports = {kind: free_port() for kind in ("cpu", "infer")}
     procs = {
         kind: spawn(["worker", kind, *extra], {**env, "STOKER_METRICS_PORT": str(ports[kind])}, logs / f"{kind}.log")
