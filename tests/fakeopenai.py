@@ -87,7 +87,13 @@ def _app(state: FakeServer) -> FastAPI:
 
 
 def _choices(body: dict[str, Any], answer: str) -> list[dict[str, Any]]:
-    """`n` choices (the request's, or one), each with a made-up logprob per word when `logprobs` was asked."""
+    """`n` choices (the request's, or one), each with a made-up logprob per word when `logprobs` was asked; a
+    request that forces a call (a named function, or `required`: the first tool) gets that call instead."""
+    called = _forced(body)
+    if called is not None:
+        call = {"id": "call_fake", "type": "function", "function": {"name": called, "arguments": '{"city": "Oslo"}'}}
+        message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return [{"index": 0, "message": message, "finish_reason": "tool_calls"}]
     choices = []
     for index in range(int(body.get("n") or 1)):
         text = f"{answer} (choice {index})" if index else answer
@@ -98,6 +104,13 @@ def _choices(body: dict[str, Any], answer: str) -> list[dict[str, Any]]:
             choice["logprobs"] = {"content": [{**e, "top_logprobs": [e] * top} for e in entries]}
         choices.append({**choice, "finish_reason": "stop"})
     return choices
+
+
+def _forced(body: dict[str, Any]) -> str | None:
+    choice, tools = body.get("tool_choice"), body.get("tools") or []
+    if isinstance(choice, dict):
+        return str(choice["function"]["name"])
+    return str(tools[0]["function"]["name"]) if choice == "required" and tools else None
 
 
 def _logprob(token: str, value: float) -> dict[str, Any]:

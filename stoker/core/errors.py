@@ -84,6 +84,13 @@ class TooManyTokens(InputError):
     http_status = 400
 
 
+class GrammarRefused(InputError):
+    """The answer's format or a tool's parameters cannot be compiled into a grammar for decoding."""
+
+    code = "unsupported_schema"
+    http_status = 400
+
+
 class UnsupportedMediaType(InputError):
     """The file's content is not an allowed media format."""
 

@@ -140,3 +140,46 @@ def test_n_and_logprobs_reach_the_server_and_every_choice_comes_back(chain: tupl
     for choice in answer.choices:
         assert [t.token for t in choice.logprobs.content] == choice.message.content.split()
         assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+
+
+def test_tools_a_response_format_and_tool_turns_reach_the_server_unchanged(
+    chain: tuple[FakeServer, openai.OpenAI],
+) -> None:
+    fake, client = chain
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "strict": True,
+        },
+    }
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    asked = [{"role": "user", "content": "Weather (marker-tools)?"}]
+    answer = client.chat.completions.create(model=MODEL, messages=asked, tools=[weather], tool_choice=forced)
+    body = _sent(fake, "marker-tools")
+    assert (body["tools"], body["tool_choice"]) == ([weather], forced)
+    (choice,) = answer.choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert (call.id, call.function.name, call.function.arguments) == ("call_fake", "get_weather", '{"city": "Oslo"}')
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    answer_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}}
+    client.chat.completions.create(
+        model=MODEL,
+        response_format=answer_format,  # type: ignore[arg-type]
+        tools=[weather],
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": "call_fake", "content": "sunny (marker-format)"},
+        ],
+    )
+    body = _sent(fake, "marker-format")
+    assert body["response_format"] == answer_format
+    assert "tool_choice" not in body
+    assistant, result = body["messages"][-2:]
+    assert assistant["tool_calls"] == [call.model_dump()]
+    assert (result["role"], result["tool_call_id"], result["content"]) == ("tool", "call_fake", "sunny (marker-format)")

@@ -12,7 +12,7 @@ from llguidance import LLMatcher
 from stoker.adapters.backends.grammar import check_grammar, grammar_for
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import load_prompt_tokenizer
-from stoker.core.errors import InvalidRequest
+from stoker.core.errors import GrammarRefused
 from stoker.core.model import GenerationParams
 from stoker.core.streaming import TextStream
 from stoker.core.tools import ToolSpec, call_mode, fold_tools, parse_tool_calls
@@ -126,9 +126,10 @@ def test_grammars_hold_an_answer_to_its_format_and_to_a_call_of_the_named_tool()
 
 def test_a_schema_that_cannot_be_compiled_is_refused_with_why() -> None:
     bad = {"type": "object", "properties": {"code": {"type": "string", "pattern": "(("}}}
-    with pytest.raises(InvalidRequest) as refused:
+    with pytest.raises(GrammarRefused) as refused:
         check_grammar(_params(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": bad}}))
     assert refused.value.param == "response_format"
+    assert (refused.value.code, refused.value.http_status) == ("unsupported_schema", 400)
     assert "unclosed group" in str(refused.value)
     check_grammar(_params(response_format={"type": "json_object"}))  # a good one passes
 

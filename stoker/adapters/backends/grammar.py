@@ -17,7 +17,7 @@ from typing import Any
 import llguidance
 from llguidance import LLMatcher, StructTag
 
-from stoker.core.errors import InvalidRequest
+from stoker.core.errors import GrammarRefused
 from stoker.core.model import GenerationParams
 from stoker.core.tools import CALL_CLOSE, CALL_OPEN, ToolSpec, call_schema
 
@@ -53,7 +53,7 @@ def check_grammar(params: GenerationParams) -> None:
         problem = str(exc)
     if problem:
         where = "tools" if params.calls != "none" else "response_format"
-        raise InvalidRequest(f"`{where}` cannot be used to constrain the answer: {problem.strip()[:500]}", param=where)
+        raise GrammarRefused(f"`{where}` cannot be used to constrain the answer: {problem.strip()[:500]}", param=where)
 
 
 def _json(schema: dict[str, Any]) -> str:

@@ -1,0 +1,198 @@
+"""Tools, structured outputs and token streaming through `/v1/chat/completions`, with the official `openai` client and
+LangChain's `ChatOpenAI`, against the real workers and model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
+
+from api.app import create_app
+from stoker.settings import ApiSettings
+from tests.integration.conftest import ROOMY_TOKENS
+from tests.serving import serve
+
+MODEL = ApiSettings().public_model_name
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def base_url(workers: dict[str, Path]) -> Iterator[str]:
+    """An API that lets a chat ask for answers as long as the workers allow (a whole call or JSON object)."""
+    with serve(create_app(ApiSettings(max_tokens_cap=ROOMY_TOKENS, sse_keepalive_s=0.2))) as base:
+        yield base
+
+
+@pytest.fixture
+def client(base_url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120) as official:
+        yield official
+
+
+def test_a_json_schema_answer_parses_and_validates(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}},
+    )
+    (choice,) = answer.choices
+    assert choice.finish_reason == "stop"
+    data = json.loads(choice.message.content or "")
+    assert set(data) == {"city", "sunny"}
+    assert isinstance(data["city"], str)
+    assert len(data["city"]) <= 12
+    assert isinstance(data["sunny"], bool)
+
+
+def test_a_forced_call_comes_back_as_tool_calls_and_its_result_is_answered(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=ASK, max_tokens=48, tools=[WEATHER], tool_choice=FORCED
+    )
+    answer = raw.parse()
+    (choice,) = answer.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function"
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city"}
+    job = httpx.get(f"{client.base_url}jobs/{raw.headers['x-stoker-job-id']}").json()
+    assert job["result"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+    followed = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=6,
+        tools=[WEATHER],
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "clear"}'},
+        ],
+    )
+    (after,) = followed.choices
+    assert after.finish_reason in ("stop", "length", "tool_calls")
+    assert (after.message.content or "").strip() or after.message.tool_calls
+    assert followed.model_extra is not None
+    assert followed.model_extra["stoker"]["status"] == "succeeded"
+
+
+def test_a_required_call_streams_as_a_tool_call_delta(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=48, tools=[WEATHER], tool_choice="required", stream=True
+        )
+    )
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    (delta,) = deltas
+    assert delta.index == 0
+    assert delta.id
+    assert delta.function is not None
+    assert delta.function.name == "get_weather"
+    assert set(json.loads(delta.function.arguments or "")) == {"city"}
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["tool_calls"]
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+
+
+def test_a_schema_that_cannot_be_compiled_or_a_tool_that_is_not_offered_is_400(client: openai.OpenAI) -> None:
+    bad = {"type": "object", "properties": {"code": {"type": "string", "pattern": "(("}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": bad}},
+        )
+    assert refused.value.status_code == 400
+    assert refused.value.code == "unsupported_schema"
+    assert "response_format" in refused.value.message
+    assert "unclosed group" in refused.value.message
+    elsewhere = {"type": "function", "function": {"name": "launch"}}
+    with pytest.raises(openai.UnprocessableEntityError) as unknown:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=elsewhere)
+    assert "launch" in unknown.value.message
+
+
+def test_a_streamed_answer_arrives_in_pieces_before_its_job_ends(base_url: str) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story about a dragon and a castle."}],
+        "max_tokens": 48,
+        "stream": True,
+    }
+    pieces: list[str] = []
+    status_at_first_piece = ""
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as response:
+        job_id = response.headers["x-stoker-job-id"]
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                piece = choice["delta"].get("content")
+                if piece and not pieces:
+                    status_at_first_piece = httpx.get(f"{base_url}/v1/jobs/{job_id}").json()["status"]
+                if piece:
+                    pieces.append(piece)
+    assert status_at_first_piece == "inferring"
+    assert len(pieces) >= 3
+    job = httpx.get(f"{base_url}/v1/jobs/{job_id}").json()
+    assert "".join(pieces) == job["result"]["text"]
+
+
+class Weather(BaseModel):
+    """A city's weather."""
+
+    city: str = Field(max_length=12)
+    sunny: bool
+
+
+def test_langchain_binds_tools_runs_a_tool_loop_and_gets_structured_output(base_url: str) -> None:
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return f"Sunny in {city}, 21 C"
+
+    chat = ChatOpenAI(model=MODEL, base_url=f"{base_url}/v1", api_key="unused", max_tokens=48, max_retries=0)
+    question = HumanMessage("What is the weather in Paris?")
+    asked = chat.bind_tools([get_weather], tool_choice="get_weather").invoke([question])
+    (call,) = asked.tool_calls
+    assert call["name"] == "get_weather"
+    assert isinstance(call["args"]["city"], str)
+    result = ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])
+    answered = chat.bind_tools([get_weather]).invoke([question, asked, result])
+    assert answered.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+    assert answered.content or answered.tool_calls
+
+    weather = chat.with_structured_output(Weather, method="json_schema").invoke("Weather in Rome?")
+    assert isinstance(weather, Weather)
+    assert len(weather.city) <= 12
