@@ -196,3 +196,24 @@ def test_langchain_binds_tools_runs_a_tool_loop_and_gets_structured_output(base_
     weather = chat.with_structured_output(Weather, method="json_schema").invoke("Weather in Rome?")
     assert isinstance(weather, Weather)
     assert len(weather.city) <= 12
+
+
+def test_litellm_gets_the_forced_call(base_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its price list from the package, not the network
+    import litellm  # heavy (seconds): only this test uses it
+
+    response = litellm.completion(
+        model=f"openai/{MODEL}",
+        api_base=f"{base_url}/v1",
+        api_key="unused",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice=FORCED,
+        max_tokens=48,
+        num_retries=0,
+    )
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
