@@ -676,6 +676,13 @@ class WorkerSettings(CommonSettings):
         8, ge=1, description="`openai` backend: requests of a batch sent at once, at most."
     )
     openai_timeout_s: float = Field(60.0, gt=0, description="`openai` backend: each request's timeout.")
+    openai_batch_priority: int | None = Field(
+        None,
+        description="`openai` backend, for a vLLM started with `--scheduling-policy priority`: the `priority` a "
+        "batch line's request is sent with (an interactive one's is 0; lower runs first and may preempt), so the "
+        "server's own scheduler serves interactive requests before batch lines it already holds. Unset: no "
+        "`priority` is sent (a server without priority scheduling refuses one other than 0).",
+    )
     openai_image_embeds: bool = Field(
         False,
         description="`openai` backend, for a vLLM started with `--enable-mm-embeds`: this worker loads the vision "

@@ -85,6 +85,8 @@ class ModelRequest:
     params: GenerationParams = field(default_factory=GenerationParams)
     #: Where a backend that streams sends this answer's pieces as they come (the job's id); None: not streamed.
     stream_to: str | None = None
+    #: A batch line's (OpenAI's Batch API): it runs on capacity interactive requests leave, on a server too.
+    background: bool = False
 
     def to_json(self) -> str:
         """The stored form."""

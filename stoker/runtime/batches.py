@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from opentelemetry.propagate import extract
@@ -55,8 +55,9 @@ class BatchItem:
 
     @property
     def request(self) -> ModelRequest:
-        """What the model gets."""
-        return self.pending.request
+        """What the model gets (a batch line's marked as background work)."""
+        request = self.pending.request
+        return replace(request, background=True) if self.pending.job.job_class == "batch" else request
 
 
 @dataclass

@@ -133,6 +133,7 @@ class WorkerContext:
                 images=self.picture,
                 pieces=self.store.answers.append,
                 max_tokens_cap=s.max_tokens_cap,
+                batch_priority=s.openai_batch_priority,
                 embedder=self._image_embedder(),
             )
         else:

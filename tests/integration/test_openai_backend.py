@@ -7,9 +7,12 @@ from collections.abc import Iterator
 import pytest
 
 from stoker.adapters.backends.remote import OpenAIPredictor
+from stoker.adapters.store.jobs import Pending
 from stoker.core.errors import InferenceFailed, ModelUnavailable
 from stoker.core.imaging import DecodeParams, decode_rgb, served_picture
+from stoker.core.jobs import Job
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
+from stoker.runtime.batches import BatchItem
 from tests.fakeopenai import FakeServer, Picture, fake_openai_server
 from tests.media import text_image
 
@@ -124,3 +127,16 @@ def test_each_turn_carries_its_own_pictures_and_the_request_its_parameters(serve
         "stop": ["Z"],
         "seed": 5,
     }
+
+
+def test_a_batch_line_goes_to_a_priority_scheduling_server_behind_interactive_requests(server: FakeServer) -> None:
+    line = Job(id="line", status="inferring", prompt="", inputs=[], job_class="batch")
+    asked = Job(id="asked", status="inferring", prompt="", inputs=[])
+    request = ModelRequest([1], [{"role": "user", "content": "hi"}])
+    background, interactive = (
+        BatchItem(job.id, Pending(job, request, None, None, None)).request for job in (line, asked)
+    )
+    assert (background.background, interactive.background) == (True, False)
+    prioritised = _predictor(server, batch_priority=10)
+    assert (prioritised.body(background)["priority"], prioritised.body(interactive)["priority"]) == (10, 0)
+    assert "priority" not in _predictor(server).body(background)  # a server without priority scheduling

@@ -61,6 +61,7 @@ class OpenAIPredictor:
         images: Callable[[str, str], bytes | None] | None = None,
         attempts: int = 3,
         pieces: Callable[[str, str], None] | None = None,
+        batch_priority: int | None = None,
         max_tokens_cap: int | None = None,
         embedder: VisionEncoder | None = None,
     ) -> None:
@@ -74,6 +75,8 @@ class OpenAIPredictor:
         self.images = images
         self.attempts = attempts
         self.pieces = pieces
+        #: The `priority` a batch line is sent with (an interactive request: 0); None: no priority is sent.
+        self.batch_priority = batch_priority
         self.max_tokens_cap = max_tokens_cap or max_new_tokens
         #: With `--enable-mm-embeds` on the server: pictures go as their vision embeddings, made (or cached) here.
         self.embedder = embedder
@@ -135,6 +138,8 @@ class OpenAIPredictor:
             body["n"] = params.n
         if params.logprobs:
             body |= {"logprobs": True, "top_logprobs": params.top_logprobs}
+        if self.batch_priority is not None:  # vLLM's priority scheduling: lower runs first, and may preempt
+            body["priority"] = self.batch_priority if request.background else 0
         return body | _structured(request.params)
 
     def _embeds_for(
