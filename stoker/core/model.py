@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -87,6 +87,13 @@ class ModelRequest:
     stream_to: str | None = None
     #: A batch line's (OpenAI's Batch API): it runs on capacity interactive requests leave, on a server too.
     background: bool = False
+    #: An answer under way (`Continued`): the tokens it has so far, and what of it was streamed. Never stored.
+    generated: tuple[int, ...] = ()
+    sent: str = ""
+
+    def continued(self, progress: Continued) -> ModelRequest:
+        """This request, to go on from where its answer is."""
+        return replace(self, generated=progress.generated, sent=progress.sent)
 
     def to_json(self) -> str:
         """The stored form."""
@@ -134,8 +141,19 @@ class Prediction:
     tool_calls: list[dict[str, Any]] | None = None
 
 
-#: What a backend makes of one request: its answer, or the error that request alone ran into.
-Outcome = Prediction | StokerError
+@dataclass(frozen=True)
+class Continued:
+    """An answer not finished when its generate call yielded (a request waited for the device, or other answers of
+    the call were done): it goes on in a later call from the tokens it has."""
+
+    generated: tuple[int, ...]
+    #: What of it was streamed to its client already.
+    sent: str = ""
+
+
+#: What a backend makes of one request: its answer, the error that request alone ran into, or (a backend that
+#: yields between decoding steps) its answer so far.
+Outcome = Prediction | StokerError | Continued
 
 
 class Predictor(Protocol):

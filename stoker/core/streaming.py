@@ -16,9 +16,10 @@ class TextStream:
     always the start of the final answer, and `finish` sends the rest.
     """
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: Sequence[str] = (), sent: str = "") -> None:
         self.stop = [s for s in stop if s]
-        self.sent = ""
+        #: What was sent (of an answer that goes on: what earlier calls sent).
+        self.sent = sent
         self.ended = False
 
     def advance(self, text: str) -> str:

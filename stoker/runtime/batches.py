@@ -33,7 +33,7 @@ from stoker.core.jobs import (
     final_status,
     preprocess_share,
 )
-from stoker.core.model import ModelRequest, Prediction, Predictor, run_predictor, sampling_groups
+from stoker.core.model import Continued, ModelRequest, Outcome, Prediction, Predictor, run_predictor, sampling_groups
 from stoker.core.tenancy import DEFAULT_TENANT
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.monitoring import log_job
@@ -68,7 +68,8 @@ class RanBatch:
     items: list[BatchItem]
     started: float
     ended: float
-    outcomes: list[Prediction | StokerError]
+    #: `Continued`: the answer goes on in a later batch (`settle` takes those items out before it is written).
+    outcomes: list[Outcome]
     #: The device's idle time before this batch while work was waiting (None: it had nothing to do).
     idle_gap_s: float | None = None
     #: The watchdog already failed these jobs: their answers are dropped.
@@ -120,9 +121,9 @@ def run_batch(
 
 def predict_grouped(
     predictor: Predictor, requests: list[ModelRequest], groups: list[list[int]], calls: list[int]
-) -> list[Prediction | StokerError]:
+) -> list[Outcome]:
     """Each sampling group as one call (isolated on failure); the outcomes back in the requests' order."""
-    outcomes: list[Prediction | StokerError | None] = [None] * len(requests)
+    outcomes: list[Outcome | None] = [None] * len(requests)
     for group in groups:
         answered = predict_isolated(predictor, [requests[i] for i in group], calls)
         for position, outcome in zip(group, answered, strict=True):
@@ -130,16 +131,33 @@ def predict_grouped(
     return [o for o in outcomes if o is not None]
 
 
+def settle(ran: RanBatch) -> tuple[RanBatch, list[BatchItem]]:
+    """The batch as it is to be written (the items whose answers are done, or failed), and the items whose
+    answers go on, each with its request continued. A batch the watchdog already failed continues nothing."""
+    done: list[tuple[BatchItem, Prediction | StokerError]] = []
+    going_on: list[BatchItem] = []
+    for item, outcome in zip(ran.items, ran.outcomes, strict=True):
+        if not isinstance(outcome, Continued):
+            done.append((item, outcome))
+        elif ran.overdue:
+            done.append((item, InferenceFailed("the batch ran past its budget", stage="infer")))
+        else:
+            request = item.pending.request.continued(outcome)
+            going_on.append(replace(item, pending=replace(item.pending, request=request)))
+    settled = replace(ran, items=[i for i, _ in done], outcomes=[o for _, o in done])
+    return settled, going_on
+
+
 def write_batch(ctx: WorkerContext, ran: RanBatch) -> None:
     """Every job's result, its stamps and the batch's counters, pipelined; then spans, metrics and log lines."""
     store = ctx.store
     model = ctx.predictor.name
-    endings = [_ending(ran, item, outcome, model) for item, outcome in zip(ran.items, ran.outcomes, strict=True)]
+    endings = [_ending(ran, item, _final(o), model) for item, o in zip(ran.items, ran.outcomes, strict=True)]
     written = store.jobs.finish_many(endings) if not ran.overdue else [False] * len(endings)
     store.stats.record_batch("infer", len(ran.items), ran.ended - ran.started, ran.idle_gap_s, ran.calls)
     _observe(ran)
     for item, outcome, ending, fresh in zip(ran.items, ran.outcomes, endings, written, strict=True):
-        _span(ran, item, outcome)
+        _span(ran, item, _final(outcome))
         if fresh:
             log_job(_ended_job(item.pending, ending))
     late = " (past its budget: results dropped)" if ran.overdue else ""
@@ -169,9 +187,17 @@ def expire(ctx: WorkerContext, job_id: str, now: float) -> None:
         log.info("job %s dropped before the model: its deadline passed", job_id)
 
 
+def _final(outcome: Outcome) -> Prediction | StokerError:
+    """An outcome as written: an answer that was to go on and is written instead (a caller that does not
+    `settle`) fails, never stored half-done."""
+    if isinstance(outcome, Continued):
+        return InferenceFailed("the answer was not finished", stage="infer")
+    return outcome
+
+
 def predict_isolated(
     predictor: Predictor, requests: list[ModelRequest], calls: list[int] | None = None
-) -> list[Prediction | StokerError]:
+) -> list[Outcome]:
     """Run the batch; if it fails, retry each request alone so one bad item fails alone. Each backend call
     appends its size to `calls`."""
     if calls is not None:
@@ -191,7 +217,7 @@ def predict_isolated(
             log.exception("inference failed")
             return [InferenceFailed("the model failed on this request", stage="infer")]
         log.exception("batch of %d failed; retrying items one by one", len(requests))
-    outcomes: list[Prediction | StokerError] = []
+    outcomes: list[Outcome] = []
     for request in requests:
         outcomes.extend(predict_isolated(predictor, [request], calls))
     return outcomes

@@ -29,7 +29,16 @@ from queue import Empty, Queue
 
 from stoker.core.batching import BatchPolicy, Plan, Waiting, start_at, top_up
 from stoker.core.pacing import Pace
-from stoker.runtime.batches import BatchItem, RanBatch, expire, fail_batch, load_batch, run_batch, write_batch
+from stoker.runtime.batches import (
+    BatchItem,
+    RanBatch,
+    expire,
+    fail_batch,
+    load_batch,
+    run_batch,
+    settle,
+    write_batch,
+)
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.seams import LineSource, Message
 from stoker.runtime.watchdog import BatchWatchdog
@@ -121,6 +130,9 @@ class Feeder:
         ]
         if self.lines is not None:
             loops.append(("lines", self._take_lines))
+        yield_to = getattr(self.ctx.predictor, "yield_to", None)
+        if callable(yield_to):  # a backend whose calls can stop between decoding steps for waiting requests
+            yield_to(self._interactive_waiting, self.policy.max_batch_size)
         for name, loop in loops:
             threading.Thread(target=_forever(loop, self._stopping), name=f"infer-{name}", daemon=True).start()
 
@@ -261,15 +273,23 @@ class Feeder:
         items, gap = self._next_batch()
         if not items:
             return
+        going_on: list[BatchItem] = []
         try:
-            ran: RanBatch | None = run_batch(self.ctx, items, self.watchdog, gap)
+            ran: RanBatch | None
+            ran, going_on = settle(run_batch(self.ctx, items, self.watchdog, gap))
             failure: BaseException | None = None
         except Exception as exc:  # not the model's per-item failures (those are outcomes): a broken batch
             ran, failure = None, exc
         with self._cond:
             self._last_end = time.time()
+            if going_on:  # answers under way go first in the next batch, beside the requests that waited
+                self._lines_make_way()
+                self._prepared = going_on + self._prepared
             self._work_at_end = bool(self._waiting or self._loading or self._prepared)
-        self._writing.put((ran, items, failure))  # waits only while the batch before is still being written
+            self._cond.notify_all()
+        if ran is None or ran.items:
+            written = ran.items if ran is not None else items
+            self._writing.put((ran, written, failure))  # waits only while the batch before is still being written
         with self._cond:
             self._running = []
 
@@ -284,7 +304,8 @@ class Feeder:
                 self._cond.wait(None if at is None else at - now)
             else:
                 return [], None
-            prepared, self._prepared = self._prepared, []
+            size = self.policy.max_batch_size
+            prepared, self._prepared = self._prepared[:size], self._prepared[size:]
             # At the last moment, in memory: a job cancelled while it waited for the device never reaches it.
             dropped = [i for i in prepared if i.job_id in self._cancelled]
             wanted = [i for i in prepared if i not in dropped]
@@ -324,7 +345,9 @@ class Feeder:
         started, late, dropped, at = self._errands.get()
         if started:
             store = self.ctx.store
-            store.jobs.stamp_many([i.job_id for i in started], "infer_start", at)
+            first = [i.job_id for i in started if not i.request.generated]  # an answer that goes on started before
+            if first:
+                store.jobs.stamp_many(first, "infer_start", at)
             store.stats.device_started(at)
         for item in late:
             expire(self.ctx, item.job_id, at)
@@ -374,6 +397,14 @@ class Feeder:
         wait = self.pace.next_wait(active)
         self.ctx.store.consumers.beat(self.consumer, ttl_s=wait * 3)
         return wait
+
+    def _interactive_waiting(self) -> int:
+        """Interactive requests waiting for the device (arrived, loading or prepared): what a running call may
+        stop for, between its decoding steps."""
+        with self._cond:
+            waiting = sum(1 for w, _ in self._waiting.values() if not w.batch)
+            loading = sum(1 for m in self._loading if not _is_batch_line(m))
+            return waiting + loading + sum(1 for i in self._prepared if not i.request.background)
 
     def _holding(self) -> bool:
         with self._cond:

@@ -9,7 +9,7 @@ import pytest
 from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
-from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
+from stoker.core.model import Continued, GenerationParams, ModelRequest, Prediction, run_predictor
 from stoker.core.prompting import build_prompt
 from stoker.settings import CommonSettings
 
@@ -185,3 +185,53 @@ def test_a_streamed_request_sends_its_answer_while_the_call_generates(
     assert {job for job, _ in sent} == {"job-s"}  # the row that was not streamed sent nothing
     assert "".join(piece for _, piece in sent) == streamed.text
     assert whole.text.startswith(streamed.text)
+
+
+def _until_done(predictor: TransformersPredictor, request: ModelRequest) -> tuple[Prediction, int]:
+    """Run a request call after call until its answer is done; the answer and the calls it took."""
+    calls = 0
+    while True:
+        calls += 1
+        (outcome,) = run_predictor(predictor, [request])
+        if isinstance(outcome, Prediction):
+            return outcome, calls
+        assert isinstance(outcome, Continued)
+        request = request.continued(outcome)
+
+
+def test_a_call_yields_between_steps_and_an_answer_goes_on_where_it_was(
+    model: tuple[TransformersPredictor, list[int]], roomy: TransformersPredictor
+) -> None:
+    ids = model[1]
+    (whole,) = run_predictor(roomy, [_ask(ids, max_tokens=20)])
+    assert isinstance(whole, Prediction)
+    waiting = [0]
+    yielding = TransformersPredictor(roomy.model_path, max_new_tokens=64, max_tokens_cap=64, yield_tokens=4)
+    yielding.setup("cpu")
+    yielding.yield_to(lambda: waiting[0], max_rows=8)
+    short, long = run_predictor(yielding, [_ask(ids, max_tokens=3), _ask(ids, max_tokens=20)])
+    assert isinstance(short, Prediction)  # done at 3 tokens: the call stopped at 4 for it, not at 20
+    assert short.completion_tokens == 3
+    assert isinstance(long, Continued)
+    assert len(long.generated) == 4
+    alone, calls = _until_done(yielding, _ask(ids, max_tokens=20))
+    assert calls == 1  # alone, with nobody waiting, a call runs to its end
+    waiting[0] = 1
+    went_on, calls = _until_done(yielding, _ask(ids, max_tokens=20))
+    assert calls == 5  # a request waited at every yield point: 4 tokens a call
+    assert (went_on.text, went_on.completion_tokens, went_on.finish_reason) == (whole.text, 20, "length")
+    assert (alone.text, alone.completion_tokens) == (whole.text, 20)
+
+
+def test_a_streamed_answer_that_goes_on_sends_each_piece_once(model: tuple[TransformersPredictor, list[int]]) -> None:
+    ids = model[1]
+    sent: list[str] = []
+    yielding = TransformersPredictor(model[0].model_path, max_new_tokens=16, max_tokens_cap=24, yield_tokens=3)
+    yielding.setup("cpu")
+    yielding.yield_to(lambda: 1, max_rows=8)
+    yielding.pieces = lambda job_id, piece: sent.append(piece)
+    request = ModelRequest(ids, params=GenerationParams(max_tokens=12), stream_to="job-s")
+    answer, calls = _until_done(yielding, request)
+    assert calls == 4
+    assert "".join(sent) == answer.text
+    assert len(sent) >= 4

@@ -95,14 +95,22 @@ def token_grammar(tokenizer: Any) -> llguidance.LLTokenizer:
 
 
 class GrammarMask:
-    """A logits processor for `generate`: each constrained row's next token is one its grammar allows; rows
-    without a grammar are left alone. A row that ends (its grammar complete, or the end-of-sequence token) is
-    left alone too: `generate` pads it from then on."""
+    """A logits processor for `generate`: each constrained row's next token is one its grammar allows (past the
+    tokens `done` it already has, for an answer that goes on); rows without a grammar are left alone. A row that
+    ends (its grammar complete, or the end-of-sequence token) is left alone too: `generate` pads it from then on."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammars: Sequence[str | None], width: int) -> None:
+    def __init__(
+        self,
+        tokenizer: llguidance.LLTokenizer,
+        grammars: Sequence[str | None],
+        width: int,
+        done: Sequence[Sequence[int]] = (),
+    ) -> None:
         self.width = width
         self.matchers = [LLMatcher(tokenizer, g) if g is not None else None for g in grammars]
         for row, matcher in enumerate(self.matchers):
+            if matcher is not None and row < len(done) and done[row]:
+                matcher.consume_tokens(list(done[row]))  # an answer that goes on: past what it has
             if matcher is not None and matcher.is_error():
                 log.warning("row %d: grammar failed to load (%s): answer unconstrained", row, matcher.get_error())
                 self.matchers[row] = None

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stoker.adapters.backends.grammar import GrammarMask, grammar_for, token_grammar
 from stoker.adapters.backends.streams import Pieces, RowStreams, StreamedRow
 from stoker.core.batching import Collated, collate_left, strip_generated
-from stoker.core.model import GenerationParams, ModelRequest, Prediction, apply_stop
+from stoker.core.model import Continued, GenerationParams, ModelRequest, Prediction, apply_stop
 from stoker.core.streaming import TextStream
 from stoker.core.tools import parse_tool_calls
 
@@ -27,12 +27,21 @@ def torch_dtype(torch: Any, dtype: str, device: str) -> Any:
 
 @dataclass(frozen=True)
 class LocalBatch:
-    """Left-padded prompts, with each request's generation parameters (one sampling key for the whole batch)."""
+    """Left-padded prompts (each with the answer it has so far, if it goes on), and the requests they are of (one
+    sampling key for the whole batch)."""
 
     collated: Collated
-    params: list[GenerationParams]
-    #: Per request: the job its answer is streamed to while it generates (None: sent whole).
-    stream_to: list[str | None] = field(default_factory=list)
+    requests: list[ModelRequest]
+
+    @property
+    def params(self) -> list[GenerationParams]:
+        """Each request's generation parameters."""
+        return [r.params for r in self.requests]
+
+    @property
+    def stream_to(self) -> list[str | None]:
+        """Per request: the job its answer is streamed to while it generates (None: sent whole)."""
+        return [r.stream_to for r in self.requests]
 
 
 class TransformersPredictor:
@@ -44,6 +53,14 @@ class TransformersPredictor:
     (`response_format`, forced tool calls: `grammar.GrammarMask`), and in being streamed (`streams.RowStreams`,
     given `pieces`). An answer of a request with tools is parsed for its calls, and is not streamed: its text may
     turn out to be calls.
+
+    Given a consumer to yield to (`yield_to`), a call of interactive requests stops between decoding steps, every
+    `yield_tokens` new tokens, when a request waits for the device and the call has room for it, or when some of
+    its answers are done and others are not (`YieldPoints`): the done ones are answered, the others come back
+    `Continued` and go on in the next call beside the requests that waited, their prompts re-read with the tokens
+    they have (iteration-level scheduling at a granularity of `yield_tokens`, for a model behind `generate`,
+    which cannot take new rows into a running call). Calls with `n` above 1 or `logprobs`, and batch lines, run to
+    their end.
     """
 
     mixes_sampling = False
@@ -59,9 +76,14 @@ class TransformersPredictor:
         max_tokens_cap: int | None = None,
         max_context_tokens: int | None = None,
         pieces: Pieces | None = None,
+        yield_tokens: int = 0,
     ) -> None:
         self.model_path = model_path
         self.pieces = pieces
+        self.yield_tokens = yield_tokens
+        #: How many interactive requests wait for the device (the consumer's), and the most rows a call may have.
+        self._waiting: Callable[[], int] | None = None
+        self._max_rows = 0
         #: Prompt and answer together at most (an answer stops where the context is full).
         self.max_context_tokens = max_context_tokens
         self.max_new_tokens = max_new_tokens
@@ -111,10 +133,14 @@ class TransformersPredictor:
         tok = self._tokenizer
         return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 
+    def yield_to(self, waiting: Callable[[], int], max_rows: int) -> None:
+        """Let calls stop between decoding steps for the requests `waiting` counts (see the class)."""
+        self._waiting, self._max_rows = waiting, max_rows
+
     def batch(self, requests: Sequence[ModelRequest]) -> LocalBatch:
-        """Left-pad the prompts so generation starts at the same column for all."""
-        collated = collate_left([r.prompt_ids for r in requests], self.pad_id)
-        return LocalBatch(collated, [r.params for r in requests], [r.stream_to for r in requests])
+        """Left-pad the prompts (with any answer so far) so generation starts at the same column for all."""
+        collated = collate_left([[*r.prompt_ids, *r.generated] for r in requests], self.pad_id)
+        return LocalBatch(collated, list(requests))
 
     def predict(self, batch: LocalBatch) -> Generated:
         """One generate call for the whole batch, as long as its longest-asking request needs: each prompt's row
@@ -126,7 +152,7 @@ class TransformersPredictor:
         """The model's generate over the left-padded batch (with any further model inputs): every row's ids, with
         `logprobs` each row's steps, and the rows it streamed."""
         import torch  # heavy: see setup()
-        from transformers import LogitsProcessorList
+        from transformers import LogitsProcessorList, StoppingCriteriaList
 
         first = batch.params[0]
         ids = torch.tensor(batch.collated.input_ids, device=self._device).repeat_interleave(first.n, dim=0)
@@ -138,32 +164,43 @@ class TransformersPredictor:
                 torch.manual_seed(first.seed)
         streams = self._streams(batch)
         hooks = [hook for hook in (self._grammars(batch), streams) if hook is not None]
+        rest = [self._limit(r) - len(r.generated) for r in batch.requests]
         with torch.inference_mode():
             out = self._model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                max_new_tokens=max(
-                    self._limit(p, sum(m)) for p, m in zip(batch.params, batch.collated.attention_mask, strict=True)
-                ),
+                max_new_tokens=max(rest),
                 pad_token_id=self.pad_id,
                 return_dict_in_generate=True,
                 output_logits=first.logprobs,
                 logits_processor=LogitsProcessorList(hooks),
+                stopping_criteria=StoppingCriteriaList(self._yield_points(batch, rest)),
                 **sampling,
                 **inputs,
             )
             steps = _steps(torch, out, batch.collated.width, first.top_logprobs) if first.logprobs else None
         return Generated(batch, out.sequences.tolist(), steps, streams)
 
+    def _yield_points(self, batch: LocalBatch, rest: list[int]) -> list[YieldPoints]:
+        """Where the call may stop between decoding steps (none: it runs to its end)."""
+        first = batch.params[0]
+        lines = any(r.background for r in batch.requests)
+        if self._waiting is None or not self.yield_tokens or first.n > 1 or first.logprobs or lines:
+            return []
+        width, stops = batch.collated.width, self._stop_ids()
+        return [YieldPoints(self.yield_tokens, width, rest, stops, self._waiting, self._max_rows)]
+
     def _grammars(self, batch: LocalBatch) -> GrammarMask | None:
-        """The rows' grammars (each request's, for each of its `n` rows); None when no row has one."""
+        """The rows' grammars (each request's, for each of its `n` rows), past any answer so far; None when no row
+        has one."""
         n = batch.params[0].n
         grammars = [grammar_for(p) for p in batch.params for _ in range(n)]
         if not any(g is not None for g in grammars):
             return None
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = token_grammar(self._tokenizer)
-        return GrammarMask(self._grammar_tokenizer, grammars, batch.collated.width)
+        done = [list(r.generated) for r in batch.requests for _ in range(n)]
+        return GrammarMask(self._grammar_tokenizer, grammars, batch.collated.width, done)
 
     def _streams(self, batch: LocalBatch) -> RowStreams | None:
         """The rows streamed to their jobs: a streamed request's (one answer each: a stream has no `n`) whose
@@ -172,11 +209,11 @@ class TransformersPredictor:
             return None
         n = batch.params[0].n
         rows = [
-            StreamedRow(i * n, job_id, self._limit(params, sum(mask)), TextStream(params.stop))
-            for i, (job_id, params, mask) in enumerate(
-                zip(batch.stream_to, batch.params, batch.collated.attention_mask, strict=True)
+            StreamedRow(
+                i * n, r.stream_to, self._limit(r), TextStream(r.params.stop, sent=r.sent), prefix=list(r.generated)
             )
-            if job_id is not None and params.calls == "none"
+            for i, r in enumerate(batch.requests)
+            if r.stream_to is not None and r.params.calls == "none"
         ]
         if not rows:
             return None
@@ -186,42 +223,58 @@ class TransformersPredictor:
     def _decode_new(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
-    def _limit(self, params: GenerationParams, prompt_tokens: int) -> int:
+    def _limit(self, request: ModelRequest) -> int:
+        """The most new tokens the request's answer may have: as it asks, within the cap and the context's room."""
+        prompt_tokens = len(request.prompt_ids)
         room = self.max_context_tokens - prompt_tokens if self.max_context_tokens else None
-        return params.new_tokens(self.max_new_tokens, self.max_tokens_cap, room)
+        return request.params.new_tokens(self.max_new_tokens, self.max_tokens_cap, room)
 
-    def unbatch(self, output: Generated) -> list[Prediction]:
-        """Decode each row's new tokens, cut to its own limit and stop sequences; a request's `n` rows become its
-        answer and the `more` after it. A streamed row's last piece is sent."""
+    def unbatch(self, output: Generated) -> list[Prediction | Continued]:
+        """Decode each row's answer (the tokens it had, then this call's), cut to its own limit and stop
+        sequences; a request's `n` rows become its answer and the `more` after it. A streamed row's last piece is
+        sent. An answer the call stopped before its end comes back `Continued`."""
         batch, rows, steps = output.batch, output.rows, output.steps
-        generated = strip_generated(rows, batch.collated.width, self._stop_ids())
+        width = batch.collated.width
+        ran = len(rows[0]) - width if rows else 0
+        generated = strip_generated(rows, width, self._stop_ids())
         n = batch.params[0].n
-        predictions = []
-        for i, (params, mask) in enumerate(zip(batch.params, batch.collated.attention_mask, strict=True)):
+        outcomes: list[Prediction | Continued] = []
+        for i, request in enumerate(batch.requests):
             answers = [
-                self._answer(generated[row], params, sum(mask), steps[row] if steps else None)
+                self._answer(request, generated[row], ran, steps[row] if steps else None)
                 for row in range(i * n, (i + 1) * n)
             ]
-            tokens = sum(a.completion_tokens for a in answers)
-            predictions.append(replace(answers[0], completion_tokens=tokens, more=tuple(answers[1:])))
+            first = answers[0]
+            if isinstance(first, Continued):  # a call that yields has one row per request
+                sent = output.streams.sent(i * n) if output.streams is not None else ""
+                outcomes.append(replace(first, sent=sent))
+                continue
+            done = [a for a in answers if isinstance(a, Prediction)]
+            tokens = sum(a.completion_tokens for a in done)
+            outcomes.append(replace(done[0], completion_tokens=tokens, more=tuple(done[1:])))
             if output.streams is not None:
-                output.streams.finish(i * n, answers[0].text)
-        return predictions
+                output.streams.finish(i * n, done[0].text)
+        return outcomes
 
     def _stop_ids(self) -> set[int]:
         """The ids a row ends at: padding and end of sequence."""
         return {self.pad_id, int(self._tokenizer.eos_token_id)}
 
     def _answer(
-        self, new: list[int], params: GenerationParams, prompt_tokens: int, steps: list[Step] | None = None
-    ) -> Prediction:
-        limit = self._limit(params, prompt_tokens)
-        kept = new[:limit]
+        self, request: ModelRequest, new: list[int], ran: int, steps: list[Step] | None = None
+    ) -> Prediction | Continued:
+        """One row's answer: the tokens it had and the `new` ones of this call, which ran `ran` steps (fewer new
+        tokens: the row reached its end of sequence)."""
+        params = request.params
+        limit = self._limit(request)
+        kept = [*request.generated, *new][:limit]
         text, stopped = apply_stop(self._tokenizer.decode(kept, skip_special_tokens=True), params.stop)
+        if not (stopped or len(new) < ran or len(kept) >= limit):
+            return Continued(tuple(kept))
         ended = stopped or len(kept) < limit  # an end-of-sequence token (or a stop sequence) came first
         answer = Prediction(
             text=text.strip(),
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=len(request.prompt_ids),
             completion_tokens=len(kept),
             finish_reason="stop" if ended else "length",
             logprobs=[self._entry(step) for step in steps[: len(kept)]] if steps is not None else None,
@@ -247,6 +300,37 @@ def _with_calls(answer: Prediction, params: GenerationParams) -> Prediction:
         return answer
     dumped = [c.model_dump() for c in calls]
     return replace(answer, text=text, tool_calls=dumped, finish_reason="tool_calls")
+
+
+class YieldPoints:
+    """A stopping criterion for `generate`: every `every` new tokens, the whole call stops when some of its rows
+    are done and others are not (the done answers go out now rather than with the longest), or when a request
+    waits for the device and the call has room for it (it joins the next call); else the call goes on."""
+
+    def __init__(
+        self, every: int, width: int, rest: list[int], stop_ids: set[int], waiting: Callable[[], int], max_rows: int
+    ) -> None:
+        self.every = every
+        self.width = width
+        #: Per row: the new tokens it may still have in this call.
+        self.rest = rest
+        self.stop_ids = sorted(stop_ids)
+        self.waiting = waiting
+        self.max_rows = max_rows
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch  # heavy: in the model's process only
+
+        rows, steps = input_ids.shape[0], input_ids.shape[1] - self.width
+        stop = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+        if steps == 0 or steps % self.every:
+            return stop
+        ended = torch.isin(input_ids[:, self.width :], torch.tensor(self.stop_ids, device=input_ids.device)).any(1)
+        done = [bool(e) or steps >= r for e, r in zip(ended.tolist(), self.rest, strict=True)]
+        going = rows - sum(done)
+        if going and (going < rows or (going < self.max_rows and self.waiting() > 0)):
+            return ~stop
+        return stop
 
 
 @dataclass(frozen=True)

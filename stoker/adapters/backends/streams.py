@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from stoker.core.streaming import TextStream
@@ -27,6 +27,8 @@ class StreamedRow:
     job_id: str
     limit: int
     text: TextStream
+    #: The answer's tokens from earlier calls (it goes on).
+    prefix: list[int] = field(default_factory=list)
 
 
 class RowStreams:
@@ -49,16 +51,20 @@ class RowStreams:
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         if input_ids.shape[1] > self.width:
             for streamed in self.rows:
-                self._send(streamed, self._new(input_ids[streamed.row, self.width :].tolist(), streamed.limit))
+                self._send(streamed, self._new(streamed, input_ids[streamed.row, self.width :].tolist()))
         return scores
 
-    def _new(self, ids: list[int], limit: int) -> list[int]:
-        """A row's new tokens so far, up to its end and its limit."""
+    def _new(self, streamed: StreamedRow, ids: list[int]) -> list[int]:
+        """A row's answer so far: its earlier tokens and this call's, up to its end and its limit."""
         end = next((i for i, token in enumerate(ids) if token in self.stop_ids), len(ids))
-        return ids[: min(end, limit)]
+        return [*streamed.prefix, *ids[:end]][: streamed.limit]
 
     def _send(self, streamed: StreamedRow, ids: list[int]) -> None:
         self._put(streamed.job_id, streamed.text.advance(self.decode(ids)))
+
+    def sent(self, row: int) -> str:
+        """What of a row's answer was sent so far ("" for a row not streamed)."""
+        return next((s.text.sent for s in self.rows if s.row == row), "")
 
     def finish(self, row: int, final: str) -> None:
         """The rest of a streamed row's final answer."""

@@ -30,7 +30,7 @@ from stoker.adapters.embeddings import CacheFactory, EmbeddingCache, model_ident
 from stoker.adapters.metrics import VISION_ENCODER_SECONDS
 from stoker.core.batching import collate_left
 from stoker.core.errors import ImageFeaturesMismatch, ImageTensorsMissing, StokerError
-from stoker.core.model import EncoderUse, ModelRequest, Outcome, Prediction
+from stoker.core.model import Continued, EncoderUse, ModelRequest, Outcome, Prediction
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +181,8 @@ class VisionLanguagePredictor(TransformersPredictor):
                 continue
             kept.append(position)
             features.append(found)
-        prompts = [requests[i].prompt_ids for i in kept]
-        streams = [requests[i].stream_to for i in kept]
-        local = LocalBatch(collate_left(prompts, self.pad_id), [requests[i].params for i in kept], streams)
+        prompts = [[*requests[i].prompt_ids, *requests[i].generated] for i in kept]
+        local = LocalBatch(collate_left(prompts, self.pad_id), [requests[i] for i in kept])
         return VisionBatch(local, kept, len(requests), features, failed, encoder)
 
     def _pictures(self, request: ModelRequest) -> tuple[list[Any], dict[str, EncoderUse]]:
@@ -231,8 +230,8 @@ class VisionLanguagePredictor(TransformersPredictor):
         return outcomes
 
     @staticmethod
-    def _with_encoder(answer: Prediction, used: dict[str, EncoderUse]) -> Prediction:
-        return replace(answer, encoder=used) if used else answer
+    def _with_encoder(answer: Prediction | Continued, used: dict[str, EncoderUse]) -> Prediction | Continued:
+        return replace(answer, encoder=used) if used and isinstance(answer, Prediction) else answer
 
     def _stop_ids(self) -> set[int]:
         """Padding, end of sequence, and every end the model's generation config names (SmolVLM's
