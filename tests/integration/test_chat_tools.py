@@ -217,3 +217,27 @@ def test_litellm_gets_the_forced_call(base_url: str, monkeypatch: pytest.MonkeyP
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     assert set(json.loads(call.function.arguments)) == {"city"}
+
+
+def test_a_short_chat_is_answered_while_a_long_answer_is_still_generating(base_url: str, client: openai.OpenAI) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story about a dragon and a castle."}],
+        "max_tokens": ROOMY_TOKENS,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as response:
+        long_job = response.headers["x-stoker-job-id"]
+        lines = response.iter_lines()
+        next(line for line in lines if '"content":"' in line and '"content":""' not in line)  # it generates
+        short = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=2
+        )
+        long_then = httpx.get(f"{base_url}/v1/jobs/{long_job}").json()
+        for _ in lines:  # the long answer to its end
+            pass
+    assert short.parse().choices[0].message.content
+    assert long_then["status"] == "inferring"  # the short chat did not wait for the long answer's batch to end
+    long_done = httpx.get(f"{base_url}/v1/jobs/{long_job}").json()
+    assert long_done["status"] == "succeeded"
+    assert long_done["result"]["completion_tokens"] > 32

@@ -19,7 +19,7 @@ import pytest
 from stoker.adapters.store.jobs import Ending, Pending
 from stoker.core.batching import BatchPolicy
 from stoker.core.jobs import ErrorInfo, Job
-from stoker.core.model import ModelRequest, Prediction
+from stoker.core.model import Continued, ModelRequest, Prediction
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.feeder import Feeder
 from stoker.runtime.watchdog import BatchWatchdog
@@ -157,6 +157,40 @@ class GatedPredictor:
 
     def unbatch(self, output: list[str]) -> list[Prediction]:
         return [Prediction(text=f"answer to {text}", prompt_tokens=1, completion_tokens=1) for text in output]
+
+
+class YieldingPredictor(GatedPredictor):
+    """A predictor whose calls yield after every token, as the local model's do for a waiting request: a prompt
+    `name:n` needs n calls; until then each call gives it one more token and it comes back `Continued`."""
+
+    def __init__(self) -> None:
+        super().__init__(stepped=True)
+        self.waiting: Any = None
+        self.seen_waiting: list[int] = []
+
+    def yield_to(self, waiting: Any, max_rows: int) -> None:
+        self.waiting = waiting
+
+    def batch(self, requests: Sequence[ModelRequest]) -> list[Any]:  # type: ignore[override]
+        return [(r.messages[0]["content"], r.generated) for r in requests]
+
+    def predict(self, batch: list[Any]) -> list[Any]:  # type: ignore[override]
+        self.calls.append([name for name, _ in batch])
+        self.on_device.set()
+        if not self._steps.acquire(timeout=WAIT_S):
+            raise TimeoutError("the test never let the batch through")
+        self.seen_waiting.append(self.waiting())
+        return batch
+
+    def unbatch(self, output: list[Any]) -> list[Prediction | Continued]:  # type: ignore[override]
+        outcomes: list[Prediction | Continued] = []
+        for name, generated in output:
+            tokens = (*generated, len(generated))
+            needed = int(name.split(":")[1])
+            done = len(tokens) == needed
+            text = f"{name} in {len(tokens)} tokens"
+            outcomes.append(Prediction(text, 1, len(tokens)) if done else Continued(tokens, sent=text))
+        return outcomes
 
 
 class FakeMessage:
@@ -447,3 +481,24 @@ def test_batch_lines_are_taken_only_into_room_and_step_aside_for_an_interactive_
     assert [m.settled for m in lines.messages] == ["acked"] * 10
     c.feeder.give_back()
     assert lines.closed
+
+
+def test_an_answer_that_goes_on_runs_again_first_beside_the_request_that_waited(consumers: list[Consumer]) -> None:
+    c = _consumer(consumers, YieldingPredictor(), max_batch_size=4)  # type: ignore[arg-type]
+    predictor = c.predictor
+    assert isinstance(predictor, YieldingPredictor)
+    (long,) = c.arrive("long:3")
+    c.until(predictor.on_device.is_set, "the long answer on the device")
+    (short,) = c.arrive("short:1")
+    c.until(lambda: ["short:1"] in c.store.jobs.loads, "the short request loaded while the long one runs")
+    predictor.release(3)
+    c.until(lambda: len(c.store.jobs.ended) == 2, "both answered")
+    assert predictor.calls == [["long:3"], ["long:3", "short:1"], ["long:3"]]
+    assert predictor.seen_waiting[0] == 1  # the call on the device saw the short request wait
+    ended = c.store.jobs.ended
+    assert list(ended) == ["short:1", "long:3"]  # the short one did not wait for the long answer to end
+    assert [e.result.text for e in ended.values() if e.result] == ["short:1 in 1 tokens", "long:3 in 3 tokens"]
+    assert (long.times_settled, short.times_settled) == (1, 1)
+    assert long.settled == short.settled == "acked"
+    assert set(c.store.jobs.started) == {"long:3", "short:1"}
+    c.until(lambda: not c.store.consumers.held, "every job released")
