@@ -1,7 +1,8 @@
 """Whole processes die under load, and Redis itself: every accepted job still reaches its end.
 
 A stack of its own (own Valkey with AOF, short visibility timeout, prompt re-drive) so processes can be killed
-without disturbing the other tests.
+without disturbing the other tests. What dies here is processes, not a model: the device is simulated, and a batch
+holds it for a second and a half, so a kill lands while one is on it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from stoker.adapters.store.keys import PROGRESS_FIELD, input_ref, job_key
-from tests.fleet import QUICK_RECOVERY, SIM_RECOVERY, Fleet, own_fleet
+from tests.fleet import SIM_RECOVERY, Fleet, own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
@@ -24,9 +25,10 @@ from workers.procs import tail
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
-    """Messages of a dead worker come back after 20 s, lost inference messages are re-sent after 30."""
+    """Messages of a dead worker come back after 10 s, lost inference messages are re-sent after 10."""
     # Every job does its own work: nothing rides on a cache hit.
-    settings = {**QUICK_RECOVERY, "STOKER_CACHE_ENABLED": "false"}
+    device = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "1500"}
+    settings = {**SIM_RECOVERY, **device, "STOKER_CACHE_ENABLED": "false"}
     with own_fleet(settings) as crew:
         yield crew
 
@@ -109,7 +111,7 @@ def test_a_job_whose_first_message_never_reached_the_broker_is_sent_again(fleet:
     silent = SpySubmitter(forward=False)  # the record is written, its first message goes nowhere
     files = [("image", ("lost.png", text_image(f"ORDER {time.time_ns() % 10000}"), "image/png"))]
     fleet.kill("reaper", signal.SIGTERM)
-    fleet.start("reaper", STOKER_REDRIVE_AFTER_S="3")  # a patient reaper would take the fleet's 30 s
+    fleet.start("reaper", STOKER_REDRIVE_AFTER_S="3")  # a patient reaper would take the fleet's 10 s
     try:
         with fleet.api(silent, redrive_after_s=3) as api:
             accepted = api.post("/v1/jobs", data={"prompt": "What is the order number?"}, files=files)
@@ -141,9 +143,9 @@ def test_a_started_job_whose_next_message_was_lost_is_sent_again(fleet: Fleet) -
         with fleet.store() as store:
             _until(lambda: store.hexists(job_key(job_id), PROGRESS_FIELD), 60, "the decoded image to be written")
             assert store.hget(job_key(job_id), "status") == b"preprocessing"
-            # A patient reaper would take the fleet's 30 s; one that counts on a 10 s visibility timeout looks
-            # sooner (no message of this job exists to come back, whatever the broker's timeout).
-            fleet.start("reaper", **{**SIM_RECOVERY, "STOKER_REDRIVE_AFTER_S": "3"})
+            # A patient reaper would wait the fleet's 10 s redrive delay on top of its visibility timeout; this one
+            # looks 3 s after it (no message of this job exists to come back, whatever the broker's timeout).
+            fleet.start("reaper", STOKER_REDRIVE_AFTER_S="3")
             (job,) = _all_answered(fleet, [job_id])
             assert job["status"] == "succeeded", job  # preprocessed and answered after the re-send, nothing failed
             assert job["inputs"][0]["status"] == "ok", job["inputs"]
