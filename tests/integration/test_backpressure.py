@@ -158,24 +158,33 @@ def test_the_openai_backend_gets_the_preprocessed_picture_through_the_pipeline(f
     assert "What is in the picture?" in text
 
 
-def test_retry_after_predicts_how_long_the_queue_takes_to_drain() -> None:
+def test_retry_after_predicts_how_long_the_queue_takes_to_drain(fleet: Fleet) -> None:
     # A device that drains a steady 5 jobs/s (batches of 2 every 400 ms) and jobs arriving at ~20/s: the inference
-    # queue reaches its limit (60) in seconds, and the 429 says when it will be back at its resume level (30).
-    settings = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "400", "STOKER_SIM_PER_ITEM_MS": "0"}
-    api = {"infer_queue_limit": 60, "admission_resume_ratio": 0.5, "infer_high_watermark": 1000}
-    with own_fleet({**settings, "STOKER_MAX_BATCH_SIZE": "2"}, kinds=("cpu", "infer"), api=api) as crew:
-        monitor = context_of(crew.client.app).monitor  # type: ignore[arg-type]
-        wait_for(lambda: monitor.fresh() is not None, 15, "the admission monitor's first sample", [])
-        retry_after = None
-        for n in range(400):
-            status, headers, _ = _text_job(crew.client, n, deadline_ms=120_000)
-            if status == 429:
-                retry_after, refused_at = int(headers["retry-after"]), time.monotonic()
-                break
-            assert status == 202
-            time.sleep(0.05)  # arrivals paced at ~20/s, not a wait for anything
-        assert retry_after is not None, "never refused"
-        with redis.Redis.from_url(crew.env["STOKER_BROKER_URL"]) as broker:
+    # queue reaches its limit (60) in seconds, and the 429 says when it will be back at its resume level (30). The
+    # API tokenizes these text jobs itself (up to its own watermark, 1000): they go straight to the inference queue.
+    fleet.kill("infer", signal.SIGTERM)
+    steady = {"STOKER_SIM_BASE_MS": "400", "STOKER_SIM_PER_ITEM_MS": "0", "STOKER_MAX_BATCH_SIZE": "2"}
+    fleet.start("infer", STOKER_BACKEND="sim", **steady)
+    try:
+        fleet.wait_workers(("infer",))
+        # A fresh API: its drain meter has seen none of the earlier tests' traffic.
+        api = fleet.api(infer_queue_limit=60, admission_resume_ratio=0.5, infer_high_watermark=1000)
+        with api as client, redis.Redis.from_url(fleet.env["STOKER_BROKER_URL"]) as broker:
+            assert int(broker.llen("infer")) == 0
+            monitor = context_of(client.app).monitor  # type: ignore[arg-type]
+            wait_for(lambda: monitor.fresh() is not None, 15, "the admission monitor's first sample", [])
+            retry_after = None
+            for n in range(400):
+                status, headers, _ = _text_job(client, n, deadline_ms=120_000)
+                if status == 429:
+                    retry_after, refused_at = int(headers["retry-after"]), time.monotonic()
+                    break
+                assert status == 202
+                time.sleep(0.05)  # arrivals paced at ~20/s, not a wait for anything
+            assert retry_after is not None, "never refused"
             wait_for(lambda: int(broker.llen("infer")) <= 30, 120, "the inference queue back at its resume level", [])
-        took = time.monotonic() - refused_at
+            took = time.monotonic() - refused_at
+    finally:
+        fleet.kill("infer", signal.SIGTERM)
+        fleet.start("infer")
     assert 0.5 * took <= retry_after <= 1.5 * took, (retry_after, took)
