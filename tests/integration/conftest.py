@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 
 from stoker.core.jobs import InputRecord
 from tests.fakeopenai import FakeServer, fake_openai_server
-from tests.fleet import Fleet, own_fleet
+from tests.fleet import Fleet, kill_all, own_fleet
 from workers.broker import free_port
-from workers.procs import spawn, stop, tail, terminate, wait_for
+from workers.procs import spawn, stop, tail, wait_for
 
 #: A loopback address of the suite's own that the workers may fetch from (test_urls.py serves media there); every
 #: other private address stays refused, 127.0.0.1 included.
@@ -71,7 +71,8 @@ def session_workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathF
     }
 
     def all_answer() -> bool:
-        names = {name.split("@")[0] for reply in app.control.ping(timeout=0.5) for name in reply}
+        # Back as soon as both workers answered, instead of always waiting out the ping's timeout.
+        names = {name.split("@")[0] for reply in app.control.ping(timeout=0.5, limit=2) for name in reply}
         return set(procs) - {"reaper"} <= names
 
     procs["reaper"] = spawn(["reaper"], env, logs / "reaper.log")
@@ -84,7 +85,7 @@ def session_workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathF
         raise RuntimeError(f"{exc}\n{details}") from exc
     os.environ["STOKER_TEST_METRICS"] = ",".join(f"{k}={v}" for k, v in ports.items())
     yield SessionWorkers(procs, {k: logs / f"{k}.log" for k in procs})
-    terminate(list(procs.values()), grace_s=20)
+    kill_all(list(procs.values()))
 
 
 @pytest.fixture(scope="session")
