@@ -17,7 +17,7 @@ from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import long_speech_wav, text_image
-from workers.procs import running, spawn, stop, tail, wait_for
+from workers.procs import running, spawn, tail, terminate, wait_for
 
 DBS = (8, 9)
 
@@ -54,7 +54,8 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
     app = make_app(CommonSettings(broker_url=urls["STOKER_BROKER_URL"], result_url=urls["STOKER_RESULT_URL"]))
 
     def all_answer() -> bool:
-        return set(procs) <= {name.split("@")[0] for reply in app.control.ping(timeout=0.5) for name in reply}
+        replies = app.control.ping(timeout=0.5, limit=len(procs))  # back as soon as both answered
+        return set(procs) <= {name.split("@")[0] for reply in replies for name in reply}
 
     try:
         wait_for(all_answer, 180, "harsh workers", [*procs.values(), reaper])
@@ -64,8 +65,7 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
     except Exception as exc:
         raise RuntimeError("\n".join(f"--- {k}\n{tail(root / f'{k}.log')}" for k in [*procs, "reaper"])) from exc
     finally:
-        for proc in [*procs.values(), reaper]:
-            stop(proc)
+        terminate([*procs.values(), reaper], grace_s=20)  # every process told at once, each finishing meanwhile
 
 
 def test_a_hung_tesseract_times_out_and_leaves_nothing_behind(harsh: tuple[TestClient, Path]) -> None:
