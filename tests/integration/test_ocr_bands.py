@@ -116,12 +116,14 @@ def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: 
     def transcribing() -> bool:
         return any(t["name"] == "stoker.transcribe" for t in inspect.active()[cpu])
 
+    dense = [_dense_page(_tag()) for _ in range(3)]  # drawn beforehand: they arrive right after the speech
+    # Half a minute of speech: its transcription still runs while the pages wait and are read.
     speech = client.post(
-        "/v1/jobs", data={"prompt": "Summarise."}, files=[("audio", ("talk.wav", long_speech_wav(12), "audio/wav"))]
+        "/v1/jobs", data={"prompt": "Summarise."}, files=[("audio", ("talk.wav", long_speech_wav(6), "audio/wav"))]
     )
     assert speech.status_code == 202, speech.text
     wait_for(transcribing, 60, "the transcription to start", [])  # the pages arrive behind a running transcription
-    pages = [_submit(client, _dense_page(_tag())) for _ in range(3)]
+    pages = [_submit(client, page) for page in dense]
     samples: list[tuple[int, int, bool]] = []  # (running, waiting, speech running)
 
     broker: redis.Redis[bytes] = redis.Redis.from_url(os.environ["STOKER_BROKER_URL"])
