@@ -132,10 +132,10 @@ class ChatTurn(BaseModel):
     role: ChatRole
     text: str
     inputs: list[int] = Field(default_factory=list)
-    #: An assistant turn's calls of the chat's tools (OpenAI's `tool_calls` entries).
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    #: An assistant turn's calls of the chat's tools (OpenAI's `tool_calls` entries); left out of a record when none.
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list, exclude_if=lambda calls: not calls)
     #: A `tool` turn: the call whose result it is.
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(None, exclude_if=lambda value: value is None)
 
 
 class Conversation(BaseModel):

@@ -130,10 +130,11 @@ def _answer(predictor: VisionLanguagePredictor, request: ModelRequest) -> Predic
 
 def _generated(predictor: VisionLanguagePredictor, request: ModelRequest) -> tuple[Prediction, list[int]]:
     """One request through the hook contract: its answer, and the token ids the model generated for it."""
-    batch, rows, steps = predictor.predict(predictor.batch([request]))
-    (answer,) = predictor.unbatch((batch, rows, steps))
+    batch, generated = predictor.predict(predictor.batch([request]))
+    assert generated is not None
+    (answer,) = predictor.unbatch((batch, generated))
     assert isinstance(answer, Prediction), answer
-    return answer, rows[0][batch.local.collated.width :]
+    return answer, generated.rows[0][batch.local.collated.width :]
 
 
 def _sample(counter: Any, op: str) -> float:
