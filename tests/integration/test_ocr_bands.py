@@ -19,7 +19,7 @@ from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.ocr import read_text
 from tests.conftest import pids_named
 from tests.integration.conftest import SessionWorkers
-from tests.media import encode, long_speech_wav, text_image
+from tests.media import SENTENCE, encode, speech_wav, text_image
 from workers.procs import wait_for
 
 #: A tag's letters: none tesseract mistakes for another or splits off (a run of "1"s at a line's start can be read
@@ -117,10 +117,10 @@ def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: 
         return any(t["name"] == "stoker.transcribe" for t in inspect.active()[cpu])
 
     dense = [_dense_page(_tag()) for _ in range(3)]  # drawn beforehand: they arrive right after the speech
-    # Half a minute of speech: its transcription still runs while the pages wait and are read.
-    speech = client.post(
-        "/v1/jobs", data={"prompt": "Summarise."}, files=[("audio", ("talk.wav", long_speech_wav(6), "audio/wav"))]
-    )
+    # Half a minute of speech no other test sends (so no cached transcript): its transcription still runs while the
+    # pages wait and are read.
+    talk = speech_wav(". ".join([SENTENCE] * 6 + [f"Talk number {secrets.randbelow(10**6)}"]))
+    speech = client.post("/v1/jobs", data={"prompt": "Summarise."}, files=[("audio", ("talk.wav", talk, "audio/wav"))])
     assert speech.status_code == 202, speech.text
     wait_for(transcribing, 60, "the transcription to start", [])  # the pages arrive behind a running transcription
     pages = [_submit(client, page) for page in dense]
