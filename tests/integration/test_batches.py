@@ -28,7 +28,7 @@ from stoker.core.batchfiles import BatchLine, BatchRecord, line_job_id, parse_li
 from stoker.core.deadlines import deadline_for
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
-from tests.fleet import QUICK_RECOVERY, Fleet, own_fleet
+from tests.fleet import QUICK_RECOVERY, SIM_RECOVERY, Fleet, own_fleet
 from tests.media import text_image, truncated
 from workers.broker import free_port
 from workers.procs import spawn, stop, wait_for
@@ -71,7 +71,10 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     files = tmp_path_factory.mktemp("files")
-    settings = {**DEVICE, **QUICK_RECOVERY, "STOKER_MAX_BATCH_SIZE": "8"}
+    # A killed worker's messages come back after 10 s (the device simulated, the pictures small: every stage's
+    # limit fits under that); a job is re-sent only after the fleet's patient 30 s.
+    recovery = {**SIM_RECOVERY, "STOKER_REDRIVE_AFTER_S": QUICK_RECOVERY["STOKER_REDRIVE_AFTER_S"]}
+    settings = {**DEVICE, **recovery, "STOKER_MAX_BATCH_SIZE": "8"}
     api = {"files_dir": files, "batch_feeder": False}
     with own_fleet(settings, kinds=("cpu", "infer"), api=api) as fleet:
         env = {**fleet.env, "STOKER_FILES_DIR": str(files), "STOKER_BATCH_FEED_INTERVAL_S": "0.1"}
