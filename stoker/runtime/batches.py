@@ -52,6 +52,8 @@ class BatchItem:
     message: Message | None = None
     #: When its message reached this consumer (a batch's wait for company, if any, counts from there).
     arrived: float = 0.0
+    #: An answer that goes on: when its first call started (its wait and its time on the device count from there).
+    first_started: float | None = None
 
     @property
     def request(self) -> ModelRequest:
@@ -143,7 +145,8 @@ def settle(ran: RanBatch) -> tuple[RanBatch, list[BatchItem]]:
             done.append((item, InferenceFailed("the batch ran past its budget", stage="infer")))
         else:
             request = item.pending.request.continued(outcome)
-            going_on.append(replace(item, pending=replace(item.pending, request=request)))
+            first = item.first_started or ran.started
+            going_on.append(replace(item, pending=replace(item.pending, request=request), first_started=first))
     settled = replace(ran, items=[i for i, _ in done], outcomes=[o for _, o in done])
     return settled, going_on
 
@@ -224,10 +227,11 @@ def predict_isolated(
 
 
 def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError, model: str) -> Ending:
-    preprocessed = item.pending.preprocessed or ran.started
-    wait_ms = round(max(ran.started - preprocessed, 0.0) * 1000, 2)
+    started = item.first_started or ran.started
+    preprocessed = item.pending.preprocessed or started
+    wait_ms = round(max(started - preprocessed, 0.0) * 1000, 2)
     batch = BatchInfo(id=ran.id, size=len(ran.items), wait_ms=wait_ms, groups=ran.groups)
-    stamps = {"infer_start": ran.started, "infer_end": ran.ended}
+    stamps = {"infer_start": started, "infer_end": ran.ended}
     tenant = item.pending.job.tenant or DEFAULT_TENANT
     if isinstance(outcome, StokerError):
         error = ErrorInfo(**outcome.to_dict())

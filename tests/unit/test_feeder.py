@@ -501,4 +501,6 @@ def test_an_answer_that_goes_on_runs_again_first_beside_the_request_that_waited(
     assert (long.times_settled, short.times_settled) == (1, 1)
     assert long.settled == short.settled == "acked"
     assert set(c.store.jobs.started) == {"long:3", "short:1"}
+    # the long answer's time on the device counts from its first call, before the short one's
+    assert ended["long:3"].stamps["infer_start"] < ended["short:1"].stamps["infer_start"]
     c.until(lambda: not c.store.consumers.held, "every job released")
