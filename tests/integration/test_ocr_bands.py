@@ -16,6 +16,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from stoker.adapters.store.keys import job_key
 from stoker.core.imaging import DecodeParams, decode_image
+from stoker.core.jobs import TERMINAL
 from stoker.core.ocr import read_text
 from tests.conftest import pids_named
 from tests.integration.conftest import SessionWorkers
@@ -133,7 +134,8 @@ def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: 
         queued = sum(int(broker.llen(queue)) for queue in ("ocr", "ocr_bands"))
         waiting = queued + sum(1 for t in reserved if t["name"].startswith("stoker.ocr"))
         samples.append((len(running), waiting, any(t["name"] == "stoker.transcribe" for t in running)))
-        return all(client.get(f"/v1/jobs/{j}").json()["status"] != "preprocessing" for j in pages)
+        read = {"inferring", *TERMINAL}  # a page still `queued` has not been read either
+        return all(client.get(f"/v1/jobs/{j}").json()["status"] in read for j in pages)
 
     wait_for(sample, 120, "the pages to be read", [])
     busy = [s for s in samples if s[1] > 0]  # while OCR work waited in the worker
