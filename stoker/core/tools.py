@@ -135,21 +135,22 @@ def fold_tools(messages: Sequence[dict[str, Any]], tools: Sequence[ToolSpec]) ->
     chat's own, or one made for them), each assistant call written out in its turn, and each run of tool results
     one user turn of `<tool_response>` blocks (as Qwen's template writes them)."""
     out: list[dict[str, Any]] = []
+    previous = ""
     for message in messages:
         role, content = message["role"], message.get("content") or ""
         if role == "tool":
             block = f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
-            if out and out[-1].get("tool_results"):
+            if previous == "tool":  # the same run of results: one user turn
                 out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + block}
             else:
-                out.append({"role": "user", "content": block, "tool_results": True})
-            continue
-        calls = message.get("tool_calls") or []
-        if calls:
-            content = "\n".join([content, *(written_call(c) for c in calls)]).strip()
-        plain = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
-        out.append({**plain, "content": content})
-    out = [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
+                out.append({"role": "user", "content": block})
+        else:
+            calls = message.get("tool_calls") or []
+            if calls:
+                content = "\n".join([content, *(written_call(c) for c in calls)]).strip()
+            plain = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
+            out.append({**plain, "content": content})
+        previous = role
     if tools:
         offer = tools_prompt(tools)
         if out and out[0]["role"] == "system":

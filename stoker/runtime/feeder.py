@@ -404,7 +404,7 @@ class Feeder:
         with self._cond:
             waiting = sum(1 for w, _ in self._waiting.values() if not w.batch)
             loading = sum(1 for m in self._loading if not _is_batch_line(m))
-            return waiting + loading + sum(1 for i in self._prepared if not i.request.background)
+            return waiting + loading + len(self._prepared) - len(self._prepared_lines())
 
     def _holding(self) -> bool:
         with self._cond:

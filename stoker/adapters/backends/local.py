@@ -38,11 +38,6 @@ class LocalBatch:
         """Each request's generation parameters."""
         return [r.params for r in self.requests]
 
-    @property
-    def stream_to(self) -> list[str | None]:
-        """Per request: the job its answer is streamed to while it generates (None: sent whole)."""
-        return [r.stream_to for r in self.requests]
-
 
 class TransformersPredictor:
     """A local Hugging Face causal LM: batched generate with left padding, greedy unless a request samples.
@@ -194,7 +189,7 @@ class TransformersPredictor:
         """The rows' grammars (each request's, for each of its `n` rows), past any answer so far; None when no row
         has one."""
         n = batch.params[0].n
-        grammars = [grammar_for(p) for p in batch.params for _ in range(n)]
+        grammars = [grammar for grammar in map(grammar_for, batch.params) for _ in range(n)]
         if not any(g is not None for g in grammars):
             return None
         if self._grammar_tokenizer is None:
@@ -217,10 +212,10 @@ class TransformersPredictor:
         ]
         if not rows:
             return None
-        decode = self._decode_new
-        return RowStreams(rows, batch.collated.width, decode, self._stop_ids(), self.pieces)
+        return RowStreams(rows, batch.collated.width, self._decode, self._stop_ids(), self.pieces)
 
-    def _decode_new(self, ids: list[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
+        """An answer's token ids as its text (special tokens left out)."""
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
     def _limit(self, request: ModelRequest) -> int:
@@ -268,7 +263,7 @@ class TransformersPredictor:
         params = request.params
         limit = self._limit(request)
         kept = [*request.generated, *new][:limit]
-        text, stopped = apply_stop(self._tokenizer.decode(kept, skip_special_tokens=True), params.stop)
+        text, stopped = apply_stop(self._decode(kept), params.stop)
         if not (stopped or len(new) < ran or len(kept) >= limit):
             return Continued(tuple(kept))
         ended = stopped or len(kept) < limit  # an end-of-sequence token (or a stop sequence) came first

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stoker.core.batching import strip_generated
 from stoker.core.streaming import TextStream
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,13 @@ class RowStreams:
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         if input_ids.shape[1] > self.width:
             for streamed in self.rows:
-                self._send(streamed, self._new(streamed, input_ids[streamed.row, self.width :].tolist()))
+                self._send(streamed, self._new(streamed, input_ids[streamed.row].tolist()))
         return scores
 
-    def _new(self, streamed: StreamedRow, ids: list[int]) -> list[int]:
+    def _new(self, streamed: StreamedRow, row: list[int]) -> list[int]:
         """A row's answer so far: its earlier tokens and this call's, up to its end and its limit."""
-        end = next((i for i, token in enumerate(ids) if token in self.stop_ids), len(ids))
-        return [*streamed.prefix, *ids[:end]][: streamed.limit]
+        (new,) = strip_generated([row], self.width, self.stop_ids)
+        return [*streamed.prefix, *new][: streamed.limit]
 
     def _send(self, streamed: StreamedRow, ids: list[int]) -> None:
         self._put(streamed.job_id, streamed.text.advance(self.decode(ids)))
