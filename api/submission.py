@@ -29,6 +29,7 @@ from stoker.adapters.store import Store
 from stoker.adapters.store.clients import StoreOutOfMemory
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
 from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
+from stoker.core.costs import SizeBounds, size_class
 from stoker.core.deadlines import Deadline, deadline_for
 from stoker.core.errors import BrokerUnavailable, ClientGone, Overloaded, RateLimited, StokerError, StoreFull
 from stoker.core.idempotency import recent_digest
@@ -251,8 +252,16 @@ def _admit(
 def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: str) -> Admission:
     """The job's input records, how far it may skip (in its tenant's cache scope), and its deadline from now."""
     settings = context.settings
+    bounds = SizeBounds(settings.small_pixels, settings.large_pixels, settings.small_audio_s, settings.large_audio_s)
     records = [
-        InputRecord(index=i, kind=item.kind, content_hash=item.digest, size_bytes=len(item.data), url=item.url)
+        InputRecord(
+            index=i,
+            kind=item.kind,
+            content_hash=item.digest,
+            size_bytes=len(item.data),
+            url=item.url,
+            size_class=size_class(item.kind, item.data, item.format, bounds),
+        )
         for i, item in enumerate(accepted.inputs)
     ]
     scope = cache_scope(tenant, settings.cache_shared)

@@ -233,6 +233,17 @@ class ApiSettings(CommonSettings):
         description="The API waits this long on its store (connect, one answer) and then answers 503 "
         "`broker_unavailable`.",
     )
+    small_pixels: int = Field(
+        1_500_000,
+        ge=0,
+        description="A picture of at most this many pixels is small: its stages are taken before larger inputs' "
+        "(Redis broker; the reaper's `small_first_max_age_s` bounds how long a larger one waits for that).",
+    )
+    large_pixels: int = Field(6_000_000, ge=0, description="A picture above this many pixels is large: taken last.")
+    small_audio_s: float = Field(
+        10.0, ge=0, description="A recording of at most this many seconds is small: transcribed before longer ones."
+    )
+    large_audio_s: float = Field(60.0, ge=0, description="A recording above this many seconds is large.")
     max_body_bytes: int = Field(
         20 * MiB,
         ge=1024,
@@ -713,6 +724,13 @@ class WorkerSettings(CommonSettings):
 
     # The reaper: finds jobs that stopped making progress and moves them on.
     reaper_interval_s: float = Field(0.25, gt=0, description="How often the reaper looks for due jobs.")
+    small_first_max_age_s: float = Field(
+        2.0,
+        ge=0,
+        description="The age bound of small-before-large (Redis broker): a medium or large input's stage message "
+        "that waited this long in its queue is moved to the front by the reaper, so small inputs never starve it. "
+        "0: never moved.",
+    )
     reaper_heartbeat: Path = Field(
         Path("/tmp/stoker-reaper.alive"), description="Touched on every reaper loop, for health checks."
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Literal, Protocol
@@ -17,7 +18,7 @@ from typing import Literal, Protocol
 from celery import Celery, chain, chord, group
 from celery.canvas import Signature, _chain
 
-from stoker.adapters.broker import class_priority, queue_depths
+from stoker.adapters.broker import class_priority, promote_aged, queue_depths, stage_priority
 from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.core.jobs import InputRecord, Job, JobClass
 from stoker.core.queues import INFER_BATCH_QUEUE
@@ -61,8 +62,10 @@ def job_canvas(
     """
     if start == "infer":
         return infer_signature(job_id, prompt_tokens, deadline, app, job_class)
-    tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id})
-    branches = preprocessing_branches(job_id, inputs if start == "preprocess" else [], app, keyframes)
+    broker = app.conf.broker_url or ""
+    # Explicit, so tokenize (and the inference message it sends) never inherits a large input's priority.
+    tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id}, priority=class_priority(broker, job_class))
+    branches = preprocessing_branches(job_id, inputs if start == "preprocess" else [], app, keyframes, job_class)
     if not branches:
         canvas: Signature = tokenize.clone(args=(None,))
     else:
@@ -72,8 +75,6 @@ def job_canvas(
     options: dict[str, object] = {}
     if deadline is not None:
         options["expires"] = datetime.fromtimestamp(deadline, UTC)
-    if job_class != "interactive":
-        options["priority"] = class_priority(app.conf.broker_url or "", job_class)
     if options:
         _set_everywhere(canvas, options)
     return canvas
@@ -93,10 +94,22 @@ def _set_everywhere(canvas: Signature, options: dict[str, object]) -> None:
 
 
 def preprocessing_branches(
-    job_id: str, inputs: Sequence[InputRecord], app: Celery, keyframes: int = 3
+    job_id: str,
+    inputs: Sequence[InputRecord],
+    app: Celery,
+    keyframes: int = 3,
+    job_class: JobClass = "interactive",
 ) -> list[Signature]:
-    """One chain of stage signatures per branch of every input (a video has a sound branch and one per keyframe)."""
-    return [branch for record in inputs for branch in _branches(app, job_id, record, keyframes)]
+    """One chain of stage signatures per branch of every input (a video has a sound branch and one per keyframe),
+    each message at its input's broker priority: a batch line's class, or an interactive input's size class."""
+    broker = app.conf.broker_url or ""
+    branches = []
+    for record in inputs:
+        priority = stage_priority(broker, job_class, record.size_class)
+        for branch in _branches(app, job_id, record, keyframes):
+            _set_everywhere(branch, {"priority": priority})
+            branches.append(branch)
+    return branches
 
 
 def _branches(app: Celery, job_id: str, record: InputRecord, keyframes: int) -> list[Signature]:
@@ -180,6 +193,11 @@ class CeleryOutbox:
             except Exception:
                 connection.close()
                 raise
+
+    def promote_aged(self, queues: Iterable[str], max_age_s: float) -> int:
+        """Lift stage messages that waited `max_age_s` behind smaller inputs' to the front of their queues."""
+        with self.app.pool.acquire(block=True) as connection:
+            return promote_aged(connection, queues, max_age_s, time.time())
 
 
 class CelerySubmitter:

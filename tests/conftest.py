@@ -7,7 +7,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import redis
 
+from stoker.adapters.broker import priority_keys
 from stoker.adapters.store.clients import redis_answers
 from workers.broker import start_embedded
 
@@ -100,3 +102,8 @@ def tiny_vlm() -> Path:
     if not (path / "model.safetensors").exists():
         missing(f"the tiny VLM is not built in {path}: run `make tiny-vlm`")
     return path
+
+
+def queued(broker: redis.Redis, queue: str) -> int:
+    """Messages waiting in a stage queue on a Redis broker: every priority step's list together."""
+    return sum(int(broker.llen(key)) for key in priority_keys(queue))

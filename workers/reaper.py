@@ -15,7 +15,7 @@ from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.keys import REAPER_LEASE_KEY
 from stoker.core.pacing import Pace
 from stoker.runtime.context import WorkerContext
-from stoker.runtime.reaping import dispatch_callbacks, reap_once, recover_lost
+from stoker.runtime.reaping import dispatch_callbacks, lift_aged, reap_once, recover_lost
 from stoker.settings import WorkerSettings
 from tasks.app import make_app
 from tasks.pipeline import CeleryOutbox
@@ -58,7 +58,7 @@ def _reap_until_stopped(ctx: WorkerContext) -> int:
                 log.info("reaper %s %s the lease", token, "holds" if held else "lost")
                 leading = held
             if held:
-                done = reap_once(ctx) + recover_lost(ctx) + dispatch_callbacks(ctx)
+                done = reap_once(ctx) + recover_lost(ctx) + dispatch_callbacks(ctx) + lift_aged(ctx)
                 if set(done) - {"wait"}:
                     log.info("reaped: %s", dict(done))
                 active = bool(done) or store.watch.watching() > 0

@@ -13,6 +13,7 @@ from kombu.entity import Queue
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from stoker.core.costs import LARGE, MEDIUM, SMALL, SizeClass
 from stoker.core.jobs import JobClass
 from stoker.core.queues import CALLBACK_QUEUE, QUEUES, SYNC_QUEUE
 
@@ -99,6 +100,12 @@ def is_amqp(broker_url: str) -> bool:
     return broker_url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp")
 
 
+#: kombu's priority steps on Redis (a list per step and queue; a worker's BRPOP takes every queue's step 0 before
+#: any queue's step 1): an interactive input's size class (0 small, 1 medium, 2 large), then batch lines.
+PRIORITY_STEPS = [SMALL, MEDIUM, LARGE, 9]
+BATCH_PRIORITY = 9
+
+
 def class_priority(broker_url: str, job_class: JobClass) -> int:
     """The broker priority of a job class's messages, so a worker takes an interactive job's before any batch
     line's on the same queue. Redis (kombu's priority steps, one list per step): 0 is taken first. RabbitMQ's quorum
@@ -106,7 +113,16 @@ def class_priority(broker_url: str, job_class: JobClass) -> int:
     first = job_class == "interactive"
     if is_amqp(broker_url):
         return 9 if first else 0
-    return 0 if first else 9
+    return SMALL if first else BATCH_PRIORITY
+
+
+def stage_priority(broker_url: str, job_class: JobClass, size: SizeClass) -> int:
+    """The broker priority of an input's stage messages: on Redis an interactive input's size class, so small
+    inputs are taken before large ones (`promote_aged` bounds a large one's wait); a batch line's class priority.
+    RabbitMQ's quorum queues have two levels only: the class."""
+    if job_class != "interactive" or is_amqp(broker_url):
+        return class_priority(broker_url, job_class)
+    return size
 
 
 def declare_queues(broker_url: str) -> list[Queue]:
@@ -128,6 +144,7 @@ def transport_options(broker_url: str, visibility_timeout_s: int, timeout_s: flo
     bounded = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s} if timeout_s else {}
     return {
         "visibility_timeout": visibility_timeout_s,
+        "priority_steps": PRIORITY_STEPS,
         # kombu sweeps for expired unacked messages only every interval × throttle seconds (100 by default) and
         # holds its sweep mutex up to 300 s if a sweeper died: sweep every 5 s, recover a dead sweeper's mutex in 30.
         "unacked_restore_interval": 5,
@@ -135,6 +152,51 @@ def transport_options(broker_url: str, visibility_timeout_s: int, timeout_s: flo
         "unacked_mutex_expire": 30,
         **bounded,
     }
+
+
+#: The age bound of small-before-large, as one script so no worker takes a message halfway through its move. KEYS
+#: come in threes, one per queue: its first list (the one a worker's BRPOP takes from first), then its medium and
+#: large inputs' lists. While the oldest message of a medium or large list has waited `bound` seconds since it was
+#: sent (its stoker_sent header), it goes to the front of the first list, oldest first. kombu has no such thing:
+#: its priorities are strict, so a steady flow of small inputs would hold a large one back for as long as it lasts.
+_PROMOTE_AGED = """
+local now, bound, most = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local moved = 0
+for q = 1, #KEYS, 3 do
+  local aged = {}
+  for i = q + 1, q + 2 do
+    while #aged < most do
+      local raw = redis.call('LINDEX', KEYS[i], -1)
+      if not raw then break end
+      local ok, message = pcall(cjson.decode, raw)
+      local sent = ok and type(message) == 'table' and type(message.headers) == 'table'
+        and tonumber(message.headers.stoker_sent)
+      if not sent or now - sent < bound then break end
+      table.insert(aged, redis.call('RPOP', KEYS[i]))
+    end
+  end
+  for i = #aged, 1, -1 do redis.call('RPUSH', KEYS[q], aged[i]) end
+  moved = moved + #aged
+end
+return moved
+"""
+
+
+def promote_aged(connection: Connection, queues: Iterable[str], max_age_s: float, now: float, most: int = 100) -> int:
+    """Move medium and large inputs' stage messages that waited `max_age_s` to the front of their queues, in one
+    round trip (Redis; RabbitMQ's quorum queues carry no size classes, so nothing waits behind one there). How many
+    moved."""
+    if not isinstance(connection.transport, kombu_redis.Transport):
+        return 0
+    keys = [priority_keys(queue)[step] for queue in queues for step in (SMALL, MEDIUM, LARGE)]
+    client = connection.default_channel.client  # type: ignore[attr-defined]
+    return int(client.eval(_PROMOTE_AGED, len(keys), *keys, now, max_age_s, most))
+
+
+def priority_keys(queue: str) -> list[str]:
+    """A queue's Redis lists, one per priority step in `PRIORITY_STEPS`' order (kombu's names: the first is the
+    queue's own name); its depth is their lengths together."""
+    return [f"{queue}{kombu_redis.Channel.sep}{step}" if step else queue for step in PRIORITY_STEPS]
 
 
 class PulledMessage:

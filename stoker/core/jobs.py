@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from stoker.core.costs import MEDIUM, SizeClass
 from stoker.core.errors import InvalidRequest, MediaEmpty
 from stoker.core.model import EncoderUse, FinishReason, GenerationParams
 
@@ -60,6 +61,9 @@ class InputRecord(BaseModel):
     #: Empty (and size_bytes 0) while a URL input is not fetched yet.
     content_hash: str
     size_bytes: int
+    #: How large it is expected to be for its stages, read from its header at the door (`stoker.core.costs`: 0
+    #: small, 1 medium, 2 large): small inputs' stage messages are taken first.
+    size_class: SizeClass = MEDIUM
     status: InputStatus = "pending"
     #: For a URL input: where the fetch stage downloads its bytes from.
     url: str | None = None

@@ -61,6 +61,14 @@ def recover_lost(ctx: WorkerContext) -> Counter[str]:
     return done
 
 
+def lift_aged(ctx: WorkerContext) -> Counter[str]:
+    """The age bound of small-before-large: stage messages of medium and large inputs that waited
+    `small_first_max_age_s` in their queues go to the front, so small inputs never starve them."""
+    max_age_s = ctx.settings.small_first_max_age_s
+    moved = ctx.outbox.promote_aged(CPU_QUEUES, max_age_s) if max_age_s > 0 else 0
+    return Counter({"lifted": moved} if moved else {})
+
+
 def dispatch_callbacks(ctx: WorkerContext, now: float | None = None) -> Counter[str]:
     """Hand every due completion callback to a CPU worker (`stoker.callback`); one that cannot be sent now is due
     again in a few seconds."""

@@ -27,6 +27,10 @@ class Outbox(Protocol):
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
         """Each queue's depth now; raises while the broker does not answer."""
 
+    def promote_aged(self, queues: Iterable[str], max_age_s: float) -> int:
+        """Lift medium and large inputs' stage messages that waited `max_age_s` to the front of their queues (the
+        age bound of small-before-large); how many moved."""
+
 
 class Message(Protocol):
     """A broker message a consumer holds until it acks it or hands it back (a Celery request)."""

@@ -19,6 +19,7 @@ from api.app import create_app
 from stoker.adapters.store.keys import ACTIVE_KEY
 from stoker.settings import ApiSettings
 from tasks.pipeline import CelerySubmitter
+from tests.conftest import queued
 from tests.integration.conftest import SpySubmitter
 from tests.media import text_image
 from workers.broker import free_port
@@ -49,7 +50,7 @@ def _job_keys(store: redis.Redis) -> int:
 
 def _queued(broker_url: str) -> int:
     with redis.Redis.from_url(broker_url) as broker:
-        return sum(int(broker.llen(q)) for q in QUEUES)
+        return sum(queued(broker, q) for q in QUEUES)
 
 
 PNG = text_image("OK")

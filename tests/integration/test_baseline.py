@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import queued
 from tests.fleet import Fleet, own_fleet
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image, truncated
@@ -30,7 +31,7 @@ def test_one_worker_reads_the_image_and_answers(fleet: Fleet) -> None:
     assert {"decode", "ocr"} <= set(job["inputs"][0]["timings_ms"])
     assert not any(k.endswith("_queue") for k in job["inputs"][0]["timings_ms"])  # no stage went through a queue
     assert job["batch"]["size"] >= 1
-    assert fleet.store().llen("decode") == fleet.store().llen("infer") == 0
+    assert queued(fleet.store(), "decode") == queued(fleet.store(), "infer") == 0
 
 
 def test_a_corrupt_image_degrades_the_job_and_the_next_job_is_served(fleet: Fleet) -> None:

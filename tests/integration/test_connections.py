@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -14,14 +15,14 @@ from kombu.connection import Connection
 
 from api.app import create_app
 from api.pressure import QueueMonitor
-from stoker.adapters.broker import RedisChannel, declare_queues, queue_depths
+from stoker.adapters.broker import RedisChannel, declare_queues, promote_aged, queue_depths, stage_queue
 from stoker.adapters.store import Store
 from stoker.core.jobs import InputRecord
-from stoker.core.queues import INFER_BATCH_QUEUE, INFER_QUEUES
+from stoker.core.queues import INFER_BATCH_QUEUE, INFER_QUEUES, SENT_HEADER
 from stoker.runtime.context import WorkerContext
 from stoker.settings import ApiSettings, WorkerSettings
 from tasks.app import make_app
-from tasks.pipeline import CeleryOutbox, CelerySubmitter, infer_signature
+from tasks.pipeline import CeleryOutbox, CelerySubmitter, infer_signature, preprocessing_branches
 from tests.conftest import missing
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_rabbitmq import AMQP_URL, _rabbit_answers
@@ -190,3 +191,30 @@ def test_a_burst_of_media_jobs_publishes_through_a_small_producer_pool(broker_ur
     wait_for(lambda: len(published) == len(threads), 30, "every job published", [])
     with app.connection_for_read() as connection:
         assert queue_depths(connection, ["decode"]) == {"decode": 2 * len(threads)}
+
+
+def test_small_inputs_are_taken_before_large_ones_and_a_large_one_past_the_age_bound_goes_first(
+    broker_url: str,
+) -> None:
+    app = make_app(WorkerSettings(broker_url=broker_url))
+    now = time.time()
+
+    def send(job_id: str, size: int, sent: float, job_class: str = "interactive") -> None:
+        page = InputRecord(index=0, kind="image", content_hash=job_id, size_bytes=1, size_class=size)
+        for branch in preprocessing_branches(job_id, [page], app, job_class=job_class):  # type: ignore[arg-type]
+            branch.apply_async(headers={SENT_HEADER: sent})
+
+    send("line-old", 0, now - 10, "batch")  # a batch line's stays behind every interactive input, however old
+    send("large-old", 2, now - 10)  # a large page that has waited ten seconds behind smaller ones
+    send("large-new", 2, now)
+    send("medium", 1, now)
+    send("small-1", 0, now)
+    send("small-2", 0, now)
+    with app.connection_for_read() as connection:
+        assert promote_aged(connection, ["decode"], 5.0, now) == 1
+        assert promote_aged(connection, ["decode"], 5.0, now) == 0  # nothing else is that old
+        decode = stage_queue(broker_url, "decode")(connection.default_channel)
+        order = []
+        while (message := decode.get(no_ack=True)) is not None:
+            order.append(message.decode()[0][0])  # the decode task's args: (job_id, ref)
+    assert order == ["large-old", "small-1", "small-2", "medium", "large-new", "line-old"]

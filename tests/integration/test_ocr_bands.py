@@ -18,8 +18,9 @@ from stoker.adapters.store.keys import job_key
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.jobs import TERMINAL
 from stoker.core.ocr import read_text
-from tests.conftest import pids_named
-from tests.integration.conftest import SessionWorkers
+from stoker.settings import ApiSettings
+from tests.conftest import pids_named, queued
+from tests.integration.conftest import SessionWorkers, SpySubmitter
 from tests.media import SENTENCE, encode, speech_wav, text_image
 from workers.procs import wait_for
 
@@ -131,8 +132,9 @@ def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: 
 
     def sample() -> bool:
         running, reserved = inspect.active()[cpu], inspect.reserved()[cpu]
-        queued = sum(int(broker.llen(queue)) for queue in ("ocr", "ocr_bands"))
-        waiting = queued + sum(1 for t in reserved if t["name"].startswith("stoker.ocr"))
+        waiting = sum(queued(broker, queue) for queue in ("ocr", "ocr_bands")) + sum(
+            1 for t in reserved if t["name"].startswith("stoker.ocr")
+        )
         samples.append((len(running), waiting, any(t["name"] == "stoker.transcribe" for t in running)))
         read = {"inferring", *TERMINAL}  # a page still `queued` has not been read either
         return all(client.get(f"/v1/jobs/{j}").json()["status"] in read for j in pages)
@@ -157,3 +159,36 @@ def test_a_small_page_after_three_large_ones_is_read_before_them(client: TestCli
     # The small page's OCR took its turn beside the bands, not after the nine of them: at most the first large
     # page (whose bands the pool had taken before the small one arrived) is read before it.
     assert order.index(small) <= 1, order
+
+
+def test_small_pages_waiting_with_large_ones_are_taken_first(
+    session_workers: SessionWorkers, store_redis: redis.Redis
+) -> None:
+    from api.app import create_app
+    from tasks.worker import app
+
+    # Pages above a megapixel are large for this API (a picture's size class is read from its header at the door).
+    settings = ApiSettings(small_pixels=200_000, large_pixels=1_000_000)
+    cpu = [name for reply in app.control.ping(timeout=1) for name in reply if name.startswith("cpu@")]
+
+    def large_page() -> bytes:  # a page no other job sends (no cache hit), mostly blank: quick to read
+        page = Image.new("L", (1400, 1000), 255)
+        ImageDraw.Draw(page).text((60, 60), f"LARGE {_tag()}", fill=0, font=ImageFont.load_default(size=40))
+        return encode(page, "PNG")
+
+    with TestClient(create_app(settings, submitter=SpySubmitter())) as client:
+        # Every page waits in the decode queue before any is taken (Celery's remote control holds the consumer).
+        assert app.control.cancel_consumer("decode", destination=cpu, reply=True)
+        try:
+            large = [_submit(client, large_page()) for _ in range(5)]
+            small = [_submit(client, text_image(f"SMALL {_tag()}")) for _ in range(2)]
+        finally:
+            app.control.add_consumer("decode", destination=cpu, reply=True)
+        for job_id in [*large, small[-1]]:
+            assert _wait(client, job_id)["status"] == "succeeded"
+    started = {j: float(store_redis.hget(job_key(j), "ts:started") or 0) for j in [*large, *small]}
+    # The three children took both small pages' decodes first (they were sent last); one large page may start on
+    # the third child at the same moment as the second small one. First come, first served would start three
+    # large pages before either small one.
+    before = [j for j in large if started[j] < max(started[s] for s in small)]
+    assert len(before) <= 1, started

@@ -29,7 +29,7 @@ from stoker.core.tenancy import issue_key, parse_key
 from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter
-from tests.conftest import missing
+from tests.conftest import missing, queued
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
@@ -62,7 +62,7 @@ def test_a_pickled_task_message_is_refused_and_nothing_runs(client: TestClient, 
     assert "ContentDisallowed" in text or "Refusing to deserialize" in text
     assert f"{task_id}] received" not in text  # never became a task
     with redis.Redis.from_url(os.environ["STOKER_BROKER_URL"]) as broker:
-        assert broker.llen("decode") == 0  # dropped, not requeued forever
+        assert queued(broker, "decode") == 0  # dropped, not requeued forever
     job = client.post("/v1/jobs", data={"prompt": "Say hello."}).json()["id"]
     assert _wait(client, job)["status"] == "succeeded"  # the worker carries on
 
@@ -373,7 +373,7 @@ def test_a_tenant_over_its_fair_share_is_refused_while_another_is_accepted(
     accepted.append(last.json()["id"])
     _refused(_post_as(api, acme, prompt="Text only?"), "tenant_over_share")  # at its share: before the body
     with redis.Redis.from_url(_paused_broker()) as broker:
-        assert broker.llen("decode") == 5 < 40  # one message per image job waits: far from the global limit
+        assert queued(broker, "decode") == 5 < 40  # one message per image job waits: far from the global limit
     other = _post_as(api, globex, image=text_image("OTHER TENANT"))
     assert other.status_code == 202, other.text  # the other tenant is still accepted
     usage = job_store.tenants.usage(globex.name)

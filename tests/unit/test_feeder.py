@@ -266,6 +266,9 @@ class NoOutbox:
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
         raise AssertionError("the consumer never reads queue depths")
 
+    def promote_aged(self, queues: Iterable[str], max_age_s: float) -> int:
+        raise AssertionError("the consumer never reorders the CPU queues")
+
 
 class Consumer:
     """A started feeder over the in-memory store, and what it was built from."""

@@ -84,6 +84,9 @@ class RecordingOutbox:
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
         return {queue: self.depths[queue] for queue in queues}
 
+    def promote_aged(self, queues: Iterable[str], max_age_s: float) -> int:
+        return 0
+
 
 @pytest.fixture
 def store() -> MemoryStore:

@@ -273,3 +273,27 @@ def test_the_result_backend_class_is_looked_up_once_however_many_threads_publish
         thread.join()
     assert len({id(backend) for backend in made}) == 4  # still one backend per thread (Redis's is not thread-safe)
     assert lookups == [app.conf.result_backend]
+
+
+def _priorities(signature: Any) -> list[Any]:
+    """Every task's broker priority in a canvas, depth first."""
+    if hasattr(signature, "tasks"):
+        return [p for task in signature.tasks for p in _priorities(task)]
+    return [signature.options.get("priority")]
+
+
+def test_an_interactive_inputs_stages_carry_its_size_class_and_tokenize_the_first_priority() -> None:
+    small, large = (
+        InputRecord(index=i, kind="image", content_hash=f"h{i}", size_bytes=1, size_class=size)
+        for i, size in enumerate((0, 2))
+    )
+    canvas = job_canvas("j", app=APP, inputs=[small, large])
+    assert [_priorities(branch) for branch in canvas.tasks] == [[0, 0], [2, 2]]  # decode and OCR of each
+    assert canvas.body.options["priority"] == 0  # never the large input's, whose task may finish the chord
+
+
+def test_a_batch_lines_stages_carry_the_batch_priority_whatever_their_size() -> None:
+    inputs = [InputRecord(index=i, kind="image", content_hash=f"h{i}", size_bytes=1, size_class=i) for i in range(3)]
+    canvas = job_canvas("j", app=APP, inputs=inputs, job_class="batch")
+    assert [p for branch in canvas.tasks for p in _priorities(branch)] == [9] * 6
+    assert canvas.body.options["priority"] == 9
