@@ -189,8 +189,9 @@ def promote_aged(connection: Connection, queues: Iterable[str], max_age_s: float
     if not isinstance(connection.transport, kombu_redis.Transport):
         return 0
     keys = [priority_keys(queue)[step] for queue in queues for step in (SMALL, MEDIUM, LARGE)]
-    client = connection.default_channel.client  # type: ignore[attr-defined]
-    return int(client.eval(_PROMOTE_AGED, len(keys), *keys, now, max_age_s, most))
+    # EVALSHA (redis-py loads the script once): the deployment's ACL allows no plain EVAL.
+    script = connection.default_channel.client.register_script(_PROMOTE_AGED)  # type: ignore[attr-defined]
+    return int(script(keys=keys, args=[now, max_age_s, most]))
 
 
 def priority_keys(queue: str) -> list[str]:

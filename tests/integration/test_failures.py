@@ -48,6 +48,9 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
         "STOKER_OCR_HARD_S": "5",
         "STOKER_TRANSCRIBE_SOFT_S": "60",
         "STOKER_TRANSCRIBE_HARD_S": "2",
+        # What fails here is preprocessing: the device is simulated, a batch taking 300 ms as the model's would.
+        "STOKER_BACKEND": "sim",
+        "STOKER_SIM_BASE_MS": "300",
     }
     procs = {kind: spawn(["worker", kind], env, root / f"{kind}.log") for kind in ("cpu", "infer")}
     reaper = spawn(["reaper"], env, root / "reaper.log")
@@ -146,7 +149,7 @@ def test_a_job_whose_deadline_passes_in_the_inference_queue_is_never_computed(
         if "infer_wait" in client.get(f"/v1/jobs/{filler}").json()["timings_ms"]:
             break
         time.sleep(0.05)
-    # The filler's batch takes ~300 ms on this model: a 100 ms deadline passes while the late job waits behind it.
+    # The filler's batch takes 300 ms on the device: a 100 ms deadline passes while the late job waits behind it.
     late = client.post("/v1/jobs", data={"prompt": "Say hello.", "deadline_ms": "100"}).json()["id"]
     job = _wait(client, late)
     assert job["status"] == "failed", job

@@ -145,8 +145,11 @@ def hosts() -> Iterator[tuple[Net, TestClient, dict[str, subprocess.Popen[bytes]
         procs["reaper"] = _in_ns(None, [sys.executable, "-m", "stoker.cli", "reaper"], env, root / "reaper.log")
         names = {f"{k}-h{h}" for k in ("cpu", "infer") for h in ("1", "2")}
         wait_for(lambda: names <= _pinged(app), 240, "workers on both hosts", list(procs.values()))
+        # The API schedules the reaper's first look at a job (`redrive_after_s` after it accepted it): as soon as
+        # the fleet's reaper would send a job whose first message the cut host took with it again.
         settings = ApiSettings(broker_url=env["STOKER_BROKER_URL"], result_url=env["STOKER_RESULT_URL"],
-                               cache_url=env["STOKER_CACHE_URL"])  # fmt: skip
+                               cache_url=env["STOKER_CACHE_URL"],
+                               redrive_after_s=float(env["STOKER_REDRIVE_AFTER_S"]))  # fmt: skip
         with TestClient(create_app(settings, submitter=CelerySubmitter(app))) as client:
             yield net, client, procs, root
     finally:

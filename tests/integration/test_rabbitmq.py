@@ -33,7 +33,8 @@ def fleet() -> Iterator[Fleet]:
     """Workers, reaper and API on RabbitMQ; its queues purged first so nothing from earlier runs is replayed."""
     if not _rabbit_answers():
         missing(f"no RabbitMQ answers at {AMQP_URL} (set STOKER_TEST_AMQP to test against one)")
-    with own_fleet({"STOKER_BROKER_URL": AMQP_URL}) as crew:
+    # The broker is under test, not the model: the device is simulated.
+    with own_fleet({"STOKER_BROKER_URL": AMQP_URL, "STOKER_BACKEND": "sim"}) as crew:
         with Connection(AMQP_URL) as connection:  # type: ignore[no-untyped-call]
             channel = connection.channel()  # type: ignore[no-untyped-call]
             for queue in crew.app.conf.task_queues:
