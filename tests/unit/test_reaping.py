@@ -12,7 +12,7 @@ from stoker.core.deadlines import JobClock
 from stoker.core.jobs import InputRecord, Job
 from stoker.core.queues import CPU_QUEUES
 from stoker.runtime.context import WorkerContext
-from stoker.runtime.reaping import reap_once
+from stoker.runtime.reaping import lift_aged, reap_once
 from stoker.settings import WorkerSettings
 
 #: A started job is presumed to have lost its messages 300 (visibility timeout) + 120 (redrive_after_s) seconds
@@ -71,6 +71,7 @@ class RecordingOutbox:
     def __init__(self) -> None:
         self.depths = dict.fromkeys(CPU_QUEUES, 0)
         self.resubmitted: list[str] = []
+        self.promoted: list[tuple[tuple[str, ...], float]] = []
 
     def enqueue_inference(self, job_id: str, prompt_tokens: int | None, deadline: float | None, *_: str) -> None:
         raise AssertionError("a job not yet preprocessed is never sent to inference")
@@ -85,7 +86,8 @@ class RecordingOutbox:
         return {queue: self.depths[queue] for queue in queues}
 
     def promote_aged(self, queues: Iterable[str], max_age_s: float) -> int:
-        return 0
+        self.promoted.append((tuple(queues), max_age_s))
+        return 2
 
 
 @pytest.fixture
@@ -151,3 +153,14 @@ def test_a_started_job_is_sent_again_at_most_max_redrives_times(store: MemorySto
     job_id = _stalled_job(store, redrives=3)
     assert _reap(store, outbox, STARTED + 5000) == []
     assert store.watch.next_at[job_id] == STARTED + 7000  # only the cut-off is left
+
+
+def test_the_reaper_lifts_aged_stage_messages_of_every_cpu_queue_unless_the_bound_is_off(
+    store: MemoryStore, outbox: RecordingOutbox
+) -> None:
+    lifted = lift_aged(WorkerContext(SETTINGS.model_copy(update={"small_first_max_age_s": 2.0}), outbox, store=store))
+    assert lifted == {"lifted": 2}
+    assert outbox.promoted == [(CPU_QUEUES, 2.0)]
+    off = WorkerContext(SETTINGS.model_copy(update={"small_first_max_age_s": 0.0}), outbox, store=store)
+    assert lift_aged(off) == {}
+    assert len(outbox.promoted) == 1  # strict order by size: never asked
