@@ -289,8 +289,8 @@ def _ns(seconds: float) -> int:
 def device_turn(ctx: WorkerContext) -> Iterator[None]:
     """This process's turn on the device. A simulated device shared by several processes (`STOKER_SIM_SHARED`,
     the benchmark's sync-pool baseline) takes a lock in Redis, so they get one device between them, not one each."""
-    lock = ctx.device_lock()
-    with lock if lock is not None else nullcontext():
+    turns = ctx.device_turns()
+    with turns.turn() if turns is not None else nullcontext():
         yield
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from PIL import Image
-from redis.lock import Lock
 
 from stoker.adapters.backends.local import SimPredictor, TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
@@ -27,6 +26,7 @@ from stoker.adapters.embeddings import EmbeddingCache, SharedEmbeddings
 from stoker.adapters.metrics import DeviceClock
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import cache_client
+from stoker.adapters.store.coordination import DeviceTurns
 from stoker.adapters.store.keys import DEVICE_LOCK_KEY
 from stoker.adapters.urlfetch import FetchPolicy
 from stoker.core import asr, cachekeys, tenancy
@@ -178,16 +178,14 @@ class WorkerContext:
         identity = fingerprint(model=model_identity, decode=repr(self.decode_params))
         return EmbeddingCache(identity, local_bytes=s.vision_embeddings_local_bytes, shared=self.shared_embeddings)
 
-    def device_lock(self) -> Lock | None:
-        """The lock that makes several processes share one simulated device (`STOKER_SIM_SHARED`); None otherwise.
-
-        redis-py's own lock: held for at most the watchdog's whole budget, so a process killed holding it cannot
-        stop the others for longer."""
+    def device_turns(self) -> DeviceTurns | None:
+        """The turns that make several processes share one simulated device (`STOKER_SIM_SHARED`); None otherwise.
+        A turn is held for at most the watchdog's whole budget, so a process killed holding it cannot stop the
+        others for longer."""
         s = self.settings
         if s.backend != "sim" or not s.sim_shared:
             return None
-        hold_s = s.infer_batch_timeout_s + s.infer_wedge_grace_s
-        return self.store.client.lock(DEVICE_LOCK_KEY, timeout=hold_s, sleep=0.005, thread_local=False)
+        return DeviceTurns(self.store.client, DEVICE_LOCK_KEY, s.infer_batch_timeout_s + s.infer_wedge_grace_s)
 
     def picture(self, digest: str, scope: str) -> bytes | None:
         """A decoded picture as a server that sees images gets it (PNG, at the served model's size), from the cache

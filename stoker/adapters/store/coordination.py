@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import redis
 
@@ -63,3 +64,34 @@ def give_up_lease(settings: CommonSettings, key: str, token: str) -> bool:
     with contextlib.suppress(redis.RedisError, OSError), store_client(settings, retries=0) as client:
         return Leases(client).release_lease(key, token)
     return False
+
+
+class DeviceTurns:
+    """Turns on one device shared by several processes (the benchmark's sync-pool baseline on one simulated
+    device): redis-py's lock, which expires, so a holder that dies stops the others for at most `hold_s`; its
+    waiters are woken by the holder's release instead of polling the lock. redis-py's blocking acquire retries every
+    `sleep` seconds: at 5 ms, three processes waiting for one device spent more CPU polling than on their jobs. A
+    waiter whose wake-up went to another tries again within `recheck_s` anyway."""
+
+    def __init__(self, client: redis.Redis[bytes], key: str, hold_s: float, recheck_s: float = 0.25) -> None:
+        self.client = client
+        self.key = key
+        self.freed_key = f"{key}:freed"
+        self.hold_s = hold_s
+        self.recheck_s = recheck_s
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """Wait for the device, hold it for the block, wake one waiter after."""
+        lock = self.client.lock(self.key, timeout=self.hold_s, thread_local=False)
+        while not lock.acquire(blocking=False):
+            self.client.blpop([self.freed_key], timeout=self.recheck_s)
+        try:
+            yield
+        finally:
+            lock.release()
+            with self.client.pipeline(transaction=True) as pipe:  # one wake-up waiting at most
+                pipe.lpush(self.freed_key, 1)
+                pipe.ltrim(self.freed_key, 0, 0)
+                pipe.expire(self.freed_key, max(int(self.hold_s), 1))
+                pipe.execute()
