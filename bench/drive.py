@@ -53,6 +53,13 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     ended: float = 0.0
+    #: The workers' CPU count when the load began: what starting them cost (models and processors loaded, one
+    #: process or three) is not a cost of the run's jobs.
+    cpu_before_s: float = 0.0
+
+    def cpu_s(self) -> float:
+        """CPU seconds the workers spent during the run (from the last sample, taken after it settled)."""
+        return self.samples[-1].cpu_s - self.cpu_before_s if self.samples else 0.0
 
 
 #: Workers add their CPU time to the count every second: wait this long after the last answer before reading it.
@@ -61,7 +68,10 @@ CPU_SETTLE_S = 2.5
 
 def drive(base: str, requests: list[Request], give_up_s: float, max_refusals: int = 20) -> Run:
     """Send every request at its time; wait for every answer, or until give_up_s after the last arrival."""
-    run = Run(started=time.monotonic())
+    time.sleep(CPU_SETTLE_S)  # every worker has counted what starting it cost
+    with httpx.Client(base_url=base, timeout=5) as http:
+        before = sample(http).cpu_s
+    run = Run(started=time.monotonic(), cpu_before_s=before)
     stop = threading.Event()
     sampler = threading.Thread(target=_sample, args=(base, run, stop), daemon=True)
     sampler.start()

@@ -58,7 +58,7 @@ def summarise(mode: str, rate: float, run: Run) -> dict[str, Any]:
         "mean_batch": _mean_batch(jobs),
         "preprocess_share": _mean([j["preprocess_share"] for j in jobs if j.get("preprocess_share") is not None]),
         "cache_hit_rate": _cache_hit_rate(jobs),
-        "cpu_s_per_job": round(run.samples[-1].cpu_s / len(answered), 3) if answered and run.samples else None,
+        "cpu_s_per_job": round(run.cpu_s() / len(answered), 3) if answered and run.samples else None,
         **{status: sum(1 for j in jobs if j["status"] == status) for status in ("succeeded", "degraded", "failed")},
         "failure_codes": _codes(jobs),
         "refused_429": sum(o.refusals for o in run.outcomes),

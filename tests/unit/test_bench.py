@@ -70,3 +70,13 @@ def test_summarise_counts_what_the_clients_saw() -> None:
     assert row["mean_batch"] == 3
     assert row["cache_hit_rate"] == 0.25
     assert "| pipeline |" in markdown([row], [])
+
+
+def test_cpu_per_job_counts_the_run_not_what_starting_the_workers_cost() -> None:
+    requests = generate(replace(SMALL, jobs=4, bad=0.0))
+    run = Run(started=100.0, ended=104.0, cpu_before_s=9.0)  # three processes' start-up: 9 CPU s before any job
+    for i, r in enumerate(requests):
+        job = {"status": "succeeded", "inputs": [], "batch": {"id": "b", "size": 1}}
+        run.outcomes.append(Outcome(r, first_try=100.0 + i, job=job, done_at=101.0 + i))
+    run.samples = [Sample(100.0, 0.0, {}, cpu_s=9.0), Sample(106.0, 3.0, {}, cpu_s=11.0)]
+    assert summarise("sync-pool", 1.0, run)["cpu_s_per_job"] == 0.5  # 2 CPU s for 4 jobs
