@@ -34,8 +34,13 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
     pids = root / "pids"
     pids.mkdir()
     stub = root / "tesseract"
-    # Hangs; or, while a "poison" marker exists, kills the pool child that ran it (its parent).
-    stub.write_text(f"#!/bin/sh\necho $$ > {pids}/$$\n[ -e {root}/poison ] && kill -9 $PPID\nexec sleep 600\n")
+    # Hangs; or, while a "poison" marker exists, kills the pool child that ran it (its parent). It tells its version
+    # at once (a worker asks it before it takes any message: a hung answer held every start-up for 10 s).
+    stub.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && { echo "tesseract 5.3.0 (a stub that hangs)"; exit 0; }\n'
+        f"echo $$ > {pids}/$$\n[ -e {root}/poison ] && kill -9 $PPID\nexec sleep 600\n"
+    )
     stub.chmod(0o755)
     env = {
         **os.environ,
