@@ -102,8 +102,9 @@ def is_amqp(broker_url: str) -> bool:
 
 #: kombu's priority steps on Redis (a list per step and queue; a worker's BRPOP takes every queue's step 0 before
 #: any queue's step 1): an interactive input's size class (0 small, 1 medium, 2 large), then batch lines.
-PRIORITY_STEPS = [SMALL, MEDIUM, LARGE, 9]
+SIZE_STEPS = [SMALL, MEDIUM, LARGE]
 BATCH_PRIORITY = 9
+PRIORITY_STEPS = [*SIZE_STEPS, BATCH_PRIORITY]
 
 
 def class_priority(broker_url: str, job_class: JobClass) -> int:
@@ -188,7 +189,7 @@ def promote_aged(connection: Connection, queues: Iterable[str], max_age_s: float
     moved."""
     if not isinstance(connection.transport, kombu_redis.Transport):
         return 0
-    keys = [priority_keys(queue)[step] for queue in queues for step in (SMALL, MEDIUM, LARGE)]
+    keys = [key for queue in queues for key in priority_keys(queue)[: len(SIZE_STEPS)]]
     # EVALSHA (redis-py loads the script once): the deployment's ACL allows no plain EVAL.
     script = connection.default_channel.client.register_script(_PROMOTE_AGED)  # type: ignore[attr-defined]
     return int(script(keys=keys, args=[now, max_age_s, most]))
