@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,8 @@ class _Process:
     watchdog: BatchWatchdog | None = None
     feeder: Feeder | None = None
     main_pid: int | None = None
+    #: The process that started this worker (a supervisor such as `stoker up`), to know when it is orphaned.
+    parent: int | None = None
     #: CPU seconds of this pool child when each of its running tasks started.
     task_cpu: dict[str, float] = field(default_factory=dict)
 
@@ -126,6 +129,7 @@ def setup(kind: str) -> WorkerContext:
         raise RuntimeError("tasks.lifecycle.wire(app) must run before setup")
     ctx = _process.context = WorkerContext(settings(), CeleryOutbox(_process.app))
     _process.main_pid = os.getpid()
+    _process.parent = os.getppid()
     if setup_tracing(f"stoker-{kind}", ctx.settings.trace_exporter, ctx.settings.trace_file):
         instrument_celery()  # before the pool forks: children inherit the provider and the instrumentation
     account_cpu(ctx.store, kind)
@@ -253,8 +257,25 @@ def _count_drained(ctx: WorkerContext, task: Any) -> None:
         log.warning("could not count a drained %s message", queue)
 
 
+#: How long a worker orphaned by its supervisor may take to stop before it exits regardless.
+ORPHAN_GRACE_S = 3.0
+
+
 def _on_shutting_down(**_: Any) -> None:
+    if _process.parent is not None and os.getppid() != _process.parent:
+        # Told to stop because its supervisor died (the tether's signal): the stack is going, an embedded broker and
+        # store with it, so a goodbye that rides out their loss (store retries, a publish to a dead broker) must
+        # not keep this process alive; what it still held comes back by visibility timeout and the reaper.
+        log.warning("supervisor gone: stopping within %.0fs", ORPHAN_GRACE_S)
+        deadline = threading.Timer(ORPHAN_GRACE_S, _exit_now)
+        deadline.daemon = True  # a stop that finishes sooner is not held back by it
+        deadline.start()
     shutdown()
+
+
+def _exit_now() -> None:
+    logging.shutdown()
+    os._exit(0)
 
 
 def _on_shutdown(**_: Any) -> None:
