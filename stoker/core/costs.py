@@ -24,12 +24,12 @@ NOMINAL_AUDIO_BYTES_PER_S = 16_000
 
 @dataclass(frozen=True)
 class SizeBounds:
-    """Where small ends and large begins, per kind (`STOKER_SMALL_*` / `STOKER_LARGE_*`)."""
+    """Where small ends and large begins, per kind (`STOKER_SMALL_*` / `STOKER_LARGE_*`: the defaults live there)."""
 
-    small_pixels: int = 1_500_000
-    large_pixels: int = 6_000_000
-    small_audio_s: float = 10.0
-    large_audio_s: float = 60.0
+    small_pixels: int
+    large_pixels: int
+    small_audio_s: float
+    large_audio_s: float
 
 
 def image_pixels(data: bytes) -> int | None:
