@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import time
 import uuid
@@ -51,7 +52,9 @@ from stoker.core.batchfiles import (
 )
 from stoker.core.errors import BatchCancelled, BatchExpired, StokerError, error_class
 from stoker.core.jobs import ErrorInfo, Job
+from stoker.core.pacing import Pace
 from stoker.core.queues import inference_depth
+from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
 #: The most lines fed in one tick (taken in concurrently).
@@ -70,27 +73,32 @@ class BatchFeeder:
         self._swept = 0.0
 
     async def run(self) -> None:
-        """Tick forever (the API's lifespan cancels it)."""
-        interval = self.context.settings.batch_feed_interval_s
-        lease_s = max(interval * 8, 2.0)
+        """Tick until cancelled (the API's lifespan, or `stoker batch-feeder`'s signal handler): every
+        `batch_feed_interval_s` while a batch is active, slower and slower while none is (up to `idle_max_wait_s`:
+        a batch created meanwhile is taken up within that)."""
+        settings = self.context.settings
+        pace = Pace(settings.batch_feed_interval_s, settings.idle_max_wait_s)
+        lease_s = max(settings.batch_feed_interval_s * 8, pace.max_s * 3, 2.0)  # never lapses between two ticks
         try:
             while True:
+                active = False
                 try:
                     if await run_in_threadpool(self._lease, lease_s):
-                        await self.tick()
+                        active = await self.tick()
                 except (redis.RedisError, OSError) as exc:
                     log.warning("batch feeder: %s", exc)
                 except Exception:  # the loop must outlive any one batch's failure
                     log.exception("batch feeder: a tick failed")
-                await asyncio.sleep(interval)
-        finally:  # a clean stop gives the lease up: another API process feeds at once, not when it lapses
+                await asyncio.sleep(pace.next_wait(active))
+        finally:  # a clean stop gives the lease up: another feeder takes over at once, not when it lapses
             give_up_lease(self.context.settings, BATCH_FEEDER_LEASE_KEY, self.token)
 
     def _lease(self, lease_s: float) -> bool:
         return self.context.store.leases.take_lease(BATCH_FEEDER_LEASE_KEY, self.token, lease_s)
 
-    async def tick(self) -> None:
-        """One round over every active batch: validate, collect, feed into the room there is, end."""
+    async def tick(self) -> bool:
+        """One round over every active batch: validate, collect, feed into the room there is, end; whether any
+        batch was active."""
         store = self.context.store
         if time.time() - self._swept >= SWEEP_EVERY_S:
             self._swept = time.time()
@@ -103,6 +111,7 @@ class BatchFeeder:
                 await run_in_threadpool(store.batches.retire, batch_id)
                 continue
             room -= await self.step(record, room)
+        return bool(ids)
 
     def _room(self, ids: list[str]) -> int:
         """How many lines may be fed this tick, over every batch."""
@@ -354,3 +363,36 @@ def _lines_from(context: ApiContext, file_id: str, offset: int) -> Iterator[tupl
 
 def _missing_input(file_id: str) -> LineError:
     return LineError(code="file_not_found", message=f"the input file {file_id} is gone")
+
+
+def run_feeder_process(settings: ApiSettings) -> int:
+    """`stoker batch-feeder`: the batch feeder as a process of its own, at a lower CPU priority
+    (`STOKER_BATCH_FEEDER_NICE`), beside API processes that run with `STOKER_BATCH_FEEDER=false` (as `stoker up`
+    runs them). Feeding a batch is CPU work (each line read, checked and taken in as a job); in an API process it
+    shares the interpreter with interactive requests, which then wait for the feeder's turn at the GIL. Until
+    SIGTERM, SIGINT or SIGHUP; one feeder of a deployment feeds at a time, by lease."""
+    if settings.batch_feeder_nice:
+        os.nice(settings.batch_feeder_nice)
+    asyncio.run(_feed_until_stopped(ApiContext.build(settings)))
+    return 0
+
+
+async def _feed_until_stopped(context: ApiContext) -> None:
+    """The queue monitor (the feeder's room comes from its samples), the tokenizer and the feeder, until a signal."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(signum, stopping.set)
+    background = [
+        asyncio.create_task(context.monitor.run()),
+        asyncio.create_task(asyncio.to_thread(context.prompts.load)),
+        asyncio.create_task(BatchFeeder(context).run()),
+    ]
+    log.info("batch feeder %s ready", os.getpid())
+    await stopping.wait()
+    for task in background:
+        task.cancel()
+    await asyncio.gather(*background, return_exceptions=True)  # the feeder gives its lease up on the way out
+    context.monitor.close()
+    context.store.close()
+    log.info("batch feeder %s stopped", os.getpid())

@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
     args.add_argument("--per-item-ms", type=float, default=10.0, help="simulated device: ms per request in a batch")
     args.add_argument("--batch", type=int, default=8, help="requests per device batch")
     args.add_argument("--seed", type=int, default=11)
+    args.add_argument(
+        "--feeder-in-api", action="store_true", help="feed batches in the API process, not in a `stoker batch-feeder`"
+    )
     return args
 
 
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     with (
         tempfile.TemporaryDirectory(prefix="stoker-batchfill-") as scratch,
         bench_redis() as redis_base,
-        bench_stack("pipeline", device, redis_base, Path(scratch) / "logs", STOKER_FILES_DIR=scratch) as stack,
+        bench_stack("pipeline", device, redis_base, Path(scratch) / "logs", **_settings(args, scratch)) as stack,
     ):
         alone = drive(stack.base, interactive(rate, args.seconds, args.seed, "alone"), give_up_s=60)
         client = BatchClient(stack.base)
@@ -148,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace, scratch: str) -> dict[str, str]:
+    return {"STOKER_FILES_DIR": scratch, "STOKER_BATCH_FEEDER": "true" if args.feeder_in_api else "false"}
+
+
 def report(
     args: argparse.Namespace,
     device: Device,
@@ -169,6 +176,7 @@ def report(
     ratio = {q: round(with_[q] / without[q], 2) if with_[q] and without[q] else None for q in ("p50_s", "p99_s")}
     return {
         "device": device.describe(),
+        "feeder": "in the API" if args.feeder_in_api else "a process of its own",
         "capacity_per_s": round(capacity, 1),
         "interactive_rate_per_s": round(rate, 1),
         "interactive_alone": without,

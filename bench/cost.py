@@ -56,6 +56,7 @@ KINDS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("Valkey", lambda c: "valkey" in c or "redis-server" in c),
     ("Flower", lambda c: " flower" in c),
     ("reaper", lambda c: "stoker.cli reaper" in c),
+    ("batch feeder", lambda c: "stoker.cli batch-feeder" in c),
     ("CPU worker", lambda c: "cpu@" in c),
     ("ASR worker", lambda c: "asr@" in c),
     ("supervisor", lambda c: "stoker.cli up" in c),

@@ -1,6 +1,7 @@
 """A stoker stack for one benchmark run: fresh Redis databases, the processes of one mode, stopped together.
 
-pipeline:  API, CPU worker (2 children), ASR worker (1), inference worker and reaper (stoker as designed).
+pipeline:  API, CPU worker (2 children), ASR worker (1), inference worker, reaper and batch feeder (stoker as
+           designed, as `stoker up` runs it).
 sync:      API (`STOKER_PIPELINE_MODE=sync`) and one `stoker worker sync`: every stage and the model in one thread.
 sync-pool: the same with as many sync workers as the pipeline has CPU processes (3), sharing one device.
 """
@@ -30,7 +31,12 @@ Mode = Literal["pipeline", "sync", "sync-pool"]
 #: so both designs have the same CPUs at their disposal.
 CPU_PROCESSES = 2 + 1
 PROCESSES: dict[str, tuple[tuple[str, ...], ...]] = {
-    "pipeline": (("worker", "cpu", "--concurrency", str(CPU_PROCESSES)), ("worker", "infer"), ("reaper",)),
+    "pipeline": (
+        ("worker", "cpu", "--concurrency", str(CPU_PROCESSES)),
+        ("worker", "infer"),
+        ("reaper",),
+        ("batch-feeder",),
+    ),
     "sync": (("worker", "sync"),),
     "sync-pool": tuple(("worker", "sync", "--hostname", f"sync{n}@%h") for n in range(CPU_PROCESSES)),
 }
@@ -107,6 +113,7 @@ def bench_stack(mode: Mode, device: Device, base_url: str, logs: Path, **setting
         "STOKER_AUTH": "off",
         "STOKER_METRICS_PORT": "0",
         "STOKER_TRACE_EXPORTER": "none",
+        "STOKER_BATCH_FEEDER": "false",  # the batch feeder runs as a process of its own, as `stoker up` runs it
         **settings,
     }
     port = free_port()
@@ -115,6 +122,8 @@ def bench_stack(mode: Mode, device: Device, base_url: str, logs: Path, **setting
     try:
         stack.procs.append(spawn(("api", "--port", str(port)), env, logs / "api.log"))
         for args in PROCESSES[mode]:
+            if args == ("batch-feeder",) and env["STOKER_BATCH_FEEDER"] == "true":
+                continue  # the API feeds
             stack.procs.append(spawn(args, env, logs / f"{'-'.join(args)}.log"))
         _warm_up(stack)
         yield stack

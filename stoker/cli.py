@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="start a celery worker for a queue group; extra args go to celery")
     worker.add_argument("kind", choices=["cpu", "ocr", "asr", "infer", "sync"])
     sub.add_parser("reaper", help="move late and stalled jobs on (deadlines, lost messages); one acts at a time")
+    sub.add_parser(
+        "batch-feeder", help="feed OpenAI batches' lines into the queues as room appears (one feeds at a time)"
+    )
     api = sub.add_parser("api", help="serve the HTTP API")
     api.add_argument("--host", default=None)
     api.add_argument("--port", type=int, default=None)
@@ -111,6 +114,13 @@ def _reaper(args: argparse.Namespace, _: list[str]) -> int:
     from workers.reaper import run_reaper
 
     return run_reaper()
+
+
+def _batch_feeder(args: argparse.Namespace, _: list[str]) -> int:
+    from api.batchfeeder import run_feeder_process
+    from stoker.settings import ApiSettings
+
+    return run_feeder_process(ApiSettings())
 
 
 def _api(args: argparse.Namespace, _: list[str]) -> int:
@@ -303,6 +313,7 @@ _HANDLERS = {
     "up": _up,
     "worker": _worker,
     "reaper": _reaper,
+    "batch-feeder": _batch_feeder,
     "api": _api,
     "submit": _submit,
     "batch": _batch,

@@ -418,11 +418,22 @@ class ApiSettings(CommonSettings):
     )
     batch_feeder: bool = Field(
         True,
-        description="Run the batch feeder in this API process (one of a deployment's API processes feeds at a time, "
-        "by lease; another takes over within seconds when it dies). Off: this process only serves the API.",
+        description="Run the batch feeder in this API process (one feeder of a deployment feeds at a time, by lease; "
+        "another takes over within seconds when it dies). Off: this process only serves the API, and a "
+        "`stoker batch-feeder` process feeds (as `stoker up` runs it).",
     )
     batch_feed_interval_s: float = Field(
-        0.25, gt=0, description="How often the batch feeder looks for room, collects ended lines and moves batches on."
+        0.25,
+        gt=0,
+        description="How often the batch feeder looks for room, collects ended lines and moves batches on while a "
+        "batch is active (while none is, less and less often, up to `STOKER_IDLE_MAX_WAIT_S`).",
+    )
+    batch_feeder_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="The CPU priority `stoker batch-feeder` lowers itself by (nice): on a host it shares with API "
+        "processes and workers, feeding a batch takes only CPU time interactive work leaves.",
     )
 
     @property

@@ -58,10 +58,13 @@ def _reap_until_stopped(ctx: WorkerContext) -> int:
                 log.info("reaper %s %s the lease", token, "holds" if held else "lost")
                 leading = held
             if held:
-                done = reap_once(ctx) + recover_lost(ctx) + dispatch_callbacks(ctx) + lift_aged(ctx)
+                in_flight = store.watch.watching() > 0
+                done = reap_once(ctx) + recover_lost(ctx) + dispatch_callbacks(ctx)
+                if in_flight:  # every stage message is an accepted job's: with none in flight, none waits to lift
+                    done += lift_aged(ctx)
                 if set(done) - {"wait"}:
                     log.info("reaped: %s", dict(done))
-                active = bool(done) or store.watch.watching() > 0
+                active = bool(done) or in_flight
         except redis.RedisError as exc:
             log.warning("reaper cannot reach the store: %s", exc)
         settings.reaper_heartbeat.touch()

@@ -32,7 +32,7 @@ BROKER = "valkey"
 
 
 #: Children that are replaced when they exit (a worker that gave up on a wedged device exits to be replaced).
-RESTARTABLE = ("cpu-worker", "infer-worker", "reaper")
+RESTARTABLE = ("cpu-worker", "infer-worker", "reaper", "batch-feeder")
 #: More restarts than this within RESTART_WINDOW_S means something is broken for good: stop the stack.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
@@ -203,7 +203,10 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
     env = {**env, "STOKER_METRICS_HOST": settings.host}  # every metrics port on the stack's address, as the rest
     py = sys.executable
     # The API's metrics on a listener of their own, on the stack's address: never on the API's port.
-    stack.start("api", api_argv(settings), {**env, "STOKER_API_METRICS_PORT": str(api_metrics_port(settings))})
+    # The API only serves; batches are fed by a process of their own, at a lower CPU priority (`api.batchfeeder`).
+    api_env = {**env, "STOKER_API_METRICS_PORT": str(api_metrics_port(settings)), "STOKER_BATCH_FEEDER": "false"}
+    stack.start("api", api_argv(settings), api_env)
+    stack.start("batch-feeder", [sys.executable, "-m", "stoker.cli", "batch-feeder"], env)
     # The CPU pool gets the children an ASR worker would have had as well: one pool, the same CPU processes.
     extra = {"cpu": ["--concurrency", str(workers.cpu_pool + workers.asr_concurrency)]}
     for kind, offset in METRICS_KINDS.items():

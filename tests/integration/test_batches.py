@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from stoker.settings import ApiSettings
 from tests.fleet import QUICK_RECOVERY, SIM_RECOVERY, Fleet, own_fleet
 from tests.media import text_image, truncated
 from workers.broker import free_port
-from workers.procs import spawn, stop, wait_for
+from workers.procs import spawn, stop, tail, wait_for
 
 MODEL = ApiSettings().public_model_name
 API = "http://testserver/v1"
@@ -355,8 +356,9 @@ def test_stoker_batch_submit_writes_the_output_next_to_the_input(stack: Stack, t
 
 
 def test_a_batch_survives_its_feeder_and_workers_being_killed(client: openai.OpenAI, stack: Stack) -> None:
-    """SIGKILL the feeding API, the inference and the CPU workers mid-batch; restarted, the batch completes with
-    every custom_id exactly once."""
+    """SIGKILL the feeding API, the inference and the CPU workers mid-batch; restarted (the feeder now as a process
+    of its own, `stoker batch-feeder`, as `stoker up` runs it), the batch completes with every custom_id exactly
+    once, and the feeder stops cleanly on SIGTERM."""
     picture = data_url(text_image("KILL 7", size=(240, 60), font_size=32), "image/png")
     lines = [line(f"k{n}", f"Kill {n}.") for n in range(50)]
     lines += [
@@ -374,12 +376,18 @@ def test_a_batch_survives_its_feeder_and_workers_being_killed(client: openai.Ope
     assert halfway.request_counts.completed < 60
     for kind in ("cpu", "infer"):
         stack.fleet.start(kind)
-    stack.start_feeder()
+    log = stack.fleet.root / "batch-feeder.log"
+    stack.feeder = spawn(["batch-feeder"], stack.env, log)
     done = wait_batch(client, batch.id, ("completed",), timeout_s=120)
     outputs = read_lines(client, done.output_file_id)  # fails on a custom_id written twice
     assert set(outputs) == {item["custom_id"] for item in lines}
     assert done.request_counts.completed == 60
     assert done.error_file_id is None
+    lowered = os.getpriority(os.PRIO_PROCESS, stack.feeder.pid) - os.getpriority(os.PRIO_PROCESS, 0)
+    assert lowered == ApiSettings().batch_feeder_nice > 0  # it runs on CPU time interactive work leaves
+    stack.feeder.send_signal(signal.SIGTERM)
+    assert stack.feeder.wait(30) == 0, tail(log)
+    assert "stopped" in tail(log)
 
 
 def test_a_line_whose_job_was_made_but_never_sent_is_made_again(api: TestClient) -> None:

@@ -218,3 +218,17 @@ def test_small_inputs_are_taken_before_large_ones_and_a_large_one_past_the_age_b
         while (message := decode.get(no_ack=True)) is not None:
             order.append(message.decode()[0][0])  # the decode task's args: (job_id, ref)
     assert order == ["large-old", "small-1", "small-2", "medium", "large-new", "line-old"]
+
+
+def test_a_queues_depth_counts_its_messages_at_every_priority(broker_url: str) -> None:
+    """Read in one round trip from every priority list of every queue; a queue never declared is 0."""
+    app = make_app(WorkerSettings(broker_url=broker_url))
+    with app.connection_for_write() as connection:
+        producer = connection.Producer()
+        for priority in (0, 1, 2, 9, 9):
+            producer.publish(
+                {"n": priority}, routing_key="ocr", priority=priority, declare=[stage_queue(broker_url, "ocr")]
+            )
+        never = f"never-declared-{uuid.uuid4().hex[:8]}"
+        assert queue_depths(connection, ["ocr", never]) == {"ocr": 5, never: 0}
+        assert redis.Redis.from_url(broker_url).llen("ocr") == 1  # spread over the lists, not all in the first

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.settings import StackSettings
-from workers.stack import Port, Stack, _start_all, stack_ports
+from workers.stack import RESTARTABLE, Port, Stack, _start_all, stack_ports
 
 
 class Recorder(Stack):
@@ -39,10 +39,18 @@ def test_every_metrics_port_of_the_stack_is_on_its_address() -> None:
     ports = stack_ports(StackSettings())
     assert {p.host for p in ports} == {"127.0.0.1"}  # the workers' metrics too, not every interface
     started = _started()
-    assert set(started) == {"api", "cpu-worker", "infer-worker", "reaper", "flower"}  # one CPU pool, speech too
+    assert set(started) == {"api", "cpu-worker", "infer-worker", "reaper", "batch-feeder", "flower"}  # one CPU pool
     for name in ("api", "cpu-worker", "infer-worker"):
         assert started[name]["STOKER_METRICS_HOST"] == "127.0.0.1", name
     assert [started[f"{k}-worker"]["STOKER_METRICS_PORT"] for k in ("cpu", "infer")] == ["9101", "9103"]
+
+
+def test_the_stack_feeds_batches_in_a_process_of_its_own_and_not_in_the_api() -> None:
+    stack = Recorder(tether=lambda: None)
+    _start_all(StackSettings(), stack, {"PATH": "/usr/bin"})
+    assert stack.commands["batch-feeder"][0][-2:] == ["stoker.cli", "batch-feeder"]
+    assert stack.commands["api"][1]["STOKER_BATCH_FEEDER"] == "false"
+    assert "batch-feeder" in RESTARTABLE
 
 
 def test_the_stacks_one_cpu_pool_has_the_children_a_separate_asr_worker_would_have_had() -> None:
