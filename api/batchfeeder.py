@@ -89,6 +89,7 @@ class BatchFeeder:
                     log.warning("batch feeder: %s", exc)
                 except Exception:  # the loop must outlive any one batch's failure
                     log.exception("batch feeder: a tick failed")
+                settings.batch_feeder_heartbeat.touch()
                 await asyncio.sleep(pace.next_wait(active))
         finally:  # a clean stop gives the lease up: another feeder takes over at once, not when it lapses
             give_up_lease(self.context.settings, BATCH_FEEDER_LEASE_KEY, self.token)

@@ -428,6 +428,10 @@ class ApiSettings(CommonSettings):
         description="How often the batch feeder looks for room, collects ended lines and moves batches on while a "
         "batch is active (while none is, less and less often, up to `STOKER_IDLE_MAX_WAIT_S`).",
     )
+    batch_feeder_heartbeat: Path = Field(
+        Path("/tmp/stoker-batch-feeder.alive"),
+        description="Touched on every round of the batch feeder, leading or standing by, for health checks.",
+    )
     batch_feeder_nice: int = Field(
         10,
         ge=0,
