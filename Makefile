@@ -9,10 +9,10 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 APT_PACKAGES ?= tesseract-ocr tesseract-ocr-eng tesseract-ocr-chi-sim espeak-ng fonts-wqy-zenhei
 PYTEST_ARGS ?=
-# Test files on this many parallel pytest-xdist workers (each file whole on one, so its fleet starts once); 0 runs
-# them in one process. Parallel workers need cores to spare: on 2 cores they starve each other's real model and
-# tesseract past the tests' time limits.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers, one per group of test files (`tests/conftest.py`): the files that run the real model
+# and tesseract one after another on one, the files with stacks of their own on the simulated device (mostly
+# waiting on timeouts) on the other. 0 runs every file in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: help install system-deps model tiny-vlm up test lint typecheck unit integration e2e bench bench-quick docs clean
 
@@ -64,7 +64,7 @@ typecheck: $(VENV)/.installed
 	$(BIN)/mypy
 
 test: install model tiny-vlm lint typecheck
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Pipeline vs synchronous baseline (docs/benchmarks.md). Quick: < 3 min, one load; full: a sweep with plots.
 bench-quick: install model
@@ -78,7 +78,7 @@ docs: $(VENV)/.installed
 	$(BIN)/stoker docs config > docs/configuration.md
 
 unit integration e2e: install model tiny-vlm
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile tests/$@ $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup tests/$@ $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -65,7 +66,10 @@ class Fleet:
     def start(self, kind: str, **env: str) -> None:
         """Start (or replace) a worker or the reaper, with optional extra settings."""
         args = ["reaper"] if kind == "reaper" else ["worker", kind]
-        self.procs[kind] = spawn(args, {**self.env, **env}, self.root / f"{kind}.log")
+        log = self.root / f"{kind}.log"
+        if log.exists():  # a replaced process's log is kept beside its successor's, for a failure's post-mortem
+            log.rename(log.with_suffix(f".{time.time_ns()}.log"))
+        self.procs[kind] = spawn(args, {**self.env, **env}, log)
 
     def kill(self, kind: str, sig: int = signal.SIGKILL) -> None:
         """Signal a worker's whole process group (SIGKILL: parent and pool children, no goodbye) and reap it."""

@@ -21,6 +21,7 @@ from api.app import create_app
 from stoker.adapters.store import Store
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
+from tests.fleet import Fleet
 from tests.media import speech_wav, text_image, truncated
 from tests.serving import serve
 from workers.procs import wait_for
@@ -187,8 +188,9 @@ def test_a_streamed_answer_comes_in_chunks_and_ends(client: openai.OpenAI) -> No
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
 
 
-def test_a_stream_with_media_keeps_the_connection_alive_until_its_answer(base_url: str) -> None:
-    # Speech no test sent before: it is transcribed (a second or more), never a cache hit answered at once.
+def test_a_stream_with_media_keeps_the_connection_alive_until_its_answer(one_at_a_time: Fleet) -> None:
+    """The stream starts once the speech is read; the device (simulated: a second a batch) then takes longer to
+    answer than the keep-alive interval, so comments keep the connection alive before the answer."""
     audio = base64.b64encode(speech_wav(f"Stream number {uuid.uuid4().int % 100000}.")).decode()
     body = {
         "model": MODEL,
@@ -198,7 +200,11 @@ def test_a_stream_with_media_keeps_the_connection_alive_until_its_answer(base_ur
             {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}}]}
         ],
     }
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as response:
+    urls = {key: one_at_a_time.env[f"STOKER_{key.upper()}"] for key in ("broker_url", "result_url", "cache_url")}
+    with (
+        serve(create_app(ApiSettings(**urls, sse_keepalive_s=0.2))) as base_url,
+        httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as response,
+    ):
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
