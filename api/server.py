@@ -40,6 +40,8 @@ class ApiServer(uvicorn.Server):
     uvicorn's loop only renews the Date header (once a second either way) and looks for a request to stop; the
     signal handler sets that request and, here, wakes the loop, so a stop is still seen at once."""
 
+    #: Seconds between two rounds of the loop.
+    tick_s = 1.0
     _wake: asyncio.Event | None = None
     _loop: asyncio.AbstractEventLoop | None = None
 
@@ -50,7 +52,7 @@ class ApiServer(uvicorn.Server):
         while not await self.on_tick(counter):
             counter = (counter + 10) % 864000  # uvicorn renews the Date header on multiples of 10
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                await asyncio.wait_for(self._wake.wait(), timeout=self.tick_s)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """A stop signal: uvicorn's handling, then wake the loop that looks for it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from starlette.types import Message
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from api.limits import read_json
-from api.server import HeadBoundedProtocol, server_config
+from api.server import ApiServer, HeadBoundedProtocol, server_config
 from stoker.core.errors import PayloadTooLarge
 from stoker.settings import ApiSettings, StackSettings
 from workers.stack import api_argv
@@ -79,3 +80,30 @@ def test_a_json_body_within_its_values_is_read_whole_whatever_its_bytes() -> Non
 def test_the_access_log_is_off_unless_asked_for() -> None:
     assert server_config(ApiSettings(), app=FastAPI()).access_log is False
     assert server_config(ApiSettings(access_log=True), app=FastAPI()).access_log is True
+
+
+def test_the_servers_loop_renews_the_date_every_round_and_a_stop_signal_ends_it_at_once() -> None:
+    """uvicorn's loop wakes ten times a second; the API's once (`tick_s`), and the signal that stops it wakes it: with
+    rounds an hour apart, the loop still ends as soon as it is told to."""
+    server = ApiServer(server_config(ApiSettings(), app=FastAPI()))
+    server.config.load()
+    server.tick_s = 3600.0
+    rounds: list[int] = []
+    on_tick = server.on_tick
+
+    async def counted(counter: int) -> bool:
+        rounds.append(counter)
+        return await on_tick(counter)
+
+    server.on_tick = counted  # type: ignore[method-assign]
+
+    async def run() -> None:
+        loop = asyncio.create_task(server.main_loop())
+        while not rounds:  # the first round ran: the loop now waits for its next one
+            await asyncio.sleep(0)
+        server.handle_exit(signal.SIGTERM, None)
+        await asyncio.wait_for(loop, timeout=30)  # an hour without the wake
+
+    asyncio.run(run())
+    assert rounds == [0, 10]  # every round renews the Date header (uvicorn does it on multiples of 10)
+    assert server.server_state.default_headers[0][0] == b"date"
