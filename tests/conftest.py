@@ -51,6 +51,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         proc.wait(timeout=10)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with its tier, from the folder it lives in, and with its pytest-xdist group (`make test`
     runs the two groups side by side, `--dist loadgroup`). `real-model`: every test file with a test on the
