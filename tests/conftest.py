@@ -55,8 +55,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with its tier, from the folder it lives in, and with its pytest-xdist group (`make test`
     runs the two groups side by side, `--dist loadgroup`). `real-model`: every test file with a test on the
-    session's workers, and the end-to-end tests (`stoker up`): they run the real model and tesseract, which two at
-    once on two cores would starve past the tests' time limits, so these files run one after another. `apart`:
+    session's workers, the end-to-end tests (`stoker up`), and files marked `real_model` (the model in the test
+    process): they run the real model and tesseract, which two at once on two cores would starve past the tests'
+    time limits, so these files run one after another. `apart`:
     every other file (stacks of their own on the simulated device, mostly waiting on timeouts, or none). A file's
     tests stay together, so its stack starts once."""
     heavy = {item.path for item in items if "session_workers" in getattr(item, "fixturenames", ())}
@@ -65,7 +66,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for tier in TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
-        real_model = item.path in heavy or "e2e" in parts
+        real_model = item.path in heavy or "e2e" in parts or item.get_closest_marker("real_model") is not None
         item.add_marker(pytest.mark.xdist_group("real-model" if real_model else "apart"))
 
 

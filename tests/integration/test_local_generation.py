@@ -13,6 +13,9 @@ from stoker.core.model import Continued, GenerationParams, ModelRequest, Predict
 from stoker.core.prompting import build_prompt
 from stoker.settings import CommonSettings
 
+#: The model runs in this process: these tests run beside no other that does (tests/conftest.py).
+pytestmark = pytest.mark.real_model
+
 
 @pytest.fixture(scope="module")
 def model() -> tuple[TransformersPredictor, list[int]]:

@@ -30,6 +30,9 @@ from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_pr
 from tests.fakeopenai import fake_openai_server
 from tests.media import text_image
 
+#: The model runs in this process: these tests run beside no other that does (tests/conftest.py).
+pytestmark = pytest.mark.real_model
+
 TOKENS = 4
 #: Wide pictures: 1 × 2 tiles and the whole, 192 image tokens (a CPU runs them through the model quickly).
 WIDE = (800, 200)

@@ -19,6 +19,9 @@ from tests.fakeopenai import FakeServer
 from tests.fleet import Fleet
 from tests.media import text_image
 
+#: The model runs in this process: these tests run beside no other that does (tests/conftest.py).
+pytestmark = pytest.mark.real_model
+
 TOKENS = 6
 
 
