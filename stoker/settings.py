@@ -625,7 +625,7 @@ class WorkerSettings(CommonSettings):
         "for a long answer on the device and costs more re-reading; 0: a call runs until its longest answer ends.",
     )
     line_batch_size: int = Field(
-        2,
+        1,
         ge=1,
         description="The most batch lines (OpenAI Batch API work) in one device batch while interactive requests "
         "come (while none has come for 2 s, lines run in full batches). Lines run only when no interactive request "
