@@ -1,10 +1,12 @@
-"""The batch feeder: a loop of the API process (one API process of a deployment at a time, by lease) that moves
-every batch on. It validates a new batch's input file; feeds its lines as stoker jobs of class `batch` through the
-same intake as `/v1/chat/completions` (`api.chat_intake.accept_chat`, `api.submission.submit_line`), only into the
-room the queues' watermarks leave and never more than `STOKER_BATCH_MAX_IN_FLIGHT` at once; collects each ended
-line's outcome; and writes the output and error files when the batch completes, is cancelled or expires.
+"""The batch feeder: the loop that moves every batch on, in a process of its own (`stoker batch-feeder`, as
+`stoker up`, Compose and Kubernetes run it) or in an API process (`STOKER_BATCH_FEEDER`); one feeder of a
+deployment at a time, by lease. It validates a new batch's input file; feeds its lines as stoker jobs of class
+`batch` through the same intake as `/v1/chat/completions` (`api.chat_intake.accept_chat`,
+`api.submission.submit_line`), only into the room the queues' watermarks leave and never more than
+`STOKER_BATCH_MAX_IN_FLIGHT` at once; collects each ended line's outcome; and writes the output and error files
+when the batch completes, is cancelled or expires.
 
-Every step's progress is in the store, so a feeder that dies (an API SIGKILLed) is replaced by the next lease
+Every step's progress is in the store, so a feeder that dies (SIGKILLed) is replaced by the next lease
 holder, which resumes where it left off: a line's job id is derived from its batch and line number, so a line
 fed again is found to exist and never runs twice, and each `custom_id`'s outcome is written once.
 """

@@ -50,9 +50,11 @@ class RedisTransport(kombu_redis.Transport):
 def queue_depths(connection: Connection, names: Iterable[str] = QUEUES) -> dict[str, int]:
     """Messages waiting in each queue (not those a worker already holds); a queue never declared counts 0.
 
-    Opens no connection that outlives the call: on Redis the connection's default channel is reused (a failed
-    passive declare leaves a virtual channel usable); on AMQP the broker closes a channel whose passive declare
-    fails, so the depths are read on a channel of their own, replaced after each such failure and closed after.
+    Opens no connection that outlives the call: on Redis the connection's default channel is reused, and every
+    queue's priority lists are read in one pipelined round trip; on another virtual transport, by passive declares
+    on that channel (a failed one leaves a virtual channel usable); on AMQP the broker closes a channel whose passive
+    declare fails, so the depths are read on a channel of their own, replaced after each such failure and closed
+    after.
     """
     if isinstance(connection.transport, kombu_redis.Transport):
         return _redis_depths(connection.default_channel, list(names))
