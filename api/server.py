@@ -46,7 +46,8 @@ class ApiServer(uvicorn.Server):
     _loop: asyncio.AbstractEventLoop | None = None
 
     async def main_loop(self) -> None:
-        """On each tick what uvicorn's loop does every tenth of its (the Date header, the request to stop)."""
+        """Each round does what uvicorn's loop does every tenth round of its own: renew the Date header, and stop
+        when asked to."""
         self._wake, self._loop = asyncio.Event(), asyncio.get_running_loop()
         counter = 0
         while not await self.on_tick(counter):

@@ -206,7 +206,7 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
     # The API only serves; batches are fed by a process of their own, at a lower CPU priority (`api.batchfeeder`).
     api_env = {**env, "STOKER_API_METRICS_PORT": str(api_metrics_port(settings)), "STOKER_BATCH_FEEDER": "false"}
     stack.start("api", api_argv(settings), api_env)
-    stack.start("batch-feeder", [sys.executable, "-m", "stoker.cli", "batch-feeder"], env)
+    stack.start("batch-feeder", [py, "-m", "stoker.cli", "batch-feeder"], env)
     # The CPU pool gets the children an ASR worker would have had as well: one pool, the same CPU processes.
     extra = {"cpu": ["--concurrency", str(workers.cpu_pool + workers.asr_concurrency)]}
     for kind, offset in METRICS_KINDS.items():
