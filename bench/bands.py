@@ -28,10 +28,10 @@ import httpx
 
 from bench.stack import Device, bench_redis, bench_stack
 from bench.workload import _page
+from stoker.core.jobs import TERMINAL
 from stoker.settings import WorkerSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TERMINAL = ("succeeded", "degraded", "failed", "cancelled")
 
 
 def parser() -> argparse.ArgumentParser:

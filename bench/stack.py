@@ -31,12 +31,7 @@ Mode = Literal["pipeline", "sync", "sync-pool"]
 #: so both designs have the same CPUs at their disposal.
 CPU_PROCESSES = 2 + 1
 PROCESSES: dict[str, tuple[tuple[str, ...], ...]] = {
-    "pipeline": (
-        ("worker", "cpu", "--concurrency", str(CPU_PROCESSES)),
-        ("worker", "infer"),
-        ("reaper",),
-        ("batch-feeder",),
-    ),
+    "pipeline": (("worker", "cpu", "--concurrency", str(CPU_PROCESSES)), ("worker", "infer"), ("reaper",)),
     "sync": (("worker", "sync"),),
     "sync-pool": tuple(("worker", "sync", "--hostname", f"sync{n}@%h") for n in range(CPU_PROCESSES)),
 }
@@ -121,9 +116,8 @@ def bench_stack(mode: Mode, device: Device, base_url: str, logs: Path, **setting
     logs.mkdir(parents=True, exist_ok=True)
     try:
         stack.procs.append(spawn(("api", "--port", str(port)), env, logs / "api.log"))
-        for args in PROCESSES[mode]:
-            if args == ("batch-feeder",) and env["STOKER_BATCH_FEEDER"] == "true":
-                continue  # the API feeds
+        feeder = (("batch-feeder",),) if mode == "pipeline" and env["STOKER_BATCH_FEEDER"] == "false" else ()
+        for args in (*PROCESSES[mode], *feeder):  # the batch feeder where the API does not feed
             stack.procs.append(spawn(args, env, logs / f"{'-'.join(args)}.log"))
         _warm_up(stack)
         yield stack

@@ -57,9 +57,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     runs the two groups side by side, `--dist loadgroup`). `real-model`: every test file with a test on the
     session's workers, the end-to-end tests (`stoker up`), and files marked `real_model` (the model in the test
     process): they run the real model and tesseract, which two at once on two cores would starve past the tests'
-    time limits, so these files run one after another. `apart`:
-    every other file (stacks of their own on the simulated device, mostly waiting on timeouts, or none). A file's
-    tests stay together, so its stack starts once."""
+    time limits, so these files run one after another. `apart`: every other file (stacks of their own on the
+    simulated device, mostly waiting on timeouts, or none). A file's tests stay together, so its stack starts
+    once."""
     heavy = {item.path for item in items if "session_workers" in getattr(item, "fixturenames", ())}
     for item in items:
         parts = Path(str(item.fspath)).parts
