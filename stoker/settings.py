@@ -555,6 +555,13 @@ class WorkerSettings(CommonSettings):
     asr_beam_size: int = Field(1, ge=1, le=10, description="Beam search width (1 = greedy).")
     asr_cpu_threads: int = Field(0, ge=0, description="CTranslate2 threads; 0 lets it choose.")
     asr_concurrency: int = Field(1, ge=1, description="Prefork children of an `asr` worker.")
+    asr_preload: bool = Field(
+        True,
+        description="Load the speech model in every worker process that may transcribe as it starts (a pool child "
+        "in a thread of its own beside its first tasks), so no recording pays the load (about a second, more on a "
+        "busy host); false: the first recording of each process loads it, which saves that process the model's "
+        "memory until then.",
+    )
 
     # URL inputs: fetched by the fetch stage (queue decode), never by the API.
     fetch_timeout_s: float = Field(

@@ -69,6 +69,8 @@ class _Process:
     main_pid: int | None = None
     #: The process that started this worker (a supervisor such as `stoker up`), to know when it is orphaned.
     parent: int | None = None
+    #: The queues this worker consumes (known at setup; a pool child inherits them).
+    queues: frozenset[str] = frozenset()
     #: CPU seconds of this pool child when each of its running tasks started.
     task_cpu: dict[str, float] = field(default_factory=dict)
 
@@ -139,6 +141,7 @@ def setup(kind: str) -> WorkerContext:
 def start(ctx: WorkerContext, queues: set[str]) -> None:
     """Load what this worker's queues need before the first message arrives, so no task pays for it."""
     started = time.perf_counter()
+    _process.queues = frozenset(queues)
     if "tokenize" in queues:
         ctx.cache.publish_context(ctx.pipeline_context())  # the API can tokenize cheap jobs from now on
     if {"decode", "ocr"} & queues:
@@ -148,6 +151,8 @@ def start(ctx: WorkerContext, queues: set[str]) -> None:
     if SYNC_QUEUE in queues:
         ctx.pipeline_context()  # the sync worker runs every stage, tokenize included
         _ = ctx.tesseract
+        if ctx.settings.asr_preload:  # and transcribes, in this process (solo): no pool child to load it
+            _ = ctx.speech_model
     if {"infer", SYNC_QUEUE} & queues:
         _start_device(ctx, consume="infer" in queues)
     log.info("worker resources preloaded in %.1fs", time.perf_counter() - started)
@@ -215,13 +220,28 @@ def _on_after_setup(sender: str, instance: Any, **_: Any) -> None:
 
 def _on_child_start(**_: Any) -> None:
     """Each CPU and ASR pool child gets an address-space cap, so a decompression bomb (an image, or media whose
-    decode balloons) fails alone instead of taking the host's memory."""
+    decode balloons) fails alone instead of taking the host's memory; one that may transcribe starts loading the
+    speech model (`STOKER_ASR_PRELOAD`)."""
     s = context().settings
     # A `cpu` child may transcribe too (it serves every CPU stage): it gets the room the speech model needs.
     both = (s.cpu_address_space_mb, s.asr_address_space_mb)
     cap = {"cpu": 0 if 0 in both else max(both), "ocr": s.cpu_address_space_mb, "asr": s.asr_address_space_mb}
     if cap.get(s.worker_kind):
         cap_address_space(cap[s.worker_kind])
+    if "asr" in _process.queues and s.asr_preload:
+        threading.Thread(target=_preload_speech, name="asr-preload", daemon=True).start()
+
+
+def _preload_speech() -> None:
+    """A pool child that may transcribe loads the speech model beside its first tasks (a thread: the child takes
+    OCR and other work meanwhile, and a recording that comes first waits for this load, not a second one)."""
+    started = time.perf_counter()
+    try:
+        _ = context().speech_model
+    except Exception as exc:  # a recording's own attempt reports it, as a structured error, on its job
+        log.warning("could not preload the speech model: %s", exc)
+        return
+    log.info("speech model preloaded in %.1fs", time.perf_counter() - started)
 
 
 def _on_child_exit(pid: int | None = None, **_: Any) -> None:

@@ -8,6 +8,7 @@ only the ASR worker the speech model.
 from __future__ import annotations
 
 import importlib.metadata
+import threading
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ class WorkerContext:
     def __init__(self, settings: WorkerSettings, outbox: Outbox, **given: Any) -> None:
         self.settings = settings
         self.outbox = outbox
+        self._speech_lock = threading.Lock()
         for name, value in given.items():
             if not isinstance(getattr(type(self), name, None), cached_property):
                 raise TypeError(f"WorkerContext has no lazily built member {name!r}")
@@ -300,7 +302,16 @@ class WorkerContext:
 
     @cached_property
     def speech_model(self) -> SpeechModel:
-        """The faster-whisper model, loaded once per worker process."""
+        """The faster-whisper model, loaded once per worker process: a pool child loads it at start in a thread of
+        its own (`tasks.lifecycle`), and a recording that comes sooner waits for that load instead of making its
+        own (the lock: `cached_property` alone would let both threads load it)."""
+        with self._speech_lock:
+            loaded: SpeechModel | None = self.__dict__.get("_speech_model")
+            if loaded is None:
+                loaded = self.__dict__["_speech_model"] = self._load_speech_model()
+            return loaded
+
+    def _load_speech_model(self) -> SpeechModel:
         from faster_whisper import WhisperModel  # heavy (CTranslate2): only ASR workers load it
 
         s = self.settings

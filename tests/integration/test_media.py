@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from tests.integration.test_pipeline import _wait
 from tests.media import KEY_WORDS, flac_claiming, speech_wav, text_video, to_mp3, truncated, wav_header
+from workers.procs import wait_for
 
 
 @functools.cache
@@ -33,6 +35,16 @@ def _ran(record: dict[str, Any]) -> set[str]:
 
 def _heard(text: str) -> list[str]:
     return [w for w in KEY_WORDS if w in text.lower()]
+
+
+def test_every_cpu_child_loads_the_speech_model_as_it_starts(workers: dict[str, Path]) -> None:
+    """The session's CPU worker runs three children that may each transcribe: each loads the speech model at start
+    (`STOKER_ASR_PRELOAD`), whether or not a recording has come, so none pays the load on a job."""
+
+    def loaded() -> bool:
+        return workers["cpu"].read_text(errors="replace").count("speech model preloaded in") >= 3
+
+    wait_for(loaded, 60, "three CPU children to preload the speech model", [])
 
 
 def test_speech_is_transcribed_and_answered(client: TestClient) -> None:

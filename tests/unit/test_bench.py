@@ -80,3 +80,24 @@ def test_cpu_per_job_counts_the_run_not_what_starting_the_workers_cost() -> None
         run.outcomes.append(Outcome(r, first_try=100.0 + i, job=job, done_at=101.0 + i))
     run.samples = [Sample(100.0, 0.0, {}, cpu_s=9.0), Sample(106.0, 3.0, {}, cpu_s=11.0)]
     assert summarise("sync-pool", 1.0, run)["cpu_s_per_job"] == 0.5  # 2 CPU s for 4 jobs
+
+
+def test_batchfill_drives_both_phases_with_the_same_arrivals_and_new_prompts() -> None:
+    """The ratio with ÷ without compares the same traffic: one schedule for both phases, prompts never shared."""
+    from bench.batchfill import interactive
+
+    alone, beside = interactive(16.7, 30, 11, "alone"), interactive(16.7, 30, 11, "beside")
+    assert len(alone) > 400
+    assert [r.at for r in alone] == [r.at for r in beside]
+    assert not {r.prompt for r in alone} & {r.prompt for r in beside}
+
+
+def test_the_line_policy_model_has_lines_cost_interactive_requests_a_wait() -> None:
+    """The model of the consumer's policy: lines in the device's gaps make interactive requests wait longer, the
+    more so the more lines a batch holds."""
+    from bench.linepolicy import latencies
+    from bench.report import percentile
+
+    cost = (0.04, 0.025)
+    medians = [percentile(latencies(n, 16.7, 300, cost, 8, 11)[0], 0.5) for n in (0, 1, 8)]
+    assert medians[0] < medians[1] < medians[2]

@@ -297,3 +297,28 @@ def test_a_batch_lines_stages_carry_the_batch_priority_whatever_their_size() -> 
     canvas = job_canvas("j", app=APP, inputs=inputs, job_class="batch")
     assert [p for branch in canvas.tasks for p in _priorities(branch)] == [9] * 6
     assert canvas.body.options["priority"] == 9
+
+
+def test_the_speech_model_is_loaded_once_when_two_threads_ask_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool child's preload thread and a recording that came first ask for the model at once: one load."""
+    from stoker.runtime.context import WorkerContext
+
+    loads: list[int] = []
+    started = threading.Event()
+
+    def slow_load(self: WorkerContext) -> object:
+        loads.append(threading.get_ident())
+        started.set()
+        time.sleep(0.2)  # a load in progress, so the second caller comes while it runs
+        return object()
+
+    monkeypatch.setattr(WorkerContext, "_load_speech_model", slow_load)
+    ctx = WorkerContext(WorkerSettings(), outbox=None)  # type: ignore[arg-type]
+    got: list[object] = []
+    first = threading.Thread(target=lambda: got.append(ctx.speech_model))
+    first.start()
+    assert started.wait(5)
+    got.append(ctx.speech_model)
+    first.join(5)
+    assert len(loads) == 1
+    assert got[0] is got[1]
