@@ -105,6 +105,9 @@ def bench_stack(mode: Mode, device: Device, base_url: str, logs: Path, **setting
         "STOKER_SIM_SHARED": "true",
         "STOKER_CPU_POOL": "2",
         "STOKER_ASR_CONCURRENCY": "1",
+        # A fresh stack per run: its speech model is loaded as each process starts, not by the run's first
+        # recordings (every mode alike: the baselines' worker loads it at setup).
+        "STOKER_ASR_PRELOAD": "true",
         "STOKER_AUTH": "off",
         "STOKER_METRICS_PORT": "0",
         "STOKER_TRACE_EXPORTER": "none",

@@ -556,11 +556,11 @@ class WorkerSettings(CommonSettings):
     asr_cpu_threads: int = Field(0, ge=0, description="CTranslate2 threads; 0 lets it choose.")
     asr_concurrency: int = Field(1, ge=1, description="Prefork children of an `asr` worker.")
     asr_preload: bool = Field(
-        True,
+        False,
         description="Load the speech model in every worker process that may transcribe as it starts (a pool child "
-        "in a thread of its own beside its first tasks), so no recording pays the load (about a second, more on a "
-        "busy host); false: the first recording of each process loads it, which saves that process the model's "
-        "memory until then.",
+        "in a thread of its own beside its first tasks: about half a second and 90 MB per child), so no recording "
+        "pays the load; off: the first recording of each process loads it. Off by default: while a child loads it, "
+        "its first tasks wait on the imports it holds, which a host short of CPU feels.",
     )
 
     # URL inputs: fetched by the fetch stage (queue decode), never by the API.

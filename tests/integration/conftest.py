@@ -64,7 +64,13 @@ def session_workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathF
     # outputs ask for it, through an API of their own that allows it); every other test's API still caps a chat at
     # STOKER_MAX_TOKENS_CAP, and a job without max_tokens still gets STOKER_MAX_NEW_TOKENS.
     # The reaper lifts no stage message past smaller ones within a test (a test holds queues to see their order).
-    env = {**os.environ, "STOKER_MAX_TOKENS_CAP": str(ROOMY_TOKENS), "STOKER_SMALL_FIRST_MAX_AGE_S": "60"}
+    # Each CPU child loads the speech model as it starts (`STOKER_ASR_PRELOAD`), as the tests of speech expect.
+    env = {
+        **os.environ,
+        "STOKER_MAX_TOKENS_CAP": str(ROOMY_TOKENS),
+        "STOKER_SMALL_FIRST_MAX_AGE_S": "60",
+        "STOKER_ASR_PRELOAD": "true",
+    }
     ports = {kind: free_port() for kind in ("cpu", "infer")}
     procs = {
         kind: spawn(["worker", kind, *extra], {**env, "STOKER_METRICS_PORT": str(ports[kind])}, logs / f"{kind}.log")
