@@ -94,7 +94,9 @@ def run_stack(ports: Mapping[str, int | None] | None = None, auth: bool = False)
     # Every child gets its environment from here: this one's, plus what the stack decided.
     env = {**os.environ, "STOKER_AUTH": "on" if settings.auth else "off"}  # the API's own default is on
     stack = Stack()
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # a terminal that goes away sends SIGHUP: stop as for SIGTERM
+    # SIGINT too, explicitly: a process started in the background by a script inherits SIGINT ignored, and Python
+    # then installs no Ctrl-C handler of its own. A terminal that goes away sends SIGHUP: stop as for SIGTERM.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
         env.update(_ensure_broker(settings, stack))
