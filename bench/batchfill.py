@@ -12,9 +12,9 @@ it. Two phases on the same stack, each with fresh prompts (nothing rides on the 
    while it runs; then the batch is followed until it ends (`batch_outlasted_interactive` says whether it was still
    running when the interactive load ended: with too few lines, the end of the phase ran beside no batch).
 
-A phase's p99 is its hundredth slowest in a hundred: over a minute at 16.7 requests/s, the tenth slowest, which
-moves with where the line batches happen to fall among the arrivals (`bench.linepolicy --seconds 60` shows the
-spread with no overhead at all); longer phases (`--seconds 300`) give a steadier ratio.
+A phase's p99 over a minute at 16.7 requests/s is its tenth slowest request, which moves with where the line
+batches happen to fall among the arrivals (`bench.linepolicy --seconds 60 --schedules 40` shows the spread with no
+overhead at all); longer phases (`--seconds 300`) give a steadier ratio.
 
 Printed and written to bench/results/batchfill.json: interactive p50/p99 of each phase and their ratio (with ÷
 without), the device's busy share while the batch ran (from `/v1/stats` device seconds), and batch lines per second.

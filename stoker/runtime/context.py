@@ -302,9 +302,10 @@ class WorkerContext:
 
     @cached_property
     def speech_model(self) -> SpeechModel:
-        """The faster-whisper model, loaded once per worker process: a pool child loads it at start in a thread of
-        its own (`tasks.lifecycle`), and a recording that comes sooner waits for that load instead of making its
-        own (the lock: `cached_property` alone would let both threads load it)."""
+        """The faster-whisper model, loaded once per worker process: by its first recording, or as a pool child
+        starts, in a thread of its own (`STOKER_ASR_PRELOAD`, `tasks.lifecycle`); a recording that comes during
+        that load waits for it instead of making its own (the lock: `cached_property` alone would let both threads
+        load it)."""
         with self._speech_lock:
             loaded: SpeechModel | None = self.__dict__.get("_speech_model")
             if loaded is None:
