@@ -87,8 +87,9 @@ def test_a_lone_job_on_an_idle_device_starts_at_once(fleet: Fleet) -> None:
         # From reaching the inference queue (its hand-over stamp) to its batch starting, read from its own stamps.
         waits.append(job["batch"]["wait_ms"])
     # The median, so one scheduling hiccup of a busy host does not decide; a consumer that looked for work on a
-    # timer (celery-batches' flush interval) would wait half its period on average.
-    assert sorted(waits)[2] <= 20, waits
+    # timer (celery-batches' flush interval: 10 s here) would wait half its period on average. 100 ms leaves room
+    # for a host whose two cores another test suite shares (22-23 ms seen there; a few ms on a quiet one).
+    assert sorted(waits)[2] <= 100, waits
 
 
 #: What the inference worker may hold at once: STOKER_PREFETCH_BATCHES (3: running, prepared, being written) batches.
