@@ -71,13 +71,14 @@ def print_spread(opts: argparse.Namespace, rate: float, cost: tuple[float, float
     """Min / median / max of the ratios over `opts.schedules` arrival schedules, each with and without lines."""
     print(f"{opts.schedules} schedules of {opts.seconds:.0f} s each (min / median / max)")
     print("lines per batch | p50 with ÷ without | p99 with ÷ without")
+    seeds = range(opts.seed, opts.seed + opts.schedules)
+    alone = {seed: latencies(0, rate, opts.seconds, cost, opts.batch, seed)[0] for seed in seeds}  # once per schedule
     for line_batch in sorted({1, 2, 4, opts.batch}):
         p50s, p99s = [], []
-        for seed in range(opts.seed, opts.seed + opts.schedules):
-            alone, _ = latencies(0, rate, opts.seconds, cost, opts.batch, seed)
+        for seed in seeds:
             beside, _ = latencies(line_batch, rate, opts.seconds, cost, opts.batch, seed)
-            p50s.append((percentile(beside, 0.5) or 0.0) / (percentile(alone, 0.5) or 1.0))
-            p99s.append((percentile(beside, 0.99) or 0.0) / (percentile(alone, 0.99) or 1.0))
+            p50s.append((percentile(beside, 0.5) or 0.0) / (percentile(alone[seed], 0.5) or 1.0))
+            p99s.append((percentile(beside, 0.99) or 0.0) / (percentile(alone[seed], 0.99) or 1.0))
         print(f"{line_batch} | {_spread(p50s)} | {_spread(p99s)}")
 
 
