@@ -54,10 +54,19 @@ JobId = Annotated[str, Depends(job_id_of_path)]
     "/v1/jobs",
     status_code=202,
     response_model=JobPublic,
-    responses=error_responses(401, 413, 415, 422, 429, 503),
+    responses={
+        200: {"model": JobPublic, "description": "The job, ended within `wait`"},
+        **error_responses(401, 413, 415, 422, 429, 503),
+    },
 )
-async def create_job(request: Request, context: Context, tenant: Annotated[str, Depends(authenticate)]) -> JSONResponse:
-    """Accept a job: validate, store inputs and the job record, enqueue, answer 202 at once.
+async def create_job(
+    request: Request,
+    context: Context,
+    tenant: Annotated[str, Depends(authenticate)],
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0,
+) -> JSONResponse:
+    """Accept a job: validate, store inputs and the job record, enqueue, answer 202 at once; with ?wait=S, hold
+    the answer until the job is terminal (then 200 with its result) or S seconds pass (then 202 as it stands).
 
     While a queue is over its limit the job is refused before its body is read: 429 with Retry-After from the
     queue's measured drain rate, and nothing written. So is a job over its tenant's request rate or jobs in flight
@@ -66,11 +75,16 @@ async def create_job(request: Request, context: Context, tenant: Annotated[str, 
     key = idempotency.key_of(request.headers, tenant)
     retried = is_automatic_retry(request.headers.get(RETRY_COUNT_HEADER))
     submitted = await submit_job(context, tenant, key, lambda: read_request(request, context.settings), retried)
-    job = submitted.job
+    job: Job = submitted.job
+    if wait > 0 and not job.terminal:
+        # One request instead of a POST and a long-poll: the same wait as `GET ?wait=`, after the body is read
+        async with watching(request.receive) as client:
+            job = await _wait_terminal(context, client, job.id, wait, tenant)
     headers = {"Location": f"/v1/jobs/{job.id}", **job_headers(job)}
     if submitted.replayed:  # the job an earlier request with this Idempotency-Key made
-        return JSONResponse(job.model_dump(mode="json"), status_code=200, headers={**headers, REPLAYED: "true"})
-    return JSONResponse(job.model_dump(mode="json"), status_code=202, headers=headers)
+        headers[REPLAYED] = "true"
+    status = 200 if submitted.replayed or job.terminal else 202
+    return JSONResponse(job.model_dump(mode="json"), status_code=status, headers=headers)
 
 
 @router.get(

@@ -5,10 +5,11 @@
 Starts the stack as `stoker up` does (its own command: an embedded Valkey, the API, the CPU, ASR and inference
 workers, the reaper and Flower), with the simulated device at 0 ms, so that only stoker's own bookkeeping costs
 anything. Then, from 8 closed-loop clients (the load generator runs in this process, outside the stack's process
-tree): text-only jobs through `POST /v1/jobs` and a long-poll, cached-image jobs (one image and one prompt, both in
-the cache after the first), and chat completions. For each kind of job it reads the user + system CPU time of every
-process in the stack's tree from /proc before and after (children that exited are counted in their parent's
-cutime/cstime) and divides by the jobs answered; then the stack's idle cost over `--idle-s`, in cores per process
+tree): text-only jobs through `POST /v1/jobs` and a long-poll, the same in one request (`POST /v1/jobs?wait=30`),
+cached-image jobs (one image and one prompt, both in the cache after the first), and chat completions. For each
+kind of job it reads the user + system CPU time of every process in the stack's tree from /proc before and after
+(children that exited are counted in their parent's cutime/cstime) and divides by the jobs answered; then the
+stack's idle cost over `--idle-s`, in cores per process
 kind. With py-spy installed (`pip install py-spy`), the API and the inference worker are sampled under text-only
 load, and the functions they spend their CPU in are listed.
 
@@ -194,6 +195,12 @@ def text_job(http: httpx.Client, n: int) -> bool:
     return _await_job(http, http.post("/v1/jobs", data={"prompt": f"Question {n}: what is {n} squared?"}).json())
 
 
+def text_job_waited(http: httpx.Client, n: int) -> bool:
+    """A text-only job in one request: `POST /v1/jobs?wait=30` answers once the job has ended."""
+    posted = http.post("/v1/jobs", params={"wait": 30}, data={"prompt": f"Question {n}: what is {n} squared?"})
+    return _await_job(http, posted.json())
+
+
 IMAGE = text_png("stoker")
 
 
@@ -201,6 +208,13 @@ def image_job(http: httpx.Client, n: int) -> bool:
     """The same image and prompt every time: after the first, its inputs and its prompt come from the cache."""
     files = {"image": ("page.png", IMAGE, "image/png")}
     return _await_job(http, http.post("/v1/jobs", data={"prompt": "What does it say?"}, files=files).json())
+
+
+def image_job_waited(http: httpx.Client, n: int) -> bool:
+    """The cached image job in one request (`POST /v1/jobs?wait=30`)."""
+    files = {"image": ("page.png", IMAGE, "image/png")}
+    posted = http.post("/v1/jobs", params={"wait": 30}, data={"prompt": "What does it say?"}, files=files)
+    return _await_job(http, posted.json())
 
 
 def chat_job(model: str) -> Send:
@@ -329,8 +343,9 @@ def py_spy() -> str | None:
     return str(local) if local.exists() else shutil.which("py-spy")
 
 
-def profile(stack: Stack, seconds: float, clients: int, top: int = 15) -> dict[str, Any]:
-    """Sample the API and the inference worker with py-spy while text-only jobs run; their hottest functions.
+def profile(stack: Stack, seconds: float, clients: int, send: Send = text_job, top: int = 15) -> dict[str, Any]:
+    """Sample the API and the inference worker with py-spy while jobs of one kind (`send`: text-only unless
+    told) run; their hottest functions.
 
     Only the thread holding the GIL is sampled (`--gil`): what Python code spends CPU on, not where threads wait."""
     spy = py_spy()
@@ -348,7 +363,7 @@ def profile(stack: Stack, seconds: float, clients: int, top: int = 15) -> dict[s
         )
         for kind, pid in targets.items()
     ]
-    load = Load(text_job, 10**9, clients)
+    load = Load(send, 10**9, clients)
     driver = threading.Thread(target=load.run, args=(stack.base,), daemon=True)
     driver.start()
     for spy_proc in spies:
@@ -473,7 +488,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--idle-s", type=float, default=60.0, help="how long the idle stack is measured")
     parser.add_argument("--profile-s", type=float, default=15.0, help="py-spy's sampling time (0: no profile)")
-    parser.add_argument("--cases", default="text,image,chat", help="of text, image, chat, chat-image")
+    parser.add_argument(
+        "--cases",
+        default="text,text-wait,image,chat",
+        help="of text, image, chat, chat-image, text-wait, image-wait (one request: POST ?wait=)",
+    )
+    parser.add_argument("--profile-case", default="text", help="the case profiled (one of --cases' choices)")
     parser.add_argument("--admission-s", type=float, default=0.0, help="POST-only load this long (0: none)")
     parser.add_argument("--admission-clients", type=int, default=32)
     parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks.md")
@@ -484,7 +504,9 @@ def main() -> None:
             model = http.get("/v1/models").json()["data"][0]["id"]
         cases: dict[str, Send] = {
             "text": text_job,
+            "text-wait": text_job_waited,
             "image": image_job,
+            "image-wait": image_job_waited,
             "chat": chat_job(model),
             "chat-image": chat_image_job(model),
         }
@@ -492,7 +514,11 @@ def main() -> None:
         rows = [measure(stack, name, cases[name], args.jobs, args.clients) for name in wanted]
         idle_cores = idle(stack, args.idle_s)
         admitted = admission(stack, args.admission_s, args.admission_clients) if args.admission_s > 0 else None
-        prof = profile(stack, args.profile_s, args.clients) if args.profile_s > 0 else {"skipped": "--profile-s 0"}
+        prof = (
+            profile(stack, args.profile_s, args.clients, cases[args.profile_case])
+            if args.profile_s > 0
+            else {"skipped": "--profile-s 0"}
+        )
     table = markdown(rows, idle_cores, args.idle_s)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     cmd = "python -m bench.cost " + " ".join(sys.argv[1:])

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from celery import Celery, chain, chord, group
 from celery.canvas import Signature, _chain
@@ -25,6 +25,11 @@ from stoker.core.queues import INFER_BATCH_QUEUE
 
 #: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached).
 Start = Literal["preprocess", "tokenize", "infer"]
+#: Options of a message nobody waits on for a Celery result (stoker's results are in its job store). Without it,
+#: Celery's Redis result backend subscribes the publishing process to the task's result channel at every publish
+#: (and unsubscribes when the handle is collected): two commands and a result-consumer round per job in the API.
+#: A chord's header tasks keep their results: the chord's counting is Celery's.
+UNWAITED: dict[str, Any] = {"ignore_result": True}
 
 
 class Submitter(Protocol):
@@ -67,7 +72,7 @@ def job_canvas(
     tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id}, priority=class_priority(broker, job_class))
     branches = preprocessing_branches(job_id, inputs if start == "preprocess" else [], app, keyframes, job_class)
     if not branches:
-        canvas: Signature = tokenize.clone(args=(None,))
+        canvas: Signature = tokenize.clone(args=(None,), **UNWAITED)
     else:
         # Stages catch their own errors; this errback covers what they cannot (a hard time limit, a killed child).
         tokenize.link_error(app.signature("stoker.rescue", kwargs={"job_id": job_id}))
@@ -150,10 +155,10 @@ def infer_signature(
     request waits (`stoker.runtime.feeder`)."""
     kwargs: dict[str, object] = {"job_id": job_id, "prompt_tokens": prompt_tokens, "deadline": deadline}
     if job_class == "interactive":
-        return app.signature("stoker.infer", kwargs=kwargs)
+        return app.signature("stoker.infer", kwargs=kwargs, **UNWAITED)
     kwargs["job_class"] = job_class
     priority = class_priority(app.conf.broker_url or "", job_class)
-    return app.signature("stoker.infer", kwargs=kwargs, queue=INFER_BATCH_QUEUE, priority=priority)
+    return app.signature("stoker.infer", kwargs=kwargs, queue=INFER_BATCH_QUEUE, priority=priority, **UNWAITED)
 
 
 def enqueue_inference(
@@ -178,7 +183,7 @@ class CeleryOutbox:
 
     def send_callback(self, job_id: str) -> None:
         """Hand an ended job's completion callback to a CPU worker (`stoker.callback`)."""
-        self.app.signature("stoker.callback", args=(job_id,)).apply_async()
+        self.app.signature("stoker.callback", args=(job_id,), **UNWAITED).apply_async()
 
     def resubmit(self, job: Job, deadline: float | None) -> None:
         """The job's canvas from preprocessing, again (its stages skip what a first run already did)."""
@@ -251,4 +256,4 @@ class SyncSubmitter:
         No `expires`: there is no reaper in the baseline, so the consumer itself answers jobs whose deadline passed.
         """
         kwargs = {"job_id": job_id, "prompt_tokens": prompt_tokens, "deadline": deadline}
-        self.app.signature("stoker.sync", kwargs=kwargs).apply_async()
+        self.app.signature("stoker.sync", kwargs=kwargs, **UNWAITED).apply_async()

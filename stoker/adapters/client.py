@@ -18,8 +18,8 @@ from stoker.core.media import guess_kind
 def submit_files(
     base_url: str, prompt: str, files: list[Path], timeout_s: float = 300.0, api_key: str | None = None
 ) -> dict[str, Any]:
-    """Submit a job with these files, long-poll until it is terminal, return the job JSON. An API that cannot be
-    reached ends the command with one line saying so (SystemExit), not a traceback."""
+    """Submit a job with these files and wait for it to end (in the POST itself, then long-polls), return the job
+    JSON. An API that cannot be reached ends the command with one line saying so (SystemExit), not a traceback."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     parts = [_part(f) for f in files]
     try:
@@ -33,8 +33,8 @@ def submit_files(
 
 
 def _run_job(http: httpx.Client, prompt: str, parts: list[Any], timeout_s: float) -> dict[str, Any]:
-    response = http.post("/v1/jobs", data={"prompt": prompt}, files=parts)
-    if response.status_code != 202:
+    response = http.post("/v1/jobs", params={"wait": min(30.0, timeout_s)}, data={"prompt": prompt}, files=parts)
+    if response.status_code not in (200, 202):
         raise SystemExit(f"rejected ({response.status_code}): {response.text}")
     job: dict[str, Any] = response.json()
     deadline = time.monotonic() + timeout_s

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kombu
 import pytest
 import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.context import context_of
+from stoker.adapters.broker import queue_depths
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
 from stoker.core.idempotency import Remembered, key_digest
@@ -337,6 +339,32 @@ def test_replays_count_against_the_rate_but_take_no_slot_and_pass_queue_pressure
     assert replays[2].json()["error"]["code"] == "rate_limited"
     assert int(replays[2].headers["retry-after"]) >= 1
     assert [job for job, _ in spy.calls] == [first.json()["id"]]
+
+
+def test_a_post_whose_wait_runs_out_answers_202_with_the_job_as_it_stands(own_valkey: OwnValkey) -> None:
+    spy = SpySubmitter(forward=False)  # nothing runs the job: the wait can only run out
+    with TestClient(create_app(own_valkey.settings(auth=False), submitter=spy)) as client:
+        response = client.post("/v1/jobs", params={"wait": 0.3}, data={"prompt": "Nobody runs me."})
+    assert response.status_code == 202, response.text
+    assert response.json()["status"] == "queued"
+    assert response.headers["location"] == f"/v1/jobs/{response.json()['id']}"
+    assert [job_id for job_id, _ in spy.calls] == [response.json()["id"]]
+
+
+def test_publishing_a_job_subscribes_the_api_to_no_result_channel(own_valkey: OwnValkey) -> None:
+    # The API never waits on a Celery result: Celery's Redis backend subscribed it to each published task's
+    # result channel (and unsubscribed again), two commands per job for nothing.
+    def subscribes() -> int:
+        stats = own_valkey.store.client.info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{verb}", {}).get("calls", 0)) for verb in ("subscribe", "unsubscribe"))
+
+    with TestClient(create_app(own_valkey.settings(auth=False))) as client:
+        before = subscribes()
+        posted = [client.post("/v1/jobs", data={"prompt": f"Question {n}."}) for n in range(5)]
+        assert [p.status_code for p in posted] == [202] * 5, [p.text for p in posted]
+        with kombu.Connection(f"{own_valkey.base}/0") as broker:
+            assert sum(queue_depths(broker).values()) == 5  # published, to queues nobody here consumes
+        assert subscribes() == before
 
 
 def test_a_first_request_slower_than_its_claim_keeps_the_key_to_one_job(own_valkey: OwnValkey) -> None:

@@ -75,6 +75,17 @@ def test_text_only_job_skips_image_stages(client: TestClient) -> None:
     assert job["result"]["text"].strip()
 
 
+def test_a_job_posted_with_wait_comes_back_ended_in_one_request(client: TestClient) -> None:
+    response = client.post("/v1/jobs", params={"wait": 30}, data={"prompt": "Say hello."})
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["status"] == "succeeded", job
+    assert job["result"]["text"].strip()
+    assert response.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert response.headers["x-stoker-job-id"] == job["id"]
+    assert client.get(f"/v1/jobs/{job['id']}").json()["result"] == job["result"]
+
+
 def test_corrupt_image_fails_alone_and_the_job_degrades(client: TestClient) -> None:
     broken = truncated(text_image("LOST", size=(1600, 1200)), keep=0.3)
     good = text_image("KEPT 99")
@@ -110,6 +121,8 @@ def test_wait_over_the_limit_is_rejected(client: TestClient) -> None:
     )  # a well-formed id: a malformed one is 404
     assert response.status_code == 422
     assert response.json()["error"]["code"] == "invalid_request"
+    posted = client.post("/v1/jobs", params={"wait": 31}, data={"prompt": "Never made."})
+    assert (posted.status_code, posted.json()["error"]["code"]) == (422, "invalid_request")
 
 
 def test_ready_when_broker_and_store_answer(client: TestClient) -> None:
