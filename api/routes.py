@@ -20,7 +20,7 @@ from api.headers import SHOULD_RETRY, job_headers
 from api.intake import read_request
 from api.pressure import QueueMonitor
 from api.schemas import JobList, JobPublic, error_responses
-from api.submission import REPLAYED, cancel, submit_job
+from api.submission import REPLAYED, cancel, new_job_id, submit_job
 from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
 from stoker.core.batching import idle_gap_summary
@@ -74,12 +74,21 @@ async def create_job(
     """
     key = idempotency.key_of(request.headers, tenant)
     retried = is_automatic_retry(request.headers.get(RETRY_COUNT_HEADER))
-    submitted = await submit_job(context, tenant, key, lambda: read_request(request, context.settings), retried)
-    job: Job = submitted.job
-    if wait > 0 and not job.terminal:
-        # One request instead of a POST and a long-poll: the same wait as `GET ?wait=`, after the body is read
-        async with watching(request.receive) as client:
-            job = await _wait_terminal(context, client, job.id, wait, tenant)
+    job_id = new_job_id()
+    # Watched from before the job exists, so the job that admission reads back is a read made while watching:
+    # a wait needs no read of its own to start from.
+    with context.announcements.watch(job_id) as heard:
+        submitted = await submit_job(
+            context, tenant, key, lambda: read_request(request, context.settings), retried, job_id
+        )
+        job: Job = submitted.job
+        if wait > 0 and not job.terminal:
+            # One request instead of a POST and a long-poll: the same wait as `GET ?wait=`, once the body is read
+            async with watching(request.receive) as client:
+                if job.id == job_id:
+                    job = await _wait_on(context, client, heard, job, time.monotonic() + wait, tenant)
+                else:  # an earlier request's job (an Idempotency-Key, a retry), read before this watch began
+                    job = await _wait_terminal(context, client, job.id, wait, tenant)
     headers = {"Location": f"/v1/jobs/{job.id}", **job_headers(job)}
     if submitted.replayed:  # the job an earlier request with this Idempotency-Key made
         headers[REPLAYED] = "true"
@@ -141,9 +150,9 @@ async def get_job(
     tenant: Annotated[str, Depends(within_rate)],
     job_id: JobId,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0,
-) -> JobPublic:
-    """The job; with ?wait=S, hold the answer until the job is terminal or S seconds pass. Another tenant's job is
-    answered exactly like an unknown one (404)."""
+) -> Job:
+    """The job (as `JobPublic`); with ?wait=S, hold the answer until the job is terminal or S seconds pass.
+    Another tenant's job is answered exactly like an unknown one (404)."""
     if wait > 0:
         async with watching(request.receive) as client:
             job = await _wait_terminal(context, client, job_id, wait, tenant)
@@ -153,19 +162,29 @@ async def get_job(
     return job
 
 
-async def _wait_terminal(context: ApiContext, client: ClientWatch, job_id: str, wait: float, tenant: str) -> JobPublic:
+async def _wait_terminal(context: ApiContext, client: ClientWatch, job_id: str, wait: float, tenant: str) -> Job:
     """The job once terminal, or as it stands after `wait` seconds (at most `max_long_poll_s`), or when the client
     left (the job goes on: only a chat's own client gives its job up). Woken by this process's one announcement
     listener, and looking at least every second anyway: no connection is held per wait, and a Redis that restarted
     mid-wait costs latency, never a hang."""
-    store, announcements = context.store, context.announcements
-    until = time.monotonic() + min(wait, context.settings.max_long_poll_s)
-    with announcements.watch(job_id) as event:
-        client.wakes.add(event)
-        job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
+    until = time.monotonic() + wait
+    with context.announcements.watch(job_id) as event:
+        job = _found(job_id, await run_in_threadpool(context.store.jobs.load_job, job_id), tenant)
+        return await _wait_on(context, client, event, job, until, tenant)
+
+
+async def _wait_on(
+    context: ApiContext, client: ClientWatch, event: asyncio.Event, job: Job, until: float, tenant: str
+) -> Job:
+    """The job (as read while `event` watched it) once terminal, or as it stands at `until` (at most
+    `max_long_poll_s` from now), or when the client left."""
+    until = min(until, time.monotonic() + context.settings.max_long_poll_s)
+    client.wakes.add(event)
+    try:
         while not job.terminal and not client.left and (remaining := until - time.monotonic()) > 0:
-            await announcements.wait(event, remaining)
-            job = _found(job_id, await run_in_threadpool(store.jobs.load_job, job_id), tenant)
+            await context.announcements.wait(event, remaining)
+            job = _found(job.id, await run_in_threadpool(context.store.jobs.load_job, job.id), tenant)
+    finally:
         client.wakes.discard(event)
     return job
 

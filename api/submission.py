@@ -8,6 +8,7 @@ queues: its prompt, from the cache or tokenized here, goes straight to the infer
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -60,8 +61,10 @@ async def submit_job(
     key: idempotency.Key | None,
     read: Callable[[], Awaitable[AcceptedRequest]],
     retried: bool = False,
+    job_id: str | None = None,
 ) -> Submitted:
-    """Admit, read (with `read`), store and enqueue one job; the job as it now stands.
+    """Admit, read (with `read`), store and enqueue one job (named `job_id` if given); the job as it now stands,
+    read after it was enqueued.
 
     While a queue is over its limit the job is refused before its body is read (429 with Retry-After from the
     queue's measured drain rate, nothing written); so is one over its tenant's rate or jobs in flight. With an
@@ -70,7 +73,7 @@ async def submit_job(
     Without a key, a client's automatic retry (`retried`) of a request that made a job a moment ago gets that job
     back the same way (`_submit_unkeyed`).
     """
-    job_id = uuid.uuid4().hex
+    job_id = job_id or new_job_id()
     if key is None:
         return await _submit_unkeyed(context, tenant, _ReadOnce(read), job_id, retried)
     await _within_rate(context, tenant)  # before the key is looked at: a replay costs the rate too
@@ -108,13 +111,16 @@ async def _submit_unkeyed(context: ApiContext, tenant: str, read: _ReadOnce, job
         if earlier is not None:
             log.info("job %s answers an automatic retry of the request that made it", earlier.id)
             return Submitted(earlier, replayed=True)
-    job = await _submit(context, tenant, read, job_id)
-    if window_s > 0 and read.accepted is not None:
-        digest = recent_digest(tenant, idempotency.fingerprint(read.accepted))
-        ttl_s = math.ceil(read.accepted.deadline_ms / 1000) + window_s
-        with contextlib.suppress(redis.RedisError):  # the job is made: a retry then makes another, no worse
-            await run_in_threadpool(context.store.idempotency.note_recent, digest, job.id, ttl_s)
-    return Submitted(job)
+    remember = functools.partial(_note_recent, context.store, tenant, window_s) if window_s > 0 else None
+    return Submitted(await _submit(context, tenant, read, job_id, then=remember))
+
+
+def _note_recent(store: Store, tenant: str, window_s: int, accepted: AcceptedRequest, job: Job) -> None:
+    """Remember, by the request's fingerprint, that it made `job`, for its deadline and `window_s` more."""
+    digest = recent_digest(tenant, idempotency.fingerprint(accepted))
+    ttl_s = math.ceil(accepted.deadline_ms / 1000) + window_s
+    with contextlib.suppress(redis.RedisError):  # the job is made: a retry then makes another, no worse
+        store.idempotency.note_recent(digest, job.id, ttl_s)
 
 
 def _recent_job(store: Store, digest: str, tenant: str) -> Job | None:
@@ -135,16 +141,18 @@ async def _submit(
     read: Callable[[], Awaitable[AcceptedRequest]],
     job_id: str,
     claim: idempotency.Claim | None = None,
+    then: Callable[[AcceptedRequest, Job], None] | None = None,
 ) -> Job:
     """Take one new job in: queue pressure and the tenant's slot checked, its body read, the job made; with
-    `claim`, the key it holds, remembered as naming the job once it is made."""
+    `claim`, the key it holds, remembered as naming the job once it is made; `then`, run with the request and the
+    job in the same worker thread as the admission (one hop off the event loop, not two)."""
     await _refuse_under_pressure(context)
     await admit(context, tenant, job_id, rated=claim is not None)  # a keyed request's rate was counted already
     try:
         accepted = await read()
         if claim is not None:
             await claim.confirm()  # the key is still ours: no other request made its job meanwhile
-        job = await run_in_threadpool(_admit, context, accepted, job_id=job_id, tenant=tenant)
+        job = await run_in_threadpool(_admit_then, context, accepted, job_id, tenant, then)
     except Exception as exc:
         await release(context, tenant, job_id)  # not accepted after all: its in-flight slot is free again
         if isinstance(exc, BrokerUnavailable):
@@ -247,6 +255,29 @@ def _admit(
     job = context.store.jobs.load_job(job_id)
     assert job is not None
     return job
+
+
+def _admit_then(
+    context: ApiContext,
+    accepted: AcceptedRequest,
+    job_id: str,
+    tenant: str,
+    then: Callable[[AcceptedRequest, Job], None] | None,
+) -> Job:
+    """`_admit`, then `then` with the request and the job: the job is made by then, so what `then` raises is
+    logged, never taken for a refusal."""
+    job = _admit(context, accepted, job_id=job_id, tenant=tenant)
+    if then is not None:
+        try:
+            then(accepted, job)
+        except Exception:
+            log.exception("job %s is made; what was to follow its admission failed", job_id)
+    return job
+
+
+def new_job_id() -> str:
+    """A new job's id: 32 lowercase hex digits (`stoker.core.jobs.JOB_ID`)."""
+    return uuid.uuid4().hex
 
 
 def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: str) -> Admission:

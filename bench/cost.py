@@ -24,6 +24,7 @@ import argparse
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 from rich.console import Console
 from rich.table import Table
 
@@ -129,6 +131,15 @@ class Stack:
     base: str
     log: Path
     scratch: Path
+
+    def commands(self) -> int:
+        """Every command the stack's embedded Valkey has run so far (`INFO commandstats`): a count, so it moves
+        with what the stack does per job, not with how busy the machine is."""
+        (valkey,) = (p for p in tree(self.proc.pid) if kind_of(p.cmdline) == "Valkey")
+        listening = re.search(r"127\.0\.0\.1:(\d+)", valkey.cmdline)  # its title once it runs: valkey-server HOST:PORT
+        assert listening is not None, valkey.cmdline
+        with redis.Redis(port=int(listening.group(1))) as client:
+            return sum(int(stat["calls"]) for stat in client.info("commandstats").values())
 
     def pids(self, kind: str) -> list[int]:
         """The processes of one kind (a prefork worker's parent first)."""
@@ -287,10 +298,11 @@ def measure(stack: Stack, name: str, send: Send, jobs: int, clients: int) -> dic
     """One closed-loop phase: CPU ms per answered job per process kind, and the rate the clients saw."""
     Load(send, max(clients, 8), clients).run(stack.base)  # warm: first-of-a-kind costs (cache fill, imports)
     time.sleep(1.0)
-    before = cpu_by_kind(stack.proc.pid)
+    before, commands = cpu_by_kind(stack.proc.pid), stack.commands()
     load = Load(send, jobs, clients)
     wall = load.run(stack.base)
     spent = delta(before, cpu_by_kind(stack.proc.pid))
+    commands = stack.commands() - commands
     per_job = {k: round(v * 1000 / max(load.ok, 1), 2) for k, v in spent.items()}
     return {
         "case": name,
@@ -300,6 +312,7 @@ def measure(stack: Stack, name: str, send: Send, jobs: int, clients: int) -> dic
         "wall_s": round(wall, 2),
         "cpu_ms_per_job": per_job,
         "stack_ms_per_job": round(sum(per_job.values()), 2),
+        "valkey_commands_per_job": round(commands / max(load.ok, 1), 1),
     }
 
 
@@ -437,6 +450,8 @@ def markdown(rows: list[dict[str, Any]], idle_cores: dict[str, float], idle_s: f
     idle_total = sum(idle_cores.values())
     marginal = [f"{r['stack_ms_per_job'] - idle_total * r['wall_s'] * 1000 / max(r['jobs'], 1):.2f}" for r in rows]
     lines.append("| stack less its idle cost over the run | " + " | ".join(marginal) + " | |")
+    commands = [f"{r['valkey_commands_per_job']:.1f}" for r in rows]
+    lines.append("| Valkey commands per job (every process's) | " + " | ".join(commands) + " | |")
     rates = [f"{r['jobs']} jobs, {r['jobs_per_s']}/s" for r in rows]
     lines.append("| (answered, closed loop) | " + " | ".join(rates) + " | |")
     return "\n".join(lines)

@@ -341,14 +341,19 @@ def test_replays_count_against_the_rate_but_take_no_slot_and_pass_queue_pressure
     assert [job for job, _ in spy.calls] == [first.json()["id"]]
 
 
-def test_a_post_whose_wait_runs_out_answers_202_with_the_job_as_it_stands(own_valkey: OwnValkey) -> None:
+def test_a_post_whose_wait_runs_out_answers_202_and_its_replay_waits_on_the_same_job(own_valkey: OwnValkey) -> None:
     spy = SpySubmitter(forward=False)  # nothing runs the job: the wait can only run out
+    keyed = {"Idempotency-Key": str(uuid.uuid4())}
     with TestClient(create_app(own_valkey.settings(auth=False), submitter=spy)) as client:
-        response = client.post("/v1/jobs", params={"wait": 0.3}, data={"prompt": "Nobody runs me."})
+        response = client.post("/v1/jobs", params={"wait": 0.3}, data={"prompt": "Nobody runs me."}, headers=keyed)
+        # The same key again: the first request's job, waited on from a read of its own
+        replay = client.post("/v1/jobs", params={"wait": 0.3}, data={"prompt": "Nobody runs me."}, headers=keyed)
     assert response.status_code == 202, response.text
     assert response.json()["status"] == "queued"
     assert response.headers["location"] == f"/v1/jobs/{response.json()['id']}"
     assert [job_id for job_id, _ in spy.calls] == [response.json()["id"]]
+    assert (replay.status_code, replay.headers["idempotent-replayed"]) == (200, "true"), replay.text
+    assert (replay.json()["id"], replay.json()["status"]) == (response.json()["id"], "queued")
 
 
 def test_publishing_a_job_subscribes_the_api_to_no_result_channel(own_valkey: OwnValkey) -> None:
