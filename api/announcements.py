@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import redis.asyncio as aioredis
 
-from stoker.adapters.store.keys import ANNOUNCEMENT_PATTERNS, announced_job
+from stoker.adapters.store.keys import ANNOUNCEMENT_PATTERNS, announced_event, announced_job
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,8 @@ class Announcements:
     """Fans the store's job announcements out to the requests of this process that wait on them."""
 
     def __init__(self) -> None:
-        self._waiters: dict[str, set[asyncio.Event]] = {}
+        #: Per job, each waiter's event and the one announcement it waits for (None: any).
+        self._waiters: dict[str, dict[asyncio.Event, str | None]] = {}
         self.listening = False
 
     async def run(self, client: aioredis.Redis[bytes]) -> None:
@@ -53,13 +54,16 @@ class Announcements:
             self.listening = True
             async for message in pubsub.listen():
                 channel = message["channel"]
-                self._wake(announced_job(channel.decode() if isinstance(channel, bytes) else str(channel)))
+                self._wake(channel.decode() if isinstance(channel, bytes) else str(channel))
         finally:
             await pubsub.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; the stubs lag
 
-    def _wake(self, job_id: str) -> None:
-        for event in self._waiters.get(job_id, ()):
-            event.set()
+    def _wake(self, channel: str) -> None:
+        """Wake whoever waits on the announcing job for this announcement (or for any)."""
+        announced = announced_event(channel)
+        for event, only in self._waiters.get(announced_job(channel), {}).items():
+            if only is None or only == announced:
+                event.set()
 
     def _wake_all(self) -> None:
         for events in self._waiters.values():
@@ -67,17 +71,18 @@ class Announcements:
                 event.set()
 
     @contextlib.contextmanager
-    def watch(self, job_id: str) -> Iterator[asyncio.Event]:
-        """An event set whenever the job announces something, for the duration of the block. Enter it before
+    def watch(self, job_id: str, only: str | None = None) -> Iterator[asyncio.Event]:
+        """An event set whenever the job announces something (with `only`, that one announcement, e.g. `ENDED`:
+        a long-poll is not woken by the steps before the end), for the duration of the block. Enter it before
         reading the job: an announcement made after that read is then never missed."""
         event = asyncio.Event()
-        self._waiters.setdefault(job_id, set()).add(event)
+        self._waiters.setdefault(job_id, {})[event] = only
         try:
             yield event
         finally:
             events = self._waiters.get(job_id)
             if events is not None:
-                events.discard(event)
+                events.pop(event, None)
                 if not events:
                     del self._waiters[job_id]
 

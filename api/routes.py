@@ -23,6 +23,7 @@ from api.schemas import JobList, JobPublic, error_responses
 from api.submission import REPLAYED, cancel, new_job_id, submit_job
 from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
+from stoker.adapters.store.keys import ENDED
 from stoker.core.batching import idle_gap_summary
 from stoker.core.errors import BrokerUnavailable, Cancelled, JobAlreadyEnded, JobNotFound
 from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
@@ -77,7 +78,7 @@ async def create_job(
     job_id = new_job_id()
     # Watched from before the job exists, so the job that admission reads back is a read made while watching:
     # a wait needs no read of its own to start from.
-    with context.announcements.watch(job_id) as heard:
+    with context.announcements.watch(job_id, only=ENDED) as heard:
         submitted = await submit_job(
             context, tenant, key, lambda: read_request(request, context.settings), retried, job_id
         )
@@ -168,7 +169,7 @@ async def _wait_terminal(context: ApiContext, client: ClientWatch, job_id: str, 
     listener, and looking at least every second anyway: no connection is held per wait, and a Redis that restarted
     mid-wait costs latency, never a hang."""
     until = time.monotonic() + wait
-    with context.announcements.watch(job_id) as event:
+    with context.announcements.watch(job_id, only=ENDED) as event:
         job = _found(job_id, await run_in_threadpool(context.store.jobs.load_job, job_id), tenant)
         return await _wait_on(context, client, event, job, until, tenant)
 

@@ -49,7 +49,7 @@ def tokens_key(job_id: str) -> str:
 
 def done_channel(job_id: str) -> str:
     """Pub/sub channel announcing that a job reached a terminal status."""
-    return f"{PREFIX}:job:{job_id}:done"
+    return f"{PREFIX}:job:{job_id}:{ENDED}"
 
 
 def answer_key(job_id: str) -> str:
@@ -81,6 +81,15 @@ ANNOUNCEMENT_PATTERNS = tuple(f"{PREFIX}:job:*:{event}" for event in ("done", "p
 def announced_job(channel: str) -> str:
     """The job an announcement channel belongs to."""
     return channel.split(":")[2]
+
+
+#: What `done_channel` announces: the job ended (the last part of its channel's name).
+ENDED = "done"
+
+
+def announced_event(channel: str) -> str:
+    """What an announcement channel announces: `done` (`ENDED`), `piece`, `settled` or `handed`."""
+    return channel.rsplit(":", 1)[1]
 
 
 #: Where input bytes live; the job store's scripts build blob keys from it too.

@@ -1,0 +1,46 @@
+"""The API's one announcement listener, over the real store: who is woken by what a job announces."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import redis.asyncio as aioredis
+
+from api.announcements import Announcements
+from stoker.adapters.store.keys import ENDED, done_channel, handed_off_channel
+
+
+async def _heard(only: str | None) -> list[tuple[str, bool]]:
+    """Publish a job's hand-off, then its end; whether a waiter (for `only`, or anything) was woken by each."""
+    job_id = uuid.uuid4().hex
+    client: aioredis.Redis[bytes] = aioredis.Redis.from_url(os.environ["STOKER_RESULT_URL"])
+    announcements = Announcements()
+    listener = asyncio.create_task(announcements.run(client))
+    heard: list[tuple[str, bool]] = []
+    try:
+        while not announcements.listening:
+            await asyncio.sleep(0.01)
+        with announcements.watch(job_id, only=only) as event:
+            for name, channel in (("handed", handed_off_channel(job_id)), (ENDED, done_channel(job_id))):
+                await client.publish(channel, "")
+                # A marker on a channel nobody here watches, announced after: once the listener has passed it,
+                # it has passed the announcement before it too.
+                marker = uuid.uuid4().hex
+                with announcements.watch(marker) as passed:
+                    await client.publish(done_channel(marker), "")
+                    await asyncio.wait_for(passed.wait(), 10)
+                heard.append((name, event.is_set()))
+                event.clear()
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await client.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; the stubs lag
+    return heard
+
+
+def test_a_long_poll_is_woken_by_its_jobs_end_not_by_the_steps_before(store_redis: object) -> None:
+    assert asyncio.run(_heard(ENDED)) == [("handed", False), (ENDED, True)]
+    # A waiter for anything (a chat waiting for its inputs to settle) hears both
+    assert asyncio.run(_heard(None)) == [("handed", True), (ENDED, True)]
