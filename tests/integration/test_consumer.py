@@ -58,18 +58,24 @@ def _device(fleet: Fleet) -> dict[str, float]:
 
 
 def test_what_arrives_while_the_device_is_busy_forms_full_batches(fleet: Fleet) -> None:
+    # Read before the filler: its batch is counted once it ends, which on a slow host can be before the twenty
+    # are even sent.
+    before = _device(fleet)
     filler = _submit(fleet, "Hold the device.")
     _on_device(fleet, filler)
-    before = _device(fleet)
     ids = [_submit(fleet, f"Job {n} of twenty.") for n in range(20)]
     jobs = [_wait(fleet.client, i) for i in ids]
     assert all(j["status"] == "succeeded" for j in jobs), jobs
+    assert _wait(fleet.client, filler)["status"] == "succeeded"
     batches = {j["batch"]["id"] for j in jobs}
     assert len(batches) <= math.ceil(20 / BATCH) + 1, sorted(j["batch"]["size"] for j in jobs)
-    # A real batch is one backend call: the one-by-one fallback would have made twenty.
+    # A real batch is one backend call: the one-by-one fallback would have made twenty. The consumer counts a batch
+    # just after it writes the batch's answers, so the last count may land a moment after the last answer.
+    expected = len(batches) + 1  # the filler's batch, then ours
+    wait_for(lambda: _device(fleet)["calls"] - before.get("calls", 0) >= expected, 10, "the batches' counts", [])
     after = _device(fleet)
     calls = after["calls"] - before.get("calls", 0)
-    assert calls == len(batches) + 1, (calls, batches)  # the filler's batch, then ours
+    assert calls == expected, (calls, batches)
     assert after["items"] - before.get("items", 0) == 21
     # Work waited between those batches: the idle gaps were measured and reach /v1/stats.
     gap = fleet.client.get("/v1/stats").json()["device_idle_gap"]
