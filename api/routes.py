@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -20,14 +21,14 @@ from api.headers import SHOULD_RETRY, job_headers
 from api.intake import read_request
 from api.pressure import QueueMonitor
 from api.schemas import JobList, JobPublic, error_responses
-from api.submission import REPLAYED, cancel, new_job_id, submit_job
+from api.submission import REPLAYED, cancel, submit_job
 from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import ENDED
 from stoker.core.batching import idle_gap_summary
 from stoker.core.errors import BrokerUnavailable, Cancelled, InvalidRequest, JobAlreadyEnded, JobNotFound
 from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
-from stoker.core.jobs import JOB_ID, Cursor, Job, JobStatus
+from stoker.core.jobs import JOB_ID, Cursor, Job, JobStatus, new_job_id
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -97,14 +98,15 @@ async def create_job(request: Request, context: Context, tenant: Annotated[str, 
     key = idempotency.key_of(request.headers, tenant)
     retried = is_automatic_retry(request.headers.get(RETRY_COUNT_HEADER))
     job_id = new_job_id()
-    # Watched from before the job exists, so the job that admission reads back is a read made while watching:
-    # a wait needs no read of its own to start from.
-    with context.announcements.watch(job_id, only=ENDED) as heard:
+    # A POST that waits watches its job from before the job exists, so the job that admission reads back is a read
+    # made while watching: the wait needs no read of its own to start from.
+    watch = context.announcements.watch(job_id, only=ENDED) if wait > 0 else contextlib.nullcontext()
+    with watch as heard:
         submitted = await submit_job(
             context, tenant, key, lambda: read_request(request, context.settings), retried, job_id
         )
         job: Job = submitted.job
-        if wait > 0 and not job.terminal:
+        if heard is not None and not job.terminal:
             # One request instead of a POST and a long-poll: the same wait as `GET ?wait=`, once the body is read
             async with watching(request.receive) as client:
                 if job.id == job_id:

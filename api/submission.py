@@ -12,7 +12,6 @@ import functools
 import logging
 import math
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,7 +33,7 @@ from stoker.core.costs import SizeBounds, size_class
 from stoker.core.deadlines import Deadline, deadline_for
 from stoker.core.errors import BrokerUnavailable, ClientGone, Overloaded, RateLimited, StokerError, StoreFull
 from stoker.core.idempotency import recent_digest
-from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job, JobClass, input_failure
+from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job, JobClass, input_failure, new_job_id
 from stoker.core.model import ModelRequest
 from stoker.core.prompting import Attachment, attachment_for, model_request, offered_tools
 from stoker.core.queues import job_messages
@@ -273,11 +272,6 @@ def _admit_then(
         except Exception:
             log.exception("job %s is made; what was to follow its admission failed", job_id)
     return job
-
-
-def new_job_id() -> str:
-    """A new job's id: 32 lowercase hex digits (`stoker.core.jobs.JOB_ID`)."""
-    return uuid.uuid4().hex
 
 
 def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: str) -> Admission:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import math
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,6 +27,12 @@ TERMINAL: frozenset[str] = frozenset({"succeeded", "degraded", "failed", "cancel
 
 #: A job id: 32 hex digits (uuid4().hex).
 JOB_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def new_job_id() -> str:
+    """A new job's id, of the shape `JOB_ID` checks."""
+    return uuid.uuid4().hex
+
 
 #: Suffix of an input's timing that is a stage's broker queue wait (`decode_queue`), not its run time.
 QUEUE_SUFFIX = "_queue"
