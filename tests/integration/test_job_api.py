@@ -25,7 +25,9 @@ from api.context import context_of
 from stoker.adapters.broker import queue_depths
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
+from stoker.core.errors import Cancelled
 from stoker.core.idempotency import Remembered, key_digest
+from stoker.core.jobs import ErrorInfo
 from stoker.core.media import ContentHash
 from stoker.core.tenancy import DEFAULT_TENANT, issue_key
 from stoker.settings import ApiSettings
@@ -354,6 +356,29 @@ def test_a_post_whose_wait_runs_out_answers_202_and_its_replay_waits_on_the_same
     assert [job_id for job_id, _ in spy.calls] == [response.json()["id"]]
     assert (replay.status_code, replay.headers["idempotent-replayed"]) == (200, "true"), replay.text
     assert (replay.json()["id"], replay.json()["status"]) == (response.json()["id"], "queued")
+
+
+class _EndingSubmitter(SpySubmitter):
+    """Ends each job as soon as it is enqueued: a device faster than the API's read of the job it just made."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(forward=False)
+        self.store = store
+
+    def submit(self, job_id: str, inputs: Any, *args: Any, **kwargs: Any) -> None:
+        super().submit(job_id, inputs, *args, **kwargs)
+        ended = ErrorInfo(**Cancelled("ended at once", stage="api").to_dict())
+        self.store.jobs.finish(job_id, "cancelled", error=ended)
+
+
+def test_a_job_that_ends_before_its_post_is_answered_is_202_unless_the_post_waited(own_valkey: OwnValkey) -> None:
+    # 200 is the answer to a POST that asked to wait for the job's end (?wait=S), not to a fast job.
+    app = create_app(own_valkey.settings(auth=False), submitter=_EndingSubmitter(own_valkey.store))
+    with TestClient(app) as client:
+        unwaited = client.post("/v1/jobs", data={"prompt": "Over before it is answered."})
+        waited = client.post("/v1/jobs", params={"wait": 5}, data={"prompt": "Over before it is answered."})
+    assert (unwaited.status_code, unwaited.json()["status"]) == (202, "cancelled"), unwaited.text
+    assert (waited.status_code, waited.json()["status"]) == (200, "cancelled"), waited.text
 
 
 def test_publishing_a_job_subscribes_the_api_to_no_result_channel(own_valkey: OwnValkey) -> None:

@@ -178,12 +178,11 @@ def test_trickled_headers_are_cut_off_at_the_header_timeout(server: Server) -> N
     """150 connections each sending a header line every few hundred ms, never the end of the head: each is answered
     408 and closed once its head is HEADER_TIMEOUT_S late, and `/healthz` answers as fast meanwhile."""
     idle = _idle_p50(server)
-    conns = [_Trickle(socket.create_connection(("127.0.0.1", server.port), timeout=5)) for _ in range(150)]
-    opened = time.monotonic()
+    conns = [_Trickle.open(server.port) for _ in range(150)]
 
     def trickle() -> bool:
         for conn in conns:
-            conn.step(opened)
+            conn.step()
         return all(conn.closed_after is not None for conn in conns)
 
     try:
@@ -202,15 +201,15 @@ def test_a_kept_alive_connection_s_next_head_has_the_same_deadline(server: Serve
     """After a first request answered, the next head on the same connection trickles: it is cut off as well."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    sent = time.monotonic()  # the next head's deadline starts after this: once the first request has arrived
     first = b""
     while not first.endswith(b'{"status":"ok"}'):
         first += sock.recv(4096)
     assert first.startswith(b"HTTP/1.1 200")
-    conn = _Trickle(sock)
-    started = time.monotonic()
+    conn = _Trickle(sock, sent)
 
     def cut_off() -> bool:
-        conn.step(started)
+        conn.step()
         return conn.closed_after is not None
 
     try:
@@ -224,21 +223,29 @@ def test_a_kept_alive_connection_s_next_head_has_the_same_deadline(server: Serve
 class _Trickle:
     """A connection that sends its request head a line at a time and never ends it."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, opened: float) -> None:
         self.sock = sock
+        #: A monotonic time no later than the server's start of this head's deadline.
+        self.opened = opened
         self.received = b""
-        #: Seconds from opening to the server's close; None while open.
+        #: Seconds from `opened` to the server's close; None while open.
         self.closed_after: float | None = None
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
         sock.setblocking(False)
 
-    def step(self, opened: float) -> None:
+    @classmethod
+    def open(cls, port: int) -> _Trickle:
+        """A new connection, timed from before it was made (so before the server saw it)."""
+        opened = time.monotonic()
+        return cls(socket.create_connection(("127.0.0.1", port), timeout=5), opened)
+
+    def step(self) -> None:
         """Read what the server sent (noting when it closed), then send one more header line."""
         if self.closed_after is not None:
             return
         while (chunk := self._read()) is not None:
             if not chunk:
-                self.closed_after = time.monotonic() - opened
+                self.closed_after = time.monotonic() - self.opened
                 return
             self.received += chunk
         with contextlib.suppress(OSError):  # closed under us: the next step reads the end
