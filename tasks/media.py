@@ -57,9 +57,12 @@ def _transcribe(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:
         return
 
     def compute() -> dict[str, Any]:
+        # The model first, outside the recording's own limit: a pool child that just started may still be loading
+        # it (`STOKER_ASR_PRELOAD`), which is no fault of this recording (the task's soft limit bounds the load).
+        model = ctx.speech_model
         with time_limit(transcribe_limit_s(s, record), "transcribe"):
             samples = decode_audio(input_bytes(ctx, record, "transcribe"))
-            transcript = transcribe_samples(ctx.speech_model, samples, s.asr_beam_size)
+            transcript = transcribe_samples(model, samples, s.asr_beam_size)
         return {"text": transcript.text, "segments": [asdict(x) for x in transcript.segments]}
 
     address = ctx.transcribe_address(record.content_hash, cache_scope(ctx, job_id))
