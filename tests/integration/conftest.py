@@ -65,11 +65,14 @@ def session_workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathF
     # STOKER_MAX_TOKENS_CAP, and a job without max_tokens still gets STOKER_MAX_NEW_TOKENS.
     # The reaper lifts no stage message past smaller ones within a test (a test holds queues to see their order).
     # Each CPU child loads the speech model as it starts (`STOKER_ASR_PRELOAD`), as the tests of speech expect.
+    # A recording's own limit gets a roomier base than the default 10 s: beside the other group's stacks on a slow
+    # host, a 6 s recording has taken most of the default's 16 s (the limit's own tests are unit tests).
     env = {
         **os.environ,
         "STOKER_MAX_TOKENS_CAP": str(ROOMY_TOKENS),
         "STOKER_SMALL_FIRST_MAX_AGE_S": "60",
         "STOKER_ASR_PRELOAD": "true",
+        "STOKER_TRANSCRIBE_BASE_S": "40",
     }
     ports = {kind: free_port() for kind in ("cpu", "infer")}
     procs = {
