@@ -641,6 +641,12 @@ class WorkerSettings(CommonSettings):
         "the same at any size, `max_batch_size` gives lines the most throughput at no cost to interactive latency.",
     )
     device: str = Field("cpu", description="The inference device: `cuda` on a GPU host.")
+    torch_threads: int = Field(
+        0,
+        ge=0,
+        description="CPU threads the local model's operations use; 0 leaves torch's default (one per core). On a "
+        "host whose cores other processes share, 1 stops a second thread from spinning while it waits for a core.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="The local model's dtype; `auto` = bf16 on CUDA, fp32 on CPU."
     )

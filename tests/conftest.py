@@ -14,6 +14,8 @@ from stoker.adapters.store.clients import redis_answers
 from workers.broker import start_embedded
 
 TIERS = ("unit", "integration", "e2e")
+#: Fixtures whose tests run the real model out of the test process: the session's workers, `stoker up`'s stack.
+REAL_MODEL_FIXTURES = frozenset({"session_workers", "real_stack"})
 _embedded: list[subprocess.Popen[bytes]] = []
 
 #: Redis databases the suite owns; the default stack uses 0 and 1.
@@ -35,6 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["STOKER_BROKER_URL"] = f"{base}/{broker_db}"
     os.environ["STOKER_RESULT_URL"] = f"{base}/{store_db}"
     os.environ["STOKER_CACHE_URL"] = f"{base}/{cache_db}"
+    # The two test groups (`make test`) share two cores with every stack they start: a model's second torch thread
+    # would only spin while waiting for a core (about 40 % more CPU per answer, measured, and no faster).
+    os.environ.setdefault("STOKER_TORCH_THREADS", "1")
     # Short answers keep the suite fast on CPU; every test still checks that the model answered.
     os.environ.setdefault("STOKER_MAX_NEW_TOKENS", "8")
     os.environ.setdefault("STOKER_MAX_TOKENS_CAP", "8")  # what a chat without max_tokens may get
@@ -54,19 +59,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with its tier, from the folder it lives in, and with its pytest-xdist group (`make test`
-    runs the two groups side by side, `--dist loadgroup`). `real-model`: every test file with a test on the
-    session's workers, the end-to-end tests (`stoker up`), and files marked `real_model` (the model in the test
+    runs the two groups side by side, `--dist loadgroup`). `real-model`: every test on the session's workers or on
+    the end-to-end stack (`stoker up` with the real model), and files marked `real_model` (the model in the test
     process): they run the real model and tesseract, which two at once on two cores would starve past the tests'
-    time limits, so these files run one after another. `apart`: every other file (stacks of their own on the
-    simulated device, mostly waiting on timeouts, or none). A file's tests stay together, so its stack starts
-    once."""
-    heavy = {item.path for item in items if "session_workers" in getattr(item, "fixturenames", ())}
+    time limits, so these run one after another. `apart`: every other test (stacks of their own on the simulated
+    device, mostly waiting on timeouts, or none), wherever its file is. Each group's session fixtures (the
+    session's workers, the shared simulated fleets) start once, on the one process that runs the group."""
     for item in items:
         parts = Path(str(item.fspath)).parts
         for tier in TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
-        real_model = item.path in heavy or "e2e" in parts or item.get_closest_marker("real_model") is not None
+        fixtures = set(getattr(item, "fixturenames", ()))
+        real_model = bool(fixtures & REAL_MODEL_FIXTURES) or item.get_closest_marker("real_model") is not None
         item.add_marker(pytest.mark.xdist_group("real-model" if real_model else "apart"))
 
 

@@ -149,7 +149,7 @@ class WorkerContext:
         options: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "dtype": s.dtype, "name": s.model}
         options |= {"vram_budget_gb": s.vram_budget_gb, "max_tokens_cap": s.max_tokens_cap}
         options |= {"max_context_tokens": s.max_context_tokens, "pieces": self.store.answers.append}
-        options |= {"yield_tokens": s.yield_tokens}
+        options |= {"yield_tokens": s.yield_tokens, "threads": s.torch_threads}
         if is_vision_language(self.model_path):
             prepared = self.prepared_image
             return VisionLanguagePredictor(self.model_path, prepared=prepared, caches=self.embedding_cache, **options)

@@ -80,7 +80,7 @@ SUPERVISOR: dict[str, Any] = {}
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def real_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`stoker up` against the machine's Redis, on databases of its own."""
     redis_base = os.environ["STOKER_TEST_REDIS"]
     broker_db, store_db, cache_db = TEST_DBS["e2e"]
@@ -112,15 +112,15 @@ def _poll(base: str, job_id: str) -> dict[str, Any]:
     raise AssertionError(f"job {job_id} did not finish")
 
 
-def test_invoice_image_is_read_and_answered(stack: str) -> None:
+def test_invoice_image_is_read_and_answered(real_stack: str) -> None:
     response = httpx.post(
-        f"{stack}/v1/jobs",
+        f"{real_stack}/v1/jobs",
         data={"prompt": "What is the invoice number in the image?"},
         files=[("image", ("invoice.png", text_image("INVOICE 4711"), "image/png"))],
         timeout=30,
     )
     assert response.status_code == 202, response.text
-    job = _poll(stack, response.json()["id"])
+    job = _poll(real_stack, response.json()["id"])
     assert job["status"] == "succeeded", job
     assert "INVOICE" in job["inputs"][0]["text"]
     assert "4711" in job["inputs"][0]["text"]
@@ -129,7 +129,7 @@ def test_invoice_image_is_read_and_answered(stack: str) -> None:
     assert job["result"]["completion_tokens"] > 0
 
 
-def test_flower_watches_the_workers(stack: str) -> None:
+def test_flower_watches_the_workers(real_stack: str) -> None:
     flower = f"http://127.0.0.1:{FLOWER_PORT}"
     assert httpx.get(f"{flower}/api/workers", timeout=10).status_code == 401
     response = httpx.get(f"{flower}/api/workers", params={"refresh": "true"}, auth=FLOWER_AUTH, timeout=30)
@@ -138,7 +138,7 @@ def test_flower_watches_the_workers(stack: str) -> None:
     assert {name.split("@")[0] for name in workers} >= {"cpu", "infer"}  # one CPU pool serves speech too
 
 
-def test_the_readmes_python_snippets_run_as_written(stack: str, tmp_path: Path) -> None:
+def test_the_readmes_python_snippets_run_as_written(real_stack: str, tmp_path: Path) -> None:
     snippets = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert snippets
     (tmp_path / "invoice.png").write_bytes(text_image("INVOICE 4711"))
@@ -147,7 +147,7 @@ def test_the_readmes_python_snippets_run_as_written(stack: str, tmp_path: Path) 
     (tmp_path / "catalogue.jsonl").write_text(catalogue.group(1))
     printed = []
     for snippet in snippets:
-        code = snippet.replace("http://127.0.0.1:8000", stack)  # the only change: where this stack listens
+        code = snippet.replace("http://127.0.0.1:8000", real_stack)  # the only change: where this stack listens
         argv = [sys.executable, "-c", code]
         out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False)
         assert out.returncode == 0, out.stderr
@@ -167,17 +167,17 @@ def _banner_command(path: Path) -> list[str]:
     return [sys.executable, "-m", "stoker.cli", *(str(path) if word == "IMAGE.png" else word for word in pasted[1:])]
 
 
-def _submit_cli(stack: str, path: Path, prompt: str) -> subprocess.CompletedProcess[str]:
+def _submit_cli(base: str, path: Path, prompt: str) -> subprocess.CompletedProcess[str]:
     """Run `stoker submit` against the stack, as a user would."""
-    argv = [sys.executable, "-m", "stoker.cli", "submit", str(path), "--prompt", prompt, "--url", stack]
+    argv = [sys.executable, "-m", "stoker.cli", "submit", str(path), "--prompt", prompt, "--url", base]
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
 
 
-def test_submit_command_prints_the_answer_and_timings(stack: str, tmp_path: Path) -> None:
+def test_submit_command_prints_the_answer_and_timings(real_stack: str, tmp_path: Path) -> None:
     image = tmp_path / "receipt.png"
     image.write_bytes(text_image("RECEIPT 2024"))
     argv = _banner_command(image)
-    assert argv[argv.index("--api") + 1] == stack
+    assert argv[argv.index("--api") + 1] == real_stack
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "status succeeded" in out.stdout
@@ -187,10 +187,10 @@ def test_submit_command_prints_the_answer_and_timings(stack: str, tmp_path: Path
     assert "total" in out.stdout
 
 
-def test_submit_command_prints_a_transcript_and_an_answer(stack: str, tmp_path: Path) -> None:
+def test_submit_command_prints_a_transcript_and_an_answer(real_stack: str, tmp_path: Path) -> None:
     speech = tmp_path / "speech.mp3"
     speech.write_bytes(to_mp3(speech_wav()))
-    out = _submit_cli(stack, speech, "Who gets the report?")
+    out = _submit_cli(real_stack, speech, "Who gets the report?")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "transcript:" in out.stdout
     assert "quarterly" in out.stdout.lower()
@@ -277,15 +277,15 @@ def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_pat
     assert not _ready(base)
 
 
-def test_up_replaces_a_worker_that_exited(stack: str) -> None:
+def test_up_replaces_a_worker_that_exited(real_stack: str) -> None:
     proc, log = SUPERVISOR["proc"], SUPERVISOR["log"]
     workers = [pid for pid in _descendants(proc.pid) if "cpu@" in _cmdline(pid) and _parent(pid) == proc.pid]
     assert len(workers) == 1, [_cmdline(pid) for pid in _descendants(proc.pid)]
     os.killpg(workers[0], signal.SIGKILL)  # the worker and its pool children, without a word
     wait_for(lambda: "cpu-worker exited (-9); started a new one" in log.read_text(), 30, "a replacement", [proc])
     files = [("image", ("scan.png", text_image("REPLACED 8"), "image/png"))]
-    response = httpx.post(f"{stack}/v1/jobs", data={"prompt": "What does it say?"}, files=files, timeout=30)
-    job = _poll(stack, response.json()["id"])  # read by the new worker
+    response = httpx.post(f"{real_stack}/v1/jobs", data={"prompt": "What does it say?"}, files=files, timeout=30)
+    job = _poll(real_stack, response.json()["id"])  # read by the new worker
     assert job["status"] == "succeeded", job
     assert "REPLACED" in job["inputs"][0]["text"]
     assert proc.poll() is None  # the stack carried on

@@ -11,7 +11,7 @@ from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
 from stoker.core.model import Continued, GenerationParams, ModelRequest, Prediction, run_predictor
 from stoker.core.prompting import build_prompt
-from stoker.settings import CommonSettings
+from stoker.settings import WorkerSettings
 
 #: The model runs in this process: these tests run beside no other that does (tests/conftest.py).
 pytestmark = pytest.mark.real_model
@@ -20,9 +20,10 @@ pytestmark = pytest.mark.real_model
 @pytest.fixture(scope="module")
 def model() -> tuple[TransformersPredictor, list[int]]:
     """The built-in model on the CPU, and a prompt that makes it talk at length."""
-    settings = CommonSettings()
+    settings = WorkerSettings()
     path = str(resolve_model(settings.model, settings.model_cache, fetch=False))
-    predictor = TransformersPredictor(path, max_new_tokens=16, max_tokens_cap=24)
+    # The suite's torch threads (tests/conftest.py), for this process: the later predictors here share its pool.
+    predictor = TransformersPredictor(path, max_new_tokens=16, max_tokens_cap=24, threads=settings.torch_threads)
     predictor.setup("cpu")
     prompt = build_prompt(
         PromptTokenizer(load_tokenizer(path)), "Write a long story about a dragon and a castle.", [], 512

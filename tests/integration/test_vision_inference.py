@@ -27,6 +27,7 @@ from stoker.adapters.store.keys import EMBEDDINGS_EVICTIONS_KEY, EMBEDDINGS_INDE
 from stoker.core.errors import ImageFeaturesMismatch, ImageTensorsMissing
 from stoker.core.imaging import DecodeParams, decode_rgb
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
+from stoker.settings import WorkerSettings
 from tests.fakeopenai import fake_openai_server
 from tests.media import text_image
 
@@ -87,8 +88,9 @@ def salt() -> str:
 
 @pytest.fixture(scope="module")
 def predictor(tiny_vlm: Path, pictures: Pictures, shared: SharedEmbeddings, salt: str) -> VisionLanguagePredictor:
+    threads = WorkerSettings().torch_threads  # the suite's (tests/conftest.py), for this process's torch
     loaded = VisionLanguagePredictor(
-        str(tiny_vlm), prepared=pictures, caches=_caches(shared, salt), max_new_tokens=TOKENS
+        str(tiny_vlm), prepared=pictures, caches=_caches(shared, salt), max_new_tokens=TOKENS, threads=threads
     )
     loaded.setup("cpu")
     return loaded

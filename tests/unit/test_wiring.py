@@ -322,3 +322,22 @@ def test_the_speech_model_is_loaded_once_when_two_threads_ask_together(monkeypat
     first.join(5)
     assert len(loads) == 1
     assert got[0] is got[1]
+
+
+def test_the_local_models_torch_threads_come_from_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """STOKER_TORCH_THREADS reaches the predictor the worker builds, and its setup sets torch's pool to it."""
+    import torch
+
+    from stoker.adapters.backends.local import TransformersPredictor
+    from stoker.runtime.context import WorkerContext
+
+    predictor = WorkerContext(WorkerSettings(torch_threads=1), outbox=None)._local_predictor()  # type: ignore[arg-type]
+    assert predictor.threads == 1
+    monkeypatch.setattr(TransformersPredictor, "_load_model", lambda self, device: object())  # no weights needed
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        predictor.setup("cpu")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -72,8 +72,11 @@ class TransformersPredictor:
         max_context_tokens: int | None = None,
         pieces: Pieces | None = None,
         yield_tokens: int = 0,
+        threads: int = 0,
     ) -> None:
         self.model_path = model_path
+        #: CPU threads for torch's operations (0: torch's default).
+        self.threads = threads
         self.pieces = pieces
         self.yield_tokens = yield_tokens
         #: How many interactive requests wait for the device (the consumer's), and the most rows a call may have.
@@ -99,6 +102,8 @@ class TransformersPredictor:
 
         started = time.perf_counter()
         self._device = device
+        if self.threads:
+            torch.set_num_threads(self.threads)  # the process's intra-op pool: the model is all it runs
         if device.startswith("cuda") and self.vram_budget_gb:
             self._cap_vram(torch, device, self.vram_budget_gb)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
