@@ -64,7 +64,7 @@ typecheck: $(VENV)/.installed
 	$(BIN)/mypy
 
 test: install model tiny-vlm lint typecheck
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Pipeline vs synchronous baseline (docs/benchmarks.md). Quick: < 3 min, one load; full: a sweep with plots.
 bench-quick: install model
@@ -78,7 +78,7 @@ docs: $(VENV)/.installed
 	$(BIN)/stoker docs config > docs/configuration.md
 
 unit integration e2e: install model tiny-vlm
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup tests/$@ $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests/$@ $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -8,6 +8,7 @@ identity matches the one the workers published, so the model gets exactly what t
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -23,6 +24,15 @@ from stoker.settings import ApiSettings
 log = logging.getLogger(__name__)
 
 
+@functools.cache
+def _tokenizer_of(model_path: str) -> tuple[PromptTokenizer, str]:
+    """The model's prompt tokenizer and its identity, loaded once per process (a failed load is not kept): every
+    app this process builds shares it, as one app's request threads already do. The API never reloads a model's
+    files; a changed model is a new identity at the workers, and then this API's prompts go unused (`build`)."""
+    prompt_tokenizer = load_prompt_tokenizer(model_path)
+    return prompt_tokenizer, prompt_tokenizer.identity(model_path)
+
+
 class PromptBuilder:
     """The model's tokenizer in the API process, loaded in the background at start (never on a request's path)."""
 
@@ -36,9 +46,9 @@ class PromptBuilder:
         if not self.settings.api_tokenize:
             return
         try:
-            path = resolve_model(self.settings.model, self.settings.model_cache, fetch=False)
-            prompt_tokenizer = load_prompt_tokenizer(path)
-            identity = prompt_tokenizer.identity(path)
+            prompt_tokenizer, identity = _tokenizer_of(
+                str(resolve_model(self.settings.model, self.settings.model_cache, fetch=False))
+            )
         except Exception as exc:  # no model files here (an API on its own host): the queue hop still works
             log.warning("no tokenizer in the API (%s): cheap jobs go through the tokenize queue", exc)
             return

@@ -14,8 +14,12 @@ from stoker.adapters.store.clients import redis_answers
 from workers.broker import start_embedded
 
 TIERS = ("unit", "integration", "e2e")
-#: Fixtures whose tests run the real model out of the test process: the session's workers, `stoker up`'s stack.
-REAL_MODEL_FIXTURES = frozenset({"session_workers", "real_stack"})
+#: Fixtures whose tests run in the `real-model` group: the session's workers and `stoker up`'s stack (the real
+#: model out of the test process), and the fleet that some of those tests share with lighter ones (`vlm_fleet`:
+#: in one group, it starts once).
+REAL_MODEL_FIXTURES = frozenset({"session_workers", "real_stack", "vlm_fleet"})
+#: A session fleet its tests share across files: they form one group, so it starts on one process only.
+SHARED_FLEETS = ("one_at_a_time",)
 _embedded: list[subprocess.Popen[bytes]] = []
 
 #: Redis databases the suite owns; the default stack uses 0 and 1.
@@ -58,21 +62,32 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test with its tier, from the folder it lives in, and with its pytest-xdist group (`make test`
-    runs the two groups side by side, `--dist loadgroup`). `real-model`: every test on the session's workers or on
-    the end-to-end stack (`stoker up` with the real model), and files marked `real_model` (the model in the test
-    process): they run the real model and tesseract, which two at once on two cores would starve past the tests'
-    time limits, so these run one after another. `apart`: every other test (stacks of their own on the simulated
-    device, mostly waiting on timeouts, or none), wherever its file is. Each group's session fixtures (the
-    session's workers, the shared simulated fleets) start once, on the one process that runs the group."""
+    """Mark each test with its tier, from the folder it lives in, and with its pytest-xdist group (`make test`,
+    `--dist loadgroup`: a group runs on one process, in order; a process takes the next group when it runs out).
+
+    `real-model`: every test on the session's workers or on the end-to-end stack (`stoker up` with the real model),
+    and files marked `real_model` (the model in the test process). They run the real model and tesseract, which
+    two at once on two cores would starve past the tests' time limits, so they are one group, in one process.
+    Every other test (stacks of their own on the simulated device, mostly waiting on timeouts, or none) is in a
+    group of its file's, `apart-…`, or of the session fleet it shares with other files: the other process takes
+    these one after another, and the first process takes the rest once the real model's group is done."""
     for item in items:
         parts = Path(str(item.fspath)).parts
         for tier in TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
-        fixtures = set(getattr(item, "fixturenames", ()))
-        real_model = bool(fixtures & REAL_MODEL_FIXTURES) or item.get_closest_marker("real_model") is not None
-        item.add_marker(pytest.mark.xdist_group("real-model" if real_model else "apart"))
+        item.add_marker(pytest.mark.xdist_group(_group(item, set(getattr(item, "fixturenames", ())))))
+
+
+def _group(item: pytest.Item, fixtures: set[str]) -> str:
+    """The test's pytest-xdist group (see `pytest_collection_modifyitems`)."""
+    if fixtures & REAL_MODEL_FIXTURES or item.get_closest_marker("real_model") is not None:
+        return "real-model"
+    shared = next((fleet for fleet in SHARED_FLEETS if fleet in fixtures), None)
+    if shared is not None:
+        return f"apart-{shared}"
+    tier = next((tier for tier in TIERS if tier in Path(str(item.fspath)).parts), "other")
+    return f"apart-{tier}-{item.path.stem}"
 
 
 def missing(reason: str) -> None:
