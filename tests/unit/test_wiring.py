@@ -341,3 +341,27 @@ def test_the_local_models_torch_threads_come_from_the_settings(monkeypatch: pyte
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_recordings_own_limit_starts_once_its_speech_model_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool child that just started may still be loading the speech model: the wait is no fault of the
+    recording, so the recording's own limit (here 0.3 s) does not count it (here 0.8 s)."""
+    from stoker.core.asr import Transcript
+    from stoker.runtime.context import WorkerContext
+    from tasks import media
+
+    def slow_load(self: WorkerContext) -> object:
+        time.sleep(0.8)
+        return object()
+
+    monkeypatch.setattr(WorkerContext, "_load_speech_model", slow_load)
+    monkeypatch.setattr(media, "cache_scope", lambda ctx, job_id: "tests")
+    monkeypatch.setattr(media, "through_cache", lambda ctx, record, address, compute, wait: compute())  # no cache
+    monkeypatch.setattr(media, "input_bytes", lambda ctx, record, stage: b"")
+    monkeypatch.setattr(media, "decode_audio", lambda data: [])
+    monkeypatch.setattr(media, "transcribe_samples", lambda model, samples, beam: Transcript("heard", []))
+    ctx = WorkerContext(WorkerSettings(transcribe_base_s=0.3, transcribe_per_media_s=0.0), outbox=None)  # type: ignore[arg-type]
+    record = InputRecord(index=0, kind="audio", content_hash="a", size_bytes=1, features={"duration_s": 1.0})
+    with input_stage(record, "transcribe"):
+        media._transcribe(ctx, "job", record)
+    assert (record.status, record.text, record.error) == ("ok", "heard", None)
