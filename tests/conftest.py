@@ -90,6 +90,42 @@ def _group(item: pytest.Item, fixtures: set[str]) -> str:
     return f"apart-{tier}-{item.path.stem}"
 
 
+class _Environments:
+    """The environment the real-model group's fixtures set up (its session's workers and the apps beside them write
+    spans to a file, allow the URL tests' host, …) is that group's alone. A process that goes on to other tests
+    (it takes other groups once the real model's is done; a one-process run interleaves them) gives them the
+    environment it had before the group began, and gives the group its own back if it comes back to it."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.saved: dict[str, dict[str, str]] = {}
+
+    def enter(self, item: pytest.Item) -> None:
+        """Before `item` is set up (its fixtures included): the environment of its kind of group."""
+        kind = "real-model" if _group_of(item) == "real-model" else "apart"
+        if self.kind is not None and kind != self.kind:
+            current = self.saved[self.kind] = dict(os.environ)
+            os.environ.clear()
+            os.environ.update(self.saved.get(kind, current))  # a group met for the first time: as things are
+        if kind == "real-model" and "apart" not in self.saved:
+            self.saved["apart"] = dict(os.environ)  # the environment from before the real model's group began
+        self.kind = kind
+
+
+_ENVIRONMENTS = _Environments()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Each test in its group's environment (`_Environments`)."""
+    _ENVIRONMENTS.enter(item)
+
+
+def _group_of(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("xdist_group")
+    return str(marker.args[0]) if marker is not None and marker.args else ""
+
+
 def missing(reason: str) -> None:
     """A test's prerequisite is missing: skip on a developer's machine, fail under CI (which runs as root and can
     install what it needs), so no promise goes untested there in silence."""
