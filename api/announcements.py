@@ -25,6 +25,12 @@ POLL_S = 1.0
 RECONNECT_S = 1.0
 
 
+def _cancelling() -> bool:
+    """Whether this task has been asked to stop: then a failure on the way out ends it, never reconnects it."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Announcements:
     """Fans the store's job announcements out to the requests of this process that wait on them."""
 
@@ -41,6 +47,8 @@ class Announcements:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if _cancelling():  # a cancel that surfaced as a connection error (the client's read, or its close)
+                    raise asyncio.CancelledError from exc
                 log.warning("announcement listener lost its connection (%r); reconnecting", exc)
             finally:
                 self.listening = False

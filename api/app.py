@@ -61,6 +61,10 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     return app
 
 
+#: How long the app's shutdown waits for its background tasks to stop once cancelled.
+SHUTDOWN_WAIT_S = 5.0
+
+
 def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     """While the app serves: the queue monitor samples, the tokenizer loads, announcements are listened to (over
     an asyncio client of the serving loop's own); then every client is closed."""
@@ -80,6 +84,9 @@ def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsy
         yield
         for task in background:
             task.cancel()
+        # Stopped before their clients close under them, within a bound: a task that outlived its cancel would
+        # otherwise hold up the serving loop's own shutdown.
+        await asyncio.wait(background, timeout=SHUTDOWN_WAIT_S)
         if stop_metrics:
             stop_metrics()
         context.monitor.close()

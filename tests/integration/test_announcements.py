@@ -6,6 +6,8 @@ import asyncio
 import os
 import uuid
 
+import pytest
+import redis
 import redis.asyncio as aioredis
 
 from api.announcements import Announcements
@@ -44,3 +46,30 @@ def test_a_long_poll_is_woken_by_its_jobs_end_not_by_the_steps_before(store_redi
     assert asyncio.run(_heard(ENDED)) == [("handed", False), (ENDED, True)]
     # A waiter for anything (a chat waiting for its inputs to settle) hears both
     assert asyncio.run(_heard(None)) == [("handed", True), (ENDED, True)]
+
+
+def test_a_cancel_that_surfaces_as_a_connection_error_stops_the_listener(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancelled listener whose read turns the cancel into a connection error (as the Redis client can while it
+    reads, or as its client closes) stops; it does not reconnect and outlive the app that cancelled it."""
+
+    async def listen_until_cancelled(self: Announcements, client: object) -> None:
+        try:
+            await asyncio.sleep(60)  # listening
+        except asyncio.CancelledError:
+            raise redis.ConnectionError("Connection closed by server.") from None
+
+    monkeypatch.setattr(Announcements, "_listen", listen_until_cancelled)
+
+    async def cancel_it() -> bool:
+        task = asyncio.create_task(Announcements().run(client=None))  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=5)  # without the check it sleeps, reconnects, listens again
+        return task in done and task.cancelled()
+
+    loop = asyncio.new_event_loop()
+    try:
+        stopped = loop.run_until_complete(cancel_it())
+    finally:
+        loop.close()  # a listener that outlived its cancel is left behind here: waiting on it never ends
+    assert stopped
