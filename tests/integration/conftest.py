@@ -73,6 +73,9 @@ def session_workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathF
         "STOKER_SMALL_FIRST_MAX_AGE_S": "60",
         "STOKER_ASR_PRELOAD": "true",
         "STOKER_TRANSCRIBE_BASE_S": "40",
+        # Decoding gets room as well: a 48-megapixel JPEG beside the other group's stacks once took over 3 s.
+        "STOKER_DECODE_SOFT_S": "10",
+        "STOKER_DECODE_HARD_S": "15",
     }
     ports = {kind: free_port() for kind in ("cpu", "infer")}
     procs = {
