@@ -73,20 +73,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     these one after another, and the first process takes the rest once the real model's group is done."""
     for item in items:
         parts = Path(str(item.fspath)).parts
-        for tier in TIERS:
-            if tier in parts:
-                item.add_marker(getattr(pytest.mark, tier))
-        item.add_marker(pytest.mark.xdist_group(_group(item, set(getattr(item, "fixturenames", ())))))
+        tier = next((tier for tier in TIERS if tier in parts), "other")
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+        item.add_marker(pytest.mark.xdist_group(_group(item, tier, set(getattr(item, "fixturenames", ())))))
 
 
-def _group(item: pytest.Item, fixtures: set[str]) -> str:
+def _group(item: pytest.Item, tier: str, fixtures: set[str]) -> str:
     """The test's pytest-xdist group (see `pytest_collection_modifyitems`)."""
     if fixtures & REAL_MODEL_FIXTURES or item.get_closest_marker("real_model") is not None:
         return "real-model"
     shared = next((fleet for fleet in SHARED_FLEETS if fleet in fixtures), None)
     if shared is not None:
         return f"apart-{shared}"
-    tier = next((tier for tier in TIERS if tier in Path(str(item.fspath)).parts), "other")
     return f"apart-{tier}-{item.path.stem}"
 
 
