@@ -6,6 +6,7 @@ import contextlib
 import logging
 import signal
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
@@ -46,6 +47,8 @@ _TIMEOUTS: dict[str, type[StokerError]] = {
     "transcribe": AsrTimeout,
     "fetch": FetchTimeout,
 }
+#: What a stage's own time limits raise (`time_limit`); Celery's soft limit raises SoftTimeLimitExceeded.
+_LIMIT_ERRORS = (StageTimeout, OcrTimeout)
 #: What an unexpected exception means, per stage.
 _CRASHES: dict[str, type[StokerError]] = {"ocr": OcrFailed, "transcribe": AsrFailed}
 
@@ -104,9 +107,13 @@ def _run_stage(record: InputRecord, stage: str, started: float) -> Iterator[Inpu
     """Time the stage and map whatever goes wrong onto the input record (transient errors propagate)."""
     try:
         yield record
-    except SoftTimeLimitExceeded:
+    except (SoftTimeLimitExceeded, *_LIMIT_ERRORS) as exc:
+        if waiting_on_store(exc):  # the store's outage used the time, not the input: retried like one (RETRY)
+            raise BrokerUnavailable(f"the store did not answer within {stage}'s time limit", stage=stage) from exc
         timeout = _TIMEOUTS.get(stage, StageTimeout)
-        _fail(record, timeout(f"{stage} exceeded its time limit", stage=stage))
+        late = exc if isinstance(exc, StokerError) else timeout(f"{stage} exceeded its time limit", stage=stage)
+        late.stage = late.stage or stage
+        _fail(record, late)
     except StokerError as exc:
         if not exc.permanent:
             raise  # transient: the task retries with backoff (RETRY)
@@ -123,6 +130,16 @@ def _run_stage(record: InputRecord, stage: str, started: float) -> Iterator[Inpu
         STAGE_SECONDS.labels(stage, cache_label(record.cache_hit.get(stage))).observe(seconds)
         if record.error is not None and record.status == "failed":
             STAGE_FAILURES.labels(stage, record.error.code).inc()
+
+
+def waiting_on_store(exc: BaseException) -> bool:
+    """Whether a time limit fired while its stage waited on a Redis client call (a store that is down or slow).
+
+    The frames the limit interrupted say so; a stage whose own work ran out of time is never inside the client.
+    """
+    return any(
+        frame.f_globals.get("__name__", "").startswith("redis.") for frame, _ in traceback.walk_tb(exc.__traceback__)
+    )
 
 
 def _record_queue_wait(record: InputRecord, stage: str) -> None:

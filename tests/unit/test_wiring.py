@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import socket
 import threading
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -226,6 +230,47 @@ def test_soft_time_limits_get_the_stage_code() -> None:
             raise SoftTimeLimitExceeded()
         assert record.error is not None
         assert record.error.code == code
+
+
+@contextlib.contextmanager
+def _limited(kind: str, seconds: float) -> Iterator[None]:
+    """A stage's own limit (`time_limit`), or Celery's soft limit as a prefork child gets it: a signal whose
+    handler raises in whatever frame it interrupts."""
+    if kind == "own":
+        with time_limit(seconds, "decode"):
+            yield
+        return
+
+    def expire(*_: Any) -> None:
+        raise SoftTimeLimitExceeded()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("limit", ["celery", "own"])
+def test_a_limit_that_fires_while_the_store_does_not_answer_is_retried_not_blamed_on_the_input(limit: str) -> None:
+    record = _inputs(1)[0]
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # takes connections, never answers
+        client = redis.Redis(port=mute.getsockname()[1], socket_timeout=10)
+        with pytest.raises(BrokerUnavailable) as outage, _limited(limit, 0.3), input_stage(record, "decode"):
+            client.get("stoker:anything")
+    assert not outage.value.permanent  # the stage task retries it (RETRY)
+    assert (record.status, record.error) == ("pending", None)
+
+
+@pytest.mark.parametrize("limit", ["celery", "own"])
+def test_a_limit_that_fires_in_the_stages_own_work_fails_the_input(limit: str) -> None:
+    record = _inputs(1)[0]
+    with _limited(limit, 0.3), input_stage(record, "decode"):
+        time.sleep(5)
+    assert record.error is not None
+    assert (record.status, record.error.code, record.error.stage) == ("failed", "image_decode_timeout", "decode")
 
 
 def test_cpu_children_are_recycled() -> None:
