@@ -553,7 +553,12 @@ class WorkerSettings(CommonSettings):
     asr_device: str = Field("cpu", description="Where transcription runs: `cuda` on a GPU host.")
     asr_compute_type: str = Field("int8", description="The speech model's compute type: `float16` on a GPU host.")
     asr_beam_size: int = Field(1, ge=1, le=10, description="Beam search width (1 = greedy).")
-    asr_cpu_threads: int = Field(0, ge=0, description="CTranslate2 threads; 0 lets it choose.")
+    asr_cpu_threads: int = Field(
+        0,
+        ge=0,
+        description="The speech model's (CTranslate2's) threads per process; 0: the host's cores shared among the "
+        "worker's pool children, at least one each.",
+    )
     asr_concurrency: int = Field(1, ge=1, description="Prefork children of an `asr` worker.")
     asr_preload: bool = Field(
         False,

@@ -210,8 +210,9 @@ def _configure(sender: Celery, **_: Any) -> None:
     configure(sender, settings())
 
 
-def _on_worker_init(**_: Any) -> None:
-    setup(settings().worker_kind)
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    ctx = setup(settings().worker_kind)
+    ctx.pool_children = getattr(sender, "concurrency", None) or 1  # autoscale: its most
 
 
 def _on_after_setup(sender: str, instance: Any, **_: Any) -> None:

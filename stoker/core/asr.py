@@ -37,6 +37,16 @@ class Transcript:
     language: str | None = None
 
 
+def speech_threads(configured: int, cores: int, children: int) -> int:
+    """The speech model's threads in one process: as configured, else the host's cores shared among the worker's
+    pool children (at least one each).
+
+    CTranslate2's own choice takes more threads than a small host's children can share: on 2 cores it spent 1.5x
+    the CPU of one thread per recording, and took longer.
+    """
+    return configured or max(1, cores // max(children, 1))
+
+
 def transcribe(model: SpeechModel, audio: npt.NDArray[np.float32], beam_size: int, vad: bool = True) -> Transcript:
     """Transcribe, consuming the lazy segment generator here, so the caller's time limit covers all the work."""
     generator, info = model.transcribe(audio, beam_size=beam_size, vad_filter=vad, condition_on_previous_text=False)

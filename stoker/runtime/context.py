@@ -8,6 +8,8 @@ only the ASR worker the speech model.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
+import os
 import threading
 from functools import cached_property
 from pathlib import Path
@@ -31,7 +33,7 @@ from stoker.adapters.store.coordination import DeviceTurns
 from stoker.adapters.store.keys import DEVICE_LOCK_KEY
 from stoker.adapters.urlfetch import FetchPolicy
 from stoker.core import asr, cachekeys, tenancy
-from stoker.core.asr import SpeechModel
+from stoker.core.asr import SpeechModel, speech_threads
 from stoker.core.cachekeys import PICTURE, VISION_TENSORS, CacheAddress, DecodeOutputs, PipelineContext, fingerprint
 from stoker.core.errors import StokerError
 from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_rgb, served_picture
@@ -42,6 +44,8 @@ from stoker.core.queues import INFER_BATCH_QUEUE
 from stoker.core.urls import Allowlist
 from stoker.runtime.seams import LineSource, Outbox
 from stoker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
 
 
 class WorkerContext:
@@ -54,6 +58,8 @@ class WorkerContext:
         self.settings = settings
         self.outbox = outbox
         self._speech_lock = threading.Lock()
+        #: Processes of this worker's pool (`tasks.lifecycle` sets it before the pool starts): they share the cores.
+        self.pool_children = 1
         for name, value in given.items():
             if not isinstance(getattr(type(self), name, None), cached_property):
                 raise TypeError(f"WorkerContext has no lazily built member {name!r}")
@@ -316,9 +322,11 @@ class WorkerContext:
         from faster_whisper import WhisperModel  # heavy (CTranslate2): only ASR workers load it
 
         s = self.settings
+        threads = speech_threads(s.asr_cpu_threads, len(os.sched_getaffinity(0)), self.pool_children)
         model: SpeechModel = WhisperModel(
-            self.asr_model_path, device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=s.asr_cpu_threads
+            self.asr_model_path, device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=threads
         )
+        log.info("speech model loaded: threads=%d, pool children=%d", threads, self.pool_children)
         return model
 
     @cached_property

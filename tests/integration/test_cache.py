@@ -202,7 +202,7 @@ def test_jobs_complete_while_the_cache_is_flushed_under_them(client: TestClient)
 
 
 def test_a_killed_leader_does_not_block_its_twins(client: TestClient) -> None:
-    audio = long_speech_wav(6)
+    audio = long_speech_wav(2)  # about 10 s: seconds of work to kill the leader in, and little for its twin to redo
     cache = redis.Redis.from_url(os.environ["STOKER_CACHE_URL"])
     # A deadline far past the takeover's: on a slow host the default one could send both jobs on without their
     # audio (degraded) before the lease lapses and a twin transcribes.

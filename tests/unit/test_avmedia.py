@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from stoker.core.asr import transcribe
+from stoker.core.asr import speech_threads, transcribe
 from stoker.core.avmedia import decode_audio, extract_frame, keyframe_times, probe, wav_claimed_seconds
 from stoker.core.errors import ImageTooLarge, MediaCorrupt, MediaEmpty, MediaTooLong
 from stoker.core.imaging import DecodeParams, decode_image
@@ -156,3 +156,10 @@ def test_a_concat_list_reads_no_local_file(tmp_path: Path) -> None:
     for payload in (listing, b"OggS" + listing, b"RIFF\x00\x00\x00\x00WAVE" + listing):
         with pytest.raises(MediaCorrupt):
             decode_audio(payload)
+
+
+def test_the_speech_model_shares_the_cores_among_the_pool_children() -> None:
+    assert speech_threads(0, cores=2, children=3) == 1  # never none
+    assert speech_threads(0, cores=16, children=4) == 4
+    assert speech_threads(0, cores=8, children=1) == 8  # a solo worker has the host
+    assert speech_threads(3, cores=2, children=3) == 3  # a configured count is kept
