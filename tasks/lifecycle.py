@@ -212,7 +212,7 @@ def _configure(sender: Celery, **_: Any) -> None:
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     ctx = setup(settings().worker_kind)
-    ctx.pool_children = getattr(sender, "concurrency", None) or 1  # autoscale: its most
+    ctx.pool_children = getattr(sender, "concurrency", None) or 1  # under --autoscale, its most children
 
 
 def _on_after_setup(sender: str, instance: Any, **_: Any) -> None:
