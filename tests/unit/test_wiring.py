@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from billiard.pool import SIG_SOFT_TIMEOUT, soft_timeout_sighandler
 from celery import chord
 from celery.app import backends as celery_backends
 from celery.exceptions import SoftTimeLimitExceeded
@@ -234,23 +235,20 @@ def test_soft_time_limits_get_the_stage_code() -> None:
 
 @contextlib.contextmanager
 def _limited(kind: str, seconds: float) -> Iterator[None]:
-    """A stage's own limit (`time_limit`), or Celery's soft limit as a prefork child gets it: a signal whose
-    handler raises in whatever frame it interrupts."""
+    """A stage's own limit (`time_limit`), or Celery's soft limit as a prefork child gets it: the signal its pool
+    sends, handled by billiard's own handler, which raises in whatever frame the signal interrupts."""
     if kind == "own":
         with time_limit(seconds, "decode"):
             yield
         return
-
-    def expire(*_: Any) -> None:
-        raise SoftTimeLimitExceeded()
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous = signal.signal(SIG_SOFT_TIMEOUT, soft_timeout_sighandler)
+    pool = threading.Timer(seconds, os.kill, (os.getpid(), SIG_SOFT_TIMEOUT))
+    pool.start()
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        pool.cancel()
+        signal.signal(SIG_SOFT_TIMEOUT, previous)
 
 
 @pytest.mark.parametrize("limit", ["celery", "own"])
