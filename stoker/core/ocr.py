@@ -151,8 +151,22 @@ class Band:
     overlapped: bool = False
 
 
-def plan_bands(gray: npt.NDArray[np.uint8], band_rows: int, search_rows: int, overlap_rows: int) -> list[Band]:
-    """Cut a page into horizontal bands of about band_rows at blank rows, so that no text line is cut.
+def band_limit(configured: int, cores: int, children: int) -> int:
+    """How many bands a page is cut into at most: as configured, else as many as the pool's children can read at
+    once on the host's cores, and at least two (a small page's OCR can then go between them).
+
+    A band costs a tesseract start (about 0.1 s here) and reads less context per call, so bands beyond what runs at
+    once cost CPU and gain nothing: measured on 2 cores, a 2048×1536 page took 1.13 CPU s whole, 1.10 in two bands
+    and 1.32 in three, and three bands on two cores finish in two rounds.
+    """
+    return configured or max(2, min(cores, children))
+
+
+def plan_bands(
+    gray: npt.NDArray[np.uint8], band_rows: int, search_rows: int, overlap_rows: int, most: int = 0
+) -> list[Band]:
+    """Cut a page into horizontal bands of about band_rows (taller when `most`, if given, caps their count) at
+    blank rows, so that no text line is cut.
 
     The cuts are spread evenly; each moves to the middle of the blank run nearest it within search_rows (a
     projection profile: rows with no ink). Where there is none, the cut stays and the bands overlap by
@@ -161,6 +175,8 @@ def plan_bands(gray: npt.NDArray[np.uint8], band_rows: int, search_rows: int, ov
     """
     height = int(gray.shape[0])
     count = round(height / band_rows)
+    if most:
+        count = min(count, most)
     if count < 2:
         return [Band(0, height)]
     blank = _blank_rows(gray)

@@ -11,6 +11,7 @@ Each band is cached under the page's OCR address and its rows: a retry or a repe
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy.typing as npt
 from stoker.core.cachekeys import CacheAddress, ocr_band_address
 from stoker.core.errors import StokerError
 from stoker.core.jobs import ErrorInfo, InputRecord
-from stoker.core.ocr import Band, join_bands, plan_bands, read_text
+from stoker.core.ocr import Band, band_limit, join_bands, plan_bands, read_text
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.stage import COST, follower_wait, handoff, has_work, input_stage, through_cache
 
@@ -33,12 +34,14 @@ Pixels = Callable[[], npt.NDArray[np.uint8]]
 
 
 def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
-    """How this worker cuts a page: one band when it is below the size threshold (or bands are off)."""
+    """How this worker cuts a page: one band when it is below the size threshold (or bands are off); else no more
+    bands than its pool reads at once (`band_limit`)."""
     s = ctx.settings
     height, width = pixels.shape[:2]
     if s.ocr_band_min_pixels == 0 or height * width <= s.ocr_band_min_pixels:
         return [Band(0, height)]
-    return plan_bands(pixels, s.ocr_band_rows, s.ocr_band_search_rows, s.ocr_band_overlap_rows)
+    most = band_limit(s.ocr_bands, len(os.sched_getaffinity(0)), ctx.pool_children)
+    return plan_bands(pixels, s.ocr_band_rows, s.ocr_band_search_rows, s.ocr_band_overlap_rows, most)
 
 
 def run_band(

@@ -76,6 +76,8 @@ def session_workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathF
         # Decoding gets room as well: a 48-megapixel JPEG beside the other group's stacks once took over 3 s.
         "STOKER_DECODE_SOFT_S": "10",
         "STOKER_DECODE_HARD_S": "15",
+        # A dense test page is cut into as many bands on any host (by default the count follows the host's cores).
+        "STOKER_OCR_BANDS": "3",
     }
     ports = {kind: free_port() for kind in ("cpu", "infer")}
     procs = {

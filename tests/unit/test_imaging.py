@@ -66,6 +66,24 @@ def test_big_jpeg_is_downscaled_while_decoding() -> None:
     assert decoded.features.megapixels == 48.0
 
 
+@pytest.mark.parametrize("mode", ["RGB", "CMYK", "L"])
+def test_a_jpeg_read_for_ocr_alone_is_its_luma_as_the_full_picture_would_give_it(mode: str) -> None:
+    """Decoded for OCR alone, a colour JPEG gives its luma channel (no colour conversion): the same grey levels, to
+    the rounding, as its RGB picture converted; CMYK and grey JPEGs go the long way and agree as well."""
+    rng = np.random.default_rng(7)
+    colours = rng.integers(0, 256, size=(30, 40, 3), dtype=np.uint8)
+    image = Image.fromarray(colours).resize((2400, 1800), Image.Resampling.NEAREST).convert(mode)
+    data = encode(image, "JPEG", quality=92)
+    alone = decode_image(data, PARAMS, DecodeNeeds(ocr=True, picture=False)).ocr_image
+    via_picture = decode_image(data, PARAMS, DecodeNeeds(ocr=True, picture=True)).ocr_image
+    assert alone is not None
+    assert via_picture is not None
+    assert alone.shape == via_picture.shape == (1536, 2048)
+    apart = np.abs(alone.astype(int) - via_picture.astype(int))
+    assert apart.mean() < 0.5  # the same picture; they differ only where colours clamp at a block's edge
+    assert (apart > 3).mean() < 0.005
+
+
 def test_exif_orientation_is_applied() -> None:
     image = Image.new("RGB", (300, 100), "white")
     exif = image.getexif()

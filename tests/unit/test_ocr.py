@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from stoker.core.errors import Cancelled, OcrFailed, OcrTimeout
 from stoker.core.imaging import DecodeParams, decode_image
-from stoker.core.ocr import Band, join_bands, normalise_text, plan_bands, read_text
+from stoker.core.ocr import Band, band_limit, join_bands, normalise_text, plan_bands, read_text
 from tests.conftest import missing
 from tests.media import text_image
 from workers.procs import running, wait_for
@@ -146,6 +146,28 @@ def test_a_page_without_blank_rows_is_cut_with_an_overlap() -> None:
     gray = np.zeros((1200, 300), dtype=np.uint8)  # ink everywhere: nowhere to cut cleanly
     bands = plan_bands(gray, band_rows=400, search_rows=80, overlap_rows=24)
     assert [(b.top, b.bottom, b.overlapped) for b in bands] == [(0, 424, False), (376, 824, True), (776, 1200, True)]
+
+
+def test_a_cap_on_the_count_makes_fewer_taller_bands_still_cut_at_blank_rows() -> None:
+    gray = _page(22)
+    assert round(gray.shape[0] / 400) > 2  # uncapped, more than two
+    bands = plan_bands(gray, band_rows=400, search_rows=80, overlap_rows=24, most=2)
+    assert len(bands) == 2
+    assert (bands[0].top, bands[0].bottom, bands[1].bottom) == (0, bands[1].top, gray.shape[0])
+    assert (gray[bands[0].bottom] >= 128).all()
+
+
+@pytest.mark.parametrize(
+    ("configured", "cores", "children", "most"),
+    [
+        (0, 2, 3, 2),  # three children share two cores: two bands run at once
+        (0, 8, 3, 3),  # three children on a big host
+        (0, 8, 1, 2),  # one child: still two, so a small page can go between them
+        (5, 2, 3, 5),  # as configured
+    ],
+)
+def test_the_band_limit_is_what_the_pool_reads_at_once(configured: int, cores: int, children: int, most: int) -> None:
+    assert band_limit(configured, cores, children) == most
 
 
 def test_a_short_page_is_one_band() -> None:
