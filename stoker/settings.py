@@ -521,7 +521,8 @@ class WorkerSettings(CommonSettings):
         1_500_000,
         ge=0,
         description="A page whose OCR image has more pixels is OCR'd in horizontal bands, each its own task on "
-        "any CPU child, so one dense page does not hold a child while small ones wait; 0 turns bands off.",
+        "any CPU child, so one dense page does not hold a child while small ones wait; 0 turns bands off, and so "
+        "does `STOKER_CACHE_ENABLED=false` (the bands read the decoded page from the stage cache).",
     )
     ocr_band_rows: int = Field(
         512,

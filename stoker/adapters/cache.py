@@ -41,6 +41,11 @@ class StageCache:
         """The cache at `settings.cache_url`; a disabled cache (`cache_enabled` false) misses every time."""
         return cls(cache_client(settings), ttl_s=settings.cache_ttl_s, max_value_bytes=settings.cache_max_value_bytes)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether results are kept at all (`cache_enabled`)."""
+        return self.redis is not None
+
     def get_json(self, address: CacheAddress) -> dict[str, Any] | None:
         """A cached JSON result, or None."""
         raw = self.get_bytes(address)
