@@ -65,8 +65,25 @@ def summarise(mode: str, rate: float, run: Run) -> dict[str, Any]:
         "unanswered": sum(1 for o in run.outcomes if o.job is None),
         "client_errors": _client_errors(run.outcomes),
         "latencies_s": [round(x, 3) for x in sorted(latencies)],
+        "slowest": slowest(answered),
         "busy_over_time": busy_series(run.samples, run.started),
     }
+
+
+def slowest(answered: Sequence[Outcome], count: int = 3) -> list[dict[str, Any]]:
+    """Where the tail lives: the slowest answered jobs, what each carried and where its time went (with 90 jobs a
+    run, its p99 is the slowest job)."""
+    ranked = sorted(answered, key=lambda o: o.latency_s or 0.0, reverse=True)[:count]
+    return [
+        {
+            "n": o.request.n,
+            "at_s": round(o.request.at, 2),
+            "carried": o.request.media.label if o.request.media else o.request.kind,
+            "latency_s": round(o.latency_s or 0.0, 3),
+            "timings_ms": (o.job or {}).get("timings_ms", {}),
+        }
+        for o in ranked
+    ]
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

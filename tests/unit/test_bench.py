@@ -70,6 +70,12 @@ def test_summarise_counts_what_the_clients_saw() -> None:
     assert row["mean_batch"] == 3
     assert row["cache_hit_rate"] == 0.25
     assert "| pipeline |" in markdown([row], [])
+    # The tail named: answered jobs, slowest first (latencies 3, 2, 1 s; the failed one's 4 s is not an answer).
+    assert [(j["n"], j["latency_s"]) for j in row["slowest"]] == [
+        (requests[2].n, 3.0),
+        (requests[1].n, 2.0),
+        (requests[0].n, 1.0),
+    ]
 
 
 def test_cpu_per_job_counts_the_run_not_what_starting_the_workers_cost() -> None:
