@@ -23,6 +23,8 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from stoker.core.costs import audio_seconds
+
 Kind = Literal["text", "image", "audio"]
 
 #: Image sizes and how often each is drawn: most traffic is small, a tenth is a 12-megapixel photo.
@@ -182,10 +184,7 @@ def _audio(rng: random.Random) -> Media:
 
 
 def _wav_seconds(wav: bytes) -> float:
-    with wave.open(io.BytesIO(wav)) as w:
-        frames: int = w.getnframes()
-        rate: int = w.getframerate()
-    return frames / rate
+    return audio_seconds(wav, "WAV")  # espeak-ng's header, written to a pipe, gives placeholder sizes
 
 
 def _tones(rng: random.Random, rate: int = 16000) -> bytes:

@@ -43,11 +43,17 @@ def image_pixels(data: bytes) -> int | None:
 
 
 def audio_seconds(data: bytes, fmt: str) -> float:
-    """A recording's length: exact from a WAV header, else estimated from its size at a nominal bit rate."""
+    """A recording's length: exact from a WAV header, else estimated from its size at a nominal bit rate.
+
+    A WAV written to a pipe (espeak-ng's or ffmpeg's `--stdout`/`pipe:`) cannot go back to fill in its sizes and
+    leaves a placeholder (0x7FFFF000 bytes: over 13 hours at 22 kHz); its frames are then counted from the bytes
+    that came, which bound any WAV's."""
     if fmt == "WAV":
         try:
             with wave.open(io.BytesIO(data), "rb") as recording:
-                return recording.getnframes() / max(recording.getframerate(), 1)
+                frame_bytes = max(recording.getsampwidth() * recording.getnchannels(), 1)
+                frames = min(recording.getnframes(), len(data) // frame_bytes)
+                return frames / max(recording.getframerate(), 1)
         except Exception:  # not a plain PCM WAV (or broken): fall back on its size like any other format
             pass
     return len(data) / NOMINAL_AUDIO_BYTES_PER_S
