@@ -81,6 +81,7 @@ def slowest(answered: Sequence[Outcome], count: int = 3) -> list[dict[str, Any]]
             "carried": o.request.media.label if o.request.media else o.request.kind,
             "latency_s": round(o.latency_s or 0.0, 3),
             "timings_ms": (o.job or {}).get("timings_ms", {}),
+            "inputs_ms": [i.get("timings_ms", {}) for i in (o.job or {}).get("inputs", [])],
         }
         for o in ranked
     ]
