@@ -21,7 +21,7 @@ from stoker.core.media import IMAGE_FORMATS
 register_heif_opener(thumbnails=False)
 
 #: Bump when decode's output changes for the same input and parameters: cached results then miss.
-VERSION = "2"
+VERSION = "3"  # 3: a JPEG read for OCR alone decodes its luma
 
 
 @dataclass(frozen=True)
