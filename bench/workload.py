@@ -179,12 +179,8 @@ def _audio(rng: random.Random) -> Media:
         wav = subprocess.run(
             ["espeak-ng", "-s", "150", "--stdout", words], capture_output=True, check=True, timeout=60
         ).stdout
-        return Media("audio", wav, f"speech {_wav_seconds(wav):.1f}s")
+        return Media("audio", wav, f"speech {audio_seconds(wav, 'WAV'):.1f}s")  # its header's sizes are placeholders
     return Media("audio", _tones(rng), "tones")
-
-
-def _wav_seconds(wav: bytes) -> float:
-    return audio_seconds(wav, "WAV")  # espeak-ng's header, written to a pipe, gives placeholder sizes
 
 
 def _tones(rng: random.Random, rate: int = 16000) -> bytes:

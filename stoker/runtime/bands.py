@@ -11,7 +11,6 @@ Each band is cached under the page's OCR address and its rows: a retry or a repe
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +42,7 @@ def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
     height, width = pixels.shape[:2]
     if s.ocr_band_min_pixels == 0 or height * width <= s.ocr_band_min_pixels or not ctx.cache.enabled:
         return [Band(0, height)]
-    most = band_limit(s.ocr_bands, len(os.sched_getaffinity(0)), ctx.pool_children)
+    most = band_limit(s.ocr_bands, ctx.cores, ctx.pool_children)
     return plan_bands(pixels, s.ocr_band_rows, s.ocr_band_search_rows, s.ocr_band_overlap_rows, most)
 
 

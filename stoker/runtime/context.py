@@ -65,6 +65,11 @@ class WorkerContext:
                 raise TypeError(f"WorkerContext has no lazily built member {name!r}")
             self.__dict__[name] = value  # a cached_property reads the instance's own value first
 
+    @cached_property
+    def cores(self) -> int:
+        """The CPUs this process may run on (its affinity, not the host's count): what its pool's children share."""
+        return len(os.sched_getaffinity(0))
+
     # -- connections ------------------------------------------------------------------------------------------
     @cached_property
     def store(self) -> Store:
@@ -322,7 +327,7 @@ class WorkerContext:
         from faster_whisper import WhisperModel  # heavy (CTranslate2): only ASR workers load it
 
         s = self.settings
-        threads = speech_threads(s.asr_cpu_threads, len(os.sched_getaffinity(0)), self.pool_children)
+        threads = speech_threads(s.asr_cpu_threads, self.cores, self.pool_children)
         model: SpeechModel = WhisperModel(
             self.asr_model_path, device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=threads
         )
