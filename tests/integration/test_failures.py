@@ -39,7 +39,7 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
     stub.write_text(
         "#!/bin/sh\n"
         '[ "$1" = --version ] && { echo "tesseract 5.3.0 (a stub that hangs)"; exit 0; }\n'
-        f"echo $$ > {pids}/$$\n[ -e {root}/poison ] && kill -9 $PPID\nexec sleep 600\n"
+        f"echo $$ > {pids}/$$\n[ -e {root}/poison ] && {{ kill -9 $PPID; exit 1; }}\nexec sleep 600\n"
     )
     stub.chmod(0o755)
     env = {
@@ -50,7 +50,10 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
         "STOKER_TESSERACT_CMD": str(stub),
         "STOKER_OCR_TIMEOUT_S": "60",
         "STOKER_OCR_SOFT_S": "3",
-        "STOKER_OCR_HARD_S": "5",
+        # Well past the pool's 5 s maintenance tick: a prefork parent can miss a killed child's exit (its sentinel
+        # readable before the child can be reaped) and find it only at that tick. A hard limit sooner than that
+        # would fire first and fail the poisoned page as stage_killed, before it could count as worker_lost.
+        "STOKER_OCR_HARD_S": "15",
         "STOKER_TRANSCRIBE_SOFT_S": "60",
         "STOKER_TRANSCRIBE_HARD_S": "2",
         # What fails here is preprocessing: the device is simulated, a batch taking 300 ms as the model's would.
