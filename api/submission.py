@@ -24,6 +24,7 @@ from api import idempotency
 from api.context import ApiContext
 from api.intake import AcceptedRequest
 from api.tenancy import admit, charge, release
+from stoker.adapters.cache import COST_FIELD
 from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import StoreOutOfMemory
@@ -407,7 +408,7 @@ def _shortcut(
     address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns, tools)
     found = cache.get_json(address)
     if found is not None:
-        cache.record("tokenize", hit=True, cost_s=float(found.get("_cost_s", 0.0)))
+        cache.record("tokenize", hit=True, cost_s=float(found.get(COST_FIELD, 0.0)))
     elif context.monitor.room_for_inference():
         found = _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools)
     if found is None:
@@ -431,7 +432,6 @@ def _tokenize_here(
         return None
     cost = time.perf_counter() - started
     value = {"ids": built.ids, "messages": built.messages, "images": built.images}
-    context.cache.put_json(address, {**value, "_cost_s": cost})
-    context.cache.record("tokenize", hit=False, cost_s=cost)
+    context.cache.put_miss(address, value, cost)
     STAGE_SECONDS.labels("tokenize", "miss").observe(cost)
     return value

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -27,14 +27,29 @@ from stoker.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 
+#: How long a read pipeline identity is reused (`StageCache.context`), in seconds.
+CONTEXT_REUSE_S = 1.0
+#: Field in a cached value holding what computing it cost (its saving, when it is hit).
+COST_FIELD = "_cost_s"
+
 
 class StageCache:
     """Reads and writes stage results in the cache Redis, with hit/miss accounting."""
 
-    def __init__(self, client: redis.Redis[bytes] | None, *, ttl_s: int, max_value_bytes: int) -> None:
+    def __init__(
+        self,
+        client: redis.Redis[bytes] | None,
+        *,
+        ttl_s: int,
+        max_value_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.redis = client
         self.ttl_s = ttl_s
         self.max_value_bytes = max_value_bytes
+        self._clock = clock
+        #: The pipeline identity last read, and until when it is reused (`context`).
+        self._context: tuple[PipelineContext, float] | None = None
 
     @classmethod
     def connect(cls, settings: CommonSettings) -> StageCache:
@@ -79,6 +94,28 @@ class StageCache:
             log.warning("cache write failed: %s", exc)
             return False
         return True
+
+    def put_miss(self, address: CacheAddress, value: dict[str, Any], cost_s: float) -> bool:
+        """Cache a result just computed after a miss (with what it cost) and count the miss, in one round trip;
+        False when it is over the size cap (counted as oversize too) or the cache is unavailable."""
+        CACHE_LOOKUPS.labels(address.stage, "miss").inc()
+        if self.redis is None:
+            return False
+        data = json.dumps({**value, COST_FIELD: cost_s}).encode()
+        kept = len(data) <= self.max_value_bytes
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                if kept:
+                    pipe.set(cache_key(address, "value"), data, ex=self.ttl_s)
+                else:
+                    pipe.hincrby(CACHE_STATS_KEY, f"{address.stage}:oversize", 1)
+                pipe.hincrby(CACHE_STATS_KEY, f"{address.stage}:misses", 1)
+                pipe.hincrbyfloat(CACHE_STATS_KEY, f"{address.stage}:spent_s", cost_s)
+                pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("cache write failed: %s", exc)
+            return False
+        return kept
 
     def record(self, stage: str, hit: bool, cost_s: float) -> None:
         """Count a hit (with the seconds it saved) or a miss (with the seconds it cost)."""
@@ -165,14 +202,25 @@ class StageCache:
                 self.redis.set(PIPELINE_IDENTITY_KEY, json.dumps(asdict(context)))
 
     def context(self) -> PipelineContext | None:
-        """What the workers last published, or None before any did."""
+        """What the workers last published, or None before any did.
+
+        Read again at most every `CONTEXT_REUSE_S`: the API asks on every submission, and the identity changes
+        only when workers of another version start (a fleet in a rolling restart publishes both in turn anyway).
+        None is never reused: the first job after the workers publish already finds it."""
         if self.redis is None:
             return None
+        now = self._clock()
+        if self._context is not None and now < self._context[1]:
+            return self._context[0]
         try:
             raw = self.redis.get(PIPELINE_IDENTITY_KEY)
         except redis.RedisError:
             return None
-        return PipelineContext(**json.loads(raw)) if raw else None
+        if not raw:
+            return None
+        found = PipelineContext(**json.loads(raw))
+        self._context = (found, now + CONTEXT_REUSE_S)
+        return found
 
     def put_input(self, identity: str, record: InputRecord, scope: str) -> None:
         """Cache a fully preprocessed input (text, features, segments, frames), minus per-job facts."""

@@ -15,6 +15,7 @@ from celery import current_task
 from celery.exceptions import SoftTimeLimitExceeded
 from opentelemetry.trace import Span
 
+from stoker.adapters.cache import COST_FIELD
 from stoker.adapters.metrics import QUEUE_WAIT_SECONDS, STAGE_FAILURES, STAGE_SECONDS, cache_label
 from stoker.adapters.tracing import mark_failed, stage_span
 from stoker.core.cachekeys import CacheAddress
@@ -65,7 +66,7 @@ RETRY: dict[str, Any] = {
 #: Single-flight lease, renewed while its holder works: a killed holder's twins take over within this.
 LEASE_S = 3.0
 #: Field in a cached value holding what computing it cost.
-COST = "_cost_s"
+COST = COST_FIELD
 
 
 @contextlib.contextmanager
@@ -231,9 +232,7 @@ def through_cache(
         with cache.single_flight(address, lease_s=LEASE_S, wait_s=wait_s) as shared:
             if shared is None:
                 value = compute()
-                cost = time.perf_counter() - started
-                cache.put_json(address, {**value, COST: cost})
-                cache.record(address.stage, hit=False, cost_s=cost)
+                cache.put_miss(address, value, time.perf_counter() - started)
                 if record is not None:
                     record.cache_hit[address.stage] = False
                 return value

@@ -18,7 +18,8 @@ from stoker.core.jobs import TERMINAL, ErrorInfo, InputRecord, ResultInfo
 from stoker.core.media import ContentHash
 from stoker.core.model import ModelRequest
 from stoker.settings import CommonSettings
-from workers.broker import free_port
+from workers.broker import free_port, start_embedded
+from workers.procs import stop, wait_for
 
 
 @pytest.fixture
@@ -182,3 +183,39 @@ def test_a_stopping_process_gives_its_lease_up_once_and_a_store_that_is_gone_is_
         job_store.client.delete(key)
     gone = CommonSettings(result_url=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     assert not give_up_lease(gone, key, "me")
+
+
+def test_a_batch_ends_in_one_round_trip_and_still_ends_after_the_store_forgot_its_scripts() -> None:
+    """The consumer's writer sends its batch's endings as one pipeline, with no SCRIPT EXISTS before it; a store that
+    restarted empty or was flushed (no scripts) still ends every job of the batch."""
+    valkey, port = start_embedded(persist=False)
+    client = redis.Redis(port=port)
+    try:
+        wait_for(lambda: _answers(client), 30, "a private valkey", [valkey])
+        store = Store.over(client, blob_ttl_s=60, job_ttl_s=60)
+        first, second = _new_job(store), _new_job(store)
+        store.jobs.finish_many([Ending(first, "t", "failed", error=ErrorInfo(code="x", message="warm"))])
+        client.config_resetstat()
+        answer = ResultInfo(text="a", model="m", prompt_tokens=1, completion_tokens=1)
+        ending = Ending(second, "t", "succeeded", result=answer)
+        assert store.jobs.finish_many([ending]) == [True]
+        calls = {name: int(stat["calls"]) for name, stat in client.info("commandstats").items()}
+        assert "cmdstat_script|exists" not in calls
+        assert calls["cmdstat_evalsha"] == 1
+
+        client.script_flush()
+        third, fourth = _new_job(store), _new_job(store)
+        endings = [Ending(j, "t", "succeeded", result=answer) for j in (third, fourth)]
+        assert store.jobs.finish_many([*endings, ending]) == [True, True, False]  # the second had already ended
+        ended = [store.jobs.load_job(j) for j in (third, fourth)]
+        assert [job.status if job else None for job in ended] == ["succeeded", "succeeded"]
+    finally:
+        client.close()
+        stop(valkey)
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False

@@ -1,0 +1,63 @@
+"""The stage cache against real Redis: the pipeline identity the API reads per submission, what a miss writes."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from stoker.adapters.cache import CONTEXT_REUSE_S, COST_FIELD, StageCache
+from stoker.adapters.store.keys import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY
+from stoker.core.cachekeys import CacheAddress, PipelineContext
+
+
+class Clock:
+    """A monotonic clock a test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def cache_redis() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(os.environ["STOKER_CACHE_URL"])
+    yield client
+    client.close()
+
+
+def test_the_pipeline_identity_is_read_once_a_second_and_a_missing_one_every_time(cache_redis: redis.Redis) -> None:
+    clock = Clock()
+    cache = StageCache(cache_redis, ttl_s=60, max_value_bytes=1 << 20, clock=clock)
+    cache_redis.delete(PIPELINE_IDENTITY_KEY)
+    assert cache.context() is None
+    first = PipelineContext(identity=uuid.uuid4().hex, tokenizer="t", budget=100)
+    cache.publish_context(first)
+    assert cache.context() == first  # none was reused: the first job after the workers publish finds it
+
+    second = PipelineContext(identity=uuid.uuid4().hex, tokenizer="t", budget=100)
+    cache.publish_context(second)  # another version of the workers started
+    clock.now += CONTEXT_REUSE_S / 2
+    assert cache.context() == first  # reused: no read
+    clock.now += CONTEXT_REUSE_S
+    assert cache.context() == second
+
+
+def test_a_miss_is_cached_with_its_cost_and_counted_and_one_over_the_cap_only_counted(cache_redis: redis.Redis) -> None:
+    cache = StageCache(cache_redis, ttl_s=60, max_value_bytes=200)
+    stage = f"test-{uuid.uuid4().hex[:8]}"
+    small = CacheAddress(stage, "1", uuid.uuid4().hex, "f", "s")
+    large = CacheAddress(stage, "1", uuid.uuid4().hex, "f", "s")
+
+    assert cache.put_miss(small, {"text": "short"}, 0.25)
+    assert not cache.put_miss(large, {"text": "x" * 500}, 0.5)  # over the cap: not kept, counted as oversize
+
+    assert cache.get_json(small) == {"text": "short", COST_FIELD: 0.25}
+    assert cache.get_json(large) is None
+    assert cache.stats()[stage] == {"misses": 2, "spent_s": 0.75, "oversize": 1}
+    cache_redis.hdel(CACHE_STATS_KEY, *(f"{stage}:{n}" for n in ("misses", "spent_s", "oversize")))
