@@ -50,9 +50,9 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
         "STOKER_TESSERACT_CMD": str(stub),
         "STOKER_OCR_TIMEOUT_S": "60",
         "STOKER_OCR_SOFT_S": "3",
-        # Well past the pool's 5 s maintenance tick: a prefork parent can miss a killed child's exit (its sentinel
-        # readable before the child can be reaped) and find it only at that tick. A hard limit sooner than that
-        # would fire first and fail the poisoned page as stage_killed, before it could count as worker_lost.
+        # Well past the prefork pool's 5 s maintenance tick: its parent noticed a child killed by the stub after
+        # 0.03 s in some deliveries and only at that tick (up to 4.7 s) in others. A hard limit sooner than that
+        # fires first and fails the poisoned page as stage_killed, before it can count as worker_lost.
         "STOKER_OCR_HARD_S": "15",
         "STOKER_TRANSCRIBE_SOFT_S": "60",
         "STOKER_TRANSCRIBE_HARD_S": "2",
