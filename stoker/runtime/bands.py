@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from stoker.adapters.cache import COST_FIELD
 from stoker.core.cachekeys import CacheAddress, ocr_band_address
 from stoker.core.errors import StokerError
 from stoker.core.jobs import ErrorInfo, InputRecord
 from stoker.core.ocr import Band, band_limit, join_bands, plan_bands, read_text
 from stoker.runtime.context import WorkerContext
-from stoker.runtime.stage import COST, follower_wait, handoff, has_work, input_stage, through_cache
+from stoker.runtime.stage import follower_wait, handoff, has_work, input_stage, through_cache
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def join_page(ctx: WorkerContext, job_id: str, ref: str, count: int, page_at: Ca
     else:
         page.text = join_bands([p.text or "" for p in done], [_band(p) for p in done])
         page.status = "ok"
-        ctx.cache.put_json(page_at, {"text": page.text, COST: page.timings_ms[STAGE] / 1000})
+        ctx.cache.put_json(page_at, {"text": page.text, COST_FIELD: page.timings_ms[STAGE] / 1000})
     if jobs.put_input(job_id, ref, page):
         jobs.clear_bands(job_id, ref, count)
     log.info("job %s %s: %d bands joined (%s)", job_id, ref, count, page.status)

@@ -65,8 +65,6 @@ RETRY: dict[str, Any] = {
 
 #: Single-flight lease, renewed while its holder works: a killed holder's twins take over within this.
 LEASE_S = 3.0
-#: Field in a cached value holding what computing it cost.
-COST = COST_FIELD
 
 
 @contextlib.contextmanager
@@ -237,7 +235,7 @@ def through_cache(
                     record.cache_hit[address.stage] = False
                 return value
             found = shared
-    cache.record(address.stage, hit=True, cost_s=float(found.pop(COST, 0.0)))
+    cache.record(address.stage, hit=True, cost_s=float(found.pop(COST_FIELD, 0.0)))
     if record is not None:
         record.cache_hit[address.stage] = True
     return found
