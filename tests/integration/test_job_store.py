@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from stoker.adapters.store import Store
+from stoker.adapters.store.clients import redis_answers
 from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.jobs import Ending
 from stoker.adapters.store.keys import ACTIVE_KEY, blob_holders_key, blob_key, job_blobs_key, job_key, tokens_key
@@ -191,7 +192,7 @@ def test_a_batch_ends_in_one_round_trip_and_still_ends_after_the_store_forgot_it
     valkey, port = start_embedded(persist=False)
     client = redis.Redis(port=port)
     try:
-        wait_for(lambda: _answers(client), 30, "a private valkey", [valkey])
+        wait_for(lambda: redis_answers(f"redis://127.0.0.1:{port}/0"), 30, "a private valkey", [valkey])
         store = Store.over(client, blob_ttl_s=60, job_ttl_s=60)
         first, second = _new_job(store), _new_job(store)
         store.jobs.finish_many([Ending(first, "t", "failed", error=ErrorInfo(code="x", message="warm"))])
@@ -212,10 +213,3 @@ def test_a_batch_ends_in_one_round_trip_and_still_ends_after_the_store_forgot_it
     finally:
         client.close()
         stop(valkey)
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 
@@ -10,8 +9,11 @@ import pytest
 import redis
 
 from stoker.adapters.cache import CONTEXT_REUSE_S, COST_FIELD, StageCache
-from stoker.adapters.store.keys import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY
+from stoker.adapters.store.clients import redis_answers
+from stoker.adapters.store.keys import PIPELINE_IDENTITY_KEY
 from stoker.core.cachekeys import CacheAddress, PipelineContext
+from workers.broker import start_embedded
+from workers.procs import stop, wait_for
 
 
 class Clock:
@@ -24,11 +26,18 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cache_redis() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(os.environ["STOKER_CACHE_URL"])
-    yield client
-    client.close()
+    """A Valkey of this module's own: the tests here publish pipeline identities, which the session's stacks, on
+    the suite's cache database, would otherwise read."""
+    valkey, port = start_embedded(persist=False)
+    client = redis.Redis(port=port)
+    try:
+        wait_for(lambda: redis_answers(f"redis://127.0.0.1:{port}/0"), 30, "a private valkey", [valkey])
+        yield client
+    finally:
+        client.close()
+        stop(valkey)
 
 
 def test_the_pipeline_identity_is_read_once_a_second_and_a_missing_one_every_time(cache_redis: redis.Redis) -> None:
@@ -60,4 +69,3 @@ def test_a_miss_is_cached_with_its_cost_and_counted_and_one_over_the_cap_only_co
     assert cache.get_json(small) == {"text": "short", COST_FIELD: 0.25}
     assert cache.get_json(large) is None
     assert cache.stats()[stage] == {"misses": 2, "spent_s": 0.75, "oversize": 1}
-    cache_redis.hdel(CACHE_STATS_KEY, *(f"{stage}:{n}" for n in ("misses", "spent_s", "oversize")))
