@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 import redis
+from redis.client import Pipeline
 
 from stoker.adapters.metrics import CACHE_LOOKUPS
 from stoker.adapters.store.clients import cache_client
@@ -108,9 +109,8 @@ class StageCache:
                 if kept:
                     pipe.set(cache_key(address, "value"), data, ex=self.ttl_s)
                 else:
-                    pipe.hincrby(CACHE_STATS_KEY, f"{address.stage}:oversize", 1)
-                pipe.hincrby(CACHE_STATS_KEY, f"{address.stage}:misses", 1)
-                pipe.hincrbyfloat(CACHE_STATS_KEY, f"{address.stage}:spent_s", cost_s)
+                    _queue_count(pipe, address.stage, "oversize")
+                _queue_count(pipe, address.stage, "misses", cost_s)
                 pipe.execute()
         except redis.RedisError as exc:
             log.warning("cache write failed: %s", exc)
@@ -127,10 +127,7 @@ class StageCache:
             return
         try:
             with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hincrby(CACHE_STATS_KEY, f"{stage}:{what}", 1)
-                if seconds is not None:
-                    field = "saved_s" if what == "hits" else "spent_s"
-                    pipe.hincrbyfloat(CACHE_STATS_KEY, f"{stage}:{field}", seconds)
+                _queue_count(pipe, stage, what, seconds)
                 pipe.execute()
         except redis.RedisError as exc:
             log.warning("cache accounting failed: %s", exc)
@@ -262,6 +259,14 @@ class StageCache:
         else:
             self.redis.delete(CACHE_STATS_KEY)
         return deleted
+
+
+def _queue_count(pipe: Pipeline[bytes], stage: str, what: str, seconds: float | None = None) -> None:
+    """One more `what` (hits, misses, oversize) for a stage, with the seconds it saved or cost, into `pipe`."""
+    pipe.hincrby(CACHE_STATS_KEY, f"{stage}:{what}", 1)
+    if seconds is not None:
+        field = "saved_s" if what == "hits" else "spent_s"
+        pipe.hincrbyfloat(CACHE_STATS_KEY, f"{stage}:{field}", seconds)
 
 
 def _input_address(identity: str, record: InputRecord, scope: str) -> CacheAddress:

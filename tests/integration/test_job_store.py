@@ -9,7 +9,6 @@ import pytest
 import redis
 
 from stoker.adapters.store import Store
-from stoker.adapters.store.clients import redis_answers
 from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.jobs import Ending
 from stoker.adapters.store.keys import ACTIVE_KEY, blob_holders_key, blob_key, job_blobs_key, job_key, tokens_key
@@ -20,7 +19,7 @@ from stoker.core.media import ContentHash
 from stoker.core.model import ModelRequest
 from stoker.settings import CommonSettings
 from workers.broker import free_port, start_embedded
-from workers.procs import stop, wait_for
+from workers.procs import stop
 
 
 @pytest.fixture
@@ -192,7 +191,6 @@ def test_a_batch_ends_in_one_round_trip_and_still_ends_after_the_store_forgot_it
     valkey, port = start_embedded(persist=False)
     client = redis.Redis(port=port)
     try:
-        wait_for(lambda: redis_answers(f"redis://127.0.0.1:{port}/0"), 30, "a private valkey", [valkey])
         store = Store.over(client, blob_ttl_s=60, job_ttl_s=60)
         first, second = _new_job(store), _new_job(store)
         store.jobs.finish_many([Ending(first, "t", "failed", error=ErrorInfo(code="x", message="warm"))])

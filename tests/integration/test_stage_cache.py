@@ -9,11 +9,10 @@ import pytest
 import redis
 
 from stoker.adapters.cache import CONTEXT_REUSE_S, COST_FIELD, StageCache
-from stoker.adapters.store.clients import redis_answers
 from stoker.adapters.store.keys import PIPELINE_IDENTITY_KEY
 from stoker.core.cachekeys import CacheAddress, PipelineContext
 from workers.broker import start_embedded
-from workers.procs import stop, wait_for
+from workers.procs import stop
 
 
 class Clock:
@@ -33,7 +32,6 @@ def cache_redis() -> Iterator[redis.Redis]:
     valkey, port = start_embedded(persist=False)
     client = redis.Redis(port=port)
     try:
-        wait_for(lambda: redis_answers(f"redis://127.0.0.1:{port}/0"), 30, "a private valkey", [valkey])
         yield client
     finally:
         client.close()
