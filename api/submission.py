@@ -28,6 +28,8 @@ from stoker.adapters.cache import COST_FIELD
 from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import StoreOutOfMemory
+from stoker.adapters.store.idempotency import IdempotencyKeys
+from stoker.adapters.store.jobs import Queued
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
 from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
 from stoker.core.costs import SizeBounds, size_class
@@ -63,8 +65,8 @@ async def submit_job(
     retried: bool = False,
     job_id: str | None = None,
 ) -> Submitted:
-    """Admit, read (with `read`), store and enqueue one job (named `job_id` if given); the job as it now stands,
-    read after it was enqueued.
+    """Admit, read (with `read`), store and enqueue one job (named `job_id` if given); the job as it was accepted
+    (read back with its record, in the same round trip).
 
     While a queue is over its limit the job is refused before its body is read (429 with Retry-After from the
     queue's measured drain rate, nothing written); so is one over its tenant's rate or jobs in flight. With an
@@ -111,16 +113,7 @@ async def _submit_unkeyed(context: ApiContext, tenant: str, read: _ReadOnce, job
         if earlier is not None:
             log.info("job %s answers an automatic retry of the request that made it", earlier.id)
             return Submitted(earlier, replayed=True)
-    remember = functools.partial(_note_recent, context.store, tenant, window_s) if window_s > 0 else None
-    return Submitted(await _submit(context, tenant, read, job_id, then=remember))
-
-
-def _note_recent(store: Store, tenant: str, window_s: int, accepted: AcceptedRequest, job: Job) -> None:
-    """Remember, by the request's fingerprint, that it made `job`, for its deadline and `window_s` more."""
-    digest = recent_digest(tenant, idempotency.fingerprint(accepted))
-    ttl_s = math.ceil(accepted.deadline_ms / 1000) + window_s
-    with contextlib.suppress(redis.RedisError):  # the job is made: a retry then makes another, no worse
-        store.idempotency.note_recent(digest, job.id, ttl_s)
+    return Submitted(await _submit(context, tenant, read, job_id, remember_s=max(window_s, 0)))
 
 
 def _recent_job(store: Store, digest: str, tenant: str) -> Job | None:
@@ -141,18 +134,18 @@ async def _submit(
     read: Callable[[], Awaitable[AcceptedRequest]],
     job_id: str,
     claim: idempotency.Claim | None = None,
-    then: Callable[[AcceptedRequest, Job], None] | None = None,
+    remember_s: int = 0,
 ) -> Job:
     """Take one new job in: queue pressure and the tenant's slot checked, its body read, the job made; with
-    `claim`, the key it holds, remembered as naming the job once it is made; `then`, run with the request and the
-    job in the same worker thread as the admission (one hop off the event loop, not two)."""
+    `claim`, the key it holds, remembered as naming the job once it is made; with `remember_s`, the request's
+    fingerprint remembered as having made the job, written with its record (`_recent_note`)."""
     await _refuse_under_pressure(context)
     await admit(context, tenant, job_id, rated=claim is not None)  # a keyed request's rate was counted already
     try:
         accepted = await read()
         if claim is not None:
             await claim.confirm()  # the key is still ours: no other request made its job meanwhile
-        job = await run_in_threadpool(_admit_then, context, accepted, job_id, tenant, then)
+        job = await run_in_threadpool(_admit, context, accepted, job_id=job_id, tenant=tenant, remember_s=remember_s)
     except Exception as exc:
         await release(context, tenant, job_id)  # not accepted after all: its in-flight slot is free again
         if isinstance(exc, BrokerUnavailable):
@@ -240,9 +233,17 @@ class Admission:
 
 
 def _admit(
-    context: ApiContext, accepted: AcceptedRequest, *, job_id: str, tenant: str, batch_id: str | None = None
+    context: ApiContext,
+    accepted: AcceptedRequest,
+    *,
+    job_id: str,
+    tenant: str,
+    batch_id: str | None = None,
+    remember_s: int = 0,
 ) -> Job:
-    """Write record and inputs before enqueueing, so no worker can see a job that is not stored.
+    """Write record and inputs before enqueueing, so no worker can see a job that is not stored; the job as
+    written (read back with its record, before its first message: what a worker does with it after, a client
+    sees on its next read, or hears of while it waits).
 
     A job whose inputs are all preprocessed in the cache (in its tenant's scope), or that has none, skips the CPU
     preprocessing queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
@@ -250,29 +251,20 @@ def _admit(
     admission = replace(_plan(context, accepted, job_id, tenant), batch_id=batch_id)
     _charge_tenant(context, admission)
     with _job_span(admission) as traced:
-        _write_job(context.store, admission, traced)
+        job = _write_job(context.store, admission, traced, _recent_note(admission, remember_s))
         _enqueue(context, admission)
-    job = context.store.jobs.load_job(job_id)
-    assert job is not None
     return job
 
 
-def _admit_then(
-    context: ApiContext,
-    accepted: AcceptedRequest,
-    job_id: str,
-    tenant: str,
-    then: Callable[[AcceptedRequest, Job], None] | None,
-) -> Job:
-    """`_admit`, then `then` with the request and the job: the job is made by then, so what `then` raises is
-    logged, never taken for a refusal."""
-    job = _admit(context, accepted, job_id=job_id, tenant=tenant)
-    if then is not None:
-        try:
-            then(accepted, job)
-        except Exception:
-            log.exception("job %s is made; what was to follow its admission failed", job_id)
-    return job
+def _recent_note(admission: Admission, window_s: int) -> list[Queued]:
+    """Remember, by the request's fingerprint, that it made this job, for its deadline and `window_s` more (a
+    request without an Idempotency-Key: its client's automatic retry gets the job back). Written with the record;
+    if that one write fails, a retry makes another job, no worse."""
+    if window_s <= 0:
+        return []
+    digest = recent_digest(admission.tenant, idempotency.fingerprint(admission.accepted))
+    ttl_s = math.ceil(admission.accepted.deadline_ms / 1000) + window_s
+    return [functools.partial(IdempotencyKeys.queue_recent, digest=digest, job_id=admission.job_id, ttl_s=ttl_s)]
 
 
 def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: str) -> Admission:
@@ -319,24 +311,28 @@ def _job_span(admission: Admission) -> Iterator[tuple[str, dict[str, str]] | Non
         yield (trace_id, carrier()) if trace_id else None
 
 
-def _write_job(store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None) -> None:
-    """The record, then the inputs, then the hand-off to inference; a store that is full or away is answered as
-    such (`store_full`, `broker_unavailable`)."""
+def _write_job(
+    store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
+) -> Job:
+    """The record (with the hand-off to inference of a job that skips preprocessing, and `also`), then the inputs;
+    the job as written. A store that is full or away is answered as such (`store_full`, `broker_unavailable`)."""
     try:
-        _create_record(store, admission, traced)
+        job = _create_record(store, admission, traced, also)
         _store_inputs(store, admission)
-        if admission.model_request is not None:
-            store.jobs.hand_off(admission.job_id, admission.model_request, rev=None)
+        return job
     except StoreOutOfMemory as exc:  # full before the monitor saw it: refused, not lost
         raise StoreFull("the job store is full: try again soon") from exc
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
 
 
-def _create_record(store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None) -> None:
-    """The job's record, first: one too large (`record_too_large`) is refused before any byte is stored."""
+def _create_record(
+    store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
+) -> Job:
+    """The job's record, first, in one transaction with its hand-off and `also`: one too large
+    (`record_too_large`) is refused before any byte is stored."""
     accepted = admission.accepted
-    store.jobs.create_job(
+    return store.jobs.create_job(
         admission.job_id,
         accepted.prompt,
         admission.records,
@@ -350,6 +346,8 @@ def _create_record(store: Store, admission: Admission, traced: tuple[str, dict[s
         job_class=admission.job_class,
         batch_id=admission.batch_id,
         look_at=admission.look_at,
+        request=admission.model_request,
+        also=also,
     )
 
 

@@ -15,12 +15,13 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from opentelemetry.propagate import extract
 
 from stoker.adapters.metrics import BATCH_SECONDS, BATCH_SIZE, BATCH_WAIT_SECONDS, DEVICE_IDLE_GAP_SECONDS
-from stoker.adapters.store.jobs import Ending, Pending
+from stoker.adapters.store.jobs import Ending, Pending, Queued
 from stoker.adapters.tracing import mark_failed, tracer
 from stoker.core.errors import DeadlineExceeded, InferenceFailed, StokerError
 from stoker.core.jobs import (
@@ -151,13 +152,26 @@ def settle(ran: RanBatch) -> tuple[RanBatch, list[BatchItem]]:
     return settled, going_on
 
 
-def write_batch(ctx: WorkerContext, ran: RanBatch) -> None:
-    """Every job's result, its stamps and the batch's counters, pipelined; then spans, metrics and log lines."""
+def write_batch(ctx: WorkerContext, ran: RanBatch, consumer: str | None = None) -> None:
+    """Every job's result, its stamps, the batch's counters and (for a `consumer` in the registry) its letting go
+    of the batch's jobs, in one pipelined round trip; then spans, metrics and log lines."""
     store = ctx.store
     model = ctx.predictor.name
     endings = [_ending(ran, item, _final(o), model) for item, o in zip(ran.items, ran.outcomes, strict=True)]
-    written = store.jobs.finish_many(endings) if not ran.overdue else [False] * len(endings)
-    store.stats.record_batch("infer", len(ran.items), ran.ended - ran.started, ran.idle_gap_s, ran.calls)
+    busy_s = ran.ended - ran.started
+    also: list[Queued] = [
+        partial(
+            store.stats.queue_batch,
+            queue="infer",
+            size=len(ran.items),
+            busy_s=busy_s,
+            gap_s=ran.idle_gap_s,
+            calls=ran.calls,
+        )
+    ]
+    if consumer is not None:  # after the endings: a job is let go of only once it is written
+        also.append(partial(store.consumers.queue_release, consumer=consumer, job_ids=[i.job_id for i in ran.items]))
+    written = store.jobs.finish_many([] if ran.overdue else endings, also=also) or [False] * len(endings)
     _observe(ran)
     for item, outcome, ending, fresh in zip(ran.items, ran.outcomes, endings, written, strict=True):
         _span(ran, item, _final(outcome))

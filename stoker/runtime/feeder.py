@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from queue import Empty, Queue
 
 from stoker.core.batching import BatchPolicy, Plan, Waiting, start_at, top_up
@@ -324,7 +325,7 @@ class Feeder:
             self._written = items
         try:
             if ran is not None:
-                write_batch(self.ctx, ran)
+                write_batch(self.ctx, ran, self.consumer)  # lets go of the batch's jobs as it writes them
             else:
                 fail_batch(self.ctx, items, failure or RuntimeError("unknown"))
         except Exception:
@@ -334,7 +335,8 @@ class Feeder:
             for item in items:
                 if item.message is not None:
                     item.message.acknowledge()
-            self._release([i.job_id for i in items])
+            if ran is None:
+                self._release([i.job_id for i in items])
         with self._cond:
             self._written = []
 
@@ -346,9 +348,8 @@ class Feeder:
         if started:
             store = self.ctx.store
             first = [i.job_id for i in started if not i.request.generated]  # an answer that goes on started before
-            if first:
-                store.jobs.stamp_many(first, "infer_start", at)
-            store.stats.device_started(at)
+            device_started = partial(store.stats.queue_device_started, at=at)
+            store.jobs.stamp_many(first, "infer_start", at, also=[device_started])  # one round trip
         for item in late:
             expire(self.ctx, item.job_id, at)
             if item.message is not None:

@@ -372,12 +372,15 @@ class _EndingSubmitter(SpySubmitter):
 
 
 def test_a_job_that_ends_before_its_post_is_answered_is_202_unless_the_post_waited(own_valkey: OwnValkey) -> None:
-    # 200 is the answer to a POST that asked to wait for the job's end (?wait=S), not to a fast job.
+    # 200 is the answer to a POST that asked to wait for the job's end (?wait=S), not to a fast job. A POST that
+    # did not wait answers the job as it was accepted (read back with its record); a read after shows its end.
     app = create_app(own_valkey.settings(auth=False), submitter=_EndingSubmitter(own_valkey.store))
     with TestClient(app) as client:
         unwaited = client.post("/v1/jobs", data={"prompt": "Over before it is answered."})
         waited = client.post("/v1/jobs", params={"wait": 5}, data={"prompt": "Over before it is answered."})
-    assert (unwaited.status_code, unwaited.json()["status"]) == (202, "cancelled"), unwaited.text
+        later = client.get(unwaited.headers["location"])
+    assert (unwaited.status_code, unwaited.json()["status"]) == (202, "queued"), unwaited.text
+    assert later.json()["status"] == "cancelled", later.text
     assert (waited.status_code, waited.json()["status"]) == (200, "cancelled"), waited.text
 
 

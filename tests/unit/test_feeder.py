@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from stoker.adapters.store.jobs import Ending, Pending
+from stoker.adapters.store.jobs import Ending, Pending, Queued
 from stoker.core.batching import BatchPolicy
 from stoker.core.jobs import ErrorInfo, Job
 from stoker.core.model import Continued, ModelRequest, Prediction
@@ -48,17 +48,21 @@ class MemoryJobs:
     def finish(self, job_id: str, status: Any, error: ErrorInfo | None = None, **_: Any) -> bool:
         return self.finish_many([Ending(job_id, "default", status, error=error)])[0]
 
-    def finish_many(self, endings: Sequence[Ending]) -> list[bool]:
+    def finish_many(self, endings: Sequence[Ending], also: Sequence[Queued] = ()) -> list[bool]:
         with self._lock:
             fresh = [e.job_id not in self.ended for e in endings]
             for ending, new in zip(endings, fresh, strict=True):
                 if new:
                     self.ended[ending.job_id] = ending
-            return fresh
+        for queued in also:  # after the endings, as the store's one pipeline runs them
+            queued(None)
+        return fresh
 
-    def stamp_many(self, job_ids: Sequence[str], name: str, at: float) -> None:
+    def stamp_many(self, job_ids: Sequence[str], name: str, at: float, also: Sequence[Queued] = ()) -> None:
         for job_id in job_ids:
             self.started[job_id] = at
+        for queued in also:
+            queued(None)
 
     @contextlib.contextmanager
     def cancellations(self) -> Iterator[Any]:
@@ -85,6 +89,9 @@ class MemoryConsumers:
     def release(self, consumer: str, job_ids: Iterable[str]) -> None:
         self.held -= set(job_ids)
 
+    def queue_release(self, pipe: None, consumer: str, job_ids: Iterable[str]) -> None:
+        self.release(consumer, job_ids)
+
     def beat(self, consumer: str, ttl_s: float) -> None:
         self.beats.append(ttl_s)
 
@@ -105,8 +112,16 @@ class MemoryStats:
     def device_started(self, at: float) -> None:
         pass
 
+    def queue_device_started(self, pipe: None, at: float) -> None:
+        pass
+
     def record_batch(self, queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1) -> None:
         self.batches.append((size, calls))
+
+    def queue_batch(
+        self, pipe: None, queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1
+    ) -> None:
+        self.record_batch(queue, size, busy_s, gap_s, calls)
 
 
 class MemoryStore:

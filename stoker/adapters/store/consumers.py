@@ -40,8 +40,13 @@ class ConsumerRegistry:
 
     def release(self, consumer: str, job_ids: Collection[str]) -> None:
         """This consumer is done with these jobs (ended, expired, or handed back)."""
+        self.queue_release(self.redis, consumer, job_ids)
+
+    @staticmethod
+    def queue_release(pipe: redis.Redis[bytes], consumer: str, job_ids: Collection[str]) -> None:
+        """`release` onto a client or pipeline (the consumer sends it with its batch's endings)."""
         if job_ids:
-            self.redis.srem(consumer_jobs_key(consumer), *job_ids)
+            pipe.srem(consumer_jobs_key(consumer), *job_ids)
 
     def leave(self, consumer: str) -> None:
         """A consumer stopping cleanly (it handed its messages back): forget it."""

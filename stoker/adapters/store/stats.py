@@ -55,20 +55,32 @@ class StatsRepository:
         """One batch done, in one round trip: its messages drained, the device's busy seconds and backend calls,
         and the device's idle gap before it (when work was waiting), kept among the most recent `GAPS_KEPT`."""
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hincrby(DRAINED_KEY, queue, size)
-            pipe.hincrbyfloat(DEVICE_KEY, "busy_s", busy_s)
-            pipe.hdel(DEVICE_KEY, "running_since")
-            pipe.hincrby(DEVICE_KEY, "batches", 1)
-            pipe.hincrby(DEVICE_KEY, "calls", calls)
-            pipe.hincrby(DEVICE_KEY, "items", size)
-            if gap_s is not None:
-                pipe.lpush(DEVICE_GAPS_KEY, repr(gap_s))
-                pipe.ltrim(DEVICE_GAPS_KEY, 0, GAPS_KEPT - 1)
+            self.queue_batch(pipe, queue, size, busy_s, gap_s, calls)
             pipe.execute()
+
+    @staticmethod
+    def queue_batch(
+        pipe: redis.Redis[bytes], queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1
+    ) -> None:
+        """`record_batch`'s commands onto a pipeline (the consumer sends them with its batch's endings)."""
+        pipe.hincrby(DRAINED_KEY, queue, size)
+        pipe.hincrbyfloat(DEVICE_KEY, "busy_s", busy_s)
+        pipe.hdel(DEVICE_KEY, "running_since")
+        pipe.hincrby(DEVICE_KEY, "batches", 1)
+        pipe.hincrby(DEVICE_KEY, "calls", calls)
+        pipe.hincrby(DEVICE_KEY, "items", size)
+        if gap_s is not None:
+            pipe.lpush(DEVICE_GAPS_KEY, repr(gap_s))
+            pipe.ltrim(DEVICE_GAPS_KEY, 0, GAPS_KEPT - 1)
 
     def device_started(self, at: float) -> None:
         """A batch went onto the device at `at`: until it is recorded, readers count its time so far as busy."""
-        self.redis.hset(DEVICE_KEY, "running_since", repr(at))
+        self.queue_device_started(self.redis, at)
+
+    @staticmethod
+    def queue_device_started(pipe: redis.Redis[bytes], at: float) -> None:
+        """`device_started` onto a client or pipeline (the consumer sends it with its batch's start stamps)."""
+        pipe.hset(DEVICE_KEY, "running_since", repr(at))
 
     def device_gaps(self) -> list[float]:
         """The device's most recent idle gaps between batches while work waited, in seconds."""
