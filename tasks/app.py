@@ -38,21 +38,54 @@ def make_worker_app(include: Sequence[str] = ()) -> Celery:
 
 
 class StokerCelery(Celery):  # type: ignore[misc]
-    """Celery, with its result backend's class looked up once per app instead of once per thread.
+    """Celery, with its result backend's class looked up once per app instead of once per thread, and, in a process
+    that only publishes (`publish_only`), a backend that waits on no result.
 
     A backend that is not thread-safe (Redis's) is made once for each thread that publishes, and Celery finds its
     class anew each time by reading every installed package's entry points: about 8 ms of CPU holding the GIL,
     paid by each new API thread on its first publish. When a batch began feeding, a burst of new threads stalled
     every request of the API for up to a second."""
 
+    #: Set by `configure` for the API: it publishes jobs and never waits on a Celery result (a job's is in the job
+    #: store), so its backend subscribes to no result channel (`PublishOnly`).
+    publish_only = False
+
     @cached_property
     def _backend_class(self) -> tuple[type, str]:
         backend_class, url = backends.by_url(self.backend_cls or self.conf.result_backend, self.loader)
+        if self.publish_only:
+            backend_class = type(f"PublishOnly{backend_class.__name__}", (PublishOnly, backend_class), {})
         return backend_class, url
 
     def _get_backend(self) -> Any:
         backend_class, url = self._backend_class
         return backend_class(app=self, url=url)
+
+
+class PublishOnly:
+    """A result backend (mixed in before Celery's own) for a process that publishes and never waits on a result.
+
+    Celery's Redis backend subscribes its publisher to the result channel of every task it sends that keeps a
+    result, and of a chord's header (every job with media), starting a thread that drains them; once it has
+    subscribed to one, it unsubscribes for every result handle that is dropped (every job the API publishes after
+    its first job with media): a round trip per job, and a listener's work per result, for results nobody here
+    reads. Celery has no setting for a
+    publisher that never joins (its own workers skip the subscription through a private flag of theirs)."""
+
+    def on_task_call(self, producer: Any, task_id: str) -> None:
+        """Subscribe to nothing."""
+
+    def add_pending_result(self, result: Any, weak: bool = False, start_drainer: bool = True) -> Any:
+        """Wait on nothing (a group's result handle asks to: a chord's header)."""
+        return result
+
+    def add_pending_results(self, results: Any, weak: bool = False) -> Any:
+        """Wait on none of them."""
+        return results
+
+    def remove_pending_result(self, result: Any) -> Any:
+        """Nothing to leave: no result handle is pending here."""
+        return result
 
 
 def configure(app: Celery, settings: CommonSettings) -> None:
@@ -62,6 +95,7 @@ def configure(app: Celery, settings: CommonSettings) -> None:
         app.conf.update(celeryconfig.limits(settings))
     if isinstance(settings, ApiSettings):
         app.conf.update(celeryconfig.producer(settings))
+        app.publish_only = True
 
 
 @before_task_publish.connect

@@ -386,17 +386,20 @@ def test_a_job_that_ends_before_its_post_is_answered_is_202_unless_the_post_wait
 
 def test_publishing_a_job_subscribes_the_api_to_no_result_channel(own_valkey: OwnValkey) -> None:
     # The API never waits on a Celery result: Celery's Redis backend subscribed it to each published task's
-    # result channel (and unsubscribed again), two commands per job for nothing.
+    # result channel (and unsubscribed again), two commands per job for nothing; and once a job with media had
+    # published a chord, it unsubscribed for every job after (a round trip per job).
     def subscribes() -> int:
         stats = own_valkey.store.client.info("commandstats")
         return sum(int(stats.get(f"cmdstat_{verb}", {}).get("calls", 0)) for verb in ("subscribe", "unsubscribe"))
 
     with TestClient(create_app(own_valkey.settings(auth=False))) as client:
         before = subscribes()
-        posted = [client.post("/v1/jobs", data={"prompt": f"Question {n}."}) for n in range(5)]
-        assert [p.status_code for p in posted] == [202] * 5, [p.text for p in posted]
+        image = {"image": ("page.png", text_image("a chord of stages"), "image/png")}
+        posted = [client.post("/v1/jobs", data={"prompt": "What does it say?"}, files=image)]
+        posted += [client.post("/v1/jobs", data={"prompt": f"Question {n}."}) for n in range(5)]
+        assert [p.status_code for p in posted] == [202] * 6, [p.text for p in posted]
         with kombu.Connection(f"{own_valkey.base}/0") as broker:
-            assert sum(queue_depths(broker).values()) == 5  # published, to queues nobody here consumes
+            assert sum(queue_depths(broker).values()) == 6  # published, to queues nobody here consumes
         assert subscribes() == before
 
 
