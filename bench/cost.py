@@ -9,12 +9,12 @@ tree): text-only jobs through `POST /v1/jobs` and a long-poll, the same in one r
 cached-image jobs (one image and one prompt, both in the cache after the first), and chat completions. For each
 kind of job it reads the user + system CPU time of every process in the stack's tree from /proc before and after
 (children that exited are counted in their parent's cutime/cstime) and divides by the jobs answered, and counts
-the commands the stack's Valkey ran per job; then the stack's idle cost over `--idle-s`, in cores per process
+the commands the stack's Valkey ran per job and the round trips every process made to it (the reads it served); then the stack's idle cost over `--idle-s`, in cores per process
 kind. With py-spy installed (`pip install py-spy`), the API and the inference worker are sampled under load
 (text-only unless `--profile-case` names another case), and the functions they spend their CPU in are listed.
 
 CPU time, not wall time: on a machine where other work runs, contention stretches wall time far more than the
-CPU a process spends. The command count does not move with the machine at all. Prints a table and writes
+CPU a process spends. The command and round-trip counts do not move with the machine at all. Prints a table and writes
 bench/results/cost.json and cost.md; `--docs` also writes the table into docs/benchmarks.md (between the
 `cost:begin` / `cost:end` markers).
 """
@@ -133,14 +133,16 @@ class Stack:
     log: Path
     scratch: Path
 
-    def commands(self) -> int:
-        """Every command the stack's embedded Valkey has run so far (`INFO commandstats`): a count, so it moves
-        with what the stack does per job, not with how busy the machine is."""
+    def valkey_counts(self) -> tuple[int, int]:
+        """Every command the stack's embedded Valkey has run so far (`INFO commandstats`), and every read of a
+        client's socket it has processed (`INFO stats`: one per request or pipeline sent, so the round trips of
+        every process): counts, so they move with what the stack does per job, not with how busy the machine is."""
         (valkey,) = (p for p in tree(self.proc.pid) if kind_of(p.cmdline) == "Valkey")
         listening = re.search(r"127\.0\.0\.1:(\d+)", valkey.cmdline)  # its title once it runs: valkey-server HOST:PORT
         assert listening is not None, valkey.cmdline
         with redis.Redis(port=int(listening.group(1))) as client:
-            return sum(int(stat["calls"]) for stat in client.info("commandstats").values())
+            commands = sum(int(stat["calls"]) for stat in client.info("commandstats").values())
+            return commands, int(client.info("stats")["total_reads_processed"])
 
     def pids(self, kind: str) -> list[int]:
         """The processes of one kind (a prefork worker's parent first)."""
@@ -299,11 +301,12 @@ def measure(stack: Stack, name: str, send: Send, jobs: int, clients: int) -> dic
     """One closed-loop phase: CPU ms per answered job per process kind, and the rate the clients saw."""
     Load(send, max(clients, 8), clients).run(stack.base)  # warm: first-of-a-kind costs (cache fill, imports)
     time.sleep(1.0)
-    before, commands = cpu_by_kind(stack.proc.pid), stack.commands()
+    before, (commands, reads) = cpu_by_kind(stack.proc.pid), stack.valkey_counts()
     load = Load(send, jobs, clients)
     wall = load.run(stack.base)
     spent = delta(before, cpu_by_kind(stack.proc.pid))
-    commands = stack.commands() - commands
+    commands_after, reads_after = stack.valkey_counts()
+    commands, reads = commands_after - commands, reads_after - reads
     per_job = {k: round(v * 1000 / max(load.ok, 1), 2) for k, v in spent.items()}
     return {
         "case": name,
@@ -314,6 +317,7 @@ def measure(stack: Stack, name: str, send: Send, jobs: int, clients: int) -> dic
         "cpu_ms_per_job": per_job,
         "stack_ms_per_job": round(sum(per_job.values()), 2),
         "valkey_commands_per_job": round(commands / max(load.ok, 1), 1),
+        "valkey_round_trips_per_job": round(reads / max(load.ok, 1), 1),
     }
 
 
@@ -453,6 +457,8 @@ def markdown(rows: list[dict[str, Any]], idle_cores: dict[str, float], idle_s: f
     lines.append("| stack less its idle cost over the run | " + " | ".join(marginal) + " | |")
     commands = [f"{r['valkey_commands_per_job']:.1f}" for r in rows]
     lines.append("| Valkey commands per job (every process's) | " + " | ".join(commands) + " | |")
+    trips = [f"{r['valkey_round_trips_per_job']:.1f}" for r in rows]
+    lines.append("| Valkey round trips per job (the reads it served, every process's) | " + " | ".join(trips) + " | |")
     rates = [f"{r['jobs']} jobs, {r['jobs_per_s']}/s" for r in rows]
     lines.append("| (answered, closed loop) | " + " | ".join(rates) + " | |")
     return "\n".join(lines)
