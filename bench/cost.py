@@ -9,13 +9,14 @@ tree): text-only jobs through `POST /v1/jobs` and a long-poll, the same in one r
 cached-image jobs (one image and one prompt, both in the cache after the first), and chat completions. For each
 kind of job it reads the user + system CPU time of every process in the stack's tree from /proc before and after
 (children that exited are counted in their parent's cutime/cstime) and divides by the jobs answered, and counts
-the commands the stack's Valkey ran per job and the round trips every process made to it (the reads it served); then the stack's idle cost over `--idle-s`, in cores per process
-kind. With py-spy installed (`pip install py-spy`), the API and the inference worker are sampled under load
-(text-only unless `--profile-case` names another case), and the functions they spend their CPU in are listed.
+the commands the stack's Valkey ran per job and the round trips every process made to it (the reads it served);
+then the stack's idle cost over `--idle-s`, in cores per process kind. With py-spy installed (`pip install
+py-spy`), the API and the inference worker are sampled under load (text-only unless `--profile-case` names
+another case), and the functions they spend their CPU in are listed.
 
 CPU time, not wall time: on a machine where other work runs, contention stretches wall time far more than the
-CPU a process spends. The command and round-trip counts do not move with the machine at all. Prints a table and writes
-bench/results/cost.json and cost.md; `--docs` also writes the table into docs/benchmarks.md (between the
+CPU a process spends. The command and round-trip counts do not move with the machine at all. Prints a table and
+writes bench/results/cost.json and cost.md; `--docs` also writes the table into docs/benchmarks.md (between the
 `cost:begin` / `cost:end` markers).
 """
 
