@@ -69,8 +69,8 @@ class PublishOnly:
     result, and of a chord's header (every job with media), starting a thread that drains them; once it has
     subscribed to one, it unsubscribes for every result handle that is dropped (every job the API publishes after
     its first job with media): a round trip per job, and a listener's work per result, for results nobody here
-    reads. Celery has no setting for a
-    publisher that never joins (its own workers skip the subscription through a private flag of theirs)."""
+    reads. Celery has no setting for a publisher that never joins (its own workers skip the subscription through a
+    private flag of theirs)."""
 
     def on_task_call(self, producer: Any, task_id: str) -> None:
         """Subscribe to nothing."""
