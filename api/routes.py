@@ -117,7 +117,7 @@ async def create_job(request: Request, context: Context, tenant: Annotated[str, 
     if submitted.replayed:  # the job an earlier request with this Idempotency-Key made
         headers[REPLAYED] = "true"
     # 202 Accepted unless the answer is the job's end that a `wait` asked for (or a replay): a POST that did not wait
-    # is 202 even when its job ended before admission read it back (a fast device on a slow host).
+    # answers its job as admission wrote it, whatever a fast device did with it since.
     status = 200 if submitted.replayed or (wait > 0 and job.terminal) else 202
     return JSONResponse(job.model_dump(mode="json"), status_code=status, headers=headers)
 
