@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -195,96 +196,92 @@ def test_a_stopping_process_gives_its_lease_up_once_and_a_store_that_is_gone_is_
     assert not give_up_lease(gone, key, "me")
 
 
-def test_a_batch_ends_in_one_round_trip_and_still_ends_after_the_store_forgot_its_scripts() -> None:
-    """The consumer's writer sends its batch's endings as one pipeline, with no SCRIPT EXISTS before it; a store that
-    restarted empty or was flushed (no scripts) still ends every job of the batch."""
+@pytest.fixture
+def own_store() -> Iterator[Store]:
+    """A store on a Valkey of the test's own, for tests that count its commands or flush its scripts."""
     valkey, port = start_embedded(persist=False)
     client = redis.Redis(port=port)
     try:
-        store = Store.over(client, blob_ttl_s=60, job_ttl_s=60)
-        first, second = _new_job(store), _new_job(store)
-        store.jobs.finish_many([Ending(first, "t", "failed", error=ErrorInfo(code="x", message="warm"))])
-        client.config_resetstat()
-        answer = ResultInfo(text="a", model="m", prompt_tokens=1, completion_tokens=1)
-        ending = Ending(second, "t", "succeeded", result=answer)
-        assert store.jobs.finish_many([ending]) == [True]
-        calls = {name: int(stat["calls"]) for name, stat in client.info("commandstats").items()}
-        assert "cmdstat_script|exists" not in calls
-        assert calls["cmdstat_evalsha"] == 1
-
-        client.script_flush()
-        third, fourth = _new_job(store), _new_job(store)
-        endings = [Ending(j, "t", "succeeded", result=answer) for j in (third, fourth)]
-        assert store.jobs.finish_many([*endings, ending]) == [True, True, False]  # the second had already ended
-        ended = [store.jobs.load_job(j) for j in (third, fourth)]
-        assert [job.status if job else None for job in ended] == ["succeeded", "succeeded"]
+        yield Store.over(client, blob_ttl_s=60, job_ttl_s=60)
     finally:
         client.close()
         stop(valkey)
 
 
-def test_a_job_for_the_model_is_made_handed_over_and_read_back_in_one_transaction() -> None:
+def test_a_batch_ends_in_one_round_trip_and_still_ends_after_the_store_forgot_its_scripts(own_store: Store) -> None:
+    """The consumer's writer sends its batch's endings as one pipeline, with no SCRIPT EXISTS before it; a store that
+    restarted empty or was flushed (no scripts) still ends every job of the batch."""
+    store, client = own_store, own_store.client
+    first, second = _new_job(store), _new_job(store)
+    store.jobs.finish_many([Ending(first, "t", "failed", error=ErrorInfo(code="x", message="warm"))])
+    client.config_resetstat()
+    answer = ResultInfo(text="a", model="m", prompt_tokens=1, completion_tokens=1)
+    ending = Ending(second, "t", "succeeded", result=answer)
+    assert store.jobs.finish_many([ending]) == [True]
+    calls = {name: int(stat["calls"]) for name, stat in client.info("commandstats").items()}
+    assert "cmdstat_script|exists" not in calls
+    assert calls["cmdstat_evalsha"] == 1
+
+    client.script_flush()
+    third, fourth = _new_job(store), _new_job(store)
+    endings = [Ending(j, "t", "succeeded", result=answer) for j in (third, fourth)]
+    assert store.jobs.finish_many([*endings, ending]) == [True, True, False]  # the second had already ended
+    ended = [store.jobs.load_job(j) for j in (third, fourth)]
+    assert [job.status if job else None for job in ended] == ["succeeded", "succeeded"]
+
+
+def test_a_job_for_the_model_is_made_handed_over_and_read_back_in_one_transaction(own_store: Store) -> None:
     """The API makes a job that skips preprocessing in one round trip: its record, its hand-off to inference, what
     another repository queues with it (the retry fingerprint) and the read of the job as written; after the store
     forgot its scripts, the hand-off still happens."""
-    valkey, port = start_embedded(persist=False)
-    client = redis.Redis(port=port)
-    try:
-        store = Store.over(client, blob_ttl_s=60, job_ttl_s=60)
-        request = ModelRequest(prompt_ids=[1, 2, 3])
+    store, client = own_store, own_store.client
+    request = ModelRequest(prompt_ids=[1, 2, 3])
 
-        def made(note: str) -> tuple[str, Job]:
-            job_id, now = uuid.uuid4().hex, time.time()
-            remember = functools.partial(IdempotencyKeys.queue_recent, digest=note, job_id=job_id, ttl_s=60)
-            deadline = deadline_for(now, 60_000, 5_000)
-            job = store.jobs.create_job(
-                job_id, "Hi.", [], now, deadline, 60_000, tenant="t", request=request, also=[remember]
-            )
-            return job_id, job
+    def made(note: str) -> tuple[str, Job]:
+        job_id, now = uuid.uuid4().hex, time.time()
+        remember = functools.partial(IdempotencyKeys.queue_recent, digest=note, job_id=job_id, ttl_s=60)
+        deadline = deadline_for(now, 60_000, 5_000)
+        job = store.jobs.create_job(
+            job_id, "Hi.", [], now, deadline, 60_000, tenant="t", request=request, also=[remember]
+        )
+        return job_id, job
 
-        made("warm")
-        client.config_resetstat()
-        job_id, job = made("d1")
-        calls = {name: int(stat["calls"]) for name, stat in client.info("commandstats").items()}
-        assert (calls["cmdstat_multi"], calls["cmdstat_exec"], calls["cmdstat_evalsha"]) == (1, 1, 1)
-        assert "cmdstat_script|exists" not in calls
-        assert (job.id, job.status) == (job_id, "inferring")  # read back after the hand-off
-        assert store.jobs.get_request(job_id) == request
-        assert store.idempotency.recent("d1") == job_id
+    made("warm")
+    client.config_resetstat()
+    job_id, job = made("d1")
+    calls = {name: int(stat["calls"]) for name, stat in client.info("commandstats").items()}
+    assert (calls["cmdstat_multi"], calls["cmdstat_exec"], calls["cmdstat_evalsha"]) == (1, 1, 1)
+    assert "cmdstat_script|exists" not in calls
+    assert (job.id, job.status) == (job_id, "inferring")  # read back after the hand-off
+    assert store.jobs.get_request(job_id) == request
+    assert store.idempotency.recent("d1") == job_id
 
-        client.script_flush()
-        job_id, job = made("d2")
-        assert job.status == "inferring"
-        assert store.jobs.get_request(job_id) == request
-        assert store.idempotency.recent("d2") == job_id
-    finally:
-        client.close()
-        stop(valkey)
+    client.script_flush()
+    job_id, job = made("d2")
+    assert job.status == "inferring"
+    assert store.jobs.get_request(job_id) == request
+    assert store.idempotency.recent("d2") == job_id
 
 
-def test_a_batch_is_ended_counted_and_let_go_of_in_one_pipeline_even_after_the_store_forgot_its_scripts() -> None:
+def test_a_batch_is_ended_counted_and_let_go_of_in_one_pipeline_even_after_the_store_forgot_its_scripts(
+    own_store: Store,
+) -> None:
     """The consumer's writer sends a batch's endings, its counters and its letting go of the batch's jobs in one
     pipeline: each is written, and the endings' answers are the endings' alone, scripts or none."""
-    valkey, port = start_embedded(persist=False)
-    client = redis.Redis(port=port)
-    try:
-        store = Store.over(client, blob_ttl_s=60, job_ttl_s=60)
-        answer = ResultInfo(text="a", model="m", prompt_tokens=1, completion_tokens=1)
-        for forgot in (False, True):
-            if forgot:
-                client.script_flush()
-            jobs = [_new_job(store), _new_job(store)]
-            store.consumers.hold("c1", jobs)
-            before = store.stats.counters()["drained"].get("infer", 0.0)
-            also = [
-                functools.partial(store.stats.queue_batch, queue="infer", size=2, busy_s=0.5, gap_s=None),
-                functools.partial(store.consumers.queue_release, consumer="c1", job_ids=jobs),
-            ]
-            endings = [Ending(j, "t", "succeeded", result=answer) for j in jobs]
-            assert store.jobs.finish_many(endings, also=also) == [True, True]
-            assert [job.status if job else None for job in map(store.jobs.load_job, jobs)] == ["succeeded"] * 2
-            assert store.stats.counters()["drained"]["infer"] == before + 2
-            assert not client.smembers(consumer_jobs_key("c1"))
-    finally:
-        client.close()
-        stop(valkey)
+    store, client = own_store, own_store.client
+    answer = ResultInfo(text="a", model="m", prompt_tokens=1, completion_tokens=1)
+    for forgot in (False, True):
+        if forgot:
+            client.script_flush()
+        jobs = [_new_job(store), _new_job(store)]
+        store.consumers.hold("c1", jobs)
+        before = store.stats.counters()["drained"].get("infer", 0.0)
+        also = [
+            functools.partial(store.stats.queue_batch, queue="infer", size=2, busy_s=0.5, gap_s=None),
+            functools.partial(store.consumers.queue_release, consumer="c1", job_ids=jobs),
+        ]
+        endings = [Ending(j, "t", "succeeded", result=answer) for j in jobs]
+        assert store.jobs.finish_many(endings, also=also) == [True, True]
+        assert [job.status if job else None for job in map(store.jobs.load_job, jobs)] == ["succeeded"] * 2
+        assert store.stats.counters()["drained"]["infer"] == before + 2
+        assert not client.smembers(consumer_jobs_key("c1"))

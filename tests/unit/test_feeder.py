@@ -109,19 +109,13 @@ class MemoryStats:
     def count_drained(self, queue: str, n: int = 1) -> None:
         self.drained += n
 
-    def device_started(self, at: float) -> None:
-        pass
-
     def queue_device_started(self, pipe: None, at: float) -> None:
         pass
-
-    def record_batch(self, queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1) -> None:
-        self.batches.append((size, calls))
 
     def queue_batch(
         self, pipe: None, queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1
     ) -> None:
-        self.record_batch(queue, size, busy_s, gap_s, calls)
+        self.batches.append((size, calls))
 
 
 class MemoryStore:

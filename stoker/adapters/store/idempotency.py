@@ -60,14 +60,10 @@ class IdempotencyKeys:
         args = [CLAIM_PREFIX + job_id, "", 0, settled_channel(job_id)]
         self._if_claimed_by(keys=[idempotency_key(digest)], args=args)
 
-    def note_recent(self, digest: str, job_id: str, ttl_s: int) -> None:
-        """Remember for `ttl_s` that the request with this digest (one without a key) made `job_id` (the latest
-        such request's job, when several were alike)."""
-        self.queue_recent(self.redis, digest, job_id, ttl_s)
-
     @staticmethod
     def queue_recent(pipe: redis.Redis[bytes], digest: str, job_id: str, ttl_s: int) -> None:
-        """`note_recent` onto a client or pipeline (the job's own creation queues it with its record)."""
+        """Remember for `ttl_s` that the request with this digest (one without a key) made `job_id` (the latest
+        such request's job, when several were alike): queued onto `pipe`, the transaction that makes the job."""
         pipe.set(recent_request_key(digest), job_id, ex=ttl_s)
 
     def recent(self, digest: str) -> str | None:

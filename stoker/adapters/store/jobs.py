@@ -264,12 +264,15 @@ class JobRepository:
             queue(pipe)
         pipe.hgetall(job_key(job_id))
         results = pipe.execute(raise_on_error=False)
-        for result in results[: written + (hand_off is not None)]:
-            if isinstance(result, Exception) and not (hand_off and isinstance(result, NoScriptError)):
+        for result in results[:written]:
+            if isinstance(result, Exception):
                 raise result
-        if hand_off is not None and isinstance(results[written], NoScriptError):
+        handed = results[written] if hand_off is not None else None
+        if isinstance(handed, NoScriptError) and hand_off is not None:
             self._hand_off(keys=hand_off[0], args=hand_off[1])  # the store forgot its scripts: this loads it
             return job_from_fields(job_id, self.redis.hgetall(job_key(job_id)))
+        if isinstance(handed, Exception):
+            raise handed
         return job_from_fields(job_id, results[-1])
 
     def _check_size(self, fields: dict[str | bytes, str | bytes | float | int]) -> None:

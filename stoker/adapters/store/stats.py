@@ -51,18 +51,13 @@ class StatsRepository:
         drained = {k: float(v) for k, v in self.drained().items()}
         return {"drained": drained, "refused": refused, "device": device, "cpu_s": self.cpu_time()}
 
-    def record_batch(self, queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1) -> None:
-        """One batch done, in one round trip: its messages drained, the device's busy seconds and backend calls,
-        and the device's idle gap before it (when work was waiting), kept among the most recent `GAPS_KEPT`."""
-        with self.redis.pipeline(transaction=False) as pipe:
-            self.queue_batch(pipe, queue, size, busy_s, gap_s, calls)
-            pipe.execute()
-
     @staticmethod
     def queue_batch(
         pipe: redis.Redis[bytes], queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1
     ) -> None:
-        """`record_batch`'s commands onto a pipeline (the consumer sends them with its batch's endings)."""
+        """One batch done, queued onto `pipe` (the consumer sends it with the batch's endings): its messages
+        drained, the device's busy seconds and backend calls, and the device's idle gap before it (when work was
+        waiting), kept among the most recent `GAPS_KEPT`."""
         pipe.hincrby(DRAINED_KEY, queue, size)
         pipe.hincrbyfloat(DEVICE_KEY, "busy_s", busy_s)
         pipe.hdel(DEVICE_KEY, "running_since")
@@ -73,13 +68,10 @@ class StatsRepository:
             pipe.lpush(DEVICE_GAPS_KEY, repr(gap_s))
             pipe.ltrim(DEVICE_GAPS_KEY, 0, GAPS_KEPT - 1)
 
-    def device_started(self, at: float) -> None:
-        """A batch went onto the device at `at`: until it is recorded, readers count its time so far as busy."""
-        self.queue_device_started(self.redis, at)
-
     @staticmethod
     def queue_device_started(pipe: redis.Redis[bytes], at: float) -> None:
-        """`device_started` onto a client or pipeline (the consumer sends it with its batch's start stamps)."""
+        """A batch went onto the device at `at`, queued onto `pipe` (the consumer sends it with the batch's start
+        stamps): until the batch is recorded, readers count its time so far as busy."""
         pipe.hset(DEVICE_KEY, "running_since", repr(at))
 
     def device_gaps(self) -> list[float]:
