@@ -40,12 +40,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import redis
 from rich.console import Console
 from rich.table import Table
 
+from bench import rawload
 from bench.workload import text_png
 from workers.broker import free_port
 
@@ -327,22 +329,36 @@ def post_only(http: httpx.Client, n: int) -> bool:
     return http.post("/v1/jobs", data={"prompt": f"Question {n}: what is {n} squared?"}).status_code == 202
 
 
+def post_form(n: int) -> tuple[str, str, bytes]:
+    """`post_only`'s request for the admission phase's clients (`bench.rawload`)."""
+    return "POST", "/v1/jobs", urlencode({"prompt": f"Question {n}: what is {n} squared?"}).encode()
+
+
 def admission(stack: Stack, seconds: float, clients: int) -> dict[str, Any]:
     """`POST /v1/jobs` as fast as `clients` closed-loop clients can send, for `seconds`: accepted jobs per second,
-    and how busy the API process was meanwhile (near 1 core: the API's own CPU is the ceiling)."""
-    before, started = cpu_by_kind(stack.proc.pid), time.monotonic()
-    load = Load(post_only, 10**9, clients)
-    driver = threading.Thread(target=load.run, args=(stack.base,), daemon=True)
-    driver.start()
-    time.sleep(seconds)
-    with load.lock:
-        accepted, load.jobs = load.ok, load.issued
+    and how busy each process was meanwhile (near 1 core: the API's own CPU is the ceiling); then every accepted
+    job is waited for, and how they ended is counted (a rate whose jobs are not all answered is no rate).
+
+    The clients are `bench.rawload`'s, on one event loop in this process: the load generator's own CPU, counted
+    here too, is a small share of the machine the stack runs on."""
+    before, started, generator = cpu_by_kind(stack.proc.pid), time.monotonic(), time.process_time()
+    tally = rawload.run(stack.base, post_form, clients, seconds)
     wall = time.monotonic() - started
     spent = delta(before, cpu_by_kind(stack.proc.pid))
-    driver.join()
+    spent["load generator"] = time.process_time() - generator
+    accepted = len(tally.accepted)
     cores = {k: round(v / wall, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v / wall >= 0.01}
     per_post = round(spent.get("API", 0.0) * 1000 / max(accepted, 1), 2)
-    return {"accepted_per_s": round(accepted / wall, 1), "api_ms_per_post": per_post, "cores": cores}
+    ended = rawload.wait_all(stack.base, tally.accepted)
+    return {
+        "accepted_per_s": round(accepted / wall, 1),
+        "api_ms_per_post": per_post,
+        "generator_ms_per_post": round(spent["load generator"] * 1000 / max(accepted, 1), 3),
+        "cores": cores,
+        "statuses": dict(tally.statuses),
+        "client_errors": dict(tally.errors),
+        "ended": dict(ended),
+    }
 
 
 def idle(stack: Stack, seconds: float, settle_s: float = 5.0) -> dict[str, float]:
@@ -514,7 +530,7 @@ def main() -> None:
     parser.add_argument(
         "--cases",
         default="text,text-wait,image,chat",
-        help="of text, image, chat, chat-image, text-wait, image-wait (one request: POST ?wait=)",
+        help="of text, image, chat, chat-image, text-wait, image-wait (one request: POST ?wait=), post (not waited)",
     )
     parser.add_argument("--profile-case", default="text", help="the case profiled (one of --cases' choices)")
     parser.add_argument("--admission-s", type=float, default=0.0, help="POST-only load this long (0: none)")
@@ -532,6 +548,7 @@ def main() -> None:
             "image-wait": image_job_waited,
             "chat": chat_job(model),
             "chat-image": chat_image_job(model),
+            "post": post_only,
         }
         wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
         rows = [measure(stack, name, cases[name], args.jobs, args.clients) for name in wanted]
@@ -549,8 +566,9 @@ def main() -> None:
     if admitted is not None:
         text += (
             f"\n\nAdmission, {args.admission_clients} clients posting text jobs for {args.admission_s:.0f} s: "
-            f"{admitted['accepted_per_s']} jobs/s accepted, {admitted['api_ms_per_post']} API CPU ms per POST; "
-            f"cores busy meanwhile: {admitted['cores']}"
+            f"{admitted['accepted_per_s']} jobs/s accepted, {admitted['api_ms_per_post']} API CPU ms per POST "
+            f"({admitted['generator_ms_per_post']} ms in the load generator); cores busy meanwhile: "
+            f"{admitted['cores']}; responses {admitted['statuses']}; the accepted jobs ended {admitted['ended']}"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     facts = {"rows": rows, "idle_cores": idle_cores, "admission": admitted, "profile": prof}
@@ -561,6 +579,8 @@ def main() -> None:
     if args.docs:
         write_docs(text)
     failed = {r["case"]: r["failed"] for r in rows if r["failed"]}
+    if admitted is not None and set(admitted["ended"]) - {"succeeded"}:
+        failed["admission"] = admitted["ended"]
     if failed:
         raise SystemExit(f"jobs that did not succeed: {failed}")
 
