@@ -25,13 +25,13 @@ from api.context import ApiContext
 from api.intake import AcceptedRequest
 from api.tenancy import admit, charge, release
 from stoker.adapters.cache import COST_FIELD
-from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS
+from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS, cache_label
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import StoreOutOfMemory
 from stoker.adapters.store.idempotency import IdempotencyKeys
-from stoker.adapters.store.jobs import Queued
+from stoker.adapters.store.jobs import Queued, Required
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
-from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address
+from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address, prompt_worth_caching
 from stoker.core.costs import SizeBounds, size_class
 from stoker.core.deadlines import Deadline, deadline_for
 from stoker.core.errors import BrokerUnavailable, ClientGone, Overloaded, RateLimited, StokerError, StoreFull
@@ -314,12 +314,11 @@ def _job_span(admission: Admission) -> Iterator[tuple[str, dict[str, str]] | Non
 def _write_job(
     store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
 ) -> Job:
-    """The record (with the hand-off to inference of a job that skips preprocessing, and `also`), then the inputs;
-    the job as written. A store that is full or away is answered as such (`store_full`, `broker_unavailable`)."""
+    """The record, with the uploads' bytes, the hand-off to inference of a job that skips preprocessing, and
+    `also`; the job as written. A store that is full or away is answered as such (`store_full`,
+    `broker_unavailable`)."""
     try:
-        job = _create_record(store, admission, traced, also)
-        _store_inputs(store, admission)
-        return job
+        return _create_record(store, admission, traced, also)
     except StoreOutOfMemory as exc:  # full before the monitor saw it: refused, not lost
         raise StoreFull("the job store is full: try again soon") from exc
     except redis.RedisError as exc:
@@ -329,7 +328,7 @@ def _write_job(
 def _create_record(
     store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
 ) -> Job:
-    """The job's record, first, in one transaction with its hand-off and `also`: one too large
+    """The job's record, in one transaction with its uploads' bytes, its hand-off and `also`: one too large
     (`record_too_large`) is refused before any byte is stored."""
     accepted = admission.accepted
     return store.jobs.create_job(
@@ -347,16 +346,23 @@ def _create_record(
         batch_id=admission.batch_id,
         look_at=admission.look_at,
         request=admission.model_request,
+        required=_uploads(store, admission),
         also=also,
     )
 
 
-def _store_inputs(store: Store, admission: Admission) -> None:
-    """The inputs' bytes, each blob held by the job; a URL input's bytes are stored by the worker that fetches
-    them."""
-    for item in admission.accepted.inputs:
-        if item.url is None:
-            store.blobs.put_blob(item.digest, item.data, admission.job_id)
+def _uploads(store: Store, admission: Admission) -> list[Required]:
+    """The uploaded inputs' bytes, each blob held by the job, written with its record; a URL input's bytes are
+    stored by the worker that fetches them."""
+    job_id = admission.job_id
+    return [
+        Required(
+            functools.partial(store.blobs.queue_put, digest=item.digest, data=item.data, job_id=job_id),
+            functools.partial(store.blobs.put_blob, item.digest, item.data, job_id),
+        )
+        for item in admission.accepted.inputs
+        if item.url is None
+    ]
 
 
 def _enqueue(context: ApiContext, admission: Admission) -> None:
@@ -403,11 +409,15 @@ def _shortcut(
     attachments = [attachment_for(r) for r in filled]
     turns = accepted.chat.turns if accepted.chat else None
     tools = offered_tools(accepted.chat)
-    address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns, tools)
-    found = cache.get_json(address)
-    if found is not None:
-        cache.record("tokenize", hit=True, cost_s=float(found.get(COST_FIELD, 0.0)))
-    elif context.monitor.room_for_inference():
+    address: CacheAddress | None = None
+    found: dict[str, Any] | None = None
+    min_chars = context.settings.api_tokenize_cache_min_chars
+    if prompt_worth_caching(accepted.prompt, attachments, turns, tools, min_chars):
+        address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns, tools)
+        found = cache.get_json(address)
+        if found is not None:
+            cache.record("tokenize", hit=True, cost_s=float(found.get(COST_FIELD, 0.0)))
+    if found is None and context.monitor.room_for_inference():
         found = _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools)
     if found is None:
         return "tokenize", filled, None
@@ -417,19 +427,21 @@ def _shortcut(
 def _tokenize_here(
     context: ApiContext,
     pipeline: PipelineContext,
-    address: CacheAddress,
+    address: CacheAddress | None,
     prompt: str,
     attachments: list[Attachment],
     turns: list[ChatTurn] | None,
     tools: Sequence[ToolSpec],
 ) -> dict[str, Any] | None:
-    """The tokenize stage's work, done in this (pool) thread; cached like the stage's own. None: not possible here."""
+    """The tokenize stage's work, done in this (pool) thread; cached like the stage's own at `address` (None: a
+    prompt tokenized without the cache, `prompt_worth_caching`). None: not possible here."""
     started = time.perf_counter()
     built = context.prompts.build(pipeline, prompt, attachments, turns, tools)
     if built is None:
         return None
     cost = time.perf_counter() - started
     value = {"ids": built.ids, "messages": built.messages, "images": built.images}
-    context.cache.put_miss(address, value, cost)
-    STAGE_SECONDS.labels("tokenize", "miss").observe(cost)
+    if address is not None:
+        context.cache.put_miss(address, value, cost)
+    STAGE_SECONDS.labels("tokenize", cache_label(False if address is not None else None)).observe(cost)
     return value

@@ -339,6 +339,13 @@ class ApiSettings(CommonSettings):
         "event loop, and send them to the inference queue in one hop; needs the model's tokenizer files on the "
         "API's host.",
     )
+    api_tokenize_cache_min_chars: int = Field(
+        1024,
+        ge=0,
+        description="A job with no attachment and no tools whose text (prompt, or every turn of a chat) is at most "
+        "this long is tokenized in the API without the stage cache: rendering and tokenizing it again costs less "
+        "CPU than looking it up and writing it back (0: every prompt goes through the cache).",
+    )
     api_docs: bool = Field(
         True,
         description="The interactive API docs (`/docs`, `/redoc`) and `/openapi.json`; turn off where the schema "

@@ -158,6 +158,22 @@ def prompt_address(
     return CacheAddress("tokenize", prompting.VERSION, digest, context.tokenizer, scope)
 
 
+def prompt_worth_caching(
+    prompt: str,
+    attachments: Sequence[Attachment],
+    turns: Sequence[ChatTurn] | None,
+    tools: Sequence[ToolSpec],
+    min_chars: int,
+) -> bool:
+    """Whether a tokenized prompt is looked up in (and written to) the cache rather than tokenized every time: one
+    with attachments or tools, or with more than `min_chars` characters of text. A short text-only chat costs less
+    to render and tokenize again than the lookup's and the write's round trips to the cache."""
+    if attachments or tools or min_chars == 0:
+        return True
+    text = sum(len(t.text) for t in turns) if turns else len(prompt)
+    return text > min_chars
+
+
 def pipeline_identity(stages: Mapping[str, Any]) -> str:
     """One fingerprint of every stage's parameters: whole cached inputs are valid only under the same identity."""
     return fingerprint(**stages)

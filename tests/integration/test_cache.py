@@ -21,7 +21,8 @@ from api.app import create_app
 from api.context import context_of
 from stoker.adapters.cache import StageCache
 from stoker.adapters.store.keys import cache_key, cache_lease_key
-from stoker.core.cachekeys import CacheAddress
+from stoker.core.cachekeys import CacheAddress, prompt_address
+from stoker.core.tenancy import cache_scope
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.stage import through_cache
 from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
@@ -238,6 +239,33 @@ def test_a_text_only_job_goes_to_the_model_in_one_hop(client: TestClient, spy: S
     assert job["result"]["prompt_tokens"] > 0
     # Its timings stay truthful: preprocessing (tokenizing in the API) ended before the model started.
     assert 0 <= job["timings_ms"]["preprocess"] <= job["timings_ms"]["total"]
+
+
+def test_only_a_long_text_only_prompt_is_cached_in_the_api(client: TestClient, spy: SpySubmitter) -> None:
+    _until_tokenizer_loaded(client)
+    context = context_of(client.app)
+    limit = context.settings.api_tokenize_cache_min_chars
+    short = f"Say hello to {time.time_ns()}."
+    long = f"Count the words of this ({time.time_ns()}): " + "word " * (limit // 5 + 1)
+    assert len(short) <= limit < len(long)
+    jobs = {}
+    for prompt in (short, short, long, long):
+        response = client.post("/v1/jobs", data={"prompt": prompt})
+        assert response.status_code == 202, response.text
+        job = _wait(client, response.json()["id"])
+        assert (job["status"], spy.starts[job["id"]]) == ("succeeded", "infer")  # tokenized in the API each time
+        jobs[prompt] = job
+    scope = cache_scope(context.store.jobs.tenant(jobs[short]["id"]), context.settings.cache_shared)
+    pipeline = context.cache.context()
+    assert pipeline is not None
+
+    def cached(prompt: str) -> dict[str, Any] | None:
+        return context.cache.get_json(prompt_address(pipeline, prompt, [], scope))
+
+    assert cached(short) is None  # tokenized again rather than looked up and written
+    written = cached(long)
+    assert written is not None
+    assert len(written["ids"]) == jobs[long]["result"]["prompt_tokens"]  # the prompt the model was given
 
 
 def _cli(env: dict[str, str], *args: str) -> str:

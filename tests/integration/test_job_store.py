@@ -13,7 +13,7 @@ import redis
 from stoker.adapters.store import Store
 from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.idempotency import IdempotencyKeys
-from stoker.adapters.store.jobs import Ending
+from stoker.adapters.store.jobs import Ending, Required
 from stoker.adapters.store.keys import (
     ACTIVE_KEY,
     blob_holders_key,
@@ -261,6 +261,38 @@ def test_a_job_for_the_model_is_made_handed_over_and_read_back_in_one_transactio
     assert job.status == "inferring"
     assert store.jobs.get_request(job_id) == request
     assert store.idempotency.recent("d2") == job_id
+
+
+def test_an_upload_is_stored_with_its_job_in_one_transaction_even_after_the_store_forgot_its_scripts(
+    own_store: Store,
+) -> None:
+    """The API writes a job's uploaded bytes in the transaction that makes the job: the job holds them once it
+    exists, with no round trip of their own; after the store forgot its scripts they are still written."""
+    store, client = own_store, own_store.client
+
+    def made(data: bytes) -> tuple[str, ContentHash]:
+        job_id, now, digest = uuid.uuid4().hex, time.time(), ContentHash(uuid.uuid4().hex)
+        upload = Required(
+            functools.partial(store.blobs.queue_put, digest=digest, data=data, job_id=job_id),
+            functools.partial(store.blobs.put_blob, digest, data, job_id),
+        )
+        deadline = deadline_for(now, 60_000, 5_000)
+        store.jobs.create_job(job_id, "Hi.", [], now, deadline, 60_000, tenant="t", required=[upload])
+        return job_id, digest
+
+    made(b"warm")
+    client.config_resetstat()
+    job_id, digest = made(b"picture bytes")
+    calls = {name: int(stat["calls"]) for name, stat in client.info("commandstats").items()}
+    assert (calls["cmdstat_multi"], calls["cmdstat_exec"], calls["cmdstat_evalsha"]) == (1, 1, 1)
+    assert store.blobs.get_blob(digest) == b"picture bytes"
+    assert store.blobs.holders(digest) == {job_id}
+
+    client.script_flush()
+    job_id, digest = made(b"more bytes")
+    assert store.blobs.get_blob(digest) == b"more bytes"
+    assert store.blobs.holders(digest) == {job_id}
+    assert store.jobs.load_job(job_id) is not None
 
 
 def test_a_batch_is_ended_counted_and_let_go_of_in_one_pipeline_even_after_the_store_forgot_its_scripts(

@@ -15,11 +15,15 @@ from stoker.core.cachekeys import (
     keyframe_address,
     ocr_address,
     prompt_address,
+    prompt_worth_caching,
     transcribe_address,
     vision_address,
 )
 from stoker.core.imaging import DecodeParams
+from stoker.core.jobs import ChatTurn
+from stoker.core.prompting import Attachment
 from stoker.core.tenancy import SHARED_SCOPE, cache_scope
+from stoker.core.tools import ToolSpec
 from stoker.settings import CommonSettings
 from workers.broker import free_port
 
@@ -139,3 +143,17 @@ def test_a_prompt_is_cached_per_tenant() -> None:
     globex = prompt_address(context, "hello", [], cache_scope("globex", shared=False))
     assert acme.digest == globex.digest  # same material
     assert cache_key(acme) != cache_key(globex)  # different owners
+
+
+def test_a_short_text_only_prompt_is_tokenized_without_the_cache() -> None:
+    picture = Attachment(kind="image", index=0, text="PHOTO")
+    tool = ToolSpec.model_validate({"function": {"name": "lookup", "parameters": {"type": "object"}}})
+    assert not prompt_worth_caching("What is 2 + 2?", [], None, (), min_chars=1024)
+    assert prompt_worth_caching("x" * 1025, [], None, (), min_chars=1024)  # long enough to be worth a lookup
+    assert prompt_worth_caching("Hi", [picture], None, (), min_chars=1024)  # attachments: always through it
+    assert prompt_worth_caching("Hi", [], None, [tool], min_chars=1024)  # so are tools
+    # A chat counts every turn's text, not its last prompt alone.
+    turns = [ChatTurn(role="user", text="y" * 600), ChatTurn(role="assistant", text="z" * 600)]
+    assert prompt_worth_caching("Hi", [], turns, (), min_chars=1024)
+    assert not prompt_worth_caching("Hi", [], turns[:1], (), min_chars=1024)
+    assert prompt_worth_caching("", [], None, (), min_chars=0)  # 0: everything through the cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import redis
+from redis.client import Pipeline
 
 from stoker.adapters.store.keys import BLOB_HOLDERS_SUFFIX, BLOB_PREFIX, blob_holders_key, blob_key, job_blobs_key
 from stoker.core.media import ContentHash
@@ -59,8 +60,20 @@ class BlobRepository:
 
     def put_blob(self, digest: ContentHash, data: bytes, job_id: str | None = None) -> None:
         """Store input bytes once, held by `job_id` until it ends; a repeat only refreshes their lifetime."""
+        keys, args = self._put_call(digest, data, job_id)
+        self._put(keys=keys, args=args)
+
+    def queue_put(self, pipe: Pipeline[bytes], digest: ContentHash, data: bytes, job_id: str) -> None:
+        """`put_blob`, queued onto `pipe` (the transaction that makes the job holding the bytes) as a bare
+        `EVALSHA`: a store that forgot its scripts answers it NOSCRIPT, and `put_blob` then writes it alone."""
+        keys, args = self._put_call(digest, data, job_id)
+        pipe.evalsha(self._put.sha, len(keys), *keys, *args)  # type: ignore[attr-defined]
+
+    def _put_call(
+        self, digest: ContentHash, data: bytes, job_id: str | None
+    ) -> tuple[list[str], list[bytes | int | str]]:
         keys = [blob_key(digest), blob_holders_key(digest), job_blobs_key(job_id or "")]
-        self._put(keys=keys, args=[data, self.ttl_s, job_id or "", digest])
+        return keys, [data, self.ttl_s, job_id or "", digest]
 
     def hold(self, digest: ContentHash, job_id: str) -> bool:
         """Hold bytes already stored for `job_id` until it ends; False if they are gone."""

@@ -146,6 +146,16 @@ Queued = Callable[["Pipeline[bytes]"], Any]
 
 
 @dataclass(frozen=True)
+class Required:
+    """Another repository's write that a new job is not made without (its uploads' bytes), queued into the job's
+    transaction: an error of its is the job's. Its commands are one bare `EVALSHA`; a store that forgot its scripts
+    answers NOSCRIPT, and `alone` then writes it on its own (which loads the script)."""
+
+    queue: Queued
+    alone: Callable[[], Any]
+
+
+@dataclass(frozen=True)
 class Pending:
     """A job waiting for the model, as the inference consumer loads it: its request and its record."""
 
@@ -205,6 +215,7 @@ class JobRepository:
         batch_id: str | None = None,
         look_at: float | None = None,
         request: ModelRequest | None = None,
+        required: Sequence[Required] = (),
         also: Sequence[Queued] = (),
     ) -> Job:
         """Write a new job record atomically, in status queued, and put it under the reaper's watch (its first look
@@ -212,8 +223,9 @@ class JobRepository:
         same transaction.
 
         A job that skips preprocessing comes with its model `request`: it is handed over to inference in the same
-        transaction. `also` queues other repositories' writes into it (an error of theirs is theirs: the job is
-        made). One round trip in all: on a loaded API each round trip costs more CPU than any command in it.
+        transaction. `required` (its uploads' bytes) and `also` queue other repositories' writes into it: an error
+        of a required one is raised, one of `also`'s is theirs (the job is made). One round trip in all: on a
+        loaded API each round trip costs more CPU than any command in it.
 
         The tenant's in-flight slot for it (taken at admission, if its limit is on) is now held until the job ends,
         or at the latest until a grace period after its deadline.
@@ -249,13 +261,20 @@ class JobRepository:
             pipe.zremrangebyscore(tenant_index_key(tenant), "-inf", accepted - self.ttl_s)
             pipe.expire(tenant_index_key(tenant), self.ttl_s)
             pipe.hincrby(JOB_COUNTS_KEY, "accepted", 1)
-            return self._hand_off_and_read(pipe, job_id, request, also)
+            return self._hand_off_and_read(pipe, job_id, request, required, also)
 
     def _hand_off_and_read(
-        self, pipe: Pipeline[bytes], job_id: str, request: ModelRequest | None, also: Sequence[Queued]
+        self,
+        pipe: Pipeline[bytes],
+        job_id: str,
+        request: ModelRequest | None,
+        required: Sequence[Required],
+        also: Sequence[Queued],
     ) -> Job:
-        """Queue the new job's hand-off (with a request), `also` and the read of its record behind the writes
-        queued in `pipe`; run the transaction; the job as written."""
+        """Queue `required`, the new job's hand-off (with a request), `also` and the read of its record behind the
+        writes queued in `pipe`; run the transaction; the job as written."""
+        for need in required:
+            need.queue(pipe)
         written = len(pipe)
         hand_off = _hand_off_call(job_id, request, None, self.ttl_s) if request is not None else None
         if hand_off is not None:  # EVALSHA straight in, as in finish_many; NOSCRIPT is answered below
@@ -264,9 +283,7 @@ class JobRepository:
             queue(pipe)
         pipe.hgetall(job_key(job_id))
         results = pipe.execute(raise_on_error=False)
-        for result in results[:written]:
-            if isinstance(result, Exception):
-                raise result
+        _settle(results[:written], required)
         handed = results[written] if hand_off is not None else None
         if isinstance(handed, NoScriptError) and hand_off is not None:
             self._hand_off(keys=hand_off[0], args=hand_off[1])  # the store forgot its scripts: this loads it
@@ -446,6 +463,20 @@ class JobRepository:
         """The tenant a job belongs to; None if the job is unknown."""
         raw = self.redis.hget(job_key(job_id), "tenant")
         return raw.decode() if raw is not None else None
+
+
+def _settle(results: list[Any], required: Sequence[Required]) -> None:
+    """The answers to a new job's writes, `required`'s last: an error is raised, but a required write the store
+    answered NOSCRIPT (it forgot its scripts) is written again alone."""
+    made = len(results) - len(required)
+    for result in results[:made]:
+        if isinstance(result, Exception):
+            raise result
+    for need, result in zip(required, results[made:], strict=True):
+        if isinstance(result, NoScriptError):
+            need.alone()
+        elif isinstance(result, Exception):
+            raise result
 
 
 def _hand_off_call(job_id: str, request: ModelRequest, rev: int | None, ttl_s: int) -> tuple[list[str], list[Any]]:
