@@ -23,6 +23,7 @@ from api.files import router as files_router
 from api.headers import SHOULD_RETRY, retry_headers
 from api.limits import BodyLimitMiddleware
 from api.routes import router
+from stoker.adapters.cache import StageCache
 from stoker.adapters.metrics import REQUESTS, serve_api_metrics
 from stoker.adapters.store.clients import StoreOutOfMemory, async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
@@ -81,12 +82,15 @@ def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsy
         ]
         if settings.batch_feeder:
             background.append(asyncio.create_task(BatchFeeder(context).run()))
+        background.append(asyncio.create_task(_write_cache_counts(context.cache)))
         yield
         for task in background:
             task.cancel()
         # Stopped before their clients close under them, within a bound: a task that outlived its cancel would
         # otherwise hold up the serving loop's own shutdown.
         await asyncio.wait(background, timeout=SHUTDOWN_WAIT_S)
+        context.cache.defer_counts(None)
+        await asyncio.to_thread(context.cache.write_counts)  # what was counted since the last write
         if stop_metrics:
             stop_metrics()
         context.monitor.close()
@@ -94,6 +98,22 @@ def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsy
         context.store.close()
 
     return lifespan
+
+
+#: How long the API keeps the stage cache's counts (a hit per cached submission) before writing them.
+CACHE_COUNTS_EVERY_S = 1.0
+
+
+async def _write_cache_counts(cache: StageCache) -> None:
+    """Write the cache's counts (`StageCache.defer_counts`) a second after the first one since the last write:
+    one round trip a second under load instead of one per submission, and no wake-up while nothing is counted."""
+    loop, counted = asyncio.get_running_loop(), asyncio.Event()
+    cache.defer_counts(lambda: loop.call_soon_threadsafe(counted.set))
+    while True:
+        await counted.wait()
+        await asyncio.sleep(CACHE_COUNTS_EVERY_S)
+        counted.clear()  # before the write takes them: a count after it is announced again
+        await asyncio.to_thread(cache.write_counts)
 
 
 class RequestTimer:

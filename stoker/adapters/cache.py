@@ -51,6 +51,10 @@ class StageCache:
         self._clock = clock
         #: The pipeline identity last read, and until when it is reused (`context`).
         self._context: tuple[PipelineContext, float] | None = None
+        #: Counts not written yet, by (stage, what): how many and their seconds (`defer_counts`).
+        self._unwritten: dict[tuple[str, str], tuple[int, float]] = {}
+        self._unwritten_lock = threading.Lock()
+        self._on_first_unwritten: Callable[[], object] | None = None
 
     @classmethod
     def connect(cls, settings: CommonSettings) -> StageCache:
@@ -118,9 +122,41 @@ class StageCache:
         return kept
 
     def record(self, stage: str, hit: bool, cost_s: float) -> None:
-        """Count a hit (with the seconds it saved) or a miss (with the seconds it cost)."""
+        """Count a hit (with the seconds it saved) or a miss (with the seconds it cost): at once, or with the next
+        `write_counts` once `defer_counts` was called."""
         CACHE_LOOKUPS.labels(stage, "hit" if hit else "miss").inc()
-        self._count(stage, "hits" if hit else "misses", cost_s)
+        what = "hits" if hit else "misses"
+        if self._on_first_unwritten is None:
+            self._count(stage, what, cost_s)
+            return
+        with self._unwritten_lock:
+            first = not self._unwritten
+            count, seconds = self._unwritten.get((stage, what), (0, 0.0))
+            self._unwritten[(stage, what)] = (count + 1, seconds + cost_s)
+        if first:
+            self._on_first_unwritten()
+
+    def defer_counts(self, on_first: Callable[[], object] | None) -> None:
+        """From now on `record` keeps its counts in memory until `write_counts` writes them all in one round trip
+        (a process that counts a hit per request, the API, then pays no round trip per request for it);
+        `on_first` is called, from the recording thread, when the first count since the last write arrives.
+        None: counts are written at once again."""
+        self._on_first_unwritten = on_first
+
+    def write_counts(self) -> None:
+        """Write the counts `record` kept since the last write (`defer_counts`), in one pipeline; lost if the cache
+        cannot be reached, as counts written at once would be."""
+        with self._unwritten_lock:
+            unwritten, self._unwritten = self._unwritten, {}
+        if not unwritten or self.redis is None:
+            return
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                for (stage, what), (count, seconds) in unwritten.items():
+                    _queue_count(pipe, stage, what, seconds, count)
+                pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("cache accounting failed: %s", exc)
 
     def _count(self, stage: str, what: str, seconds: float | None = None) -> None:
         if self.redis is None:
@@ -261,9 +297,9 @@ class StageCache:
         return deleted
 
 
-def _queue_count(pipe: Pipeline[bytes], stage: str, what: str, seconds: float | None = None) -> None:
-    """One more `what` (hits, misses, oversize) for a stage, with the seconds it saved or cost, into `pipe`."""
-    pipe.hincrby(CACHE_STATS_KEY, f"{stage}:{what}", 1)
+def _queue_count(pipe: Pipeline[bytes], stage: str, what: str, seconds: float | None = None, count: int = 1) -> None:
+    """`count` more `what` (hits, misses, oversize) for a stage, with the seconds they saved or cost, into `pipe`."""
+    pipe.hincrby(CACHE_STATS_KEY, f"{stage}:{what}", count)
     if seconds is not None:
         field = "saved_s" if what == "hits" else "spent_s"
         pipe.hincrbyfloat(CACHE_STATS_KEY, f"{stage}:{field}", seconds)
