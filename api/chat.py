@@ -162,7 +162,8 @@ def _reached(job: Job, settled: bool) -> bool:
 
 
 async def _load(store: Store, job_id: str, tenant: str) -> Job:
-    job = await run_in_threadpool(store.jobs.load_job, job_id)
+    """The job, read while its client waits on it (so its end is announced: `JobRepository.watch_job`)."""
+    job = await run_in_threadpool(store.jobs.watch_job, job_id)
     if job is None or job.tenant != tenant:  # expired under us: say so as a failure, never a crash
         return Job(id=job_id, status="failed", prompt="", inputs=[], error=ErrorInfo(**ClientGone().to_dict()))
     return job

@@ -103,7 +103,7 @@ async def create_job(request: Request, context: Context, tenant: Annotated[str, 
     watch = context.announcements.watch(job_id, only=ENDED) if wait > 0 else contextlib.nullcontext()
     with watch as heard:
         submitted = await submit_job(
-            context, tenant, key, lambda: read_request(request, context.settings), retried, job_id
+            context, tenant, key, lambda: read_request(request, context.settings), retried, job_id, watched=wait > 0
         )
         job: Job = submitted.job
         if heard is not None and not job.terminal:
@@ -192,7 +192,7 @@ async def _wait_terminal(context: ApiContext, client: ClientWatch, job_id: str, 
     mid-wait costs latency, never a hang."""
     until = time.monotonic() + wait
     with context.announcements.watch(job_id, only=ENDED) as event:
-        job = _found(job_id, await run_in_threadpool(context.store.jobs.load_job, job_id), tenant)
+        job = _found(job_id, await run_in_threadpool(context.store.jobs.watch_job, job_id), tenant)
         return await _wait_on(context, client, event, job, until, tenant)
 
 

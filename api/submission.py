@@ -64,6 +64,7 @@ async def submit_job(
     read: Callable[[], Awaitable[AcceptedRequest]],
     retried: bool = False,
     job_id: str | None = None,
+    watched: bool = False,
 ) -> Submitted:
     """Admit, read (with `read`), store and enqueue one job (named `job_id` if given); the job as it was accepted
     (read back with its record, in the same round trip).
@@ -73,18 +74,18 @@ async def submit_job(
     `Idempotency-Key` (`key`) that already made a job, that job comes back instead (`api.idempotency`): counted
     against the tenant's rate like any request, but taking no in-flight slot and never refused for queue pressure.
     Without a key, a client's automatic retry (`retried`) of a request that made a job a moment ago gets that job
-    back the same way (`_submit_unkeyed`).
+    back the same way (`_submit_unkeyed`). `watched`: the request waits on the job it makes (its end is announced).
     """
     job_id = job_id or new_job_id()
     if key is None:
-        return await _submit_unkeyed(context, tenant, _ReadOnce(read), job_id, retried)
+        return await _submit_unkeyed(context, tenant, _ReadOnce(read), job_id, retried, watched)
     await _within_rate(context, tenant)  # before the key is looked at: a replay costs the rate too
     store, claim_s = context.store, context.settings.idempotency_claim_s
     remembered = await idempotency.claim(store, context.announcements, key, job_id, claim_s)
     if remembered is not None:
         return Submitted(await idempotency.replay(store, remembered, tenant, read), replayed=True)
     async with idempotency.holding(store, key, job_id, claim_s) as claim:
-        return Submitted(await _submit(context, tenant, read, job_id, claim))
+        return Submitted(await _submit(context, tenant, read, job_id, claim, watched=watched))
 
 
 @dataclass
@@ -100,7 +101,9 @@ class _ReadOnce:
         return self.accepted
 
 
-async def _submit_unkeyed(context: ApiContext, tenant: str, read: _ReadOnce, job_id: str, retried: bool) -> Submitted:
+async def _submit_unkeyed(
+    context: ApiContext, tenant: str, read: _ReadOnce, job_id: str, retried: bool, watched: bool
+) -> Submitted:
     """A request without an Idempotency-Key: a new job, remembered by the request's fingerprint for a short
     while; an automatic retry of an identical request within that while gets its job back (the openai client
     retries a 5xx or a dropped connection twice, sending no key). The retry's body is read before queue pressure
@@ -113,7 +116,7 @@ async def _submit_unkeyed(context: ApiContext, tenant: str, read: _ReadOnce, job
         if earlier is not None:
             log.info("job %s answers an automatic retry of the request that made it", earlier.id)
             return Submitted(earlier, replayed=True)
-    return Submitted(await _submit(context, tenant, read, job_id, remember_s=max(window_s, 0)))
+    return Submitted(await _submit(context, tenant, read, job_id, remember_s=max(window_s, 0), watched=watched))
 
 
 def _recent_job(store: Store, digest: str, tenant: str) -> Job | None:
@@ -135,6 +138,7 @@ async def _submit(
     job_id: str,
     claim: idempotency.Claim | None = None,
     remember_s: int = 0,
+    watched: bool = False,
 ) -> Job:
     """Take one new job in: queue pressure and the tenant's slot checked, its body read, the job made; with
     `claim`, the key it holds, remembered as naming the job once it is made; with `remember_s`, the request's
@@ -145,7 +149,9 @@ async def _submit(
         accepted = await read()
         if claim is not None:
             await claim.confirm()  # the key is still ours: no other request made its job meanwhile
-        job = await run_in_threadpool(_admit, context, accepted, job_id=job_id, tenant=tenant, remember_s=remember_s)
+        job = await run_in_threadpool(
+            _admit, context, accepted, job_id=job_id, tenant=tenant, remember_s=remember_s, watched=watched
+        )
     except Exception as exc:
         await release(context, tenant, job_id)  # not accepted after all: its in-flight slot is free again
         if isinstance(exc, BrokerUnavailable):
@@ -225,6 +231,8 @@ class Admission:
     batch_id: str | None = None
     #: When the reaper first looks whether a stage has started it (a first message lost with a worker is re-sent).
     look_at: float | None = None
+    #: Its client waits on it from the start (a POST with `?wait=`): its end is announced.
+    watched: bool = False
 
     @property
     def job_class(self) -> JobClass:
@@ -240,6 +248,7 @@ def _admit(
     tenant: str,
     batch_id: str | None = None,
     remember_s: int = 0,
+    watched: bool = False,
 ) -> Job:
     """Write record and inputs before enqueueing, so no worker can see a job that is not stored; the job as
     written (read back with its record, before its first message: what a worker does with it after, a client
@@ -248,7 +257,7 @@ def _admit(
     A job whose inputs are all preprocessed in the cache (in its tenant's scope), or that has none, skips the CPU
     preprocessing queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
     """
-    admission = replace(_plan(context, accepted, job_id, tenant), batch_id=batch_id)
+    admission = replace(_plan(context, accepted, job_id, tenant), batch_id=batch_id, watched=watched)
     _charge_tenant(context, admission)
     with _job_span(admission) as traced:
         job = _write_job(context.store, admission, traced, _recent_note(admission, remember_s))
@@ -348,6 +357,7 @@ def _create_record(
         request=admission.model_request,
         required=_uploads(store, admission),
         also=also,
+        watched=admission.watched,
     )
 
 

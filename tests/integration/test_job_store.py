@@ -19,6 +19,7 @@ from stoker.adapters.store.keys import (
     blob_holders_key,
     blob_key,
     consumer_jobs_key,
+    done_channel,
     job_blobs_key,
     job_key,
     tokens_key,
@@ -39,11 +40,12 @@ def job_store(store_redis: redis.Redis) -> Store:
     return Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
 
 
-def _new_job(store: Store) -> str:
+def _new_job(store: Store, watched: bool = False) -> str:
     job_id = uuid.uuid4().hex
     now = time.time()
     record = InputRecord(index=0, kind="image", content_hash="ab" * 32, size_bytes=10)
-    store.jobs.create_job(job_id, "Hi.", [record], now, deadline_for(now, 60_000, 5_000), 60_000, tenant="t")
+    deadline = deadline_for(now, 60_000, 5_000)
+    store.jobs.create_job(job_id, "Hi.", [record], now, deadline, 60_000, tenant="t", watched=watched)
     return job_id
 
 
@@ -293,6 +295,38 @@ def test_an_upload_is_stored_with_its_job_in_one_transaction_even_after_the_stor
     assert store.blobs.get_blob(digest) == b"more bytes"
     assert store.blobs.holders(digest) == {job_id}
     assert store.jobs.load_job(job_id) is not None
+
+
+def test_a_job_is_announced_ended_only_where_a_client_waits_on_it(own_store: Store) -> None:
+    """A job's end is announced when its client waits on it from the start (a POST that waits) or began to later
+    (a long-poll's or a chat's read, `watch_job`): an API process wakes for no job nobody waits on."""
+    store, client = own_store, own_store.client
+    unwatched, from_start, later = _new_job(store), _new_job(store, watched=True), _new_job(store)
+    watched = store.jobs.watch_job(later)
+    assert watched is not None
+    assert (watched.id, watched.status) == (later, "queued")
+    unknown = uuid.uuid4().hex
+    assert store.jobs.watch_job(unknown) is None
+    assert not client.exists(job_key(unknown))  # an unknown job is not made by watching it
+    pubsub = client.pubsub()
+    pubsub.psubscribe(done_channel("*"))
+    confirmed = pubsub.get_message(timeout=10)
+    assert confirmed is not None
+    assert confirmed["type"] == "psubscribe"
+    try:
+        answer = ResultInfo(text="a", model="m", prompt_tokens=1, completion_tokens=1)
+        for job_id in (unwatched, from_start, later):
+            assert store.jobs.finish_many([Ending(job_id, "t", "succeeded", result=answer)]) == [True]
+        marker = uuid.uuid4().hex
+        client.publish(done_channel(marker), "")  # heard after every announcement made before it
+        heard = []
+        while marker not in heard:
+            message = pubsub.get_message(timeout=10)
+            assert message is not None, f"no announcement within 10 s (heard {heard})"
+            heard.append(message["channel"].decode().split(":")[-2])
+    finally:
+        pubsub.close()
+    assert heard == [from_start, later, marker]
 
 
 def test_a_batch_is_ended_counted_and_let_go_of_in_one_pipeline_even_after_the_store_forgot_its_scripts(

@@ -110,7 +110,8 @@ if redis.call('HEXISTS', KEYS[1], 'callback') == 1 then  -- its client asked to 
   local clock = redis.call('TIME')
   redis.call('ZADD', KEYS[9], tonumber(clock[1]) + tonumber(clock[2]) / 1000000, ARGV[1])
 end
-redis.call('PUBLISH', KEYS[4], ARGV[2])
+-- announced only where a client waits on it (`watched`): an API process wakes for no job nobody waits on
+if redis.call('HEXISTS', KEYS[1], 'watched') == 1 then redis.call('PUBLISH', KEYS[4], ARGV[2]) end
 """
     # a cancelled job is announced to the inference consumers too, which drop it if they hold it
     + f"if ARGV[2] == 'cancelled' then redis.call('PUBLISH', '{CANCELLED_CHANNEL}', ARGV[1]) end\n"
@@ -138,6 +139,13 @@ _START = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'preprocessing', 'ts:started', ARGV[1])
 return 1
+"""
+
+# A client is about to wait on the job: its end is announced from now on (`_FINISH`); the job as it stands, read in
+# the same step, so an end after this read is never missed and one before it is in what it returns.
+_WATCH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'watched', '1') end
+return redis.call('HGETALL', KEYS[1])
 """
 
 HandOff = Literal["ok", "stale", "done"]
@@ -195,6 +203,7 @@ class JobRepository:
         self._put_input = client.register_script(_PUT_INPUT)
         self._hand_off = client.register_script(_HAND_OFF)
         self._finish = client.register_script(_FINISH)
+        self._watch = client.register_script(_WATCH)
         self._start = client.register_script(_START)
         self._put_band = client.register_script(_PUT_BAND)
 
@@ -217,6 +226,7 @@ class JobRepository:
         request: ModelRequest | None = None,
         required: Sequence[Required] = (),
         also: Sequence[Queued] = (),
+        watched: bool = False,
     ) -> Job:
         """Write a new job record atomically, in status queued, and put it under the reaper's watch (its first look
         at `look_at`, at the latest when the preprocessing budget is spent); the job as written, read back in the
@@ -225,7 +235,8 @@ class JobRepository:
         A job that skips preprocessing comes with its model `request`: it is handed over to inference in the same
         transaction. `required` (its uploads' bytes) and `also` queue other repositories' writes into it: an error
         of a required one is raised, one of `also`'s is theirs (the job is made). One round trip in all: on a
-        loaded API each round trip costs more CPU than any command in it.
+        loaded API each round trip costs more CPU than any command in it. `watched`: its client waits on it from
+        the start (a POST that waits), so its end is announced (`watch_job` marks one a client waits on later).
 
         The tenant's in-flight slot for it (taken at admission, if its limit is on) is now held until the job ends,
         or at the latest until a grace period after its deadline.
@@ -239,6 +250,8 @@ class JobRepository:
             "preprocess_by": repr(deadline.preprocess_by),
             "deadline_ms": deadline_ms,
         }
+        if watched:
+            fields["watched"] = 1
         if chat is not None:
             fields["chat"] = chat.model_dump_json()
         if batch_id is not None:
@@ -439,6 +452,12 @@ class JobRepository:
         """The job as clients see it, assembled from its record; None if unknown."""
         raw = self.redis.hgetall(job_key(job_id))
         return job_from_fields(job_id, raw) if raw else None
+
+    def watch_job(self, job_id: str) -> Job | None:
+        """`load_job` for a client that is about to wait on the job: its end is announced from this read on (one
+        nobody waits on is not announced). One round trip, as `load_job`."""
+        raw = self._watch(keys=[job_key(job_id)])
+        return job_from_fields(job_id, dict(zip(raw[::2], raw[1::2], strict=True))) if raw else None
 
     def page(self, tenant: str, cursor: Cursor | None, count: int) -> list[Cursor]:
         """Up to `count` of a tenant's jobs, newest first, after `cursor` (None: from the newest): each as the
