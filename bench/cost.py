@@ -342,9 +342,11 @@ def admission(stack: Stack, seconds: float, clients: int) -> dict[str, Any]:
     The clients are `bench.rawload`'s, on one event loop in this process: the load generator's own CPU, counted
     here too, is a small share of the machine the stack runs on."""
     before, started, generator = cpu_by_kind(stack.proc.pid), time.monotonic(), time.process_time()
+    _, reads = stack.valkey_counts()
     tally = rawload.run(stack.base, post_form, clients, seconds)
     wall = time.monotonic() - started
     spent = delta(before, cpu_by_kind(stack.proc.pid))
+    reads = stack.valkey_counts()[1] - reads
     spent["load generator"] = time.process_time() - generator
     accepted = len(tally.accepted)
     cores = {k: round(v / wall, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v / wall >= 0.01}
@@ -354,6 +356,7 @@ def admission(stack: Stack, seconds: float, clients: int) -> dict[str, Any]:
         "accepted_per_s": round(accepted / wall, 1),
         "api_ms_per_post": per_post,
         "generator_ms_per_post": round(spent["load generator"] * 1000 / max(accepted, 1), 3),
+        "valkey_round_trips_per_job": round(reads / max(accepted, 1), 1),
         "cores": cores,
         "statuses": dict(tally.statuses),
         "client_errors": dict(tally.errors),
@@ -567,7 +570,8 @@ def main() -> None:
         text += (
             f"\n\nAdmission, {args.admission_clients} clients posting text jobs for {args.admission_s:.0f} s: "
             f"{admitted['accepted_per_s']} jobs/s accepted, {admitted['api_ms_per_post']} API CPU ms per POST "
-            f"({admitted['generator_ms_per_post']} ms in the load generator); cores busy meanwhile: "
+            f"({admitted['generator_ms_per_post']} ms in the load generator), "
+            f"{admitted['valkey_round_trips_per_job']} Valkey round trips per job meanwhile; cores busy: "
             f"{admitted['cores']}; responses {admitted['statuses']}; the accepted jobs ended {admitted['ended']}"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
