@@ -37,7 +37,6 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from stoker.adapters.broker import acks_together
 from stoker.adapters.metrics import forget_process, serve_worker_metrics
 from stoker.adapters.rlimits import cap_address_space
 from stoker.adapters.tracing import instrument_celery, setup_tracing
@@ -179,7 +178,7 @@ def _start_device(ctx: WorkerContext, consume: bool) -> None:
         policy = BatchPolicy(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_s=s.max_wait_ms / 1000
         )
-        _process.feeder = Feeder(ctx, policy, dog, lines=ctx.batch_lines, acks_together=acks_together)
+        _process.feeder = Feeder(ctx, policy, dog, lines=ctx.batch_lines)
         _process.feeder.start()
 
 

@@ -3,10 +3,9 @@ transport every stoker process's Celery app uses on a Redis broker."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kombu.connection import Connection
@@ -23,47 +22,6 @@ log = logging.getLogger(__name__)
 REDIS_TRANSPORT = "stoker.adapters.broker:RedisTransport"
 
 
-class RedisQoS(kombu_redis.QoS):
-    """kombu's Redis QoS, whose acks made inside `acks_together` leave the unacked index in one pipeline.
-
-    kombu takes each acked message out of the unacked index (`ZREM` + `HDEL`) in a transaction of its own, one round
-    trip per message; kombu offers no ack of many on this transport (the virtual channel ignores `multiple`). The
-    inference consumer acks a whole written batch at once, so it gathers them (`_remove_from_indices`, kombu's own
-    step, queued onto one pipeline). Until that pipeline runs, a message is settled in this process but still in the
-    index: a death then restores it after the visibility timeout, as a death just before the ack would, and its
-    job, already ended, is skipped."""
-
-    _gathering = threading.local()
-
-    def ack(self, delivery_tag: Any) -> None:
-        gathered: dict[RedisQoS, list[Any]] | None = getattr(RedisQoS._gathering, "tags", None)
-        if gathered is None:
-            super().ack(delivery_tag)  # type: ignore[no-untyped-call]
-            return
-        gathered.setdefault(self, []).append(delivery_tag)
-        virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # kombu's Redis QoS does this after its removal
-
-
-@contextlib.contextmanager
-def acks_together() -> Iterator[None]:
-    """Messages this thread acks inside the block leave the Redis broker's unacked index at its end, in one round
-    trip per channel (`RedisQoS`); elsewhere (another transport), each ack as it comes."""
-    gathered: dict[RedisQoS, list[Any]] = {}
-    RedisQoS._gathering.tags = gathered
-    try:
-        yield
-    finally:
-        RedisQoS._gathering.tags = None
-        for qos, tags in gathered.items():
-            try:
-                with qos.pipe_or_acquire() as pipe:
-                    for tag in tags:
-                        qos._remove_from_indices(tag, pipe)  # type: ignore[no-untyped-call]
-                    pipe.execute()
-            except Exception as exc:  # left in the index: restored after the visibility timeout, then skipped
-                log.warning("could not ack %d messages: %s", len(tags), exc)
-
-
 class RedisChannel(kombu_redis.Channel):
     """kombu's Redis channel, with one client per connection pool instead of a new one for every command.
 
@@ -71,10 +29,7 @@ class RedisChannel(kombu_redis.Channel):
     each publish, each message's place in the unacked index, each ack: with redis-py 5+ that was the largest single
     CPU cost of the inference worker per job, and a part of every publish of the API. A client over a pool is safe
     to share between threads (each command takes a connection from the pool), so one per pool serves them all;
-    when kombu replaces its pool (after a connection error), a new client is made for the new pool. Its acks can
-    go to the broker together (`RedisQoS`)."""
-
-    QoS = RedisQoS
+    when kombu replaces its pool (after a connection error), a new client is made for the new pool."""
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:

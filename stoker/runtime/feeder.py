@@ -17,7 +17,6 @@ within seconds.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -25,7 +24,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from functools import partial
 from queue import Empty, Queue
@@ -69,11 +67,8 @@ class Feeder:
         beat_s: float = 1.0,
         lines: LineSource | None = None,
         interactive_quiet_s: float = INTERACTIVE_QUIET_S,
-        acks_together: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.ctx = ctx
-        #: Acks made inside it reach the broker together (a written batch's, in one round trip on Redis).
-        self.acks_together = acks_together
         self.policy = policy
         self.watchdog = watchdog
         self.beat_s = beat_s
@@ -337,10 +332,9 @@ class Feeder:
             log.exception("batch of %d could not be written; its messages go back to the queue", len(items))
             _hand_back(items)
         else:
-            with self.acks_together():
-                for item in items:
-                    if item.message is not None:
-                        item.message.acknowledge()
+            for item in items:
+                if item.message is not None:
+                    item.message.acknowledge()
             if ran is None:
                 self._release([i.job_id for i in items])
         with self._cond:

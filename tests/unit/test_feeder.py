@@ -202,36 +202,16 @@ class YieldingPredictor(GatedPredictor):
         return outcomes
 
 
-class AckBlocks:
-    """`acks_together` as a test sees it: the jobs whose messages were acked inside each block."""
-
-    def __init__(self) -> None:
-        self.blocks: list[list[str]] = []
-        self.current: list[str] | None = None
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        self.current = []
-        try:
-            yield
-        finally:
-            self.blocks.append(self.current)
-            self.current = None
-
-
 class FakeMessage:
     """A broker message as Celery's request behaves: the first ack or reject settles it, later ones do nothing."""
 
-    def __init__(self, job_id: str, deadline: float | None = None, acks: AckBlocks | None = None) -> None:
+    def __init__(self, job_id: str, deadline: float | None = None) -> None:
         self.id = f"task-{job_id}"
         self.kwargs = {"job_id": job_id, "prompt_tokens": 1, "deadline": deadline}
         self.settled: str | None = None
         self.times_settled = 0
-        self.acks = acks
 
     def acknowledge(self) -> None:
-        if self.acks is not None and self.acks.current is not None:
-            self.acks.current.append(str(self.kwargs["job_id"]))
         self._settle("acked")
 
     def reject(self, requeue: bool = False) -> None:
@@ -312,15 +292,14 @@ class Consumer:
         ctx = WorkerContext(settings, NoOutbox(), store=self.store, predictor=predictor)
         policy = BatchPolicy(max_batch_size=max_batch_size, max_batch_tokens=10_000, max_wait_s=0.0)
         watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
-        self.acks = AckBlocks()
-        self.feeder = Feeder(ctx, policy, watchdog, lines=lines, interactive_quiet_s=60.0, acks_together=self.acks)
+        self.feeder = Feeder(ctx, policy, watchdog, lines=lines, interactive_quiet_s=60.0)
         self.feeder.start()
 
     def arrive(self, *job_ids: str, deadline: float | None = None) -> list[FakeMessage]:
         """Jobs handed over by preprocessing, and their messages arriving at the consumer."""
         for job_id in job_ids:
             self.store.jobs.pending[job_id] = _pending(job_id, deadline)
-        messages = [FakeMessage(job_id, deadline, self.acks) for job_id in job_ids]
+        messages = [FakeMessage(job_id, deadline) for job_id in job_ids]
         self.feeder.add(messages)
         return messages
 
@@ -372,7 +351,6 @@ def test_the_next_batch_is_loaded_while_one_runs(consumers: list[Consumer]) -> N
         j: f"answer to {j}" for j in "abcd"
     }
     assert [m.settled for m in first + second] == ["acked"] * 4
-    assert c.acks.blocks == [["a", "b"], ["c", "d"]]  # each written batch's acks go to the broker together
     c.until(lambda: not c.store.consumers.held, "every job released")
 
 
