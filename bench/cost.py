@@ -538,10 +538,17 @@ def main() -> None:
     parser.add_argument("--profile-case", default="text", help="the case profiled (one of --cases' choices)")
     parser.add_argument("--admission-s", type=float, default=0.0, help="POST-only load this long (0: none)")
     parser.add_argument("--admission-clients", type=int, default=32)
+    parser.add_argument(
+        "--device-ms",
+        default="0,0",
+        help="the simulated device's milliseconds per batch and per item in it (the default: free, so only stoker's "
+        "own bookkeeping costs; a slower one fills batches)",
+    )
     parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args()
     started = time.monotonic()
-    with stoker_up({}) as stack:
+    base_ms, per_item_ms = args.device_ms.split(",")
+    with stoker_up({"STOKER_SIM_BASE_MS": base_ms, "STOKER_SIM_PER_ITEM_MS": per_item_ms}) as stack:
         with httpx.Client(base_url=stack.base, timeout=10) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
         cases: dict[str, Send] = {
