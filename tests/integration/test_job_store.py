@@ -317,6 +317,11 @@ def test_a_job_is_announced_ended_only_where_a_client_waits_on_it(own_store: Sto
         answer = ResultInfo(text="a", model="m", prompt_tokens=1, completion_tokens=1)
         for job_id in (unwatched, from_start, later):
             assert store.jobs.finish_many([Ending(job_id, "t", "succeeded", result=answer)]) == [True]
+        ended = client.hgetall(job_key(unwatched))
+        read = store.jobs.watch_job(unwatched)
+        assert read is not None
+        assert read.status == "succeeded"
+        assert client.hgetall(job_key(unwatched)) == ended  # an ended job's record no longer changes
         marker = uuid.uuid4().hex
         client.publish(done_channel(marker), "")  # heard after every announcement made before it
         heard = []

@@ -142,11 +142,16 @@ return 1
 """
 
 # A client is about to wait on the job: its end is announced from now on (`_FINISH`); the job as it stands, read in
-# the same step, so an end after this read is never missed and one before it is in what it returns.
-_WATCH = """
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'watched', '1') end
+# the same step, so an end after this read is never missed and one before it is in what it returns. A job that is
+# unknown (never made by watching it) or already ended (its record no longer changes) is only read.
+_WATCH = (
+    TERMINAL_LUA
+    + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status and not TERMINAL[status] then redis.call('HSET', KEYS[1], 'watched', '1') end
 return redis.call('HGETALL', KEYS[1])
 """
+)
 
 HandOff = Literal["ok", "stale", "done"]
 #: Another repository's commands, queued onto a transaction of this one's (so that both go in one round trip).
