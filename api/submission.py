@@ -416,22 +416,30 @@ def _shortcut(
     filled = [f.model_copy(update={"size_bytes": r.size_bytes}) for f, r in zip(filled, records, strict=True)]
     if accepted.chat and accepted.chat.on_input_error == "fail" and input_failure(filled):
         return "tokenize", filled, None  # where a job that fails on an unreadable input ends, before the model
-    attachments = [attachment_for(r) for r in filled]
-    turns = accepted.chat.turns if accepted.chat else None
-    tools = offered_tools(accepted.chat)
-    address: CacheAddress | None = None
-    found: dict[str, Any] | None = None
-    min_chars = context.settings.api_tokenize_cache_min_chars
-    if prompt_worth_caching(accepted.prompt, attachments, turns, tools, min_chars):
-        address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns, tools)
-        found = cache.get_json(address)
-        if found is not None:
-            cache.record("tokenize", hit=True, cost_s=float(found.get(COST_FIELD, 0.0)))
-    if found is None and context.monitor.room_for_inference():
-        found = _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools)
+    found = _tokenized(context, pipeline, accepted, [attachment_for(r) for r in filled], scope)
     if found is None:
         return "tokenize", filled, None
     return "infer", filled, model_request(found, scope, accepted.chat, job_id)
+
+
+def _tokenized(
+    context: ApiContext, pipeline: PipelineContext, accepted: AcceptedRequest, attachments: list[Attachment], scope: str
+) -> dict[str, Any] | None:
+    """The job's prompt, tokenized: from the cache, or here while the inference queue has room (a short text-only
+    prompt is not looked up, `prompt_worth_caching`: tokenizing it again costs less). None: the tokenize stage
+    makes it."""
+    turns = accepted.chat.turns if accepted.chat else None
+    tools = offered_tools(accepted.chat)
+    address: CacheAddress | None = None
+    if prompt_worth_caching(accepted.prompt, attachments, turns, tools, context.settings.api_tokenize_cache_min_chars):
+        address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns, tools)
+        found = context.cache.get_json(address)
+        if found is not None:
+            context.cache.record("tokenize", hit=True, cost_s=float(found.get(COST_FIELD, 0.0)))
+            return found
+    if not context.monitor.room_for_inference():
+        return None
+    return _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools)
 
 
 def _tokenize_here(
