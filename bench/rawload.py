@@ -15,7 +15,7 @@ import itertools
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -70,12 +70,11 @@ class Tally:
     errors: Counter[str] = field(default_factory=Counter)
 
 
-async def _client(base: str, request: Request, numbers: Iterable[int], stop_at: float, tally: Tally) -> None:
+async def _client(base: str, request: Request, numbers: Iterator[int], stop_at: float, tally: Tally) -> None:
     reader, writer, netloc = await _connect(base)
     try:
-        for n in numbers:
-            if time.monotonic() >= stop_at:
-                return
+        while time.monotonic() < stop_at:
+            n = next(numbers)  # taken only to be sent: the numbers sent are 1, 2, ... with no gap
             try:
                 status, body = await exchange(reader, writer, encode(netloc, *request(n)))
             except (OSError, ConnectionError, httptools.HttpParserError) as exc:
