@@ -22,6 +22,43 @@ log = logging.getLogger(__name__)
 REDIS_TRANSPORT = "stoker.adapters.broker:RedisTransport"
 
 
+class RedisQoS(kombu_redis.QoS):
+    """kombu's Redis QoS, whose acks made on the consumer's event loop leave the unacked index together.
+
+    kombu takes each acked message out of the unacked index (`ZREM` + `HDEL`) in a transaction of its own: a round
+    trip per message, and kombu has no ack of many on this transport (the virtual channel ignores `multiple`).
+    Celery acks on its event loop (a task's ack is a callback the loop runs), so the acks of one round of the loop
+    (a written batch's, in the inference consumer) are gathered here and removed from the index in one pipeline at
+    the end of that round (`RedisTransport`'s tick, kombu's own removal step queued onto it). Until then a message
+    is settled in this process but still in the index: a death then restores it after the visibility timeout, as
+    a death just before its ack would, and its job, already ended, is skipped. An ack from any other thread is
+    kombu's own, at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self._gathered: list[Any] = []
+
+    def ack(self, delivery_tag: Any) -> None:
+        if threading.get_ident() != getattr(self.channel.connection, "loop_thread", None):
+            super().ack(delivery_tag)  # type: ignore[no-untyped-call]
+            return
+        self._gathered.append(delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # kombu's Redis QoS, after its removal
+
+    def remove_gathered(self) -> None:
+        """Take the acks gathered this round out of the unacked index, in one round trip (on the loop's thread)."""
+        tags, self._gathered = self._gathered, []
+        if not tags:
+            return
+        try:
+            with self.pipe_or_acquire() as pipe:
+                for tag in tags:
+                    self._remove_from_indices(tag, pipe)  # type: ignore[no-untyped-call]
+                pipe.execute()
+        except Exception as exc:  # left in the index: restored after the visibility timeout, then skipped
+            log.warning("could not ack %d messages: %s", len(tags), exc)
+
+
 class RedisChannel(kombu_redis.Channel):
     """kombu's Redis channel, with one client per connection pool instead of a new one for every command.
 
@@ -29,7 +66,17 @@ class RedisChannel(kombu_redis.Channel):
     each publish, each message's place in the unacked index, each ack: with redis-py 5+ that was the largest single
     CPU cost of the inference worker per job, and a part of every publish of the API. A client over a pool is safe
     to share between threads (each command takes a connection from the pool), so one per pool serves them all;
-    when kombu replaces its pool (after a connection error), a new client is made for the new pool."""
+    when kombu replaces its pool (after a connection error), a new client is made for the new pool. Acks made on
+    the event loop go to the broker together (`RedisQoS`)."""
+
+    QoS = RedisQoS
+
+    def close(self) -> None:
+        """Take the acks gathered so far out of the unacked index, then close as kombu does."""
+        qos = self.__dict__.get("_qos")
+        if isinstance(qos, RedisQoS):
+            qos.remove_gathered()
+        super().close()  # type: ignore[no-untyped-call]
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:
@@ -42,9 +89,23 @@ class RedisChannel(kombu_redis.Channel):
 
 
 class RedisTransport(kombu_redis.Transport):
-    """kombu's Redis transport over `RedisChannel`."""
+    """kombu's Redis transport over `RedisChannel`; on an event loop, the acks of each round go out together."""
 
     Channel = RedisChannel
+    #: The thread of the event loop this transport consumes on (None: none), whose acks are gathered.
+    loop_thread: int | None = None
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        super().register_with_event_loop(connection, loop)  # type: ignore[no-untyped-call]
+
+        def at_each_round() -> None:  # a hub's tick runs on its loop's thread, after the round's callbacks
+            self.loop_thread = threading.get_ident()
+            for channel in list(self.channels):
+                qos = channel.__dict__.get("_qos")
+                if isinstance(qos, RedisQoS):
+                    qos.remove_gathered()
+
+        loop.on_tick.add(at_each_round)
 
 
 def queue_depths(connection: Connection, names: Iterable[str] = QUEUES) -> dict[str, int]:

@@ -11,11 +11,21 @@ from collections.abc import Iterator
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from kombu import Producer
+from kombu import Queue as KombuQueue
+from kombu.asynchronous import Hub
 from kombu.connection import Connection
 
 from api.app import create_app
 from api.pressure import QueueMonitor
-from stoker.adapters.broker import RedisChannel, declare_queues, promote_aged, queue_depths, stage_queue
+from stoker.adapters.broker import (
+    RedisChannel,
+    RedisTransport,
+    declare_queues,
+    promote_aged,
+    queue_depths,
+    stage_queue,
+)
 from stoker.adapters.store import Store
 from stoker.core.jobs import InputRecord
 from stoker.core.queues import INFER_BATCH_QUEUE, INFER_QUEUES, SENT_HEADER
@@ -26,7 +36,8 @@ from tasks.pipeline import CeleryOutbox, CelerySubmitter, infer_signature, prepr
 from tests.conftest import missing
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_rabbitmq import AMQP_URL, _rabbit_answers
-from workers.procs import wait_for
+from workers.broker import start_embedded
+from workers.procs import stop, wait_for
 
 #: A database no other test uses: every client on it is one this module opened.
 SAMPLED_DB = 9
@@ -232,3 +243,44 @@ def test_a_queues_depth_counts_its_messages_at_every_priority(broker_url: str) -
         never = f"never-declared-{uuid.uuid4().hex[:8]}"
         assert queue_depths(connection, ["ocr", never]) == {"ocr": 5, never: 0}
         assert redis.Redis.from_url(broker_url).llen("ocr") == 1  # spread over the lists, not all in the first
+
+
+def test_acks_made_on_the_event_loop_leave_the_unacked_index_together_at_the_end_of_its_round() -> None:
+    """Celery acks on its event loop: the acks of one round of the loop (a written batch's) are taken out of the
+    Redis broker's unacked index in one transaction when the round ends, not one each; an ack from another thread
+    is kombu's own, at once."""
+    valkey, port = start_embedded(persist=False)
+    client = redis.Redis(port=port)
+    try:
+        with Connection(f"redis://127.0.0.1:{port}/0", transport=RedisTransport) as connection:  # type: ignore[no-untyped-call]
+            channel = connection.default_channel
+            queue = KombuQueue("acks", routing_key="acks")(channel)
+            queue.declare()
+            for n in range(4):
+                Producer(channel).publish({"n": n}, routing_key="acks")
+            taken = [queue.get(no_ack=False) for _ in range(4)]
+            assert client.zcard(channel.unacked_index_key) == 4
+            hub = Hub()
+            connection.register_with_event_loop(hub)
+            (end_of_round,) = [tick for tick in hub.on_tick if tick.__name__ == "at_each_round"]
+            end_of_round()  # run on this thread: this thread is now the loop's
+
+            client.config_resetstat()
+            for message in taken[:3]:
+                message.ack()
+            assert client.zcard(channel.unacked_index_key) == 4  # gathered until the round ends
+            end_of_round()
+            calls = {name: int(stat["calls"]) for name, stat in client.info("commandstats").items()}
+            assert (calls["cmdstat_multi"], calls["cmdstat_zrem"], calls["cmdstat_hdel"]) == (1, 3, 3)
+            assert client.zcard(channel.unacked_index_key) == 1
+            assert client.hlen(channel.unacked_key) == 1
+
+            elsewhere = threading.Thread(target=taken[3].ack)
+            elsewhere.start()
+            elsewhere.join()
+            assert client.zcard(channel.unacked_index_key) == 0  # not the loop's thread: at once
+            assert all(message.acknowledged for message in taken)
+            hub.close()
+    finally:
+        client.close()
+        stop(valkey)
