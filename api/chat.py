@@ -146,7 +146,7 @@ async def _wait(
     store, announcements = context.store, context.announcements
     with announcements.watch(job_id) as event:
         client.wakes.add(event)
-        job = await _load(store, job_id, tenant)
+        job = await _load(store, job_id, tenant, watch=True)
         while not _reached(job, settled) and (remaining := until - time.monotonic()) > 0:
             await announcements.wait(event, remaining)
             if client.left:
@@ -161,9 +161,10 @@ def _reached(job: Job, settled: bool) -> bool:
     return job.terminal or (settled and job.status == "inferring")
 
 
-async def _load(store: Store, job_id: str, tenant: str) -> Job:
-    """The job, read while its client waits on it (so its end is announced: `JobRepository.watch_job`)."""
-    job = await run_in_threadpool(store.jobs.watch_job, job_id)
+async def _load(store: Store, job_id: str, tenant: str, watch: bool = False) -> Job:
+    """The job; with `watch`, the read a wait starts from, which marks the job as waited on (its end is announced:
+    `JobRepository.watch_job`), so later reads of the same wait need not."""
+    job = await run_in_threadpool(store.jobs.watch_job if watch else store.jobs.load_job, job_id)
     if job is None or job.tenant != tenant:  # expired under us: say so as a failure, never a crash
         return Job(id=job_id, status="failed", prompt="", inputs=[], error=ErrorInfo(**ClientGone().to_dict()))
     return job
@@ -259,8 +260,10 @@ async def _stream(
         yield _event(chunk(completion_id, created, model, {"role": "assistant", "content": ""}))
         streamed, after = False, "0-0"
         with announcements.watch(job_id) as event:
+            first = True
             while True:
-                job = await _load(store, job_id, tenant)  # first: every piece of an ended job is already stored
+                job = await _load(store, job_id, tenant, watch=first)  # first: an ended job's pieces are all stored
+                first = False
                 pieces, after = await run_in_threadpool(store.answers.read, job_id, after)
                 for piece in pieces:
                     streamed = True

@@ -326,12 +326,16 @@ def measure(stack: Stack, name: str, send: Send, jobs: int, clients: int) -> dic
 
 def post_only(http: httpx.Client, n: int) -> bool:
     """A text-only job through `POST /v1/jobs`, not waited for: the admission path alone."""
-    return http.post("/v1/jobs", data={"prompt": f"Question {n}: what is {n} squared?"}).status_code == 202
+    return http.post("/v1/jobs", data=_question(n)).status_code == 202
 
 
 def post_form(n: int) -> tuple[str, str, bytes]:
     """`post_only`'s request for the admission phase's clients (`bench.rawload`)."""
-    return "POST", "/v1/jobs", urlencode({"prompt": f"Question {n}: what is {n} squared?"}).encode()
+    return "POST", "/v1/jobs", urlencode(_question(n)).encode()
+
+
+def _question(n: int) -> dict[str, str]:
+    return {"prompt": f"Question {n}: what is {n} squared?"}
 
 
 def admission(stack: Stack, seconds: float, clients: int) -> dict[str, Any]:

@@ -73,10 +73,14 @@ class RedisChannel(kombu_redis.Channel):
 
     def close(self) -> None:
         """Take the acks gathered so far out of the unacked index, then close as kombu does."""
-        qos = self.__dict__.get("_qos")
+        self.remove_gathered()
+        super().close()  # type: ignore[no-untyped-call]
+
+    def remove_gathered(self) -> None:
+        """The gathered acks out of the unacked index (`RedisQoS`), if this channel's QoS was ever made."""
+        qos = self.__dict__.get("_qos")  # kombu makes it on first use: not made here for nothing
         if isinstance(qos, RedisQoS):
             qos.remove_gathered()
-        super().close()  # type: ignore[no-untyped-call]
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:
@@ -101,9 +105,7 @@ class RedisTransport(kombu_redis.Transport):
         def at_each_round() -> None:  # a hub's tick runs on its loop's thread, after the round's callbacks
             self.loop_thread = threading.get_ident()
             for channel in list(self.channels):
-                qos = channel.__dict__.get("_qos")
-                if isinstance(qos, RedisQoS):
-                    qos.remove_gathered()
+                channel.remove_gathered()
 
         loop.on_tick.add(at_each_round)
 
