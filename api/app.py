@@ -29,7 +29,7 @@ from stoker.adapters.store.clients import StoreOutOfMemory, async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
 from stoker.core.errors import BrokerUnavailable, PayloadTooLarge, StokerError, StoreFull, Unauthorized, error_envelope
 from stoker.settings import ApiSettings
-from tasks.pipeline import Submitter
+from tasks.pipeline import CelerySubmitter, Submitter
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsy
         if stop_metrics:
             stop_metrics()
         context.monitor.close()
+        if isinstance(context.submitter, CelerySubmitter):
+            context.submitter.close()
         await listener.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; the stubs lag
         context.store.close()
 

@@ -22,6 +22,7 @@ from stoker.adapters.broker import class_priority, promote_aged, queue_depths, s
 from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.core.jobs import InputRecord, Job, JobClass
 from stoker.core.queues import INFER_BATCH_QUEUE
+from tasks.publish import DirectPublisher
 
 #: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached).
 Start = Literal["preprocess", "tokenize", "infer"]
@@ -213,6 +214,9 @@ class CelerySubmitter:
     takes a second. With more threads publishing at once than half the pool (`broker_pool_limit`, 10), every
     producer was held by a thread waiting for its second: the API's publishes hung for good after a burst of
     eleven media jobs. At most half the pool's worth of canvases are published at once.
+
+    A job that enters at inference is one plain message: on a Redis broker it goes out through a
+    `DirectPublisher` (one `LPUSH`, none of the producer pool's machinery).
     """
 
     def __init__(self, app: Celery, keyframes: int = 3) -> None:
@@ -220,6 +224,7 @@ class CelerySubmitter:
         self.keyframes = keyframes
         limit = app.conf.broker_pool_limit
         self._publishing = threading.BoundedSemaphore(max(limit // 2, 1)) if limit else contextlib.nullcontext()
+        self._direct = DirectPublisher(app) if DirectPublisher.serves(app) else None
 
     def submit(
         self,
@@ -232,8 +237,16 @@ class CelerySubmitter:
     ) -> None:
         """Publish the job's canvas."""
         canvas = job_canvas(job_id, inputs, self.app, self.keyframes, start, deadline, prompt_tokens, job_class)
+        if self._direct is not None and DirectPublisher.plain(canvas):
+            self._direct.send(canvas)
+            return
         with self._publishing:
             canvas.apply_async()
+
+    def close(self) -> None:
+        """Close the direct publisher's broker connection, if it opened one."""
+        if self._direct is not None:
+            self._direct.close()
 
 
 class SyncSubmitter:

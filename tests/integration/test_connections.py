@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import threading
 import time
@@ -33,6 +35,7 @@ from stoker.runtime.context import WorkerContext
 from stoker.settings import ApiSettings, WorkerSettings
 from tasks.app import make_app
 from tasks.pipeline import CeleryOutbox, CelerySubmitter, infer_signature, preprocessing_branches
+from tasks.publish import DirectPublisher
 from tests.conftest import missing
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_rabbitmq import AMQP_URL, _rabbit_answers
@@ -108,6 +111,54 @@ def test_the_celery_app_publishes_over_one_redis_client_per_pool(broker_url: str
         channel._pool = None  # what kombu does after a connection error: a new pool, and a client over it
         assert channel._create_client() is not client
         assert channel._create_client().connection_pool is channel.pool
+
+
+def _comparable(raw: bytes) -> dict[str, object]:
+    """A message on a Redis list as kombu wrote it, less what differs between any two sends (ids, times)."""
+    message = json.loads(raw)
+    for name in ("id", "root_id", SENT_HEADER):
+        message["headers"].pop(name)
+    for name in ("correlation_id", "delivery_tag"):
+        message["properties"].pop(name)
+    message["body"] = json.loads(base64.b64decode(message["body"]))
+    return message
+
+
+def test_a_plain_signature_published_directly_is_the_message_celery_sends(
+    store_redis: redis.Redis, broker_url: str
+) -> None:
+    """The API's hand-off to inference skips Celery's producer machinery; the worker must not see a difference."""
+    app = make_app(ApiSettings(broker_url=broker_url))
+    broker = redis.Redis.from_url(broker_url)
+    direct = DirectPublisher(app)
+    for job_class in ("interactive", "batch"):
+        kwargs = {"job_id": f"j-{job_class}", "prompt_tokens": 12, "deadline": 5.0, "app": app, "job_class": job_class}
+        infer_signature(**kwargs).apply_async()  # type: ignore[arg-type]
+        task_id = direct.send(infer_signature(**kwargs))  # type: ignore[arg-type]
+        lists = [key for key in broker.keys("infer*") if broker.llen(key) == 2]
+        assert len(lists) == 1, broker.keys("*")  # both on the same list: queue and priority as Celery's
+        celerys, directs = (broker.rpop(lists[0]) for _ in range(2))
+        assert json.loads(directs)["headers"]["id"] == task_id  # type: ignore[arg-type]
+        assert json.loads(directs)["headers"][SENT_HEADER] > 0  # type: ignore[arg-type]  # the signal ran
+        assert _comparable(directs) == _comparable(celerys)  # type: ignore[arg-type]
+    opened = _clients(store_redis, SAMPLED_DB)
+    direct.close()  # its channel's connections (the API's lifespan closes it), not Celery's
+    wait_for(lambda: _clients(store_redis, SAMPLED_DB) < opened, 5, "the publisher's connections to close", [])
+    assert _clients(store_redis, SAMPLED_DB) > 0  # Celery's pooled connection stays
+
+
+def test_only_a_plain_signature_is_published_directly(broker_url: str) -> None:
+    app = make_app(ApiSettings(broker_url=broker_url))
+    plain = infer_signature("j", 3, None, app)
+    assert DirectPublisher.serves(app)
+    assert DirectPublisher.plain(plain)
+    assert not DirectPublisher.plain(plain.clone(link=app.signature("stoker.rescue")))
+    assert not DirectPublisher.plain(plain.clone(countdown=3))
+    branches = preprocessing_branches("j", [InputRecord(index=0, kind="image", content_hash="h", size_bytes=1)], app)
+    assert not DirectPublisher.plain(branches[0])  # a chain
+    with pytest.raises(ValueError, match="not a plain signature"):
+        DirectPublisher(app).send(plain.clone(countdown=3))
+    assert not DirectPublisher.serves(make_app(ApiSettings(broker_url=AMQP_URL)))
 
 
 @pytest.fixture(params=["redis", "amqp"])
