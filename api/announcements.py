@@ -2,8 +2,9 @@
 
 A pub/sub connection per waiting request would exhaust the Redis pool under load (the 101st wait a 500); here one
 pattern subscription hears every job's announcements (ended, a piece of a streamed answer) and wakes, in memory,
-whoever waits on that job. A waiter re-reads the job at least every `POLL_S` as well, so a lost connection (a
-Redis restart, a partition) costs latency, never an answer; the listener reconnects on its own.
+whoever waits on that job. A job's end comes with its ended record, which its waiters answer from. A waiter
+re-reads the job at least every `POLL_S` as well, so a lost connection (a Redis restart, a partition) costs
+latency, never an answer; the listener reconnects on its own.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from collections.abc import Iterator
 
 import redis.asyncio as aioredis
 
-from stoker.adapters.store.keys import ANNOUNCEMENT_PATTERNS, announced_event, announced_job
+from stoker.adapters.store.jobs import ended_job
+from stoker.adapters.store.keys import ANNOUNCEMENT_PATTERNS, ENDED, announced_event, announced_job
+from stoker.core.jobs import Job
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,8 @@ class Announcements:
     def __init__(self) -> None:
         #: Per job, each waiter's event and the one announcement it waits for (None: any).
         self._waiters: dict[str, dict[asyncio.Event, str | None]] = {}
+        #: Per job waited on here, its ended record as announced (kept while anyone here waits on it).
+        self._ended: dict[str, bytes] = {}
         self.listening = False
 
     async def run(self, client: aioredis.Redis[bytes]) -> None:
@@ -62,16 +67,28 @@ class Announcements:
             self.listening = True
             async for message in pubsub.listen():
                 channel = message["channel"]
-                self._wake(channel.decode() if isinstance(channel, bytes) else str(channel))
+                self._wake(channel.decode() if isinstance(channel, bytes) else str(channel), message["data"])
         finally:
             await pubsub.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; the stubs lag
 
-    def _wake(self, channel: str) -> None:
-        """Wake whoever waits on the announcing job for this announcement (or for any)."""
-        announced = announced_event(channel)
-        for event, only in self._waiters.get(announced_job(channel), {}).items():
+    def _wake(self, channel: str, data: bytes = b"") -> None:
+        """Wake whoever waits on the announcing job for this announcement (or for any); an end's record is kept
+        for them (`ended`) while they wait."""
+        announced, job_id = announced_event(channel), announced_job(channel)
+        waiters = self._waiters.get(job_id)
+        if not waiters:
+            return
+        if announced == ENDED and data:
+            self._ended[job_id] = data
+        for event, only in waiters.items():
             if only is None or only == announced:
                 event.set()
+
+    def ended(self, job_id: str) -> Job | None:
+        """The job as the announcement of its end carried it, if that was heard while someone here waits on it:
+        a waiter woken by the end answers from it without reading the job again."""
+        announced = self._ended.get(job_id)
+        return ended_job(job_id, announced) if announced is not None else None
 
     def _wake_all(self) -> None:
         for events in self._waiters.values():
@@ -93,6 +110,7 @@ class Announcements:
                 events.pop(event, None)
                 if not events:
                     del self._waiters[job_id]
+                    self._ended.pop(job_id, None)
 
     @staticmethod
     async def wait(event: asyncio.Event, timeout_s: float) -> None:

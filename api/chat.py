@@ -38,7 +38,7 @@ from api.chat_schemas import (
     Usage,
     chunk,
 )
-from api.context import ApiContext, Context
+from api.context import ApiContext, Context, reread
 from api.disconnects import ClientWatch, watching
 from api.headers import JOB_ID, SHOULD_RETRY, job_headers
 from api.intake import AcceptedRequest
@@ -152,7 +152,7 @@ async def _wait(
             if client.left:
                 await run_in_threadpool(give_up, store, job_id)
                 return None
-            job = await _load(store, job_id, tenant)
+            job = _own(await reread(context, job_id), job_id, tenant)
         client.wakes.discard(event)
     return job
 
@@ -164,8 +164,12 @@ def _reached(job: Job, settled: bool) -> bool:
 async def _load(store: Store, job_id: str, tenant: str, watch: bool = False) -> Job:
     """The job; with `watch`, the read a wait starts from, which marks the job as waited on (its end is announced:
     `JobRepository.watch_job`), so later reads of the same wait need not."""
-    job = await run_in_threadpool(store.jobs.watch_job if watch else store.jobs.load_job, job_id)
-    if job is None or job.tenant != tenant:  # expired under us: say so as a failure, never a crash
+    return _own(await run_in_threadpool(store.jobs.watch_job if watch else store.jobs.load_job, job_id), job_id, tenant)
+
+
+def _own(job: Job | None, job_id: str, tenant: str) -> Job:
+    """The job read for its tenant's wait; one expired under us is said to have failed, never a crash."""
+    if job is None or job.tenant != tenant:
         return Job(id=job_id, status="failed", prompt="", inputs=[], error=ErrorInfo(**ClientGone().to_dict()))
     return job
 

@@ -9,6 +9,7 @@ from typing import Annotated
 from celery import Celery
 from fastapi import Depends, FastAPI, Request
 from prometheus_client import CollectorRegistry
+from starlette.concurrency import run_in_threadpool
 
 from api.announcements import Announcements
 from api.pressure import QueueMonitor
@@ -17,6 +18,7 @@ from stoker.adapters.cache import StageCache
 from stoker.adapters.files import DirectoryStorage, FileStorage
 from stoker.adapters.metrics import BatchLines, JobCounts
 from stoker.adapters.store import Store
+from stoker.core.jobs import Job
 from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
@@ -64,6 +66,15 @@ class ApiContext:
             metrics=metrics,
             files=DirectoryStorage(settings.files_dir),
         )
+
+
+async def reread(context: ApiContext, job_id: str) -> Job | None:
+    """The job again, for a waiter that woke: as the announcement of its end carried it (no read), or from the
+    store (woken by something else, or by its poll)."""
+    ended = context.announcements.ended(job_id)
+    if ended is not None:
+        return ended
+    return await run_in_threadpool(context.store.jobs.load_job, job_id)
 
 
 def default_submitter(settings: ApiSettings, producer: Celery) -> Submitter:

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import idempotency
-from api.context import ApiContext, Context
+from api.context import ApiContext, Context, reread
 from api.disconnects import ClientWatch, watching
 from api.headers import SHOULD_RETRY, job_headers
 from api.intake import read_request
@@ -206,7 +206,7 @@ async def _wait_on(
     try:
         while not job.terminal and not client.left and (remaining := until - time.monotonic()) > 0:
             await context.announcements.wait(event, remaining)
-            job = _found(job.id, await run_in_threadpool(context.store.jobs.load_job, job.id), tenant)
+            job = _found(job.id, await reread(context, job.id), tenant)
     finally:
         client.wakes.discard(event)
     return job

@@ -384,6 +384,26 @@ def test_a_job_that_ends_before_its_post_is_answered_is_202_unless_the_post_wait
     assert (waited.status_code, waited.json()["status"]) == (200, "cancelled"), waited.text
 
 
+def test_a_waiter_answers_from_the_announcement_of_its_jobs_end_without_reading_the_job(
+    own_valkey: OwnValkey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The end of a job someone waits on is announced with its ended record: the waiter answers from it, where it
+    # used to read the job again (a thread hop and a round trip per waited job). A read after finds the same job.
+    app = create_app(own_valkey.settings(auth=False), submitter=_EndingSubmitter(own_valkey.store))
+    context = context_of(app)
+    reads: list[str] = []
+    load_job = context.store.jobs.load_job
+    monkeypatch.setattr(context.store.jobs, "load_job", lambda job_id: reads.append(job_id) or load_job(job_id))
+    with TestClient(app) as client:
+        wait_for(lambda: context.announcements.listening, 10, "the announcement listener", [])
+        waited = client.post("/v1/jobs", params={"wait": 30}, data={"prompt": "Over before it is answered."})
+        assert reads == []
+        assert (waited.status_code, waited.json()["status"]) == (200, "cancelled"), waited.text
+        read = client.get(waited.headers["location"])
+    assert reads == [waited.json()["id"]]  # the GET's, only
+    assert read.json() == waited.json()
+
+
 def test_publishing_a_job_subscribes_the_api_to_no_result_channel(own_valkey: OwnValkey) -> None:
     # The API never waits on a Celery result: Celery's Redis backend subscribed it to each published task's
     # result channel (and unsubscribed again), two commands per job for nothing; and once a job with media had

@@ -13,7 +13,7 @@ import redis
 from stoker.adapters.store import Store
 from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.idempotency import IdempotencyKeys
-from stoker.adapters.store.jobs import Ending, Required
+from stoker.adapters.store.jobs import Ending, Required, ended_job
 from stoker.adapters.store.keys import (
     ACTIVE_KEY,
     blob_holders_key,
@@ -324,14 +324,19 @@ def test_a_job_is_announced_ended_only_where_a_client_waits_on_it(own_store: Sto
         assert client.hgetall(job_key(unwatched)) == ended  # an ended job's record no longer changes
         marker = uuid.uuid4().hex
         client.publish(done_channel(marker), "")  # heard after every announcement made before it
-        heard = []
+        heard, records = [], []
         while marker not in heard:
             message = pubsub.get_message(timeout=10)
             assert message is not None, f"no announcement within 10 s (heard {heard})"
             heard.append(message["channel"].decode().split(":")[-2])
+            records.append(ended_job(heard[-1], message["data"]))
     finally:
         pubsub.close()
     assert heard == [from_start, later, marker]
+    # each end carries the ended record, as a read of it finds it; the marker carries none
+    assert records == [store.jobs.load_job(from_start), store.jobs.load_job(later), None]
+    assert records[0] is not None
+    assert (records[0].status, records[0].result) == ("succeeded", answer)
 
 
 def test_a_batch_is_ended_counted_and_let_go_of_in_one_pipeline_even_after_the_store_forgot_its_scripts(

@@ -110,8 +110,11 @@ if redis.call('HEXISTS', KEYS[1], 'callback') == 1 then  -- its client asked to 
   local clock = redis.call('TIME')
   redis.call('ZADD', KEYS[9], tonumber(clock[1]) + tonumber(clock[2]) / 1000000, ARGV[1])
 end
--- announced only where a client waits on it (`watched`): an API process wakes for no job nobody waits on
-if redis.call('HEXISTS', KEYS[1], 'watched') == 1 then redis.call('PUBLISH', KEYS[4], ARGV[2]) end
+-- announced only where a client waits on it (`watched`): an API process wakes for no job nobody waits on; the
+-- announcement is the ended record (its fields and values in turn, `ended_job`), so a waiter answers without a read
+if redis.call('HEXISTS', KEYS[1], 'watched') == 1 then
+  redis.call('PUBLISH', KEYS[4], cjson.encode(redis.call('HGETALL', KEYS[1])))
+end
 """
     # a cancelled job is announced to the inference consumers too, which drop it if they hold it
     + f"if ARGV[2] == 'cancelled' then redis.call('PUBLISH', '{CANCELLED_CHANNEL}', ARGV[1]) end\n"
@@ -541,9 +544,25 @@ def _pending(job_id: str, tokens: bytes | None, raw: dict[bytes, bytes]) -> Pend
     return Pending(job, request, number(b"ts:preprocessed"), number(b"deadline"), trace, stamps)
 
 
+def ended_job(job_id: str, announced: bytes) -> Job | None:
+    """The job as the announcement of its end carries it (a watched job's ended record, `_FINISH`: a JSON array of
+    its hash's fields and values in turn); None for an announcement that carries no record."""
+    try:
+        flat = json.loads(announced)
+    except ValueError:
+        return None
+    if not isinstance(flat, list) or not flat or len(flat) % 2:
+        return None
+    return _job_from_text(job_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+
+
 def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
     """Assemble a Job from the fields of its Redis hash."""
-    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    return _job_from_text(job_id, {k.decode(): v.decode() for k, v in raw.items()})
+
+
+def _job_from_text(job_id: str, fields: dict[str, str]) -> Job:
+    """Assemble a Job from the fields of its Redis hash, decoded."""
     inputs = _nest_inputs({k: InputRecord.model_validate_json(v) for k, v in fields.items() if k.startswith("input:")})
     if "encoder" in fields:
         _mark_encoder(inputs, json.loads(fields["encoder"]))
