@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -12,6 +13,7 @@ from kombu.connection import Connection
 from kombu.entity import Queue
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.utils.json import dumps
 
 from stoker.core.costs import LARGE, MEDIUM, SMALL, SizeClass
 from stoker.core.jobs import JobClass
@@ -23,40 +25,71 @@ REDIS_TRANSPORT = "stoker.adapters.broker:RedisTransport"
 
 
 class RedisQoS(kombu_redis.QoS):
-    """kombu's Redis QoS, whose acks made on the consumer's event loop leave the unacked index together.
+    """kombu's Redis QoS, whose messages taken and acked on the consumer's event loop enter and leave the unacked
+    index together, once per round of the loop.
 
-    kombu takes each acked message out of the unacked index (`ZREM` + `HDEL`) in a transaction of its own: a round
-    trip per message, and kombu has no ack of many on this transport (the virtual channel ignores `multiple`).
-    Celery acks on its event loop (a task's ack is a callback the loop runs), so the acks of one round of the loop
-    (a written batch's, in the inference consumer) are gathered here and removed from the index in one pipeline at
-    the end of that round (`RedisTransport`'s tick, kombu's own removal step queued onto it). Until then a message
-    is settled in this process but still in the index: a death then restores it after the visibility timeout, as
-    a death just before its ack would, and its job, already ended, is skipped. An ack from any other thread is
-    kombu's own, at once."""
+    kombu puts each message it takes into the unacked index (`ZADD` + `HSET`) and takes each acked one out (`ZREM` +
+    `HDEL`), each in a transaction of its own: two round trips per message, and kombu has no ack of many on this
+    transport (the virtual channel ignores `multiple`). Celery takes messages and acks them on its event loop (a
+    task's ack is a callback the loop runs), so what one round of the loop takes and acks (a message, and a written
+    batch's acks, in the inference consumer) is gathered here and written in one transaction at the end of that
+    round (`RedisTransport`'s tick): the takes first, then kombu's own removal step for each ack.
+
+    - Until its round ends, a message just taken is in this process only, as it is in kombu between its `BRPOP` and
+      its `ZADD`: a death then loses it either way. The round is one pass of the loop, a few hundred microseconds.
+    - Until its round ends, an acked message is settled in this process but still in the index: a death then
+      restores it after the visibility timeout, as a death just before its ack would, and its job, already ended,
+      is skipped.
+    - A message is restored (a reject that requeues it, the channel's close) only after what was gathered is
+      written, since kombu restores from the index.
+    - A take or an ack on any other thread is kombu's own, at once."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
-        self._gathered: list[Any] = []
+        self._taken: list[tuple[Any, Any]] = []
+        self._acked: list[Any] = []
+
+    def _on_loop(self) -> bool:
+        return threading.get_ident() == getattr(self.channel.connection, "loop_thread", None)
+
+    def append(self, message: Any, delivery_tag: Any) -> None:
+        if not self._on_loop():
+            super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
+            return
+        self._taken.append((message, delivery_tag))
+        virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]  # kombu's, less its write
 
     def ack(self, delivery_tag: Any) -> None:
-        if threading.get_ident() != getattr(self.channel.connection, "loop_thread", None):
+        if not self._on_loop():
             super().ack(delivery_tag)  # type: ignore[no-untyped-call]
             return
-        self._gathered.append(delivery_tag)
+        self._acked.append(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # kombu's Redis QoS, after its removal
 
-    def remove_gathered(self) -> None:
-        """Take the acks gathered this round out of the unacked index, in one round trip (on the loop's thread)."""
-        tags, self._gathered = self._gathered, []
-        if not tags:
+    def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
+        self.write_gathered()  # kombu restores a message from the index: it must be there first
+        super().restore_by_tag(tag, client, leftmost)  # type: ignore[no-untyped-call]
+
+    def write_gathered(self) -> None:
+        """Write what was taken and acked this round to the unacked index, in one round trip (on the loop's thread).
+
+        A take is written as kombu's `append` writes it; kombu has no step that queues it onto a given pipeline."""
+        taken, self._taken = self._taken, []
+        acked, self._acked = self._acked, []
+        if not taken and not acked:
             return
         try:
             with self.pipe_or_acquire() as pipe:
-                for tag in tags:
+                now = time.time()
+                for message, tag in taken:
+                    route = (message.delivery_info["exchange"], message.delivery_info["routing_key"])
+                    pipe.zadd(self.unacked_index_key, {tag: now})
+                    pipe.hset(self.unacked_key, tag, dumps([message._raw, *route]))  # type: ignore[no-untyped-call]
+                for tag in acked:
                     self._remove_from_indices(tag, pipe)  # type: ignore[no-untyped-call]
                 pipe.execute()
-        except Exception as exc:  # left in the index: restored after the visibility timeout, then skipped
-            log.warning("could not ack %d messages: %s", len(tags), exc)
+        except Exception as exc:  # takes unwritten: lost only if this process dies before they end; acks: below
+            log.warning("could not write %d takes and %d acks to the unacked index: %s", len(taken), len(acked), exc)
 
 
 class RedisChannel(kombu_redis.Channel):
@@ -72,15 +105,15 @@ class RedisChannel(kombu_redis.Channel):
     QoS = RedisQoS
 
     def close(self) -> None:
-        """Take the acks gathered so far out of the unacked index, then close as kombu does."""
-        self.remove_gathered()
+        """Write the takes and acks gathered so far to the unacked index, then close as kombu does."""
+        self.write_gathered()
         super().close()  # type: ignore[no-untyped-call]
 
-    def remove_gathered(self) -> None:
-        """The gathered acks out of the unacked index (`RedisQoS`), if this channel's QoS was ever made."""
+    def write_gathered(self) -> None:
+        """The gathered takes and acks to the unacked index (`RedisQoS`), if this channel's QoS was ever made."""
         qos = self.__dict__.get("_qos")  # kombu makes it on first use: not made here for nothing
         if isinstance(qos, RedisQoS):
-            qos.remove_gathered()
+            qos.write_gathered()
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:
@@ -93,10 +126,11 @@ class RedisChannel(kombu_redis.Channel):
 
 
 class RedisTransport(kombu_redis.Transport):
-    """kombu's Redis transport over `RedisChannel`; on an event loop, the acks of each round go out together."""
+    """kombu's Redis transport over `RedisChannel`; on an event loop, the takes and acks of each round go out
+    together."""
 
     Channel = RedisChannel
-    #: The thread of the event loop this transport consumes on (None: none), whose acks are gathered.
+    #: The thread of the event loop this transport consumes on (None: none), whose takes and acks are gathered.
     loop_thread: int | None = None
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
@@ -105,7 +139,7 @@ class RedisTransport(kombu_redis.Transport):
         def at_each_round() -> None:  # a hub's tick runs on its loop's thread, after the round's callbacks
             self.loop_thread = threading.get_ident()
             for channel in list(self.channels):
-                channel.remove_gathered()
+                channel.write_gathered()
 
         loop.on_tick.add(at_each_round)
 

@@ -296,10 +296,11 @@ def test_a_queues_depth_counts_its_messages_at_every_priority(broker_url: str) -
         assert redis.Redis.from_url(broker_url).llen("ocr") == 1  # spread over the lists, not all in the first
 
 
-def test_acks_made_on_the_event_loop_leave_the_unacked_index_together_at_the_end_of_its_round() -> None:
-    """Celery acks on its event loop: the acks of one round of the loop (a written batch's) are taken out of the
-    Redis broker's unacked index in one transaction when the round ends, not one each; an ack from another thread
-    is kombu's own, at once."""
+def test_messages_taken_and_acked_on_the_event_loop_enter_and_leave_the_unacked_index_at_the_end_of_its_round() -> None:
+    """Celery takes messages and acks them on its event loop: what one round of the loop takes and acks (a message,
+    a written batch's acks) is written to the Redis broker's unacked index in one transaction when the round ends,
+    not one each; a message is restored from the index only once it is there; a take or an ack from another
+    thread is kombu's own, at once."""
     valkey, port = start_embedded(persist=False)
     client = redis.Redis(port=port)
     try:
@@ -307,10 +308,10 @@ def test_acks_made_on_the_event_loop_leave_the_unacked_index_together_at_the_end
             channel = connection.default_channel
             queue = KombuQueue("acks", routing_key="acks")(channel)
             queue.declare()
-            for n in range(4):
+            for n in range(7):
                 Producer(channel).publish({"n": n}, routing_key="acks")
             taken = [queue.get(no_ack=False) for _ in range(4)]
-            assert client.zcard(channel.unacked_index_key) == 4
+            assert client.zcard(channel.unacked_index_key) == 4  # no loop yet: kombu's own, at once
             hub = Hub()
             connection.register_with_event_loop(hub)
             (end_of_round,) = [tick for tick in hub.on_tick if tick.__name__ == "at_each_round"]
@@ -319,14 +320,20 @@ def test_acks_made_on_the_event_loop_leave_the_unacked_index_together_at_the_end
             client.config_resetstat()
             for message in taken[:3]:
                 message.ack()
+            taken += [queue.get(no_ack=False) for _ in range(2)]
             assert client.zcard(channel.unacked_index_key) == 4  # gathered until the round ends
             end_of_round()
             calls = {name: int(stat["calls"]) for name, stat in client.info("commandstats").items()}
-            assert (calls["cmdstat_multi"], calls["cmdstat_zrem"], calls["cmdstat_hdel"]) == (1, 3, 3)
-            assert client.zcard(channel.unacked_index_key) == 1
-            assert client.hlen(channel.unacked_key) == 1
+            assert calls["cmdstat_multi"] == 1
+            assert [calls[f"cmdstat_{verb}"] for verb in ("zadd", "hset", "zrem", "hdel")] == [2, 2, 3, 3]
+            assert client.zcard(channel.unacked_index_key) == client.hlen(channel.unacked_key) == 3
 
-            elsewhere = threading.Thread(target=taken[3].ack)
+            requeued = queue.get(no_ack=False)
+            requeued.requeue()  # taken this round, handed back at once: in the index first, then back in the queue
+            assert client.llen("acks") == 1
+            assert client.zcard(channel.unacked_index_key) == 3
+
+            elsewhere = threading.Thread(target=lambda: [message.ack() for message in taken[3:]])
             elsewhere.start()
             elsewhere.join()
             assert client.zcard(channel.unacked_index_key) == 0  # not the loop's thread: at once
