@@ -21,7 +21,9 @@ and so is everything on RabbitMQ.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from contextlib import AbstractContextManager
 from typing import Any
 
 from celery import Celery
@@ -46,6 +48,9 @@ class DirectPublisher:
         self.app = app
         self._channel: Any = None
         self._opening = threading.Lock()
+        #: As many pushes at once as the channel's connection pool holds connections: redis-py's pool refuses one
+        #: more (MaxConnectionsError) instead of waiting for one, and the API pushes from every thread of its pool.
+        self._pushing: AbstractContextManager[Any] | None = None
 
     @staticmethod
     def serves(app: Celery) -> bool:
@@ -92,19 +97,22 @@ class DirectPublisher:
         content_type, encoding, payload = dumps(body, serializer=app.conf.task_serializer)  # type: ignore[no-untyped-call]
         mode = queue.exchange.delivery_mode or app.conf.task_default_delivery_mode
         properties["delivery_mode"] = maybe_delivery_mode(mode)  # type: ignore[no-untyped-call]
-        channel = self._channel_open()
+        channel, pushing = self._channel_open()
         message = channel.prepare_message(payload, options.get("priority"), content_type, encoding, headers, properties)
-        channel.basic_publish(message, "", queue.name)  # the anonymous exchange: the routing key names the queue
+        with pushing:
+            channel.basic_publish(message, "", queue.name)  # the anonymous exchange: the routing key names the queue
         after_task_publish.send(sender=name, body=body, headers=headers, exchange="", routing_key=queue.name)
         return task_id
 
-    def _channel_open(self) -> Any:
+    def _channel_open(self) -> tuple[Any, AbstractContextManager[Any]]:
         """The channel messages are pushed through, opened on first use (kombu's channel on the app's broker
-        connection; its client is shared between threads)."""
+        connection; its client is shared between threads), and the bound on pushes at once."""
         with self._opening:
-            if self._channel is None:
+            if self._channel is None or self._pushing is None:
                 self._channel = self.app.connection_for_write().default_channel
-            return self._channel
+                limit = self._channel.max_connections  # None: a pool without a bound
+                self._pushing = threading.BoundedSemaphore(limit) if limit else contextlib.nullcontext()
+            return self._channel, self._pushing
 
     def close(self) -> None:
         """Close the channel's connection, if one was opened."""

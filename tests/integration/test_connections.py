@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -145,6 +146,21 @@ def test_a_plain_signature_published_directly_is_the_message_celery_sends(
     direct.close()  # its channel's connections (the API's lifespan closes it), not Celery's
     wait_for(lambda: _clients(store_redis, SAMPLED_DB) < opened, 5, "the publisher's connections to close", [])
     assert _clients(store_redis, SAMPLED_DB) > 0  # Celery's pooled connection stays
+
+
+def test_more_threads_than_the_brokers_pool_has_connections_publish_directly_without_a_refusal(broker_url: str) -> None:
+    # The API publishes from every thread of its pool; redis-py's pool refuses a connection past its bound
+    # (MaxConnectionsError, a 503 for the job) instead of waiting for one, so the publisher waits for one itself.
+    app = make_app(ApiSettings(broker_url=broker_url))
+    app.conf.broker_transport_options = {**app.conf.broker_transport_options, "max_connections": 2}
+    direct = DirectPublisher(app)
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            sent = list(pool.map(lambda n: direct.send(infer_signature(f"j{n}", 1, None, app)), range(400)))
+        assert len(set(sent)) == 400
+        assert redis.Redis.from_url(broker_url).llen("infer") == 400
+    finally:
+        direct.close()
 
 
 def test_only_a_plain_signature_is_published_directly(broker_url: str) -> None:
