@@ -175,6 +175,7 @@ class CeleryOutbox:
     def __init__(self, app: Celery, keyframes: int = 3) -> None:
         self.app = app
         self.keyframes = keyframes
+        self._submitter = CelerySubmitter(app, keyframes)  # one for the process: it may hold a broker connection
 
     def enqueue_inference(
         self, job_id: str, prompt_tokens: int | None, deadline: float | None, job_class: JobClass = "interactive"
@@ -188,7 +189,7 @@ class CeleryOutbox:
 
     def resubmit(self, job: Job, deadline: float | None) -> None:
         """The job's canvas from preprocessing, again (its stages skip what a first run already did)."""
-        CelerySubmitter(self.app, self.keyframes).submit(job.id, job.inputs, deadline=deadline, job_class=job.job_class)
+        self._submitter.submit(job.id, job.inputs, deadline=deadline, job_class=job.job_class)
 
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
         """Each queue's depth; a connection that failed is closed, so the pool hands out a fresh one next time

@@ -42,12 +42,15 @@ class RedisQoS(kombu_redis.QoS):
       is skipped.
     - A message is restored (a reject that requeues it, the channel's close) only after what was gathered is
       written, since kombu restores from the index.
-    - A take or an ack on any other thread is kombu's own, at once."""
+    - A take or an ack on any other thread is kombu's own, at once.
+    - What is gathered is written under a lock, so a restore from another thread (a message handed back by the
+      feeder) waits for a write the loop has begun."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self._taken: list[tuple[Any, Any]] = []
         self._acked: list[Any] = []
+        self._gathering = threading.Lock()
 
     def _on_loop(self) -> bool:
         return threading.get_ident() == getattr(self.channel.connection, "loop_thread", None)
@@ -56,14 +59,16 @@ class RedisQoS(kombu_redis.QoS):
         if not self._on_loop():
             super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
             return
-        self._taken.append((message, delivery_tag))
+        with self._gathering:
+            self._taken.append((message, delivery_tag))
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]  # kombu's, less its write
 
     def ack(self, delivery_tag: Any) -> None:
         if not self._on_loop():
             super().ack(delivery_tag)  # type: ignore[no-untyped-call]
             return
-        self._acked.append(delivery_tag)
+        with self._gathering:
+            self._acked.append(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # kombu's Redis QoS, after its removal
 
     def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
@@ -74,8 +79,15 @@ class RedisQoS(kombu_redis.QoS):
         """Write what was taken and acked this round to the unacked index, in one round trip (on the loop's thread).
 
         A take is written as kombu's `append` writes it; kombu has no step that queues it onto a given pipeline."""
+        with self._gathering:
+            self._write(*self._swap())
+
+    def _swap(self) -> tuple[list[tuple[Any, Any]], list[Any]]:
         taken, self._taken = self._taken, []
         acked, self._acked = self._acked, []
+        return taken, acked
+
+    def _write(self, taken: list[tuple[Any, Any]], acked: list[Any]) -> None:
         if not taken and not acked:
             return
         try:
