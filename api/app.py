@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.batches import router as batches_router
 from api.batchfeeder import BatchFeeder
 from api.chat import router as chat_router
-from api.context import ApiContext
+from api.context import ApiContext, close_clients
 from api.files import router as files_router
 from api.headers import SHOULD_RETRY, retry_headers
 from api.limits import BodyLimitMiddleware
@@ -29,7 +29,7 @@ from stoker.adapters.store.clients import StoreOutOfMemory, async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
 from stoker.core.errors import BrokerUnavailable, PayloadTooLarge, StokerError, StoreFull, Unauthorized, error_envelope
 from stoker.settings import ApiSettings
-from tasks.pipeline import CelerySubmitter, Submitter
+from tasks.pipeline import Submitter
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,8 @@ def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsy
         await asyncio.to_thread(context.cache.write_counts)  # what was counted since the last write
         if stop_metrics:
             stop_metrics()
-        context.monitor.close()
-        if isinstance(context.submitter, CelerySubmitter):
-            context.submitter.close()
         await listener.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; the stubs lag
-        context.store.close()
+        close_clients(context)
 
     return lifespan
 

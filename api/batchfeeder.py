@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.chat import completion
 from api.chat_intake import accept_chat
-from api.context import ApiContext
+from api.context import ApiContext, close_clients
 from api.files import store_file, sweep_expired_files
 from api.intake import AcceptedRequest
 from api.submission import cancel, submit_line, unmake
@@ -396,6 +396,5 @@ async def _feed_until_stopped(context: ApiContext) -> None:
     for task in background:
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)  # the feeder gives its lease up on the way out
-    context.monitor.close()
-    context.store.close()
+    close_clients(context)
     log.info("batch feeder %s stopped", os.getpid())

@@ -68,6 +68,15 @@ class ApiContext:
         )
 
 
+def close_clients(context: ApiContext) -> None:
+    """Close what the context holds open: the queue monitor's, the submitter's (its direct publisher's) and the
+    store's connections."""
+    context.monitor.close()
+    if isinstance(context.submitter, CelerySubmitter):
+        context.submitter.close()
+    context.store.close()
+
+
 async def reread(context: ApiContext, job_id: str) -> Job | None:
     """The job again, for a waiter that woke: as the announcement of its end carried it (no read), or from the
     store (woken by something else, or by its poll)."""
