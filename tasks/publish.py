@@ -15,8 +15,8 @@ message without that machinery, so the message is assembled here from Celery's a
   (`stoker.adapters.broker.RedisChannel`).
 
 The message is the one `apply_async` would have sent, but for its ids and times. Only a plain signature goes this
-way (one task on a Redis broker: nothing linked or scheduled, no sent events); anything else is `apply_async`'s,
-and so is everything on RabbitMQ.
+way (one task on a Redis broker, with no option but its queue, its priority and an ignored result, and no sent
+events); anything else is `apply_async`'s, and so is everything on RabbitMQ.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ from kombu.utils.uuid import uuid
 
 from stoker.adapters.broker import is_amqp
 
-#: Signature options that make a message more than a plain one (Celery's path handles them).
-_NOT_PLAIN = frozenset(
-    {"link", "link_error", "eta", "countdown", "expires", "chord", "group_id", "task_id", "exchange", "routing_key"}
-)
+#: The only options a plain signature has: any other (a link, an ETA, an expiry, a time limit, headers…) is Celery's
+#: to send.
+_PLAIN_OPTIONS = frozenset({"ignore_result", "queue", "priority"})
 
 
 class DirectPublisher:
@@ -59,10 +58,10 @@ class DirectPublisher:
 
     @staticmethod
     def plain(signature: Signature) -> bool:
-        """Whether the signature is one this publisher sends as Celery would: one task (not a canvas), nothing
-        linked or scheduled."""
+        """Whether the signature is one this publisher sends as Celery would: one task (not a canvas) with no
+        option but its queue, its priority and whether its result is ignored."""
         options = {name for name, value in signature.options.items() if value is not None}
-        return type(signature) is Signature and not _NOT_PLAIN.intersection(options)
+        return type(signature) is Signature and options <= _PLAIN_OPTIONS
 
     def send(self, signature: Signature) -> str:
         """Publish the signature's message; its task id. Raises what the broker's client raises if it cannot."""

@@ -170,6 +170,8 @@ def test_only_a_plain_signature_is_published_directly(broker_url: str) -> None:
     assert DirectPublisher.plain(plain)
     assert not DirectPublisher.plain(plain.clone(link=app.signature("stoker.rescue")))
     assert not DirectPublisher.plain(plain.clone(countdown=3))
+    assert not DirectPublisher.plain(plain.clone(soft_time_limit=3))  # an option it would not carry
+    assert DirectPublisher.plain(infer_signature("j", 3, None, app, "batch"))  # its own queue and priority
     branches = preprocessing_branches("j", [InputRecord(index=0, kind="image", content_hash="h", size_bytes=1)], app)
     assert not DirectPublisher.plain(branches[0])  # a chain
     with pytest.raises(ValueError, match="not a plain signature"):
