@@ -71,7 +71,7 @@ class Announcements:
         finally:
             await pubsub.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; the stubs lag
 
-    def _wake(self, channel: str, data: bytes = b"") -> None:
+    def _wake(self, channel: str, data: bytes) -> None:
         """Wake whoever waits on the announcing job for this announcement (or for any); an end's record is kept
         for them (`ended`) while they wait."""
         announced, job_id = announced_event(channel), announced_job(channel)

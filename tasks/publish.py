@@ -45,11 +45,11 @@ class DirectPublisher:
 
     def __init__(self, app: Celery) -> None:
         self.app = app
-        self._channel: Any = None
         self._opening = threading.Lock()
-        #: As many pushes at once as the channel's connection pool holds connections: redis-py's pool refuses one
-        #: more (MaxConnectionsError) instead of waiting for one, and the API pushes from every thread of its pool.
-        self._pushing: AbstractContextManager[Any] | None = None
+        #: The channel pushed through, and the bound on pushes at once: as many as its connection pool holds
+        #: connections (redis-py's pool refuses one more, MaxConnectionsError, instead of waiting for one, and the
+        #: API pushes from every thread of its pool). None until the first push, and after `close`.
+        self._opened: tuple[Any, AbstractContextManager[Any]] | None = None
 
     @staticmethod
     def serves(app: Celery) -> bool:
@@ -107,18 +107,18 @@ class DirectPublisher:
         """The channel messages are pushed through, opened on first use (kombu's channel on the app's broker
         connection; its client is shared between threads), and the bound on pushes at once."""
         with self._opening:
-            if self._channel is None or self._pushing is None:
-                self._channel = self.app.connection_for_write().default_channel
-                limit = self._channel.max_connections  # None: a pool without a bound
-                self._pushing = threading.BoundedSemaphore(limit) if limit else contextlib.nullcontext()
-            return self._channel, self._pushing
+            if self._opened is None:
+                channel = self.app.connection_for_write().default_channel
+                limit = channel.max_connections  # None: a pool without a bound
+                self._opened = (channel, threading.BoundedSemaphore(limit) if limit else contextlib.nullcontext())
+            return self._opened
 
     def close(self) -> None:
         """Close the channel's connection, if one was opened."""
         with self._opening:
-            channel, self._channel = self._channel, None
-        if channel is not None:
-            channel.connection.client.release()
+            opened, self._opened = self._opened, None
+        if opened is not None:
+            opened[0].connection.client.release()
 
 
 def _short_repr(value: Any, limit: int) -> str | None:

@@ -80,12 +80,9 @@ class RedisQoS(kombu_redis.QoS):
 
         A take is written as kombu's `append` writes it; kombu has no step that queues it onto a given pipeline."""
         with self._gathering:
-            self._write(*self._swap())
-
-    def _swap(self) -> tuple[list[tuple[Any, Any]], list[Any]]:
-        taken, self._taken = self._taken, []
-        acked, self._acked = self._acked, []
-        return taken, acked
+            taken, self._taken = self._taken, []
+            acked, self._acked = self._acked, []
+            self._write(taken, acked)
 
     def _write(self, taken: list[tuple[Any, Any]], acked: list[Any]) -> None:
         if not taken and not acked:

@@ -465,7 +465,7 @@ class JobRepository:
         """`load_job` for a client that is about to wait on the job: its end is announced from this read on (one
         nobody waits on is not announced). One round trip, as `load_job`."""
         raw = self._watch(keys=[job_key(job_id)])
-        return job_from_fields(job_id, dict(zip(raw[::2], raw[1::2], strict=True))) if raw else None
+        return job_from_fields(job_id, _pairs(raw)) if raw else None
 
     def page(self, tenant: str, cursor: Cursor | None, count: int) -> list[Cursor]:
         """Up to `count` of a tenant's jobs, newest first, after `cursor` (None: from the newest): each as the
@@ -553,7 +553,12 @@ def ended_job(job_id: str, announced: bytes) -> Job | None:
         return None
     if not isinstance(flat, list) or not flat or len(flat) % 2:
         return None
-    return _job_from_text(job_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+    return _job_from_text(job_id, _pairs(flat))
+
+
+def _pairs(flat: list[Any]) -> dict[Any, Any]:
+    """A hash's fields and values, given in turn (as a script's `HGETALL` returns them), as a mapping."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def job_from_fields(job_id: str, raw: dict[bytes, bytes]) -> Job:
