@@ -1,10 +1,12 @@
 """How the API is served: uvicorn's config built from settings in one place, so that `stoker api` (what `stoker up`,
 the Dockerfile, Compose and Kubernetes all run) bounds what one connection may cost the one event loop.
 
-uvicorn's defaults bound nothing of a request's head: httptools (its default parser, where installed) buffers a
-header value or a request target of any length, at a cost that grows with the square of its length (a 64 MiB
-header held the loop for seconds), and no clock limits how long a head may take to arrive. h11 refuses a head past
-`max_incomplete_event_size`; the clock is `HeadBoundedProtocol`'s.
+uvicorn's defaults bound nothing of a request's head: httptools (its default parser) buffers a header value or a
+request target of any length, at a cost that grows with the square of its length (a 64 MiB header held the loop
+for seconds), and no clock limits how long a head may take to arrive. `HeadBoundedProtocol` is uvicorn's httptools
+protocol with both bounds. httptools, not h11: h11 bounds a head itself, but parsing and writing HTTP in pure Python
+took about a seventh of the API's CPU per job (`python -m bench.cost`'s profile), httptools' C parser a fraction of
+that.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ import sys
 from types import FrameType
 from typing import Any
 
-import h11
 import uvicorn
 from fastapi import FastAPI
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from api.app import create_app
@@ -63,16 +64,16 @@ class ApiServer(uvicorn.Server):
 
 
 def server_config(settings: ApiSettings, app: FastAPI | None = None) -> ApiServerConfig:
-    """uvicorn's config for the API (its app built from settings unless given): h11 with a bounded head, a
+    """uvicorn's config for the API (its app built from settings unless given): httptools with a bounded head, a
     deadline on the head, and no WebSocket protocol (no route serves one)."""
     return ApiServerConfig(
         create_app(settings) if app is None else app,
         header_timeout_s=settings.header_timeout_s,
+        max_head_bytes=settings.max_header_bytes,
         host=settings.host,
         port=settings.port,
         http=HeadBoundedProtocol,
         ws="none",
-        h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_keep_alive=settings.keep_alive_s,
         access_log=settings.access_log,
         # No `limit_concurrency`: uvicorn counts open connections against it, so connections that trickle their
@@ -81,20 +82,30 @@ def server_config(settings: ApiSettings, app: FastAPI | None = None) -> ApiServe
 
 
 class ApiServerConfig(uvicorn.Config):
-    """uvicorn's config and the one bound it has no option for: how long a request's head may take to arrive."""
+    """uvicorn's config and the two bounds it has no option for with httptools: how long a request's head may take
+    to arrive, and how many bytes it may have."""
 
-    def __init__(self, app: FastAPI, *, header_timeout_s: float, **options: Any) -> None:
+    def __init__(self, app: FastAPI, *, header_timeout_s: float, max_head_bytes: int, **options: Any) -> None:
         super().__init__(app, **options)
         self.header_timeout_s = header_timeout_s
+        self.max_head_bytes = max_head_bytes
 
 
-class HeadBoundedProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request's head, and stoker's structured errors for a head
-    refused.
+class HeadBoundedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bound on each request's head in bytes and in time, and stoker's
+    structured errors for a head refused.
 
-    uvicorn times out only idle kept-alive connections: one that sends its head a byte at a time, or opens and sends
-    nothing, is held open for ever. h11 is sans-I/O and has no clock, so the deadline is kept here: armed when a
-    connection opens and when a kept-alive one starts its next request, cancelled once h11 has the whole head.
+    httptools has neither bound: it buffers a head of any length, and uvicorn times out only idle kept-alive
+    connections, so one that sends its head a byte at a time, or opens and sends nothing, is held open for ever.
+    Both are kept here, around the parser's own callbacks:
+    - the deadline is armed when a connection opens and when a kept-alive one starts its next head, and cancelled
+      once the parser has the whole head;
+    - a head that completes is measured from what the parser hands over (its target and header lines) and refused
+      431 past the bound, before any route sees it;
+    - a head still incomplete is counted in the chunks fed to the parser, and refused 431 once they pass the bound
+      (the parser buffers an unfinished line whole: this is what keeps it from growing without bound). A head that
+      begins mid-chunk (a pipelined request) is counted from the next chunk on, so a pipelined request is never
+      refused for the body before it.
     """
 
     def __init__(
@@ -105,10 +116,19 @@ class HeadBoundedProtocol(H11Protocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         if not isinstance(config, ApiServerConfig):
-            raise TypeError("HeadBoundedProtocol needs an ApiServerConfig: it holds the header timeout")
+            raise TypeError("HeadBoundedProtocol needs an ApiServerConfig: it holds the head's bounds")
         super().__init__(config, server_state, app_state, _loop)
         self.header_timeout_s = config.header_timeout_s
+        self.max_head_bytes = config.max_head_bytes
         self.head_deadline: asyncio.TimerHandle | None = None
+        #: No head is complete since the last request ended (or the connection opened): the next is awaited.
+        self.awaiting_head = True
+        #: Bytes of the awaited head fed so far, in whole chunks (see the class's note).
+        self.head_bytes = 0
+        #: Bytes of the current head's target and header lines, as the parser hands them over.
+        self.head_lines_bytes = 0
+        #: Set by the parser when a head completes during the chunk being fed.
+        self._head_completed = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """A new connection: its first head is due within the header timeout."""
@@ -116,12 +136,48 @@ class HeadBoundedProtocol(H11Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        """Bytes of a head keep its deadline; the whole head cancels it."""
-        if self.head_deadline is None and self.conn.their_state is h11.IDLE:
+        """Feed the parser; count the bytes of a head still incomplete, and refuse it past its bound."""
+        in_head = self.awaiting_head
+        if in_head and self.head_deadline is None:
             self._arm()  # the first bytes of the next request on a kept-alive connection
+        self._head_completed = False
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the head is in (or h11 refused it)
-            self._disarm()
+        if self.awaiting_head and not self.transport.is_closing():
+            if in_head and not self._head_completed:
+                self.head_bytes += len(data)
+                if self.head_bytes > self.max_head_bytes:
+                    self._refuse(HeadersTooLarge())
+            elif self.head_deadline is None:
+                self._arm()  # a pipelined request's head began after the one before it ended
+
+    def on_message_begin(self) -> None:
+        """A request's first bytes: its head is measured from here."""
+        self.head_lines_bytes = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        """A piece of the request target (the parser may hand it over in several)."""
+        self.head_lines_bytes += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """A header line, with its ": " and line end."""
+        self.head_lines_bytes += len(name) + len(value) + 4
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        """The whole head is in: refused if over the bound (the parser stops, and `send_400_response` answers),
+        otherwise its deadline and its count end and the request goes on."""
+        if self.head_lines_bytes > self.max_head_bytes:
+            raise HeadersTooLarge()
+        self.awaiting_head, self._head_completed, self.head_bytes = False, True, 0
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        """The request's body is in: the next bytes begin the next head."""
+        self.awaiting_head = True
+        super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The connection is gone: so is its deadline."""
@@ -129,12 +185,13 @@ class HeadBoundedProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        """Answer a head h11 refused in stoker's error shape, with the status h11 suggests (431 for a head over
-        the limit) instead of uvicorn's plain-text 400."""
-        # uvicorn calls this only from its `except h11.RemoteProtocolError`: the exception in hand says why.
+        """Answer a request the parser refused in stoker's error shape instead of uvicorn's plain-text 400: 431
+        where it was `on_headers_complete` that stopped it over the bound."""
+        # uvicorn calls this only from its `except httptools.HttpParserError`: the exception in hand says why, and
+        # an exception raised in one of the parser's callbacks is its context.
         refused = sys.exception()
-        status = refused.error_status_hint if isinstance(refused, h11.RemoteProtocolError) else 400
-        self._refuse(HeadersTooLarge() if status == 431 else MalformedRequest())
+        cause = refused.__context__ if refused is not None else None
+        self._refuse(cause if isinstance(cause, HeadersTooLarge) else MalformedRequest())
 
     def _arm(self) -> None:
         self.head_deadline = self.loop.call_later(self.header_timeout_s, self._head_late)
@@ -146,20 +203,18 @@ class HeadBoundedProtocol(H11Protocol):
 
     def _head_late(self) -> None:
         self.head_deadline = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self.awaiting_head and not self.transport.is_closing():
             self._refuse(RequestTimeout(f"the request's head did not arrive within {self.header_timeout_s:g} s"))
 
     def _refuse(self, error: StokerError) -> None:
-        """Answer with error (its JSON envelope) and close the connection."""
-        body = json.dumps(error.envelope()).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
-        reason = http.HTTPStatus(error.http_status).phrase.encode()
-        answer = (h11.Response(status_code=error.http_status, headers=headers, reason=reason), h11.Data(data=body))
-        # h11 refuses a second answer on a connection already answering one: closing it is then all that is left
-        with contextlib.suppress(h11.LocalProtocolError):
-            self.transport.write(b"".join(self.conn.send(event) or b"" for event in (*answer, h11.EndOfMessage())))
+        """Answer with error (its JSON envelope) and close the connection; only close it where a response is
+        already under way on it (a pipelined request's head refused while the one before is answered)."""
+        if self.cycle is None or self.cycle.response_complete:
+            body = json.dumps(error.envelope()).encode()
+            status = http.HTTPStatus(error.http_status)
+            head = (
+                f"HTTP/1.1 {status.value} {status.phrase}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            )
+            self.transport.write(head.encode("ascii") + body)
         self.transport.close()

@@ -359,7 +359,7 @@ class ApiSettings(CommonSettings):
     )
 
     # What one connection may cost the API's one event loop (`api.server` builds uvicorn's config from these: the
-    # server `stoker api` runs, as `stoker up` and every deploy file do, uvicorn over h11).
+    # server `stoker api` runs, as `stoker up` and every deploy file do, uvicorn over httptools).
     max_header_bytes: int = Field(
         16 * 1024,
         ge=1024,

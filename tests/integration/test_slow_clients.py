@@ -259,3 +259,54 @@ class _Trickle:
             return None
         except OSError:
             return b""
+
+
+def _exchange(port: int, payload: bytes, answers: int = 1) -> list[tuple[int, bytes]]:
+    """Send payload on a fresh connection and read `answers` responses (status, body) off it, or fewer where the
+    server closes it first."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(payload)
+        received, parsed = b"", []
+        while len(parsed) < answers and (chunk := sock.recv(65536)):
+            received += chunk
+            while b"\r\n\r\n" in received:
+                head, rest = received.split(b"\r\n\r\n", 1)
+                fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:])
+                length = int(fields[b"content-length"])
+                if len(rest) < length:
+                    break
+                parsed.append((int(head.split(b" ", 2)[1]), rest[:length]))
+                received = rest[length:]
+    return parsed
+
+
+DEFAULT_MAX_HEAD = 16 * 1024  # the `max_header_bytes` default the fixture's server runs with
+
+
+def _head_of(size: int) -> bytes:
+    """A GET /healthz head of exactly `size` bytes."""
+    start, end = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: ", b"\r\n\r\n"
+    return start + b"a" * (size - len(start) - len(end)) + end
+
+
+def test_a_head_over_its_bound_is_refused_431_in_the_error_shape_and_one_within_it_served(server: Server) -> None:
+    within = _exchange(server.port, _head_of(DEFAULT_MAX_HEAD - 512))
+    assert [status for status, _ in within] == [200]
+    ((status, body),) = _exchange(server.port, _head_of(DEFAULT_MAX_HEAD + 4096))
+    assert status == 431
+    assert json.loads(body)["error"]["code"] == "headers_too_large"
+
+
+def test_a_malformed_request_is_refused_400_in_the_error_shape(server: Server) -> None:
+    ((status, body),) = _exchange(server.port, b"GET /healthz HTTP/1.1\r\nHost x\r\nBad\x01Header: v\r\n\r\n")
+    assert status == 400
+    assert json.loads(body)["error"]["code"] == "malformed_request"
+
+
+def test_pipelined_requests_are_all_answered_and_a_body_is_not_counted_against_the_next_head(server: Server) -> None:
+    """Three requests in one send, the first with a body larger than a head may be: the bound counts heads only."""
+    body = b'{"prompt":"' + b"a" * (2 * DEFAULT_MAX_HEAD) + b'"}'  # over the prompt's length: 422, nothing queued
+    post = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    get = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    answers = _exchange(server.port, post % len(body) + body + get + get, answers=3)
+    assert [status for status, _ in answers] == [422, 200, 200], answers[0]

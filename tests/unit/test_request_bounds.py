@@ -13,7 +13,7 @@ import yaml
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.types import Message
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from api.limits import read_json
 from api.server import ApiServer, HeadBoundedProtocol, server_config
@@ -28,8 +28,8 @@ def test_the_server_bounds_a_request_head_in_bytes_and_time() -> None:
     settings = ApiSettings(max_header_bytes=4096, header_timeout_s=2.5, keep_alive_s=7)
     config = server_config(settings, app=FastAPI())
     assert config.http is HeadBoundedProtocol
-    assert issubclass(HeadBoundedProtocol, H11Protocol)  # h11: httptools bounds no head
-    assert config.h11_max_incomplete_event_size == 4096
+    assert issubclass(HeadBoundedProtocol, HttpToolsProtocol)  # httptools, with the bounds it lacks added
+    assert config.max_head_bytes == 4096
     assert config.header_timeout_s == 2.5
     assert config.timeout_keep_alive == 7
     assert config.ws == "none"
