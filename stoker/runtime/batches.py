@@ -83,10 +83,11 @@ class RanBatch:
     groups: int = 1
 
 
-def load_batch(ctx: WorkerContext, job_ids: Sequence[str]) -> list[BatchItem]:
-    """The jobs still waiting for the model, loaded in one round trip. A job with no request left (a redelivered
-    message of a job that ended) is skipped; one whose deadline passed is failed here, before the model."""
-    loaded = ctx.store.jobs.load_pending(list(dict.fromkeys(job_ids)))
+def load_batch(ctx: WorkerContext, job_ids: Sequence[str], also: Sequence[Queued] = ()) -> list[BatchItem]:
+    """The jobs still waiting for the model, loaded in one round trip (with `also` before the reads). A job with no
+    request left (a redelivered message of a job that ended) is skipped; one whose deadline passed is failed here,
+    before the model."""
+    loaded = ctx.store.jobs.load_pending(list(dict.fromkeys(job_ids)), also)
     now = time.time()
     items = []
     for job_id, pending in loaded.items():

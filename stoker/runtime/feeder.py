@@ -12,7 +12,8 @@ polling tick); three threads do the rest:
 
 At most one batch is prepared ahead and one written behind: memory stays bounded by the prefetch. The consumer
 beats while it lives and names the jobs it holds as they come and go, so when it dies the reaper sends them again
-within seconds.
+within seconds: the collector names the jobs that arrived in the round trip that loads their batch, or on their own
+while no batch can take them (the device busy, the next batch full).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class Feeder:
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._cond = threading.Condition()
         self._waiting: dict[str, tuple[Waiting, Message]] = {}
+        #: Jobs that arrived and are not yet named as held: the collector names them (`_collect`).
+        self._unheld: list[str] = []
         self._loading: list[Message] = []
         self._prepared: list[BatchItem] = []
         self._running: list[BatchItem] = []
@@ -101,20 +104,20 @@ class Feeder:
 
     # -- arrivals (celery's consumer thread) ------------------------------------------------------------------
     def add(self, requests: Sequence[Message]) -> None:
-        """Messages that just arrived: named as held first (so a death from now on is seen), then they wait for the
-        collector."""
+        """Messages that just arrived: they wait for the collector, which names them as held at once (with their
+        batch's load when it can take them now: no round trip of their own on this thread)."""
+        self._arrived = True
         try:
-            self.ctx.store.consumers.hold(self.consumer, [_job_of(r) for r in requests])
-            self._arrived = True
             if self.pace.slowed:  # its last beat promised life for longer than a death may go unnoticed now
                 self._beat_at_pace(active=True)
                 self._beat_now.set()
-        except Exception as exc:  # the store is away: the broker's own redelivery still covers these
-            log.warning("could not record held jobs: %s", exc)
+        except Exception as exc:  # the store is away: the heartbeat's next round tries again
+            log.warning("could not beat: %s", exc)
         now = time.time()
         with self._cond:
             for request in requests:
                 self._waiting[request.id] = (as_waiting(request, now), request)
+                self._unheld.append(_job_of(request))
             if not all(_is_batch_line(r) for r in requests):
                 self._interactive_at = now
             self._cond.notify_all()
@@ -164,19 +167,25 @@ class Feeder:
     def _collect(self) -> None:
         with self._cond:
             plan = self._plan_top_up()
-            while plan is None:  # nothing fits (full, over the token budget) or nothing waits: until that changes
+            # Until something fits (not full, within the token budget) or arrivals are to be named as held
+            while plan is None and not self._unheld:
                 if self._stopping.is_set():
                     return
                 self._cond.wait()
                 plan = self._plan_top_up()
-            take = [self._waiting.pop(w.key)[1] for w in plan.run]
-            expired = [self._waiting.pop(w.key)[1] for w in plan.expired]
+            take = [self._waiting.pop(w.key)[1] for w in plan.run] if plan else []
+            expired = [self._waiting.pop(w.key)[1] for w in plan.expired] if plan else []
             self._loading = take
+            gone = {_job_of(m) for m in expired}
+            unheld, self._unheld = [j for j in self._unheld if j not in gone], []
+        if plan is None:  # no batch can take them now: named as held on their own, loaded later
+            self._hold(unheld)
+            return
         for message in expired:
             expire(self.ctx, _job_of(message), time.time())
             self._done_with(message)
         arrived = {w.key: w.arrived for w in plan.run}
-        items = [replace(item, arrived=arrived[item.message.id]) for item in self._load(take) if item.message]
+        items = [replace(item, arrived=arrived[item.message.id]) for item in self._load(take, unheld) if item.message]
         with self._cond:
             self._prepared.extend(items)
             self._loading = []
@@ -210,15 +219,20 @@ class Feeder:
         gone = {id(i) for i in back}
         self._prepared = [i for i in self._prepared if id(i) not in gone]
 
-    def _load(self, messages: list[Message]) -> list[BatchItem]:
-        """The messages' jobs, loaded in one round trip; messages with nothing left to do are done with."""
+    def _load(self, messages: list[Message], unheld: list[str]) -> list[BatchItem]:
+        """The messages' jobs, loaded in one round trip that also names `unheld` as held; messages with nothing
+        left to do are done with."""
         by_job = {_job_of(m): m for m in messages}
+        consumers = self.ctx.store.consumers
+        also = [partial(consumers.queue_hold, consumer=self.consumer, job_ids=unheld)] if unheld else []
         try:
-            loaded = {item.job_id: item for item in load_batch(self.ctx, list(by_job))}
+            loaded = {item.job_id: item for item in load_batch(self.ctx, list(by_job), also)}
         except Exception:
             log.exception("could not load %d inference requests; handing them back", len(messages))
             for message in messages:
                 message.reject(requeue=True)
+            with self._cond:  # the ones still waiting are named by the next round
+                self._unheld.extend(j for j in unheld if j not in by_job)
             time.sleep(1.0)  # the store is away: do not spin on it
             return []
         for message in messages:
@@ -410,6 +424,12 @@ class Feeder:
     def _holding(self) -> bool:
         with self._cond:
             return bool(self._waiting or self._loading or self._prepared or self._running or self._written)
+
+    def _hold(self, job_ids: list[str]) -> None:
+        try:
+            self.ctx.store.consumers.hold(self.consumer, job_ids)
+        except Exception as exc:  # the store is away: the broker's own redelivery still covers these
+            log.warning("could not record held jobs: %s", exc)
 
     def _release(self, job_ids: list[str]) -> None:
         try:

@@ -40,7 +40,9 @@ class MemoryJobs:
         self.cancelled: queue.Queue[str] = queue.Queue()
         self._lock = threading.Lock()
 
-    def load_pending(self, job_ids: Sequence[str]) -> dict[str, Pending | None]:
+    def load_pending(self, job_ids: Sequence[str], also: Sequence[Queued] = ()) -> dict[str, Pending | None]:
+        for queued in also:  # before the reads, as the store's one pipeline runs them
+            queued(None)
         with self._lock:
             self.loads.append(list(job_ids))
             return {j: None if j in self.ended else self.pending.get(j) for j in job_ids}
@@ -80,11 +82,18 @@ class MemoryConsumers:
 
     def __init__(self) -> None:
         self.held: set[str] = set()
+        #: Each write that named jobs as held: the jobs, and whether it rode on another round trip (a pipeline).
+        self.hold_writes: list[tuple[list[str], bool]] = []
         self.left = False
         self.beats: list[float] = []  # each beat's time to live
 
     def hold(self, consumer: str, job_ids: Iterable[str]) -> None:
+        self.hold_writes.append((list(job_ids), False))
         self.held |= set(job_ids)
+
+    def queue_hold(self, pipe: None, consumer: str, job_ids: Iterable[str]) -> None:
+        self.hold(consumer, job_ids)
+        self.hold_writes[-1] = (self.hold_writes[-1][0], True)
 
     def release(self, consumer: str, job_ids: Iterable[str]) -> None:
         self.held -= set(job_ids)
@@ -354,6 +363,23 @@ def test_the_next_batch_is_loaded_while_one_runs(consumers: list[Consumer]) -> N
     c.until(lambda: not c.store.consumers.held, "every job released")
 
 
+def test_arrivals_are_named_held_in_their_batch_s_load_or_alone_while_no_batch_can_take_them(
+    consumers: list[Consumer],
+) -> None:
+    c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=1)
+    c.arrive("a")
+    c.until(c.predictor.on_device.is_set, "the first batch on the device")
+    c.arrive("b")
+    c.until(lambda: ["b"] in c.store.jobs.loads, "the next batch loaded")
+    c.arrive("c")  # the device busy with a, b prepared: nothing can take c yet
+    c.until(lambda: "c" in c.store.consumers.held, "c named as held")
+    assert ["c"] not in c.store.jobs.loads
+    assert c.store.consumers.hold_writes == [(["a"], True), (["b"], True), (["c"], False)]
+    c.predictor.gate.set()
+    c.until(lambda: len(c.store.jobs.ended) == 3, "every job ended")
+    c.until(lambda: not c.store.consumers.held, "every job released")
+
+
 def test_jobs_whose_deadline_passed_never_reach_the_model(consumers: list[Consumer]) -> None:
     c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=1)
     running = c.arrive("running")
@@ -440,7 +466,6 @@ def test_an_idle_consumer_beats_less_and_less_often_and_at_once_when_jobs_come()
     assert waits == [1.0, 2.0, 4.0, 4.0, 4.0]  # nothing held: slower each round, up to idle_max_wait_s
     assert store.consumers.beats == [3.0, 6.0, 12.0, 12.0, 12.0]  # each beat outlives three of its waits
     feeder.add([FakeMessage("j1")])
-    assert store.consumers.held == {"j1"}
     assert store.consumers.beats[-1] == 1.5  # a beat at once, for the pace of a consumer that holds jobs
     assert feeder._beat_at_pace(active=feeder._holding()) == 0.5  # and it stays there while it holds them
     feeder.add([FakeMessage("j2")])

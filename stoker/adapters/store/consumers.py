@@ -35,8 +35,13 @@ class ConsumerRegistry:
 
     def hold(self, consumer: str, job_ids: Collection[str]) -> None:
         """This consumer now holds these jobs too (written as they arrive, before anything else happens to them)."""
+        self.queue_hold(self.redis, consumer, job_ids)
+
+    @staticmethod
+    def queue_hold(pipe: redis.Redis[bytes], consumer: str, job_ids: Collection[str]) -> None:
+        """`hold` onto a client or pipeline (the consumer sends it with the load of the batch that takes them)."""
         if job_ids:
-            self.redis.sadd(consumer_jobs_key(consumer), *job_ids)
+            pipe.sadd(consumer_jobs_key(consumer), *job_ids)
 
     def release(self, consumer: str, job_ids: Collection[str]) -> None:
         """This consumer is done with these jobs (ended, expired, or handed back)."""

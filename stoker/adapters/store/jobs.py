@@ -446,14 +446,18 @@ class JobRepository:
                 queue(pipe)
             pipe.execute()
 
-    def load_pending(self, job_ids: Sequence[str]) -> dict[str, Pending | None]:
-        """Many jobs' model requests with their records, in one pipelined round trip: what a batch needs, so the
-        consumer reads nothing more per job. None for a job with no request left (ended, or never handed over)."""
+    def load_pending(self, job_ids: Sequence[str], also: Sequence[Queued] = ()) -> dict[str, Pending | None]:
+        """Many jobs' model requests with their records, in one pipelined round trip (`also` queued before the
+        reads): what a batch needs, so the consumer reads nothing more per job. None for a job with no request left
+        (ended, or never handed over)."""
         with self.redis.pipeline(transaction=False) as pipe:
+            for queue in also:
+                queue(pipe)
+            first = len(pipe)
             for job_id in job_ids:
                 pipe.get(tokens_key(job_id))
                 pipe.hgetall(job_key(job_id))
-            raw = pipe.execute()
+            raw = pipe.execute()[first:]
         return {job_id: _pending(job_id, raw[2 * i], raw[2 * i + 1]) for i, job_id in enumerate(job_ids)}
 
     def load_job(self, job_id: str) -> Job | None:
