@@ -8,7 +8,9 @@ polling tick); three threads do the rest:
 - the **device** thread starts the prepared batch the moment the previous one returns (with `STOKER_MAX_WAIT_MS`,
   once its first request has waited that long, or it is full) and does nothing but run the model;
 - the **writer** writes each finished batch (results, stamps, counters, pipelined), ends its spans, logs its jobs
-  and acks its messages; a batch that broke outside the model fails its jobs at once (never silently acked).
+  and acks its messages; a batch that broke outside the model fails its jobs at once (never silently acked). A
+  batch still running `STAMP_AFTER_S` after it started has its jobs' start stamped meanwhile (the errands thread);
+  a shorter one's start is written with its results.
 
 At most one batch is prepared ahead and one written behind: memory stays bounded by the prefetch. The consumer
 beats while it lives and names the jobs it holds as they come and go, so when it dies the reaper sends them again
@@ -52,6 +54,9 @@ log = logging.getLogger(__name__)
 LINE_POLL_S = 0.02
 #: How long after the last interactive request batch lines still run in small batches (`Feeder._line_bound`).
 INTERACTIVE_QUIET_S = 2.0
+#: How long a batch runs before its jobs' `infer_start` stamps are written on their own (a shorter one's are written
+#: with its results: one round trip less per batch on a fast device).
+STAMP_AFTER_S = 0.05
 #: Cancelled job ids kept in memory before the oldest are forgotten, and for how long at least.
 CANCELLED_KEPT = 4096
 CANCELLED_TTL_S = 600.0
@@ -68,8 +73,10 @@ class Feeder:
         beat_s: float = 1.0,
         lines: LineSource | None = None,
         interactive_quiet_s: float = INTERACTIVE_QUIET_S,
+        stamp_after_s: float = STAMP_AFTER_S,
     ) -> None:
         self.ctx = ctx
+        self.stamp_after_s = stamp_after_s
         self.policy = policy
         self.watchdog = watchdog
         self.beat_s = beat_s
@@ -94,7 +101,7 @@ class Feeder:
         self._running: list[BatchItem] = []
         self._writing: Queue[tuple[RanBatch | None, list[BatchItem], BaseException | None]] = Queue(maxsize=1)
         #: Small writes the device thread must not wait for: batch starts to stamp, expired jobs to end.
-        self._errands: Queue[tuple[list[BatchItem], list[BatchItem], list[BatchItem], float]] = Queue()
+        self._errands: Queue[tuple[list[BatchItem], list[BatchItem], list[BatchItem], float, DeviceTurn]] = Queue()
         #: Jobs cancelled anywhere lately (id → when heard), from the store's announcements.
         self._cancelled: dict[str, float] = {}
         self._written: list[BatchItem] = []
@@ -285,7 +292,7 @@ class Feeder:
 
     # -- the device ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
-        items, gap = self._next_batch()
+        items, gap, turn = self._next_batch()
         if not items:
             return
         going_on: list[BatchItem] = []
@@ -295,6 +302,7 @@ class Feeder:
             failure: BaseException | None = None
         except Exception as exc:  # not the model's per-item failures (those are outcomes): a broken batch
             ran, failure = None, exc
+        turn.end()
         with self._cond:
             self._last_end = time.time()
             if going_on:  # answers under way go first in the next batch, beside the requests that waited
@@ -308,7 +316,7 @@ class Feeder:
         with self._cond:
             self._running = []
 
-    def _next_batch(self) -> tuple[list[BatchItem], float | None]:
+    def _next_batch(self) -> tuple[list[BatchItem], float | None, DeviceTurn]:
         """Wait for a prepared batch and its start time; take it. The idle gap counts only if work waited."""
         with self._cond:
             while not self._stopping.is_set():
@@ -318,7 +326,7 @@ class Feeder:
                     break
                 self._cond.wait(None if at is None else at - now)
             else:
-                return [], None
+                return [], None, DeviceTurn()
             size = self.policy.max_batch_size
             prepared, self._prepared = self._prepared[:size], self._prepared[size:]
             # At the last moment, in memory: a job cancelled while it waited for the device never reaches it.
@@ -329,8 +337,9 @@ class Feeder:
             gap = now - self._last_end if self._last_end is not None and self._work_at_end else None
             self._cond.notify_all()  # room for the collector to prepare the next one
         late = [i for i in wanted if i not in items]  # their deadline passed while they waited for the device
-        self._errands.put((items, late, dropped, now))
-        return items, gap
+        turn = DeviceTurn()
+        self._errands.put((items, late, dropped, now, turn))
+        return items, gap, turn
 
     # -- the writer ---------------------------------------------------------------------------------------------
     def _write(self) -> None:
@@ -356,14 +365,10 @@ class Feeder:
 
     # -- errands ----------------------------------------------------------------------------------------------
     def _run_errands(self) -> None:
-        """Mark the jobs whose batch started (`ts:infer_start`: the reaper leaves a job on the device alone), and
-        end those whose deadline passed before the device was free (never computed)."""
-        started, late, dropped, at = self._errands.get()
-        if started:
-            store = self.ctx.store
-            first = [i.job_id for i in started if not i.request.generated]  # an answer that goes on started before
-            device_started = partial(store.stats.queue_device_started, at=at)
-            store.jobs.stamp_many(first, "infer_start", at, also=[device_started])  # one round trip
+        """End the jobs whose deadline passed before the device was free (never computed), and mark those whose
+        batch is still running STAMP_AFTER_S after it started (`ts:infer_start`: the reaper leaves a job on the
+        device alone, and readers count the device busy). A batch that ends sooner is stamped with its results."""
+        started, late, dropped, at, turn = self._errands.get()
         for item in late:
             expire(self.ctx, item.job_id, at)
             if item.message is not None:
@@ -371,6 +376,14 @@ class Feeder:
         for item in dropped:  # cancelled: already ended, nothing to write
             if item.message is not None:
                 self._done_with(item.message)
+        if started and not turn.ended.wait(max(at + self.stamp_after_s - time.time(), 0.0)):
+            with turn.writing:
+                if turn.ended.is_set():  # it ended meanwhile: its results carry the stamps
+                    return
+                store = self.ctx.store
+                first = [i.job_id for i in started if not i.request.generated]  # an answer that goes on started before
+                device_started = partial(store.stats.queue_device_started, at=at)
+                store.jobs.stamp_many(first, "infer_start", at, also=[device_started])  # one round trip
 
     # -- cancellations -----------------------------------------------------------------------------------------
     def _hear_cancellations(self) -> None:
@@ -444,6 +457,21 @@ class Feeder:
         finally:
             message.acknowledge()
             self._release([_job_of(message)])
+
+
+class DeviceTurn:
+    """One batch's time on the device, as the errands thread sees it: whether it has ended, and the lock its start
+    stamps are written under. The device thread ends the turn under that lock, so a stamp begun before the end is
+    written before the batch goes to the writer (whose results would otherwise be overtaken by it)."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+        self.writing = threading.Lock()
+
+    def end(self) -> None:
+        """The batch is off the device (waits for a start stamp being written)."""
+        with self.writing:
+            self.ended.set()
 
 
 def _forever(step: Callable[[], None], stopping: threading.Event) -> Callable[[], None]:

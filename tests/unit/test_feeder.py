@@ -21,7 +21,7 @@ from stoker.core.batching import BatchPolicy
 from stoker.core.jobs import ErrorInfo, Job
 from stoker.core.model import Continued, ModelRequest, Prediction
 from stoker.runtime.context import WorkerContext
-from stoker.runtime.feeder import Feeder
+from stoker.runtime.feeder import STAMP_AFTER_S, Feeder
 from stoker.runtime.watchdog import BatchWatchdog
 from stoker.settings import WorkerSettings
 from workers.procs import wait_for
@@ -37,6 +37,7 @@ class MemoryJobs:
         self.ended: dict[str, Ending] = {}
         self.loads: list[list[str]] = []
         self.started: dict[str, float] = {}
+        self.stamped_at: dict[str, float] = {}  # when each start stamp was written
         self.cancelled: queue.Queue[str] = queue.Queue()
         self._lock = threading.Lock()
 
@@ -63,6 +64,7 @@ class MemoryJobs:
     def stamp_many(self, job_ids: Sequence[str], name: str, at: float, also: Sequence[Queued] = ()) -> None:
         for job_id in job_ids:
             self.started[job_id] = at
+            self.stamped_at[job_id] = time.time()
         for queued in also:
             queued(None)
 
@@ -380,6 +382,19 @@ def test_arrivals_are_named_held_in_their_batch_s_load_or_alone_while_no_batch_c
     c.until(lambda: not c.store.consumers.held, "every job released")
 
 
+def test_a_batch_s_start_is_stamped_while_it_runs_only_once_it_has_run_a_while(consumers: list[Consumer]) -> None:
+    c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=1)
+    c.arrive("long")
+    c.until(lambda: "long" in c.store.jobs.started, "the running batch's start stamped")
+    assert c.store.jobs.stamped_at["long"] - c.store.jobs.started["long"] >= STAMP_AFTER_S  # once it ran that long
+    assert "long" not in c.store.jobs.ended
+    c.predictor.gate.set()  # from now on every batch returns at once
+    c.arrive("short")
+    c.until(lambda: "short" in c.store.jobs.ended, "the short batch written")
+    assert "short" not in c.store.jobs.started  # its start came with its results
+    assert c.store.jobs.ended["short"].stamps["infer_start"] <= c.store.jobs.ended["short"].stamps["infer_end"]
+
+
 def test_jobs_whose_deadline_passed_never_reach_the_model(consumers: list[Consumer]) -> None:
     c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=1)
     running = c.arrive("running")
@@ -526,6 +541,7 @@ def test_an_answer_that_goes_on_runs_again_first_beside_the_request_that_waited(
     assert isinstance(predictor, YieldingPredictor)
     (long,) = c.arrive("long:3")
     c.until(predictor.on_device.is_set, "the long answer on the device")
+    c.until(lambda: "long:3" in c.store.jobs.started, "the long answer's start stamped while it runs")
     (short,) = c.arrive("short:1")
     c.until(lambda: ["short:1"] in c.store.jobs.loads, "the short request loaded while the long one runs")
     predictor.release(3)
@@ -537,7 +553,6 @@ def test_an_answer_that_goes_on_runs_again_first_beside_the_request_that_waited(
     assert [e.result.text for e in ended.values() if e.result] == ["short:1 in 1 tokens", "long:3 in 3 tokens"]
     assert (long.times_settled, short.times_settled) == (1, 1)
     assert long.settled == short.settled == "acked"
-    assert set(c.store.jobs.started) == {"long:3", "short:1"}
     # the long answer's time on the device counts from its first call, before the short one's
     assert ended["long:3"].stamps["infer_start"] < ended["short:1"].stamps["infer_start"]
     c.until(lambda: not c.store.consumers.held, "every job released")
