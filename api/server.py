@@ -123,6 +123,8 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         self.head_deadline: asyncio.TimerHandle | None = None
         #: No head is complete since the last request ended (or the connection opened): the next is awaited.
         self.awaiting_head = True
+        #: The awaited head's first bytes have come (the parser began its message).
+        self.head_begun = False
         #: Bytes of the awaited head fed so far, in whole chunks (see the class's note).
         self.head_bytes = 0
         #: Bytes of the current head's target and header lines, as the parser hands them over.
@@ -147,12 +149,12 @@ class HeadBoundedProtocol(HttpToolsProtocol):
                 self.head_bytes += len(data)
                 if self.head_bytes > self.max_head_bytes:
                     self._refuse(HeadersTooLarge())
-            elif self.head_deadline is None:
+            elif self.head_begun and self.head_deadline is None:
                 self._arm()  # a pipelined request's head began after the one before it ended
 
     def on_message_begin(self) -> None:
         """A request's first bytes: its head is measured from here."""
-        self.head_lines_bytes = 0
+        self.head_lines_bytes, self.head_begun = 0, True
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -170,7 +172,7 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         otherwise its deadline and its count end and the request goes on."""
         if self.head_lines_bytes > self.max_head_bytes:
             raise HeadersTooLarge()
-        self.awaiting_head, self._head_completed, self.head_bytes = False, True, 0
+        self.awaiting_head, self.head_begun, self._head_completed, self.head_bytes = False, False, True, 0
         self._disarm()
         super().on_headers_complete()
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from fastapi import FastAPI
@@ -19,6 +21,8 @@ from api.limits import read_json
 from api.server import ApiServer, HeadBoundedProtocol, server_config
 from stoker.core.errors import PayloadTooLarge
 from stoker.settings import ApiSettings, StackSettings
+from workers.broker import free_port
+from workers.procs import wait_for
 from workers.stack import api_argv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,3 +111,27 @@ def test_the_servers_loop_renews_the_date_every_round_and_a_stop_signal_ends_it_
     asyncio.run(run())
     assert rounds == [0, 10]  # every round renews the Date header (uvicorn does it on multiples of 10)
     assert server.server_state.default_headers[0][0] == b"date"
+
+
+def test_an_answer_slower_than_the_header_timeout_still_comes() -> None:
+    """The head's deadline ends with the head: a request whose answer takes longer (a long-poll) is answered, and
+    the connection then carries the next request."""
+    app = FastAPI()
+
+    @app.get("/slow")
+    async def slow() -> dict[str, str]:
+        await asyncio.sleep(0.6)
+        return {"status": "late"}
+
+    port = free_port()
+    server = ApiServer(server_config(ApiSettings(header_timeout_s=0.2, port=port, host="127.0.0.1"), app=app))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, "the server", [])
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            answers = [client.get("/slow") for _ in range(2)]  # one connection, kept alive between them
+        assert [(a.status_code, a.json()) for a in answers] == [(200, {"status": "late"})] * 2
+    finally:
+        server.should_exit = True
+        thread.join(30)
