@@ -157,6 +157,7 @@ class Feeder:
             running = [i.message for i in self._running + self._written if i.message is not None]
             others = [r for _, r in self._waiting.values()] + [i.message for i in self._prepared if i.message]
             self._waiting.clear()
+            self._unheld.clear()  # handed back below: not to be named as held after the consumer leaves
             self._prepared = []
             self._cond.notify_all()
         for message in running:
