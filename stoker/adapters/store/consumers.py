@@ -34,7 +34,7 @@ class ConsumerRegistry:
             pipe.execute()
 
     def hold(self, consumer: str, job_ids: Collection[str]) -> None:
-        """This consumer now holds these jobs too (written as they arrive, before anything else happens to them)."""
+        """This consumer now holds these jobs too (named as they arrive: on their own, or with a batch's load)."""
         self.queue_hold(self.redis, consumer, job_ids)
 
     @staticmethod
