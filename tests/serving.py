@@ -20,7 +20,15 @@ from workers.procs import wait_for
 def serve(app: Any) -> Iterator[str]:
     """Serve app for the duration of the block; yields its base URL (http://127.0.0.1:PORT)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    with serve_with(uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))) as base:
+        yield base
+
+
+@contextmanager
+def serve_with(server: uvicorn.Server) -> Iterator[str]:
+    """Run a uvicorn server (its config on 127.0.0.1 and a port of its own) for the duration of the block; yields
+    its base URL."""
+    port = server.config.port
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, 30, "uvicorn", [])

@@ -73,10 +73,8 @@ class Feeder:
         beat_s: float = 1.0,
         lines: LineSource | None = None,
         interactive_quiet_s: float = INTERACTIVE_QUIET_S,
-        stamp_after_s: float = STAMP_AFTER_S,
     ) -> None:
         self.ctx = ctx
-        self.stamp_after_s = stamp_after_s
         self.policy = policy
         self.watchdog = watchdog
         self.beat_s = beat_s
@@ -377,7 +375,7 @@ class Feeder:
         for item in dropped:  # cancelled: already ended, nothing to write
             if item.message is not None:
                 self._done_with(item.message)
-        if started and not turn.ended.wait(max(at + self.stamp_after_s - time.time(), 0.0)):
+        if started and not turn.ended.wait(max(at + STAMP_AFTER_S - time.time(), 0.0)):
             with turn.writing:
                 if turn.ended.is_set():  # it ended meanwhile: its results carry the stamps
                     return

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import threading
 from pathlib import Path
 
 import httpx
@@ -21,8 +20,8 @@ from api.limits import read_json
 from api.server import ApiServer, HeadBoundedProtocol, server_config
 from stoker.core.errors import PayloadTooLarge
 from stoker.settings import ApiSettings, StackSettings
+from tests.serving import serve_with
 from workers.broker import free_port
-from workers.procs import wait_for
 from workers.stack import api_argv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,15 +122,7 @@ def test_an_answer_slower_than_the_header_timeout_still_comes() -> None:
         await asyncio.sleep(0.6)
         return {"status": "late"}
 
-    port = free_port()
-    server = ApiServer(server_config(ApiSettings(header_timeout_s=0.2, port=port, host="127.0.0.1"), app=app))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started, 30, "the server", [])
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            answers = [client.get("/slow") for _ in range(2)]  # one connection, kept alive between them
-        assert [(a.status_code, a.json()) for a in answers] == [(200, {"status": "late"})] * 2
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    settings = ApiSettings(header_timeout_s=0.2, port=free_port(), host="127.0.0.1")
+    with serve_with(ApiServer(server_config(settings, app=app))) as base, httpx.Client(base_url=base, timeout=10) as c:
+        answers = [c.get("/slow") for _ in range(2)]  # one connection, kept alive between them
+    assert [(a.status_code, a.json()) for a in answers] == [(200, {"status": "late"})] * 2
