@@ -12,6 +12,7 @@ import httpx
 import pytest
 import yaml
 from fastapi import FastAPI
+from sse_starlette.sse import AppStatus
 from starlette.requests import Request
 from starlette.types import Message
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -85,9 +86,14 @@ def test_the_access_log_is_off_unless_asked_for() -> None:
     assert server_config(ApiSettings(access_log=True), app=FastAPI()).access_log is True
 
 
-def test_the_servers_loop_renews_the_date_every_round_and_a_stop_signal_ends_it_at_once() -> None:
+def test_the_servers_loop_renews_the_date_every_round_and_a_stop_signal_ends_it_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """uvicorn's loop wakes ten times a second; the API's once (`tick_s`), and the signal that stops it wakes it: with
     rounds an hour apart, the loop still ends as soon as it is told to."""
+    # sse-starlette wraps uvicorn's exit handler and sets a flag of the whole process that ends every SSE stream at
+    # once: restored after the test, so streams of apps this process serves later are not cut short.
+    monkeypatch.setattr(AppStatus, "should_exit", AppStatus.should_exit)
     server = ApiServer(server_config(ApiSettings(), app=FastAPI()))
     server.config.load()
     server.tick_s = 3600.0
