@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import http
 import json
+import logging
+import resource
 import sys
 from types import FrameType
 from typing import Any
@@ -28,10 +30,32 @@ from api.app import create_app
 from stoker.core.errors import HeadersTooLarge, MalformedRequest, RequestTimeout, StokerError
 from stoker.settings import ApiSettings
 
+log = logging.getLogger(__name__)
+
 
 def serve(settings: ApiSettings) -> None:
     """Serve the API for these settings until a signal stops it."""
+    open_files_up_to_hard_limit()
     ApiServer(server_config(settings)).run()
+
+
+def open_files_up_to_hard_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (the most the operator allows); the soft
+    limit after.
+
+    Every client connection holds a descriptor for as long as it is kept alive (`keep_alive_s`, longer than its
+    clients keep it), and many systems start a service at a soft limit of 1024: past it, asyncio's server stops
+    accepting connections for a second at a time. A hard limit of "unlimited" is not taken literally (Linux refuses
+    a soft limit over `fs.nr_open`): the soft limit is then left as it is."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
+        return soft
+    return hard
 
 
 class ApiServer(uvicorn.Server):

@@ -372,7 +372,15 @@ class ApiSettings(CommonSettings):
         description="A request's head must be in this long after the connection opened (or its first byte, on a "
         "kept-alive connection); a later one is answered 408 `request_timeout` and closed.",
     )
-    keep_alive_s: int = Field(5, ge=1, description="An idle kept-alive connection is closed after this long.")
+    keep_alive_s: int = Field(
+        75,
+        ge=1,
+        description="An idle kept-alive connection is closed after this long. Longer than clients keep theirs idle "
+        "(httpx and the openai client: 5 s; nginx's and load balancers' upstream pools: 60 s), so a client always "
+        "retires a connection before the server closes it: a server that closes first races the client's next "
+        "request on it (sent as the close crosses it, it fails with a reset, and a POST's client cannot tell whether "
+        "its job was made).",
+    )
     access_log: bool = Field(
         False,
         description="uvicorn's access log, a line per HTTP request (off: it cost the API a few per cent of its CPU "

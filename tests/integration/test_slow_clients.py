@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import socket
 import threading
 import time
@@ -218,6 +219,54 @@ def test_a_kept_alive_connection_s_next_head_has_the_same_deadline(server: Serve
         sock.close()
     assert conn.received.startswith(b"HTTP/1.1 408 Request Timeout")
     assert (conn.closed_after or 0) >= HEADER_TIMEOUT_S
+
+
+#: How long the clients stoker serves keep an idle connection before they retire it (httpx's and the openai
+#: client's `keepalive_expiry`).
+CLIENT_KEEP_ALIVE_S = 5.0
+
+
+def test_a_kept_alive_connection_outlives_the_clients_own_keep_alive(server: Server) -> None:
+    """A client that comes back on its connection just before its own pool would retire it (after a Retry-After of
+    5 s, say) finds it open: the server does not close it first, so the request cannot cross the server's close."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _response(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(CLIENT_KEEP_ALIVE_S + 0.5)  # the idle time under test, not a wait for something to happen
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _response(sock).startswith(b"HTTP/1.1 200")
+
+
+def _response(sock: socket.socket) -> bytes:
+    """One /healthz answer off the socket (b"" if the server closed it first)."""
+    received = b""
+    while not received.endswith(b'{"status":"ok"}'):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        received += chunk
+    return received
+
+
+def test_the_api_raises_its_open_files_limit_to_the_hard_limit(tmp_path: Path) -> None:
+    """Started at a soft limit of 256 open files (as many systems start a service at 1024), `stoker api` serves
+    with its soft limit at the hard one: each kept-alive connection holds a descriptor."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard <= 256:
+        pytest.skip(f"the hard limit ({hard}) leaves nothing to raise")
+    port, log = free_port(), tmp_path / "api.log"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # the child inherits it
+    try:
+        proc = spawn(["api", "--port", str(port)], {**os.environ, "STOKER_API_TOKENIZE": "false"}, log)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        wait_for(lambda: _answers(port), 60, f"the API\n{tail(log)}", [proc])
+        limits = Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+        (open_files,) = [line.split()[3:5] for line in limits if line.startswith("Max open files")]
+        assert open_files == [str(hard), str(hard)]
+    finally:
+        stop(proc)
 
 
 class _Trickle:
