@@ -76,7 +76,10 @@ def drive(base: str, requests: list[Request], give_up_s: float, max_refusals: in
     sampler = threading.Thread(target=_sample, args=(base, run, stop), daemon=True)
     sampler.start()
     until = run.started + (requests[-1].at if requests else 0.0) + give_up_s
-    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=64)
+    # Every connection the pool opens may be kept alive: httpcore closes a surplus kept-alive connection it has
+    # already handed to another thread's request (encode/httpcore#1110), a client-side ReadError.
+    connections = len(requests) + 8
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     with (
         httpx.Client(base_url=base, timeout=60, limits=limits) as http,
         ThreadPoolExecutor(max_workers=max(len(requests), 1)) as pool,

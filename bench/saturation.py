@@ -47,6 +47,12 @@ BATCH = 8
 #: Device busy and throughput are measured in the steady state: from this long after the load starts (while
 #: the first requests make their way through an empty pipeline) to its end.
 WARM_UP_S = 5.0
+#: Client threads sharing one connection pool.
+CLIENTS = 64
+#: As many connections kept alive as the pool may open: httpcore closes a surplus kept-alive connection that it has
+#: already handed to another thread's request (encode/httpcore#1110), which that request sees as a `ReadError`
+#: (EBADF) from the client, not from the server.
+LIMITS = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
 
 
 @dataclass
@@ -111,7 +117,10 @@ def _drive(phase: Phase, base: str, seed: int) -> dict[str, Any]:
     sampler.start()
     started = time.monotonic()
     steady: list[tuple[float, tuple[float, float]]] = []  # when the measured window opens, and the counters then
-    with ThreadPoolExecutor(max_workers=64) as pool, httpx.Client(base_url=base, timeout=30) as http:
+    with (
+        ThreadPoolExecutor(max_workers=CLIENTS) as pool,
+        httpx.Client(base_url=base, timeout=30, limits=LIMITS) as http,
+    ):
         n, next_at = 0, started
         while next_at - started < phase.seconds:
             time.sleep(max(next_at - time.monotonic(), 0))
