@@ -24,6 +24,7 @@ from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import idempotency
+from api.announcements import POLL_S
 from api.chat_intake import ON_INPUT_ERROR_HEADER, on_input_error_header, read_chat
 from api.chat_schemas import (
     AssistantMessage,
@@ -46,7 +47,7 @@ from api.schemas import error_responses
 from api.submission import REPLAYED, cancel, submit_job
 from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
-from stoker.core.errors import ClientGone, DeadlineExceeded, StokerError, error_envelope
+from stoker.core.errors import ClientGone, DeadlineExceeded, ServerStopping, StokerError, error_envelope
 from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
 from stoker.core.jobs import ChoiceInfo, ErrorInfo, Job, degraded_codes
 
@@ -133,9 +134,19 @@ async def _start_stream(
         job = settled
     settings = context.settings
     usage = bool(spec.stream_options and spec.stream_options.include_usage)
-    events = _stream(context, job.id, tenant, settings.public_model_name, until, usage)
+    stopping = anyio.Event()  # set by sse-starlette when the server is asked to stop
+    events = _stream(context, job.id, tenant, settings.public_model_name, until, usage, stopping)
     headers = {**job_headers(job), **extra}
-    return EventSourceResponse(events, ping=settings.sse_keepalive_s, headers=headers, sep="\n")
+    return EventSourceResponse(
+        events,
+        ping=settings.sse_keepalive_s,
+        headers=headers,
+        sep="\n",
+        shutdown_event=stopping,
+        # sse-starlette would cut the stream at once on a stop; it waits this long instead, by when `_stream` has
+        # ended it (it sees the stop within one poll of its job)
+        shutdown_grace_period=settings.stop_grace_s + POLL_S + 1.0,
+    )
 
 
 async def _wait(
@@ -253,13 +264,17 @@ def facts(job: Job) -> StokerFacts:
 
 
 async def _stream(
-    context: ApiContext, job_id: str, tenant: str, model: str, until: float, usage: bool
+    context: ApiContext, job_id: str, tenant: str, model: str, until: float, usage: bool, stopping: anyio.Event
 ) -> AsyncIterator[dict[str, str]]:
     """The answer as `chat.completion.chunk` events, ending with `[DONE]`; keep-alive comments come from the
-    response itself while this waits."""
+    response itself while this waits.
+
+    Once the server is asked to stop (`stopping`), the stream goes on for `stop_grace_s` for its job to end; one
+    still waiting then ends with a `server_stopping` error (the openai client raises it), and its job goes on:
+    the server leaving is not the client leaving, so the job is not given up."""
     store, announcements = context.store, context.announcements
     completion_id, created = f"chatcmpl-{job_id}", int(time.time())
-    ended = False
+    ended, stop_by = False, None
     try:
         yield _event(chunk(completion_id, created, model, {"role": "assistant", "content": ""}))
         streamed, after = False, "0-0"
@@ -272,17 +287,26 @@ async def _stream(
                 for piece in pieces:
                     streamed = True
                     yield _event(chunk(completion_id, created, model, {"content": piece}))
-                if job.terminal or (remaining := until - time.monotonic()) <= 0:
+                if stop_by is None and stopping.is_set():
+                    stop_by = time.monotonic() + context.settings.stop_grace_s
+                if job.terminal or (remaining := min(until, stop_by or until) - time.monotonic()) <= 0:
                     break
                 await announcements.wait(event, remaining)
-        for body in _closing(job, completion_id, created, model, streamed, usage):
+        cut = not job.terminal and stop_by is not None and stop_by < until
+        for body in [_stopped(job_id)] if cut else _closing(job, completion_id, created, model, streamed, usage):
             yield _event(body)
         ended = True
         yield {"data": "[DONE]"}
     finally:
-        if not ended:  # the client went away mid-stream
+        if not ended and not stopping.is_set():  # the client went away mid-stream
             with anyio.CancelScope(shield=True):
                 await run_in_threadpool(give_up, store, job_id)
+
+
+def _stopped(job_id: str) -> dict[str, Any]:
+    """What ends a stream the server stopped before its job ended."""
+    message = f"the server is stopping; job {job_id} goes on: read its answer at /v1/jobs/{job_id}"
+    return ServerStopping(message, stage="api").envelope()
 
 
 def _closing(

@@ -351,6 +351,14 @@ class ApiSettings(CommonSettings):
         description="The interactive API docs (`/docs`, `/redoc`) and `/openapi.json`; turn off where the schema "
         "should not be public.",
     )
+    stop_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="On a stop signal, a chat answer being streamed goes on this long for its job to end (the "
+        "server takes no new connections meanwhile); one still waiting then ends with a `server_stopping` error "
+        "event, and its job goes on (read it at `/v1/jobs/{id}`). Keep it under the stop timeout of whatever stops "
+        "the API (Kubernetes' `terminationGracePeriodSeconds`, Compose's `stop_grace_period`).",
+    )
     sse_keepalive_s: float = Field(
         10.0,
         gt=0,

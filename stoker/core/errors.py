@@ -432,6 +432,14 @@ class FetchUnavailable(TransientError):
     code = "fetch_unavailable"
 
 
+class ServerStopping(TransientError):
+    """This API process is stopping and could not wait any longer for the job, which goes on: read its answer at
+    `/v1/jobs/{id}` (its id is in the `X-Stoker-Job-Id` header), from any API process."""
+
+    code = "server_stopping"
+    retry_after_s = 1
+
+
 class ModelUnavailable(TransientError):
     """The model is not available yet."""
 
