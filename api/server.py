@@ -39,9 +39,8 @@ def serve(settings: ApiSettings) -> None:
     ApiServer(server_config(settings)).run()
 
 
-def open_files_up_to_hard_limit() -> int:
-    """Raise this process's soft limit on open files to its hard limit (the most the operator allows); the soft
-    limit after.
+def open_files_up_to_hard_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit (the most the operator allows).
 
     Every client connection holds a descriptor for as long as it is kept alive (`keep_alive_s`, longer than its
     clients keep it), and many systems start a service at a soft limit of 1024: past it, asyncio's server stops
@@ -49,13 +48,11 @@ def open_files_up_to_hard_limit() -> int:
     a soft limit over `fs.nr_open`): the soft limit is then left as it is."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft == hard:
-        return soft
+        return
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ValueError, OSError) as exc:
         log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
-        return soft
-    return hard
 
 
 class ApiServer(uvicorn.Server):
