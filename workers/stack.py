@@ -36,6 +36,11 @@ RESTARTABLE = ("cpu-worker", "infer-worker", "reaper", "batch-feeder")
 #: More restarts than this within RESTART_WINDOW_S means something is broken for good: stop the stack.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
+#: How long the stack's services get, once told to stop, before they are killed.
+STOP_GRACE_S = 15.0
+#: The API's streams end this much before it would be killed: a stream sees the stop within a second (its poll),
+#: and then writes its last event.
+API_STOP_MARGIN_S = 5.0
 
 
 @dataclass
@@ -69,7 +74,7 @@ class Stack:
         self.start(name, *self.commands[name])
         return True
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the services first and the embedded broker last, so workers can ack and requeue on the way out."""
         services = [p for name, p in self.procs.items() if name != BROKER]
         terminate(services, grace_s)
@@ -207,6 +212,9 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
     # The API's metrics on a listener of their own, on the stack's address: never on the API's port.
     # The API only serves; batches are fed by a process of their own, at a lower CPU priority (`api.batchfeeder`).
     api_env = {**env, "STOKER_API_METRICS_PORT": str(api_metrics_port(settings)), "STOKER_BATCH_FEEDER": "false"}
+    # The API's streams get what is left of the stack's own stop grace, so a stream still waiting when the stack
+    # stops ends with its `server_stopping` event rather than with the API killed under it.
+    api_env["STOKER_STOP_GRACE_S"] = str(min(settings.stop_grace_s, STOP_GRACE_S - API_STOP_MARGIN_S))
     stack.start("api", api_argv(settings), api_env)
     stack.start("batch-feeder", [py, "-m", "stoker.cli", "batch-feeder"], env)
     # The CPU pool gets the children an ASR worker would have had as well: one pool, the same CPU processes.

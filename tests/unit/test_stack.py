@@ -60,3 +60,9 @@ def test_the_stacks_one_cpu_pool_has_the_children_a_separate_asr_worker_would_ha
     assert argv[argv.index("--queues") + 1] == "decode,ocr,ocr_bands,asr,tokenize,callbacks"
     concurrency = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--concurrency"]
     assert concurrency[-1] == "3"  # cpu_pool 2 + asr_concurrency 1: the last --concurrency wins
+
+
+def test_the_api_s_streams_end_before_the_stack_would_kill_it_on_a_stop() -> None:
+    """A stream still waiting when `stoker up` stops gets its `server_stopping` event before the API is killed."""
+    assert _started()["api"]["STOKER_STOP_GRACE_S"] == "10.0"  # the stack's 15 s, less the stream's 5 s margin
+    assert _started(stop_grace_s=4)["api"]["STOKER_STOP_GRACE_S"] == "4.0"  # a shorter one is kept
