@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from stoker.core.jobs import TERMINAL
 from tests.fleet import Fleet, own_fleet
 from workers.broker import free_port
 from workers.procs import spawn, stop, tail, wait_for
@@ -89,7 +90,7 @@ def test_a_stream_outlasting_the_stop_s_grace_is_told_and_its_job_goes_on(fleet:
             list(stream)
         assert raised.value.code == "server_stopping", raised.value.body
         assert proc.wait(30) == -signal.SIGTERM
-        wait_for(lambda: _status(fleet, job_id) not in ("", "queued", "inferring"), 30, "the job's end", [])
+        wait_for(lambda: _status(fleet, job_id) in TERMINAL, 30, "the job's end", [])
         assert _status(fleet, job_id) == "succeeded"  # not cancelled: the server left, not its client
     finally:
         stop(proc)
