@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import httpx
 import uvicorn
 
 from workers.broker import free_port
@@ -53,3 +54,11 @@ def serve_handler(host: str, handler: type[BaseHTTPRequestHandler], tls: ssl.SSL
     finally:
         server.shutdown()
         server.server_close()
+
+
+def answers(port: int) -> bool:
+    """Whether an API on this loopback port answers `/healthz` (a readiness probe to wait on)."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

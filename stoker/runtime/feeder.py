@@ -376,13 +376,18 @@ class Feeder:
             if item.message is not None:
                 self._done_with(item.message)
         if started and not turn.ended.wait(max(at + STAMP_AFTER_S - time.time(), 0.0)):
-            with turn.writing:
-                if turn.ended.is_set():  # it ended meanwhile: its results carry the stamps
-                    return
-                store = self.ctx.store
-                first = [i.job_id for i in started if not i.request.generated]  # an answer that goes on started before
-                device_started = partial(store.stats.queue_device_started, at=at)
-                store.jobs.stamp_many(first, "infer_start", at, also=[device_started])  # one round trip
+            self._stamp_start(started, at, turn)
+
+    def _stamp_start(self, started: list[BatchItem], at: float, turn: DeviceTurn) -> None:
+        """The start of a batch still on the device, in one round trip (unless it ended meanwhile: then its results
+        carry the stamps)."""
+        with turn.writing:
+            if turn.ended.is_set():
+                return
+            store = self.ctx.store
+            first = [i.job_id for i in started if not i.request.generated]  # an answer that goes on started before
+            device_started = partial(store.stats.queue_device_started, at=at)
+            store.jobs.stamp_many(first, "infer_start", at, also=[device_started])
 
     # -- cancellations -----------------------------------------------------------------------------------------
     def _hear_cancellations(self) -> None:

@@ -9,7 +9,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 from celery import Celery
@@ -22,6 +21,7 @@ from tasks.pipeline import CelerySubmitter
 from tests.conftest import queued
 from tests.integration.conftest import SpySubmitter
 from tests.media import text_image
+from tests.serving import answers
 from workers.broker import free_port
 from workers.procs import spawn, stop, wait_for
 
@@ -142,7 +142,7 @@ def test_a_50_mib_chunked_upload_is_cut_off_at_its_10_mib_limit_in_bounded_memor
         ["api", "--port", str(port)], {**os.environ, "STOKER_MAX_BODY_BYTES": str(10 * mib)}, tmp_path / "api.log"
     )
     try:
-        wait_for(lambda: _answers(port), 60, "the API", [api])
+        wait_for(lambda: answers(port), 60, "the API", [api])
         # the tokenizer loads in the background after start: measure from when it is in (or known absent)
         log = tmp_path / "api.log"
         wait_for(lambda: "tokenizer" in log.read_text(errors="replace"), 60, "the API's tokenizer", [api])
@@ -155,13 +155,6 @@ def test_a_50_mib_chunked_upload_is_cut_off_at_its_10_mib_limit_in_bounded_memor
     assert status.startswith(b"HTTP/1.1 413"), status
     assert sent < 50 * mib  # cut off: the rest was never read
     assert growth_mib < 8, growth_mib  # nothing near the 10 MiB that was read was held in memory
-
-
-def _answers(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _memory_kib(pid: int, field: str) -> int:

@@ -12,12 +12,12 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from stoker.core.jobs import TERMINAL
 from tests.fleet import Fleet, own_fleet
+from tests.serving import answers
 from workers.broker import free_port
 from workers.procs import spawn, stop, tail, wait_for
 
@@ -37,16 +37,8 @@ def _api(fleet: Fleet, log: Path, grace_s: float) -> tuple[subprocess.Popen[byte
     """`stoker api` on the fleet, with this stop grace."""
     port = free_port()
     proc = spawn(["api", "--port", str(port)], {**fleet.env, "STOKER_STOP_GRACE_S": str(grace_s)}, log)
-    base = f"http://127.0.0.1:{port}"
-
-    def answers() -> bool:
-        try:
-            return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(answers, 60, f"the API\n{tail(log)}", [proc])
-    return proc, base
+    wait_for(lambda: answers(port), 60, f"the API\n{tail(log)}", [proc])
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def _stream(base: str) -> tuple[openai.Stream[openai.types.chat.ChatCompletionChunk], str]:

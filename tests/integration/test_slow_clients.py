@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.serving import answers
 from workers.broker import free_port
 from workers.procs import spawn, stop, tail, wait_for
 
@@ -52,17 +53,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env = {**os.environ, "STOKER_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "STOKER_API_TOKENIZE": "false"}
     proc = spawn(["api", "--port", str(port)], env, log)
     try:
-        wait_for(lambda: _answers(port), 60, f"the API\n{tail(log)}", [proc])
+        wait_for(lambda: answers(port), 60, f"the API\n{tail(log)}", [proc])
         yield Server(port, log)
     finally:
         stop(proc)
-
-
-def _answers(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _probe(client: httpx.Client) -> float:
@@ -203,10 +197,7 @@ def test_a_kept_alive_connection_s_next_head_has_the_same_deadline(server: Serve
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
     sent = time.monotonic()  # the next head's deadline starts after this: once the first request has arrived
-    first = b""
-    while not first.endswith(b'{"status":"ok"}'):
-        first += sock.recv(4096)
-    assert first.startswith(b"HTTP/1.1 200")
+    assert _response(sock).startswith(b"HTTP/1.1 200")
     conn = _Trickle(sock, sent)
 
     def cut_off() -> bool:
@@ -263,7 +254,7 @@ def test_the_api_raises_its_open_files_limit_to_the_hard_limit(tmp_path: Path) -
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     try:
-        wait_for(lambda: _answers(port), 60, f"the API\n{tail(log)}", [proc])
+        wait_for(lambda: answers(port), 60, f"the API\n{tail(log)}", [proc])
         limits = Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
         (open_files,) = [line.split()[3:5] for line in limits if line.startswith("Max open files")]
         assert open_files == [str(hard), str(hard)]
