@@ -90,7 +90,14 @@ class Feeder:
         self._beat_now = threading.Event()
         self._arrived = False  # messages came since the last beat
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self._cond = threading.Condition()
+        # One lock over the state below, and a condition per thread that waits on it, so that each change wakes
+        # only the threads it concerns: an arrival (once per message) wakes the collector, not the device and
+        # line threads as well. A wake-up costs a futex call and a GIL hand-off to a thread that finds nothing to
+        # do; with a condition shared by all, arrivals' wake-ups were the inference worker's largest own cost.
+        self._lock = threading.RLock()
+        self._to_collect = threading.Condition(self._lock)  # arrivals, room in the prepared batch
+        self._to_run = threading.Condition(self._lock)  # a prepared batch for the device
+        self._to_take_lines = threading.Condition(self._lock)  # room for batch lines
         self._waiting: dict[str, tuple[Waiting, Message]] = {}
         #: Jobs that arrived and are not yet named as held: the collector names them (`_collect`).
         self._unheld: list[str] = []
@@ -119,13 +126,14 @@ class Feeder:
         except Exception as exc:  # the store is away: the heartbeat's next round tries again
             log.warning("could not beat: %s", exc)
         now = time.time()
-        with self._cond:
+        with self._lock:
             for request in requests:
                 self._waiting[request.id] = (as_waiting(request, now), request)
                 self._unheld.append(_job_of(request))
             if not all(_is_batch_line(r) for r in requests):
                 self._interactive_at = now
-            self._cond.notify_all()
+            # Neither the device's batch nor the room for lines grows with an arrival: the collector alone.
+            self._to_collect.notify()
 
     def start(self) -> None:
         """Start the collector, device, writer and heartbeat threads (and the batch lines' taker, with lines)."""
@@ -151,13 +159,13 @@ class Feeder:
         watchdog already ended its jobs."""
         self._stopping.set()
         self._beat_now.set()
-        with self._cond:
+        with self._lock:
             running = [i.message for i in self._running + self._written if i.message is not None]
             others = [r for _, r in self._waiting.values()] + [i.message for i in self._prepared if i.message]
             self._waiting.clear()
             self._unheld.clear()  # handed back below: not to be named as held after the consumer leaves
             self._prepared = []
-            self._cond.notify_all()
+            self._wake(self._to_collect, self._to_run, self._to_take_lines)
         for message in running:
             if wedged:
                 message.acknowledge()
@@ -171,13 +179,13 @@ class Feeder:
 
     # -- the collector ------------------------------------------------------------------------------------------
     def _collect(self) -> None:
-        with self._cond:
+        with self._lock:
             plan = self._plan_top_up()
             # Until something fits (not full, within the token budget) or arrivals are to be named as held
             while plan is None and not self._unheld:
                 if self._stopping.is_set():
                     return
-                self._cond.wait()
+                self._to_collect.wait()
                 plan = self._plan_top_up()
             take = [self._waiting.pop(w.key)[1] for w in plan.run] if plan else []
             expired = [self._waiting.pop(w.key)[1] for w in plan.expired] if plan else []
@@ -192,10 +200,10 @@ class Feeder:
             self._done_with(message)
         arrived = {w.key: w.arrived for w in plan.run}
         items = [replace(item, arrived=arrived[item.message.id]) for item in self._load(take, unheld) if item.message]
-        with self._cond:
+        with self._lock:
             self._prepared.extend(items)
             self._loading = []
-            self._cond.notify_all()
+            self._wake(self._to_run, self._to_take_lines)
 
     def _plan_top_up(self) -> Plan | None:
         """What joins the prepared batch now (called holding the lock); None when nothing would change."""
@@ -237,7 +245,7 @@ class Feeder:
             log.exception("could not load %d inference requests; handing them back", len(messages))
             for message in messages:
                 message.reject(requeue=True)
-            with self._cond:  # the ones still waiting are named by the next round
+            with self._lock:  # the ones still waiting are named by the next round
                 self._unheld.extend(j for j in unheld if j not in by_job)
             time.sleep(1.0)  # the store is away: do not spin on it
             return []
@@ -253,10 +261,10 @@ class Feeder:
         takes them. So the prefetch an interactive request reaches the consumer through is never full of lines,
         and the device always has a batch of lines ready when no interactive request waits."""
         assert self.lines is not None
-        with self._cond:
+        with self._lock:
             room = self._room_for_lines()
             while not room and not self._stopping.is_set():
-                self._cond.wait()
+                self._to_take_lines.wait()
                 room = self._room_for_lines()
         if self._stopping.is_set():
             return
@@ -302,28 +310,29 @@ class Feeder:
         except Exception as exc:  # not the model's per-item failures (those are outcomes): a broken batch
             ran, failure = None, exc
         turn.end()
-        with self._cond:
+        with self._lock:
             self._last_end = time.time()
             if going_on:  # answers under way go first in the next batch, beside the requests that waited
                 self._lines_make_way()
                 self._prepared = going_on + self._prepared
             self._work_at_end = bool(self._waiting or self._loading or self._prepared)
-            self._cond.notify_all()
+            if going_on:  # the prepared batch and the waiting lines changed
+                self._wake(self._to_collect, self._to_take_lines)
         if ran is None or ran.items:
             written = ran.items if ran is not None else items
             self._writing.put((ran, written, failure))  # waits only while the batch before is still being written
-        with self._cond:
+        with self._lock:
             self._running = []
 
     def _next_batch(self) -> tuple[list[BatchItem], float | None, DeviceTurn]:
         """Wait for a prepared batch and its start time; take it. The idle gap counts only if work waited."""
-        with self._cond:
+        with self._lock:
             while not self._stopping.is_set():
                 now = time.time()
                 at = start_at([i.arrived for i in self._prepared], now, self.policy)
                 if at is not None and at <= now:
                     break
-                self._cond.wait(None if at is None else at - now)
+                self._to_run.wait(None if at is None else at - now)
             else:
                 return [], None, DeviceTurn()
             size = self.policy.max_batch_size
@@ -334,7 +343,7 @@ class Feeder:
             items = [i for i in wanted if not i.pending.deadline or i.pending.deadline > now]
             self._running = items
             gap = now - self._last_end if self._last_end is not None and self._work_at_end else None
-            self._cond.notify_all()  # room for the collector to prepare the next one
+            self._wake(self._to_collect, self._to_take_lines)  # room to prepare the next one
         late = [i for i in wanted if i not in items]  # their deadline passed while they waited for the device
         turn = DeviceTurn()
         self._errands.put((items, late, dropped, now, turn))
@@ -343,7 +352,7 @@ class Feeder:
     # -- the writer ---------------------------------------------------------------------------------------------
     def _write(self) -> None:
         ran, items, failure = self._writing.get()
-        with self._cond:
+        with self._lock:
             self._written = items
         try:
             if ran is not None:
@@ -359,7 +368,7 @@ class Feeder:
                     item.message.acknowledge()
             if ran is None:
                 self._release([i.job_id for i in items])
-        with self._cond:
+        with self._lock:
             self._written = []
 
     # -- errands ----------------------------------------------------------------------------------------------
@@ -405,7 +414,7 @@ class Feeder:
             self._stopping.wait(1.0)
 
     def _heard(self, job_id: str, now: float) -> None:
-        with self._cond:
+        with self._lock:
             self._cancelled[job_id] = now
             if len(self._cancelled) > CANCELLED_KEPT:  # forget those heard long ago: long gone from any batch
                 self._cancelled = {j: t for j, t in self._cancelled.items() if now - t < CANCELLED_TTL_S}
@@ -433,13 +442,19 @@ class Feeder:
     def _interactive_waiting(self) -> int:
         """Interactive requests waiting for the device (arrived, loading or prepared): what a running call may
         stop for, between its decoding steps."""
-        with self._cond:
+        with self._lock:
             waiting = sum(1 for w, _ in self._waiting.values() if not w.batch)
             loading = sum(1 for m in self._loading if not _is_batch_line(m))
             return waiting + loading + len(self._prepared) - len(self._prepared_lines())
 
+    @staticmethod
+    def _wake(*conditions: threading.Condition) -> None:
+        """Wake every thread waiting on these conditions (called holding the lock)."""
+        for condition in conditions:
+            condition.notify_all()
+
     def _holding(self) -> bool:
-        with self._cond:
+        with self._lock:
             return bool(self._waiting or self._loading or self._prepared or self._running or self._written)
 
     def _hold(self, job_ids: list[str]) -> None:

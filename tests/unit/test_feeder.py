@@ -485,11 +485,36 @@ def test_an_idle_consumer_beats_less_and_less_often_and_at_once_when_jobs_come()
     assert feeder._beat_at_pace(active=feeder._holding()) == 0.5  # and it stays there while it holds them
     feeder.add([FakeMessage("j2")])
     assert len(store.consumers.beats) == 7  # already at its own pace: no extra beat per arrival
-    with feeder._cond:
+    with feeder._lock:
         feeder._waiting.clear()  # both jobs gone (as if answered) before the heartbeat's next round
     feeder._beat_now.set()  # the round's wait after its beat returns at once
     feeder._beat()
     assert store.consumers.beats[-1] == 1.5  # jobs came since its last beat: still at its own pace
+
+
+class CountingCondition(threading.Condition):
+    """A condition that counts the times it was notified (`notify_all` notifies through `notify`)."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        super().__init__(lock)
+        self.notified = 0
+
+    def notify(self, n: int = 1) -> None:
+        self.notified += 1
+        super().notify(n)
+
+
+def test_an_arrival_wakes_the_collector_alone() -> None:
+    ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=MemoryStore(), predictor=GatedPredictor())
+    watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
+    feeder = Feeder(ctx, BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.0), watchdog)
+    conditions = {name: CountingCondition(feeder._lock) for name in ("_to_collect", "_to_run", "_to_take_lines")}
+    for name, condition in conditions.items():
+        setattr(feeder, name, condition)
+    feeder.add([FakeMessage("a"), FakeMessage("b")])
+    feeder.add([_line("c")])
+    # Nothing the device or the line taker waits for changed: only the collector has work
+    assert {name: c.notified for name, c in conditions.items()} == {"_to_collect": 2, "_to_run": 0, "_to_take_lines": 0}
 
 
 def test_an_interactive_request_goes_before_the_prepared_batch_lines_in_a_batch_of_its_own(
