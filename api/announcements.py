@@ -5,6 +5,10 @@ pattern subscription hears every job's announcements (ended, a piece of a stream
 whoever waits on that job. A job's end comes with its ended record, which its waiters answer from. A waiter
 re-reads the job at least every `POLL_S` as well, so a lost connection (a Redis restart, a partition) costs
 latency, never an answer; the listener reconnects on its own.
+
+The process's stop is announced to every waiter too (`stop`): each wait then ends within the stop's grace, and
+answers with its job as it stands, so the server can exit with every response sent instead of being killed under
+requests that wait longer than it may (a client cut off mid-POST cannot tell whether its job was made).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 
 import redis.asyncio as aioredis
@@ -37,7 +42,11 @@ def _cancelling() -> bool:
 class Announcements:
     """Fans the store's job announcements out to the requests of this process that wait on them."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_grace_s: float = 30.0) -> None:
+        #: How long waits go on once the process is asked to stop.
+        self.stop_grace_s = stop_grace_s
+        #: When every wait ends (monotonic), once the process is asked to stop; None until then.
+        self.stop_by: float | None = None
         #: Per job, each waiter's event and the one announcement it waits for (None: any).
         self._waiters: dict[str, dict[asyncio.Event, str | None]] = {}
         #: Per job waited on here, its ended record as announced (kept while anyone here waits on it).
@@ -89,6 +98,21 @@ class Announcements:
         a waiter woken by the end answers from it without reading the job again."""
         announced = self._ended.get(job_id)
         return ended_job(job_id, announced) if announced is not None else None
+
+    def stop(self) -> None:
+        """The process is asked to stop: every wait ends within the stop's grace (`until`), and is woken now to
+        learn it."""
+        if self.stop_by is None:
+            self.stop_by = time.monotonic() + self.stop_grace_s
+            self._wake_all()
+
+    def until(self, until: float) -> float:
+        """When a wait that would end at `until` ends: then, or by the stop's grace once the process stops."""
+        return until if self.stop_by is None else min(until, self.stop_by)
+
+    def stopped_before(self, until: float) -> bool:
+        """Whether the stop ended a wait before `until`, its own end."""
+        return self.stop_by is not None and self.stop_by < until and time.monotonic() >= self.stop_by
 
     def _wake_all(self) -> None:
         for events in self._waiters.values():

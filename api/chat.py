@@ -41,7 +41,7 @@ from api.chat_schemas import (
 )
 from api.context import ApiContext, Context, reread
 from api.disconnects import ClientWatch, watching
-from api.headers import JOB_ID, SHOULD_RETRY, job_headers
+from api.headers import JOB_ID, SHOULD_RETRY, job_headers, retry_headers
 from api.intake import AcceptedRequest
 from api.schemas import error_responses
 from api.submission import REPLAYED, cancel, submit_job
@@ -92,6 +92,8 @@ async def chat_completions(request: Request, context: Context, tenant: Annotated
         if spec[0].stream:
             return await _start_stream(context, client, job, tenant, until, spec[0], replayed)
         ended = await _wait(context, client, job.id, tenant, until)
+        if ended is not None and context.announcements.stopped_before(until) and not ended.terminal:
+            return _stopping(ended, replayed)
     return _answer(job.id, ended, settings.public_model_name, replayed)
 
 
@@ -104,6 +106,15 @@ def _answer(job_id: str, job: Job | None, model: str, extra: dict[str, str]) -> 
     if failure is not None:
         return _refusal(failure, headers)
     return JSONResponse(completion(job, model).model_dump(mode="json"), headers=headers)
+
+
+def _stopping(job: Job, extra: dict[str, str]) -> JSONResponse:
+    """The answer to a chat whose wait the server's stop ended: 503 `server_stopping`, which the openai client
+    retries (an automatic retry, recognised by its fingerprint, waits on this same job wherever it lands); its job
+    goes on, its answer at `/v1/jobs/{id}`."""
+    stopping = _stopped(job.id)
+    headers = {**job_headers(job), **extra, **retry_headers(stopping)}
+    return JSONResponse(stopping.envelope(), status_code=stopping.http_status, headers=headers)
 
 
 def _refusal(failure: tuple[int, dict[str, Any]], headers: dict[str, str]) -> JSONResponse:
@@ -128,6 +139,8 @@ async def _start_stream(
         settled = await _wait(context, client, job.id, tenant, until, settled=True)
         if settled is None:
             return JSONResponse(ClientGone().envelope(), status_code=499, headers={JOB_ID: job.id, **extra})
+        if context.announcements.stopped_before(until) and not _reached(settled, settled=True):
+            return _stopping(settled, extra)
         failure = _failure(settled) if settled.terminal else None
         if failure is not None:
             return _refusal(failure, {**job_headers(settled), **extra})
@@ -158,7 +171,7 @@ async def _wait(
     with announcements.watch(job_id) as event:
         client.wakes.add(event)
         job = await _load(store, job_id, tenant, watch=True)
-        while not _reached(job, settled) and (remaining := until - time.monotonic()) > 0:
+        while not _reached(job, settled) and (remaining := announcements.until(until) - time.monotonic()) > 0:
             await announcements.wait(event, remaining)
             if client.left:
                 await run_in_threadpool(give_up, store, job_id)
@@ -269,12 +282,13 @@ async def _stream(
     """The answer as `chat.completion.chunk` events, ending with `[DONE]`; keep-alive comments come from the
     response itself while this waits.
 
-    Once the server is asked to stop (`stopping`), the stream goes on for `stop_grace_s` for its job to end; one
-    still waiting then ends with a `server_stopping` error (the openai client raises it), and its job goes on:
-    the server leaving is not the client leaving, so the job is not given up."""
+    Once the server is asked to stop (`Announcements.stop`, or sse-starlette's `stopping` under another server),
+    the stream goes on for `stop_grace_s` for its job to end; one still waiting then ends with a `server_stopping`
+    error (the openai client raises it), and its job goes on: the server leaving is not the client leaving, so the
+    job is not given up."""
     store, announcements = context.store, context.announcements
     completion_id, created = f"chatcmpl-{job_id}", int(time.time())
-    ended, stop_by = False, None
+    ended = False
     try:
         yield _event(chunk(completion_id, created, model, {"role": "assistant", "content": ""}))
         streamed, after = False, "0-0"
@@ -287,26 +301,29 @@ async def _stream(
                 for piece in pieces:
                     streamed = True
                     yield _event(chunk(completion_id, created, model, {"content": piece}))
-                if stop_by is None and stopping.is_set():
-                    stop_by = time.monotonic() + context.settings.stop_grace_s
-                if job.terminal or (remaining := min(until, stop_by or until) - time.monotonic()) <= 0:
+                if stopping.is_set():
+                    announcements.stop()  # a stop only sse-starlette saw (the API served by another server)
+                if job.terminal or (remaining := announcements.until(until) - time.monotonic()) <= 0:
                     break
                 await announcements.wait(event, remaining)
-        cut = not job.terminal and stop_by is not None and stop_by < until
-        for body in [_stopped(job_id)] if cut else _closing(job, completion_id, created, model, streamed, usage):
+        if not job.terminal and announcements.stopped_before(until):
+            bodies = [_stopped(job_id).envelope()]
+        else:
+            bodies = _closing(job, completion_id, created, model, streamed, usage)
+        for body in bodies:
             yield _event(body)
         ended = True
         yield {"data": "[DONE]"}
     finally:
-        if not ended and not stopping.is_set():  # the client went away mid-stream
+        if not ended and announcements.stop_by is None and not stopping.is_set():  # the client went away mid-stream
             with anyio.CancelScope(shield=True):
                 await run_in_threadpool(give_up, store, job_id)
 
 
-def _stopped(job_id: str) -> dict[str, Any]:
-    """What ends a stream the server stopped before its job ended."""
+def _stopped(job_id: str) -> ServerStopping:
+    """What ends an answer (a stream, or a wait) the server stopped before its job ended."""
     message = f"the server is stopping; job {job_id} goes on: read its answer at /v1/jobs/{job_id}"
-    return ServerStopping(message, stage="api").envelope()
+    return ServerStopping(message, stage="api")
 
 
 def _closing(

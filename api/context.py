@@ -62,7 +62,7 @@ class ApiContext:
             submitter=submitter or default_submitter(settings, producer),
             monitor=QueueMonitor(settings, store),
             prompts=PromptBuilder(settings),
-            announcements=Announcements(),
+            announcements=Announcements(settings.stop_grace_s),
             metrics=metrics,
             files=DirectoryStorage(settings.files_dir),
         )

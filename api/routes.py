@@ -200,12 +200,13 @@ async def _wait_on(
     context: ApiContext, client: ClientWatch, event: asyncio.Event, job: Job, until: float, tenant: str
 ) -> Job:
     """The job (as read while `event` watched it) once terminal, or as it stands at `until` (at most
-    `max_long_poll_s` from now), or when the client left."""
+    `max_long_poll_s` from now), or when the client left, or by the stop's grace once the server stops."""
     until = min(until, time.monotonic() + context.settings.max_long_poll_s)
+    announcements = context.announcements
     client.wakes.add(event)
     try:
-        while not job.terminal and not client.left and (remaining := until - time.monotonic()) > 0:
-            await context.announcements.wait(event, remaining)
+        while not job.terminal and not client.left and (remaining := announcements.until(until) - time.monotonic()) > 0:
+            await announcements.wait(event, remaining)
             job = _found(job.id, await reread(context, job.id), tenant)
     finally:
         client.wakes.discard(event)

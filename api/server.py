@@ -18,6 +18,7 @@ import json
 import logging
 import resource
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -27,6 +28,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from api.app import create_app
+from api.context import context_of
 from stoker.core.errors import HeadersTooLarge, MalformedRequest, RequestTimeout, StokerError
 from stoker.settings import ApiSettings
 
@@ -36,7 +38,8 @@ log = logging.getLogger(__name__)
 def serve(settings: ApiSettings) -> None:
     """Serve the API for these settings until a signal stops it."""
     open_files_up_to_hard_limit()
-    ApiServer(server_config(settings)).run()
+    app = create_app(settings)
+    ApiServer(server_config(settings, app), on_stop=context_of(app).announcements.stop).run()
 
 
 def open_files_up_to_hard_limit() -> None:
@@ -57,15 +60,22 @@ def open_files_up_to_hard_limit() -> None:
 
 class ApiServer(uvicorn.Server):
     """uvicorn's server with its housekeeping loop once a second instead of ten times (an idle API should cost
-    next to nothing), woken at once by the signal that stops it.
+    next to nothing), woken at once by the signal that stops it, which it also tells the app (`on_stop`, on the
+    serving loop).
 
     uvicorn's loop only renews the Date header (once a second either way) and looks for a request to stop; the
-    signal handler sets that request and, here, wakes the loop, so a stop is still seen at once."""
+    signal handler sets that request and, here, wakes the loop, so a stop is still seen at once. On a stop uvicorn
+    takes no new connections and waits for the requests in flight: `on_stop` is how the requests that wait on a job
+    learn to answer within the stop's grace (`Announcements.stop`)."""
 
     #: Seconds between two rounds of the loop.
     tick_s = 1.0
     _wake: asyncio.Event | None = None
     _loop: asyncio.AbstractEventLoop | None = None
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.on_stop = on_stop
 
     async def main_loop(self) -> None:
         """Each round does what uvicorn's loop does every tenth round of its own: renew the Date header, and stop
@@ -82,6 +92,8 @@ class ApiServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
+            if self.on_stop is not None:
+                self._loop.call_soon_threadsafe(self.on_stop)
 
 
 def server_config(settings: ApiSettings, app: FastAPI | None = None) -> ApiServerConfig:

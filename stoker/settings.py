@@ -354,10 +354,12 @@ class ApiSettings(CommonSettings):
     stop_grace_s: float = Field(
         30.0,
         ge=0,
-        description="On a stop signal, a chat answer being streamed goes on this long for its job to end (the "
-        "server takes no new connections meanwhile); one still waiting then ends with a `server_stopping` error "
-        "event, and its job goes on (read it at `/v1/jobs/{id}`). Keep it under the stop timeout of whatever stops "
-        "the API (Kubernetes' `terminationGracePeriodSeconds`, Compose's `stop_grace_period`).",
+        description="On a stop signal, a request waiting on its job (a chat answer, streamed or not, a `?wait=` "
+        "submission or long-poll) goes on this long for its job to end (the server takes no new connections "
+        "meanwhile); one still waiting then ends: a stream with a `server_stopping` error event, a chat with a 503 "
+        "`server_stopping`, a `?wait=` with the job as it stands; its job goes on (read it at `/v1/jobs/{id}`). "
+        "Keep it under the stop timeout of whatever stops the API (Kubernetes' `terminationGracePeriodSeconds`, "
+        "Compose's `stop_grace_period`).",
     )
     sse_keepalive_s: float = Field(
         10.0,

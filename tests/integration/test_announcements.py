@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 
 import pytest
@@ -73,3 +74,20 @@ def test_a_cancel_that_surfaces_as_a_connection_error_stops_the_listener(monkeyp
     finally:
         loop.close()  # a listener that outlived its cancel is left behind here: waiting on it never ends
     assert stopped
+
+
+def test_a_stop_wakes_every_waiter_and_ends_each_wait_within_its_grace() -> None:
+    announcements = Announcements(stop_grace_s=2.0)
+    near, far = time.monotonic() + 1.0, time.monotonic() + 60.0
+    with announcements.watch("a") as a, announcements.watch("b", only=ENDED) as b:
+        assert announcements.until(far) == far  # before the stop, a wait ends at its own end
+        announcements.stop()
+        assert a.is_set()  # woken now, whatever each waits for, to learn its new end
+        assert b.is_set()
+    assert announcements.until(far) <= time.monotonic() + 2.0  # brought forward to the grace
+    assert announcements.until(near) == near  # one that ends sooner is left alone
+    assert not announcements.stopped_before(far)  # the grace has not passed: the wait is not over yet
+    stopped = Announcements(stop_grace_s=0.0)
+    stopped.stop()
+    assert stopped.stopped_before(far)  # ended by the stop, not by its own end
+    assert not stopped.stopped_before(time.monotonic() - 1.0)  # one whose own end came first was not

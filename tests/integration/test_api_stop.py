@@ -1,20 +1,27 @@
-"""A stopping API lets the chat answers it streams finish: a stream in flight when `stoker api` is told to stop
-gets its whole answer; one whose job outlasts the stop's grace is told so (`server_stopping`, which the openai client
-raises) and its job goes on to its answer, never given up as if its client had left. Real `stoker api` processes
-stopped with SIGTERM, as Kubernetes and Compose stop them, in front of a simulated device slow enough to stop them
-mid-stream; the official openai client."""
+"""A stopping API lets the answers it waits on finish, and answers within the stop's grace those that would outlast
+it: a stream in flight when `stoker api` is told to stop gets its whole answer; one whose job outlasts the grace is
+told so (`server_stopping`, which the openai client raises), as is a chat answered whole, and a `?wait=` submission
+gets its job as it stands (202, as when its wait passes first); every such job goes on to its answer, never given up
+as if its client had left, and the API exits with every response sent. Real `stoker api` processes stopped with
+SIGTERM, as Kubernetes and Compose stop them, in front of a simulated device slow enough to stop them mid-wait; the
+official openai client."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
+import httpx
 import openai
 import pytest
 
+from stoker.adapters.store.keys import job_key
 from stoker.core.jobs import TERMINAL
 from tests.fleet import Fleet, own_fleet
 from tests.serving import answers
@@ -56,7 +63,34 @@ def _stream(base: str) -> tuple[openai.Stream[openai.types.chat.ChatCompletionCh
 
 def _status(fleet: Fleet, job_id: str) -> str:
     with fleet.store() as store:
-        return (store.hget(f"stoker:job:{job_id}", "status") or b"").decode()
+        return (store.hget(job_key(job_id), "status") or b"").decode()
+
+
+T = TypeVar("T")
+
+
+def _once_waiting(fleet: Fleet, request: Callable[[], T]) -> tuple[Future[T], str]:
+    """The request sent from a thread of its own, once a client waits on its job (the job is marked `watched`,
+    which a waiting request does before it waits), and that job's id."""
+    before = _waited_jobs(fleet)
+    sent = ThreadPoolExecutor(max_workers=1).submit(request)
+    wait_for(lambda: bool(_waited_jobs(fleet) - before) or sent.done(), 30, "a client waiting on its job", [])
+    new = _waited_jobs(fleet) - before
+    assert len(new) == 1, (new, sent.result() if sent.done() else "still waiting")
+    return sent, new.pop()
+
+
+def _waited_jobs(fleet: Fleet) -> set[str]:
+    """Jobs a client waits on (or waited on) that have not ended."""
+    with fleet.store() as store:
+        keys = [k.decode() for k in store.scan_iter(match=job_key("*"), _type="hash")]
+        fields = [store.hmget(k, ["watched", "status"]) for k in keys]
+    prefix = len(job_key(""))
+    return {
+        k[prefix:]
+        for k, (watched, status) in zip(keys, fields, strict=True)
+        if watched and status.decode() not in TERMINAL
+    }
 
 
 def test_a_stream_in_flight_when_the_api_stops_gets_its_whole_answer(fleet: Fleet, tmp_path: Path) -> None:
@@ -81,6 +115,48 @@ def test_a_stream_outlasting_the_stop_s_grace_is_told_and_its_job_goes_on(fleet:
         with pytest.raises(openai.APIError) as raised:
             list(stream)
         assert raised.value.code == "server_stopping", raised.value.body
+        assert proc.wait(30) == -signal.SIGTERM
+        wait_for(lambda: _status(fleet, job_id) in TERMINAL, 30, "the job's end", [])
+        assert _status(fleet, job_id) == "succeeded"  # not cancelled: the server left, not its client
+    finally:
+        stop(proc)
+
+
+def test_a_waited_submission_outlasting_the_stop_s_grace_gets_its_job_as_it_stands(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    proc, base = _api(fleet, tmp_path / "api.log", grace_s=0.5)
+    try:
+        post = partial(httpx.post, f"{base}/v1/jobs?wait=30", data={"prompt": "Say something."}, timeout=60)
+        sent, job_id = _once_waiting(fleet, post)
+        os.killpg(proc.pid, signal.SIGTERM)
+        answer = sent.result(timeout=30)
+        assert answer.status_code == 202, answer.text  # as when its wait passes first: not ended yet
+        assert answer.json()["id"] == job_id
+        assert answer.json()["status"] not in TERMINAL
+        assert answer.headers["location"] == f"/v1/jobs/{job_id}"
+        assert proc.wait(30) == -signal.SIGTERM  # every response sent, the API stopped
+        wait_for(lambda: _status(fleet, job_id) in TERMINAL, 30, "the job's end", [])
+        assert _status(fleet, job_id) == "succeeded"
+    finally:
+        stop(proc)
+
+
+def test_a_chat_outlasting_the_stop_s_grace_is_told_and_its_job_goes_on(fleet: Fleet, tmp_path: Path) -> None:
+    proc, base = _api(fleet, tmp_path / "api.log", grace_s=0.5)
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
+        chat = partial(client.chat.completions.create, model=model, messages=messages, max_tokens=8)
+        sent, job_id = _once_waiting(fleet, chat)
+        os.killpg(proc.pid, signal.SIGTERM)
+        with pytest.raises(openai.APIStatusError) as raised:
+            sent.result(timeout=30)
+        assert raised.value.status_code == 503
+        assert raised.value.code == "server_stopping", raised.value.body
+        assert raised.value.response.headers["x-stoker-job-id"] == job_id  # where its answer will be
+        assert raised.value.response.headers["x-should-retry"] == "true"
         assert proc.wait(30) == -signal.SIGTERM
         wait_for(lambda: _status(fleet, job_id) in TERMINAL, 30, "the job's end", [])
         assert _status(fleet, job_id) == "succeeded"  # not cancelled: the server left, not its client
