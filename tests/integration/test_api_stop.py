@@ -162,3 +162,47 @@ def test_a_chat_outlasting_the_stop_s_grace_is_told_and_its_job_goes_on(fleet: F
         assert _status(fleet, job_id) == "succeeded"  # not cancelled: the server left, not its client
     finally:
         stop(proc)
+
+
+class RetriesElsewhere(httpx.BaseTransport):
+    """A load balancer as a client sees one in a rolling deploy: a first attempt reaches the API it was sent to,
+    the openai client's automatic retries (`x-stainless-retry-count` over 0) another one."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.inner = httpx.HTTPTransport()
+        self.retried = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.headers.get("x-stainless-retry-count", "0") != "0":
+            self.retried += 1
+            request.url = request.url.copy_with(port=self.port)
+        return self.inner.handle_request(request)
+
+
+def test_a_chat_retried_after_the_stop_gets_its_answer_from_another_api(fleet: Fleet, tmp_path: Path) -> None:
+    stopping, base = _api(fleet, tmp_path / "stopping.log", grace_s=0.5)
+    other, other_base = _api(fleet, tmp_path / "other.log", grace_s=30)
+    try:
+        balancer = RetriesElsewhere(httpx.URL(other_base).port or 0)
+        client = openai.OpenAI(
+            base_url=f"{base}/v1",
+            api_key="unused",
+            max_retries=2,
+            timeout=60,
+            http_client=httpx.Client(transport=balancer),
+        )
+        model = client.models.list().data[0].id
+        messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
+        chat = partial(client.chat.completions.create, model=model, messages=messages, max_tokens=8)
+        sent, job_id = _once_waiting(fleet, chat)
+        os.killpg(stopping.pid, signal.SIGTERM)
+        answer = sent.result(timeout=60)
+        assert balancer.retried == 1  # the 503 was retried, once, by the client itself
+        assert answer.id == f"chatcmpl-{job_id}"  # the retry waited on the job the first attempt made
+        assert answer.choices[0].finish_reason is not None
+        assert stopping.wait(30) == -signal.SIGTERM
+        assert _status(fleet, job_id) == "succeeded"
+    finally:
+        stop(stopping)
+        stop(other)
