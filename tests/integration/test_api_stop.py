@@ -69,11 +69,20 @@ def _status(fleet: Fleet, job_id: str) -> str:
 T = TypeVar("T")
 
 
+def _chat(client: openai.OpenAI) -> Callable[[], openai.types.chat.ChatCompletion]:
+    """A chat completion, answered whole, to send."""
+    model = client.models.list().data[0].id
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
+    return partial(client.chat.completions.create, model=model, messages=messages, max_tokens=8)
+
+
 def _once_waiting(fleet: Fleet, request: Callable[[], T]) -> tuple[Future[T], str]:
     """The request sent from a thread of its own, once a client waits on its job (the job is marked `watched`,
     which a waiting request does before it waits), and that job's id."""
     before = _waited_jobs(fleet)
-    sent = ThreadPoolExecutor(max_workers=1).submit(request)
+    pool = ThreadPoolExecutor(max_workers=1)
+    sent = pool.submit(request)
+    pool.shutdown(wait=False)  # the request goes on; the pool's thread ends with it
     wait_for(lambda: bool(_waited_jobs(fleet) - before) or sent.done(), 30, "a client waiting on its job", [])
     new = _waited_jobs(fleet) - before
     assert len(new) == 1, (new, sent.result() if sent.done() else "still waiting")
@@ -145,14 +154,11 @@ def test_a_waited_submission_outlasting_the_stop_s_grace_gets_its_job_as_it_stan
 def test_a_chat_outlasting_the_stop_s_grace_is_told_and_its_job_goes_on(fleet: Fleet, tmp_path: Path) -> None:
     proc, base = _api(fleet, tmp_path / "api.log", grace_s=0.5)
     try:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
-        model = client.models.list().data[0].id
-        messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
-        chat = partial(client.chat.completions.create, model=model, messages=messages, max_tokens=8)
-        sent, job_id = _once_waiting(fleet, chat)
-        os.killpg(proc.pid, signal.SIGTERM)
-        with pytest.raises(openai.APIStatusError) as raised:
-            sent.result(timeout=30)
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            sent, job_id = _once_waiting(fleet, _chat(client))
+            os.killpg(proc.pid, signal.SIGTERM)
+            with pytest.raises(openai.APIStatusError) as raised:
+                sent.result(timeout=30)
         assert raised.value.status_code == 503
         assert raised.value.code == "server_stopping", raised.value.body
         assert raised.value.response.headers["x-stoker-job-id"] == job_id  # where its answer will be
@@ -179,25 +185,22 @@ class RetriesElsewhere(httpx.BaseTransport):
             request.url = request.url.copy_with(port=self.port)
         return self.inner.handle_request(request)
 
+    def close(self) -> None:
+        self.inner.close()
+
 
 def test_a_chat_retried_after_the_stop_gets_its_answer_from_another_api(fleet: Fleet, tmp_path: Path) -> None:
     stopping, base = _api(fleet, tmp_path / "stopping.log", grace_s=0.5)
     other, other_base = _api(fleet, tmp_path / "other.log", grace_s=30)
     try:
         balancer = RetriesElsewhere(httpx.URL(other_base).port or 0)
-        client = openai.OpenAI(
-            base_url=f"{base}/v1",
-            api_key="unused",
-            max_retries=2,
-            timeout=60,
-            http_client=httpx.Client(transport=balancer),
-        )
-        model = client.models.list().data[0].id
-        messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
-        chat = partial(client.chat.completions.create, model=model, messages=messages, max_tokens=8)
-        sent, job_id = _once_waiting(fleet, chat)
-        os.killpg(stopping.pid, signal.SIGTERM)
-        answer = sent.result(timeout=60)
+        http = httpx.Client(transport=balancer)
+        with openai.OpenAI(
+            base_url=f"{base}/v1", api_key="unused", max_retries=2, timeout=60, http_client=http
+        ) as client:
+            sent, job_id = _once_waiting(fleet, _chat(client))
+            os.killpg(stopping.pid, signal.SIGTERM)
+            answer = sent.result(timeout=60)
         assert balancer.retried == 1  # the 503 was retried, once, by the client itself
         assert answer.id == f"chatcmpl-{job_id}"  # the retry waited on the job the first attempt made
         assert answer.choices[0].finish_reason is not None
