@@ -553,3 +553,21 @@ def test_the_schema_check_refuses_a_broken_deployment(path: tuple[str | int, ...
     problems = _schema_problems(api)
     assert len(problems) == 1
     assert refused in problems[0]
+
+
+def _seconds(duration: str) -> float:
+    """A Compose duration ("40s", "1m30s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([hms])", duration))
+
+
+def test_the_api_is_given_more_time_to_stop_than_its_waits_take(compose: dict[str, Any]) -> None:
+    """Whatever stops an API process waits longer than the grace its waits get (`STOKER_STOP_GRACE_S`), or it
+    kills the process under answers still to be sent."""
+    grace = ApiSettings.model_fields["stop_grace_s"].default
+    assert _seconds(compose["services"]["api"]["stop_grace_period"]) > grace
+    api = next(d for d in _k8s() if d["kind"] == "Deployment" and d["metadata"]["name"] == "stoker-api")
+    pod = api["spec"]["template"]["spec"]
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"  # serving on while the pod leaves the Service's endpoints
+    assert pod["terminationGracePeriodSeconds"] > float(pre_stop[1]) + grace
