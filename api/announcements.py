@@ -40,9 +40,10 @@ def _cancelling() -> bool:
 
 
 class Announcements:
-    """Fans the store's job announcements out to the requests of this process that wait on them."""
+    """Fans the store's job announcements out to the requests of this process that wait on them, and the process's
+    stop (`stop`), which ends every wait within `stop_grace_s`."""
 
-    def __init__(self, stop_grace_s: float = 30.0) -> None:
+    def __init__(self, stop_grace_s: float) -> None:
         #: How long waits go on once the process is asked to stop.
         self.stop_grace_s = stop_grace_s
         #: When every wait ends (monotonic), once the process is asked to stop; None until then.

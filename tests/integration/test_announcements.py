@@ -19,7 +19,7 @@ async def _heard(only: str | None) -> list[tuple[str, bool]]:
     """Publish a job's hand-off, then its end; whether a waiter (for `only`, or anything) was woken by each."""
     job_id = uuid.uuid4().hex
     client: aioredis.Redis[bytes] = aioredis.Redis.from_url(os.environ["STOKER_RESULT_URL"])
-    announcements = Announcements()
+    announcements = Announcements(stop_grace_s=30.0)
     listener = asyncio.create_task(announcements.run(client))
     heard: list[tuple[str, bool]] = []
     try:
@@ -62,7 +62,7 @@ def test_a_cancel_that_surfaces_as_a_connection_error_stops_the_listener(monkeyp
     monkeypatch.setattr(Announcements, "_listen", listen_until_cancelled)
 
     async def cancel_it() -> bool:
-        task = asyncio.create_task(Announcements().run(client=None))  # type: ignore[arg-type]
+        task = asyncio.create_task(Announcements(stop_grace_s=30.0).run(client=None))  # type: ignore[arg-type]
         await asyncio.sleep(0.1)
         task.cancel()
         done, _ = await asyncio.wait([task], timeout=5)  # without the check it sleeps, reconnects, listens again
