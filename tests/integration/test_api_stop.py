@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from stoker.adapters.store.keys import job_key
+from stoker.core.idempotency import RETRY_COUNT_HEADER
 from stoker.core.jobs import TERMINAL
 from tests.fleet import Fleet, own_fleet
 from tests.serving import answers
@@ -180,7 +181,7 @@ class RetriesElsewhere(httpx.BaseTransport):
         self.retried = 0
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if request.headers.get("x-stainless-retry-count", "0") != "0":
+        if request.headers.get(RETRY_COUNT_HEADER, "0") != "0":
             self.retried += 1
             request.url = request.url.copy_with(port=self.port)
         return self.inner.handle_request(request)
