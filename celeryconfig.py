@@ -92,6 +92,18 @@ def producer(s: ApiSettings) -> dict[str, Any]:
     }
 
 
+#: A worker's publishes (a chain's next stage, a hand-off, a retry, a re-send) ride out a broker restart as its result
+#: backend does (`result_backend_max_retries`, at most a second apart). Celery's default gives up after about a
+#: second: a stage that ended while the broker restarted then failed its input with `stage_killed` for want of
+#: sending the next stage. A stage whose hard time limit comes first is killed and rescued, as before.
+WORKER_PUBLISH_RETRY_POLICY = {
+    "max_retries": result_backend_max_retries,
+    "interval_start": 0,
+    "interval_step": 0.2,
+    "interval_max": result_backend_max_sleep_between_retries_ms / 1000,
+}
+
+
 def limits(s: WorkerSettings) -> dict[str, Any]:
     """Each stage's soft and hard time limits (workers only: Celery enforces them in the prefork pool)."""
     return {

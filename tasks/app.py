@@ -93,6 +93,7 @@ def configure(app: Celery, settings: CommonSettings) -> None:
     app.conf.update(celeryconfig.connection(settings))
     if isinstance(settings, WorkerSettings):
         app.conf.update(celeryconfig.limits(settings))
+        app.conf.update(task_publish_retry_policy=celeryconfig.WORKER_PUBLISH_RETRY_POLICY)
     if isinstance(settings, ApiSettings):
         app.conf.update(celeryconfig.producer(settings))
         app.publish_only = True

@@ -8,13 +8,19 @@ holds it for a second and a half, so a kill lands while one is on it.
 from __future__ import annotations
 
 import signal
+import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from stoker.adapters.broker import queue_depths
 from stoker.adapters.store.keys import PROGRESS_FIELD, input_ref, job_key
+from stoker.settings import WorkerSettings
+from tasks.app import make_app
 from tests.fleet import SIM_RECOVERY, Fleet, own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
@@ -174,3 +180,33 @@ def test_a_wedged_batch_fails_its_jobs_and_the_worker_is_replaced(fleet: Fleet) 
     fleet.start("infer")
     fleet.wait_workers(("infer",))
     _all_answered(fleet, _submit(fleet, 1, image=False))
+
+
+#: How long the broker is away in the test below: longer than Celery's own publish retries last (about a second).
+OUTAGE_S = 3.0
+
+
+def test_a_worker_s_publish_rides_out_a_broker_restart(tmp_path: Path) -> None:
+    """A stage that ends while the broker restarts still sends the next stage: a worker's publish retries through
+    an outage of seconds, as its result backend does, where Celery's default gave up after about one and the input
+    failed `stage_killed`. Real Valkey, killed and started again on its own files; a worker's Celery app."""
+    valkey, port = start_embedded(data_dir=tmp_path)
+    base = f"redis://127.0.0.1:{port}"
+    app = make_app(WorkerSettings(broker_url=f"{base}/0", result_url=f"{base}/1"))
+    restarted: list[subprocess.Popen[bytes]] = []
+    try:
+        app.signature("stoker.decode", args=("before", "input:0"), immutable=True).apply_async()
+        valkey.kill()  # SIGKILL: a crash
+        valkey.wait(10)
+        restart = threading.Timer(OUTAGE_S, lambda: restarted.append(start_embedded(port=port, data_dir=tmp_path)[0]))
+        restart.start()
+        sent_at = time.monotonic()
+        app.signature("stoker.decode", args=("during", "input:0"), immutable=True).apply_async()  # raised before
+        assert time.monotonic() - sent_at >= OUTAGE_S  # it waited the outage out
+        restart.join()
+        with app.connection_for_read() as connection:
+            assert queue_depths(connection, ["decode"]) == {"decode": 2}  # both there, nothing lost or doubled
+    finally:
+        for server in [valkey, *restarted]:
+            server.kill()
+            server.wait(10)
