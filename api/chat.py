@@ -24,7 +24,7 @@ from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import idempotency
-from api.announcements import POLL_S
+from api.announcements import POLL_S, Announcements
 from api.chat_intake import ON_INPUT_ERROR_HEADER, on_input_error_header, read_chat
 from api.chat_schemas import (
     AssistantMessage,
@@ -92,7 +92,7 @@ async def chat_completions(request: Request, context: Context, tenant: Annotated
         if spec[0].stream:
             return await _start_stream(context, client, job, tenant, until, spec[0], replayed)
         ended = await _wait(context, client, job.id, tenant, until)
-        if ended is not None and context.announcements.stopped_before(until) and not ended.terminal:
+        if ended is not None and _cut_by_stop(context.announcements, ended, until):
             return _stopping(ended, replayed)
     return _answer(job.id, ended, settings.public_model_name, replayed)
 
@@ -139,7 +139,7 @@ async def _start_stream(
         settled = await _wait(context, client, job.id, tenant, until, settled=True)
         if settled is None:
             return JSONResponse(ClientGone().envelope(), status_code=499, headers={JOB_ID: job.id, **extra})
-        if context.announcements.stopped_before(until) and not _reached(settled, settled=True):
+        if _cut_by_stop(context.announcements, settled, until, settled=True):
             return _stopping(settled, extra)
         failure = _failure(settled) if settled.terminal else None
         if failure is not None:
@@ -183,6 +183,12 @@ async def _wait(
 
 def _reached(job: Job, settled: bool) -> bool:
     return job.terminal or (settled and job.status == "inferring")
+
+
+def _cut_by_stop(announcements: Announcements, job: Job, until: float, settled: bool = False) -> bool:
+    """Whether the server's stop, not the job (its end, or with `settled` its inputs read) nor `until`, ended a wait
+    on it."""
+    return not _reached(job, settled) and announcements.stopped_before(until)
 
 
 async def _load(store: Store, job_id: str, tenant: str, watch: bool = False) -> Job:
@@ -306,7 +312,7 @@ async def _stream(
                 if job.terminal or (remaining := announcements.until(until) - time.monotonic()) <= 0:
                     break
                 await announcements.wait(event, remaining)
-        if not job.terminal and announcements.stopped_before(until):
+        if _cut_by_stop(announcements, job, until):
             bodies = [_stopped(job_id).envelope()]
         else:
             bodies = _closing(job, completion_id, created, model, streamed, usage)

@@ -38,8 +38,8 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
 #: How long the stack's services get, once told to stop, before they are killed.
 STOP_GRACE_S = 15.0
-#: The API's streams end this much before it would be killed: a stream sees the stop within a second (its poll),
-#: and then writes its last event.
+#: The API's waits end this much before it would be killed: a wait sees the stop at once (a stream within a second,
+#: its poll), and then writes its answer or its last event.
 API_STOP_MARGIN_S = 5.0
 
 
@@ -212,8 +212,8 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
     # The API's metrics on a listener of their own, on the stack's address: never on the API's port.
     # The API only serves; batches are fed by a process of their own, at a lower CPU priority (`api.batchfeeder`).
     api_env = {**env, "STOKER_API_METRICS_PORT": str(api_metrics_port(settings)), "STOKER_BATCH_FEEDER": "false"}
-    # The API's streams get what is left of the stack's own stop grace, so a stream still waiting when the stack
-    # stops ends with its `server_stopping` event rather than with the API killed under it.
+    # The API's waits get what is left of the stack's own stop grace, so a request still waiting when the stack
+    # stops is answered (its job as it stands, or `server_stopping`) rather than cut off with the API killed under it.
     api_env["STOKER_STOP_GRACE_S"] = str(min(settings.stop_grace_s, STOP_GRACE_S - API_STOP_MARGIN_S))
     stack.start("api", api_argv(settings), api_env)
     stack.start("batch-feeder", [py, "-m", "stoker.cli", "batch-feeder"], env)
