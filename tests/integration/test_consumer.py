@@ -179,3 +179,25 @@ def test_a_batch_whose_backend_raises_fails_its_jobs_at_once(fleet: Fleet) -> No
         assert job["error"]["code"] == "inference_failed"
         assert job["batch"] is not None  # it reached the device: its own batch's error, not a reaper's verdict
         assert store.zscore("stoker:active", job["id"]) is None  # nothing left for the reaper
+
+
+def test_a_worker_stopped_mid_batch_hands_back_what_it_held_to_the_next_at_once(fleet: Fleet) -> None:
+    """A rolling restart: SIGTERM while a batch runs and more jobs wait in the worker's prefetch. The running batch
+    ends or comes back, and what it held comes back for the next worker at once (not after the reaper's redrive)."""
+    filler = _submit(fleet, "Hold the device while the next jobs arrive.")
+    _on_device(fleet, filler)
+    ids = [_submit(fleet, f"Rolling restart {n}.") for n in range(2 * BATCH)]
+    _on_device(fleet, ids[0])
+    with redis.Redis.from_url(fleet.env["STOKER_BROKER_URL"]) as broker:  # a batch runs, the rest wait in its hands
+        wait_for(lambda: _held_for_inference(broker) > BATCH, 10, "jobs held behind the running batch", [])
+    fleet.kill("infer", signal.SIGTERM)
+    store = fleet.store()
+    fleet.start("infer")
+    back = time.time()
+    fleet.wait_workers(("infer",))
+    jobs = [_wait(fleet.client, i) for i in [filler, *ids]]
+    for job in jobs:
+        assert job["status"] == "succeeded", (job, fleet.logs())
+    done = [float(store.hget(f"stoker:job:{i}", "ts:done") or 0) for i in [filler, *ids]]
+    assert max(done) - back <= 20, (sorted(d - back for d in done), fleet.logs())
+    assert all(store.hget(f"stoker:job:{i}", "redrives") in (None, b"0") for i in ids)
