@@ -37,7 +37,7 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from stoker.adapters.metrics import forget_process, serve_worker_metrics
+from stoker.adapters.metrics import forget_process, remove_own_scratch_dir, serve_worker_metrics
 from stoker.adapters.rlimits import cap_address_space
 from stoker.adapters.tracing import instrument_celery, setup_tracing
 from stoker.core.batching import BatchPolicy
@@ -302,5 +302,7 @@ def _exit_now() -> None:
 def _on_shutdown(**_: Any) -> None:
     """Everything is stopped: the interpreter's last garbage collections over a loaded model (seconds on a busy
     host) would only free memory the process gives back anyway, so its objects are frozen out of them. A worker
-    told to stop, or orphaned by its supervisor, is then gone in a moment."""
+    told to stop, or orphaned by its supervisor, is then gone in a moment. Its metric files go with it, where it
+    made their directory itself."""
+    remove_own_scratch_dir(settings().prometheus_multiproc_dir)
     gc.freeze()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from stoker.adapters.metrics import scratch_dir
 from stoker.core.queues import CALLBACK_QUEUE, OCR_BANDS_QUEUE
 from stoker.settings import WorkerSettings
 
@@ -91,8 +91,9 @@ def worker_env(kind: str, base: Mapping[str, str]) -> dict[str, str]:
     env = dict(base)
     env["STOKER_WORKER_KIND"] = kind
     env.setdefault("STOKER_METRICS_PORT", str(METRICS_PORTS.get(kind, 0)))
-    # Prefork children write their metrics to files here; the worker's parent serves the merged view.
-    env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"stoker-metrics-{kind}-")
+    # Prefork children write their metrics to files here; the worker's parent serves the merged view. The process
+    # that made the directory removes it: this one, when it becomes the worker (`exec_worker`), or `stoker up`.
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(scratch_dir(kind))
     # Tokenizers parallelise internally; after a fork that deadlocks, so prefork children stay single-threaded.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # No OMP_THREAD_LIMIT for the worker itself: tesseract gets its own (`stoker.core.ocr.read_text`), and the

@@ -52,7 +52,8 @@ class Stack:
     restarts: list[float] = field(default_factory=list)
     #: Every child gets SIGTERM when the supervisor dies, even by SIGKILL: nothing it started outlives it.
     tether: Callable[[], None] = field(default_factory=dies_with_parent)
-    #: Directories of the stack's own (the embedded broker's), removed once everything has stopped.
+    #: Directories of the stack's own (the embedded broker's, the workers' metric files), removed once everything
+    #: has stopped.
     scratch: list[Path] = field(default_factory=list)
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
@@ -205,6 +206,12 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
     return urls
 
 
+def _scratch(stack: Stack, env: dict[str, str]) -> dict[str, str]:
+    """A worker's environment, its metric files' directory the stack's to remove (a restarted worker keeps it)."""
+    stack.scratch.append(Path(env["PROMETHEUS_MULTIPROC_DIR"]))
+    return env
+
+
 def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> None:
     workers = WorkerSettings(broker_url=settings.broker_url, result_url=settings.result_url)
     env = {**env, "STOKER_METRICS_HOST": settings.host}  # every metrics port on the stack's address, as the rest
@@ -222,8 +229,8 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
     for kind, offset in METRICS_KINDS.items():
         metrics = settings.metrics_base_port + offset if settings.metrics_base_port else 0
         argv = worker_argv(kind, workers, extra.get(kind, []))
-        stack.start(f"{kind}-worker", argv, {**worker_env(kind, env), **_metrics(metrics)})
-    stack.start("reaper", [py, "-m", "stoker.cli", "reaper"], worker_env("reaper", env))
+        stack.start(f"{kind}-worker", argv, {**_scratch(stack, worker_env(kind, env)), **_metrics(metrics)})
+    stack.start("reaper", [py, "-m", "stoker.cli", "reaper"], _scratch(stack, worker_env("reaper", env)))
     flower = [
         py,
         "-m",

@@ -108,6 +108,11 @@ def _held_for_inference(broker: redis.Redis) -> int:
     return sum(json.loads(raw)[2] == "infer" for raw in broker.hvals("unacked"))
 
 
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
 def _rss_mb(pid: int) -> float:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * 4096 / 2**20
 
@@ -183,14 +188,18 @@ def test_a_batch_whose_backend_raises_fails_its_jobs_at_once(fleet: Fleet) -> No
 
 def test_a_worker_stopped_mid_batch_hands_back_what_it_held_to_the_next_at_once(fleet: Fleet) -> None:
     """A rolling restart: SIGTERM while a batch runs and more jobs wait in the worker's prefetch. The running batch
-    ends or comes back, and what it held comes back for the next worker at once (not after the reaper's redrive)."""
+    ends or comes back, and what it held comes back for the next worker at once (not after the reaper's redrive);
+    the stopped worker leaves no metric files behind."""
     filler = _submit(fleet, "Hold the device while the next jobs arrive.")
     _on_device(fleet, filler)
     ids = [_submit(fleet, f"Rolling restart {n}.") for n in range(2 * BATCH)]
     _on_device(fleet, ids[0])
     with redis.Redis.from_url(fleet.env["STOKER_BROKER_URL"]) as broker:  # a batch runs, the rest wait in its hands
         wait_for(lambda: _held_for_inference(broker) > BATCH, 10, "jobs held behind the running batch", [])
+    metrics = Path(_environ(fleet.procs["infer"].pid)["PROMETHEUS_MULTIPROC_DIR"])
+    assert metrics.is_dir()
     fleet.kill("infer", signal.SIGTERM)
+    assert not metrics.exists()  # `stoker worker` made its metric files' directory, and took it with it
     store = fleet.store()
     fleet.start("infer")
     back = time.time()
