@@ -37,7 +37,8 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from stoker.adapters.metrics import forget_process, remove_own_scratch_dir, serve_worker_metrics
+from stoker.adapters.metricfiles import forget_process, remove_own_scratch_dir
+from stoker.adapters.metrics import serve_worker_metrics
 from stoker.adapters.rlimits import cap_address_space
 from stoker.adapters.tracing import instrument_celery, setup_tracing
 from stoker.core.batching import BatchPolicy

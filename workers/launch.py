@@ -7,7 +7,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from stoker.adapters.metrics import scratch_dir
+from stoker.adapters.metricfiles import scratch_dir
 from stoker.core.queues import CALLBACK_QUEUE, OCR_BANDS_QUEUE
 from stoker.settings import WorkerSettings
 

@@ -14,16 +14,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from stoker.adapters.metrics import (
+from stoker.adapters.metricfiles import (
     ACCUMULATOR_PID,
     SCRATCH_PREFIX,
     CompactingCollector,
     compact,
     dead_files,
     remove_own_scratch_dir,
-    serve_worker_metrics,
     sweep_scratch_dirs,
 )
+from stoker.adapters.metrics import serve_worker_metrics
 from workers.broker import free_port
 
 #: A parent that forks `children` processes, as a prefork pool does: each counts, observes and sets a gauge once
