@@ -136,14 +136,18 @@ class CommonSettings(BaseSettings):
     infer_queue_limit: int = Field(
         200, ge=1, description="Admission: … or while the inference queue holds this many (429)."
     )
+    # The watermarks sit near the inference queue's own limit: above the high one the API sends the jobs it would
+    # have handed to inference itself (text only, or cached) through the CPU workers' tokenize stage, a Celery task
+    # each where its own hand-off is one push, and under sustained load that path cost a third of the admissions
+    # (docs/benchmarks.md, the cost of a job).
     infer_high_watermark: int = Field(
-        64,
+        160,
         ge=1,
         description="Tokenize stops handing jobs to the inference queue above the high watermark, until it drains "
-        "to the low.",
+        "to the low; above it, the API sends text-only and cached jobs through tokenize too.",
     )
     infer_low_watermark: int = Field(
-        32, ge=0, description="The inference queue depth tokenize waits for before it hands jobs on again."
+        80, ge=0, description="The inference queue depth tokenize waits for before it hands jobs on again."
     )
     admission_resume_ratio: float = Field(
         0.8,

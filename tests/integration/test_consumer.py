@@ -118,7 +118,7 @@ def _rss_mb(pid: int) -> float:
 
 
 def test_the_worker_holds_no_more_than_its_prefetch_while_the_queue_is_deep(fleet: Fleet) -> None:
-    fleet.kill("infer", signal.SIGTERM)  # the queue fills up to its high watermark (64) first, the rest waits
+    fleet.kill("infer", signal.SIGTERM)  # the queue fills up to its high watermark (160) first, the rest waits
     with ThreadPoolExecutor(8) as pool:
         ids = list(pool.map(lambda n: _submit(fleet, f"Deep queue {n}."), range(120)))
     held, rss = [], []
