@@ -30,7 +30,7 @@ from workers.broker import free_port
 #: (child n counts n + 1), then exits. prometheus-client reads its directory from the environment at import.
 _POOL = textwrap.dedent(
     """
-    import os, sys, time
+    import os, sys
     from prometheus_client import Counter, Gauge, Histogram
     done = Counter("done_total", "Tasks.", ["stage"])
     took = Histogram("took_seconds", "Task time.", buckets=(0.1, 1.0))
