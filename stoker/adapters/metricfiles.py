@@ -81,18 +81,18 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _file_pid(path: Path) -> int | None:
-    """The writer's pid of one metric file (`counter_123.db`, `gauge_mostrecent_123.db`)."""
-    stem = path.name.removesuffix(".db")
-    prefix, _, pid = stem.rpartition("_")
-    return int(pid) if prefix in _FOLDED and pid.isdigit() else None
+def _kind_and_pid(path: Path) -> tuple[str, int | None]:
+    """A metric file's kind and its writer's pid (`counter_123.db`, `gauge_mostrecent_123.db`); None for a pid
+    where the file is not one this module folds."""
+    kind, _, pid = path.name.removesuffix(".db").rpartition("_")
+    return kind, int(pid) if kind in _FOLDED and pid.isdigit() else None
 
 
 def dead_files(directory: Path, running: Callable[[int], bool] = _running) -> list[Path]:
     """Metric files of processes that are gone, the accumulators excluded."""
     found = []
     for path in directory.glob("*.db"):
-        pid = _file_pid(path)
+        _, pid = _kind_and_pid(path)
         if pid is not None and pid != ACCUMULATOR_PID and not running(pid):
             found.append(path)
     return found
@@ -106,7 +106,7 @@ def compact(directory: Path, dead: Iterable[Path]) -> int:
     counts from view (it writes to a removed file): a window of milliseconds, after a whole turn of the pid space."""
     by_kind: dict[str, list[Path]] = {}
     for path in dead:
-        by_kind.setdefault(path.name.removesuffix(".db").rpartition("_")[0], []).append(path)
+        by_kind.setdefault(_kind_and_pid(path)[0], []).append(path)
     for kind, paths in by_kind.items():
         accumulator = directory / f"{kind}_{ACCUMULATOR_PID}.db"
         values = _read(accumulator) if accumulator.exists() else {}
