@@ -30,6 +30,9 @@ class Snapshot:
 
     at: float
     queues: list[QueueState]
+    #: Interactive jobs were held for the inference queue's watermarks (`HandoffHold`; read only while the
+    #: inference queue stood above its low watermark).
+    held: bool = False
 
 
 class QueueMonitor:
@@ -81,7 +84,8 @@ class QueueMonitor:
         self.meter.add(now, self.store.stats.drained(), depths)
         rates = {q: self.meter.rate(q) for q in self.queues}
         states = [QueueState(q, depths[q], self.limit(q), round(drain_rate(q, rates), 3)) for q in self.queues]
-        self.latest = Snapshot(now, states)
+        held = depths.get("infer", 0) > self.settings.infer_low_watermark and self.store.handoff_hold.held()
+        self.latest = Snapshot(now, states, held)
         self._sample_memory(now)
         return self.latest
 
@@ -126,13 +130,14 @@ class QueueMonitor:
         return latest if latest and time.time() - latest.at <= self.stale_s else None
 
     def room_for_inference(self) -> bool:
-        """Whether a job may go straight to the inference queue: it is under its high watermark (as last seen).
-        Above it, jobs take the tokenize queue, whose stage holds them until it drains (backpressure)."""
+        """Whether a job may go straight to the inference queue: it is under its high watermark and no job is held
+        for it (as last seen). Otherwise jobs take the tokenize queue, whose stage holds them until it drains to
+        its low watermark (backpressure), behind those held before them."""
         snapshot = self.fresh()
         if snapshot is None:
             return False
         depth = next((q.depth for q in snapshot.queues if q.name == "infer"), 0)
-        return depth < self.settings.infer_high_watermark
+        return depth < self.settings.infer_high_watermark and not snapshot.held
 
     def refusal(self) -> Refusal | None:
         """Why a new job must be refused now, if it must."""

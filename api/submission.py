@@ -425,9 +425,11 @@ def _shortcut(
 def _tokenized(
     context: ApiContext, pipeline: PipelineContext, accepted: AcceptedRequest, attachments: list[Attachment], scope: str
 ) -> dict[str, Any] | None:
-    """The job's prompt, tokenized: from the cache, or here while the inference queue has room (a short text-only
+    """The job's prompt, tokenized, while the inference queue has room: from the cache, or here (a short text-only
     prompt is not looked up, `prompt_worth_caching`: tokenizing it again costs less). None: the tokenize stage
     makes it."""
+    if not context.monitor.room_for_inference():
+        return None  # a cached prompt too: it must not overtake the jobs held for the inference queue
     turns = accepted.chat.turns if accepted.chat else None
     tools = offered_tools(accepted.chat)
     address: CacheAddress | None = None
@@ -437,8 +439,6 @@ def _tokenized(
         if found is not None:
             context.cache.record("tokenize", hit=True, cost_s=float(found.get(COST_FIELD, 0.0)))
             return found
-    if not context.monitor.room_for_inference():
-        return None
     return _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools)
 
 

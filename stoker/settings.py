@@ -144,7 +144,8 @@ class CommonSettings(BaseSettings):
         160,
         ge=1,
         description="Tokenize stops handing jobs to the inference queue above the high watermark, until it drains "
-        "to the low; above it, the API sends text-only and cached jobs through tokenize too.",
+        "to the low; above it, and while any job is held for the low one, the API sends text-only and cached jobs "
+        "through tokenize too.",
     )
     infer_low_watermark: int = Field(
         80, ge=0, description="The inference queue depth tokenize waits for before it hands jobs on again."

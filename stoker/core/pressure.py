@@ -72,9 +72,10 @@ def drain_rate(queue: str, rates: Mapping[str, float]) -> float:
     return own
 
 
-def room_to_enqueue(depth: int, high: int, low: int, waiting: bool) -> bool:
-    """The inference queue's watermarks: a producer stops above `high` and starts again at or below `low`."""
-    return depth <= (low if waiting else high)
+def room_to_enqueue(depth: int, high: int, low: int, held: bool) -> bool:
+    """The inference queue's watermarks: a producer stops above `high` and, once it (or anyone) is held, starts
+    again only at or below `low`."""
+    return depth <= (low if held else high)
 
 
 @dataclass(frozen=True)

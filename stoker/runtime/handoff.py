@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 #: Tries at a hand-over whose records keep changing; the last one hands over regardless.
 HANDOFF_ATTEMPTS = 8
+#: How often a held job looks at the inference queue again, and how long its hold outlives its last look.
+HOLD_LOOK_S = 0.2
+HOLD_TTL_S = 2.0
 
 
 def tokenize_job(ctx: WorkerContext, job_id: str, backpressure: bool = True, enqueue: bool = True) -> dict[str, Any]:
@@ -76,6 +79,9 @@ def wait_for_room(
     wait limit passes or the job's deadline does; returns the seconds waited. An interactive job counts the
     interactive queue only (batch lines never hold it back); a batch line counts both.
 
+    While any interactive job is held (the store's `HandoffHold`), a later one that finds the queue between the
+    watermarks is held too, so it cannot overtake the earlier ones; the API's own hand-off reads the same hold.
+
     Holding it here stalls this CPU worker: its prefetch bounds what it takes, and the CPU queues grow in the
     broker (where admission control sees them) instead of the inference queue or any worker's memory.
     """
@@ -83,15 +89,25 @@ def wait_for_room(
     started = time.time()
     until = min(started + s.handoff_max_wait_s, deadline or float("inf"))
     waiting = False
-    queues = INFER_QUEUES if job_class == "batch" else ("infer",)
+    interactive = job_class != "batch"
+    hold = ctx.store.handoff_hold
+    queues = ("infer",) if interactive else INFER_QUEUES
     while True:
         depth = sum(ctx.outbox.queue_depths(queues).values())
-        if room_to_enqueue(depth, s.infer_high_watermark, s.infer_low_watermark, waiting) or time.time() >= until:
+        # Between the watermarks, whether anyone is held decides (read only there: the common case costs nothing).
+        held = waiting or (interactive and depth > s.infer_low_watermark and hold.held())
+        if room_to_enqueue(depth, s.infer_high_watermark, s.infer_low_watermark, held):
+            if waiting and interactive:
+                hold.release()
+            break
+        if time.time() >= until:
             break
         if not waiting:
             log.info("inference queue at %d (> %d): holding job %s", depth, s.infer_high_watermark, job_id)
+        if interactive:
+            hold.hold(HOLD_TTL_S)
         waiting = True
-        time.sleep(0.2)
+        time.sleep(HOLD_LOOK_S)
     return time.time() - started
 
 

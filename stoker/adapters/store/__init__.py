@@ -12,7 +12,7 @@ from stoker.adapters.store.blobs import BlobRepository
 from stoker.adapters.store.callbacks import CallbackRepository
 from stoker.adapters.store.clients import store_client
 from stoker.adapters.store.consumers import ConsumerRegistry
-from stoker.adapters.store.coordination import DeliveryCounter, Leases
+from stoker.adapters.store.coordination import DeliveryCounter, HandoffHold, Leases
 from stoker.adapters.store.idempotency import IdempotencyKeys
 from stoker.adapters.store.jobs import JobRepository
 from stoker.adapters.store.stats import StatsRepository
@@ -34,6 +34,7 @@ class Store:
     watch: Watchlist
     deliveries: DeliveryCounter
     leases: Leases
+    handoff_hold: HandoffHold
     consumers: ConsumerRegistry
     answers: AnswerStreams
     idempotency: IdempotencyKeys
@@ -55,6 +56,7 @@ class Store:
             watch=Watchlist(client),
             deliveries=DeliveryCounter(client, ttl_s=job_ttl_s),
             leases=Leases(client),
+            handoff_hold=HandoffHold(client),
             consumers=ConsumerRegistry(client),
             answers=AnswerStreams(client, ttl_s=blob_ttl_s),
             idempotency=IdempotencyKeys(client),

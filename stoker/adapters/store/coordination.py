@@ -1,4 +1,5 @@
-"""Coordination between workers: how often a task message was delivered, and exclusive leases."""
+"""Coordination between workers: how often a task message was delivered, exclusive leases, and the hold on
+hand-offs to a full inference queue."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 import redis
 
 from stoker.adapters.store.clients import store_client
-from stoker.adapters.store.keys import deliveries_key
+from stoker.adapters.store.keys import HANDOFF_HOLD_KEY, deliveries_key
 from stoker.settings import CommonSettings
 
 # Take or renew a lease held under a token.
@@ -56,6 +57,33 @@ class Leases:
     def release_lease(self, key: str, token: str) -> bool:
         """Give up a lease this token holds (a clean stop: the next holder need not wait for it to lapse)."""
         return bool(self._release(keys=[key], args=[token]))
+
+
+class HandoffHold:
+    """Whether interactive jobs are being held for the inference queue's watermarks, for every producer to see.
+
+    A hand-off that finds the queue above its high watermark holds its job until the queue drains to its low one.
+    Without a shared hold, every later producer (the API's own hand-off, another tokenize) that finds the queue
+    between the two goes straight in, and under sustained load the queue never reaches the low watermark: the held
+    job waits out its whole wait limit while later ones overtake it. So the holders keep this key set (renewed at
+    each look, expiring on its own `ttl_s` after the last holder stops looking: a killed holder cannot wedge it),
+    and while it is set every producer waits for the low watermark too.
+    """
+
+    def __init__(self, client: redis.Redis[bytes]) -> None:
+        self.redis = client
+
+    def hold(self, ttl_s: float) -> None:
+        """A job is held now (set or renew the hold)."""
+        self.redis.set(HANDOFF_HOLD_KEY, b"1", px=max(int(ttl_s * 1000), 1))
+
+    def release(self) -> None:
+        """The queue is back at its low watermark: nobody need hold any more."""
+        self.redis.delete(HANDOFF_HOLD_KEY)
+
+    def held(self) -> bool:
+        """Whether some job is held now."""
+        return bool(self.redis.exists(HANDOFF_HOLD_KEY))
 
 
 def give_up_lease(settings: CommonSettings, key: str, token: str) -> bool:

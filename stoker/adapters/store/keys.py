@@ -42,6 +42,10 @@ def deliveries_key(task_id: str) -> str:
     return f"{PREFIX}:deliveries:{task_id}"
 
 
+#: Set while interactive jobs are held for the inference queue's watermarks (`coordination.HandoffHold`).
+HANDOFF_HOLD_KEY = f"{PREFIX}:handoff:holding"
+
+
 def tokens_key(job_id: str) -> str:
     """The job's tokenized prompt, ready for the model."""
     return f"{PREFIX}:job:{job_id}:tokens"
