@@ -257,7 +257,11 @@ async def stats(context: Context) -> dict[str, Any]:
     return {
         "sampled_at": snapshot.at,
         "queues": {q.name: {"depth": q.depth, "limit": q.limit, "drain_per_s": q.drain_per_s} for q in snapshot.queues},
-        "infer_watermarks": {"high": settings.infer_high_watermark, "low": settings.infer_low_watermark},
+        "infer_watermarks": {
+            "high": settings.infer_high_watermark,
+            "low": settings.infer_low_watermark,
+            "held": snapshot.held,  # interactive jobs are held for the low watermark (the API sends its own too)
+        },
         **counters,
         "device_idle_gap": idle_gap_summary(gaps),
         "classes": {"batch": await run_in_threadpool(context.store.batches.line_stats)},

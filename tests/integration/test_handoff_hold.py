@@ -10,13 +10,17 @@ from collections.abc import Iterable, Iterator
 
 import pytest
 import redis
+from fastapi.testclient import TestClient
 
+from api.app import create_app
+from api.context import context_of
 from api.pressure import QueueMonitor
 from stoker.adapters.store import Store
 from stoker.core.jobs import Job
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.handoff import wait_for_room
 from stoker.settings import ApiSettings, WorkerSettings
+from tests.integration.conftest import SpySubmitter
 from workers.procs import wait_for
 
 #: A database of the test Redis no worker of the suite reads: the broker's inference list is junk here.
@@ -137,3 +141,18 @@ def test_a_batch_line_held_for_the_queue_holds_no_interactive_job_back(scratch: 
     _depth(scratch, LOW)
     thread.join(10)
     assert len(done) == 1
+
+
+def test_stats_show_operators_when_jobs_are_held(scratch: redis.Redis) -> None:
+    url = f"{os.environ['STOKER_TEST_REDIS']}/{SCRATCH_DB}"
+    marks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
+    settings = ApiSettings(**marks, broker_url=url, result_url=url, cache_url=url)
+    hold = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60).handoff_hold
+    with TestClient(create_app(settings, submitter=SpySubmitter(forward=False))) as client:
+        _depth(scratch, LOW + 1)
+        free = client.get("/v1/stats").json()["infer_watermarks"]
+        hold.hold(30)
+        context_of(client.app).monitor.sample()  # type: ignore[arg-type]
+        held = client.get("/v1/stats").json()["infer_watermarks"]
+    assert free == {"high": HIGH, "low": LOW, "held": False}
+    assert held == {"high": HIGH, "low": LOW, "held": True}
