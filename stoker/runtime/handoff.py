@@ -103,7 +103,8 @@ def wait_for_room(
         if time.time() >= until:
             break
         if not waiting:
-            log.info("inference queue at %d (> %d): holding job %s", depth, s.infer_high_watermark, job_id)
+            why = "others are held" if held else f"> {s.infer_high_watermark}"
+            log.info("inference queue at %d (%s): holding job %s", depth, why, job_id)
         if interactive:
             hold.hold(HOLD_TTL_S)
         waiting = True
