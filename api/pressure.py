@@ -84,7 +84,7 @@ class QueueMonitor:
         self.meter.add(now, self.store.stats.drained(), depths)
         rates = {q: self.meter.rate(q) for q in self.queues}
         states = [QueueState(q, depths[q], self.limit(q), round(drain_rate(q, rates), 3)) for q in self.queues]
-        held = depths.get("infer", 0) > self.settings.infer_low_watermark and self.store.handoff_hold.held()
+        held = self.store.handoff_hold.held_at(depths.get("infer", 0), self.settings.infer_low_watermark)
         self.latest = Snapshot(now, states, held)
         self._sample_memory(now)
         return self.latest

@@ -94,8 +94,7 @@ def wait_for_room(
     queues = ("infer",) if interactive else INFER_QUEUES
     while True:
         depth = sum(ctx.outbox.queue_depths(queues).values())
-        # Between the watermarks, whether anyone is held decides (read only there: the common case costs nothing).
-        held = waiting or (interactive and depth > s.infer_low_watermark and hold.held())
+        held = waiting or (interactive and hold.held_at(depth, s.infer_low_watermark))
         if room_to_enqueue(depth, s.infer_high_watermark, s.infer_low_watermark, held):
             if waiting and interactive:
                 hold.release()

@@ -55,9 +55,13 @@ class ListOutbox:
         raise AssertionError("nothing is promoted here")
 
 
+def _scratch_url() -> str:
+    return f"{os.environ['STOKER_TEST_REDIS']}/{SCRATCH_DB}"
+
+
 @pytest.fixture
 def scratch() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(f"{os.environ['STOKER_TEST_REDIS']}/{SCRATCH_DB}")
+    client = redis.Redis.from_url(_scratch_url())
     client.flushdb()
     yield client
     client.flushdb()
@@ -86,7 +90,7 @@ def _holder(ctx: WorkerContext, name: str, done: list[str]) -> threading.Thread:
 def test_a_held_job_is_not_overtaken_by_later_ones_that_find_the_queue_between_its_watermarks(
     scratch: redis.Redis,
 ) -> None:
-    url = f"{os.environ['STOKER_TEST_REDIS']}/{SCRATCH_DB}"
+    url = _scratch_url()
     store = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60)
     marks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
     outbox = ListOutbox(scratch)
@@ -144,7 +148,7 @@ def test_a_batch_line_held_for_the_queue_holds_no_interactive_job_back(scratch: 
 
 
 def test_stats_show_operators_when_jobs_are_held(scratch: redis.Redis) -> None:
-    url = f"{os.environ['STOKER_TEST_REDIS']}/{SCRATCH_DB}"
+    url = _scratch_url()
     marks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
     settings = ApiSettings(**marks, broker_url=url, result_url=url, cache_url=url)
     hold = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60).handoff_hold

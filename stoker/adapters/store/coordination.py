@@ -85,6 +85,11 @@ class HandoffHold:
         """Whether some job is held now."""
         return bool(self.redis.exists(HANDOFF_HOLD_KEY))
 
+    def held_at(self, depth: int, low: int) -> bool:
+        """Whether jobs are held, as a producer that found the inference queue at `depth` needs to know: at or
+        below the low watermark nobody waits, so the store is not asked (the common case costs no round trip)."""
+        return depth > low and self.held()
+
 
 def give_up_lease(settings: CommonSettings, key: str, token: str) -> bool:
     """A stopping process's goodbye: its lease released on a client of its own that tries once (the store may be
