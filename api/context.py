@@ -70,8 +70,9 @@ class ApiContext:
 
 def close_clients(context: ApiContext) -> None:
     """Close what the context holds open: the queue monitor's, the submitter's (its direct publisher's) and the
-    store's connections."""
+    store's connections, and the tokenizing threads."""
     context.monitor.close()
+    context.prompts.close()
     if isinstance(context.submitter, CelerySubmitter):
         context.submitter.close()
     context.store.close()

@@ -12,6 +12,7 @@ import functools
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_prompt_tokenizer
@@ -34,12 +35,20 @@ def _tokenizer_of(model_path: str) -> tuple[PromptTokenizer, str]:
 
 
 class PromptBuilder:
-    """The model's tokenizer in the API process, loaded in the background at start (never on a request's path)."""
+    """The model's tokenizer in the API process, loaded in the background at start (never on a request's path),
+    used on a few threads of its own (`api_tokenize_threads`).
+
+    Its own threads, not the request pool's: the tokenizer's native allocations stay with each thread that has run
+    it (the C allocator keeps an arena per thread, up to eight per core, each holding its peak: about 10 MB here).
+    Tokenizing on any of the request pool's 40 threads grew a 2-core API by 180 MB; on one or two threads, by 13-25
+    MB (docs/benchmarks.md, the cost of a job). The hop to them costs tens of microseconds a job."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
         self._loaded: tuple[PromptTokenizer, str] | None = None
         self._lock = threading.Lock()
+        # threads start on first use, so an app that never tokenizes holds none
+        self._threads = ThreadPoolExecutor(settings.api_tokenize_threads, thread_name_prefix="stoker-tokenize")
 
     def load(self) -> None:
         """Load the tokenizer (seconds); until then, and if it cannot be loaded, jobs take the tokenize queue."""
@@ -76,4 +85,10 @@ class PromptBuilder:
             loaded = self._loaded
         if loaded is None or loaded[1] != context.tokenizer:
             return None
-        return build_prompt(loaded[0], prompt, attachments, context.budget, turns, context.system, tools)
+        return self._threads.submit(
+            build_prompt, loaded[0], prompt, attachments, context.budget, turns, context.system, tools
+        ).result()
+
+    def close(self) -> None:
+        """Let the tokenizing threads end once idle (a prompt being built still finishes)."""
+        self._threads.shutdown(wait=False)

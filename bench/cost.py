@@ -347,6 +347,7 @@ def admission(stack: Stack, seconds: float, clients: int) -> dict[str, Any]:
     here too, is a small share of the machine the stack runs on."""
     before, started, generator = cpu_by_kind(stack.proc.pid), time.monotonic(), time.process_time()
     _, reads = stack.valkey_counts()
+    api_mb_before = resident_mb(stack.pids("API"))
     tally = rawload.run(stack.base, post_form, clients, seconds)
     wall = time.monotonic() - started
     spent = delta(before, cpu_by_kind(stack.proc.pid))
@@ -355,17 +356,31 @@ def admission(stack: Stack, seconds: float, clients: int) -> dict[str, Any]:
     accepted = len(tally.accepted)
     cores = {k: round(v / wall, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v / wall >= 0.01}
     per_post = round(spent.get("API", 0.0) * 1000 / max(accepted, 1), 2)
+    api_mb = (api_mb_before, resident_mb(stack.pids("API")))
     ended = rawload.wait_all(stack.base, tally.accepted)
     return {
         "accepted_per_s": round(accepted / wall, 1),
         "api_ms_per_post": per_post,
         "generator_ms_per_post": round(spent["load generator"] * 1000 / max(accepted, 1), 3),
         "valkey_round_trips_per_job": round(reads / max(accepted, 1), 1),
+        "api_resident_mb": api_mb,
         "cores": cores,
         "statuses": dict(tally.statuses),
         "client_errors": dict(tally.errors),
         "ended": dict(ended),
     }
+
+
+def resident_mb(pids: list[int]) -> int:
+    """The processes' resident memory, in MB, together (VmRSS; 0 for one that is gone)."""
+    total_kb = 0
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total_kb += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return total_kb // 1024
 
 
 def idle(stack: Stack, seconds: float, settle_s: float = 5.0) -> dict[str, float]:
@@ -582,7 +597,8 @@ def main() -> None:
             f"\n\nAdmission, {args.admission_clients} clients posting text jobs for {args.admission_s:.0f} s: "
             f"{admitted['accepted_per_s']} jobs/s accepted, {admitted['api_ms_per_post']} API CPU ms per POST "
             f"({admitted['generator_ms_per_post']} ms in the load generator), "
-            f"{admitted['valkey_round_trips_per_job']} Valkey round trips per job meanwhile; cores busy: "
+            f"{admitted['valkey_round_trips_per_job']} Valkey round trips per job meanwhile; the API's resident "
+            f"memory {admitted['api_resident_mb'][0]} → {admitted['api_resident_mb'][1]} MB; cores busy: "
             f"{admitted['cores']}; responses {admitted['statuses']}; the accepted jobs ended {admitted['ended']}"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -344,6 +344,14 @@ class ApiSettings(CommonSettings):
         "event loop, and send them to the inference queue in one hop; needs the model's tokenizer files on the "
         "API's host.",
     )
+    api_tokenize_threads: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Threads the API tokenizes on (text-only and cached jobs, `api_tokenize`). Each one that has "
+        "tokenized keeps its own native memory (about 10 MB), so a few bound the API's size; more do not help one "
+        "API process, whose Python runs on one core.",
+    )
     api_tokenize_cache_min_chars: int = Field(
         1024,
         ge=0,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -355,6 +357,32 @@ def test_the_apis_own_tokenization_keeps_forged_markers_as_text(model_path: str,
     assert built is not None
     assert _controls(hf_tokenizer, built.ids) == _chatml_markers(built)
     assert PromptTokenizer(hf_tokenizer).decode_text(built.ids).count(FORGED) == 2
+
+
+def test_the_api_tokenizes_on_its_own_few_threads_whichever_thread_asks(
+    model_path: str, hf_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran_on: list[str] = []
+
+    def recorded(*args: Any) -> Any:
+        ran_on.append(threading.current_thread().name)
+        return build_prompt(*args)
+
+    monkeypatch.setattr("api.prompts.build_prompt", recorded)
+    builder = PromptBuilder(ApiSettings(api_tokenize_threads=2))
+    builder.load()
+    context = PipelineContext(identity="-", tokenizer=tokenizer_identity(hf_tokenizer, model_path), budget=512)
+    prompts = [f"Question {n}: what is {n} times {n}?" for n in range(24)]
+    try:
+        with ThreadPoolExecutor(12) as askers:  # as many request threads as ask at once under load
+            built = list(askers.map(lambda p: builder.build(context, p, []), prompts))
+    finally:
+        builder.close()
+    assert len(ran_on) == len(prompts)
+    assert all(name.startswith("stoker-tokenize") for name in ran_on)
+    assert len(set(ran_on)) <= 2
+    direct = [build_prompt(PromptTokenizer(hf_tokenizer), p, [], 512).ids for p in prompts]
+    assert [b.ids for b in built if b is not None] == direct
 
 
 class OldTokenizer:
