@@ -349,7 +349,7 @@ class ApiSettings(CommonSettings):
         ge=1,
         le=64,
         description="Threads the API tokenizes on (text-only and cached jobs, `api_tokenize`). Each one that has "
-        "tokenized keeps its own native memory (about 10 MB), so a few bound the API's size; more do not help one "
+        "tokenized keeps its own native memory (several MB), so a few bound the API's size; more do not help one "
         "API process, whose Python runs on one core.",
     )
     api_tokenize_cache_min_chars: int = Field(
