@@ -38,11 +38,11 @@ class PromptBuilder:
     """The model's tokenizer in the API process, loaded in the background at start (never on a request's path),
     used on a few threads of its own (`api_tokenize_threads`).
 
-    Its own threads, not the request pool's: the tokenizer's native allocations stay with each thread that has run
-    it (glibc's allocator gives threads arenas of their own, up to eight per core, and each keeps its peak).
-    Building unique prompts in a loop grew a 2-core process by 184 MB on 40 threads (the request pool's size), by
-    24 MB on four and by 13 MB on one, then stayed flat (docs/benchmarks.md, the cost of a job). The hop to these
-    threads costs about 10 µs of CPU a job."""
+    Its own threads, not the request pool's: each thread that has run the tokenizer keeps memory of its own. The
+    `tokenizers` library keeps its BPE word cache per thread (up to 10,000 words each, huggingface/tokenizers#2028),
+    and glibc's allocator gives threads arenas of their own. Building unique prompts in a loop grew a 2-core process
+    by 184 MB on 40 threads (the request pool's size), by 24 MB on four and by 13 MB on one, then stayed flat
+    (docs/benchmarks.md, the cost of a job). The hop to these threads costs about 10 µs of CPU a job."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
