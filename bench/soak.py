@@ -20,16 +20,17 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import redis
 
+from bench.cost import resident_mb, tree
 from bench.stack import DBS, Device, bench_stack
 from bench.workload import _audio, text_png
 from workers.broker import start_embedded
@@ -100,6 +101,17 @@ def holders(port: int) -> dict[str, int]:
         kind = names[0] if names else "other"
         counts[kind] = counts.get(kind, 0) + out.count(f"pid={pid},")
     return dict(sorted(counts.items()))
+
+
+def resident(procs: list[subprocess.Popen[bytes]]) -> dict[str, int]:
+    """Resident MB of each of the stack's processes with its children (a prefork worker's pool), by what it runs."""
+    return {_runs(p): resident_mb([c.pid for c in tree(p.pid)]) for p in procs}
+
+
+def _runs(proc: subprocess.Popen[bytes]) -> str:
+    """What a process of the stack runs: its `stoker` command, with a worker's kind (`api`, `worker cpu`, ...)."""
+    args = [str(a) for a in cast(Sequence[str], proc.args)][3:]  # after `python -m stoker.cli`
+    return " ".join(args[:2] if args[0] == "worker" else args[:1])
 
 
 @contextmanager
@@ -186,7 +198,14 @@ def settle(server: redis.Redis[bytes], base: str, timeout_s: float = 120.0) -> R
     return read(server)
 
 
-def report(idle_readings: list[Reading], before: Reading, after: Reading, load: Load, args: argparse.Namespace) -> str:
+def report(
+    idle_readings: list[Reading],
+    before: Reading,
+    after: Reading,
+    load: Load,
+    args: argparse.Namespace,
+    memory: tuple[dict[str, int], dict[str, int]],
+) -> str:
     """The soak's result, as a Markdown section."""
     clients = [r.clients for r in idle_readings]
     new_untimed = sorted(after.untimed - before.untimed)
@@ -199,6 +218,9 @@ def report(idle_readings: list[Reading], before: Reading, after: Reading, load: 
         f"After the load: clients {before.clients} → {after.clients}; used memory {before.used_bytes / MiB:.1f} →"
         f" {after.used_bytes / MiB:.1f} MiB; keys without a TTL {len(before.untimed)} → {len(after.untimed)}"
         f" (new: {new_untimed or 'none'}).",
+        "Resident MB by process, before the load → after it: "
+        + ", ".join(f"{name} {memory[0][name]} → {memory[1].get(name, 0)}" for name in memory[0])
+        + ".",
     ]
     return "\n".join(lines)
 
@@ -224,13 +246,18 @@ def main() -> None:
             idle_readings = idle(server, args.idle_s)
             before = read(server)
             port = int(base_url.rsplit(":", 1)[1])
-            print(f"before the load: {before.clients} clients, by process {holders(port)}")
+            resident_before = resident(stack.procs)
+            print(f"before the load: {before.clients} clients, by process {holders(port)}; MB {resident_before}")
             load = Load()
             for round_ in range(args.rounds):  # pools stop growing once they reach the load's peak, a leak does not
                 drive(stack.base, args.load_s / args.rounds, args.rate, args.seed + round_, load)
                 after = settle(server, stack.base)
-                print(f"after load round {round_ + 1}: {after.clients} clients, by process {holders(port)}")
-        print(report(idle_readings, before, after, load, args))
+                resident_after = resident(stack.procs)
+                print(
+                    f"after load round {round_ + 1}: {after.clients} clients, by process {holders(port)};"
+                    f" MB {resident_after}"
+                )
+        print(report(idle_readings, before, after, load, args, (resident_before, resident_after)))
         print(f"(logs: {logs})")
 
 
