@@ -345,12 +345,12 @@ class ApiSettings(CommonSettings):
         "API's host.",
     )
     api_tokenize_threads: int = Field(
-        2,
+        4,
         ge=1,
         le=64,
         description="Threads the API tokenizes on (text-only and cached jobs, `api_tokenize`). Each one that has "
-        "tokenized keeps its own native memory (several MB), so a few bound the API's size; more do not help one "
-        "API process, whose Python runs on one core.",
+        "tokenized keeps its own native memory (several MB), so a few bound the API's size; too few make requests "
+        "queue for them (from 64 clients, two took in 3.7 % fewer jobs a second than four).",
     )
     api_tokenize_cache_min_chars: int = Field(
         1024,
