@@ -40,10 +40,9 @@ class PromptBuilder:
 
     Its own threads, not the request pool's: each thread that has run the tokenizer keeps memory of its own. The
     `tokenizers` library keeps its BPE word cache per thread (up to 10,000 words each, huggingface/tokenizers#2028),
-    and glibc's allocator gives threads arenas of their own. Building unique prompts in a loop grew a 2-core process
-    by 184 MB on 40 threads (the request pool's size), by 24 MB on four and by 13 MB on one, then stayed flat
-    (docs/benchmarks.md, the cost of a job). The hop to these threads costs about 10 µs of CPU a job; two threads
-    took in 3.7 % fewer jobs a second than four from 64 clients, which queued for them."""
+    and glibc's allocator gives threads arenas of their own: on the request pool's 40 threads the API grew by
+    tens of MB more than on a few, and the hop to these costs about 10 µs of CPU a job (the measurements, and why
+    four by default: docs/benchmarks.md, the cost of a job)."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings

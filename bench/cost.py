@@ -347,7 +347,8 @@ def admission(stack: Stack, seconds: float, clients: int) -> dict[str, Any]:
     here too, is a small share of the machine the stack runs on."""
     before, started, generator = cpu_by_kind(stack.proc.pid), time.monotonic(), time.process_time()
     _, reads = stack.valkey_counts()
-    api_mb_before = resident_mb(stack.pids("API"))
+    api = stack.pids("API")  # one scan of /proc: the API's pids do not change during the phase
+    api_mb_before = resident_mb(api)
     tally = rawload.run(stack.base, post_form, clients, seconds)
     wall = time.monotonic() - started
     spent = delta(before, cpu_by_kind(stack.proc.pid))
@@ -356,7 +357,7 @@ def admission(stack: Stack, seconds: float, clients: int) -> dict[str, Any]:
     accepted = len(tally.accepted)
     cores = {k: round(v / wall, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v / wall >= 0.01}
     per_post = round(spent.get("API", 0.0) * 1000 / max(accepted, 1), 2)
-    api_mb = (api_mb_before, resident_mb(stack.pids("API")))
+    api_mb = (api_mb_before, resident_mb(api))
     ended = rawload.wait_all(stack.base, tally.accepted)
     return {
         "accepted_per_s": round(accepted / wall, 1),

@@ -350,7 +350,7 @@ class ApiSettings(CommonSettings):
         le=64,
         description="Threads the API tokenizes on (text-only and cached jobs, `api_tokenize`). Each one that has "
         "tokenized keeps its own native memory (several MB), so a few bound the API's size; too few make requests "
-        "queue for them (from 64 clients, two took in 3.7 % fewer jobs a second than four).",
+        "queue for them under load (docs/benchmarks.md, the cost of a job).",
     )
     api_tokenize_cache_min_chars: int = Field(
         1024,
