@@ -384,6 +384,19 @@ def resident_mb(pids: list[int]) -> int:
     return total_kb // 1024
 
 
+def proportional_mb(pids: list[int]) -> int:
+    """The processes' proportional memory, in MB, together (Pss: each page shared by n processes counts 1/n, so a
+    prefork pool's pages shared with its parent, or a library's mapped by several processes, are counted once)."""
+    total_kb = 0
+    for pid in pids:
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total_kb += next((int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")), 0)
+    return total_kb // 1024
+
+
 def idle(stack: Stack, seconds: float, settle_s: float = 5.0) -> dict[str, float]:
     """Cores each process kind uses while nothing is sent."""
     time.sleep(settle_s)

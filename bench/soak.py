@@ -30,7 +30,7 @@ from typing import Any, cast
 import httpx
 import redis
 
-from bench.cost import resident_mb, tree
+from bench.cost import proportional_mb, resident_mb, tree
 from bench.stack import DBS, Device, bench_stack
 from bench.workload import _audio, text_png
 from workers.broker import start_embedded
@@ -103,9 +103,14 @@ def holders(port: int) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def resident(procs: list[subprocess.Popen[bytes]]) -> dict[str, int]:
-    """Resident MB of each of the stack's processes with its children (a prefork worker's pool), by what it runs."""
-    return {_runs(p): resident_mb([c.pid for c in tree(p.pid)]) for p in procs}
+def resident(procs: list[subprocess.Popen[bytes]]) -> dict[str, str]:
+    """Resident and proportional MB (`rss/pss`) of each of the stack's processes with its children (a prefork
+    worker's pool), by what it runs: the proportional figure counts what they share with each other once."""
+    out = {}
+    for proc in procs:
+        pids = [c.pid for c in tree(proc.pid)]
+        out[_runs(proc)] = f"{resident_mb(pids)}/{proportional_mb(pids)}"
+    return out
 
 
 def _runs(proc: subprocess.Popen[bytes]) -> str:
@@ -204,7 +209,7 @@ def report(
     after: Reading,
     load: Load,
     args: argparse.Namespace,
-    memory: tuple[dict[str, int], dict[str, int]],
+    memory: tuple[dict[str, str], dict[str, str]],
 ) -> str:
     """The soak's result, as a Markdown section."""
     clients = [r.clients for r in idle_readings]
@@ -218,8 +223,8 @@ def report(
         f"After the load: clients {before.clients} → {after.clients}; used memory {before.used_bytes / MiB:.1f} →"
         f" {after.used_bytes / MiB:.1f} MiB; keys without a TTL {len(before.untimed)} → {len(after.untimed)}"
         f" (new: {new_untimed or 'none'}).",
-        "Resident MB by process, before the load → after it: "
-        + ", ".join(f"{name} {memory[0][name]} → {memory[1].get(name, 0)}" for name in memory[0])
+        "Resident / proportional MB by process (RSS/PSS), before the load → after it: "
+        + ", ".join(f"{name} {memory[0][name]} → {memory[1].get(name, '0/0')}" for name in memory[0])
         + ".",
     ]
     return "\n".join(lines)
@@ -247,7 +252,9 @@ def main() -> None:
             before = read(server)
             port = int(base_url.rsplit(":", 1)[1])
             resident_before = resident(stack.procs)
-            print(f"before the load: {before.clients} clients, by process {holders(port)}; MB {resident_before}")
+            print(
+                f"before the load: {before.clients} clients, by process {holders(port)}; RSS/PSS MB {resident_before}"
+            )
             load = Load()
             for round_ in range(args.rounds):  # pools stop growing once they reach the load's peak, a leak does not
                 drive(stack.base, args.load_s / args.rounds, args.rate, args.seed + round_, load)
@@ -255,7 +262,7 @@ def main() -> None:
                 resident_after = resident(stack.procs)
                 print(
                     f"after load round {round_ + 1}: {after.clients} clients, by process {holders(port)};"
-                    f" MB {resident_after}"
+                    f" RSS/PSS MB {resident_after}"
                 )
         print(report(idle_readings, before, after, load, args, (resident_before, resident_after)))
         print(f"(logs: {logs})")

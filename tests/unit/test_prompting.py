@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -121,6 +123,37 @@ def hf_tokenizer(model_path: str) -> Any:
 def real_tokenizer(hf_tokenizer: Any) -> PromptTokenizer:
     """SmolLM2's tokenizer as prompt assembly uses it."""
     return PromptTokenizer(hf_tokenizer)
+
+
+def test_a_tokenizer_that_declares_the_generic_backend_is_what_auto_tokenizer_loads(
+    model_path: str, tiny_vlm: Path, hf_tokenizer: Any
+) -> None:
+    """Loaded without `AutoTokenizer`'s config lookup, both built-in models' tokenizers are the class it picks and
+    give the ids it gives, control tokens in the text included."""
+    from transformers import AutoTokenizer
+
+    chat = [{"role": "user", "content": "Read <|im_start|>system this <image> and 12 apples."}]
+    for path, ours in ((model_path, hf_tokenizer), (str(tiny_vlm), load_tokenizer(str(tiny_vlm)))):
+        theirs = AutoTokenizer.from_pretrained(path)
+        assert type(ours) is type(theirs)
+        assert ours.get_vocab() == theirs.get_vocab()
+        assert PromptTokenizer(ours).render(chat) == PromptTokenizer(theirs).render(chat)
+
+
+def test_a_process_that_only_builds_text_prompts_never_imports_torch(model_path: str) -> None:
+    """The API, the reaper and the batch feeder load the text model's tokenizer, its (absent) processor and image
+    preparer and build a prompt; torch stays out of their memory (a fresh interpreter, as each of them is)."""
+    script = (
+        "import sys\n"
+        "from stoker.adapters.backends.tokenizer import load_prompt_tokenizer\n"
+        "from stoker.adapters.backends.vision import ImagePreparer\n"
+        f"tokenizer = load_prompt_tokenizer({model_path!r})\n"
+        f"assert tokenizer.images is None and ImagePreparer.load({model_path!r}) is None\n"
+        "assert tokenizer.render([{'role': 'user', 'content': 'hi'}])\n"
+        "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert ran.stdout.strip() == "[]"
 
 
 def test_real_chat_template_ends_with_the_assistant_turn(real_tokenizer: PromptTokenizer) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from stoker.adapters.backends.grammar import GrammarMask, grammar_for, token_grammar
 from stoker.adapters.backends.streams import Pieces, RowStreams, StreamedRow
+from stoker.adapters.backends.tokenizer import load_tokenizer
 from stoker.core.batching import Collated, collate_left, strip_generated
 from stoker.core.model import Continued, GenerationParams, ModelRequest, Prediction, apply_stop
 from stoker.core.streaming import TextStream
@@ -98,7 +99,6 @@ class TransformersPredictor:
         """Load tokenizer and weights (safetensors) onto device."""
         # heavy (torch, transformers): loaded by setup(), never at import
         import torch
-        from transformers import AutoTokenizer
 
         started = time.perf_counter()
         self._device = device
@@ -106,7 +106,7 @@ class TransformersPredictor:
             torch.set_num_threads(self.threads)  # the process's intra-op pool: the model is all it runs
         if device.startswith("cuda") and self.vram_budget_gb:
             self._cap_vram(torch, device, self.vram_budget_gb)
-        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self._tokenizer = load_tokenizer(self.model_path)  # as the prompts were built: the same ids
         self._model = self._load_model(device)
         log.info("model %s on %s loaded in %.1fs", self.name, device, time.perf_counter() - started)
 

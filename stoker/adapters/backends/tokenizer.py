@@ -13,17 +13,45 @@ from typing import Any
 
 import numpy as np
 
-from stoker.adapters.backends.vision import processor_identity
+from stoker.adapters.backends.vision import declares_processor, processor_identity
 from stoker.core.cachekeys import fingerprint
 from stoker.core.errors import StokerError
 from stoker.core.tools import ToolSpec, fold_tools
 
+#: The class transformers 5 saves for a tokenizer that is its `tokenizer.json` and nothing else (both built-in
+#: models declare it).
+_GENERIC_BACKEND = "TokenizersBackend"
+
 
 def load_tokenizer(model_path: str) -> Any:
-    """The model's fast tokenizer."""
-    from transformers import AutoTokenizer  # heavy (seconds): loaded on first use, only where prompts are built
+    """The model's fast tokenizer. Every process of the stack loads it here (the local model's included), so they
+    all build and read the same ids.
+
+    A local model whose `tokenizer_config.json` declares transformers' generic backend, with no code of its own
+    (`auto_map`), is loaded by that class directly. `AutoTokenizer` chooses the same class for it, but on the way
+    reads the model's config through modules that import torch: about 190 MB of private memory and two to three seconds of
+    start-up in each process that only tokenizes (the API, the CPU workers, the reaper, the batch feeder;
+    docs/benchmarks.md). Any other model goes through `AutoTokenizer`. (`AutoTokenizer` overrides a declared
+    class only for the few model types whose hub configs it knows to be wrong, its
+    `MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`; `save_pretrained` writes the class a tokenizer was loaded as.)
+    """
+    if _declares_generic_backend(Path(model_path)):
+        # heavy (about a second): loaded on first use, only where prompts are built or read
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(model_path)
+    from transformers import AutoTokenizer  # heavier still: torch comes with it
 
     return AutoTokenizer.from_pretrained(model_path)
+
+
+def _declares_generic_backend(model_dir: Path) -> bool:
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):  # a hub id, or no config to read: AutoTokenizer decides
+        return False
+    declared = config.get("tokenizer_class") == _GENERIC_BACKEND and "auto_map" not in config
+    return declared and (model_dir / "tokenizer.json").is_file()
 
 
 #: A template that renders one message's text and nothing else: `PromptTokenizer.encode_text` encodes through it.
@@ -46,7 +74,9 @@ class ImageTokens:
     @classmethod
     def load(cls, model_path: str, tokenizer: Any) -> ImageTokens | None:
         """The model's processor, when it has an image processor, an image token and a chat template; else None."""
-        from transformers import AutoProcessor  # heavy: see load_tokenizer
+        if not declares_processor(model_path):
+            return None
+        from transformers import AutoProcessor  # heavy (torch): see load_tokenizer
 
         try:
             processor = AutoProcessor.from_pretrained(model_path)

@@ -49,6 +49,19 @@ _PATH_KEYS = ("name_or_path", "_path", "_dir", "_file", "_commit_hash")
 Tensors = dict[str, npt.NDArray[Any]]
 
 
+def declares_processor(model_path: str) -> bool:
+    """Whether the model may have a processor (image, audio): a hub id, or a local directory with its config.
+    A local text model answers False without importing transformers' processor modules (and with them torch)."""
+    model_dir = Path(model_path)
+    if not model_dir.is_dir():
+        return True
+    return any((model_dir / name).is_file() for name in _PROCESSOR_FILES)
+
+
+#: The files `AutoProcessor` and `AutoImageProcessor` read a processor from.
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
 def processor_identity(processor: Any) -> str:
     """A stable hash of what the processor does: its class, transformers' version and its config (`to_dict()`,
     sorted keys), without anything that says where it was loaded from. Equal identities make equal tensors."""
@@ -106,7 +119,9 @@ class ImagePreparer:
     @classmethod
     def load(cls, model_dir: str | Path) -> ImagePreparer | None:
         """The image processor a model directory (or hub id) declares; None when the model reads no images."""
-        from transformers import AutoImageProcessor  # heavy: only in the processes that prepare images
+        if not declares_processor(str(model_dir)):
+            return None
+        from transformers import AutoImageProcessor  # heavy (torch): only in the processes that prepare images
 
         try:
             processor = AutoImageProcessor.from_pretrained(str(model_dir))
