@@ -137,6 +137,8 @@ def test_a_tokenizer_that_declares_the_generic_backend_is_what_auto_tokenizer_lo
         theirs = AutoTokenizer.from_pretrained(path)
         assert type(ours) is type(theirs)
         assert ours.get_vocab() == theirs.get_vocab()
+        assert ours.all_special_tokens == theirs.all_special_tokens
+        assert (ours.model_max_length, ours.chat_template) == (theirs.model_max_length, theirs.chat_template)
         assert PromptTokenizer(ours).render(chat) == PromptTokenizer(theirs).render(chat)
 
 
