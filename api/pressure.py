@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from stoker.adapters.broker import queue_depths, transport_options
 from stoker.adapters.store import Store
 from stoker.core.pacing import Pace
-from stoker.core.pressure import DrainMeter, QueueState, Refusal, StoreMemory, admit, drain_rate
+from stoker.core.pressure import DrainMeter, QueueState, Refusal, StoreMemory, admit, drain_rate, room_to_enqueue
 from stoker.core.queues import CPU_QUEUES, INFER_BATCH_QUEUE, QUEUES, SYNC_QUEUE
 from stoker.settings import ApiSettings
 
@@ -130,14 +130,16 @@ class QueueMonitor:
         return latest if latest and time.time() - latest.at <= self.stale_s else None
 
     def room_for_inference(self) -> bool:
-        """Whether a job may go straight to the inference queue: it is under its high watermark and no job is held
-        for it (as last seen). Otherwise jobs take the tokenize queue, whose stage holds them until it drains to
-        its low watermark (backpressure), behind those held before them."""
+        """Whether a job may go straight to the inference queue: it is at or under its high watermark, the rule
+        tokenize's hand-off follows (`room_to_enqueue`), and no job is held for it (as last seen). Otherwise jobs
+        take the tokenize queue, whose stage holds them until it drains to its low watermark (backpressure), behind
+        those held before them."""
         snapshot = self.fresh()
-        if snapshot is None:
+        if snapshot is None or snapshot.held:
             return False
         depth = next((q.depth for q in snapshot.queues if q.name == "infer"), 0)
-        return depth < self.settings.infer_high_watermark and not snapshot.held
+        s = self.settings
+        return room_to_enqueue(depth, s.infer_high_watermark, s.infer_low_watermark, held=False)
 
     def refusal(self) -> Refusal | None:
         """Why a new job must be refused now, if it must."""

@@ -117,6 +117,12 @@ def test_a_held_job_is_not_overtaken_by_later_ones_that_find_the_queue_between_i
         _depth(scratch, LOW + 1)
         monitor.sample()
         assert monitor.room_for_inference()  # nobody held: between the watermarks is room again
+        _depth(scratch, HIGH)
+        monitor.sample()
+        assert monitor.room_for_inference()  # at the high watermark, as tokenize's hand-off finds it
+        _depth(scratch, HIGH + 1)
+        monitor.sample()
+        assert not monitor.room_for_inference()  # above it: through tokenize
     finally:
         monitor.close()
 
