@@ -374,27 +374,25 @@ def admission(stack: Stack, seconds: float, clients: int) -> dict[str, Any]:
 
 def resident_mb(pids: list[int]) -> int:
     """The processes' resident memory, in MB, together (VmRSS; 0 for one that is gone)."""
-    total_kb = 0
-    for pid in pids:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        total_kb += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return total_kb // 1024
+    return _summed_kb(pids, "status", "VmRSS:") // 1024
 
 
 def proportional_mb(pids: list[int]) -> int:
     """The processes' proportional memory, in MB, together (Pss: each page shared by n processes counts 1/n, so a
     prefork pool's pages shared with its parent, or a library's mapped by several processes, are counted once)."""
+    return _summed_kb(pids, "smaps_rollup", "Pss:") // 1024
+
+
+def _summed_kb(pids: list[int], proc_file: str, field: str) -> int:
+    """One kB field of `/proc/PID/<proc_file>`, summed over the processes (0 for one that is gone)."""
     total_kb = 0
     for pid in pids:
         try:
-            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            text = Path(f"/proc/{pid}/{proc_file}").read_text()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        total_kb += next((int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")), 0)
-    return total_kb // 1024
+        total_kb += next((int(line.split()[1]) for line in text.splitlines() if line.startswith(field)), 0)
+    return total_kb
 
 
 def idle(stack: Stack, seconds: float, settle_s: float = 5.0) -> dict[str, float]:
