@@ -1,6 +1,7 @@
 """Soak: does a stack leak? An idle stack, then a mixed load, on a Valkey of its own; at the end the server must
 hold as many clients as at the start, no new key without a TTL, memory within a few MB of the start, and every job
-terminal. Each of the stack's processes' resident memory is read before the load and after each round.
+terminal. Each of the stack's processes' resident and proportional memory (RSS, PSS) is read before the load and after
+each round.
 
     python -m bench.soak                          # 10 min idle, 5 min of load (the documented run)
     python -m bench.soak --idle-s 60 --load-s 60  # a quick look (about 3 minutes)
