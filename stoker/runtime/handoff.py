@@ -92,22 +92,24 @@ def wait_for_room(
     interactive = job_class != "batch"
     hold = ctx.store.handoff_hold
     queues = ("infer",) if interactive else INFER_QUEUES
-    while True:
-        depth = sum(ctx.outbox.queue_depths(queues).values())
-        held = waiting or (interactive and hold.held_at(depth, s.infer_low_watermark))
-        if room_to_enqueue(depth, s.infer_high_watermark, s.infer_low_watermark, held):
-            if waiting and interactive:
-                hold.release()
-            break
-        if time.time() >= until:
-            break
-        if not waiting:
-            why = "others are held" if held else f"> {s.infer_high_watermark}"
-            log.info("inference queue at %d (%s): holding job %s", depth, why, job_id)
-        if interactive:
-            hold.hold(HOLD_TTL_S)
-        waiting = True
-        time.sleep(HOLD_LOOK_S)
+    try:
+        while True:
+            depth = sum(ctx.outbox.queue_depths(queues).values())
+            held = waiting or (interactive and hold.held_at(depth, s.infer_low_watermark))
+            if room_to_enqueue(depth, s.infer_high_watermark, s.infer_low_watermark, held):
+                break
+            if time.time() >= until:
+                break
+            if not waiting:
+                why = "others are held" if held else f"> {s.infer_high_watermark}"
+                log.info("inference queue at %d (%s): holding job %s", depth, why, job_id)
+            if interactive:
+                hold.hold(job_id, HOLD_TTL_S)
+            waiting = True
+            time.sleep(HOLD_LOOK_S)
+    finally:
+        if waiting and interactive:
+            hold.release(job_id)  # in, out of time, or stopped: the jobs held after it still hold
     return time.time() - started
 
 

@@ -127,9 +127,33 @@ def test_a_held_job_is_not_overtaken_by_later_ones_that_find_the_queue_between_i
         monitor.close()
 
 
+def test_the_first_held_job_to_go_in_leaves_the_hold_on_for_those_still_held(scratch: redis.Redis) -> None:
+    """Two jobs held: the first goes in (the device took one: the queue at its low watermark, then above it again
+    with that job); the API still sends its next job behind the second until that one has gone in too."""
+    url = _scratch_url()
+    store = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60)
+    marks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
+    monitor = QueueMonitor(ApiSettings(**marks, broker_url=url), store)
+    hold = store.handoff_hold
+    try:
+        hold.hold("first", 30)
+        hold.hold("second", 30)
+        hold.release("first")
+        _depth(scratch, LOW + 1)
+        monitor.sample()
+        assert not monitor.room_for_inference()
+        hold.release("second")
+        monitor.sample()
+        assert monitor.room_for_inference()
+    finally:
+        monitor.close()
+
+
 def test_the_hold_of_a_holder_that_died_lapses_on_its_own(scratch: redis.Redis) -> None:
     hold = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60).handoff_hold
-    hold.hold(0.3)
+    hold.hold("died", 0.3)
+    hold.hold("alive", 30)
+    hold.release("alive")
     assert hold.held()
     wait_for(lambda: not hold.held(), 5, "the hold to lapse", [])
 
@@ -161,7 +185,7 @@ def test_stats_show_operators_when_jobs_are_held(scratch: redis.Redis) -> None:
     with TestClient(create_app(settings, submitter=SpySubmitter(forward=False))) as client:
         _depth(scratch, LOW + 1)
         free = client.get("/v1/stats").json()["infer_watermarks"]
-        hold.hold(30)
+        hold.hold("a-job", 30)
         context_of(client.app).monitor.sample()  # type: ignore[arg-type]
         held = client.get("/v1/stats").json()["infer_watermarks"]
     assert free == {"high": HIGH, "low": LOW, "held": False}

@@ -24,6 +24,22 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+# The hand-off hold's holders: each by its expiry in the server's own clock (milliseconds), so that the hosts'
+# clocks never disagree about it. A hold (ARGV[1] the holder, ARGV[2] its TTL) adds or renews one; a look drops
+# the lapsed (a holder that died) and counts the rest.
+_HOLD = """
+local now = redis.call('TIME')
+local ms = now[1] * 1000 + math.floor(now[2] / 1000)
+redis.call('ZADD', KEYS[1], ms + ARGV[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+_HOLDERS = """
+local now = redis.call('TIME')
+local ms = now[1] * 1000 + math.floor(now[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
+return redis.call('ZCARD', KEYS[1])
+"""
 
 
 class DeliveryCounter:
@@ -65,25 +81,28 @@ class HandoffHold:
     A hand-off that finds the queue above its high watermark holds its job until the queue drains to its low one.
     Without a shared hold, every later producer (the API's own hand-off, another tokenize) that finds the queue
     between the two goes straight in, and under sustained load the queue never reaches the low watermark: the held
-    job waits out its whole wait limit while later ones overtake it. So the holders keep this key set (renewed at
-    each look, expiring on its own `ttl_s` after the last holder stops looking: a killed holder cannot wedge it),
-    and while it is set every producer waits for the low watermark too.
+    job waits out its whole wait limit while later ones overtake it. So each holder is registered here (renewed at
+    each look, lapsing on its own `ttl_s` after it stops looking: a killed holder cannot wedge it), and while any
+    is, every producer waits for the low watermark too. The first held job to go in leaves the others registered:
+    a producer never finds the hold lifted while older jobs still wait for it.
     """
 
     def __init__(self, client: redis.Redis[bytes]) -> None:
         self.redis = client
+        self._hold = client.register_script(_HOLD)
+        self._holders = client.register_script(_HOLDERS)
 
-    def hold(self, ttl_s: float) -> None:
-        """A job is held now (set or renew the hold)."""
-        self.redis.set(HANDOFF_HOLD_KEY, b"1", px=max(int(ttl_s * 1000), 1))
+    def hold(self, holder: str, ttl_s: float) -> None:
+        """This job is held now (register or renew it)."""
+        self._hold(keys=[HANDOFF_HOLD_KEY], args=[holder, max(int(ttl_s * 1000), 1)])
 
-    def release(self) -> None:
-        """The queue is back at its low watermark: nobody need hold any more."""
-        self.redis.delete(HANDOFF_HOLD_KEY)
+    def release(self, holder: str) -> None:
+        """This job is held no more: it went in, or gave up waiting."""
+        self.redis.zrem(HANDOFF_HOLD_KEY, holder)
 
     def held(self) -> bool:
         """Whether some job is held now."""
-        return bool(self.redis.exists(HANDOFF_HOLD_KEY))
+        return bool(self._holders(keys=[HANDOFF_HOLD_KEY]))
 
     def held_at(self, depth: int, low: int) -> bool:
         """Whether jobs are held, as a producer that found the inference queue at `depth` needs to know: at or

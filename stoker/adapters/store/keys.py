@@ -42,8 +42,9 @@ def deliveries_key(task_id: str) -> str:
     return f"{PREFIX}:deliveries:{task_id}"
 
 
-#: Set while interactive jobs are held for the inference queue's watermarks (`coordination.HandoffHold`).
-HANDOFF_HOLD_KEY = f"{PREFIX}:handoff:holding"
+#: The interactive jobs held for the inference queue's watermarks, by when each hold lapses
+#: (`coordination.HandoffHold`; a sorted set, under a name of its own: the earlier single flag was a string).
+HANDOFF_HOLD_KEY = f"{PREFIX}:handoff:holders"
 
 
 def tokens_key(job_id: str) -> str:
