@@ -16,6 +16,7 @@ from api.app import create_app
 from api.context import context_of
 from api.pressure import QueueMonitor
 from stoker.adapters.store import Store
+from stoker.adapters.store.keys import HANDOFF_HOLD_KEY
 from stoker.core.jobs import Job
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.handoff import wait_for_room
@@ -156,6 +157,19 @@ def test_the_hold_of_a_holder_that_died_lapses_on_its_own(scratch: redis.Redis) 
     hold.release("alive")
     assert hold.held()
     wait_for(lambda: not hold.held(), 5, "the hold to lapse", [])
+
+
+def test_a_short_hold_after_a_long_one_leaves_the_long_one_standing(scratch: redis.Redis) -> None:
+    hold = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60).handoff_hold
+    hold.hold("long", 30)
+    hold.hold("short", 0.3)
+
+    def short_lapsed() -> bool:
+        still_held = hold.held()  # a look drops the lapsed holders
+        return still_held and scratch.zscore(HANDOFF_HOLD_KEY, "short") is None
+
+    wait_for(short_lapsed, 5, "the short hold to lapse, the long one standing", [])
+    assert scratch.zscore(HANDOFF_HOLD_KEY, "long") is not None
 
 
 def test_a_batch_line_held_for_the_queue_holds_no_interactive_job_back(scratch: redis.Redis) -> None:
