@@ -48,6 +48,9 @@ _PATH_KEYS = ("name_or_path", "_path", "_dir", "_file", "_commit_hash")
 
 Tensors = dict[str, npt.NDArray[Any]]
 
+#: The files `AutoProcessor` and `AutoImageProcessor` read a processor from.
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
 
 def declares_processor(model_path: str) -> bool:
     """Whether the model may have a processor (image, audio): a hub id, or a local directory with its config.
@@ -56,10 +59,6 @@ def declares_processor(model_path: str) -> bool:
     if not model_dir.is_dir():
         return True
     return any((model_dir / name).is_file() for name in _PROCESSOR_FILES)
-
-
-#: The files `AutoProcessor` and `AutoImageProcessor` read a processor from.
-_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
 def processor_identity(processor: Any) -> str:

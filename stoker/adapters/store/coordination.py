@@ -27,19 +27,25 @@ return 0
 # The hand-off hold's holders: each by its expiry in the server's own clock (milliseconds), so that the hosts'
 # clocks never disagree about it. A hold (ARGV[1] the holder, ARGV[2] its TTL) adds or renews one, and keeps the
 # key at least as long; a look drops the lapsed (a holder that died) and counts the rest.
-_HOLD = """
+_SERVER_MS = """
 local now = redis.call('TIME')
 local ms = now[1] * 1000 + math.floor(now[2] / 1000)
+"""
+_HOLD = (
+    _SERVER_MS
+    + """
 redis.call('ZADD', KEYS[1], ms + ARGV[2], ARGV[1])
 if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 1
 """
-_HOLDERS = """
-local now = redis.call('TIME')
-local ms = now[1] * 1000 + math.floor(now[2] / 1000)
+)
+_HOLDERS = (
+    _SERVER_MS
+    + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
 return redis.call('ZCARD', KEYS[1])
 """
+)
 
 
 class DeliveryCounter:
