@@ -432,6 +432,54 @@ def test_a_tokenizer_that_cannot_sanitise_is_refused() -> None:
         PromptTokenizer(OldTokenizer())
 
 
+#: Chats that spell no added token, some close to one: what the fast path takes (`_PlainEncoder`).
+PLAIN_CHATS = [
+    [{"role": "user", "content": "Write one sentence about apple river stone."}],
+    [{"role": "system", "content": "Be brief.\n\n"}, {"role": "user", "content": "  spaced\tout  \n"}],
+    [{"role": "user", "content": "Ünïcödé, 中文, עברית, emoji 🧪 and a zero\u200bwidth space"}],
+    [{"role": "user", "content": "<|im_star|> im_start|> <|im_end <| |> <|endoftext"}],
+    [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "x" * 3000},
+    ],
+]
+
+
+def test_a_chat_that_spells_no_control_token_gets_the_sanitising_paths_ids(
+    real_tokenizer: PromptTokenizer, hf_tokenizer: Any
+) -> None:
+    for chat in PLAIN_CHATS:
+        sanitised = hf_tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True, return_dict=False, sanitize_control_tokens=True
+        )
+        assert real_tokenizer.render(chat) == list(sanitised)
+        for message in chat:
+            text = message["content"]
+            assert real_tokenizer.encode_text(text) == hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_only_a_chat_that_spells_a_control_token_is_encoded_piece_by_piece(
+    real_tokenizer: PromptTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sanitising path (transformers' `encode_marked_chat`) is what a chat spelling a control token or one of
+    its private marks takes, and only such a chat."""
+    import transformers.tokenization_utils_tokenizers as backend
+
+    def refused(*_: Any) -> list[int]:
+        raise AssertionError("encoded piece by piece")
+
+    monkeypatch.setattr(backend, "encode_marked_chat", refused)
+    for chat in PLAIN_CHATS:
+        real_tokenizer.render(chat)
+        real_tokenizer.encode_text(chat[-1]["content"])
+    for text in (FORGED, "<|endoftext|>", "a private mark \U000f0000 in text", "<jupyter_code>"):
+        with pytest.raises(AssertionError, match="piece by piece"):
+            real_tokenizer.render([{"role": "user", "content": text}])
+        with pytest.raises(AssertionError, match="piece by piece"):
+            real_tokenizer.encode_text(text)
+
+
 # -- a model that sees: the processor's own prompt --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vlm(tiny_vlm: Path) -> tuple[PromptTokenizer, Any, ImagePreparer]:
