@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import re
 from collections.abc import Sequence
 from functools import lru_cache
@@ -18,6 +19,8 @@ from stoker.adapters.backends.vision import declares_processor, processor_identi
 from stoker.core.cachekeys import fingerprint
 from stoker.core.errors import StokerError
 from stoker.core.tools import ToolSpec, fold_tools
+
+log = logging.getLogger(__name__)
 
 #: The class transformers 5 saves for a tokenizer that is its `tokenizer.json` and nothing else (both built-in
 #: models declare it).
@@ -232,9 +235,16 @@ class _PlainEncoder:
         from transformers.utils import chat_template_utils as chat
 
         # The sanitising path also drops its private marks (two private-use characters) from the strings.
-        marks = (chat._CONTROL_TOKEN_START, chat._CONTROL_TOKEN_END)
-        words = sorted({*map(str, added), *marks}, key=len, reverse=True)
-        return cls(Tokenizer.from_str(backend.to_str()), re.compile("|".join(map(re.escape, words))))
+        marks = [getattr(chat, name, None) for name in ("_CONTROL_TOKEN_START", "_CONTROL_TOKEN_END")]
+        if not all(isinstance(mark, str) for mark in marks):
+            return None  # a transformers that marks them otherwise: every chat takes the sanitising path
+        words = sorted({*map(str, added), *map(str, marks)}, key=len, reverse=True)
+        try:
+            copy = Tokenizer.from_str(backend.to_str())
+        except Exception:  # a backend that cannot be written out: every chat takes the sanitising path
+            log.warning("the tokenizer cannot be copied: every prompt is encoded piece by piece", exc_info=True)
+            return None
+        return cls(copy, re.compile("|".join(map(re.escape, words))))
 
     def spelled_in(self, *values: Any) -> bool:
         """Whether any string in these values (messages, tools; keys included) spells an added token or a mark."""
