@@ -137,7 +137,7 @@ class PromptTokenizer:
             raise StokerError("this transformers cannot encode a message's control tokens as text: needs >= 5.24")
         self.tokenizer = tokenizer
         self.images = images
-        self._plain = _PlainEncoder.of(tokenizer)
+        self._whole = _PlainEncoder.of(tokenizer)
 
     def identity(self, model_path: str) -> str:
         """What identifies this tokenizer, its template and (for a model that sees) its processor."""
@@ -170,9 +170,9 @@ class PromptTokenizer:
         return self.images.expand(ids, [layout for m in messages for layout in m.get("images", [])])
 
     def _apply(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
-        if self._plain is not None and not self._plain.spelled_in(messages, template.get("tools")):
+        if self._whole is not None and not self._whole.spelled_in(messages, template.get("tools")):
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template)
-            return self._plain.encode(str(text))
+            return self._whole.encode(str(text))
         out = self.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=True,
@@ -190,8 +190,8 @@ class PromptTokenizer:
         # one Rust tokenizer for each call, so a call in another of the API's threads can switch it back between the
         # flag and the encode. (An added token that is special to neither and that only the model's template writes
         # counts as itself here and as plain text in `render`: a few tokens off at most.)
-        if self._plain is not None and not self._plain.spelled_in(text):
-            return self._plain.encode(text)
+        if self._whole is not None and not self._whole.spelled_in(text):
+            return self._whole.encode(text)
         out = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": text}],
             chat_template=_TEXT_ONLY,
@@ -213,7 +213,7 @@ class _PlainEncoder:
     the template and encodes the rendered chat piece by piece around the marks. Where no string spells an added token
     (every control token is one) nor one of its private marks, it marks nothing and encodes the rendered chat in one
     piece (`encode_marked_chat` with one piece), so rendering to text and encoding that text gives the same ids. That
-    is most prompts, and it costs about a third of the sanitising path (its Python around two encodes and a walk of
+    is most prompts, and it costs about half of the sanitising path (its Python around two encodes and a walk of
     the messages). A string that spells one takes the sanitising path.
 
     The encoder is a copy of the tokenizer's Rust tokenizer, never switched: transformers stores
