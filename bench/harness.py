@@ -23,7 +23,7 @@ import httpx
 from rich.console import Console
 
 from bench.drive import drive
-from bench.report import RATIOS, markdown, percentile, plot, ratios, refusal, summarise
+from bench.report import compare, markdown, percentile, plot, summarise
 from bench.stack import Device, Mode, bench_redis, bench_stack
 from bench.workload import WORKLOADS, Request, WorkloadSpec, describe, generate, text_png
 from workers.procs import ROOT
@@ -263,16 +263,11 @@ def _report(
 
 
 def _pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    pairs = []
-    for rate in sorted({r["offered_per_s"] for r in rows}):
-        by_mode = {r["mode"]: r for r in rows if r["offered_per_s"] == rate}
-        for baseline in BASELINES:
-            if {"pipeline", baseline} <= set(by_mode):
-                why = refusal(by_mode["pipeline"], by_mode[baseline])
-                vs = ratios(by_mode["pipeline"], by_mode[baseline]) if why is None else dict.fromkeys(RATIOS)
-                pairs.append({"offered_per_s": rate, "baseline": baseline, "ratios": vs, "refused": why})
-                if why:
-                    console.print(f"[yellow]offered {rate}/s, pipeline vs {baseline}: not compared: {why}[/]")
+    pairs = compare(rows, BASELINES)
+    for pair in pairs:
+        if pair["refused"]:
+            where = f"offered {pair['offered_per_s']}/s, pipeline vs {pair['baseline']}"
+            console.print(f"[yellow]{where}: not compared: {pair['refused']}[/]")
     return pairs
 
 

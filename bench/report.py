@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench.drive import Outcome, Run, Sample
 
 ANSWERED = ("succeeded", "degraded")
@@ -34,6 +36,11 @@ COLUMNS = {
 }
 #: Ratios pipeline ÷ sync worth reading, and which way is better.
 RATIOS = {"throughput_per_s": "higher", "p50_s": "lower", "p95_s": "lower", "p99_s": "lower", "device_busy": "higher"}
+#: The latency ratios given with an interval (`ratio_intervals`), and the quantile each is of.
+QUANTILES = {"p50_s": 0.50, "p95_s": 0.95, "p99_s": 0.99}
+#: Resamples drawn for each interval, and the share of them the interval holds.
+DRAWS = 2000
+LEVEL = 0.9
 
 
 def summarise(mode: str, rate: float, run: Run) -> dict[str, Any]:
@@ -178,14 +185,59 @@ def ratios(pipeline: dict[str, Any], sync: dict[str, Any]) -> dict[str, float | 
     return out
 
 
+def compare(rows: list[dict[str, Any]], baselines: Sequence[str]) -> list[dict[str, Any]]:
+    """Per offered load, the pipeline's run against each baseline's: the ratios and their intervals, or why the
+    two runs must not be compared (`refusal`)."""
+    pairs = []
+    for rate in sorted({r["offered_per_s"] for r in rows}):
+        by_mode = {r["mode"]: r for r in rows if r["offered_per_s"] == rate}
+        for baseline in baselines:
+            if {"pipeline", baseline} <= set(by_mode):
+                ours, theirs = by_mode["pipeline"], by_mode[baseline]
+                why = refusal(ours, theirs)
+                pairs.append(
+                    {
+                        "offered_per_s": rate,
+                        "baseline": baseline,
+                        "ratios": ratios(ours, theirs) if why is None else dict.fromkeys(RATIOS),
+                        "intervals": ratio_intervals(ours, theirs) if why is None else {},
+                        "refused": why,
+                    }
+                )
+    return pairs
+
+
+def ratio_intervals(pipeline: dict[str, Any], baseline: dict[str, Any], seed: int = 0) -> dict[str, list[float]]:
+    """How far each latency ratio could move with the luck of which jobs came out slow: a percentile bootstrap.
+
+    Each run's answered latencies are drawn again with replacement (`DRAWS` times, the same count as it has), the
+    quantile taken as `percentile` takes it, and the ratio of the two draws' quantiles kept; the interval holds the
+    middle `LEVEL` of those ratios. It is the spread of one pair of runs' own sampling, not of the host's drift
+    from one run to the next. With 90 jobs a run, p99 is its slowest job or two and the bootstrap of so extreme a
+    quantile is crude: the interval says that one such pair cannot settle a p99 goal (`bench.pool` pools runs).
+    """
+    ours, theirs = (np.sort(np.asarray(row.get("latencies_s") or [], dtype=float)) for row in (pipeline, baseline))
+    if not len(ours) or not len(theirs):
+        return {}
+    rng = np.random.default_rng(seed)
+    drawn = [np.sort(rng.choice(values, size=(DRAWS, len(values))), axis=1) for values in (ours, theirs)]
+    out = {}
+    for key, q in QUANTILES.items():
+        a, b = (d[:, min(int(q * d.shape[1]), d.shape[1] - 1)] for d in drawn)
+        spread = np.quantile(a / np.maximum(b, 1e-9), [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+        out[key] = [round(float(x), 2) for x in spread]
+    return out
+
+
 def markdown(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
-    """The summary table of every run, and the ratio table per offered load."""
+    """The summary table of every run, and the ratio table per offered load (a latency ratio with its interval,
+    `ratio_intervals`, where the pair has one)."""
     lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cell(row.get(key)) for key in COLUMNS) + " |" for row in rows]
     heads = " | ".join(f"{k} ({v} is better)" for k, v in RATIOS.items())
     lines += ["", f"| offered jobs/s | pipeline ÷ | {heads} |", "|" + "---|" * (len(RATIOS) + 2)]
     for pair in pairs:
-        values = " | ".join(_cell(pair["ratios"].get(k)) for k in RATIOS)
+        values = " | ".join(_ratio_cell(pair, k) for k in RATIOS)
         if pair.get("refused"):
             values = f"not compared: {pair['refused']}" + " |" * (len(RATIOS) - 1)
         lines.append(f"| {pair['offered_per_s']} | {pair['baseline']} | {values} |")
@@ -194,6 +246,11 @@ def markdown(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
 
 def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
+
+
+def _ratio_cell(pair: dict[str, Any], key: str) -> str:
+    value, interval = pair["ratios"].get(key), (pair.get("intervals") or {}).get(key)
+    return _cell(value) if value is None or not interval else f"{value} ({interval[0]} to {interval[1]})"
 
 
 def plot(rows: list[dict[str, Any]], out: Path, name: str = "") -> list[Path]:

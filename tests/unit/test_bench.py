@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import replace
+from typing import Any
 
 from bench.drive import Outcome, Run, Sample
-from bench.report import busy_series, markdown, percentile, ratios, refusal, summarise
+from bench.pool import pool
+from bench.report import busy_series, compare, markdown, percentile, ratio_intervals, ratios, refusal, summarise
 from bench.workload import WorkloadSpec, describe, generate
 
 SMALL = WorkloadSpec(jobs=60, rate=2.0, seed=3, sizes=(((640, 480), 0.5), ((800, 600), 0.5)), bad=0.05)
@@ -107,3 +110,75 @@ def test_the_line_policy_model_has_lines_cost_interactive_requests_a_wait() -> N
     cost = (0.04, 0.025)
     medians = [percentile(latencies(n, 16.7, 300, cost, 8, 11)[0], 0.5) for n in (0, 1, 8)]
     assert medians[0] < medians[1] < medians[2]
+
+
+def _row(mode: str, latencies: list[float], rate: float = 2.0, **extra: Any) -> dict[str, Any]:
+    """A run's summary row as `summarise` writes it, for the parts the comparison reads."""
+    ordered = sorted(latencies)
+    return {
+        "mode": mode,
+        "workload": "cpu-bound",
+        "offered_per_s": rate,
+        "jobs": len(ordered),
+        "throughput_per_s": rate,
+        "p50_s": percentile(ordered, 0.5),
+        "p95_s": percentile(ordered, 0.95),
+        "p99_s": percentile(ordered, 0.99),
+        "device_busy": 0.5,
+        "cpu_s_per_job": 0.5,
+        "succeeded": len(ordered),
+        "degraded": 0,
+        "unanswered": 0,
+        "latencies_s": ordered,
+        **extra,
+    }
+
+
+def test_a_latency_ratios_interval_is_wide_where_one_job_decides_it_and_narrow_where_many_do() -> None:
+    rng = random.Random(5)
+    ours = [rng.uniform(0.9, 1.1) for _ in range(89)] + [6.0]  # one slow job: the run's p99
+    theirs = [rng.uniform(1.8, 2.2) for _ in range(90)]
+    spread = ratio_intervals(_row("pipeline", ours), _row("sync-pool", theirs))
+    p50_low, p50_high = spread["p50_s"]
+    assert 0.45 < p50_low < 0.5 < p50_high < 0.55  # ninety jobs decide a median: about 1 / 2
+    p99_low, p99_high = spread["p99_s"]
+    assert p99_low < 0.6
+    assert p99_high > 2.5
+    assert ratio_intervals(_row("pipeline", ours), _row("sync-pool", theirs)) == spread  # seeded: the same again
+    assert ratio_intervals(_row("pipeline", []), _row("sync-pool", theirs)) == {}
+
+
+def test_the_comparison_gives_each_latency_ratio_its_interval_and_a_refused_pair_none() -> None:
+    ours, theirs = _row("pipeline", [1.0] * 50 + [1.2] * 50), _row("sync-pool", [2.0] * 100)
+    (pair,) = compare([ours, theirs], ["sync-pool"])
+    assert pair["ratios"]["p50_s"] == 0.6
+    assert pair["intervals"]["p50_s"] == [0.5, 0.6]
+    assert "| 2.0 | sync-pool | 1.0 | 0.6 (0.5 to 0.6) |" in markdown([ours, theirs], [pair])
+    (refused,) = compare([ours, {**theirs, "unanswered": 3}], ["sync-pool"])
+    assert refused["intervals"] == {}
+    assert refused["refused"] == "sync-pool left 3 of 100 jobs unanswered"
+
+
+def test_pooled_runs_read_their_percentiles_from_every_runs_jobs_together() -> None:
+    first = {"runs": [_row("pipeline", [1.0] * 99 + [9.0]), _row("sync-pool", [2.0] * 100)]}
+    second = {"runs": [_row("pipeline", [1.0] * 100), _row("sync-pool", [2.0] * 99 + [3.0])]}
+    out = pool([first, second])
+    rows = {row["mode"]: row for row in out["rows"]}
+    assert (rows["pipeline"]["jobs"], rows["pipeline"]["runs"]) == (200, 2)
+    assert rows["pipeline"]["p99_s"] == 1.0  # its 9 s job is 1 of 200: above the 99th percentile, not it
+    assert rows["sync-pool"]["p99_s"] == 2.0
+    (pair,) = out["pairs"]
+    assert pair["ratios"]["p99_s"] == 0.5
+    assert pair["refused"] is None
+
+
+def test_pooled_runs_are_refused_when_any_one_of_them_would_have_been() -> None:
+    first = {"runs": [_row("pipeline", [1.0] * 100), _row("sync-pool", [2.0] * 100)]}
+    burning = {"runs": [_row("pipeline", [1.0] * 100), _row("sync-pool", [2.0] * 100, cpu_s_per_job=0.8)]}
+    out = pool([first, burning])
+    assert refusal(*out["rows"]) is None  # pooled, the baseline's CPU per job (0.65) passes
+    (pair,) = out["pairs"]
+    assert pair["refused"] is not None
+    assert "1.6x the pipeline's 0.5" in pair["refused"]
+    assert pair["ratios"]["p50_s"] is None
+    assert pair["intervals"] == {}
