@@ -158,8 +158,10 @@ def test_a_concat_list_reads_no_local_file(tmp_path: Path) -> None:
             decode_audio(payload)
 
 
-def test_the_speech_model_shares_the_cores_among_the_pool_children() -> None:
-    assert speech_threads(0, cores=2, children=3) == 1  # never none
-    assert speech_threads(0, cores=16, children=4) == 4
-    assert speech_threads(0, cores=8, children=1) == 8  # a solo worker has the host
+def test_the_speech_model_takes_up_to_twice_its_childs_share_of_the_cores() -> None:
+    assert speech_threads(0, cores=2, children=3) == 2  # twice a child's share (2/3), rounded up
+    assert speech_threads(0, cores=16, children=4) == 8
+    assert speech_threads(0, cores=16, children=16) == 2
+    assert speech_threads(0, cores=1, children=3) == 1  # never none
+    assert speech_threads(0, cores=8, children=1) == 8  # a solo worker has the host, and no more
     assert speech_threads(3, cores=2, children=3) == 3  # a configured count is kept
