@@ -37,19 +37,21 @@ class Transcript:
     language: str | None = None
 
 
-def speech_threads(configured: int, cores: int, children: int) -> int:
-    """The speech model's threads in one process: as configured, else twice its pool child's share of the host's
-    cores, rounded up, and never more than the host has.
+def speech_threads(configured: int, cores: int, children: int, sleeping_waits: bool) -> int:
+    """The speech model's threads in one process: as configured; else, where its OpenMP threads sleep while they
+    wait (`sleeping_waits`), twice its pool child's share of the host's cores, rounded up, and never more than the
+    host has; else its share, at least one.
 
     A recording transcribed while the other children idle then has the cores they leave: on 2 cores, 2 threads
-    took 0.80x the time of one at 1.09x the CPU. While every child is busy it costs nothing: three processes
-    transcribing at once on 2 cores spent the same CPU and time with 2 threads each as with 1 (GNU OpenMP, which
-    CTranslate2 uses, stops spinning when it has more threads than cores). More is not better: CTranslate2's own
-    count (4) spent 1.5x the CPU of one thread per recording on 2 cores, and took longer.
+    took 0.80x the time of one at 1.09x the CPU, and with every child busy they cost no more than one. That holds
+    only where a thread that reaches a barrier first sleeps: GNU OpenMP (CTranslate2's) spins there by default,
+    and in a pool whose other children run tesseract the spinning doubled the CPU per job at 4 jobs/s (0.26 ->
+    0.38-0.52 CPU s). CTranslate2's own count (4) spent 1.5x the CPU of one thread per recording on 2 cores.
     """
     if configured:
         return configured
-    return max(1, min(cores, -(-2 * cores // max(children, 1))))
+    share = max(children, 1)
+    return max(1, min(cores, -(-2 * cores // share))) if sleeping_waits else max(1, cores // share)
 
 
 def transcribe(model: SpeechModel, audio: npt.NDArray[np.float32], beam_size: int, vad: bool = True) -> Transcript:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
 import socket
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from stoker.core.errors import ImageTooLarge, MediaCorrupt, MediaEmpty, MediaToo
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.media import sniff_format
 from stoker.core.ocr import read_text
+from stoker.runtime.context import sleeping_openmp_waits
 from tests.media import KEY_WORDS, flac_claiming, speech_wav, text_video, to_mp3, truncated, wav_header
 
 
@@ -158,10 +162,29 @@ def test_a_concat_list_reads_no_local_file(tmp_path: Path) -> None:
             decode_audio(payload)
 
 
-def test_the_speech_model_takes_up_to_twice_its_childs_share_of_the_cores() -> None:
-    assert speech_threads(0, cores=2, children=3) == 2  # twice a child's share (2/3), rounded up
-    assert speech_threads(0, cores=16, children=4) == 8
-    assert speech_threads(0, cores=16, children=16) == 2
-    assert speech_threads(0, cores=1, children=3) == 1  # never none
-    assert speech_threads(0, cores=8, children=1) == 8  # a solo worker has the host, and no more
-    assert speech_threads(3, cores=2, children=3) == 3  # a configured count is kept
+def test_the_speech_model_takes_up_to_twice_its_childs_share_of_the_cores_where_its_threads_sleep() -> None:
+    assert speech_threads(0, cores=2, children=3, sleeping_waits=True) == 2  # twice a child's share, rounded up
+    assert speech_threads(0, cores=16, children=4, sleeping_waits=True) == 8
+    assert speech_threads(0, cores=16, children=16, sleeping_waits=True) == 2
+    assert speech_threads(0, cores=1, children=3, sleeping_waits=True) == 1  # never none
+    assert speech_threads(0, cores=8, children=1, sleeping_waits=True) == 8  # a solo worker has the host, no more
+    assert speech_threads(0, cores=2, children=3, sleeping_waits=False) == 1  # spinning threads: its share only
+    assert speech_threads(0, cores=16, children=4, sleeping_waits=False) == 4
+    assert speech_threads(3, cores=2, children=3, sleeping_waits=False) == 3  # a configured count is kept
+
+
+def test_openmp_threads_are_asked_to_sleep_while_they_wait_unless_the_environment_or_a_loaded_library_says_no(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "unset")  # recorded, so the teardown removes what the call sets
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.delitem(sys.modules, "ctranslate2", raising=False)
+    assert sleeping_openmp_waits() is True
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the operator's choice stands
+    assert sleeping_openmp_waits() is False
+    assert os.environ["OMP_WAIT_POLICY"] == "active"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setitem(sys.modules, "ctranslate2", types.ModuleType("ctranslate2"))  # its OpenMP read the env
+    assert sleeping_openmp_waits() is False
+    assert "OMP_WAIT_POLICY" not in os.environ
