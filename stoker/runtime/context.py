@@ -325,10 +325,11 @@ class WorkerContext:
             return loaded
 
     def _load_speech_model(self) -> SpeechModel:
+        sleeping = sleeping_openmp_waits()  # before CTranslate2 loads: its OpenMP reads the environment as it does
         from faster_whisper import WhisperModel  # heavy (CTranslate2): only ASR workers load it
 
         s = self.settings
-        threads = speech_threads(s.asr_cpu_threads, self.cores, self.pool_children, sleeping_openmp_waits())
+        threads = speech_threads(s.asr_cpu_threads, self.cores, self.pool_children, sleeping)
         model: SpeechModel = WhisperModel(
             self.asr_model_path, device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=threads
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -188,3 +189,23 @@ def test_openmp_threads_are_asked_to_sleep_while_they_wait_unless_the_environmen
     monkeypatch.setitem(sys.modules, "ctranslate2", types.ModuleType("ctranslate2"))  # its OpenMP read the env
     assert sleeping_openmp_waits() is False
     assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_a_pool_childs_speech_model_loads_with_sleeping_waits_and_both_cores_of_two() -> None:
+    """In a fresh process, as in a pool child: one of three children on 2 cores asks for sleeping waits before
+    CTranslate2 loads, so its speech model gets 2 threads, not its share's 1."""
+    script = (
+        "import logging, os\n"
+        "from stoker.runtime.context import WorkerContext\n"
+        "from stoker.settings import WorkerSettings\n"
+        "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+        "ctx = WorkerContext(WorkerSettings(), outbox=None, cores=2)\n"
+        "ctx.pool_children = 3\n"
+        "ctx.speech_model\n"
+        "print('policy', os.environ.get('OMP_WAIT_POLICY'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "STOKER_ASR_CPU_THREADS")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "speech model loaded: threads=2, pool children=3" in done.stderr
+    assert "policy PASSIVE" in done.stdout
