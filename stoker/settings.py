@@ -606,10 +606,8 @@ class WorkerSettings(CommonSettings):
     asr_cpu_threads: int = Field(
         0,
         ge=0,
-        description="The speech model's (CTranslate2's) threads per process; 0: twice a pool child's share of the "
-        "host's cores, rounded up, at most all of them, where its OpenMP threads sleep while they wait (the "
-        "default: the process sets `OMP_WAIT_POLICY=PASSIVE` unless the environment names a policy); else its share, "
-        "at least one.",
+        description="The speech model's (CTranslate2's) threads per process; 0: the host's cores shared among the "
+        "worker's pool children, at least one each.",
     )
     asr_concurrency: int = Field(1, ge=1, description="Prefork children of an `asr` worker.")
     asr_preload: bool = Field(

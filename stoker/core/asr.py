@@ -37,21 +37,14 @@ class Transcript:
     language: str | None = None
 
 
-def speech_threads(configured: int, cores: int, children: int, sleeping_waits: bool) -> int:
-    """The speech model's threads in one process: as configured; else, where its OpenMP threads sleep while they
-    wait (`sleeping_waits`), twice its pool child's share of the host's cores, rounded up, and never more than the
-    host has; else its share, at least one.
+def speech_threads(configured: int, cores: int, children: int) -> int:
+    """The speech model's threads in one process: as configured, else the host's cores shared among the worker's
+    pool children (at least one each).
 
-    A recording transcribed while the other children idle then has the cores they leave: on 2 cores, 2 threads
-    took 0.80x the time of one at 1.09x the CPU, and with every child busy they cost no more than one. That holds
-    only where a thread that reaches a barrier first sleeps: GNU OpenMP (CTranslate2's) spins there by default,
-    and in a pool whose other children run tesseract the spinning doubled the CPU per job at 4 jobs/s (0.26 ->
-    0.38-0.52 CPU s). CTranslate2's own count (4) spent 1.5x the CPU of one thread per recording on 2 cores.
+    CTranslate2's own choice takes more threads than a small host's children can share: on 2 cores it spent 1.5x
+    the CPU of one thread per recording, and took longer.
     """
-    if configured:
-        return configured
-    share = max(children, 1)
-    return max(1, min(cores, -(-2 * cores // share))) if sleeping_waits else max(1, cores // share)
+    return configured or max(1, cores // max(children, 1))
 
 
 def transcribe(model: SpeechModel, audio: npt.NDArray[np.float32], beam_size: int, vad: bool = True) -> Transcript:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-import sys
 import threading
 from functools import cached_property
 from pathlib import Path
@@ -325,11 +324,10 @@ class WorkerContext:
             return loaded
 
     def _load_speech_model(self) -> SpeechModel:
-        sleeping = sleeping_openmp_waits()  # before CTranslate2 loads: its OpenMP reads the environment as it does
         from faster_whisper import WhisperModel  # heavy (CTranslate2): only ASR workers load it
 
         s = self.settings
-        threads = speech_threads(s.asr_cpu_threads, self.cores, self.pool_children, sleeping)
+        threads = speech_threads(s.asr_cpu_threads, self.cores, self.pool_children)
         model: SpeechModel = WhisperModel(
             self.asr_model_path, device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=threads
         )
@@ -397,14 +395,3 @@ class WorkerContext:
     def cache_scope(self, tenant: str | None) -> str:
         """Whose stage-cache entries a job of this tenant reads and writes (the shared scope, when sharing is on)."""
         return tenancy.cache_scope(tenant or tenancy.DEFAULT_TENANT, self.settings.cache_shared)
-
-
-def sleeping_openmp_waits() -> bool:
-    """Whether CTranslate2's OpenMP threads will sleep, not spin, while they wait at a barrier: asks GNU OpenMP for
-    it (`OMP_WAIT_POLICY=PASSIVE`) unless the environment says otherwise or CTranslate2 (whose copy of the library
-    reads the environment as it loads) is already loaded. The speech model takes more than its share of the cores
-    only where they do (`stoker.core.asr.speech_threads`)."""
-    if "ctranslate2" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        return os.environ["OMP_WAIT_POLICY"].strip().upper() == "PASSIVE"
-    return False

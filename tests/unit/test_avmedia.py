@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import functools
-import os
 import socket
-import subprocess
-import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +15,6 @@ from stoker.core.errors import ImageTooLarge, MediaCorrupt, MediaEmpty, MediaToo
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.media import sniff_format
 from stoker.core.ocr import read_text
-from stoker.runtime.context import sleeping_openmp_waits
 from tests.media import KEY_WORDS, flac_claiming, speech_wav, text_video, to_mp3, truncated, wav_header
 
 
@@ -163,49 +158,8 @@ def test_a_concat_list_reads_no_local_file(tmp_path: Path) -> None:
             decode_audio(payload)
 
 
-def test_the_speech_model_takes_up_to_twice_its_childs_share_of_the_cores_where_its_threads_sleep() -> None:
-    assert speech_threads(0, cores=2, children=3, sleeping_waits=True) == 2  # twice a child's share, rounded up
-    assert speech_threads(0, cores=16, children=4, sleeping_waits=True) == 8
-    assert speech_threads(0, cores=16, children=16, sleeping_waits=True) == 2
-    assert speech_threads(0, cores=1, children=3, sleeping_waits=True) == 1  # never none
-    assert speech_threads(0, cores=8, children=1, sleeping_waits=True) == 8  # a solo worker has the host, no more
-    assert speech_threads(0, cores=2, children=3, sleeping_waits=False) == 1  # spinning threads: its share only
-    assert speech_threads(0, cores=16, children=4, sleeping_waits=False) == 4
-    assert speech_threads(3, cores=2, children=3, sleeping_waits=False) == 3  # a configured count is kept
-
-
-def test_openmp_threads_are_asked_to_sleep_while_they_wait_unless_the_environment_or_a_loaded_library_says_no(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("OMP_WAIT_POLICY", "unset")  # recorded, so the teardown removes what the call sets
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    monkeypatch.delitem(sys.modules, "ctranslate2", raising=False)
-    assert sleeping_openmp_waits() is True
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the operator's choice stands
-    assert sleeping_openmp_waits() is False
-    assert os.environ["OMP_WAIT_POLICY"] == "active"
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    monkeypatch.setitem(sys.modules, "ctranslate2", types.ModuleType("ctranslate2"))  # its OpenMP read the env
-    assert sleeping_openmp_waits() is False
-    assert "OMP_WAIT_POLICY" not in os.environ
-
-
-def test_a_pool_childs_speech_model_loads_with_sleeping_waits_and_both_cores_of_two() -> None:
-    """In a fresh process, as in a pool child: one of three children on 2 cores asks for sleeping waits before
-    CTranslate2 loads, so its speech model gets 2 threads, not its share's 1."""
-    script = (
-        "import logging, os\n"
-        "from stoker.runtime.context import WorkerContext\n"
-        "from stoker.settings import WorkerSettings\n"
-        "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
-        "ctx = WorkerContext(WorkerSettings(), outbox=None, cores=2)\n"
-        "ctx.pool_children = 3\n"
-        "ctx.speech_model\n"
-        "print('policy', os.environ.get('OMP_WAIT_POLICY'))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "STOKER_ASR_CPU_THREADS")}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "speech model loaded: threads=2, pool children=3" in done.stderr
-    assert "policy PASSIVE" in done.stdout
+def test_the_speech_model_shares_the_cores_among_the_pool_children() -> None:
+    assert speech_threads(0, cores=2, children=3) == 1  # never none
+    assert speech_threads(0, cores=16, children=4) == 4
+    assert speech_threads(0, cores=8, children=1) == 8  # a solo worker has the host
+    assert speech_threads(3, cores=2, children=3) == 3  # a configured count is kept
