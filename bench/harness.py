@@ -30,8 +30,6 @@ from workers.procs import ROOT
 
 console = Console(soft_wrap=True)
 MODES: tuple[Mode, ...] = ("pipeline", "sync", "sync-pool")
-#: The synchronous baselines; the pipeline is compared with each, and its claims hold against the better one.
-BASELINES: tuple[Mode, ...] = ("sync", "sync-pool")
 #: Where each run's process logs go (not with the results: those may be docs).
 LOGS = ROOT / "bench" / "results" / "logs"
 
@@ -263,7 +261,7 @@ def _report(
 
 
 def _pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    pairs = compare(rows, BASELINES)
+    pairs = compare(rows)
     for pair in pairs:
         if pair["refused"]:
             where = f"offered {pair['offered_per_s']}/s, pipeline vs {pair['baseline']}"

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness import BASELINES
-from bench.report import RATIOS, compare, markdown, percentile, refusal
+from bench.report import compare, markdown, percentile, refusal
 
 
 def pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -56,26 +55,18 @@ def pool(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     for run in runs:
         groups.setdefault((run.get("workload", "cpu-bound"), run["mode"], run["offered_per_s"]), []).append(run)
     rows = [pooled(group) for _, group in sorted(groups.items())]
+
+    def refuse(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+        """The pooled pair's refusal, else the first of its runs' (pair by pair, in the files' order)."""
+        workload, rate = ours["workload"], ours["offered_per_s"]
+        alone = zip(groups[(workload, "pipeline", rate)], groups[(workload, theirs["mode"], rate)], strict=False)
+        return refusal(ours, theirs) or next(filter(None, (refusal(*pair) for pair in alone)), None)
+
     pairs = []
     for workload in sorted({row["workload"] for row in rows}):
         mine = [row for row in rows if row["workload"] == workload]
-        for pair in compare(mine, BASELINES):
-            alone = [groups[(workload, mode, pair["offered_per_s"])] for mode in ("pipeline", pair["baseline"])]
-            why = pair["refused"] or _refused_alone(*alone)
-            if why:
-                pair = {**pair, "ratios": dict.fromkeys(RATIOS), "intervals": {}, "refused": why}
-            pairs.append({**pair, "workload": workload})
+        pairs += [{**pair, "workload": workload} for pair in compare(mine, refuse=refuse)]
     return {"rows": rows, "pairs": pairs}
-
-
-def _refused_alone(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> str | None:
-    """Why one pair of runs, taken in the files' order, could not have been compared on its own (None: each
-    could)."""
-    for pipeline, baseline in zip(ours, theirs, strict=False):
-        why = refusal(pipeline, baseline)
-        if why:
-            return why
-    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

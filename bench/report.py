@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ COLUMNS = {
     "refused_429": "429s",
     "unanswered": "unanswered",
 }
+#: The synchronous baselines; the pipeline is compared with each, and its claims hold against the better one.
+BASELINES = ("sync", "sync-pool")
 #: Ratios pipeline ÷ sync worth reading, and which way is better.
 RATIOS = {"throughput_per_s": "higher", "p50_s": "lower", "p95_s": "lower", "p99_s": "lower", "device_busy": "higher"}
 #: The latency ratios given with an interval (`ratio_intervals`), and the quantile each is of.
@@ -185,16 +187,20 @@ def ratios(pipeline: dict[str, Any], sync: dict[str, Any]) -> dict[str, float | 
     return out
 
 
-def compare(rows: list[dict[str, Any]], baselines: Sequence[str]) -> list[dict[str, Any]]:
+def compare(
+    rows: list[dict[str, Any]],
+    baselines: Sequence[str] = BASELINES,
+    refuse: Callable[[dict[str, Any], dict[str, Any]], str | None] = refusal,
+) -> list[dict[str, Any]]:
     """Per offered load, the pipeline's run against each baseline's: the ratios and their intervals, or why the
-    two runs must not be compared (`refusal`)."""
+    two runs must not be compared (`refuse`: `refusal` unless the caller knows more, as `bench.pool` does)."""
     pairs = []
     for rate in sorted({r["offered_per_s"] for r in rows}):
         by_mode = {r["mode"]: r for r in rows if r["offered_per_s"] == rate}
         for baseline in baselines:
             if {"pipeline", baseline} <= set(by_mode):
                 ours, theirs = by_mode["pipeline"], by_mode[baseline]
-                why = refusal(ours, theirs)
+                why = refuse(ours, theirs)
                 pairs.append(
                     {
                         "offered_per_s": rate,
@@ -216,7 +222,7 @@ def ratio_intervals(pipeline: dict[str, Any], baseline: dict[str, Any], seed: in
     from one run to the next. With 90 jobs a run, p99 is its slowest job or two and the bootstrap of so extreme a
     quantile is crude: the interval says that one such pair cannot settle a p99 goal (`bench.pool` pools runs).
     """
-    ours, theirs = (np.sort(np.asarray(row.get("latencies_s") or [], dtype=float)) for row in (pipeline, baseline))
+    ours, theirs = (np.asarray(row.get("latencies_s") or [], dtype=float) for row in (pipeline, baseline))
     if not len(ours) or not len(theirs):
         return {}
     rng = np.random.default_rng(seed)
