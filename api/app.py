@@ -94,6 +94,7 @@ def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsy
         if stop_metrics:
             stop_metrics()
         await listener.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; the stubs lag
+        await context.reads.aclose()
         close_clients(context)
 
     return lifespan

@@ -170,7 +170,7 @@ async def _wait(
     store, announcements = context.store, context.announcements
     with announcements.watch(job_id) as event:
         client.wakes.add(event)
-        job = await _load(store, job_id, tenant, watch=True)
+        job = await _load(context, job_id, tenant, watch=True)
         while not _reached(job, settled) and (remaining := announcements.until(until) - time.monotonic()) > 0:
             await announcements.wait(event, remaining)
             if client.left:
@@ -191,10 +191,11 @@ def _cut_by_stop(announcements: Announcements, job: Job, until: float, settled: 
     return not _reached(job, settled) and announcements.stopped_before(until)
 
 
-async def _load(store: Store, job_id: str, tenant: str, watch: bool = False) -> Job:
+async def _load(context: ApiContext, job_id: str, tenant: str, watch: bool = False) -> Job:
     """The job; with `watch`, the read a wait starts from, which marks the job as waited on (its end is announced:
-    `JobRepository.watch_job`), so later reads of the same wait need not."""
-    return _own(await run_in_threadpool(store.jobs.watch_job if watch else store.jobs.load_job, job_id), job_id, tenant)
+    `JobReads.watch_job`), so later reads of the same wait need not."""
+    reads = context.reads.jobs
+    return _own(await (reads.watch_job(job_id) if watch else reads.load_job(job_id)), job_id, tenant)
 
 
 def _own(job: Job | None, job_id: str, tenant: str) -> Job:
@@ -301,7 +302,7 @@ async def _stream(
         with announcements.watch(job_id) as event:
             first = True
             while True:
-                job = await _load(store, job_id, tenant, watch=first)  # first: an ended job's pieces are all stored
+                job = await _load(context, job_id, tenant, watch=first)  # first: an ended job's pieces are all stored
                 first = False
                 pieces, after = await run_in_threadpool(store.answers.read, job_id, after)
                 for piece in pieces:

@@ -3,13 +3,14 @@ FastAPI's dependency injection (`Context`), and passed on from there as plain pa
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from dataclasses import dataclass
 from typing import Annotated
 
 from celery import Celery
 from fastapi import Depends, FastAPI, Request
 from prometheus_client import CollectorRegistry
-from starlette.concurrency import run_in_threadpool
 
 from api.announcements import Announcements
 from api.pressure import QueueMonitor
@@ -18,10 +19,38 @@ from stoker.adapters.cache import StageCache
 from stoker.adapters.files import DirectoryStorage, FileStorage
 from stoker.adapters.metrics import BatchLines, JobCounts
 from stoker.adapters.store import Store
+from stoker.adapters.store.clients import async_request_client
+from stoker.adapters.store.jobs import JobReads
 from stoker.core.jobs import Job
 from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
+
+
+class LoopReads:
+    """The job reads of requests, over an asyncio client of the serving loop's own (`JobReads`: a read from the
+    thread pool costs the API about four times the CPU). An asyncio client belongs to the loop it first connects
+    on, so each loop gets its own, made on first use there (one in a served process; a test client may run
+    several loops); the app's shutdown closes its loop's."""
+
+    def __init__(self, settings: ApiSettings) -> None:
+        self.settings = settings
+        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, JobReads] = weakref.WeakKeyDictionary()
+
+    @property
+    def jobs(self) -> JobReads:
+        """The running loop's reads (call it on the loop)."""
+        loop = asyncio.get_running_loop()
+        reads = self._per_loop.get(loop)
+        if reads is None:
+            reads = self._per_loop[loop] = JobReads(async_request_client(self.settings))
+        return reads
+
+    async def aclose(self) -> None:
+        """Close the running loop's client, if it made one."""
+        reads = self._per_loop.pop(asyncio.get_running_loop(), None)
+        if reads is not None:
+            await reads.aclose()
 
 
 @dataclass(frozen=True)
@@ -45,6 +74,8 @@ class ApiContext:
     metrics: CollectorRegistry
     #: Where the bytes of files (`/v1/files`, batches' output) live.
     files: FileStorage
+    #: The job reads a request makes, on the serving loop.
+    reads: LoopReads
 
     @classmethod
     def build(cls, settings: ApiSettings, submitter: Submitter | None = None) -> ApiContext:
@@ -65,6 +96,7 @@ class ApiContext:
             announcements=Announcements(settings.stop_grace_s),
             metrics=metrics,
             files=DirectoryStorage(settings.files_dir),
+            reads=LoopReads(settings),
         )
 
 
@@ -84,7 +116,7 @@ async def reread(context: ApiContext, job_id: str) -> Job | None:
     ended = context.announcements.ended(job_id)
     if ended is not None:
         return ended
-    return await run_in_threadpool(context.store.jobs.load_job, job_id)
+    return await context.reads.jobs.load_job(job_id)
 
 
 def default_submitter(settings: ApiSettings, producer: Celery) -> Submitter:

@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from api.announcements import Announcements
 from api.intake import AcceptedRequest
 from stoker.adapters.store import Store
+from stoker.adapters.store.jobs import JobReads
 from stoker.core.errors import IdempotencyKeyInUse, IdempotencyKeyReused, JobNotFound
 from stoker.core.idempotency import HEADER, Remembered, check_key, key_digest, request_fingerprint
 from stoker.core.jobs import Job
@@ -140,13 +141,13 @@ def fingerprint(accepted: AcceptedRequest) -> str:
 
 
 async def replay(
-    store: Store, remembered: Remembered, tenant: str, read: Callable[[], Awaitable[AcceptedRequest]]
+    reads: JobReads, remembered: Remembered, tenant: str, read: Callable[[], Awaitable[AcceptedRequest]]
 ) -> Job:
     """The job a key made, for a retry of the same request (read and compared); 422 for a different one."""
     accepted = await read()
     if fingerprint(accepted) != remembered.fingerprint:
         raise IdempotencyKeyReused(param=HEADER)
-    job = await run_in_threadpool(store.jobs.load_job, remembered.job_id)
+    job = await reads.load_job(remembered.job_id)
     if job is None or job.tenant != tenant:  # its record outlived by the key: nothing to give back
         raise JobNotFound(f"no job {remembered.job_id}")
     return job

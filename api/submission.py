@@ -83,7 +83,7 @@ async def submit_job(
     store, claim_s = context.store, context.settings.idempotency_claim_s
     remembered = await idempotency.claim(store, context.announcements, key, job_id, claim_s)
     if remembered is not None:
-        return Submitted(await idempotency.replay(store, remembered, tenant, read), replayed=True)
+        return Submitted(await idempotency.replay(context.reads.jobs, remembered, tenant, read), replayed=True)
     async with idempotency.holding(store, key, job_id, claim_s) as claim:
         return Submitted(await _submit(context, tenant, read, job_id, claim, watched=watched))
 

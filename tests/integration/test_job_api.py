@@ -24,10 +24,11 @@ from api.app import create_app
 from api.context import context_of
 from stoker.adapters.broker import queue_depths
 from stoker.adapters.store import Store
+from stoker.adapters.store.jobs import JobReads
 from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
 from stoker.core.errors import Cancelled
 from stoker.core.idempotency import Remembered, key_digest
-from stoker.core.jobs import ErrorInfo
+from stoker.core.jobs import ErrorInfo, Job
 from stoker.core.media import ContentHash
 from stoker.core.tenancy import DEFAULT_TENANT, issue_key
 from stoker.settings import ApiSettings
@@ -392,8 +393,13 @@ def test_a_waiter_answers_from_the_announcement_of_its_jobs_end_without_reading_
     app = create_app(own_valkey.settings(auth=False), submitter=_EndingSubmitter(own_valkey.store))
     context = context_of(app)
     reads: list[str] = []
-    load_job = context.store.jobs.load_job
-    monkeypatch.setattr(context.store.jobs, "load_job", lambda job_id: reads.append(job_id) or load_job(job_id))
+    load_job = JobReads.load_job
+
+    async def counted(self: JobReads, job_id: str) -> Job | None:
+        reads.append(job_id)
+        return await load_job(self, job_id)
+
+    monkeypatch.setattr(JobReads, "load_job", counted)
     with TestClient(app) as client:
         wait_for(lambda: context.announcements.listening, 10, "the announcement listener", [])
         waited = client.post("/v1/jobs", params={"wait": 30}, data={"prompt": "Over before it is answered."})

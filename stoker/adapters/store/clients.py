@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -22,6 +23,8 @@ STORE_CONNECT_TIMEOUT_S = 2.0
 #: The cache is never worth waiting for.
 CACHE_CONNECT_TIMEOUT_S = 1.0
 CACHE_READ_TIMEOUT_S = 2.0
+#: Connections at most of an API process's asyncio client for requests' reads (`async_request_client`).
+REQUEST_CONNECTIONS = 40
 
 
 def store_client(settings: CommonSettings, *, retries: int = 1) -> redis.Redis[bytes]:
@@ -44,6 +47,25 @@ def async_store_client(settings: CommonSettings) -> aioredis.Redis[bytes]:
         socket_connect_timeout=STORE_CONNECT_TIMEOUT_S,
         **settings.redis_tls(settings.result_url),
     )
+
+
+def async_request_client(settings: CommonSettings) -> aioredis.Redis[bytes]:
+    """An asyncio client of the job store for the reads a request makes on the API's loop: the same timeouts and
+    one retry as `store_client`'s, so a store that is away is answered 503 in time. At most
+    `REQUEST_CONNECTIONS` connections: a request past them waits for one (up to the store's timeout) instead of
+    failing, as 150 long-polls beginning at once would otherwise (the synchronous reads were bounded by the thread
+    pool's 40 threads)."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.result_url,
+        max_connections=REQUEST_CONNECTIONS,
+        timeout=settings.store_timeout_s,
+        socket_connect_timeout=min(STORE_CONNECT_TIMEOUT_S, settings.store_timeout_s),
+        socket_timeout=settings.store_timeout_s,
+        retry=AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), 1),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        **settings.redis_tls(settings.result_url),
+    )
+    return aioredis.Redis(connection_pool=pool)
 
 
 def cache_client(settings: CommonSettings) -> redis.Redis[bytes] | None:

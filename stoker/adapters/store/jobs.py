@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import redis
+import redis.asyncio as aioredis
 from redis.client import Pipeline, PubSub
 from redis.exceptions import NoScriptError
 
@@ -494,6 +495,35 @@ class JobRepository:
         """The tenant a job belongs to; None if the job is unknown."""
         raw = self.redis.hget(job_key(job_id), "tenant")
         return raw.decode() if raw is not None else None
+
+
+class JobReads:
+    """A job's record read on an asyncio loop: what the API reads per request (a long-poll's first look, a `GET`,
+    a waiter woken by something other than the job's end).
+
+    The API's routes run on one event loop; a read of the synchronous client has to leave it for a pool thread
+    and come back. That hop cost the API about four times the CPU of the read itself, measured on its own
+    (8 concurrent requests, one `HGETALL` each: 180-240 µs of CPU from anyio's pool, 45 µs from the loop), so
+    the reads every waiting request makes go over an asyncio client of the loop's own. Same records, same
+    scripts: `JobRepository.load_job` and `watch_job` are their synchronous twins."""
+
+    def __init__(self, client: aioredis.Redis[bytes]) -> None:
+        self.redis = client
+        self._watch = client.register_script(_WATCH)
+
+    async def load_job(self, job_id: str) -> Job | None:
+        """`JobRepository.load_job`, on the loop."""
+        raw = await self.redis.hgetall(job_key(job_id))
+        return job_from_fields(job_id, raw) if raw else None
+
+    async def watch_job(self, job_id: str) -> Job | None:
+        """`JobRepository.watch_job`, on the loop: the job, whose end is announced from this read on."""
+        raw = await self._watch(keys=[job_key(job_id)])
+        return job_from_fields(job_id, _pairs(raw)) if raw else None
+
+    async def aclose(self) -> None:
+        """Close the client's connections (its pool too: one given to a client is not closed with it)."""
+        await self.redis.aclose(close_connection_pool=True)  # type: ignore[attr-defined]  # the stubs lag
 
 
 def _settle(results: list[Any], required: Sequence[Required]) -> None:
