@@ -55,7 +55,7 @@ def async_request_client(settings: CommonSettings) -> aioredis.Redis[bytes]:
     `REQUEST_CONNECTIONS` connections: a request past them waits for one (up to the store's timeout) instead of
     failing, as 150 long-polls beginning at once would otherwise (the synchronous reads were bounded by the thread
     pool's 40 threads)."""
-    pool: aioredis.BlockingConnectionPool = aioredis.BlockingConnectionPool.from_url(
+    pool: aioredis.BlockingConnectionPool[aioredis.Connection] = aioredis.BlockingConnectionPool.from_url(
         settings.result_url,
         max_connections=REQUEST_CONNECTIONS,
         timeout=settings.store_timeout_s,
