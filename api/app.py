@@ -94,7 +94,7 @@ def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsy
         if stop_metrics:
             stop_metrics()
         await listener.aclose()  # type: ignore[attr-defined]  # redis>=5 has it; the stubs lag
-        await context.reads.aclose()
+        await context.loop.aclose()
         close_clients(context)
 
     return lifespan

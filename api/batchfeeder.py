@@ -396,5 +396,6 @@ async def _feed_until_stopped(context: ApiContext) -> None:
     for task in background:
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)  # the feeder gives its lease up on the way out
+    await context.loop.aclose()
     close_clients(context)
     log.info("batch feeder %s stopped", os.getpid())

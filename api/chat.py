@@ -193,8 +193,8 @@ def _cut_by_stop(announcements: Announcements, job: Job, until: float, settled: 
 
 async def _load(context: ApiContext, job_id: str, tenant: str, watch: bool = False) -> Job:
     """The job; with `watch`, the read a wait starts from, which marks the job as waited on (its end is announced:
-    `JobReads.watch_job`), so later reads of the same wait need not."""
-    reads = context.reads.jobs
+    `LoopJobs.watch_job`), so later reads of the same wait need not."""
+    reads = context.loop.jobs
     return _own(await (reads.watch_job(job_id) if watch else reads.load_job(job_id)), job_id, tenant)
 
 

@@ -8,6 +8,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Annotated
 
+import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import Depends, FastAPI, Request
 from prometheus_client import CollectorRegistry
@@ -19,38 +20,57 @@ from stoker.adapters.cache import StageCache
 from stoker.adapters.files import DirectoryStorage, FileStorage
 from stoker.adapters.metrics import BatchLines, JobCounts
 from stoker.adapters.store import Store
-from stoker.adapters.store.clients import async_request_client
-from stoker.adapters.store.jobs import JobReads
+from stoker.adapters.store.clients import async_broker_client, async_request_client
+from stoker.adapters.store.jobs import LoopJobs
 from stoker.core.jobs import Job
 from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
 
 
-class LoopReads:
-    """The job reads of requests, over an asyncio client of the serving loop's own (`JobReads`: a read from the
-    thread pool costs the API about four times the CPU). An asyncio client belongs to the loop it first connects
-    on, so each loop gets its own, made on first use there (one in a served process; a test client may run
-    several loops); the app's shutdown closes its loop's."""
+@dataclass(frozen=True)
+class _OnLoop:
+    jobs: LoopJobs
+    broker: aioredis.Redis[bytes] | None
+
+
+class LoopClients:
+    """The job store and broker calls of requests, over asyncio clients of the serving loop's own (`LoopJobs`,
+    `DirectPublisher.send_on`: a call from the thread pool costs the API about four times the CPU). An asyncio
+    client belongs to the loop it first connects on, so each loop gets its own, made on first use there (one in a
+    served process; a test client may run several loops); the app's shutdown closes its loop's."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
-        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, JobReads] = weakref.WeakKeyDictionary()
+        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _OnLoop] = weakref.WeakKeyDictionary()
 
     @property
-    def jobs(self) -> JobReads:
-        """The running loop's reads (call it on the loop)."""
+    def jobs(self) -> LoopJobs:
+        """The running loop's job store calls (use it on the loop)."""
+        return self._on_loop().jobs
+
+    @property
+    def broker(self) -> aioredis.Redis[bytes] | None:
+        """The running loop's client of the broker's Redis; None on a broker it cannot reach (RabbitMQ...)."""
+        return self._on_loop().broker
+
+    def _on_loop(self) -> _OnLoop:
         loop = asyncio.get_running_loop()
-        reads = self._per_loop.get(loop)
-        if reads is None:
-            reads = self._per_loop[loop] = JobReads(async_request_client(self.settings))
-        return reads
+        clients = self._per_loop.get(loop)
+        if clients is None:
+            settings = self.settings
+            store = async_request_client(settings)
+            jobs = LoopJobs(store, ttl_s=settings.job_ttl_s, max_record_bytes=settings.max_record_bytes)
+            clients = self._per_loop[loop] = _OnLoop(jobs, async_broker_client(settings))
+        return clients
 
     async def aclose(self) -> None:
-        """Close the running loop's client, if it made one."""
-        reads = self._per_loop.pop(asyncio.get_running_loop(), None)
-        if reads is not None:
-            await reads.aclose()
+        """Close the running loop's clients, if it made them."""
+        clients = self._per_loop.pop(asyncio.get_running_loop(), None)
+        if clients is not None:
+            await clients.jobs.aclose()
+            if clients.broker is not None:
+                await clients.broker.aclose(close_connection_pool=True)  # type: ignore[attr-defined]  # stubs lag
 
 
 @dataclass(frozen=True)
@@ -74,8 +94,8 @@ class ApiContext:
     metrics: CollectorRegistry
     #: Where the bytes of files (`/v1/files`, batches' output) live.
     files: FileStorage
-    #: The job reads a request makes, on the serving loop.
-    reads: LoopReads
+    #: The job store and broker calls a request makes, on the serving loop.
+    loop: LoopClients
 
     @classmethod
     def build(cls, settings: ApiSettings, submitter: Submitter | None = None) -> ApiContext:
@@ -96,7 +116,7 @@ class ApiContext:
             announcements=Announcements(settings.stop_grace_s),
             metrics=metrics,
             files=DirectoryStorage(settings.files_dir),
-            reads=LoopReads(settings),
+            loop=LoopClients(settings),
         )
 
 
@@ -116,7 +136,7 @@ async def reread(context: ApiContext, job_id: str) -> Job | None:
     ended = context.announcements.ended(job_id)
     if ended is not None:
         return ended
-    return await context.reads.jobs.load_job(job_id)
+    return await context.loop.jobs.load_job(job_id)
 
 
 def default_submitter(settings: ApiSettings, producer: Celery) -> Submitter:

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from api.announcements import Announcements
 from api.intake import AcceptedRequest
 from stoker.adapters.store import Store
-from stoker.adapters.store.jobs import JobReads
+from stoker.adapters.store.jobs import LoopJobs
 from stoker.core.errors import IdempotencyKeyInUse, IdempotencyKeyReused, JobNotFound
 from stoker.core.idempotency import HEADER, Remembered, check_key, key_digest, request_fingerprint
 from stoker.core.jobs import Job
@@ -141,7 +141,7 @@ def fingerprint(accepted: AcceptedRequest) -> str:
 
 
 async def replay(
-    reads: JobReads, remembered: Remembered, tenant: str, read: Callable[[], Awaitable[AcceptedRequest]]
+    reads: LoopJobs, remembered: Remembered, tenant: str, read: Callable[[], Awaitable[AcceptedRequest]]
 ) -> Job:
     """The job a key made, for a retry of the same request (read and compared); 422 for a different one."""
     accepted = await read()

@@ -8,6 +8,7 @@ identity matches the one the workers published, so the model gets exactly what t
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import threading
@@ -36,7 +37,7 @@ def _tokenizer_of(model_path: str) -> tuple[PromptTokenizer, str]:
 
 class PromptBuilder:
     """The model's tokenizer in the API process, loaded in the background at start (never on a request's path),
-    used on a few threads of its own (`api_tokenize_threads`).
+    used on the serving loop for short prompts and on a few threads of its own (`api_tokenize_threads`) for the rest.
 
     Its own threads, not the request pool's: each thread that has run the tokenizer keeps memory of its own. The
     `tokenizers` library keeps its BPE word cache per thread (up to 10,000 words each, huggingface/tokenizers#2028),
@@ -72,7 +73,7 @@ class PromptBuilder:
         with self._lock:
             return self._loaded is not None
 
-    def build(
+    def build_here(
         self,
         context: PipelineContext,
         prompt: str,
@@ -80,15 +81,39 @@ class PromptBuilder:
         turns: Sequence[ChatTurn] | None = None,
         tools: Sequence[ToolSpec] = (),
     ) -> BuiltPrompt | None:
-        """The prompt as the tokenize stage would build it; None when this API cannot (not loaded, or another
-        tokenizer than the workers')."""
+        """The prompt as the tokenize stage would build it, on the calling thread (the serving loop, for a short
+        prompt); None when this API cannot (not loaded, or another tokenizer than the workers').
+
+        Rendering and encoding hold the GIL throughout (two threads building prompts take twice one's wall time),
+        so a tokenizing thread never let the loop serve meanwhile: for a short prompt (50-60 µs here) it only
+        added the hop there and back."""
+        tokenizer = self._tokenizer_for(context)
+        if tokenizer is None:
+            return None
+        return build_prompt(tokenizer, prompt, attachments, context.budget, turns, context.system, tools)
+
+    async def build_off_loop(
+        self,
+        context: PipelineContext,
+        prompt: str,
+        attachments: Sequence[Attachment],
+        turns: Sequence[ChatTurn] | None = None,
+        tools: Sequence[ToolSpec] = (),
+    ) -> BuiltPrompt | None:
+        """`build_here`, on a tokenizing thread, awaited: a long prompt (or one with pictures) would hold the
+        loop for milliseconds; from a thread, the interpreter's switch interval gives the loop its turns."""
+        tokenizer = self._tokenizer_for(context)
+        if tokenizer is None:
+            return None
+        built = self._threads.submit(
+            build_prompt, tokenizer, prompt, attachments, context.budget, turns, context.system, tools
+        )
+        return await asyncio.wrap_future(built)
+
+    def _tokenizer_for(self, context: PipelineContext) -> PromptTokenizer | None:
         with self._lock:
             loaded = self._loaded
-        if loaded is None or loaded[1] != context.tokenizer:
-            return None
-        return self._threads.submit(
-            build_prompt, loaded[0], prompt, attachments, context.budget, turns, context.system, tools
-        ).result()
+        return loaded[0] if loaded is not None and loaded[1] == context.tokenizer else None
 
     def close(self) -> None:
         """Let the tokenizing threads end once idle (a prompt being built still finishes)."""

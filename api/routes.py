@@ -180,7 +180,7 @@ async def get_job(
         async with watching(request.receive) as client:
             job = await _wait_terminal(context, client, job_id, wait, tenant)
     else:
-        job = _found(job_id, await context.reads.jobs.load_job(job_id), tenant)
+        job = _found(job_id, await context.loop.jobs.load_job(job_id), tenant)
     response.headers.update(job_headers(job))
     return job
 
@@ -192,7 +192,7 @@ async def _wait_terminal(context: ApiContext, client: ClientWatch, job_id: str, 
     mid-wait costs latency, never a hang."""
     until = time.monotonic() + wait
     with context.announcements.watch(job_id, only=ENDED) as event:
-        job = _found(job_id, await context.reads.jobs.watch_job(job_id), tenant)
+        job = _found(job_id, await context.loop.jobs.watch_job(job_id), tenant)
         return await _wait_on(context, client, event, job, until, tenant)
 
 
@@ -225,9 +225,9 @@ async def cancel_job(
     it never reaches the model. 409 `job_already_ended` if it had ended, with `job` {id, status} beside the error;
     another tenant's job is 404 like an unknown one."""
     store = context.store
-    _found(job_id, await context.reads.jobs.load_job(job_id), tenant)
+    _found(job_id, await context.loop.jobs.load_job(job_id), tenant)
     cancelled = await run_in_threadpool(cancel, store, job_id, Cancelled("cancelled by its client", stage="api"))
-    job = _found(job_id, await context.reads.jobs.load_job(job_id), tenant)
+    job = _found(job_id, await context.loop.jobs.load_job(job_id), tenant)
     if not cancelled:
         error = JobAlreadyEnded(f"job {job_id} already ended: {job.status}")
         body = {**error.envelope(), "job": {"id": job_id, "status": job.status}}

@@ -29,7 +29,7 @@ from stoker.adapters.metrics import ADMISSIONS, STAGE_SECONDS, cache_label
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import StoreOutOfMemory
 from stoker.adapters.store.idempotency import IdempotencyKeys
-from stoker.adapters.store.jobs import Queued, Required
+from stoker.adapters.store.jobs import NewJob, Queued, Required
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
 from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address, prompt_worth_caching
 from stoker.core.costs import SizeBounds, size_class
@@ -42,7 +42,7 @@ from stoker.core.prompting import Attachment, attachment_for, model_request, off
 from stoker.core.queues import job_messages
 from stoker.core.tenancy import cache_scope
 from stoker.core.tools import ToolSpec
-from tasks.pipeline import Start
+from tasks.pipeline import CelerySubmitter, Start
 
 log = logging.getLogger(__name__)
 #: Response header on a submission answered with the job an earlier one (same Idempotency-Key) made.
@@ -83,7 +83,7 @@ async def submit_job(
     store, claim_s = context.store, context.settings.idempotency_claim_s
     remembered = await idempotency.claim(store, context.announcements, key, job_id, claim_s)
     if remembered is not None:
-        return Submitted(await idempotency.replay(context.reads.jobs, remembered, tenant, read), replayed=True)
+        return Submitted(await idempotency.replay(context.loop.jobs, remembered, tenant, read), replayed=True)
     async with idempotency.holding(store, key, job_id, claim_s) as claim:
         return Submitted(await _submit(context, tenant, read, job_id, claim, watched=watched))
 
@@ -149,9 +149,7 @@ async def _submit(
         accepted = await read()
         if claim is not None:
             await claim.confirm()  # the key is still ours: no other request made its job meanwhile
-        job = await run_in_threadpool(
-            _admit, context, accepted, job_id=job_id, tenant=tenant, remember_s=remember_s, watched=watched
-        )
+        job = await _admit(context, accepted, job_id=job_id, tenant=tenant, remember_s=remember_s, watched=watched)
     except Exception as exc:
         await release(context, tenant, job_id)  # not accepted after all: its in-flight slot is free again
         if isinstance(exc, BrokerUnavailable):
@@ -198,7 +196,7 @@ async def submit_line(context: ApiContext, tenant: str, job_id: str, accepted: A
     batch feeder only feeds into room under the queues' watermarks, so the admission limits are not met here."""
     await admit(context, tenant, job_id, rated=True)  # a line is not a request: the tenant's rate is not counted
     try:
-        job = await run_in_threadpool(_admit, context, accepted, job_id=job_id, tenant=tenant, batch_id=batch_id)
+        job = await _admit(context, accepted, job_id=job_id, tenant=tenant, batch_id=batch_id)
     except Exception:
         await release(context, tenant, job_id)
         raise
@@ -240,7 +238,7 @@ class Admission:
         return "interactive" if self.batch_id is None else "batch"
 
 
-def _admit(
+async def _admit(
     context: ApiContext,
     accepted: AcceptedRequest,
     *,
@@ -256,12 +254,17 @@ def _admit(
 
     A job whose inputs are all preprocessed in the cache (in its tenant's scope), or that has none, skips the CPU
     preprocessing queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
+
+    On the serving loop: the record is written and the first message pushed over the loop's own clients
+    (`ApiContext.loop`), the prompt tokenized on the tokenizing threads; only the cache's lookups and the
+    tenant's charge (auth on) leave the loop for the thread pool, when a job needs them.
     """
-    admission = replace(_plan(context, accepted, job_id, tenant), batch_id=batch_id, watched=watched)
-    _charge_tenant(context, admission)
+    admission = replace(await _plan(context, accepted, job_id, tenant), batch_id=batch_id, watched=watched)
+    if context.settings.auth:
+        await run_in_threadpool(_charge_tenant, context, admission)
     with _job_span(admission) as traced:
-        job = _write_job(context.store, admission, traced, _recent_note(admission, remember_s))
-        _enqueue(context, admission)
+        job = await _write_job(context, admission, traced, _recent_note(admission, remember_s))
+        await _enqueue(context, admission)
     return job
 
 
@@ -276,7 +279,7 @@ def _recent_note(admission: Admission, window_s: int) -> list[Queued]:
     return [functools.partial(IdempotencyKeys.queue_recent, digest=digest, job_id=admission.job_id, ttl_s=ttl_s)]
 
 
-def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: str) -> Admission:
+async def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: str) -> Admission:
     """The job's input records, how far it may skip (in its tenant's cache scope), and its deadline from now."""
     settings = context.settings
     bounds = SizeBounds(settings.small_pixels, settings.large_pixels, settings.small_audio_s, settings.large_audio_s)
@@ -292,7 +295,7 @@ def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: s
         for i, item in enumerate(accepted.inputs)
     ]
     scope = cache_scope(tenant, settings.cache_shared)
-    start, records, request = _shortcut(context, accepted, records, scope, job_id)
+    start, records, request = await _shortcut(context, accepted, records, scope, job_id)
     now = time.time()
     deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
     look_at = now + context.settings.redrive_after_s
@@ -320,34 +323,33 @@ def _job_span(admission: Admission) -> Iterator[tuple[str, dict[str, str]] | Non
         yield (trace_id, carrier()) if trace_id else None
 
 
-def _write_job(
-    store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
+async def _write_job(
+    context: ApiContext, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
 ) -> Job:
     """The record, with the uploads' bytes, the hand-off to inference of a job that skips preprocessing, and
     `also`; the job as written. A store that is full or away is answered as such (`store_full`,
     `broker_unavailable`)."""
     try:
-        return _create_record(store, admission, traced, also)
+        return await context.loop.jobs.create(admission.job_id, _new_job(context.store, admission, traced, also))
     except StoreOutOfMemory as exc:  # full before the monitor saw it: refused, not lost
         raise StoreFull("the job store is full: try again soon") from exc
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
 
 
-def _create_record(
+def _new_job(
     store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
-) -> Job:
-    """The job's record, in one transaction with its uploads' bytes, its hand-off and `also`: one too large
-    (`record_too_large`) is refused before any byte is stored."""
+) -> NewJob:
+    """The job's record, written in one transaction with its uploads' bytes, its hand-off and `also`: one too
+    large (`record_too_large`) is refused before any byte is stored."""
     accepted = admission.accepted
-    return store.jobs.create_job(
-        admission.job_id,
+    return NewJob(
         accepted.prompt,
         admission.records,
         admission.created_at,
         admission.deadline,
         accepted.deadline_ms,
-        traced,
+        trace=traced,
         tenant=admission.tenant,
         chat=accepted.chat,
         callback_url=accepted.callback_url,
@@ -375,23 +377,22 @@ def _uploads(store: Store, admission: Admission) -> list[Required]:
     ]
 
 
-def _enqueue(context: ApiContext, admission: Admission) -> None:
-    """Publish the job's first message; if that fails, the job is unmade (record and blobs gone) and the broker
-    answered as away."""
-    job_id, request = admission.job_id, admission.model_request
+async def _enqueue(context: ApiContext, admission: Admission) -> None:
+    """Publish the job's first message (on the loop, where the submitter can: `CelerySubmitter.submit_on`); if
+    that fails, the job is unmade (record and blobs gone) and the broker answered as away."""
+    job_id, request, submitter = admission.job_id, admission.model_request, context.submitter
+    start, deadline, job_class = admission.start, admission.deadline.at, admission.job_class
+    tokens = len(request.prompt_ids) if request else None
     try:
-        tokens = len(request.prompt_ids) if request else None
-        context.submitter.submit(
-            job_id,
-            admission.records,
-            start=admission.start,
-            deadline=admission.deadline.at,
-            prompt_tokens=tokens,
-            job_class=admission.job_class,
-        )
+        if isinstance(submitter, CelerySubmitter):
+            broker = context.loop.broker
+            await submitter.submit_on(broker, job_id, admission.records, start, deadline, tokens, job_class)
+        else:
+            publish = functools.partial(submitter.submit, job_id, admission.records, start, deadline, tokens, job_class)
+            await run_in_threadpool(publish)
     except Exception as exc:
         log.warning("could not enqueue job %s: %r", job_id, exc)
-        unmake(context.store, job_id)
+        await run_in_threadpool(unmake, context.store, job_id)
         raise BrokerUnavailable("the broker cannot be reached") from exc
 
 
@@ -401,28 +402,28 @@ def unmake(store: Store, job_id: str) -> None:
     store.blobs.release(job_id)
 
 
-def _shortcut(
+async def _shortcut(
     context: ApiContext, accepted: AcceptedRequest, records: list[InputRecord], scope: str, job_id: str
 ) -> tuple[Start, list[InputRecord], ModelRequest | None]:
     """How far a job may skip: to inference when every input is cached (or it has none) and its prompt is cached
     or can be tokenized here; to tokenize when only its inputs are cached."""
     cache = context.cache
-    pipeline = cache.context()
+    pipeline = cache.context() if cache.context_fresh() else await run_in_threadpool(cache.context)
     if pipeline is None or any(r.url is not None for r in records):  # nothing is known of a URL's content yet
         return "preprocess", records, None
-    filled = cache.get_inputs(pipeline.identity, records, scope) if records else []
+    filled = await run_in_threadpool(cache.get_inputs, pipeline.identity, records, scope) if records else []
     if filled is None:
         return "preprocess", records, None
     filled = [f.model_copy(update={"size_bytes": r.size_bytes}) for f, r in zip(filled, records, strict=True)]
     if accepted.chat and accepted.chat.on_input_error == "fail" and input_failure(filled):
         return "tokenize", filled, None  # where a job that fails on an unreadable input ends, before the model
-    found = _tokenized(context, pipeline, accepted, [attachment_for(r) for r in filled], scope)
+    found = await _tokenized(context, pipeline, accepted, [attachment_for(r) for r in filled], scope)
     if found is None:
         return "tokenize", filled, None
     return "infer", filled, model_request(found, scope, accepted.chat, job_id)
 
 
-def _tokenized(
+async def _tokenized(
     context: ApiContext, pipeline: PipelineContext, accepted: AcceptedRequest, attachments: list[Attachment], scope: str
 ) -> dict[str, Any] | None:
     """The job's prompt, tokenized, while the inference queue has room: from the cache, or here (a short text-only
@@ -435,14 +436,14 @@ def _tokenized(
     address: CacheAddress | None = None
     if prompt_worth_caching(accepted.prompt, attachments, turns, tools, context.settings.api_tokenize_cache_min_chars):
         address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns, tools)
-        found = context.cache.get_json(address)
+        found = await run_in_threadpool(context.cache.get_json, address)
         if found is not None:
             context.cache.record("tokenize", hit=True, cost_s=float(found.get(COST_FIELD, 0.0)))
             return found
-    return _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools)
+    return await _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools)
 
 
-def _tokenize_here(
+async def _tokenize_here(
     context: ApiContext,
     pipeline: PipelineContext,
     address: CacheAddress | None,
@@ -451,15 +452,20 @@ def _tokenize_here(
     turns: list[ChatTurn] | None,
     tools: Sequence[ToolSpec],
 ) -> dict[str, Any] | None:
-    """The tokenize stage's work, done in this (pool) thread; cached like the stage's own at `address` (None: a
-    prompt tokenized without the cache, `prompt_worth_caching`). None: not possible here."""
+    """The tokenize stage's work, done here; cached like the stage's own at `address` (None: a prompt too short to
+    be worth caching, `prompt_worth_caching`, which is tokenized on the loop itself: `PromptBuilder.build_here`).
+    None: not possible here."""
     started = time.perf_counter()
-    built = context.prompts.build(pipeline, prompt, attachments, turns, tools)
+    prompts = context.prompts
+    if address is None:
+        built = prompts.build_here(pipeline, prompt, attachments, turns, tools)
+    else:
+        built = await prompts.build_off_loop(pipeline, prompt, attachments, turns, tools)
     if built is None:
         return None
     cost = time.perf_counter() - started
     value = {"ids": built.ids, "messages": built.messages, "images": built.images}
     if address is not None:
-        context.cache.put_miss(address, value, cost)
+        await run_in_threadpool(context.cache.put_miss, address, value, cost)
     STAGE_SECONDS.labels("tokenize", cache_label(False if address is not None else None)).observe(cost)
     return value

@@ -8,6 +8,7 @@ url    fetch, then the branches of its kind (a video's in parallel: chain(fetch,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
+import redis.asyncio as aioredis
 from celery import Celery, chain, chord, group
 from celery.canvas import Signature, _chain
 
@@ -237,7 +239,27 @@ class CelerySubmitter:
         job_class: JobClass = "interactive",
     ) -> None:
         """Publish the job's canvas."""
+        self._publish(job_canvas(job_id, inputs, self.app, self.keyframes, start, deadline, prompt_tokens, job_class))
+
+    async def submit_on(
+        self,
+        client: aioredis.Redis[bytes] | None,
+        job_id: str,
+        inputs: Sequence[InputRecord],
+        start: Start = "preprocess",
+        deadline: float | None = None,
+        prompt_tokens: int | None = None,
+        job_class: JobClass = "interactive",
+    ) -> None:
+        """`submit`, from an asyncio loop: a plain message pushed over `client` (an asyncio client of the broker's
+        Redis; None: there is none) on the loop, anything else published from a thread."""
         canvas = job_canvas(job_id, inputs, self.app, self.keyframes, start, deadline, prompt_tokens, job_class)
+        if client is not None and self._direct is not None and DirectPublisher.plain(canvas):
+            await self._direct.send_on(canvas, client)
+        else:
+            await asyncio.to_thread(self._publish, canvas)
+
+    def _publish(self, canvas: Signature) -> None:
         if self._direct is not None and DirectPublisher.plain(canvas):
             self._direct.send(canvas)
             return

@@ -234,6 +234,10 @@ class StageCache:
             with contextlib.suppress(redis.RedisError):
                 self.redis.set(PIPELINE_IDENTITY_KEY, json.dumps(asdict(context)))
 
+    def context_fresh(self) -> bool:
+        """Whether `context` answers now without a read (the cache is off, or what it read is still reused)."""
+        return self.redis is None or (self._context is not None and self._clock() < self._context[1])
+
     def context(self) -> PipelineContext | None:
         """What the workers last published, or None before any did.
 

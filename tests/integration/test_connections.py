@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
+from celery.canvas import Signature
 from fastapi.testclient import TestClient
 from kombu import Producer
 from kombu import Queue as KombuQueue
@@ -30,6 +32,7 @@ from stoker.adapters.broker import (
     stage_queue,
 )
 from stoker.adapters.store import Store
+from stoker.adapters.store.clients import async_broker_client
 from stoker.core.jobs import InputRecord
 from stoker.core.queues import INFER_BATCH_QUEUE, INFER_QUEUES, SENT_HEADER
 from stoker.runtime.context import WorkerContext
@@ -125,17 +128,35 @@ def _comparable(raw: bytes) -> dict[str, object]:
     return message
 
 
+def _sent_on_loop(direct: DirectPublisher, signature: Signature, settings: ApiSettings) -> str:
+    """`send_on`, over an asyncio client of the broker as the API's loop has."""
+
+    async def send() -> str:
+        client = async_broker_client(settings)
+        assert client is not None
+        try:
+            return await direct.send_on(signature, client)
+        finally:
+            await client.aclose(close_connection_pool=True)
+
+    return asyncio.run(send())
+
+
+@pytest.mark.parametrize("on_loop", [False, True], ids=["thread", "loop"])
 def test_a_plain_signature_published_directly_is_the_message_celery_sends(
-    store_redis: redis.Redis, broker_url: str
+    store_redis: redis.Redis, broker_url: str, on_loop: bool
 ) -> None:
-    """The API's hand-off to inference skips Celery's producer machinery; the worker must not see a difference."""
-    app = make_app(ApiSettings(broker_url=broker_url))
+    """The API's hand-off to inference skips Celery's producer machinery; the worker must not see a difference,
+    whether it was pushed from a thread or from the API's loop."""
+    settings = ApiSettings(broker_url=broker_url)
+    app = make_app(settings)
     broker = redis.Redis.from_url(broker_url)
     direct = DirectPublisher(app)
     for job_class in ("interactive", "batch"):
         kwargs = {"job_id": f"j-{job_class}", "prompt_tokens": 12, "deadline": 5.0, "app": app, "job_class": job_class}
         infer_signature(**kwargs).apply_async()  # type: ignore[arg-type]
-        task_id = direct.send(infer_signature(**kwargs))  # type: ignore[arg-type]
+        signature = infer_signature(**kwargs)  # type: ignore[arg-type]
+        task_id = _sent_on_loop(direct, signature, settings) if on_loop else direct.send(signature)
         lists = [key for key in broker.keys("infer*") if broker.llen(key) == 2]
         assert len(lists) == 1, broker.keys("*")  # both on the same list: queue and priority as Celery's
         celerys, directs = (broker.rpop(lists[0]) for _ in range(2))

@@ -24,7 +24,7 @@ from api.app import create_app
 from api.context import context_of
 from stoker.adapters.broker import queue_depths
 from stoker.adapters.store import Store
-from stoker.adapters.store.jobs import JobReads
+from stoker.adapters.store.jobs import LoopJobs
 from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
 from stoker.core.errors import Cancelled
 from stoker.core.idempotency import Remembered, key_digest
@@ -393,13 +393,13 @@ def test_a_waiter_answers_from_the_announcement_of_its_jobs_end_without_reading_
     app = create_app(own_valkey.settings(auth=False), submitter=_EndingSubmitter(own_valkey.store))
     context = context_of(app)
     reads: list[str] = []
-    load_job = JobReads.load_job
+    load_job = LoopJobs.load_job
 
-    async def counted(self: JobReads, job_id: str) -> Job | None:
+    async def counted(self: LoopJobs, job_id: str) -> Job | None:
         reads.append(job_id)
         return await load_job(self, job_id)
 
-    monkeypatch.setattr(JobReads, "load_job", counted)
+    monkeypatch.setattr(LoopJobs, "load_job", counted)
     with TestClient(app) as client:
         wait_for(lambda: context.announcements.listening, 10, "the announcement listener", [])
         waited = client.post("/v1/jobs", params={"wait": 30}, data={"prompt": "Over before it is answered."})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -9,11 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from stoker.adapters.store import Store
 from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.idempotency import IdempotencyKeys
-from stoker.adapters.store.jobs import Ending, Required, ended_job
+from stoker.adapters.store.jobs import Ending, LoopJobs, NewJob, Required, ended_job
 from stoker.adapters.store.keys import (
     ACTIVE_KEY,
     blob_holders_key,
@@ -232,10 +234,29 @@ def test_a_batch_ends_in_one_round_trip_and_still_ends_after_the_store_forgot_it
     assert [job.status if job else None for job in ended] == ["succeeded", "succeeded"]
 
 
-def test_a_job_for_the_model_is_made_handed_over_and_read_back_in_one_transaction(own_store: Store) -> None:
+def _create(store: Store, on_loop: bool, job_id: str, new: NewJob) -> Job:
+    """A new job, made by the synchronous repository or by its asyncio twin on a loop (as the API makes it)."""
+    if not on_loop:
+        return store.jobs.create(job_id, new)
+    kwargs = store.client.connection_pool.connection_kwargs
+
+    async def made() -> Job:
+        jobs = LoopJobs(aioredis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs["db"]), ttl_s=3600)
+        try:
+            return await jobs.create(job_id, new)
+        finally:
+            await jobs.aclose()
+
+    return asyncio.run(made())
+
+
+@pytest.mark.parametrize("on_loop", [False, True], ids=["sync", "loop"])
+def test_a_job_for_the_model_is_made_handed_over_and_read_back_in_one_transaction(
+    own_store: Store, on_loop: bool
+) -> None:
     """The API makes a job that skips preprocessing in one round trip: its record, its hand-off to inference, what
     another repository queues with it (the retry fingerprint) and the read of the job as written; after the store
-    forgot its scripts, the hand-off still happens."""
+    forgot its scripts, the hand-off still happens. So does the asyncio twin the API makes it with."""
     store, client = own_store, own_store.client
     request = ModelRequest(prompt_ids=[1, 2, 3])
 
@@ -243,10 +264,8 @@ def test_a_job_for_the_model_is_made_handed_over_and_read_back_in_one_transactio
         job_id, now = uuid.uuid4().hex, time.time()
         remember = functools.partial(IdempotencyKeys.queue_recent, digest=note, job_id=job_id, ttl_s=60)
         deadline = deadline_for(now, 60_000, 5_000)
-        job = store.jobs.create_job(
-            job_id, "Hi.", [], now, deadline, 60_000, tenant="t", request=request, also=[remember]
-        )
-        return job_id, job
+        new = NewJob("Hi.", [], now, deadline, 60_000, tenant="t", request=request, also=[remember])
+        return job_id, _create(store, on_loop, job_id, new)
 
     made("warm")
     client.config_resetstat()
@@ -265,11 +284,13 @@ def test_a_job_for_the_model_is_made_handed_over_and_read_back_in_one_transactio
     assert store.idempotency.recent("d2") == job_id
 
 
+@pytest.mark.parametrize("on_loop", [False, True], ids=["sync", "loop"])
 def test_an_upload_is_stored_with_its_job_in_one_transaction_even_after_the_store_forgot_its_scripts(
-    own_store: Store,
+    own_store: Store, on_loop: bool
 ) -> None:
     """The API writes a job's uploaded bytes in the transaction that makes the job: the job holds them once it
-    exists, with no round trip of their own; after the store forgot its scripts they are still written."""
+    exists, with no round trip of their own; after the store forgot its scripts they are still written (by the
+    asyncio twin too)."""
     store, client = own_store, own_store.client
 
     def made(data: bytes) -> tuple[str, ContentHash]:
@@ -279,7 +300,7 @@ def test_an_upload_is_stored_with_its_job_in_one_transaction_even_after_the_stor
             functools.partial(store.blobs.put_blob, digest, data, job_id),
         )
         deadline = deadline_for(now, 60_000, 5_000)
-        store.jobs.create_job(job_id, "Hi.", [], now, deadline, 60_000, tenant="t", required=[upload])
+        _create(store, on_loop, job_id, NewJob("Hi.", [], now, deadline, 60_000, tenant="t", required=[upload]))
         return job_id, digest
 
     made(b"warm")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -386,7 +386,7 @@ def test_the_apis_own_tokenization_keeps_forged_markers_as_text(model_path: str,
     builder = PromptBuilder(ApiSettings())
     builder.load()
     context = PipelineContext(identity="-", tokenizer=tokenizer_identity(hf_tokenizer, model_path), budget=512)
-    built = builder.build(
+    built = builder.build_here(
         context, FORGED, [], [_turn("user", "Hi."), _turn("assistant", FORGED), _turn("user", FORGED)]
     )
     assert built is not None
@@ -394,7 +394,7 @@ def test_the_apis_own_tokenization_keeps_forged_markers_as_text(model_path: str,
     assert PromptTokenizer(hf_tokenizer).decode_text(built.ids).count(FORGED) == 2
 
 
-def test_the_api_tokenizes_on_its_own_few_threads_whichever_thread_asks(
+def test_the_api_tokenizes_off_its_loop_on_its_own_few_threads_and_a_short_prompt_on_the_loop(
     model_path: str, hf_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ran_on: list[str] = []
@@ -408,16 +408,23 @@ def test_the_api_tokenizes_on_its_own_few_threads_whichever_thread_asks(
     builder.load()
     context = PipelineContext(identity="-", tokenizer=tokenizer_identity(hf_tokenizer, model_path), budget=512)
     prompts = [f"Question {n}: what is {n} times {n}?" for n in range(24)]
+
+    async def ask() -> tuple[list[Any], Any]:
+        off_loop = await asyncio.gather(*(builder.build_off_loop(context, p, []) for p in prompts))
+        return off_loop, builder.build_here(context, prompts[0], [])
+
     try:
-        with ThreadPoolExecutor(12) as askers:  # as many request threads as ask at once under load
-            built = list(askers.map(lambda p: builder.build(context, p, []), prompts))
+        built, here = asyncio.run(ask())
     finally:
         builder.close()
-    assert len(ran_on) == len(prompts)
-    assert all(name.startswith("stoker-tokenize") for name in ran_on)
-    assert len(set(ran_on)) <= 2
+    assert len(ran_on) == len(prompts) + 1
+    assert all(name.startswith("stoker-tokenize") for name in ran_on[:-1])
+    assert len(set(ran_on[:-1])) <= 2
+    assert ran_on[-1] == threading.current_thread().name  # the loop's: asyncio.run runs it on this thread
     direct = [build_prompt(PromptTokenizer(hf_tokenizer), p, [], 512).ids for p in prompts]
     assert [b.ids if b is not None else None for b in built] == direct
+    assert here is not None
+    assert here.ids == direct[0]
 
 
 class OldTokenizer:

@@ -68,6 +68,25 @@ def async_request_client(settings: CommonSettings) -> aioredis.Redis[bytes]:
     return aioredis.Redis(connection_pool=pool)
 
 
+def async_broker_client(settings: CommonSettings) -> aioredis.Redis[bytes] | None:
+    """An asyncio client of the broker's Redis, for the API's pushes of prepared messages on its loop
+    (`tasks.publish.DirectPublisher.send_on`), bounded as the store's; None for a broker it cannot reach so
+    (RabbitMQ, Sentinel, a Unix socket URL of kombu's own spelling): those publish from the thread pool."""
+    url = settings.broker_url
+    if not url.startswith(("redis://", "rediss://")):
+        return None
+    timeout = settings.store_timeout_s
+    pool: aioredis.BlockingConnectionPool[aioredis.Connection] = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=REQUEST_CONNECTIONS,
+        timeout=timeout,
+        socket_connect_timeout=timeout,
+        socket_timeout=timeout,
+        **settings.redis_tls(url),
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
 def cache_client(settings: CommonSettings) -> redis.Redis[bytes] | None:
     """A client of the stage cache; None when caching is off."""
     if not settings.cache_enabled:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Literal
 
 import redis
@@ -157,6 +159,9 @@ return redis.call('HGETALL', KEYS[1])
 """
 )
 
+#: The hand-off script's SHA-1, as redis-py's `Script` names it (a new job's transaction calls it by it).
+_HAND_OFF_SHA = hashlib.sha1(_HAND_OFF.encode()).hexdigest()  # the name Redis gives a script
+
 HandOff = Literal["ok", "stale", "done"]
 #: Another repository's commands, queued onto a transaction of this one's (so that both go in one round trip).
 Queued = Callable[["Pipeline[bytes]"], Any]
@@ -202,6 +207,106 @@ class Ending:
     encoder: dict[str, EncoderUse] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class NewJob:
+    """What a new job's record is written from (`JobRepository.create_job`)."""
+
+    prompt: str
+    inputs: Sequence[InputRecord]
+    accepted: float
+    deadline: Deadline
+    deadline_ms: int
+    _: KW_ONLY
+    tenant: str
+    #: (trace id, context carrier) of its root span, when traced.
+    trace: tuple[str, dict[str, str]] | None = None
+    chat: Conversation | None = None
+    callback_url: str | None = None
+    job_class: JobClass = "interactive"
+    batch_id: str | None = None
+    look_at: float | None = None
+    request: ModelRequest | None = None
+    required: Sequence[Required] = ()
+    also: Sequence[Queued] = ()
+    watched: bool = False
+
+    def fields(self) -> dict[str | bytes, str | bytes | float | int]:
+        """The record's fields, as written."""
+        fields: dict[str | bytes, str | bytes | float | int] = {
+            "prompt": self.prompt,
+            "tenant": self.tenant,
+            "status": "queued",
+            "ts:accepted": repr(self.accepted),
+            "deadline": repr(self.deadline.at),
+            "preprocess_by": repr(self.deadline.preprocess_by),
+            "deadline_ms": self.deadline_ms,
+        }
+        if self.watched:
+            fields["watched"] = 1
+        if self.chat is not None:
+            fields["chat"] = self.chat.model_dump_json()
+        if self.batch_id is not None:
+            fields["class"], fields["batch_id"] = self.job_class, self.batch_id
+        if self.callback_url is not None:  # delivered once the job ends (the finish script queues it)
+            fields["callback"] = CallbackState(url=self.callback_url).model_dump_json()
+        if self.trace:
+            fields["trace_id"] = self.trace[0]
+            fields["trace_context"] = json.dumps(self.trace[1])
+        for record in self.inputs:
+            fields[input_ref(record.index)] = record.model_dump_json()
+        return fields
+
+
+HandOffCall = tuple[list[str], list[Any]]
+
+
+def _queue_new_job(
+    pipe: Pipeline[bytes] | aioredis.client.Pipeline[bytes],
+    job_id: str,
+    new: NewJob,
+    fields: dict[str | bytes, str | bytes | float | int],
+    ttl_s: int,
+) -> HandOffCall | None:
+    """Queue a new job's transaction into `pipe` (sync or asyncio: commands only queue): its record, its places
+    in the watch list and its tenant's indexes, `required`, its hand-off (with a request), `also`, and the read of
+    its record, last. The hand-off script's call, if queued."""
+    deadline, accepted, tenant = new.deadline, new.accepted, new.tenant
+    pipe.hset(job_key(job_id), mapping=fields)
+    pipe.expire(job_key(job_id), ttl_s)
+    pipe.zadd(ACTIVE_KEY, {job_id: min(deadline.preprocess_by, new.look_at or deadline.preprocess_by)})
+    pipe.zadd(tenant_jobs_key(tenant), {job_id: deadline.at + IN_FLIGHT_GRACE_S}, xx=True)
+    # The tenant's listing: entries older than the records themselves go, the index with its last job.
+    pipe.zadd(tenant_index_key(tenant), {job_id: accepted})
+    pipe.zremrangebyscore(tenant_index_key(tenant), "-inf", accepted - ttl_s)
+    pipe.expire(tenant_index_key(tenant), ttl_s)
+    pipe.hincrby(JOB_COUNTS_KEY, "accepted", 1)
+    for need in new.required:
+        need.queue(pipe)  # type: ignore[arg-type]  # a queued write only queues, on either kind of pipeline
+    hand_off = _hand_off_call(job_id, new.request, None, ttl_s) if new.request is not None else None
+    if hand_off is not None:  # EVALSHA straight in, as in finish_many; NOSCRIPT is answered by the caller
+        pipe.evalsha(_HAND_OFF_SHA, len(hand_off[0]), *hand_off[0], *hand_off[1])
+    for queue in new.also:
+        queue(pipe)  # type: ignore[arg-type]
+    pipe.hgetall(job_key(job_id))
+    return hand_off
+
+
+def _created(
+    job_id: str, results: list[Any], new: NewJob, hand_off: HandOffCall | None
+) -> tuple[Job | None, list[Required]]:
+    """The new job from its transaction's answers (`_queue_new_job`), and the required writes to make again on
+    their own (the store answered NOSCRIPT: it forgot its scripts). The job is None when the hand-off was answered
+    NOSCRIPT: the caller hands it over on its own (which loads the script) and reads the job. Errors are raised."""
+    written = len(results) - 1 - (1 if hand_off is not None else 0) - len(new.also)
+    alone = _settle(results[:written], new.required)
+    handed = results[written] if hand_off is not None else None
+    if isinstance(handed, NoScriptError):
+        return None, alone
+    if isinstance(handed, Exception):
+        raise handed
+    return job_from_fields(job_id, results[-1]), alone
+
+
 class JobRepository:
     """One hash per job (`keys.job_key`), its model request, and its place on the reaper's watch list."""
 
@@ -220,23 +325,17 @@ class JobRepository:
         self,
         job_id: str,
         prompt: str,
-        inputs: Iterable[InputRecord],
+        inputs: Sequence[InputRecord],
         accepted: float,
         deadline: Deadline,
         deadline_ms: int,
         trace: tuple[str, dict[str, str]] | None = None,
-        *,
-        tenant: str,
-        chat: Conversation | None = None,
-        callback_url: str | None = None,
-        job_class: JobClass = "interactive",
-        batch_id: str | None = None,
-        look_at: float | None = None,
-        request: ModelRequest | None = None,
-        required: Sequence[Required] = (),
-        also: Sequence[Queued] = (),
-        watched: bool = False,
+        **options: Any,
     ) -> Job:
+        """`create`, from its parts (`options`: `NewJob`'s other fields)."""
+        return self.create(job_id, NewJob(prompt, inputs, accepted, deadline, deadline_ms, trace=trace, **options))
+
+    def create(self, job_id: str, new: NewJob) -> Job:
         """Write a new job record atomically, in status queued, and put it under the reaper's watch (its first look
         at `look_at`, at the latest when the preprocessing budget is spent); the job as written, read back in the
         same transaction.
@@ -248,79 +347,21 @@ class JobRepository:
         the start (a POST that waits), so its end is announced (`watch_job` marks one a client waits on later).
 
         The tenant's in-flight slot for it (taken at admission, if its limit is on) is now held until the job ends,
-        or at the latest until a grace period after its deadline.
+        or at the latest until a grace period after its deadline. `LoopJobs.create` is its asyncio twin.
         """
-        fields: dict[str | bytes, str | bytes | float | int] = {
-            "prompt": prompt,
-            "tenant": tenant,
-            "status": "queued",
-            "ts:accepted": repr(accepted),
-            "deadline": repr(deadline.at),
-            "preprocess_by": repr(deadline.preprocess_by),
-            "deadline_ms": deadline_ms,
-        }
-        if watched:
-            fields["watched"] = 1
-        if chat is not None:
-            fields["chat"] = chat.model_dump_json()
-        if batch_id is not None:
-            fields["class"], fields["batch_id"] = job_class, batch_id
-        if callback_url is not None:  # delivered once the job ends (the finish script queues it)
-            fields["callback"] = CallbackState(url=callback_url).model_dump_json()
-        if trace:  # (trace id, context carrier)
-            fields["trace_id"] = trace[0]
-            fields["trace_context"] = json.dumps(trace[1])
-        for record in inputs:
-            fields[input_ref(record.index)] = record.model_dump_json()
-        self._check_size(fields)
+        fields = new.fields()
+        _check_size(fields, self.max_record_bytes)
         with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(job_key(job_id), mapping=fields)
-            pipe.expire(job_key(job_id), self.ttl_s)
-            pipe.zadd(ACTIVE_KEY, {job_id: min(deadline.preprocess_by, look_at or deadline.preprocess_by)})
-            pipe.zadd(tenant_jobs_key(tenant), {job_id: deadline.at + IN_FLIGHT_GRACE_S}, xx=True)
-            # The tenant's listing: entries older than the records themselves go, the index with its last job.
-            pipe.zadd(tenant_index_key(tenant), {job_id: accepted})
-            pipe.zremrangebyscore(tenant_index_key(tenant), "-inf", accepted - self.ttl_s)
-            pipe.expire(tenant_index_key(tenant), self.ttl_s)
-            pipe.hincrby(JOB_COUNTS_KEY, "accepted", 1)
-            return self._hand_off_and_read(pipe, job_id, request, required, also)
-
-    def _hand_off_and_read(
-        self,
-        pipe: Pipeline[bytes],
-        job_id: str,
-        request: ModelRequest | None,
-        required: Sequence[Required],
-        also: Sequence[Queued],
-    ) -> Job:
-        """Queue `required`, the new job's hand-off (with a request), `also` and the read of its record behind the
-        writes queued in `pipe`; run the transaction; the job as written."""
-        for need in required:
-            need.queue(pipe)
-        written = len(pipe)
-        hand_off = _hand_off_call(job_id, request, None, self.ttl_s) if request is not None else None
-        if hand_off is not None:  # EVALSHA straight in, as in finish_many; NOSCRIPT is answered below
-            pipe.evalsha(self._hand_off.sha, len(hand_off[0]), *hand_off[0], *hand_off[1])  # type: ignore[attr-defined]
-        for queue in also:
-            queue(pipe)
-        pipe.hgetall(job_key(job_id))
-        results = pipe.execute(raise_on_error=False)
-        _settle(results[:written], required)
-        handed = results[written] if hand_off is not None else None
-        if isinstance(handed, NoScriptError) and hand_off is not None:
-            self._hand_off(keys=hand_off[0], args=hand_off[1])  # the store forgot its scripts: this loads it
+            hand_off = _queue_new_job(pipe, job_id, new, fields, self.ttl_s)
+            results = pipe.execute(raise_on_error=False)
+        created, alone = _created(job_id, results, new, hand_off)
+        for need in alone:
+            need.alone()
+        if created is None and hand_off is not None:  # the store forgot its scripts: this loads it
+            self._hand_off(keys=hand_off[0], args=hand_off[1])
             return job_from_fields(job_id, self.redis.hgetall(job_key(job_id)))
-        if isinstance(handed, Exception):
-            raise handed
-        return job_from_fields(job_id, results[-1])
-
-    def _check_size(self, fields: dict[str | bytes, str | bytes | float | int]) -> None:
-        size = sum(
-            len(str(name)) + len(value if isinstance(value, bytes) else str(value).encode())
-            for name, value in fields.items()
-        )
-        if size > self.max_record_bytes:
-            raise RecordTooLarge(f"the job's record would hold {size} bytes (limit {self.max_record_bytes})")
+        assert created is not None
+        return created
 
     def delete_job(self, job_id: str) -> None:
         """Forget a job that was never enqueued (its blobs: `BlobRepository.release`)."""
@@ -497,19 +538,38 @@ class JobRepository:
         return raw.decode() if raw is not None else None
 
 
-class JobReads:
-    """A job's record read on an asyncio loop: what the API reads per request (a long-poll's first look, a `GET`,
-    a waiter woken by something other than the job's end).
+class LoopJobs:
+    """A job's record made and read on an asyncio loop: what the API does per request (a new job, a long-poll's
+    first look, a `GET`, a waiter woken by something other than the job's end).
 
-    The API's routes run on one event loop; a read of the synchronous client has to leave it for a pool thread
-    and come back. That hop cost the API about four times the CPU of the read itself, measured on its own
+    The API's routes run on one event loop; a call of the synchronous client has to leave it for a pool thread
+    and come back. That hop cost the API about four times the CPU of the call itself, measured on its own
     (8 concurrent requests, one `HGETALL` each: 180-240 µs of CPU from anyio's pool, 45 µs from the loop), so
-    the reads every waiting request makes go over an asyncio client of the loop's own. Same records, same
-    scripts: `JobRepository.load_job` and `watch_job` are their synchronous twins."""
+    the calls every request makes go over an asyncio client of the loop's own. Same records, same scripts:
+    `JobRepository.create`, `load_job` and `watch_job` are their synchronous twins."""
 
-    def __init__(self, client: aioredis.Redis[bytes]) -> None:
+    def __init__(self, client: aioredis.Redis[bytes], *, ttl_s: int, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         self.redis = client
+        self.ttl_s = ttl_s
+        self.max_record_bytes = max_record_bytes
         self._watch = client.register_script(_WATCH)
+        self._hand_off = client.register_script(_HAND_OFF)
+
+    async def create(self, job_id: str, new: NewJob) -> Job:
+        """`JobRepository.create`, on the loop: the new job, as written."""
+        fields = new.fields()
+        _check_size(fields, self.max_record_bytes)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            hand_off = _queue_new_job(pipe, job_id, new, fields, self.ttl_s)
+            results = await pipe.execute(raise_on_error=False)
+        created, alone = _created(job_id, results, new, hand_off)
+        for need in alone:  # the store forgot its scripts (after a restart): rare, and the writes are synchronous
+            await asyncio.to_thread(need.alone)
+        if created is None and hand_off is not None:
+            await self._hand_off(keys=hand_off[0], args=hand_off[1])
+            return job_from_fields(job_id, await self.redis.hgetall(job_key(job_id)))
+        assert created is not None
+        return created
 
     async def load_job(self, job_id: str) -> Job | None:
         """`JobRepository.load_job`, on the loop."""
@@ -526,18 +586,29 @@ class JobReads:
         await self.redis.aclose(close_connection_pool=True)  # type: ignore[attr-defined]  # the stubs lag
 
 
-def _settle(results: list[Any], required: Sequence[Required]) -> None:
-    """The answers to a new job's writes, `required`'s last: an error is raised, but a required write the store
-    answered NOSCRIPT (it forgot its scripts) is written again alone."""
+def _check_size(fields: dict[str | bytes, str | bytes | float | int], limit: int) -> None:
+    size = sum(
+        len(str(name)) + len(value if isinstance(value, bytes) else str(value).encode())
+        for name, value in fields.items()
+    )
+    if size > limit:
+        raise RecordTooLarge(f"the job's record would hold {size} bytes (limit {limit})")
+
+
+def _settle(results: list[Any], required: Sequence[Required]) -> list[Required]:
+    """The answers to a new job's writes, `required`'s last: an error is raised; the required writes the store
+    answered NOSCRIPT (it forgot its scripts), to be written again alone."""
     made = len(results) - len(required)
     for result in results[:made]:
         if isinstance(result, Exception):
             raise result
+    alone = []
     for need, result in zip(required, results[made:], strict=True):
         if isinstance(result, NoScriptError):
-            need.alone()
+            alone.append(need)
         elif isinstance(result, Exception):
             raise result
+    return alone
 
 
 def _hand_off_call(job_id: str, request: ModelRequest, rev: int | None, ttl_s: int) -> tuple[list[str], list[Any]]:
