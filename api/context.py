@@ -22,6 +22,7 @@ from stoker.adapters.metrics import BatchLines, JobCounts
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import async_broker_client, async_request_client
 from stoker.adapters.store.jobs import LoopJobs
+from stoker.adapters.store.tenants import LoopTenants
 from stoker.core.jobs import Job
 from stoker.settings import ApiSettings
 from tasks.app import make_app
@@ -31,14 +32,15 @@ from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
 @dataclass(frozen=True)
 class _OnLoop:
     jobs: LoopJobs
+    tenants: LoopTenants
     broker: aioredis.Redis[bytes] | None
 
 
 class LoopClients:
     """The job store and broker calls of requests, over asyncio clients of the serving loop's own (`LoopJobs`,
-    `DirectPublisher.send_on`: a call from the thread pool costs the API about four times the CPU). An asyncio
-    client belongs to the loop it first connects on, so each loop gets its own, made on first use there (one in a
-    served process; a test client may run several loops); the app's shutdown closes its loop's."""
+    `LoopTenants`, `DirectPublisher.send_on`: a call from the thread pool costs the API about four times the CPU).
+    An asyncio client belongs to the loop it first connects on, so each loop gets its own, made on first use there
+    (one in a served process; a test client may run several loops); the app's shutdown closes its loop's."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
@@ -48,6 +50,11 @@ class LoopClients:
     def jobs(self) -> LoopJobs:
         """The running loop's job store calls (use it on the loop)."""
         return self._on_loop().jobs
+
+    @property
+    def tenants(self) -> LoopTenants:
+        """The running loop's tenant calls (API keys on)."""
+        return self._on_loop().tenants
 
     @property
     def broker(self) -> aioredis.Redis[bytes] | None:
@@ -61,7 +68,7 @@ class LoopClients:
             settings = self.settings
             store = async_request_client(settings)
             jobs = LoopJobs(store, ttl_s=settings.job_ttl_s, max_record_bytes=settings.max_record_bytes)
-            clients = self._per_loop[loop] = _OnLoop(jobs, async_broker_client(settings))
+            clients = self._per_loop[loop] = _OnLoop(jobs, LoopTenants(store), async_broker_client(settings))
         return clients
 
     async def aclose(self) -> None:

@@ -255,13 +255,12 @@ async def _admit(
     A job whose inputs are all preprocessed in the cache (in its tenant's scope), or that has none, skips the CPU
     preprocessing queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
 
-    On the serving loop: the record is written and the first message pushed over the loop's own clients
-    (`ApiContext.loop`), the prompt tokenized on the tokenizing threads; only the cache's lookups and the
-    tenant's charge (auth on) leave the loop for the thread pool, when a job needs them.
+    On the serving loop: the tenant charged, the record written and the first message pushed over the loop's own
+    clients (`ApiContext.loop`), a short prompt tokenized there; only the cache's lookups and a long prompt's
+    tokenizing leave it, when a job needs them.
     """
     admission = replace(await _plan(context, accepted, job_id, tenant), batch_id=batch_id, watched=watched)
-    if context.settings.auth:
-        await run_in_threadpool(_charge_tenant, context, admission)
+    await _charge_tenant(context, admission)
     with _job_span(admission) as traced:
         job = await _write_job(context, admission, traced, _recent_note(admission, remember_s))
         await _enqueue(context, admission)
@@ -302,12 +301,12 @@ async def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, ten
     return Admission(job_id, tenant, accepted, records, start, request, now, deadline, look_at=look_at)
 
 
-def _charge_tenant(context: ApiContext, admission: Admission) -> None:
+async def _charge_tenant(context: ApiContext, admission: Admission) -> None:
     """Count the job's queue messages and the input bytes stored here against its tenant (raise if over)."""
     kinds = [(r.kind, r.url is not None) for r in admission.records]
     messages = job_messages(kinds, admission.start, context.settings.video_keyframes)
     stored = sum(len(item.data) for item in admission.accepted.inputs if item.url is None)
-    charge(context, admission.tenant, admission.job_id, messages, stored)
+    await charge(context, admission.tenant, admission.job_id, messages, stored)
 
 
 @contextlib.contextmanager

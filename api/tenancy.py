@@ -44,7 +44,7 @@ async def authenticate(
     if parsed is None:
         raise Unauthorized("the API key is not valid")
     try:
-        stored = await run_in_threadpool(context.store.tenants.get_api_key, parsed[0])
+        stored = await context.loop.tenants.get_api_key(parsed[0])
     except redis.RedisError as exc:
         raise BrokerUnavailable("the key store cannot be reached") from exc
     tenant = verify(parsed[1], stored)
@@ -71,7 +71,7 @@ async def admit(context: ApiContext, tenant: str, job_id: str | None = None, *, 
     hold_s = settings.max_deadline_ms / 1000
     limits = replace(settings.tenant_limits, rate_per_s=0) if rated else settings.tenant_limits  # 0: not counted
     try:
-        verdict = await run_in_threadpool(context.store.tenants.admit_tenant, tenant, limits, job_id, hold_s)
+        verdict = await context.loop.tenants.admit_tenant(tenant, limits, job_id, hold_s)
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     if verdict.outcome != "ok" and job_id is not None:
@@ -94,13 +94,13 @@ def refusal(outcome: str, retry_after_s: int = IN_FLIGHT_RETRY_S) -> StokerError
     return PayloadTooLarge("the job's inputs are more bytes than its tenant may store at once")
 
 
-def charge(context: ApiContext, tenant: str, job_id: str, messages: int, stored_bytes: int) -> None:
+async def charge(context: ApiContext, tenant: str, job_id: str, messages: int, stored_bytes: int) -> None:
     """Count an admitted job's queue messages and input bytes against its tenant (auth on); raise if over."""
     settings = context.settings
     if not settings.auth:
         return
     try:
-        outcome = context.store.tenants.charge_job(tenant, job_id, messages, stored_bytes, settings.tenant_limits)
+        outcome = await context.loop.tenants.charge_job(tenant, job_id, messages, stored_bytes, settings.tenant_limits)
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     if outcome != "ok":

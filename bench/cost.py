@@ -49,6 +49,8 @@ from rich.table import Table
 
 from bench import rawload
 from bench.workload import text_png
+from stoker.adapters.store.tenants import TenantRepository
+from stoker.core.tenancy import issue_key
 from workers.broker import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,6 +137,8 @@ class Stack:
     base: str
     log: Path
     scratch: Path
+    #: Sent with every request (an API key's, with `--auth`).
+    headers: dict[str, str] = field(default_factory=dict)
 
     def valkey_counts(self) -> tuple[int, int]:
         """Every command the stack's embedded Valkey has run so far (`INFO commandstats`), and every read of a
@@ -153,8 +157,10 @@ class Stack:
 
 
 @contextmanager
-def stoker_up(env_extra: dict[str, str]) -> Iterator[Stack]:
-    """`stoker up` on free ports with an embedded Valkey (its broker URL names a port nothing listens on)."""
+def stoker_up(env_extra: dict[str, str], auth: bool = False) -> Iterator[Stack]:
+    """`stoker up` on free ports with an embedded Valkey (its broker URL names a port nothing listens on); with
+    `auth`, API keys on as in production (`STOKER_AUTH`), the limits too high to refuse anything, and one key's
+    header sent with every request."""
     port, flower = free_port(), free_port()
     scratch = Path(tempfile.mkdtemp(prefix="stoker-cost-"))
     nothing = f"redis://127.0.0.1:{free_port()}"
@@ -166,6 +172,7 @@ def stoker_up(env_extra: dict[str, str]) -> Iterator[Stack]:
         "STOKER_BACKEND": "sim",
         "STOKER_SIM_BASE_MS": "0",
         "STOKER_SIM_PER_ITEM_MS": "0",
+        **(AUTH_ON if auth else {}),
         **env_extra,
     }
     argv = [sys.executable, "-m", "stoker.cli", "up", "--port", str(port), "--flower-port", str(flower)]
@@ -176,6 +183,8 @@ def stoker_up(env_extra: dict[str, str]) -> Iterator[Stack]:
     stack = Stack(proc, f"http://127.0.0.1:{port}", log, scratch)
     try:
         _wait_ready(stack)
+        if auth:
+            stack.headers = _api_key(f"{nothing}/1")
         yield stack
     finally:
         proc.send_signal(signal.SIGINT)
@@ -185,6 +194,19 @@ def stoker_up(env_extra: dict[str, str]) -> Iterator[Stack]:
             proc.kill()
             proc.wait()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+#: API keys on, with per-tenant limits no closed loop of the benchmark reaches: each request still pays for its key's
+#: check and its tenant's counters, as in production.
+AUTH_ON = {"STOKER_AUTH": "on", "STOKER_RATE_LIMIT_PER_S": "1000000", "STOKER_RATE_LIMIT_BURST": "1000000"}
+
+
+def _api_key(store_url: str) -> dict[str, str]:
+    """A new API key of the benchmark's tenant in the stack's store, as the header that sends it."""
+    issued = issue_key("bench", time.time())
+    with redis.Redis.from_url(store_url) as client:
+        TenantRepository(client).put_api_key(issued.record)
+    return {"Authorization": f"Bearer {issued.token}"}
 
 
 def _wait_ready(stack: Stack, timeout_s: float = 300.0) -> None:
@@ -263,6 +285,7 @@ class Load:
     send: Send
     jobs: int
     clients: int
+    headers: dict[str, str] = field(default_factory=dict)
     issued: int = 0
     ok: int = 0
     errors: Counter[str] = field(default_factory=Counter)
@@ -276,7 +299,7 @@ class Load:
             return self.issued
 
     def _client(self, base: str) -> None:
-        with httpx.Client(base_url=base, timeout=60) as http:
+        with httpx.Client(base_url=base, timeout=60, headers=self.headers) as http:
             while (n := self._next()) is not None:
                 try:
                     good = self.send(http, n)
@@ -302,10 +325,12 @@ class Load:
 
 def measure(stack: Stack, name: str, send: Send, jobs: int, clients: int) -> dict[str, Any]:
     """One closed-loop phase: CPU ms per answered job per process kind, and the rate the clients saw."""
-    Load(send, max(clients, 8), clients).run(stack.base)  # warm: first-of-a-kind costs (cache fill, imports)
+    Load(send, max(clients, 8), clients, stack.headers).run(
+        stack.base
+    )  # warm: first-of-a-kind costs (cache fill, imports)
     time.sleep(1.0)
     before, (commands, reads) = cpu_by_kind(stack.proc.pid), stack.valkey_counts()
-    load = Load(send, jobs, clients)
+    load = Load(send, jobs, clients, stack.headers)
     wall = load.run(stack.base)
     spent = delta(before, cpu_by_kind(stack.proc.pid))
     commands_after, reads_after = stack.valkey_counts()
@@ -432,7 +457,7 @@ def profile(stack: Stack, seconds: float, clients: int, send: Send = text_job, t
         )
         for kind, pid in targets.items()
     ]
-    load = Load(send, 10**9, clients)
+    load = Load(send, 10**9, clients, stack.headers)
     driver = threading.Thread(target=load.run, args=(stack.base,), daemon=True)
     driver.start()
     for spy_proc in spies:
@@ -575,12 +600,17 @@ def main() -> None:
         help="the simulated device's milliseconds per batch and per item in it (the default: free, so only stoker's "
         "own bookkeeping costs; a slower one fills batches)",
     )
+    parser.add_argument(
+        "--auth", action="store_true", help="API keys on, as in production (closed-loop cases and the profile only)"
+    )
     parser.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args()
+    if args.auth and args.admission_s > 0:
+        parser.error("--auth measures the closed-loop cases: leave --admission-s at 0")
     started = time.monotonic()
     base_ms, per_item_ms = args.device_ms.split(",")
-    with stoker_up({"STOKER_SIM_BASE_MS": base_ms, "STOKER_SIM_PER_ITEM_MS": per_item_ms}) as stack:
-        with httpx.Client(base_url=stack.base, timeout=10) as http:
+    with stoker_up({"STOKER_SIM_BASE_MS": base_ms, "STOKER_SIM_PER_ITEM_MS": per_item_ms}, args.auth) as stack:
+        with httpx.Client(base_url=stack.base, timeout=10, headers=stack.headers) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
         cases: dict[str, Send] = {
             "text": text_job,
