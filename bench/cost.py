@@ -144,12 +144,16 @@ class Stack:
         """Every command the stack's embedded Valkey has run so far (`INFO commandstats`), and every read of a
         client's socket it has processed (`INFO stats`: one per request or pipeline sent, so the round trips of
         every process): counts, so they move with what the stack does per job, not with how busy the machine is."""
+        with redis.Redis(port=self.valkey_port()) as client:
+            commands = sum(int(stat["calls"]) for stat in client.info("commandstats").values())
+            return commands, int(client.info("stats")["total_reads_processed"])
+
+    def valkey_port(self) -> int:
+        """The port of the stack's embedded Valkey."""
         (valkey,) = (p for p in tree(self.proc.pid) if kind_of(p.cmdline) == "Valkey")
         listening = re.search(r"127\.0\.0\.1:(\d+)", valkey.cmdline)  # its title once it runs: valkey-server HOST:PORT
         assert listening is not None, valkey.cmdline
-        with redis.Redis(port=int(listening.group(1))) as client:
-            commands = sum(int(stat["calls"]) for stat in client.info("commandstats").values())
-            return commands, int(client.info("stats")["total_reads_processed"])
+        return int(listening.group(1))
 
     def pids(self, kind: str) -> list[int]:
         """The processes of one kind (a prefork worker's parent first)."""
@@ -184,7 +188,7 @@ def stoker_up(env_extra: dict[str, str], auth: bool = False) -> Iterator[Stack]:
     try:
         _wait_ready(stack)
         if auth:
-            stack.headers = _api_key(f"{nothing}/1")
+            stack.headers = _api_key(f"redis://127.0.0.1:{stack.valkey_port()}/1")
         yield stack
     finally:
         proc.send_signal(signal.SIGINT)
