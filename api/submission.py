@@ -7,6 +7,7 @@ queues: its prompt, from the cache or tokenized here, goes straight to the infer
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -262,8 +263,17 @@ async def _admit(
     admission = replace(await _plan(context, accepted, job_id, tenant), batch_id=batch_id, watched=watched)
     await _charge_tenant(context, admission)
     with _job_span(admission) as traced:
-        job = await _write_job(context, admission, traced, _recent_note(admission, remember_s))
-        await _enqueue(context, admission)
+        # Shielded: a request cancelled meanwhile (its server stopping) still makes the job whole, record and
+        # message, as the pool thread this ran on before did; never a record whose message was never sent.
+        return await asyncio.shield(_make(context, admission, traced, _recent_note(admission, remember_s)))
+
+
+async def _make(
+    context: ApiContext, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
+) -> Job:
+    """The job's record written, then its first message published; the job as written."""
+    job = await _write_job(context, admission, traced, also)
+    await _enqueue(context, admission)
     return job
 
 

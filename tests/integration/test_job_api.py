@@ -3,6 +3,7 @@ submission with its Idempotency-Key and get its one job back."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import threading
@@ -22,13 +23,15 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.context import context_of
+from api.intake import AcceptedRequest
+from api.submission import submit_job
 from stoker.adapters.broker import queue_depths
 from stoker.adapters.store import Store
-from stoker.adapters.store.jobs import LoopJobs
+from stoker.adapters.store.jobs import LoopJobs, NewJob
 from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
 from stoker.core.errors import Cancelled
 from stoker.core.idempotency import Remembered, key_digest
-from stoker.core.jobs import ErrorInfo, Job
+from stoker.core.jobs import ErrorInfo, Job, new_job_id
 from stoker.core.media import ContentHash
 from stoker.core.tenancy import DEFAULT_TENANT, issue_key
 from stoker.settings import ApiSettings
@@ -514,3 +517,47 @@ def test_the_store_lets_go_of_every_upload_once_its_jobs_end(api: Callable[..., 
         assert job_store.blobs.get_blob(ContentHash(digest)) is None
         assert job_store.blobs.holders(ContentHash(digest)) == set()
     assert job_store.tenants.usage(job_store.jobs.tenant(ids[0]) or "").stored_bytes == 0
+
+
+def test_a_submission_cancelled_while_its_job_is_written_still_sends_its_message(
+    own_valkey: OwnValkey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The API makes a job on its loop: a request cancelled meanwhile (its server stopping) must still make the job
+    # whole, its record and its first message, never a record whose message was never sent.
+    spy = SpySubmitter(forward=False)
+    context = context_of(create_app(own_valkey.settings(auth=False), submitter=spy))
+    create = LoopJobs.create
+
+    async def scenario() -> str:
+        writing, go_on = asyncio.Event(), asyncio.Event()
+
+        async def slow_create(self: LoopJobs, job_id: str, new: NewJob) -> Job:
+            writing.set()
+            await go_on.wait()
+            return await create(self, job_id, new)
+
+        monkeypatch.setattr(LoopJobs, "create", slow_create)
+        job_id = new_job_id()
+        accepted = AcceptedRequest("Cancelled while written.", [], 60_000)
+
+        async def read() -> AcceptedRequest:
+            return accepted
+
+        submission = asyncio.create_task(submit_job(context, DEFAULT_TENANT, None, read, job_id=job_id))
+        await writing.wait()
+        submission.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submission
+        go_on.set()
+        for _ in range(200):  # until the shielded write and send are through (bounded)
+            if job_id in spy.starts:
+                break
+            await asyncio.sleep(0.01)
+        await context.loop.aclose()
+        return job_id
+
+    job_id = asyncio.run(scenario())
+    assert spy.starts == {job_id: "preprocess"}  # this app has not loaded the tokenizer: the tokenize stage's
+    made = own_valkey.store.jobs.load_job(job_id)
+    assert made is not None
+    assert made.status == "queued"
