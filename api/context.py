@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry
 from api.announcements import Announcements
 from api.pressure import QueueMonitor
 from api.prompts import PromptBuilder
-from stoker.adapters.cache import StageCache
+from stoker.adapters.cache import LoopCache, StageCache
 from stoker.adapters.files import DirectoryStorage, FileStorage
 from stoker.adapters.metrics import BatchLines, JobCounts
 from stoker.adapters.store import Store
-from stoker.adapters.store.clients import async_broker_client, async_request_client
+from stoker.adapters.store.clients import async_broker_client, async_cache_client, async_request_client
 from stoker.adapters.store.jobs import LoopJobs
 from stoker.adapters.store.tenants import LoopTenants
 from stoker.core.jobs import Job
@@ -33,14 +33,16 @@ from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
 class _OnLoop:
     jobs: LoopJobs
     tenants: LoopTenants
+    cache: LoopCache
     broker: aioredis.Redis[bytes] | None
 
 
 class LoopClients:
-    """The job store and broker calls of requests, over asyncio clients of the serving loop's own (`LoopJobs`,
-    `LoopTenants`, `DirectPublisher.send_on`: a call from the thread pool costs the API about four times the CPU).
-    An asyncio client belongs to the loop it first connects on, so each loop gets its own, made on first use there
-    (one in a served process; a test client may run several loops); the app's shutdown closes its loop's."""
+    """The job store's, the stage cache's and the broker's calls of requests, over asyncio clients of the serving
+    loop's own (`LoopJobs`, `LoopTenants`, `LoopCache`, `DirectPublisher.send_on`: a call from the thread pool
+    costs the API about four times the CPU). An asyncio client belongs to the loop it first connects on, so each
+    loop gets its own, made on first use there (one in a served process; a test client may run several loops); the
+    app's shutdown closes its loop's."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
@@ -57,6 +59,11 @@ class LoopClients:
         return self._on_loop().tenants
 
     @property
+    def cache(self) -> LoopCache:
+        """The running loop's stage cache lookups."""
+        return self._on_loop().cache
+
+    @property
     def broker(self) -> aioredis.Redis[bytes] | None:
         """The running loop's client of the broker's Redis; None on a broker it cannot reach (RabbitMQ...)."""
         return self._on_loop().broker
@@ -68,7 +75,11 @@ class LoopClients:
             settings = self.settings
             store = async_request_client(settings)
             jobs = LoopJobs(store, ttl_s=settings.job_ttl_s, max_record_bytes=settings.max_record_bytes)
-            clients = self._per_loop[loop] = _OnLoop(jobs, LoopTenants(store), async_broker_client(settings))
+            cache = LoopCache(
+                async_cache_client(settings), ttl_s=settings.cache_ttl_s, max_value_bytes=settings.cache_max_value_bytes
+            )
+            clients = _OnLoop(jobs, LoopTenants(store), cache, async_broker_client(settings))
+            self._per_loop[loop] = clients
         return clients
 
     async def aclose(self) -> None:
@@ -76,6 +87,7 @@ class LoopClients:
         clients = self._per_loop.pop(asyncio.get_running_loop(), None)
         if clients is not None:
             await clients.jobs.aclose()
+            await clients.cache.aclose()
             if clients.broker is not None:
                 await clients.broker.aclose(close_connection_pool=True)  # type: ignore[attr-defined]  # stubs lag
 

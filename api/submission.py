@@ -257,8 +257,8 @@ async def _admit(
     preprocessing queues: its prompt, from the cache or tokenized here, goes straight to the inference queue.
 
     On the serving loop: the tenant charged, the record written and the first message pushed over the loop's own
-    clients (`ApiContext.loop`), a short prompt tokenized there; only the cache's lookups and a long prompt's
-    tokenizing leave it, when a job needs them.
+    clients (`ApiContext.loop`), the cache looked up there too, a short prompt tokenized there; only a long
+    prompt's tokenizing leaves it, and the cache's pipeline identity once a second.
     """
     admission = replace(await _plan(context, accepted, job_id, tenant), batch_id=batch_id, watched=watched)
     await _charge_tenant(context, admission)
@@ -420,7 +420,7 @@ async def _shortcut(
     pipeline = cache.context() if cache.context_fresh() else await run_in_threadpool(cache.context)
     if pipeline is None or any(r.url is not None for r in records):  # nothing is known of a URL's content yet
         return "preprocess", records, None
-    filled = await run_in_threadpool(cache.get_inputs, pipeline.identity, records, scope) if records else []
+    filled = await context.loop.cache.get_inputs(pipeline.identity, records, scope)
     if filled is None:
         return "preprocess", records, None
     filled = [f.model_copy(update={"size_bytes": r.size_bytes}) for f, r in zip(filled, records, strict=True)]
@@ -445,7 +445,7 @@ async def _tokenized(
     address: CacheAddress | None = None
     if prompt_worth_caching(accepted.prompt, attachments, turns, tools, context.settings.api_tokenize_cache_min_chars):
         address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns, tools)
-        found = await run_in_threadpool(context.cache.get_json, address)
+        found = await context.loop.cache.get_json(address)
         if found is not None:
             context.cache.record("tokenize", hit=True, cost_s=float(found.get(COST_FIELD, 0.0)))
             return found
@@ -475,6 +475,6 @@ async def _tokenize_here(
     cost = time.perf_counter() - started
     value = {"ids": built.ids, "messages": built.messages, "images": built.images}
     if address is not None:
-        await run_in_threadpool(context.cache.put_miss, address, value, cost)
+        await context.loop.cache.put_miss(address, value, cost)
     STAGE_SECONDS.labels("tokenize", cache_label(False if address is not None else None)).observe(cost)
     return value

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 from redis.client import Pipeline
 
 from stoker.adapters.metrics import CACHE_LOOKUPS
@@ -110,11 +111,7 @@ class StageCache:
         kept = len(data) <= self.max_value_bytes
         try:
             with self.redis.pipeline(transaction=False) as pipe:
-                if kept:
-                    pipe.set(cache_key(address, "value"), data, ex=self.ttl_s)
-                else:
-                    _queue_count(pipe, address.stage, "oversize")
-                _queue_count(pipe, address.stage, "misses", cost_s)
+                _queue_miss(pipe, address, data, kept, cost_s, self.ttl_s)
                 pipe.execute()
         except redis.RedisError as exc:
             log.warning("cache write failed: %s", exc)
@@ -271,7 +268,7 @@ class StageCache:
             found = self.get_json(_input_address(identity, record, scope))
             if found is None:
                 return None
-            filled.append(_as_cached(InputRecord.model_validate(found)).model_copy(update={"index": record.index}))
+            filled.append(_filled(record, found))
         return filled
 
     def stats(self) -> dict[str, dict[str, float]]:
@@ -307,6 +304,82 @@ def _queue_count(pipe: Pipeline[bytes], stage: str, what: str, seconds: float | 
     if seconds is not None:
         field = "saved_s" if what == "hits" else "spent_s"
         pipe.hincrbyfloat(CACHE_STATS_KEY, f"{stage}:{field}", seconds)
+
+
+class LoopCache:
+    """The stage cache's calls the API makes per request (a cached job's inputs and prompt, a prompt's miss), on
+    its asyncio loop: `StageCache`'s, without the hop to a pool thread that cost the API about four times the
+    call's CPU (`stoker.adapters.store.jobs.LoopJobs` says how that was measured). The same keys and values; a
+    cache that misbehaves is a miss, as there."""
+
+    def __init__(self, client: aioredis.Redis[bytes] | None, *, ttl_s: int, max_value_bytes: int) -> None:
+        self.redis = client
+        self.ttl_s = ttl_s
+        self.max_value_bytes = max_value_bytes
+
+    async def get_json(self, address: CacheAddress) -> dict[str, Any] | None:
+        """`StageCache.get_json`, on the loop."""
+        if self.redis is None:
+            return None
+        try:
+            raw = await self.redis.get(cache_key(address, "value"))
+        except redis.RedisError as exc:
+            log.warning("cache read failed, treating as a miss: %s", exc)
+            return None
+        return dict(json.loads(raw)) if raw is not None else None
+
+    async def get_inputs(self, identity: str, records: list[InputRecord], scope: str) -> list[InputRecord] | None:
+        """`StageCache.get_inputs`, on the loop, in one round trip."""
+        if self.redis is None or not records:
+            return None if records else []
+        keys = [cache_key(_input_address(identity, record, scope), "value") for record in records]
+        try:
+            found = await self.redis.mget(keys)
+        except redis.RedisError as exc:
+            log.warning("cache read failed, treating as a miss: %s", exc)
+            return None
+        values = [raw for raw in found if raw is not None]
+        if len(values) < len(records):
+            return None
+        return [_filled(record, json.loads(raw)) for record, raw in zip(records, values, strict=True)]
+
+    async def put_miss(self, address: CacheAddress, value: dict[str, Any], cost_s: float) -> bool:
+        """`StageCache.put_miss`, on the loop."""
+        CACHE_LOOKUPS.labels(address.stage, "miss").inc()
+        if self.redis is None:
+            return False
+        data = json.dumps({**value, COST_FIELD: cost_s}).encode()
+        kept = len(data) <= self.max_value_bytes
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                _queue_miss(pipe, address, data, kept, cost_s, self.ttl_s)  # type: ignore[arg-type]
+                await pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("cache write failed: %s", exc)
+            return False
+        return kept
+
+    async def aclose(self) -> None:
+        """Close the client's connections, and its pool."""
+        if self.redis is not None:
+            await self.redis.aclose(close_connection_pool=True)  # type: ignore[attr-defined]  # the stubs lag
+
+
+def _queue_miss(
+    pipe: Pipeline[bytes], address: CacheAddress, data: bytes, kept: bool, cost_s: float, ttl_s: int
+) -> None:
+    """A result computed after a miss, into `pipe`: its value (unless over the size cap: counted as oversize), and
+    the miss with what it cost."""
+    if kept:
+        pipe.set(cache_key(address, "value"), data, ex=ttl_s)
+    else:
+        _queue_count(pipe, address.stage, "oversize")
+    _queue_count(pipe, address.stage, "misses", cost_s)
+
+
+def _filled(record: InputRecord, found: dict[str, Any]) -> InputRecord:
+    """A job's input record filled from its cached whole record (its own index kept)."""
+    return _as_cached(InputRecord.model_validate(found)).model_copy(update={"index": record.index})
 
 
 def _input_address(identity: str, record: InputRecord, scope: str) -> CacheAddress:

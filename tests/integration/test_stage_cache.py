@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
-from stoker.adapters.cache import CONTEXT_REUSE_S, COST_FIELD, StageCache
+from stoker.adapters.cache import CONTEXT_REUSE_S, COST_FIELD, LoopCache, StageCache
 from stoker.adapters.store.keys import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY
 from stoker.core.cachekeys import CacheAddress, PipelineContext
+from stoker.core.jobs import InputRecord
 from workers.broker import start_embedded
 from workers.procs import stop
 
@@ -55,18 +59,65 @@ def test_the_pipeline_identity_is_read_once_a_second_and_a_missing_one_every_tim
     assert cache.context() == second
 
 
-def test_a_miss_is_cached_with_its_cost_and_counted_and_one_over_the_cap_only_counted(cache_redis: redis.Redis) -> None:
+@pytest.mark.parametrize("on_loop", [False, True], ids=["sync", "loop"])
+def test_a_miss_is_cached_with_its_cost_and_counted_and_one_over_the_cap_only_counted(
+    cache_redis: redis.Redis, on_loop: bool
+) -> None:
     cache = StageCache(cache_redis, ttl_s=60, max_value_bytes=200)
     stage = f"test-{uuid.uuid4().hex[:8]}"
     small = CacheAddress(stage, "1", uuid.uuid4().hex, "f", "s")
     large = CacheAddress(stage, "1", uuid.uuid4().hex, "f", "s")
 
-    assert cache.put_miss(small, {"text": "short"}, 0.25)
-    assert not cache.put_miss(large, {"text": "x" * 500}, 0.5)  # over the cap: not kept, counted as oversize
+    if on_loop:  # the API's own, on its loop
+
+        async def put(loop_cache: LoopCache) -> list[bool]:
+            small_kept = await loop_cache.put_miss(small, {"text": "short"}, 0.25)
+            return [small_kept, await loop_cache.put_miss(large, {"text": "x" * 500}, 0.5)]
+
+        kept = _on_loop(cache_redis, put)
+    else:
+        kept = [cache.put_miss(small, {"text": "short"}, 0.25), cache.put_miss(large, {"text": "x" * 500}, 0.5)]
+    assert kept == [True, False]  # over the cap: not kept, counted as oversize
 
     assert cache.get_json(small) == {"text": "short", COST_FIELD: 0.25}
     assert cache.get_json(large) is None
     assert cache.stats()[stage] == {"misses": 2, "spent_s": 0.75, "oversize": 1}
+
+
+def _on_loop(client: redis.Redis, call: Callable[[LoopCache], Awaitable[Any]]) -> Any:
+    """`call` with a `LoopCache` over the same Valkey, on a loop of its own."""
+
+    async def run() -> Any:
+        port = client.connection_pool.connection_kwargs["port"]
+        cache = LoopCache(aioredis.Redis(port=port), ttl_s=60, max_value_bytes=200)
+        try:
+            return await call(cache)
+        finally:
+            await cache.aclose()
+
+    return asyncio.run(run())
+
+
+def test_a_jobs_inputs_are_found_whole_on_the_loop_as_in_a_thread_or_not_at_all(cache_redis: redis.Redis) -> None:
+    # The API looks a job's inputs up on its loop (one round trip for them all): the records a worker cached,
+    # each with its own index and counted as a hit; one missing, and none is found.
+    cache = StageCache(cache_redis, ttl_s=60, max_value_bytes=1 << 20)
+    identity, scope = uuid.uuid4().hex, "s"
+    cached = [
+        InputRecord(index=i, kind="image", content_hash=uuid.uuid4().hex, size_bytes=10, status="ok", text=f"page {i}")
+        for i in range(2)
+    ]
+    cached[0].timings_ms = {"ocr": 12.0}
+    for record in cached:
+        cache.put_input(identity, record, scope)
+    asked = [record.model_copy(update={"index": record.index + 5, "text": None}) for record in cached]
+    missing = InputRecord(index=9, kind="image", content_hash=uuid.uuid4().hex, size_bytes=10)
+
+    found = _on_loop(cache_redis, lambda c: c.get_inputs(identity, asked, scope))
+    assert found == cache.get_inputs(identity, asked, scope)
+    assert [(r.index, r.text, r.cache_hit) for r in found] == [(5, "page 0", {"ocr": True}), (6, "page 1", {})]
+    assert _on_loop(cache_redis, lambda c: c.get_inputs(identity, [*asked, missing], scope)) is None
+    assert _on_loop(cache_redis, lambda c: c.get_inputs(identity, [], scope)) == []
 
 
 def test_deferred_counts_are_kept_until_written_in_one_round_trip(cache_redis: redis.Redis) -> None:

@@ -99,6 +99,22 @@ def cache_client(settings: CommonSettings) -> redis.Redis[bytes] | None:
     )
 
 
+def async_cache_client(settings: CommonSettings) -> aioredis.Redis[bytes] | None:
+    """An asyncio client of the stage cache for the API's lookups on its loop, with `cache_client`'s timeouts and
+    bounded as the store's request client; None when caching is off."""
+    if not settings.cache_enabled:
+        return None
+    pool: aioredis.BlockingConnectionPool[aioredis.Connection] = aioredis.BlockingConnectionPool.from_url(
+        settings.cache_url,
+        max_connections=REQUEST_CONNECTIONS,
+        timeout=CACHE_READ_TIMEOUT_S,
+        socket_connect_timeout=CACHE_CONNECT_TIMEOUT_S,
+        socket_timeout=CACHE_READ_TIMEOUT_S,
+        **settings.redis_tls(settings.cache_url),
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
 def redis_answers(url: str, timeout: float = 1.0, tls: Mapping[str, Any] | None = None) -> bool:
     """Whether a Redis server answers PING at url (`tls`: the options of a `rediss://` url)."""
     try:
