@@ -113,7 +113,7 @@ class ApiContext:
     metrics: CollectorRegistry
     #: Where the bytes of files (`/v1/files`, batches' output) live.
     files: FileStorage
-    #: The job store and broker calls a request makes, on the serving loop.
+    #: The job store, stage cache and broker calls a request makes, on the serving loop.
     loop: LoopClients
 
     @classmethod

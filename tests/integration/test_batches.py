@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 from api.batchfeeder import BatchFeeder
 from api.context import context_of
 from stoker.adapters.store.batches import PendingLine
+from stoker.adapters.store.jobs import NewJob
 from stoker.core.batchfiles import BatchLine, BatchRecord, line_job_id, parse_line
 from stoker.core.deadlines import deadline_for
 from stoker.core.tenancy import issue_key
@@ -414,7 +415,7 @@ def test_a_line_whose_job_was_made_but_never_sent_is_made_again(api: TestClient)
     def made_not_sent(sent: bool = False) -> None:
         store.batches.pend(record.id, replace(pending, sent=sent))
         deadline = deadline_for(now, 60_000, 5_000)
-        store.jobs.create_job(pending.job_id, "Hello.", [], now, deadline, 60_000, tenant=record.tenant)
+        store.jobs.create(pending.job_id, NewJob("Hello.", [], now, deadline, 60_000, tenant=record.tenant))
 
     made_not_sent()
     assert feeder._prepare(record, pending, parsed) is not None  # to be made again

@@ -47,7 +47,7 @@ def _new_job(store: Store, watched: bool = False) -> str:
     now = time.time()
     record = InputRecord(index=0, kind="image", content_hash="ab" * 32, size_bytes=10)
     deadline = deadline_for(now, 60_000, 5_000)
-    store.jobs.create_job(job_id, "Hi.", [record], now, deadline, 60_000, tenant="t", watched=watched)
+    store.jobs.create(job_id, NewJob("Hi.", [record], now, deadline, 60_000, tenant="t", watched=watched))
     return job_id
 
 
@@ -148,7 +148,7 @@ def test_a_record_over_its_size_limit_is_refused_before_anything_is_written(stor
     store = Store.over(store_redis, blob_ttl_s=60, job_ttl_s=60, max_record_bytes=64 * 1024)
     job_id, now = uuid.uuid4().hex, time.time()
     with pytest.raises(RecordTooLarge) as refused:
-        store.jobs.create_job(job_id, "x" * 70_000, [], now, deadline_for(now, 60_000, 5_000), 60_000, tenant="t")
+        store.jobs.create(job_id, NewJob("x" * 70_000, [], now, deadline_for(now, 60_000, 5_000), 60_000, tenant="t"))
     assert (refused.value.http_status, refused.value.code) == (413, "record_too_large")
     assert not store_redis.exists(job_key(job_id))
     assert store_redis.zscore(ACTIVE_KEY, job_id) is None
@@ -160,7 +160,7 @@ def test_each_picture_says_whether_its_vision_embeddings_hit_when_the_job_ends(j
     seen, new = "cd" * 32, "ef" * 32
     records = [InputRecord(index=i, kind="image", content_hash=h, size_bytes=10) for i, h in enumerate((seen, new))]
     records.append(InputRecord(index=2, kind="audio", content_hash="01" * 32, size_bytes=3))
-    job_store.jobs.create_job(job_id, "Hi.", records, now, deadline_for(now, 60_000, 5_000), 60_000, tenant="t")
+    job_store.jobs.create(job_id, NewJob("Hi.", records, now, deadline_for(now, 60_000, 5_000), 60_000, tenant="t"))
     try:
         result = ResultInfo(text="a shoe", model="m", prompt_tokens=3, completion_tokens=2)
         ending = Ending(job_id, "t", "succeeded", result=result, encoder={seen: "hit", new: "miss"})

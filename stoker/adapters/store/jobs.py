@@ -209,7 +209,7 @@ class Ending:
 
 @dataclass(frozen=True)
 class NewJob:
-    """What a new job's record is written from (`JobRepository.create_job`)."""
+    """What a new job's record is written from (`JobRepository.create`)."""
 
     prompt: str
     inputs: Sequence[InputRecord]
@@ -266,10 +266,10 @@ def _queue_new_job(
     new: NewJob,
     fields: dict[str | bytes, str | bytes | float | int],
     ttl_s: int,
-) -> HandOffCall | None:
+) -> tuple[int, HandOffCall | None]:
     """Queue a new job's transaction into `pipe` (sync or asyncio: commands only queue): its record, its places
     in the watch list and its tenant's indexes, `required`, its hand-off (with a request), `also`, and the read of
-    its record, last. The hand-off script's call, if queued."""
+    its record, last. How many commands come before the hand-off, and the hand-off script's call, if queued."""
     deadline, accepted, tenant = new.deadline, new.accepted, new.tenant
     pipe.hset(job_key(job_id), mapping=fields)
     pipe.expire(job_key(job_id), ttl_s)
@@ -282,22 +282,23 @@ def _queue_new_job(
     pipe.hincrby(JOB_COUNTS_KEY, "accepted", 1)
     for need in new.required:
         need.queue(pipe)  # type: ignore[arg-type]  # a queued write only queues, on either kind of pipeline
+    written = len(pipe)
     hand_off = _hand_off_call(job_id, new.request, None, ttl_s) if new.request is not None else None
     if hand_off is not None:  # EVALSHA straight in, as in finish_many; NOSCRIPT is answered by the caller
         pipe.evalsha(_HAND_OFF_SHA, len(hand_off[0]), *hand_off[0], *hand_off[1])
     for queue in new.also:
         queue(pipe)  # type: ignore[arg-type]
     pipe.hgetall(job_key(job_id))
-    return hand_off
+    return written, hand_off
 
 
 def _created(
-    job_id: str, results: list[Any], new: NewJob, hand_off: HandOffCall | None
+    job_id: str, results: list[Any], new: NewJob, written: int, hand_off: HandOffCall | None
 ) -> tuple[Job | None, list[Required]]:
-    """The new job from its transaction's answers (`_queue_new_job`), and the required writes to make again on
-    their own (the store answered NOSCRIPT: it forgot its scripts). The job is None when the hand-off was answered
-    NOSCRIPT: the caller hands it over on its own (which loads the script) and reads the job. Errors are raised."""
-    written = len(results) - 1 - (1 if hand_off is not None else 0) - len(new.also)
+    """The new job from its transaction's answers (`_queue_new_job`: `written` commands before the hand-off), and
+    the required writes to make again on their own (the store answered NOSCRIPT: it forgot its scripts). The job
+    is None when the hand-off was answered NOSCRIPT: the caller hands it over on its own (which loads the script)
+    and reads the job. Errors are raised."""
     alone = _settle(results[:written], new.required)
     handed = results[written] if hand_off is not None else None
     if isinstance(handed, NoScriptError):
@@ -321,20 +322,6 @@ class JobRepository:
         self._start = client.register_script(_START)
         self._put_band = client.register_script(_PUT_BAND)
 
-    def create_job(
-        self,
-        job_id: str,
-        prompt: str,
-        inputs: Sequence[InputRecord],
-        accepted: float,
-        deadline: Deadline,
-        deadline_ms: int,
-        trace: tuple[str, dict[str, str]] | None = None,
-        **options: Any,
-    ) -> Job:
-        """`create`, from its parts (`options`: `NewJob`'s other fields)."""
-        return self.create(job_id, NewJob(prompt, inputs, accepted, deadline, deadline_ms, trace=trace, **options))
-
     def create(self, job_id: str, new: NewJob) -> Job:
         """Write a new job record atomically, in status queued, and put it under the reaper's watch (its first look
         at `look_at`, at the latest when the preprocessing budget is spent); the job as written, read back in the
@@ -352,9 +339,9 @@ class JobRepository:
         fields = new.fields()
         _check_size(fields, self.max_record_bytes)
         with self.redis.pipeline(transaction=True) as pipe:
-            hand_off = _queue_new_job(pipe, job_id, new, fields, self.ttl_s)
+            written, hand_off = _queue_new_job(pipe, job_id, new, fields, self.ttl_s)
             results = pipe.execute(raise_on_error=False)
-        created, alone = _created(job_id, results, new, hand_off)
+        created, alone = _created(job_id, results, new, written, hand_off)
         for need in alone:
             need.alone()
         if created is None and hand_off is not None:  # the store forgot its scripts: this loads it
@@ -560,9 +547,9 @@ class LoopJobs:
         fields = new.fields()
         _check_size(fields, self.max_record_bytes)
         async with self.redis.pipeline(transaction=True) as pipe:
-            hand_off = _queue_new_job(pipe, job_id, new, fields, self.ttl_s)
+            written, hand_off = _queue_new_job(pipe, job_id, new, fields, self.ttl_s)
             results = await pipe.execute(raise_on_error=False)
-        created, alone = _created(job_id, results, new, hand_off)
+        created, alone = _created(job_id, results, new, written, hand_off)
         for need in alone:  # the store forgot its scripts (after a restart): rare, and the writes are synchronous
             await asyncio.to_thread(need.alone)
         if created is None and hand_off is not None:

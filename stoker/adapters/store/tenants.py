@@ -143,7 +143,7 @@ class TenantRepository:
         self, tenant: str, limits: TenantLimits, job_id: str | None = None, hold_s: float = 0
     ) -> LimitVerdict:
         """Check a tenant's request against its limits and count it; with job_id, also hold an in-flight slot for
-        the new job (for at most hold_s, until create_job ties it to the job's deadline). Refused: nothing counted.
+        the new job (for at most hold_s, until the job's record ties it to its deadline). Refused: nothing counted.
         """
         keys, args = _admit_call(tenant, limits, job_id, hold_s)
         outcome, wait = self._admit_tenant(keys=keys, args=args)
