@@ -23,7 +23,7 @@ STORE_CONNECT_TIMEOUT_S = 2.0
 #: The cache is never worth waiting for.
 CACHE_CONNECT_TIMEOUT_S = 1.0
 CACHE_READ_TIMEOUT_S = 2.0
-#: Connections at most of an API process's asyncio client for requests' reads (`async_request_client`).
+#: Connections at most of each of an API process's asyncio clients for requests' calls (`async_request_client`).
 REQUEST_CONNECTIONS = 40
 
 
@@ -50,7 +50,7 @@ def async_store_client(settings: CommonSettings) -> aioredis.Redis[bytes]:
 
 
 def async_request_client(settings: CommonSettings) -> aioredis.Redis[bytes]:
-    """An asyncio client of the job store for the reads a request makes on the API's loop: the same timeouts and
+    """An asyncio client of the job store for the calls a request makes on the API's loop: the same timeouts and
     one retry as `store_client`'s, so a store that is away is answered 503 in time. At most
     `REQUEST_CONNECTIONS` connections: a request past them waits for one (up to the store's timeout) instead of
     failing, as 150 long-polls beginning at once would otherwise (the synchronous reads were bounded by the thread
