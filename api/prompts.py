@@ -102,12 +102,7 @@ class PromptBuilder:
     ) -> BuiltPrompt | None:
         """`build_here`, on a tokenizing thread, awaited: a long prompt (or one with pictures) would hold the
         loop for milliseconds; from a thread, the interpreter's switch interval gives the loop its turns."""
-        tokenizer = self._tokenizer_for(context)
-        if tokenizer is None:
-            return None
-        built = self._threads.submit(
-            build_prompt, tokenizer, prompt, attachments, context.budget, turns, context.system, tools
-        )
+        built = self._threads.submit(self.build_here, context, prompt, attachments, turns, tools)
         return await asyncio.wrap_future(built)
 
     def _tokenizer_for(self, context: PipelineContext) -> PromptTokenizer | None:

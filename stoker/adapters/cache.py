@@ -107,11 +107,9 @@ class StageCache:
         CACHE_LOOKUPS.labels(address.stage, "miss").inc()
         if self.redis is None:
             return False
-        data = json.dumps({**value, COST_FIELD: cost_s}).encode()
-        kept = len(data) <= self.max_value_bytes
         try:
             with self.redis.pipeline(transaction=False) as pipe:
-                _queue_miss(pipe, address, data, kept, cost_s, self.ttl_s)
+                kept = _queue_miss(pipe, address, value, cost_s, self.ttl_s, self.max_value_bytes)
                 pipe.execute()
         except redis.RedisError as exc:
             log.warning("cache write failed: %s", exc)
@@ -348,11 +346,9 @@ class LoopCache:
         CACHE_LOOKUPS.labels(address.stage, "miss").inc()
         if self.redis is None:
             return False
-        data = json.dumps({**value, COST_FIELD: cost_s}).encode()
-        kept = len(data) <= self.max_value_bytes
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                _queue_miss(pipe, address, data, kept, cost_s, self.ttl_s)  # type: ignore[arg-type]
+                kept = _queue_miss(pipe, address, value, cost_s, self.ttl_s, self.max_value_bytes)  # type: ignore[arg-type]
                 await pipe.execute()
         except redis.RedisError as exc:
             log.warning("cache write failed: %s", exc)
@@ -366,15 +362,18 @@ class LoopCache:
 
 
 def _queue_miss(
-    pipe: Pipeline[bytes], address: CacheAddress, data: bytes, kept: bool, cost_s: float, ttl_s: int
-) -> None:
-    """A result computed after a miss, into `pipe`: its value (unless over the size cap: counted as oversize), and
-    the miss with what it cost."""
+    pipe: Pipeline[bytes], address: CacheAddress, value: dict[str, Any], cost_s: float, ttl_s: int, max_bytes: int
+) -> bool:
+    """A result computed after a miss, into `pipe`: its value with what it cost (unless over `max_bytes`: counted
+    as oversize instead), and the miss; whether the value is kept."""
+    data = json.dumps({**value, COST_FIELD: cost_s}).encode()
+    kept = len(data) <= max_bytes
     if kept:
         pipe.set(cache_key(address, "value"), data, ex=ttl_s)
     else:
         _queue_count(pipe, address.stage, "oversize")
     _queue_count(pipe, address.stage, "misses", cost_s)
+    return kept
 
 
 def _filled(record: InputRecord, found: dict[str, Any]) -> InputRecord:

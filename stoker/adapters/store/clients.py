@@ -55,17 +55,14 @@ def async_request_client(settings: CommonSettings) -> aioredis.Redis[bytes]:
     `REQUEST_CONNECTIONS` connections: a request past them waits for one (up to the store's timeout) instead of
     failing, as 150 long-polls beginning at once would otherwise (the synchronous reads were bounded by the thread
     pool's 40 threads)."""
-    pool: aioredis.BlockingConnectionPool[aioredis.Connection] = aioredis.BlockingConnectionPool.from_url(
+    return _bounded(
+        settings,
         settings.result_url,
-        max_connections=REQUEST_CONNECTIONS,
-        timeout=settings.store_timeout_s,
-        socket_connect_timeout=min(STORE_CONNECT_TIMEOUT_S, settings.store_timeout_s),
-        socket_timeout=settings.store_timeout_s,
+        settings.store_timeout_s,
+        min(STORE_CONNECT_TIMEOUT_S, settings.store_timeout_s),
         retry=AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), 1),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        **settings.redis_tls(settings.result_url),
     )
-    return aioredis.Redis(connection_pool=pool)
 
 
 def async_broker_client(settings: CommonSettings) -> aioredis.Redis[bytes] | None:
@@ -75,16 +72,7 @@ def async_broker_client(settings: CommonSettings) -> aioredis.Redis[bytes] | Non
     url = settings.broker_url
     if not url.startswith(("redis://", "rediss://")):
         return None
-    timeout = settings.store_timeout_s
-    pool: aioredis.BlockingConnectionPool[aioredis.Connection] = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=REQUEST_CONNECTIONS,
-        timeout=timeout,
-        socket_connect_timeout=timeout,
-        socket_timeout=timeout,
-        **settings.redis_tls(url),
-    )
-    return aioredis.Redis(connection_pool=pool)
+    return _bounded(settings, url, settings.store_timeout_s, settings.store_timeout_s)
 
 
 def cache_client(settings: CommonSettings) -> redis.Redis[bytes] | None:
@@ -104,13 +92,22 @@ def async_cache_client(settings: CommonSettings) -> aioredis.Redis[bytes] | None
     bounded as the store's request client; None when caching is off."""
     if not settings.cache_enabled:
         return None
+    return _bounded(settings, settings.cache_url, CACHE_READ_TIMEOUT_S, CACHE_CONNECT_TIMEOUT_S)
+
+
+def _bounded(
+    settings: CommonSettings, url: str, timeout_s: float, connect_s: float, **options: Any
+) -> aioredis.Redis[bytes]:
+    """An asyncio client of `url` over at most `REQUEST_CONNECTIONS` connections: a call past them waits for one
+    (up to `timeout_s`, also its read timeout) instead of failing."""
     pool: aioredis.BlockingConnectionPool[aioredis.Connection] = aioredis.BlockingConnectionPool.from_url(
-        settings.cache_url,
+        url,
         max_connections=REQUEST_CONNECTIONS,
-        timeout=CACHE_READ_TIMEOUT_S,
-        socket_connect_timeout=CACHE_CONNECT_TIMEOUT_S,
-        socket_timeout=CACHE_READ_TIMEOUT_S,
-        **settings.redis_tls(settings.cache_url),
+        timeout=timeout_s,
+        socket_connect_timeout=connect_s,
+        socket_timeout=timeout_s,
+        **options,
+        **settings.redis_tls(url),
     )
     return aioredis.Redis(connection_pool=pool)
 

@@ -264,12 +264,15 @@ def _queue_new_job(
     pipe: Pipeline[bytes] | aioredis.client.Pipeline[bytes],
     job_id: str,
     new: NewJob,
-    fields: dict[str | bytes, str | bytes | float | int],
     ttl_s: int,
+    max_record_bytes: int,
 ) -> tuple[int, HandOffCall | None]:
     """Queue a new job's transaction into `pipe` (sync or asyncio: commands only queue): its record, its places
     in the watch list and its tenant's indexes, `required`, its hand-off (with a request), `also`, and the read of
-    its record, last. How many commands come before the hand-off, and the hand-off script's call, if queued."""
+    its record, last (a record over `max_record_bytes` is refused first, nothing queued). How many commands come
+    before the hand-off, and the hand-off script's call, if queued."""
+    fields = new.fields()
+    _check_size(fields, max_record_bytes)
     deadline, accepted, tenant = new.deadline, new.accepted, new.tenant
     pipe.hset(job_key(job_id), mapping=fields)
     pipe.expire(job_key(job_id), ttl_s)
@@ -336,10 +339,8 @@ class JobRepository:
         The tenant's in-flight slot for it (taken at admission, if its limit is on) is now held until the job ends,
         or at the latest until a grace period after its deadline. `LoopJobs.create` is its asyncio twin.
         """
-        fields = new.fields()
-        _check_size(fields, self.max_record_bytes)
         with self.redis.pipeline(transaction=True) as pipe:
-            written, hand_off = _queue_new_job(pipe, job_id, new, fields, self.ttl_s)
+            written, hand_off = _queue_new_job(pipe, job_id, new, self.ttl_s, self.max_record_bytes)
             results = pipe.execute(raise_on_error=False)
         created, alone = _created(job_id, results, new, written, hand_off)
         for need in alone:
@@ -544,10 +545,8 @@ class LoopJobs:
 
     async def create(self, job_id: str, new: NewJob) -> Job:
         """`JobRepository.create`, on the loop: the new job, as written."""
-        fields = new.fields()
-        _check_size(fields, self.max_record_bytes)
         async with self.redis.pipeline(transaction=True) as pipe:
-            written, hand_off = _queue_new_job(pipe, job_id, new, fields, self.ttl_s)
+            written, hand_off = _queue_new_job(pipe, job_id, new, self.ttl_s, self.max_record_bytes)
             results = await pipe.execute(raise_on_error=False)
         created, alone = _created(job_id, results, new, written, hand_off)
         for need in alone:  # the store forgot its scripts (after a restart): rare, and the writes are synchronous
