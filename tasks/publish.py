@@ -90,10 +90,14 @@ class DirectPublisher:
         channel.basic_publish(message, "", queue, _publish_batch=batch)
         if not batch.commands:  # a kombu without the seam would have pushed it itself: none would be queued
             raise RuntimeError("kombu's channel queued no command for the message")
-        async with client.pipeline(transaction=False) as pipe:
-            for command, args in batch.commands:
-                getattr(pipe, command)(*args)
-            await pipe.execute()
+        if len(batch.commands) == 1:  # the usual push, one `LPUSH`: a pipeline would only cost its own setup
+            command, args = batch.commands[0]
+            await getattr(client, command)(*args)
+        else:
+            async with client.pipeline(transaction=False) as pipe:
+                for command, args in batch.commands:
+                    getattr(pipe, command)(*args)
+                await pipe.execute()
         sent()
         return task_id
 

@@ -159,8 +159,36 @@ return redis.call('HGETALL', KEYS[1])
 """
 )
 
-#: The hand-off script's SHA-1, as redis-py's `Script` names it (a new job's transaction calls it by it).
-_HAND_OFF_SHA = hashlib.sha1(_HAND_OFF.encode()).hexdigest()  # the name Redis gives a script
+# A new job, in one step: its record, its place on the reaper's watch list and in its tenant's indexes, its count;
+# with a model request (a job that skips preprocessing), its hand-off to inference as `_HAND_OFF` makes it (a record
+# just made has nothing for that script to check); the record as written. One command where each of these was
+# one of the transaction's: a redis-py transaction reads and parses every command's answer on its own, and on a
+# loaded API that cost three times the commands themselves.
+# KEYS: the record, the watch list, the tenant's jobs and listing, the counts[, the request].
+# ARGV: ttl, first look, in-flight until, accepted, the listing's oldest kept, id, 2 × fields, fields…
+#       [, the request, now, the hand-off's channel].
+_CREATE = """
+local job, ttl, id, n = KEYS[1], ARGV[1], ARGV[6], tonumber(ARGV[7])
+redis.call('HSET', job, unpack(ARGV, 8, 7 + n))
+redis.call('EXPIRE', job, ttl)
+redis.call('ZADD', KEYS[2], ARGV[2], id)
+redis.call('ZADD', KEYS[3], 'XX', ARGV[3], id)
+redis.call('ZADD', KEYS[4], ARGV[4], id)  -- the listing: entries older than the records go, the index with its last
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[5])
+redis.call('EXPIRE', KEYS[4], ttl)
+redis.call('HINCRBY', KEYS[5], 'accepted', 1)
+if KEYS[6] then
+  local now = ARGV[9 + n]
+  redis.call('SET', KEYS[6], ARGV[8 + n], 'EX', ttl)
+  redis.call('HSETNX', job, 'ts:started', now)
+  redis.call('HSET', job, 'ts:preprocessed', now, 'status', 'inferring')
+  redis.call('ZADD', KEYS[2], 'XX', now, id)
+  redis.call('PUBLISH', ARGV[10 + n], '')
+end
+return redis.call('HGETALL', job)
+"""
+#: The new-job script's SHA-1, as redis-py's `Script` names it (a new job's transaction calls it by it).
+_CREATE_SHA = hashlib.sha1(_CREATE.encode()).hexdigest()  # the name Redis gives a script
 
 HandOff = Literal["ok", "stale", "done"]
 #: Another repository's commands, queued onto a transaction of this one's (so that both go in one round trip).
@@ -257,7 +285,8 @@ class NewJob:
         return fields
 
 
-HandOffCall = tuple[list[str], list[Any]]
+#: A script's keys and arguments.
+ScriptCall = tuple[list[str], list[Any]]
 
 
 def _queue_new_job(
@@ -266,49 +295,41 @@ def _queue_new_job(
     new: NewJob,
     ttl_s: int,
     max_record_bytes: int,
-) -> tuple[int, HandOffCall | None]:
-    """Queue a new job's transaction into `pipe` (sync or asyncio: commands only queue): its record, its places
-    in the watch list and its tenant's indexes, `required`, its hand-off (with a request), `also`, and the read of
-    its record, last (a record over `max_record_bytes` is refused first, nothing queued). How many commands come
-    before the hand-off, and the hand-off script's call, if queued."""
+) -> ScriptCall:
+    """Queue a new job's transaction into `pipe` (sync or asyncio: commands only queue): the new-job script (its
+    record, its places in the watch list and its tenant's indexes, its hand-off with a request, the record read
+    back), then `required`, then `also` (a record over `max_record_bytes` is refused first, nothing queued). The
+    script's call, to make it again on its own."""
     fields = new.fields()
     _check_size(fields, max_record_bytes)
     deadline, accepted, tenant = new.deadline, new.accepted, new.tenant
-    pipe.hset(job_key(job_id), mapping=fields)
-    pipe.expire(job_key(job_id), ttl_s)
-    pipe.zadd(ACTIVE_KEY, {job_id: min(deadline.preprocess_by, new.look_at or deadline.preprocess_by)})
-    pipe.zadd(tenant_jobs_key(tenant), {job_id: deadline.at + IN_FLIGHT_GRACE_S}, xx=True)
-    # The tenant's listing: entries older than the records themselves go, the index with its last job.
-    pipe.zadd(tenant_index_key(tenant), {job_id: accepted})
-    pipe.zremrangebyscore(tenant_index_key(tenant), "-inf", accepted - ttl_s)
-    pipe.expire(tenant_index_key(tenant), ttl_s)
-    pipe.hincrby(JOB_COUNTS_KEY, "accepted", 1)
+    keys = [job_key(job_id), ACTIVE_KEY, tenant_jobs_key(tenant), tenant_index_key(tenant), JOB_COUNTS_KEY]
+    first_look = min(deadline.preprocess_by, new.look_at or deadline.preprocess_by)
+    args: list[Any] = [ttl_s, repr(first_look), repr(deadline.at + IN_FLIGHT_GRACE_S), repr(accepted)]
+    args += [repr(accepted - ttl_s), job_id, 2 * len(fields), *(x for pair in fields.items() for x in pair)]
+    if new.request is not None:
+        keys.append(tokens_key(job_id))
+        args += [new.request.to_json(), repr(time.time()), handed_off_channel(job_id)]
+    pipe.evalsha(_CREATE_SHA, len(keys), *keys, *args)
     for need in new.required:
         need.queue(pipe)  # type: ignore[arg-type]  # a queued write only queues, on either kind of pipeline
-    written = len(pipe)
-    hand_off = _hand_off_call(job_id, new.request, None, ttl_s) if new.request is not None else None
-    if hand_off is not None:  # EVALSHA straight in, as in finish_many; NOSCRIPT is answered by the caller
-        pipe.evalsha(_HAND_OFF_SHA, len(hand_off[0]), *hand_off[0], *hand_off[1])
     for queue in new.also:
         queue(pipe)  # type: ignore[arg-type]
-    pipe.hgetall(job_key(job_id))
-    return written, hand_off
+    return keys, args
 
 
-def _created(
-    job_id: str, results: list[Any], new: NewJob, written: int, hand_off: HandOffCall | None
-) -> tuple[Job | None, list[Required]]:
-    """The new job from its transaction's answers (`_queue_new_job`: `written` commands before the hand-off), and
-    the required writes to make again on their own (the store answered NOSCRIPT: it forgot its scripts). The job
-    is None when the hand-off was answered NOSCRIPT: the caller hands it over on its own (which loads the script)
-    and reads the job. Errors are raised."""
-    alone = _settle(results[:written], new.required)
-    handed = results[written] if hand_off is not None else None
-    if isinstance(handed, NoScriptError):
+def _created(job_id: str, results: list[Any], new: NewJob) -> tuple[Job | None, list[Required]]:
+    """The new job from its transaction's answers (`_queue_new_job`), and the required writes to make again on
+    their own (the store answered NOSCRIPT: it forgot its scripts). The job is None when the new-job script was
+    answered NOSCRIPT: the caller makes it on its own (which loads the script). Errors are raised; `also`'s are
+    theirs."""
+    made = results[0]
+    alone = _settle(results[1 : 1 + len(new.required)], new.required)
+    if isinstance(made, NoScriptError):
         return None, alone
-    if isinstance(handed, Exception):
-        raise handed
-    return job_from_fields(job_id, results[-1]), alone
+    if isinstance(made, Exception):
+        raise made
+    return job_from_fields(job_id, _pairs(made)), alone
 
 
 class JobRepository:
@@ -319,6 +340,7 @@ class JobRepository:
         self.ttl_s = ttl_s
         self.max_record_bytes = max_record_bytes
         self._put_input = client.register_script(_PUT_INPUT)
+        self._create = client.register_script(_CREATE)
         self._hand_off = client.register_script(_HAND_OFF)
         self._finish = client.register_script(_FINISH)
         self._watch = client.register_script(_WATCH)
@@ -340,15 +362,13 @@ class JobRepository:
         or at the latest until a grace period after its deadline. `LoopJobs.create` is its asyncio twin.
         """
         with self.redis.pipeline(transaction=True) as pipe:
-            written, hand_off = _queue_new_job(pipe, job_id, new, self.ttl_s, self.max_record_bytes)
+            keys, args = _queue_new_job(pipe, job_id, new, self.ttl_s, self.max_record_bytes)
             results = pipe.execute(raise_on_error=False)
-        created, alone = _created(job_id, results, new, written, hand_off)
+        created, alone = _created(job_id, results, new)
         for need in alone:
             need.alone()
-        if created is None and hand_off is not None:  # the store forgot its scripts: this loads it
-            self._hand_off(keys=hand_off[0], args=hand_off[1])
-            return job_from_fields(job_id, self.redis.hgetall(job_key(job_id)))
-        assert created is not None
+        if created is None:  # the store forgot its scripts: this loads it
+            created = job_from_fields(job_id, _pairs(self._create(keys=keys, args=args)))
         return created
 
     def delete_job(self, job_id: str) -> None:
@@ -541,20 +561,18 @@ class LoopJobs:
         self.ttl_s = ttl_s
         self.max_record_bytes = max_record_bytes
         self._watch = client.register_script(_WATCH)
-        self._hand_off = client.register_script(_HAND_OFF)
+        self._create = client.register_script(_CREATE)
 
     async def create(self, job_id: str, new: NewJob) -> Job:
         """`JobRepository.create`, on the loop: the new job, as written."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            written, hand_off = _queue_new_job(pipe, job_id, new, self.ttl_s, self.max_record_bytes)
+            keys, args = _queue_new_job(pipe, job_id, new, self.ttl_s, self.max_record_bytes)
             results = await pipe.execute(raise_on_error=False)
-        created, alone = _created(job_id, results, new, written, hand_off)
+        created, alone = _created(job_id, results, new)
         for need in alone:  # the store forgot its scripts (after a restart): rare, and the writes are synchronous
             await asyncio.to_thread(need.alone)
-        if created is None and hand_off is not None:
-            await self._hand_off(keys=hand_off[0], args=hand_off[1])
-            return job_from_fields(job_id, await self.redis.hgetall(job_key(job_id)))
-        assert created is not None
+        if created is None:
+            created = job_from_fields(job_id, _pairs(await self._create(keys=keys, args=args)))
         return created
 
     async def load_job(self, job_id: str) -> Job | None:
