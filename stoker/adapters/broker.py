@@ -32,8 +32,8 @@ class RedisQoS(kombu_redis.QoS):
     `HDEL`), each in a transaction of its own: two round trips per message, and kombu has no ack of many on this
     transport (the virtual channel ignores `multiple`). Celery takes messages and acks them on its event loop (a
     task's ack is a callback the loop runs), so what one round of the loop takes and acks (a message, and a written
-    batch's acks, in the inference consumer) is gathered here and written in one transaction at the end of that
-    round (`RedisTransport`'s tick): the takes first, then kombu's own removal step for each ack.
+    batch's acks, in the inference consumer) is gathered here and written at the end of that
+    round (`RedisTransport`'s tick), in one script (`_GATHERED`): the takes first, then each ack's removal.
 
     - Until its round ends, a message just taken is in this process only, as it is in kombu between its `BRPOP` and
       its `ZADD`: a death then loses it either way. The round is one pass of the loop, a few hundred microseconds.
@@ -87,18 +87,38 @@ class RedisQoS(kombu_redis.QoS):
     def _write(self, taken: list[tuple[Any, Any]], acked: list[Any]) -> None:
         if not taken and not acked:
             return
+        args: list[Any] = [repr(time.time()), len(taken)]
+        for message, tag in taken:
+            route = (message.delivery_info["exchange"], message.delivery_info["routing_key"])
+            args += [tag, dumps([message._raw, *route])]  # type: ignore[no-untyped-call]
+        args += acked
         try:
-            with self.pipe_or_acquire() as pipe:
-                now = time.time()
-                for message, tag in taken:
-                    route = (message.delivery_info["exchange"], message.delivery_info["routing_key"])
-                    pipe.zadd(self.unacked_index_key, {tag: now})
-                    pipe.hset(self.unacked_key, tag, dumps([message._raw, *route]))  # type: ignore[no-untyped-call]
-                for tag in acked:
-                    self._remove_from_indices(tag, pipe)  # type: ignore[no-untyped-call]
-                pipe.execute()
+            client = self.channel._create_client()  # the channel's one client over its current pool
+            script = self.__dict__.get("_gathered")
+            if script is None:
+                script = self.__dict__["_gathered"] = client.register_script(_GATHERED)
+            script(keys=[self.unacked_index_key, self.unacked_key], args=args, client=client)
         except Exception as exc:  # takes unwritten: lost only if this process dies before they end; acks: below
             log.warning("could not write %d takes and %d acks to the unacked index: %s", len(taken), len(acked), exc)
+
+
+# A round's takes into kombu's unacked index and its acks out of it, in one step: each take as kombu's `append`
+# writes it (`ZADD` of its tag, now; `HSET` of the message and its route under the tag), each ack as kombu's
+# `_remove_from_indices` removes it (`ZREM`, `HDEL`). One command where a transaction of four had each command's
+# answer read and parsed on its own: the inference worker's event loop writes this once per round.
+# KEYS: the unacked index, the unacked hash. ARGV: now, takes (n), n × (tag, message), acked tags…
+_GATHERED = """
+local n = tonumber(ARGV[2])
+for i = 3, 1 + 2 * n, 2 do
+  redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+for i = 3 + 2 * n, #ARGV do
+  redis.call('ZREM', KEYS[1], ARGV[i])
+  redis.call('HDEL', KEYS[2], ARGV[i])
+end
+return 1
+"""
 
 
 class RedisChannel(kombu_redis.Channel):
