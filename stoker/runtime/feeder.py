@@ -105,8 +105,14 @@ class Feeder:
         self._prepared: list[BatchItem] = []
         self._running: list[BatchItem] = []
         self._writing: Queue[tuple[RanBatch | None, list[BatchItem], BaseException | None]] = Queue(maxsize=1)
-        #: Small writes the device thread must not wait for: batch starts to stamp, expired jobs to end.
-        self._errands: Queue[tuple[list[BatchItem], list[BatchItem], list[BatchItem], float, DeviceTurn]] = Queue()
+        #: Small writes the device thread must not wait for (`_run_errands`), under a lock of their own: the batch on
+        #: the device (its items, when it started, its turn), whose start is stamped if it runs long; jobs that
+        #: expired or were cancelled before it started (to end or let go of, when it started).
+        self._errand = threading.Condition()
+        self._on_device: tuple[list[BatchItem], float, DeviceTurn] | None = None
+        self._unready: list[tuple[list[BatchItem], list[BatchItem], float]] = []
+        #: The errands thread sleeps with nothing to wake for: the next batch wakes it (no other does).
+        self._errands_idle = False
         #: Jobs cancelled anywhere lately (id → when heard), from the store's announcements.
         self._cancelled: dict[str, float] = {}
         self._written: list[BatchItem] = []
@@ -159,6 +165,8 @@ class Feeder:
         watchdog already ended its jobs."""
         self._stopping.set()
         self._beat_now.set()
+        with self._errand:
+            self._errand.notify()
         with self._lock:
             running = [i.message for i in self._running + self._written if i.message is not None]
             others = [r for _, r in self._waiting.values()] + [i.message for i in self._prepared if i.message]
@@ -346,7 +354,12 @@ class Feeder:
             self._wake(self._to_collect, self._to_take_lines)  # room to prepare the next one
         late = [i for i in wanted if i not in items]  # their deadline passed while they waited for the device
         turn = DeviceTurn()
-        self._errands.put((items, late, dropped, now, turn))
+        with self._errand:
+            self._on_device = (items, now, turn) if items else None
+            if late or dropped:
+                self._unready.append((late, dropped, now))
+            if late or dropped or (items and self._errands_idle):
+                self._errand.notify()
         return items, gap, turn
 
     # -- the writer ---------------------------------------------------------------------------------------------
@@ -375,17 +388,44 @@ class Feeder:
     def _run_errands(self) -> None:
         """End the jobs whose deadline passed before the device was free (never computed), and mark those whose
         batch is still running STAMP_AFTER_S after it started (`ts:infer_start`: the reaper leaves a job on the
-        device alone, and readers count the device busy). A batch that ends sooner is stamped with its results."""
-        started, late, dropped, at, turn = self._errands.get()
-        for item in late:
-            expire(self.ctx, item.job_id, at)
-            if item.message is not None:
-                self._done_with(item.message)
-        for item in dropped:  # cancelled: already ended, nothing to write
-            if item.message is not None:
-                self._done_with(item.message)
-        if started and not turn.ended.wait(max(at + STAMP_AFTER_S - time.time(), 0.0)):
-            self._stamp_start(started, at, turn)
+        device alone, and readers count the device busy). A batch that ends sooner is stamped with its results.
+
+        Woken by a batch only when it sleeps with nothing to wake for, or for jobs to end: while batches follow
+        each other, it wakes when the one on the device is due a stamp, at most every STAMP_AFTER_S, not once
+        per batch (a wake-up per batch cost a fast device's consumer two thread switches per job)."""
+        with self._errand:
+            while True:
+                if self._stopping.is_set():
+                    return
+                unready, self._unready = self._unready, []
+                due = self._stamp_due(time.time())
+                if unready or due is not None:
+                    break
+                on_device = self._on_device
+                self._errands_idle = on_device is None
+                self._errand.wait(None if on_device is None else on_device[1] + STAMP_AFTER_S - time.time())
+                self._errands_idle = False
+        for late, dropped, at in unready:
+            for item in late:
+                expire(self.ctx, item.job_id, at)
+                if item.message is not None:
+                    self._done_with(item.message)
+            for item in dropped:  # cancelled: already ended, nothing to write
+                if item.message is not None:
+                    self._done_with(item.message)
+        if due is not None:
+            self._stamp_start(*due)
+
+    def _stamp_due(self, now: float) -> tuple[list[BatchItem], float, DeviceTurn] | None:
+        """The batch on the device, once it is due its start stamp (called holding the errands' lock): taken, so
+        it is stamped once. One that ended is forgotten: its results carry its stamps."""
+        on_device = self._on_device
+        if on_device is not None and on_device[2].ended.is_set():
+            self._on_device = on_device = None
+        if on_device is None or on_device[1] + STAMP_AFTER_S > now:
+            return None
+        self._on_device = None
+        return on_device
 
     def _stamp_start(self, started: list[BatchItem], at: float, turn: DeviceTurn) -> None:
         """The start of a batch still on the device, in one round trip (unless it ended meanwhile: then its results

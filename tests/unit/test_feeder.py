@@ -20,6 +20,7 @@ from stoker.adapters.store.jobs import Ending, Pending, Queued
 from stoker.core.batching import BatchPolicy
 from stoker.core.jobs import ErrorInfo, Job
 from stoker.core.model import Continued, ModelRequest, Prediction
+from stoker.runtime.batches import BatchItem
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.feeder import STAMP_AFTER_S, Feeder
 from stoker.runtime.watchdog import BatchWatchdog
@@ -495,7 +496,7 @@ def test_an_idle_consumer_beats_less_and_less_often_and_at_once_when_jobs_come()
 class CountingCondition(threading.Condition):
     """A condition that counts the times it was notified (`notify_all` notifies through `notify`)."""
 
-    def __init__(self, lock: threading.RLock) -> None:
+    def __init__(self, lock: threading.RLock | None = None) -> None:
         super().__init__(lock)
         self.notified = 0
 
@@ -515,6 +516,39 @@ def test_an_arrival_wakes_the_collector_alone() -> None:
     feeder.add([_line("c")])
     # Nothing the device or the line taker waits for changed: only the collector has work
     assert {name: c.notified for name, c in conditions.items()} == {"_to_collect": 2, "_to_run": 0, "_to_take_lines": 0}
+
+
+def test_a_batch_wakes_the_errands_thread_only_when_it_sleeps_with_nothing_to_wake_for() -> None:
+    """While batches follow each other, the errands thread sleeps until the one on the device is due its start
+    stamp: a batch wakes it only from a sleep with no end (or with jobs to end), not once per batch."""
+    ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=MemoryStore(), predictor=GatedPredictor())
+    watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
+    feeder = Feeder(ctx, BatchPolicy(max_batch_size=1, max_batch_tokens=100, max_wait_s=0.0), watchdog)
+    feeder._errand = errand = CountingCondition()
+
+    def next_batch(job_id: str, deadline: float | None = None) -> None:
+        feeder._prepared.append(BatchItem(job_id, _pending(job_id, deadline), FakeMessage(job_id), time.time()))
+        feeder._next_batch()
+
+    feeder._errands_idle = True  # asleep with nothing on the device
+    next_batch("a")
+    assert errand.notified == 1
+    feeder._errands_idle = False  # asleep until a's stamp is due: b's is later, the sleep ends in time
+    next_batch("b")
+    assert errand.notified == 1
+    next_batch("late", deadline=time.time() - 1)
+    assert errand.notified == 2  # a job to end: at once
+
+    feeder._on_device = None
+    next_batch("c")
+    assert feeder._on_device is not None
+    items, at, turn = feeder._on_device
+    assert feeder._stamp_due(at + STAMP_AFTER_S / 2) is None  # not yet
+    assert feeder._stamp_due(at + STAMP_AFTER_S) == (items, at, turn)
+    assert feeder._stamp_due(at + 2 * STAMP_AFTER_S) is None  # stamped once
+    next_batch("d")
+    feeder._on_device[2].end()
+    assert feeder._stamp_due(time.time() + STAMP_AFTER_S) is None  # ended first: its results carry its stamps
 
 
 def test_an_interactive_request_goes_before_the_prepared_batch_lines_in_a_batch_of_its_own(
