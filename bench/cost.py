@@ -9,7 +9,8 @@ tree): text-only jobs through `POST /v1/jobs` and a long-poll, the same in one r
 cached-image jobs (one image and one prompt, both in the cache after the first), and chat completions. For each
 kind of job it reads the user + system CPU time of every process in the stack's tree from /proc before and after
 (children that exited are counted in their parent's cutime/cstime) and divides by the jobs answered, and counts
-the commands the stack's Valkey ran per job and the round trips every process made to it (the reads it served);
+the commands the stack's Valkey ran per job, the round trips every process made to it (the reads it served) and
+the times a thread of the stack went to sleep (voluntary context switches: each is a wake-up to pay for later);
 then the stack's idle cost over `--idle-s`, in cores per process kind. With py-spy installed (`pip install
 py-spy`), the API and the inference worker are sampled under load (text-only unless `--profile-case` names
 another case), and the functions they spend their CPU in are listed.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import re
@@ -122,6 +124,20 @@ def cpu_by_kind(root: int) -> dict[str, float]:
         kind = kind_of(proc.cmdline)
         totals[kind] = totals.get(kind, 0.0) + proc.cpu_s
     return totals
+
+
+def sleeps(root: int) -> int:
+    """Voluntary context switches so far of every thread of every process in the tree (a thread that blocks: on
+    a socket, a lock, a condition, the GIL): each costs a wake-up later, which on a virtual machine may cost a
+    switch through the hypervisor. A count, so it moves with what the stack does per job, not with the host."""
+    total = 0
+    for proc in tree(root):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for task in os.listdir(f"/proc/{proc.pid}/task"):
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    status = Path(f"/proc/{proc.pid}/task/{task}/status").read_text()
+                    total += int(status.split("voluntary_ctxt_switches:", 1)[1].split()[0])
+    return total
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -333,10 +349,10 @@ def measure(stack: Stack, name: str, send: Send, jobs: int, clients: int) -> dic
         stack.base
     )  # warm: first-of-a-kind costs (cache fill, imports)
     time.sleep(1.0)
-    before, (commands, reads) = cpu_by_kind(stack.proc.pid), stack.valkey_counts()
+    before, (commands, reads), slept = cpu_by_kind(stack.proc.pid), stack.valkey_counts(), sleeps(stack.proc.pid)
     load = Load(send, jobs, clients, stack.headers)
     wall = load.run(stack.base)
-    spent = delta(before, cpu_by_kind(stack.proc.pid))
+    spent, slept = delta(before, cpu_by_kind(stack.proc.pid)), sleeps(stack.proc.pid) - slept
     commands_after, reads_after = stack.valkey_counts()
     commands, reads = commands_after - commands, reads_after - reads
     per_job = {k: round(v * 1000 / max(load.ok, 1), 2) for k, v in spent.items()}
@@ -350,6 +366,7 @@ def measure(stack: Stack, name: str, send: Send, jobs: int, clients: int) -> dic
         "stack_ms_per_job": round(sum(per_job.values()), 2),
         "valkey_commands_per_job": round(commands / max(load.ok, 1), 1),
         "valkey_round_trips_per_job": round(reads / max(load.ok, 1), 1),
+        "thread_sleeps_per_job": round(slept / max(load.ok, 1), 1),
     }
 
 
@@ -539,6 +556,10 @@ def markdown(rows: list[dict[str, Any]], idle_cores: dict[str, float], idle_s: f
     lines.append("| Valkey commands per job (every process's) | " + " | ".join(commands) + " | |")
     trips = [f"{r['valkey_round_trips_per_job']:.1f}" for r in rows]
     lines.append("| Valkey round trips per job (the reads it served, every process's) | " + " | ".join(trips) + " | |")
+    slept = [f"{r['thread_sleeps_per_job']:.1f}" for r in rows]
+    lines.append(
+        "| thread sleeps per job (voluntary context switches, every process's threads) | " + " | ".join(slept) + " | |"
+    )
     rates = [f"{r['jobs']} jobs, {r['jobs_per_s']}/s" for r in rows]
     lines.append("| (answered, closed loop) | " + " | ".join(rates) + " | |")
     return "\n".join(lines)
