@@ -51,6 +51,7 @@ class RedisQoS(kombu_redis.QoS):
         self._taken: list[tuple[Any, Any]] = []
         self._acked: list[Any] = []
         self._gathering = threading.Lock()
+        self._gathered: Any = None  # the script that writes them (`_GATHERED`), registered on first use
 
     def _on_loop(self) -> bool:
         return threading.get_ident() == getattr(self.channel.connection, "loop_thread", None)
@@ -94,10 +95,9 @@ class RedisQoS(kombu_redis.QoS):
         args += acked
         try:
             client = self.channel._create_client()  # the channel's one client over its current pool
-            script = self.__dict__.get("_gathered")
-            if script is None:
-                script = self.__dict__["_gathered"] = client.register_script(_GATHERED)
-            script(keys=[self.unacked_index_key, self.unacked_key], args=args, client=client)
+            if self._gathered is None:
+                self._gathered = client.register_script(_GATHERED)
+            self._gathered(keys=[self.unacked_index_key, self.unacked_key], args=args, client=client)
         except Exception as exc:  # takes unwritten: lost only if this process dies before they end; acks: below
             log.warning("could not write %d takes and %d acks to the unacked index: %s", len(taken), len(acked), exc)
 
