@@ -177,15 +177,17 @@ class Stack:
 
 
 @contextmanager
-def stoker_up(env_extra: dict[str, str], auth: bool = False) -> Iterator[Stack]:
+def stoker_up(env_extra: dict[str, str], auth: bool = False, root: Path = ROOT) -> Iterator[Stack]:
     """`stoker up` on free ports with an embedded Valkey (its broker URL names a port nothing listens on); with
     `auth`, API keys on as in production (`STOKER_AUTH`), the limits too high to refuse anything, and one key's
-    header sent with every request."""
+    header sent with every request. `root`: the checkout whose code the stack runs (another commit's worktree)."""
     port, flower = free_port(), free_port()
     scratch = Path(tempfile.mkdtemp(prefix="stoker-cost-"))
     nothing = f"redis://127.0.0.1:{free_port()}"
     env = {
         **os.environ,
+        # its processes import this checkout's code, not the installed one
+        "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p),
         "STOKER_BROKER_URL": f"{nothing}/0",
         "STOKER_RESULT_URL": f"{nothing}/1",
         "STOKER_CACHE_URL": f"{nothing}/2",
@@ -199,7 +201,7 @@ def stoker_up(env_extra: dict[str, str], auth: bool = False) -> Iterator[Stack]:
     argv += ["--metrics-port", "0"]  # several stacks may run on this machine: no fixed ports
     log = scratch / "stack.log"
     with log.open("wb") as handle:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=root, env=env, stdout=handle, stderr=subprocess.STDOUT)
     stack = Stack(proc, f"http://127.0.0.1:{port}", log, scratch)
     try:
         _wait_ready(stack)

@@ -7,6 +7,10 @@ import random
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
+from bench.costpair import Tally
+from bench.costpair import markdown as pair_table
 from bench.drive import Outcome, Run, Sample
 from bench.pool import pool
 from bench.report import busy_series, compare, markdown, percentile, ratio_intervals, ratios, refusal, summarise
@@ -182,3 +186,15 @@ def test_pooled_runs_are_refused_when_any_one_of_them_would_have_been() -> None:
     assert "1.6x the pipeline's 0.5" in pair["refused"]
     assert pair["ratios"]["p50_s"] is None
     assert pair["intervals"] == {}
+
+
+def test_a_paired_cost_run_sums_every_burst_before_it_divides_by_the_jobs() -> None:
+    before, after = Tally(), Tally()
+    before.add({"API": 0.010, "Valkey": 0.002}, sleeps=50, jobs=4)
+    before.add({"API": 0.020, "inference worker": 0.004}, sleeps=30, jobs=6)
+    after.add({"API": 0.015}, sleeps=20, jobs=10)
+    # every burst's CPU and sleeps summed, then divided by all their jobs: not the mean of the bursts' own means
+    expected = {"API": 3.0, "Valkey": 0.2, "inference worker": 0.4, "stack": 3.6, "sleeps": 8.0}
+    assert before.per_job() == pytest.approx(expected)
+    table = pair_table({"text": {"before": before, "after": after}}, "abc123")
+    assert "| text | 3.00 → 1.50 | 0.40 → 0.00 | 0.20 → 0.00 | 3.60 → 1.50 | 8.0 → 2.0 | 10 / 10 |" in table
