@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -86,12 +87,14 @@ def markdown(tallies: dict[str, dict[str, Tally]], before: str) -> str:
 @contextmanager
 def worktree(rev: str) -> Iterator[Path]:
     """The commit `rev` checked out in a temporary worktree of this repository, removed after."""
-    path = Path(tempfile.mkdtemp(prefix="stoker-costpair-")) / "tree"
+    scratch = Path(tempfile.mkdtemp(prefix="stoker-costpair-"))
+    path = scratch / "tree"
     subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True, capture_output=True)
     try:
         yield path
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, check=False, capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def burst(stack: Stack, send: Send, jobs: int, clients: int) -> tuple[dict[str, float], int, int]:
