@@ -372,6 +372,21 @@ def measure(stack: Stack, name: str, send: Send, jobs: int, clients: int) -> dic
     }
 
 
+def cases_for(stack: Stack) -> dict[str, Send]:
+    """Every case by its name (`--cases`), the chats for the model the stack serves."""
+    with httpx.Client(base_url=stack.base, timeout=10, headers=stack.headers) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+    return {
+        "text": text_job,
+        "text-wait": text_job_waited,
+        "image": image_job,
+        "image-wait": image_job_waited,
+        "chat": chat_job(model),
+        "chat-image": chat_image_job(model),
+        "post": post_only,
+    }
+
+
 def post_only(http: httpx.Client, n: int) -> bool:
     """A text-only job through `POST /v1/jobs`, not waited for: the admission path alone."""
     return http.post("/v1/jobs", data=_question(n)).status_code == 202
@@ -637,17 +652,7 @@ def main() -> None:
     started = time.monotonic()
     base_ms, per_item_ms = args.device_ms.split(",")
     with stoker_up({"STOKER_SIM_BASE_MS": base_ms, "STOKER_SIM_PER_ITEM_MS": per_item_ms}, args.auth) as stack:
-        with httpx.Client(base_url=stack.base, timeout=10, headers=stack.headers) as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
-        cases: dict[str, Send] = {
-            "text": text_job,
-            "text-wait": text_job_waited,
-            "image": image_job,
-            "image-wait": image_job_waited,
-            "chat": chat_job(model),
-            "chat-image": chat_image_job(model),
-            "post": post_only,
-        }
+        cases = cases_for(stack)
         wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
         rows = [measure(stack, name, cases[name], args.jobs, args.clients) for name in wanted]
         idle_cores = idle(stack, args.idle_s)

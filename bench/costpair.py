@@ -25,7 +25,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 
 from bench.cost import (
@@ -33,15 +32,11 @@ from bench.cost import (
     Load,
     Send,
     Stack,
-    chat_job,
+    cases_for,
     cpu_by_kind,
     delta,
-    image_job,
-    image_job_waited,
     sleeps,
     stoker_up,
-    text_job,
-    text_job_waited,
 )
 
 RESULTS = ROOT / "bench" / "results"
@@ -122,15 +117,7 @@ def main() -> None:
             "before": stack.enter_context(stoker_up({}, args.auth, root=before)),
             "after": stack.enter_context(stoker_up({}, args.auth)),
         }
-        with httpx.Client(base_url=stacks["after"].base, timeout=10, headers=stacks["after"].headers) as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
-        kinds: dict[str, Send] = {
-            "text": text_job,
-            "text-wait": text_job_waited,
-            "image": image_job,
-            "image-wait": image_job_waited,
-            "chat": chat_job(model),
-        }
+        kinds = cases_for(stacks["after"])
         cases = {name: kinds[name] for name in (c.strip() for c in args.cases.split(",")) if name}
         for running in stacks.values():  # warm: first-of-a-kind costs (cache fill, imports)
             for send in cases.values():
