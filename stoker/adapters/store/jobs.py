@@ -76,20 +76,29 @@ return 1
 """
 )
 
+# Lua: a job's writes as it goes to inference: its request stored, its stamps and status, a new look by the
+# reaper (`_HAND_OFF` after its checks; `_CREATE` for a new job that skips preprocessing).
+_HAND_OVER = """
+local function hand_over(job, tokens, active, id, request, now, ttl, channel)
+  redis.call('SET', tokens, request, 'EX', ttl)
+  redis.call('HSETNX', job, 'ts:started', now)
+  redis.call('HSET', job, 'ts:preprocessed', now, 'status', 'inferring')
+  redis.call('ZADD', active, 'XX', now, id)  -- the reaper re-plans it now: redrive time, deadline
+  redis.call('PUBLISH', channel, '')  -- a chat waiting for its inputs to settle starts its answer now
+end
+"""
+
 # The one hand-over from preprocessing to inference. 'stale': a record changed since the prompt was built.
 _HAND_OFF = (
     TERMINAL_LUA
+    + _HAND_OVER
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'ts:preprocessed') == 1 then
   return 'done'
 end
 if TERMINAL[redis.call('HGET', KEYS[1], 'status')] then return 'done' end
 if ARGV[5] == '0' and (redis.call('HGET', KEYS[1], 'rev') or '0') ~= ARGV[1] then return 'stale' end
-redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
-redis.call('HSETNX', KEYS[1], 'ts:started', ARGV[3])
-redis.call('HSET', KEYS[1], 'ts:preprocessed', ARGV[3], 'status', 'inferring')
-redis.call('ZADD', KEYS[3], 'XX', ARGV[3], ARGV[6])  -- the reaper re-plans it now: redrive time, deadline
-redis.call('PUBLISH', ARGV[7], '')  -- a chat waiting for its inputs to settle starts its answer now
+hand_over(KEYS[1], KEYS[2], KEYS[3], ARGV[6], ARGV[2], ARGV[3], ARGV[4], ARGV[7])
 return 'ok'
 """
 )
@@ -160,14 +169,16 @@ return redis.call('HGETALL', KEYS[1])
 )
 
 # A new job, in one step: its record, its place on the reaper's watch list and in its tenant's indexes, its count;
-# with a model request (a job that skips preprocessing), its hand-off to inference as `_HAND_OFF` makes it (a record
-# just made has nothing for that script to check); the record as written. One command where each of these was
-# one of the transaction's: a redis-py transaction reads and parses every command's answer on its own, and on a
-# loaded API that cost three times the commands themselves.
+# with a model request (a job that skips preprocessing), its hand-off to inference (`hand_over`, as `_HAND_OFF`
+# hands over once its checks pass: a record just made has nothing to check); the record as written. One command
+# where each of these was one of the transaction's: a redis-py transaction reads and parses every command's answer
+# on its own, and on a loaded API that cost three times the commands themselves.
 # KEYS: the record, the watch list, the tenant's jobs and listing, the counts[, the request].
 # ARGV: ttl, first look, in-flight until, accepted, the listing's oldest kept, id, 2 × fields, fields…
 #       [, the request, now, the hand-off's channel].
-_CREATE = """
+_CREATE = (
+    _HAND_OVER
+    + """
 local job, ttl, id, n = KEYS[1], ARGV[1], ARGV[6], tonumber(ARGV[7])
 redis.call('HSET', job, unpack(ARGV, 8, 7 + n))
 redis.call('EXPIRE', job, ttl)
@@ -177,16 +188,10 @@ redis.call('ZADD', KEYS[4], ARGV[4], id)  -- the listing: entries older than the
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[5])
 redis.call('EXPIRE', KEYS[4], ttl)
 redis.call('HINCRBY', KEYS[5], 'accepted', 1)
-if KEYS[6] then
-  local now = ARGV[9 + n]
-  redis.call('SET', KEYS[6], ARGV[8 + n], 'EX', ttl)
-  redis.call('HSETNX', job, 'ts:started', now)
-  redis.call('HSET', job, 'ts:preprocessed', now, 'status', 'inferring')
-  redis.call('ZADD', KEYS[2], 'XX', now, id)
-  redis.call('PUBLISH', ARGV[10 + n], '')
-end
+if KEYS[6] then hand_over(job, KEYS[6], KEYS[2], id, ARGV[8 + n], ARGV[9 + n], ttl, ARGV[10 + n]) end
 return redis.call('HGETALL', job)
 """
+)
 #: The new-job script's SHA-1, as redis-py's `Script` names it (a new job's transaction calls it by it).
 _CREATE_SHA = hashlib.sha1(_CREATE.encode()).hexdigest()  # the name Redis gives a script
 
