@@ -159,8 +159,11 @@ def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: 
 
 
 def test_a_small_page_after_three_large_ones_is_read_before_them(client: TestClient, store_redis: redis.Redis) -> None:
-    large = [_submit(client, _dense_page(_tag())) for _ in range(3)]
-    small = _submit(client, text_image(f"SMALL {_tag()}"))
+    # Drawn beforehand, so they arrive back to back: drawing and encoding a page between two submissions gave the
+    # pool time to start the second large page's bands before the small one came.
+    pages, small_page = [_dense_page(_tag()) for _ in range(3)], text_image(f"SMALL {_tag()}")
+    large = [_submit(client, page) for page in pages]
+    small = _submit(client, small_page)
     for job_id in [*large, small]:
         assert _wait(client, job_id)["status"] == "succeeded"
     read_at = {j: float(store_redis.hget(job_key(j), "ts:preprocessed") or 0) for j in [*large, small]}
