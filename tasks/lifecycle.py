@@ -42,7 +42,7 @@ from stoker.adapters.metrics import serve_worker_metrics
 from stoker.adapters.rlimits import cap_address_space
 from stoker.adapters.tracing import instrument_celery, setup_tracing
 from stoker.core.batching import BatchPolicy
-from stoker.core.queues import SYNC_QUEUE
+from stoker.core.queues import INFER_QUEUE, SYNC_QUEUE
 from stoker.runtime.batches import fail_overdue
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.feeder import Feeder
@@ -179,7 +179,7 @@ def _start_device(ctx: WorkerContext, consume: bool) -> None:
         policy = BatchPolicy(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_s=s.max_wait_ms / 1000
         )
-        _process.feeder = Feeder(ctx, policy, dog, lines=ctx.batch_lines)
+        _process.feeder = Feeder(ctx, policy, dog, lines=ctx.batch_lines, intake=ctx.intake)
         _process.feeder.start()
 
 
@@ -217,7 +217,12 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
 
 
 def _on_after_setup(sender: str, instance: Any, **_: Any) -> None:
-    start(context(), set(instance.app.amqp.queues.consume_from or {}))
+    queues = set(instance.app.amqp.queues.consume_from or {})
+    if INFER_QUEUE in queues and context().intake is not None:
+        # On Redis the inference consumer reads its queue itself (`RedisIntake`), many messages per round trip:
+        # Celery's consumer leaves it alone (and consumes nothing else on an inference-only worker).
+        instance.app.amqp.queues.deselect([INFER_QUEUE])
+    start(context(), queues)
 
 
 def _on_child_start(**_: Any) -> None:

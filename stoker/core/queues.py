@@ -14,8 +14,10 @@ OCR_BANDS_QUEUE = "ocr_bands"
 #: interactive requests leave (`stoker.runtime.feeder`), so they never hold the prefetch an interactive request
 #: needs to reach the consumer while the device runs.
 INFER_BATCH_QUEUE = "infer_batch"
+#: Interactive jobs' inference messages.
+INFER_QUEUE = "infer"
 #: The queues inference messages wait in: interactive jobs', then batch lines'.
-INFER_QUEUES = ("infer", INFER_BATCH_QUEUE)
+INFER_QUEUES = (INFER_QUEUE, INFER_BATCH_QUEUE)
 #: Every queue stoker's workers consume, in pipeline order (celeryconfig routes tasks onto them).
 QUEUES = ("decode", "ocr", OCR_BANDS_QUEUE, "asr", "tokenize", *INFER_QUEUES)
 CPU_QUEUES = ("decode", "ocr", OCR_BANDS_QUEUE, "asr", "tokenize")

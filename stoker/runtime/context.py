@@ -23,7 +23,7 @@ from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.backends.tokenizer import PromptTokenizer, file_identity, load_prompt_tokenizer, load_tokenizer
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.backends.vlm import VisionEncoder, VisionLanguagePredictor, is_vision_language
-from stoker.adapters.broker import PulledQueue, redis_transport, stage_queue, transport_options
+from stoker.adapters.broker import PulledQueue, RedisIntake, redis_transport, stage_queue, transport_options
 from stoker.adapters.cache import StageCache
 from stoker.adapters.embeddings import EmbeddingCache, SharedEmbeddings
 from stoker.adapters.metrics import DeviceClock
@@ -40,9 +40,9 @@ from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_rgb, served_pi
 from stoker.core.media import ContentHash
 from stoker.core.model import Predictor
 from stoker.core.ocr import tesseract_version
-from stoker.core.queues import INFER_BATCH_QUEUE
+from stoker.core.queues import INFER_BATCH_QUEUE, INFER_QUEUE
 from stoker.core.urls import Allowlist
-from stoker.runtime.seams import LineSource, Outbox
+from stoker.runtime.seams import Intake, LineSource, Outbox
 from stoker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,23 @@ class WorkerContext:
             s.broker_url,
             stage_queue(s.broker_url, INFER_BATCH_QUEUE),
             transport=redis_transport(s.broker_url),
+            transport_options=transport_options(s.broker_url, s.visibility_timeout_s),
+            ssl=s.redis_tls(s.broker_url) or False,
+        )
+
+    @cached_property
+    def intake(self) -> Intake | None:
+        """Where the inference consumer takes interactive requests from on a Redis broker: straight from the queue's
+        lists, as many as it has room for per round trip (`RedisIntake`). None on RabbitMQ: there Celery's consumer
+        hands them over (`tasks.inference.Feed`)."""
+        s = self.settings
+        transport = redis_transport(s.broker_url)
+        if transport is None:
+            return None
+        return RedisIntake(
+            s.broker_url,
+            INFER_QUEUE,
+            transport=transport,
             transport_options=transport_options(s.broker_url, s.visibility_timeout_s),
             ssl=s.redis_tls(s.broker_url) or False,
         )

@@ -1,7 +1,9 @@
 """The pipeline's inference consumer: work-conserving and double-buffered, so the device never waits on Redis.
 
-celery-batches hands each inference message over the moment it arrives (`tasks.inference.Feed`, flush_every=1: no
-polling tick); three threads do the rest:
+On a Redis broker the **intake** thread takes interactive requests straight from their queue, as many as the
+consumer has room for (the prefetch) per round trip (`stoker.adapters.broker.RedisIntake`); on RabbitMQ
+celery-batches hands each message over the moment it arrives (`tasks.inference.Feed`, flush_every=1: no polling
+tick). Three threads do the rest:
 
 - the **collector** takes what waits into the next batch (arrival order; size and token budget; deadlines dropped)
   and loads its requests, one pipelined round trip per top-up, while the device runs the batch before;
@@ -44,7 +46,7 @@ from stoker.runtime.batches import (
     write_batch,
 )
 from stoker.runtime.context import WorkerContext
-from stoker.runtime.seams import LineSource, Message
+from stoker.runtime.seams import Intake, LineSource, Message
 from stoker.runtime.watchdog import BatchWatchdog
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ INTERACTIVE_QUIET_S = 2.0
 #: How long a batch runs before its jobs' `infer_start` stamps are written on their own (a shorter one's are written
 #: with its results: one round trip less per batch on a fast device).
 STAMP_AFTER_S = 0.05
+#: How long the intake waits for a message before it looks again (and writes the acks gathered meanwhile).
+INTAKE_BLOCK_S = 1.0
 #: Cancelled job ids kept in memory before the oldest are forgotten, and for how long at least.
 CANCELLED_KEPT = 4096
 CANCELLED_TTL_S = 600.0
@@ -73,6 +77,7 @@ class Feeder:
         beat_s: float = 1.0,
         lines: LineSource | None = None,
         interactive_quiet_s: float = INTERACTIVE_QUIET_S,
+        intake: Intake | None = None,
     ) -> None:
         self.ctx = ctx
         self.policy = policy
@@ -80,6 +85,9 @@ class Feeder:
         self.beat_s = beat_s
         #: Where batch lines are taken from (their own queue), into room interactive requests leave.
         self.lines = lines
+        #: Where interactive requests are taken from, up to `prefetch` held at once (None: handed over by Celery).
+        self.intake = intake
+        self.prefetch = ctx.settings.infer_prefetch
         self.line_batch = min(ctx.settings.line_batch_size, policy.max_batch_size)
         self._interactive_at: float | None = None  # when the last interactive request arrived
         self.interactive_quiet_s = interactive_quiet_s
@@ -133,6 +141,9 @@ class Feeder:
             log.warning("could not beat: %s", exc)
         now = time.time()
         with self._lock:
+            if self._stopping.is_set():  # handed back below: `give_back` has emptied what waits already
+                _hand_back_messages(requests)
+                return
             for request in requests:
                 self._waiting[request.id] = (as_waiting(request, now), request)
                 self._unheld.append(_job_of(request))
@@ -153,6 +164,8 @@ class Feeder:
         ]
         if self.lines is not None:
             loops.append(("lines", self._take_lines))
+        if self.intake is not None:
+            loops.append(("intake", self._take_arrivals))
         yield_to = getattr(self.ctx.predictor, "yield_to", None)
         if callable(yield_to):  # a backend whose calls can stop between decoding steps for waiting requests
             yield_to(self._interactive_waiting, self.policy.max_batch_size)
@@ -183,6 +196,8 @@ class Feeder:
             message.reject(requeue=True)
         if self.lines is not None:
             self.lines.close()
+        if self.intake is not None:
+            self.intake.close()
         self.ctx.store.consumers.leave(self.consumer)
 
     # -- the collector ------------------------------------------------------------------------------------------
@@ -261,6 +276,23 @@ class Feeder:
             if by_job.get(_job_of(message)) is not message or _job_of(message) not in loaded:
                 self._done_with(message)  # a duplicate, or a job that ended or expired
         return [replace(item, message=by_job[job_id]) for job_id, item in loaded.items()]
+
+    # -- the intake -------------------------------------------------------------------------------------------------
+    def _take_arrivals(self) -> None:
+        """Interactive requests, as many as wait and the prefetch has room for, in one round trip; while none
+        waits, the first to come (within INTAKE_BLOCK_S, then again)."""
+        assert self.intake is not None
+        held = self.intake.wait_below(self.prefetch, INTAKE_BLOCK_S)
+        if held >= self.prefetch or self._stopping.is_set():
+            return
+        try:
+            taken = self.intake.take(self.prefetch - held, INTAKE_BLOCK_S)
+        except Exception as exc:  # the broker is away: look again shortly
+            log.warning("cannot take inference requests: %s", exc)
+            self._stopping.wait(1.0)
+            return
+        if taken:
+            self.add(taken)
 
     # -- batch lines --------------------------------------------------------------------------------------------
     def _take_lines(self) -> None:
@@ -585,6 +617,9 @@ def _job_of(request: Message) -> str:
 
 
 def _hand_back(items: Sequence[BatchItem]) -> None:
-    for item in items:
-        if item.message is not None:
-            item.message.reject(requeue=True)
+    _hand_back_messages([item.message for item in items if item.message is not None])
+
+
+def _hand_back_messages(messages: Sequence[Message]) -> None:
+    for message in messages:
+        message.reject(requeue=True)

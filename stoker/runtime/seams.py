@@ -3,7 +3,7 @@ them in `tasks`; a unit test implements them in memory."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from stoker.core.jobs import Job, JobClass
@@ -58,3 +58,18 @@ class LineSource(Protocol):
 
     def close(self) -> None:
         """Let go of the broker (lines taken and not settled go back to their queue)."""
+
+
+class Intake(Protocol):
+    """Interactive inference messages, as many as the consumer has room for at once (a Redis broker's queue read
+    directly; on RabbitMQ, Celery's consumer hands them over instead)."""
+
+    def wait_below(self, most: int, timeout_s: float) -> int:
+        """Wait until fewer than `most` messages are held (at most `timeout_s`); how many are held."""
+
+    def take(self, most: int, block_s: float) -> Sequence[Message]:
+        """Up to `most` messages, waiting up to `block_s` for the first; raises while the broker does not
+        answer."""
+
+    def close(self) -> None:
+        """Let go of the broker (what is held and not settled is restored by the broker's redelivery)."""

@@ -264,6 +264,58 @@ class MemoryLines:
         self.closed = True
 
 
+class MemoryIntake:
+    """Interactive requests waiting in their queue, taken as many at once as asked for: how many were held (taken
+    and not settled) after each take, and whether the consumer closed it."""
+
+    def __init__(self) -> None:
+        self.waiting: list[FakeMessage] = []
+        self.taken: list[FakeMessage] = []
+        self.held_after_takes: list[int] = []
+        self.closed = False
+        self._changed = threading.Condition()
+
+    def put(self, *messages: FakeMessage) -> None:
+        with self._changed:
+            self.waiting += messages
+            self._changed.notify_all()
+
+    def held(self) -> int:
+        return sum(1 for m in self.taken if m.settled is None)
+
+    def wait_below(self, most: int, timeout_s: float) -> int:
+        with self._changed:
+            self._changed.wait_for(lambda: self.held() < most, timeout_s)
+            return self.held()
+
+    def take(self, most: int, block_s: float) -> list[FakeMessage]:
+        with self._changed:
+            self._changed.wait_for(lambda: bool(self.waiting), block_s)
+            taken, self.waiting = self.waiting[:most], self.waiting[most:]
+            self.taken += taken
+            self.held_after_takes.append(self.held())
+            return taken
+
+    def settled(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class IntakeMessage(FakeMessage):
+    """A message the intake hands over: settling it makes room in the intake."""
+
+    def __init__(self, intake: MemoryIntake, job_id: str) -> None:
+        super().__init__(job_id)
+        self.intake = intake
+
+    def _settle(self, how: str) -> None:
+        super()._settle(how)
+        self.intake.settled()
+
+
 def _line(job_id: str) -> FakeMessage:
     message = FakeMessage(job_id)
     message.kwargs["job_class"] = "batch"
@@ -295,16 +347,21 @@ class Consumer:
     """A started feeder over the in-memory store, and what it was built from."""
 
     def __init__(
-        self, predictor: GatedPredictor, max_batch_size: int, lines: MemoryLines | None = None, line_batch: int = 4
+        self,
+        predictor: GatedPredictor,
+        max_batch_size: int,
+        lines: MemoryLines | None = None,
+        line_batch: int = 4,
+        intake: MemoryIntake | None = None,
     ) -> None:
         self.store = MemoryStore()
         self.predictor = predictor
         self.lines = lines
-        settings = WorkerSettings(line_batch_size=line_batch)
+        settings = WorkerSettings(line_batch_size=line_batch, max_batch_size=max_batch_size, prefetch_batches=2)
         ctx = WorkerContext(settings, NoOutbox(), store=self.store, predictor=predictor)
         policy = BatchPolicy(max_batch_size=max_batch_size, max_batch_tokens=10_000, max_wait_s=0.0)
         watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
-        self.feeder = Feeder(ctx, policy, watchdog, lines=lines, interactive_quiet_s=60.0)
+        self.feeder = Feeder(ctx, policy, watchdog, lines=lines, interactive_quiet_s=60.0, intake=intake)
         self.feeder.start()
 
     def arrive(self, *job_ids: str, deadline: float | None = None) -> list[FakeMessage]:
@@ -342,8 +399,9 @@ def _consumer(
     max_batch_size: int,
     lines: MemoryLines | None = None,
     line_batch: int = 4,
+    intake: MemoryIntake | None = None,
 ) -> Consumer:
-    consumer = Consumer(predictor, max_batch_size, lines, line_batch)
+    consumer = Consumer(predictor, max_batch_size, lines, line_batch, intake)
     consumers.append(consumer)
     return consumer
 
@@ -458,6 +516,36 @@ def test_stopping_with_a_batch_on_the_device_hands_every_message_back(
     assert c.predictor.calls == [["running"]]
     assert "prepared" not in c.store.jobs.ended
     assert "waiting" not in c.store.jobs.ended
+
+
+def test_the_intake_holds_at_most_the_prefetch_and_takes_into_the_room_each_written_batch_frees(
+    consumers: list[Consumer],
+) -> None:
+    intake = MemoryIntake()
+    c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=2, intake=intake)
+    job_ids = [f"j{n}" for n in range(10)]
+    for job_id in job_ids:
+        c.store.jobs.pending[job_id] = _pending(job_id, None)
+    intake.put(*(IntakeMessage(intake, job_id) for job_id in job_ids))
+    c.until(lambda: ["j2", "j3"] in c.store.jobs.loads, "a batch on the device and the next prepared")
+    assert [m.kwargs["job_id"] for m in intake.taken] == job_ids[:4]  # the prefetch: two batches of two
+    assert c.predictor.calls == [["j0", "j1"]]
+    c.predictor.gate.set()
+    c.until(lambda: len(c.store.jobs.ended) == 10, "every job ended")
+    assert [m.settled for m in intake.taken] == ["acked"] * 10
+    assert max(intake.held_after_takes) == 4
+    assert [m.kwargs["job_id"] for m in intake.taken] == job_ids
+    assert sorted(job for call in c.predictor.calls for job in call) == sorted(job_ids)
+
+
+def test_what_arrives_after_the_consumer_stopped_goes_straight_back(consumers: list[Consumer]) -> None:
+    intake = MemoryIntake()
+    c = _consumer(consumers, GatedPredictor(gated=True), max_batch_size=1, intake=intake)
+    c.feeder.give_back()
+    assert intake.closed
+    late = c.arrive("late")  # a take that was under way when the consumer stopped
+    assert [m.settled for m in late] == ["requeued"]
+    assert c.store.jobs.loads == []
 
 
 def test_a_context_refuses_a_member_it_does_not_have() -> None:
