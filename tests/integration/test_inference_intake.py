@@ -20,6 +20,7 @@ from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import infer_signature
 from tasks.publish import DirectPublisher
+from tests.fleet import Fleet
 from workers.procs import wait_for
 
 #: A database no other test uses: the queue and the index here are this module's alone.
@@ -176,3 +177,13 @@ def test_the_intake_waits_for_room_and_wakes_when_an_ack_frees_it(broker_url: st
         b.acknowledge()
     finally:
         intake.close()
+
+
+def test_the_inference_worker_s_celery_consumer_leaves_its_queue_to_the_intake(one_at_a_time: Fleet) -> None:
+    crew = one_at_a_time
+    job_id = crew.client.post("/v1/jobs", data={"prompt": "Through the intake."}).json()["id"]
+    assert crew.client.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()["status"] == "succeeded"
+    infer = next(name for reply in crew.app.control.ping(timeout=2) for name in reply if name.startswith("infer@"))
+    inspect = crew.app.control.inspect(destination=[infer], timeout=5)
+    assert inspect.active_queues()[infer] == []  # Celery consumes nothing there: the job came through the intake
+    assert "stoker.infer" not in inspect.stats()[infer]["total"]
