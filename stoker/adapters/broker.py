@@ -474,7 +474,8 @@ class RedisIntake:
     itself does (the same keys and entries: kombu's sweep in any worker restores a dead reader's messages after the
     visibility timeout, as it would its own); acks gathered since the last round trip leave the index in the same
     script. While nothing waits, a `BRPOP` blocks for the next message, which the following script indexes: between
-    the two, as between kombu's own `BRPOP` and its index write, a death loses it (the reaper sends its job again).
+    the two, as between kombu's own `BRPOP` and its index write, a death loses it (the reaper sends its job again);
+    a broker that fails the script leaves it in this process, held by the next call's script.
 
     An ack is written with the next take, or within `block_s` when no message comes: until then a death restores
     an acked message after the visibility timeout, whose job, already ended, is skipped. A message handed back goes
@@ -493,6 +494,8 @@ class RedisIntake:
         self._acked: list[str] = []
         self._held: set[str] = set()
         self._more = False  # the last round took all it had room for: look again before blocking
+        #: A message the last `BRPOP` popped, until a script holds it: [its list's index, the message] or [].
+        self._carried: list[Any] = []
 
     @property
     def held(self) -> int:
@@ -508,13 +511,14 @@ class RedisIntake:
 
     def take(self, most: int, block_s: float) -> list[IntakeMessage]:
         """Up to `most` messages, waiting up to `block_s` for the first; [] when none came. Raises while the broker
-        does not answer (what was gathered to ack stays gathered)."""
+        does not answer (what was gathered to ack stays gathered; a message popped and not yet held is held by
+        the next call, not lost with this one)."""
         if most < 1:
             return []
-        carried: list[Any] = []
-        if not self._more:  # the last round emptied the queue: wait for the next message
+        if not self._more and not self._carried:  # the last round emptied the queue: wait for the next message
             popped = self._client.brpop(self._lists, timeout=max(block_s, 0.001))
-            carried = [] if popped is None else [self._lists.index(_text(popped[0])), popped[1]]
+            self._carried = [] if popped is None else [self._lists.index(_text(popped[0])), popped[1]]
+        carried = self._carried
         with self._settling:
             acked, self._acked = self._acked, []
         if not carried and not acked and not self._more:
@@ -526,6 +530,7 @@ class RedisIntake:
             with self._settling:
                 self._acked[:0] = acked
             raise
+        self._carried = []
         self._more = len(found) // 3 >= most  # it filled the room: more may wait
         return self._messages(found)
 
@@ -555,10 +560,14 @@ class RedisIntake:
         with self._settling:
             acked, self._acked = self._acked, []
         try:
+            if self._carried:  # popped, never held: back to the front of its list
+                from_list, raw = self._carried
+                self._client.rpush(self._lists[from_list], raw)
+                self._carried = []
             if acked:
                 self._take(keys=[*self._keys, *self._lists], args=[repr(time.time()), 0, 0, *acked])
-        except Exception as exc:  # left in the index: restored after the visibility timeout, and skipped
-            log.warning("could not write %d acks: %s", len(acked), exc)
+        except Exception as exc:  # acks left in the index: restored after the visibility timeout, and skipped
+            log.warning("could not write %d acks or hand a message back: %s", len(acked), exc)
         finally:
             self._connection.release()  # type: ignore[no-untyped-call]
 

@@ -187,3 +187,46 @@ def test_the_inference_worker_s_celery_consumer_leaves_its_queue_to_the_intake(o
     inspect = crew.app.control.inspect(destination=[infer], timeout=5)
     assert inspect.active_queues()[infer] == []  # Celery consumes nothing there: the job came through the intake
     assert "stoker.infer" not in inspect.stats()[infer]["total"]
+
+
+class FailsOnce:
+    """The intake's script, failing once as a broker that goes away would."""
+
+    def __init__(self, script: object) -> None:
+        self.script = script
+        self.failed = False
+
+    def __call__(self, **kwargs: object) -> object:
+        if not self.failed:
+            self.failed = True
+            raise redis.ConnectionError("the broker went away")
+        return self.script(**kwargs)  # type: ignore[operator]
+
+
+def test_a_message_popped_when_the_broker_failed_the_script_is_held_by_the_next_round_trip(
+    broker_url: str, broker: redis.Redis
+) -> None:
+    _send(broker_url, "a")
+    intake = _intake(broker_url)
+    intake._take = FailsOnce(intake._take)
+    try:
+        with pytest.raises(redis.ConnectionError):
+            intake.take(5, block_s=1.0)
+        assert broker.llen(INFER_QUEUE) == 0  # popped, and only in this process now
+        assert _jobs(intake.take(5, block_s=1.0)) == ["a"]
+        assert broker.zcard("unacked_index") == 1
+    finally:
+        intake.close()
+
+
+def test_a_message_popped_and_never_held_goes_back_to_its_queue_when_the_intake_closes(
+    broker_url: str, broker: redis.Redis
+) -> None:
+    _send(broker_url, "a")
+    intake = _intake(broker_url)
+    intake._take = FailsOnce(intake._take)
+    with pytest.raises(redis.ConnectionError):
+        intake.take(5, block_s=1.0)
+    intake.close()
+    assert broker.llen(INFER_QUEUE) == 1
+    assert broker.zcard("unacked_index") == 0
