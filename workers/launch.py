@@ -76,7 +76,8 @@ def worker_argv(kind: str, settings: WorkerSettings, extra: Sequence[str] = ()) 
     elif kind == "asr":
         argv += ["--concurrency", str(settings.asr_concurrency), *recycle]
     else:  # infer, sync
-        # celery-batches acks at flush: the worker must be allowed to hold whole batches.
+        # celery-batches acks at flush: the worker must be allowed to hold whole batches (on RabbitMQ; on Redis the
+        # consumer's own intake holds as many, `STOKER_PREFETCH_BATCHES` batches, and Celery consumes nothing).
         argv += ["--concurrency", "1", "--prefetch-multiplier", str(settings.infer_prefetch)]
     # Later options win: `stoker worker cpu --concurrency 8` or `--autoscale 16,2` override the defaults above.
     return [*argv, *extra]
