@@ -285,14 +285,21 @@ class Feeder:
         held = self.intake.wait_below(self.prefetch, INTAKE_BLOCK_S)
         if held >= self.prefetch or self._stopping.is_set():
             return
+        intake = self.intake
+        self._bring_in("inference requests", lambda: intake.take(self.prefetch - held, INTAKE_BLOCK_S))
+
+    def _bring_in(self, what: str, take: Callable[[], Sequence[Message]]) -> Sequence[Message]:
+        """What `take` brings from the broker, handed over as arrivals; nothing while the broker is away (after a
+        pause, so that a thread does not spin on it)."""
         try:
-            taken = self.intake.take(self.prefetch - held, INTAKE_BLOCK_S)
+            taken = take()
         except Exception as exc:  # the broker is away: look again shortly
-            log.warning("cannot take inference requests: %s", exc)
+            log.warning("cannot take %s: %s", what, exc)
             self._stopping.wait(1.0)
-            return
+            return []
         if taken:
             self.add(taken)
+        return taken
 
     # -- batch lines --------------------------------------------------------------------------------------------
     def _take_lines(self) -> None:
@@ -308,14 +315,8 @@ class Feeder:
                 room = self._room_for_lines()
         if self._stopping.is_set():
             return
-        try:
-            taken = _take(self.lines, room)
-        except Exception as exc:  # the broker is away: look again shortly
-            log.warning("cannot take batch lines: %s", exc)
-            self._stopping.wait(1.0)
-            return
-        if taken:
-            self.add(taken)
+        lines = self.lines
+        taken = self._bring_in("batch lines", lambda: _take(lines, room))
         self._stopping.wait(self.line_pace.next_wait(active=bool(taken)) if len(taken) < room else 0)
 
     def _room_for_lines(self) -> int:
