@@ -584,12 +584,18 @@ class RedisIntake:
             except Exception:
                 log.exception("dropping a message on %s that is not a task message", self._lists[0])
                 if tag:  # indexed: out of the index, not back to the queue
-                    self._back(keys=[*self._keys, self._lists[from_list]], args=[tag])
+                    self._drop(tag, from_list)
                 continue
             with self._settling:
                 self._held.add(tag)
             messages.append(message)
         return messages
+
+    def _drop(self, tag: str, from_list: int) -> None:
+        try:
+            self._back(keys=[*self._keys, self._lists[from_list]], args=[tag])
+        except Exception as exc:  # left in the index: restored after the visibility timeout, and dropped again
+            log.warning("could not drop message %s: %s", tag, exc)
 
     def _message(self, raw: bytes, from_list: int, tag: str) -> IntakeMessage:
         """Celery's message protocol 2 as the API and Celery publish it: a JSON envelope whose body, base64, is
