@@ -33,9 +33,9 @@ class RedisQoS(kombu_redis.QoS):
     kombu puts each message it takes into the unacked index (`ZADD` + `HSET`) and takes each acked one out (`ZREM` +
     `HDEL`), each in a transaction of its own: two round trips per message, and kombu has no ack of many on this
     transport (the virtual channel ignores `multiple`). Celery takes messages and acks them on its event loop (a
-    task's ack is a callback the loop runs), so what one round of the loop takes and acks (a message, and a written
-    batch's acks, in the inference consumer) is gathered here and written at the end of that
-    round (`RedisTransport`'s tick), in one script (`_GATHERED`): the takes first, then each ack's removal.
+    task's ack is a callback the loop runs), so what one round of the loop takes and acks is gathered here and
+    written at the end of that round (`RedisTransport`'s tick), in one script (`_GATHERED`): the takes first, then
+    each ack's removal. (The inference consumer reads its queue itself on Redis: `RedisIntake`.)
 
     - Until its round ends, a message just taken is in this process only, as it is in kombu between its `BRPOP` and
       its `ZADD`: a death then loses it either way. The round is one pass of the loop, a few hundred microseconds.
@@ -104,23 +104,32 @@ class RedisQoS(kombu_redis.QoS):
             log.warning("could not write %d takes and %d acks to the unacked index: %s", len(taken), len(acked), exc)
 
 
-# A round's takes into kombu's unacked index and its acks out of it, in one step: each take as kombu's `append`
-# writes it (`ZADD` of its tag, now; `HSET` of the message and its route under the tag), each ack as kombu's
-# `_remove_from_indices` removes it (`ZREM`, `HDEL`). One command where a transaction of four had each command's
-# answer read and parsed on its own: the inference worker's event loop writes this once per round.
-# KEYS: the unacked index, the unacked hash. ARGV: now, takes (n), n × (tag, message), acked tags…
-_GATHERED = """
+# kombu's unacked index, as the scripts below write it (KEYS[1] the index, KEYS[2] the hash): a message held as
+# kombu's `append` holds it (`ZADD` of its tag, when; `HSET` of [message, exchange, routing key] under the tag), and
+# let go of as kombu's `_remove_from_indices` lets go (`ZREM`, `HDEL`).
+_UNACKED = """
+local function hold_tag(tag, at, entry)
+  redis.call('ZADD', KEYS[1], at, tag)
+  redis.call('HSET', KEYS[2], tag, entry)
+end
+local function let_go(tag)
+  redis.call('ZREM', KEYS[1], tag)
+  redis.call('HDEL', KEYS[2], tag)
+end
+"""
+
+# A round's takes into kombu's unacked index and its acks out of it, in one step. One command where a transaction
+# of four had each command's answer read and parsed on its own: a Celery worker's event loop writes this once per
+# round. KEYS: the unacked index, the unacked hash. ARGV: now, takes (n), n × (tag, entry), acked tags…
+_GATHERED = (
+    _UNACKED
+    + """
 local n = tonumber(ARGV[2])
-for i = 3, 1 + 2 * n, 2 do
-  redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
-  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
-end
-for i = 3 + 2 * n, #ARGV do
-  redis.call('ZREM', KEYS[1], ARGV[i])
-  redis.call('HDEL', KEYS[2], ARGV[i])
-end
+for i = 3, 1 + 2 * n, 2 do hold_tag(ARGV[i], ARGV[1], ARGV[i + 1]) end
+for i = 3 + 2 * n, #ARGV do let_go(ARGV[i]) end
 return 1
 """
+)
 
 
 class RedisChannel(kombu_redis.Channel):
@@ -523,9 +532,8 @@ class RedisIntake:
             acked, self._acked = self._acked, []
         if not carried and not acked and not self._more:
             return []
-        args = [repr(time.time()), most - len(carried) // 2, len(carried) // 2, *carried, *acked]
         try:
-            found = self._take(keys=[*self._keys, *self._lists], args=args)
+            found = self._round(most - len(carried) // 2, carried, acked)
         except Exception:
             with self._settling:
                 self._acked[:0] = acked
@@ -565,11 +573,16 @@ class RedisIntake:
                 self._client.rpush(self._lists[from_list], raw)
                 self._carried = []
             if acked:
-                self._take(keys=[*self._keys, *self._lists], args=[repr(time.time()), 0, 0, *acked])
+                self._round(0, [], acked)
         except Exception as exc:  # acks left in the index: restored after the visibility timeout, and skipped
             log.warning("could not write %d acks or hand a message back: %s", len(acked), exc)
         finally:
             self._connection.release()  # type: ignore[no-untyped-call]
+
+    def _round(self, most: int, carried: list[Any], acked: list[str]) -> list[Any]:
+        """One `_TAKE`: the carried message (if any) and up to `most` more held, the acked let go."""
+        args = [repr(time.time()), most, len(carried) // 2, *carried, *acked]
+        return list(self._take(keys=[*self._keys, *self._lists], args=args))
 
     def _messages(self, found: list[Any]) -> list[IntakeMessage]:
         """The script's answer (list index, tag, raw message, …) as messages; one that is no task message is
@@ -617,7 +630,9 @@ class RedisIntake:
 # JSON is returned unindexed, under an empty tag, for the reader to drop.
 # KEYS: the unacked index, the unacked hash, the queue's lists. ARGV: now, most, carried (0 or 1), [list index,
 # message], acked tags… Returns list index, tag, message for each message taken.
-_TAKE = """
+_TAKE = (
+    _UNACKED
+    + """
 local now, most, carried = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local taken = {}
 local function hold(list, raw)
@@ -625,8 +640,7 @@ local function hold(list, raw)
   local tag = ok and type(m) == 'table' and type(m.properties) == 'table' and m.properties.delivery_tag
   if type(tag) == 'string' then
     local info = m.properties.delivery_info or {}
-    redis.call('ZADD', KEYS[1], now, tag)
-    redis.call('HSET', KEYS[2], tag,
+    hold_tag(tag, now,
       '[' .. raw .. ',' .. cjson.encode(info.exchange or '') .. ',' .. cjson.encode(info.routing_key or '') .. ']')
   else
     tag = ''
@@ -643,19 +657,19 @@ for i = 3, #KEYS do
     left = left - 1
   end
 end
-for i = 4 + 2 * carried, #ARGV do
-  redis.call('ZREM', KEYS[1], ARGV[i])
-  redis.call('HDEL', KEYS[2], ARGV[i])
-end
+for i = 4 + 2 * carried, #ARGV do let_go(ARGV[i]) end
 return taken
 """
+)
 
 # A message handed back: out of kombu's unacked index, and (with ARGV[2]) to the front of its list (the end a
 # reader pops next), as kombu's `restore_by_tag` puts it. KEYS: the unacked index, the unacked hash, the list.
 # ARGV: tag, [message].
-_HAND_BACK = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
+_HAND_BACK = (
+    _UNACKED
+    + """
+let_go(ARGV[1])
 if ARGV[2] then redis.call('RPUSH', KEYS[3], ARGV[2]) end
 return 1
 """
+)

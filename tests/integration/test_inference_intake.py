@@ -203,15 +203,21 @@ class FailsOnce:
         return self.script(**kwargs)  # type: ignore[operator]
 
 
+def _popped_when_the_script_failed(url: str) -> RedisIntake:
+    """An intake whose first round trip popped "a" and then failed to hold it."""
+    _send(url, "a")
+    intake = _intake(url)
+    intake._take = FailsOnce(intake._take)
+    with pytest.raises(redis.ConnectionError):
+        intake.take(5, block_s=1.0)
+    return intake
+
+
 def test_a_message_popped_when_the_broker_failed_the_script_is_held_by_the_next_round_trip(
     broker_url: str, broker: redis.Redis
 ) -> None:
-    _send(broker_url, "a")
-    intake = _intake(broker_url)
-    intake._take = FailsOnce(intake._take)
+    intake = _popped_when_the_script_failed(broker_url)
     try:
-        with pytest.raises(redis.ConnectionError):
-            intake.take(5, block_s=1.0)
         assert broker.llen(INFER_QUEUE) == 0  # popped, and only in this process now
         assert _jobs(intake.take(5, block_s=1.0)) == ["a"]
         assert broker.zcard("unacked_index") == 1
@@ -222,11 +228,7 @@ def test_a_message_popped_when_the_broker_failed_the_script_is_held_by_the_next_
 def test_a_message_popped_and_never_held_goes_back_to_its_queue_when_the_intake_closes(
     broker_url: str, broker: redis.Redis
 ) -> None:
-    _send(broker_url, "a")
-    intake = _intake(broker_url)
-    intake._take = FailsOnce(intake._take)
-    with pytest.raises(redis.ConnectionError):
-        intake.take(5, block_s=1.0)
+    intake = _popped_when_the_script_failed(broker_url)
     intake.close()
     assert broker.llen(INFER_QUEUE) == 1
     assert broker.zcard("unacked_index") == 0
