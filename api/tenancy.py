@@ -26,8 +26,10 @@ from stoker.core.errors import (
     TooManyJobsInFlight,
     Unauthorized,
 )
-from stoker.core.tenancy import DEFAULT_TENANT, IN_FLIGHT_RETRY_S, parse_key, verify
+from stoker.core.tenancy import DEFAULT_TENANT, IN_FLIGHT_RETRY_S, LimitVerdict, parse_key, verify
 
+#: The one answer for an unknown, a wrong and a revoked key: nothing tells them apart.
+INVALID_KEY = "the API key is not valid"
 #: Parses `Authorization: Bearer …` and puts the scheme in the OpenAPI docs; stoker answers a missing key itself.
 bearer = HTTPBearer(auto_error=False, description="An API key from `stoker keys create --tenant T`.")
 
@@ -38,24 +40,51 @@ async def authenticate(
     """The tenant whose API key came with the request; 401 without a valid one. With auth off: the local tenant."""
     if not context.settings.auth:
         return DEFAULT_TENANT
+    return await _verified(context, *_presented(credentials))
+
+
+async def within_rate(
+    context: Context, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> str:
+    """The tenant whose API key came with the request, once the request is counted against its rate: 401 without
+    a valid key, 429 over the rate. A key whose record this process has read is checked and counted in one round
+    trip (`LoopTenants.admit_key`: one script, which counts nothing for a key that does not open); another is read
+    first, then counted."""
+    if not context.settings.auth:
+        return DEFAULT_TENANT
+    key_id, secret = _presented(credentials)
+    try:
+        checked = await context.loop.tenants.admit_key(key_id, secret, context.settings.tenant_limits)
+    except redis.RedisError as exc:
+        raise BrokerUnavailable("the key store cannot be reached") from exc
+    if checked is None:
+        tenant = await _verified(context, key_id, secret)
+        await admit(context, tenant)
+        return tenant
+    tenant, verdict = checked
+    _enforce(verdict)
+    return tenant
+
+
+def _presented(credentials: HTTPAuthorizationCredentials | None) -> tuple[str, str]:
+    """The key id and secret of the key a request came with; 401 without one or with one of another shape."""
     if credentials is None:
         raise Unauthorized("send an API key: Authorization: Bearer <key>")
     parsed = parse_key(credentials.credentials)
     if parsed is None:
-        raise Unauthorized("the API key is not valid")
+        raise Unauthorized(INVALID_KEY)
+    return parsed
+
+
+async def _verified(context: ApiContext, key_id: str, secret: str) -> str:
+    """The tenant this key opens, its record read from the store; 401 for an unknown, a wrong or a revoked key."""
     try:
-        stored = await context.loop.tenants.get_api_key(parsed[0])
+        stored = await context.loop.tenants.get_api_key(key_id)
     except redis.RedisError as exc:
         raise BrokerUnavailable("the key store cannot be reached") from exc
-    tenant = verify(parsed[1], stored)
+    tenant = verify(secret, stored)
     if tenant is None:  # one answer for an unknown, a wrong and a revoked key
-        raise Unauthorized("the API key is not valid")
-    return tenant
-
-
-async def within_rate(context: Context, tenant: Annotated[str, Depends(authenticate)]) -> str:
-    """The tenant, once its request is counted against its rate; 429 over it."""
-    await admit(context, tenant)
+        raise Unauthorized(INVALID_KEY)
     return tenant
 
 
@@ -76,8 +105,15 @@ async def admit(context: ApiContext, tenant: str, job_id: str | None = None, *, 
         raise BrokerUnavailable("the job store cannot be reached") from exc
     if verdict.outcome != "ok" and job_id is not None:
         ADMISSIONS.labels(f"{verdict.outcome}_limited").inc()  # a refused submission: rate_ or in_flight_limited
+    _enforce(verdict)
+
+
+def _enforce(verdict: LimitVerdict) -> None:
+    """Nothing where the request goes ahead; else the error for why not."""
     if verdict.outcome == "rate":
         raise RateLimited(retry_after_s=verdict.retry_after_s)
+    if verdict.outcome == "unauthorized":
+        raise Unauthorized(INVALID_KEY)
     if verdict.outcome != "ok":
         raise refusal(verdict.outcome, verdict.retry_after_s)
 

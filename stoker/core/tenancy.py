@@ -141,9 +141,10 @@ class TenantUsage:
 
 @dataclass(frozen=True)
 class LimitVerdict:
-    """Whether a tenant's request goes ahead, and if not, which limit it hit and when to come back."""
+    """Whether a tenant's request goes ahead, and if not, which limit it hit and when to come back (or, for a
+    request checked with its key, that the key does not open)."""
 
-    outcome: Literal["ok", "rate", "in_flight", "share", "bytes", "too_big"]
+    outcome: Literal["ok", "rate", "in_flight", "share", "bytes", "too_big", "unauthorized"]
     retry_after_s: int = 0
 
     @classmethod
@@ -153,6 +154,8 @@ class LimitVerdict:
             return cls("ok")
         if outcome == "rate":
             return cls("rate", retry_after(wait_s))
+        if outcome == "unauthorized":  # the key checked with the request: revoked, or another secret
+            return cls("unauthorized")
         if outcome in ("in_flight", "share", "bytes", "too_big"):
             return cls(outcome, IN_FLIGHT_RETRY_S)  # type: ignore[arg-type]
         raise ValueError(f"unknown admission outcome {outcome!r}")

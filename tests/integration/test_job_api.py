@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import threading
 import time
@@ -28,7 +29,7 @@ from api.submission import submit_job
 from stoker.adapters.broker import queue_depths
 from stoker.adapters.store import Store
 from stoker.adapters.store.jobs import LoopJobs, NewJob
-from stoker.adapters.store.keys import ACTIVE_KEY, idempotency_key, tokens_key
+from stoker.adapters.store.keys import ACTIVE_KEY, api_key_key, idempotency_key, tokens_key
 from stoker.core.errors import Cancelled
 from stoker.core.idempotency import Remembered, key_digest
 from stoker.core.jobs import ErrorInfo, Job, new_job_id
@@ -318,6 +319,52 @@ def _slow_json(body: bytes, arrived: threading.Event) -> Iterator[bytes]:
     yield body[:5]
     arrived.wait(60)
     yield body[5:]
+
+
+@contextlib.contextmanager
+def _commands_naming(valkey: OwnValkey, needle: str) -> Iterator[list[str]]:
+    """The commands clients send the server during the block that name `needle` (Redis's `MONITOR`; a script's
+    own commands left out), in order, once the block ends."""
+    seen: list[str] = []
+    end = f"end-{uuid.uuid4().hex}"
+    with valkey.store.client.monitor() as monitor:
+
+        def watch() -> None:
+            while end not in (entry := monitor.next_command())["command"]:
+                if entry["client_type"] != "lua" and needle in entry["command"]:
+                    seen.append(entry["command"].split()[0].upper())
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            valkey.store.client.ping()  # a command sent once MONITOR is on: the watch sees what follows
+            yield seen
+        finally:
+            valkey.store.client.echo(end)
+            watcher.join(10)
+
+
+def test_a_key_read_once_is_then_checked_and_counted_in_one_round_trip(own_valkey: OwnValkey) -> None:
+    # Three requests at once, then one every 20 s: which requests were counted shows in which are refused.
+    settings = own_valkey.settings(auth=True, rate_limit_per_s=0.05, rate_limit_burst=3)
+    auth = _tenant(own_valkey.store, "known")
+    key_id = auth["Authorization"].split("_")[1]
+    wrong = {"Authorization": f"Bearer stk_{key_id}_{'x' * 43}"}
+    with TestClient(create_app(settings, submitter=SpySubmitter(forward=False))) as client:
+        with _commands_naming(own_valkey, key_id) as first:
+            assert client.get("/v1/models", headers=auth).status_code == 200  # the key's record read, then counted
+        with _commands_naming(own_valkey, key_id) as later:
+            assert client.get("/v1/models", headers=wrong).status_code == 401  # another secret: nothing counted
+            assert client.get("/v1/models", headers=auth).status_code == 200
+            assert client.get("/v1/models", headers=auth).status_code == 200  # the third of the burst of three
+            refused = client.get("/v1/models", headers=auth)
+        assert refused.status_code == 429, refused.text
+        assert first == ["HGETALL"]
+        assert later == ["EVALSHA"] * 4  # the record checked by the script that counts: one round trip each
+        own_valkey.store.tenants.revoke_api_key(key_id)
+        assert client.get("/v1/models", headers=auth).status_code == 401  # a revoked key at its next request
+        own_valkey.store.client.delete(api_key_key(key_id))
+        assert client.get("/v1/models", headers=auth).status_code == 401  # and one whose record is gone
 
 
 def test_replays_count_against_the_rate_but_take_no_slot_and_pass_queue_pressure(own_valkey: OwnValkey) -> None:

@@ -15,7 +15,7 @@ from stoker.adapters.store.keys import (
     tenant_rate_key,
     tenant_usage_key,
 )
-from stoker.core.tenancy import ApiKey, LimitVerdict, TenantLimits, TenantUsage
+from stoker.core.tenancy import ApiKey, LimitVerdict, TenantLimits, TenantUsage, hash_secret
 
 #: Lua: forget what one job of a tenant held (its in-flight slot, messages and bytes), once; used wherever a job
 #: stops counting: it ended (the finish script), it was not accepted after all, or its hold ran out.
@@ -42,13 +42,27 @@ local function share(busy, tenant, capacity, max_share)
 end
 """
 
+#: Lua, with a key's record (KEYS[5]) and the hash of the secret presented (ARGV[10]): the key is checked before
+#: anything is counted. A key revoked or presented with another secret is 'unauthorized'; one with no record, or
+#: whose record names another tenant than the caller passed (a stale hint), is 'moved'. Either counts nothing.
+_KEY_CHECK = """
+if KEYS[5] then
+  local record = redis.call('HMGET', KEYS[5], 'tenant', 'hash', 'revoked')
+  if not record[2] or record[1] ~= ARGV[6] then return {'moved', '0'} end
+  -- digests of the two hashes compared, not the hashes: how far a comparison runs tells nothing of a stored prefix
+  if record[3] == '1' or redis.sha1hex(record[2]) ~= redis.sha1hex(ARGV[10]) then return {'unauthorized', '0'} end
+end
+"""
+
 # Per-tenant admission before a body is read, atomic across API replicas: the request rate as GCRA (one
 # theoretical arrival time per tenant, in Redis time, so replicas' clocks do not matter) and, for a new job, a slot
 # among the tenant's unfinished jobs, unless those already hold its fair share of the queues or its stored bytes.
-# A refused request changes nothing but forgetting jobs whose hold ran out.
+# A refused request changes nothing but forgetting jobs whose hold ran out. Given a key's record, the key is
+# checked first (`_KEY_CHECK`): the API's check and count of a request in one round trip.
 _ADMIT_TENANT = (
     DROP_JOB
     + _SHARE
+    + _KEY_CHECK
     + """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
@@ -212,14 +226,40 @@ class LoopTenants:
     `TenantRepository`'s, without the hop to a pool thread that cost the API about four times the call's CPU
     (`stoker.adapters.store.jobs.LoopJobs` says how it was measured). Same scripts, same keys."""
 
+    #: Key ids whose tenant is remembered (`tenant_hints`), at most.
+    MAX_HINTS = 4096
+
     def __init__(self, client: aioredis.Redis[bytes]) -> None:
         self.redis = client
         self._admit_tenant = client.register_script(_ADMIT_TENANT)
         self._charge_job = client.register_script(_CHARGE_JOB)
+        #: Key ids to the tenant their record named when last read here. A hint, never a verdict: the admission
+        #: script checks the record itself (`admit_key`), so a revoked key is refused at its next request.
+        self.tenant_hints: dict[str, str] = {}
 
     async def get_api_key(self, key_id: str) -> ApiKey | None:
-        """`TenantRepository.get_api_key`, on the loop."""
-        return _api_key(key_id, await self.redis.hgetall(api_key_key(key_id)))
+        """`TenantRepository.get_api_key`, on the loop; the key's tenant is remembered for `admit_key`."""
+        key = _api_key(key_id, await self.redis.hgetall(api_key_key(key_id)))
+        if key is not None:
+            if len(self.tenant_hints) >= self.MAX_HINTS:
+                del self.tenant_hints[next(iter(self.tenant_hints))]  # the oldest hint
+            self.tenant_hints[key_id] = key.tenant
+        return key
+
+    async def admit_key(self, key_id: str, secret: str, limits: TenantLimits) -> tuple[str, LimitVerdict] | None:
+        """A request with a key whose record this process has read: the key checked and the request counted
+        against its tenant's rate in one script, nothing counted unless the key opens (`unauthorized` for a
+        revoked key or another secret). None where the key's tenant is not known here, or its record is gone or
+        changed: read the key (`get_api_key`)."""
+        tenant = self.tenant_hints.get(key_id)
+        if tenant is None:
+            return None
+        keys, args = _admit_call(tenant, limits, None, 0)
+        outcome, wait = await self._admit_tenant(keys=[*keys, api_key_key(key_id)], args=[*args, hash_secret(secret)])
+        if outcome == b"moved":  # no record, or another tenant's: the caller reads it (and refuses what it must)
+            self.tenant_hints.pop(key_id, None)
+            return None
+        return tenant, LimitVerdict.from_script(outcome.decode(), float(wait))
 
     async def admit_tenant(
         self, tenant: str, limits: TenantLimits, job_id: str | None = None, hold_s: float = 0
