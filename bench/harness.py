@@ -55,7 +55,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-base-ms", type=float, default=300.0)
     p.add_argument("--sim-per-item-ms", type=float, default=40.0)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--queue-limit", type=int, default=40, help="admission limit of every queue, every mode")
+    p.add_argument(
+        "--queue-limit",
+        type=int,
+        default=None,
+        help="admission limit of every queue, every mode (default: five batches of --batch, at least 40)",
+    )
     p.add_argument("--drain-s", type=float, default=None, help="wait for answers after the last arrival (120 s)")
     p.add_argument("--overhead-jobs", type=int, default=None, help="no-op jobs per overhead case (40; 0: skip)")
     p.add_argument("--overhead-only", action="store_true", help="only the overhead micro-benchmark")
@@ -73,11 +78,18 @@ QUICK = {"rates": "3", "jobs": 36, "drain_s": 45.0, "overhead_jobs": 10, "worklo
 DEVICE_BOUND_RATES = {"full": "4,8,12", "quick": "12"}
 
 
+#: Batches the queues admit, waiting, before they refuse: a device that batches more needs more waiting to fill its
+#: next batch while one runs (40 for batches of 8).
+QUEUED_BATCHES = 5
+
+
 def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the options left unset from the full or the quick defaults."""
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.queue_limit is None:
+        args.queue_limit = max(40, QUEUED_BATCHES * args.batch)
     return args
 
 

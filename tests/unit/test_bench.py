@@ -12,6 +12,7 @@ import pytest
 from bench.costpair import Tally
 from bench.costpair import markdown as pair_table
 from bench.drive import Outcome, Run, Sample
+from bench.harness import parser, with_defaults
 from bench.pool import pool
 from bench.report import busy_series, compare, markdown, percentile, ratio_intervals, ratios, refusal, summarise
 from bench.workload import WorkloadSpec, describe, generate
@@ -198,3 +199,10 @@ def test_a_paired_cost_run_sums_every_burst_before_it_divides_by_the_jobs() -> N
     assert before.per_job() == pytest.approx(expected)
     table = pair_table({"text": {"before": before, "after": after}}, "abc123")
     assert "| text | 3.00 → 1.50 | 0.40 → 0.00 | 0.20 → 0.00 | 3.60 → 1.50 | 8.0 → 2.0 | 10 / 10 |" in table
+
+
+def test_the_queues_admit_five_batches_of_the_device_unless_told() -> None:
+    """A device of larger batches gets room to fill its next batch while one runs; every mode the same limit."""
+    limit = [with_defaults(parser().parse_args(argv)).queue_limit for argv in ([], ["--batch", "32"], ["--quick"])]
+    assert limit == [40, 160, 40]
+    assert with_defaults(parser().parse_args(["--batch", "32", "--queue-limit", "64"])).queue_limit == 64
