@@ -12,10 +12,11 @@ import argparse
 import base64
 import contextlib
 import json
+import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stoker bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a small run (< 4 min on 2 cores): one load, every mode")
     p.add_argument("--mode", choices=["all", *MODES], default="all")
-    p.add_argument("--rates", default=None, help="offered loads, jobs/s (default 1,2,3,4; device-bound 4,8,12)")
+    p.add_argument("--rates", default=None, help="offered loads, jobs/s (default 1,2,3,4; device-bound 32,64,96)")
     p.add_argument(
         "--workload",
         choices=["both", *WORKLOADS],
@@ -47,14 +48,19 @@ def parser() -> argparse.ArgumentParser:
         help="the regimes to run: cpu-bound (today's mix), device-bound (light preprocessing; the device is the "
         "limit), or both (default; --quick: cpu-bound)",
     )
-    p.add_argument("--jobs", type=int, default=None, help="requests per run (default 90)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="requests per run (default 90; device-bound: 10 s of arrivals at its highest rate)",
+    )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--repeat", type=float, default=0.4, help="share of media requests repeating earlier media")
     p.add_argument("--bad", type=float, default=0.01, help="share of requests with a corrupt image or a bomb")
     p.add_argument("--backend", choices=["sim", "transformers"], default="sim")
-    p.add_argument("--sim-base-ms", type=float, default=300.0)
-    p.add_argument("--sim-per-item-ms", type=float, default=40.0)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--sim-base-ms", type=float, default=None, help="the simulated device's ms per batch (300)")
+    p.add_argument("--sim-per-item-ms", type=float, default=None, help="and per item in it (40; device-bound: 5)")
+    p.add_argument("--batch", type=int, default=None, help="the most items a batch holds (8; device-bound: 32)")
     p.add_argument(
         "--queue-limit",
         type=int,
@@ -71,92 +77,116 @@ def parser() -> argparse.ArgumentParser:
 
 #: Defaults of a full run, and of --quick (one load, few jobs, a short drain and overhead run); options given
 #: on the command line win over both.
-FULL = {"rates": "1,2,3,4", "jobs": 90, "drain_s": 120.0, "overhead_jobs": 40, "workload": "both"}
-QUICK = {"rates": "3", "jobs": 36, "drain_s": 45.0, "overhead_jobs": 10, "workload": "cpu-bound"}
-#: Offered loads of the device-bound regime (its device serves about 13 jobs/s in full batches of 8), unless
+FULL: dict[str, Any] = {"rates": "1,2,3,4", "jobs": 90, "drain_s": 120.0, "overhead_jobs": 40, "workload": "both"}
+QUICK: dict[str, Any] = {"rates": "3", "jobs": 36, "drain_s": 45.0, "overhead_jobs": 10, "workload": "cpu-bound"}
+#: Each regime's simulated device (ms per batch, ms per item, most items a batch), unless --sim-base-ms,
+#: --sim-per-item-ms or --batch say otherwise. The device-bound regime's batch costs mostly the same whatever it
+#: holds, as a large model's decoding step does up to its memory bandwidth: the device on which batching the whole
+#: fleet's work matters (at 300 + 40 ms per item a batch of 8 costs twice a batch of one, and batching hardly does).
+DEVICES = {"cpu-bound": (300.0, 40.0, 8), "device-bound": (300.0, 5.0, 32)}
+#: Offered loads of the device-bound regime (its device serves about 70 jobs/s in full batches of 32), unless
 #: --rates names others.
-DEVICE_BOUND_RATES = {"full": "4,8,12", "quick": "12"}
-
-
+DEVICE_BOUND_RATES = {"full": "32,64,96", "quick": "64"}
+#: Seconds of arrivals a device-bound run has at its highest rate, unless --jobs says how many: over fewer, a pool
+#: of synchronous workers has not settled into its cycle (docs/benchmarks.md: a 6 s run showed 2.01x where 12 s
+#: showed 1.36x).
+DEVICE_BOUND_ARRIVALS_S = 10
 #: Batches the queues admit, waiting, before they refuse: a device that batches more needs more waiting to fill its
 #: next batch while one runs (40 for batches of 8).
 QUEUED_BATCHES = 5
+#: The options whose defaults depend on the regime.
+REGIME_OPTIONS = ("rates", "jobs", "sim_base_ms", "sim_per_item_ms", "batch", "queue_limit")
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One regime of a run: its workload, the loads it is offered, its device and its queues' limit."""
+
+    name: str
+    spec: WorkloadSpec
+    rates: list[float]
+    device: Device
+    queue_limit: int
 
 
 def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the options left unset from the full or the quick defaults."""
+    """Fill the options left unset from the full or the quick defaults; those that depend on the regime stay unset
+    (`regime` fills them)."""
     for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
+        if key not in REGIME_OPTIONS and getattr(args, key) is None:
             setattr(args, key, value)
-    if args.queue_limit is None:
-        args.queue_limit = max(40, QUEUED_BATCHES * args.batch)
     return args
+
+
+def regime(args: argparse.Namespace, name: str) -> Regime:
+    """A regime's settings: the options given, else the regime's own defaults."""
+    size = "quick" if args.quick else "full"
+    defaults = QUICK if args.quick else FULL
+    rates = args.rates or (DEVICE_BOUND_RATES[size] if name == "device-bound" else defaults["rates"])
+    offered = [float(r) for r in str(rates).split(",")]
+    jobs = args.jobs or defaults["jobs"]
+    if name == "device-bound" and args.jobs is None:
+        jobs = max(int(jobs), math.ceil(DEVICE_BOUND_ARRIVALS_S * max(offered)))
+    base_ms, per_item_ms, batch = DEVICES[name]
+    device = Device(
+        args.backend,
+        base_ms if args.sim_base_ms is None else args.sim_base_ms,
+        per_item_ms if args.sim_per_item_ms is None else args.sim_per_item_ms,
+        batch if args.batch is None else args.batch,
+    )
+    limit = args.queue_limit or max(40, QUEUED_BATCHES * device.batch)
+    spec = WorkloadSpec(jobs=int(jobs), rate=1.0, seed=args.seed, repeat=args.repeat, bad=args.bad)
+    spec = replace(spec, **WORKLOADS[name])  # type: ignore[arg-type]
+    if args.quick and name == "cpu-bound":
+        spec = replace(spec, sizes=spec.sizes[:3])
+    return Regime(name, spec, offered, device, limit)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 when every run answered some jobs."""
-    raw = parser().parse_args(argv)
-    rates_given = raw.rates is not None
-    args = with_defaults(raw)
+    args = with_defaults(parser().parse_args(argv))
     modes = MODES if args.mode == "all" else (args.mode,)
-    device = Device(args.backend, args.sim_base_ms, args.sim_per_item_ms, args.batch)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     names = list(WORKLOADS) if args.workload == "both" else [args.workload]
-    runs = {name: _regime(args, name, rates_given) for name in names}
+    regimes = [regime(args, name) for name in names]
     ok = True
     with bench_redis() if not args.target else contextlib.nullcontext("") as base:
-        for name, (spec, rates, workload) in runs.items():
-            console.print(f"[bold]{name}[/] workload: {describe(workload)}")
-            rows = [] if args.overhead_only else _runs(args, rates, modes, device, workload, base or None)
+        for each in regimes:
+            console.print(f"generating the {each.name} workload ({each.spec.jobs} requests, seed {args.seed})…")
+            workload = generate(each.spec)
+            console.print(f"[bold]{each.name}[/] workload: {describe(workload)}")
+            rows = [] if args.overhead_only else _runs(args, each, modes, workload, base or None)
             for row in rows:
-                row["workload"] = name
-            first = name == names[0]
-            overhead = _overhead(args, modes, device, base) if args.overhead_jobs and first and base else []
-            ok &= _report(args, device, spec, workload, rows, overhead, time.monotonic() - started, name)
+                row["workload"] = each.name
+            first = each is regimes[0]
+            overhead = _overhead(args, modes, each.device, base) if args.overhead_jobs and first and base else []
+            ok &= _report(args, each, workload, rows, overhead, time.monotonic() - started)
             ok &= all(row["succeeded"] + row["degraded"] for row in rows)
     return 0 if ok else 1
 
 
-def _regime(args: argparse.Namespace, name: str, rates_given: bool) -> tuple[WorkloadSpec, list[float], list[Request]]:
-    """One regime's workload and offered loads."""
-    spec = WorkloadSpec(jobs=args.jobs, rate=1.0, seed=args.seed, repeat=args.repeat, bad=args.bad)
-    spec = replace(spec, **WORKLOADS[name])  # type: ignore[arg-type]
-    if args.quick and name == "cpu-bound":
-        spec = replace(spec, sizes=spec.sizes[:3])
-    rates = args.rates
-    if name == "device-bound" and not rates_given:
-        rates = DEVICE_BOUND_RATES["quick" if args.quick else "full"]
-    console.print(f"generating the {name} workload ({args.jobs} requests, seed {args.seed})…")
-    return spec, [float(r) for r in rates.split(",")], generate(spec)
-
-
 def _runs(
-    args: argparse.Namespace,
-    rates: list[float],
-    modes: Sequence[Mode],
-    device: Device,
-    workload: list[Request],
-    base: str | None,
+    args: argparse.Namespace, regime: Regime, modes: Sequence[Mode], workload: list[Request], base: str | None
 ) -> list[dict[str, Any]]:
     rows = []
-    for i, rate in enumerate(rates):
+    for i, rate in enumerate(regime.rates):
         requests = [replace(r, at=r.at / rate) for r in workload]
         for mode in modes if i % 2 == 0 else tuple(reversed(modes)):
             console.print(f"[bold]{mode}[/] at {rate} jobs/s: {len(requests)} requests…")
-            rows.append(_one_run(args, mode, rate, device, requests, base))
+            rows.append(_one_run(args, regime, mode, rate, requests, base))
             _print_row(rows[-1])
     return rows
 
 
 def _one_run(
-    args: argparse.Namespace, mode: Mode, rate: float, device: Device, requests: list[Request], base: str | None
+    args: argparse.Namespace, regime: Regime, mode: Mode, rate: float, requests: list[Request], base: str | None
 ) -> dict[str, Any]:
     if args.target:
         return summarise(mode, rate, drive(args.target, requests, args.drain_s))
-    limits = {f"STOKER_{q}_QUEUE_LIMIT": str(args.queue_limit) for q in ("CPU", "INFER")}
+    limits = {f"STOKER_{q}_QUEUE_LIMIT": str(regime.queue_limit) for q in ("CPU", "INFER")}
     assert base is not None
-    with bench_stack(mode, device, base, LOGS / f"{mode}-{rate}", **limits) as stack:
+    with bench_stack(mode, regime.device, base, LOGS / f"{mode}-{rate}", **limits) as stack:
         return summarise(mode, rate, drive(stack.base, requests, args.drain_s))
 
 
@@ -242,18 +272,17 @@ def _ms(seconds: float | None) -> float | None:
 
 def _report(
     args: argparse.Namespace,
-    device: Device,
-    spec: WorkloadSpec,
+    regime: Regime,
     workload: list[Request],
     rows: list[dict[str, Any]],
     overhead: list[dict[str, Any]],
     wall_s: float,
-    name: str = "cpu-bound",
 ) -> bool:
+    name, device, spec = regime.name, regime.device, regime.spec
     pairs = _pairs(rows)
     table = markdown(rows, pairs)
     over = _overhead_markdown(overhead) if overhead else ""
-    head = f"{name}: {device.describe()}; workload {describe(workload)}; queue limits {args.queue_limit}"
+    head = f"{name}: {device.describe()}; workload {describe(workload)}; queue limits {regime.queue_limit}"
     suffix = "" if name == "cpu-bound" else f"-{name}"
     (args.out / f"results{suffix}.md").write_text(f"{head}\n\n{table}\n\n{over}\n")
     plots = plot(rows, args.out, "" if name == "cpu-bound" else name) if rows else []

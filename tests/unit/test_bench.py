@@ -12,7 +12,7 @@ import pytest
 from bench.costpair import Tally
 from bench.costpair import markdown as pair_table
 from bench.drive import Outcome, Run, Sample
-from bench.harness import parser, with_defaults
+from bench.harness import Regime, parser, regime, with_defaults
 from bench.pool import pool
 from bench.report import busy_series, compare, markdown, percentile, ratio_intervals, ratios, refusal, summarise
 from bench.workload import WorkloadSpec, describe, generate
@@ -201,8 +201,22 @@ def test_a_paired_cost_run_sums_every_burst_before_it_divides_by_the_jobs() -> N
     assert "| text | 3.00 → 1.50 | 0.40 → 0.00 | 0.20 → 0.00 | 3.60 → 1.50 | 8.0 → 2.0 | 10 / 10 |" in table
 
 
-def test_the_queues_admit_five_batches_of_the_device_unless_told() -> None:
-    """A device of larger batches gets room to fill its next batch while one runs; every mode the same limit."""
-    limit = [with_defaults(parser().parse_args(argv)).queue_limit for argv in ([], ["--batch", "32"], ["--quick"])]
-    assert limit == [40, 160, 40]
-    assert with_defaults(parser().parse_args(["--batch", "32", "--queue-limit", "64"])).queue_limit == 64
+def _regime(name: str, *argv: str) -> Regime:
+    return regime(with_defaults(parser().parse_args(argv)), name)
+
+
+def test_each_regime_has_its_own_device_loads_and_queue_limit_unless_told() -> None:
+    """The device-bound regime runs on a device whose batches cost mostly the same whatever they hold, long enough
+    at its highest load for a pool of synchronous workers to settle; its queues admit five of its batches."""
+    cpu, device = _regime("cpu-bound"), _regime("device-bound")
+    assert (cpu.device.base_ms, cpu.device.per_item_ms, cpu.device.batch) == (300.0, 40.0, 8)
+    assert (cpu.rates, cpu.spec.jobs, cpu.queue_limit) == ([1.0, 2.0, 3.0, 4.0], 90, 40)
+    assert (device.device.base_ms, device.device.per_item_ms, device.device.batch) == (300.0, 5.0, 32)
+    assert (device.rates, device.spec.jobs, device.queue_limit) == ([32.0, 64.0, 96.0], 960, 160)
+    assert (device.spec.text, device.spec.repeat) == (0.7, 0.9)  # its workload: mostly text, repeated media
+    told = _regime("device-bound", "--batch", "8", "--sim-per-item-ms", "40", "--rates", "12", "--jobs", "100")
+    assert (told.device.per_item_ms, told.device.batch, told.rates, told.spec.jobs) == (40.0, 8, [12.0], 100)
+    assert told.queue_limit == 40
+    assert _regime("device-bound", "--queue-limit", "64").queue_limit == 64
+    quick = _regime("device-bound", "--quick")
+    assert (quick.rates, quick.spec.jobs) == ([64.0], 640)
