@@ -557,11 +557,7 @@ class RedisIntake:
                 return
             self._held.discard(tag)
             self._settling.notify_all()
-        pushed = [] if raw is None else [raw]
-        try:
-            self._back(keys=[*self._keys, self._lists[from_list]], args=[tag, *pushed])
-        except Exception as exc:  # the index still holds it: kombu's sweep restores it after the visibility timeout
-            log.warning("could not hand message %s back: %s", tag, exc)
+        self._let_go(tag, from_list, raw)
 
     def close(self) -> None:
         """Write the acks gathered so far, and let go of the broker."""
@@ -597,18 +593,20 @@ class RedisIntake:
             except Exception:
                 log.exception("dropping a message on %s that is not a task message", self._lists[0])
                 if tag:  # indexed: out of the index, not back to the queue
-                    self._drop(tag, from_list)
+                    self._let_go(tag, from_list, None)
                 continue
             with self._settling:
                 self._held.add(tag)
             messages.append(message)
         return messages
 
-    def _drop(self, tag: str, from_list: int) -> None:
+    def _let_go(self, tag: str, from_list: int, raw: bytes | None) -> None:
+        """`_HAND_BACK`: out of the unacked index, and back to the front of its list unless `raw` is None."""
+        pushed = [] if raw is None else [raw]
         try:
-            self._back(keys=[*self._keys, self._lists[from_list]], args=[tag])
-        except Exception as exc:  # left in the index: restored after the visibility timeout, and dropped again
-            log.warning("could not drop message %s: %s", tag, exc)
+            self._back(keys=[*self._keys, self._lists[from_list]], args=[tag, *pushed])
+        except Exception as exc:  # the index still holds it: kombu's sweep restores it after the visibility timeout
+            log.warning("could not let go of message %s: %s", tag, exc)
 
     def _message(self, raw: bytes, from_list: int, tag: str) -> IntakeMessage:
         """Celery's message protocol 2 as the API and Celery publish it: a JSON envelope whose body, base64, is

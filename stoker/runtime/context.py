@@ -84,31 +84,28 @@ class WorkerContext:
     @cached_property
     def batch_lines(self) -> LineSource:
         """Where the inference consumer takes batch lines from when it has room for them: their own queue."""
-        s = self.settings
-        return PulledQueue(
-            s.broker_url,
-            stage_queue(s.broker_url, INFER_BATCH_QUEUE),
-            transport=redis_transport(s.broker_url),
-            transport_options=transport_options(s.broker_url, s.visibility_timeout_s),
-            ssl=s.redis_tls(s.broker_url) or False,
-        )
+        url = self.settings.broker_url
+        return PulledQueue(url, stage_queue(url, INFER_BATCH_QUEUE), **self._broker_options())
 
     @cached_property
     def intake(self) -> Intake | None:
         """Where the inference consumer takes interactive requests from on a Redis broker: straight from the queue's
         lists, as many as it has room for per round trip (`RedisIntake`). None on RabbitMQ: there Celery's consumer
         hands them over (`tasks.inference.Feed`)."""
-        s = self.settings
-        transport = redis_transport(s.broker_url)
-        if transport is None:
+        options = self._broker_options()
+        if options["transport"] is None:
             return None
-        return RedisIntake(
-            s.broker_url,
-            INFER_QUEUE,
-            transport=transport,
-            transport_options=transport_options(s.broker_url, s.visibility_timeout_s),
-            ssl=s.redis_tls(s.broker_url) or False,
-        )
+        return RedisIntake(self.settings.broker_url, INFER_QUEUE, **options)
+
+    def _broker_options(self) -> dict[str, Any]:
+        """How a connection of the consumer's own reaches the broker, as Celery's app does: its transport (stoker's
+        on Redis, None otherwise), the visibility timeout, TLS."""
+        s = self.settings
+        return {
+            "transport": redis_transport(s.broker_url),
+            "transport_options": transport_options(s.broker_url, s.visibility_timeout_s),
+            "ssl": s.redis_tls(s.broker_url) or False,
+        }
 
     @cached_property
     def device_clock(self) -> DeviceClock:
