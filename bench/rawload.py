@@ -1,11 +1,13 @@
-"""Closed-loop HTTP/1.1 clients that cost next to nothing, for a load generator that shares the stack's cores.
+"""HTTP/1.1 clients that cost next to nothing, for a load generator that shares the stack's cores: closed-loop
+clients here (`run`, `wait_all`), and kept-alive connections (`Connections`) for `bench.drive`'s open loop.
 
 httpx spends about 0.8 ms of CPU per request here (its request and response models, h11 in pure Python, a thread
 per client): at the hundreds of requests a second the admission phase sends, that is a fifth of a two-core machine
-taken from the stack it measures. These clients are coroutines on one event loop, each on one keep-alive
-connection, writing requests built as bytes and reading responses with httptools (llhttp, the C parser uvicorn
-uses). No HTTP client library offers that: they all build request and response objects per exchange, which is the
-cost to avoid. The requests are the same bytes a client library would send.
+taken from the stack it measures. These clients are coroutines on one event loop, each on a keep-alive
+connection (the closed-loop ones one each; the open loop's share theirs, `Connections`), writing requests built as
+bytes and reading responses with httptools (llhttp, the C parser uvicorn uses). No HTTP client library offers
+that: they all build request and response objects per exchange, which is the cost to avoid. The requests are the
+same bytes a client library would send.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import httptools
@@ -25,12 +28,25 @@ import httptools
 Request = Callable[[int], tuple[str, str, bytes | None]]
 
 
+class Reply(NamedTuple):
+    """One response: its status, its body, and its Retry-After header (None without one)."""
+
+    status: int
+    body: bytes
+    retry_after: bytes | None = None
+
+
 class _Response:
-    """httptools' callbacks for one response: its body, and whether it is complete."""
+    """httptools' callbacks for one response: its body, its Retry-After, and whether it is complete."""
 
     def __init__(self) -> None:
         self.body = bytearray()
+        self.retry_after: bytes | None = None
         self.complete = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"retry-after":
+            self.retry_after = value
 
     def on_body(self, body: bytes) -> None:
         self.body += body
@@ -39,17 +55,18 @@ class _Response:
         self.complete = True
 
 
-def encode(host: str, method: str, target: str, form: bytes | None) -> bytes:
-    """One HTTP/1.1 request, keep-alive."""
+def encode(
+    host: str, method: str, target: str, form: bytes | None, kind: str = "application/x-www-form-urlencoded"
+) -> bytes:
+    """One HTTP/1.1 request, keep-alive; `form` is its body, of content type `kind`."""
     head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"
     if form is None:
         return f"{head}\r\n".encode()
-    kind = "application/x-www-form-urlencoded"
     return f"{head}Content-Type: {kind}\r\nContent-Length: {len(form)}\r\n\r\n".encode() + form
 
 
-async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bytes]:
-    """Send one request on an open connection; its response's status and body."""
+async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> Reply:
+    """Send one request on an open connection; its response."""
     writer.write(request)
     response = _Response()
     parser = httptools.HttpResponseParser(response)
@@ -58,7 +75,54 @@ async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, r
         if not data:
             raise ConnectionError("the server closed the connection")
         parser.feed_data(data)
-    return parser.get_status_code(), bytes(response.body)
+    return Reply(parser.get_status_code(), bytes(response.body), response.retry_after)
+
+
+class Connections:
+    """Kept-alive connections to one server, shared by the coroutines of one event loop: an exchange takes an idle
+    one (or opens one) and puts it back once its response is in; a connection that failed or timed out is closed.
+    One left idle longer than `idle_s` is closed rather than reused, well before the server's keep-alive ends."""
+
+    def __init__(self, base: str, idle_s: float = 30.0) -> None:
+        parts = urlsplit(base)
+        self.host, self.port, self.netloc = parts.hostname or "127.0.0.1", parts.port or 80, parts.netloc
+        self.idle_s = idle_s
+        #: How many connections were opened in all.
+        self.opened = 0
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
+
+    def request(
+        self, method: str, target: str, body: bytes | None = None, kind: str = "application/x-www-form-urlencoded"
+    ) -> bytes:
+        """A request to this server, as bytes to hand to `exchange`."""
+        return encode(self.netloc, method, target, body, kind)
+
+    async def exchange(self, request: bytes, timeout_s: float) -> Reply:
+        """Send `request` on a kept-alive connection; its response, or TimeoutError after `timeout_s`."""
+        reader, writer = await self._take()
+        try:
+            async with asyncio.timeout(timeout_s):
+                reply = await exchange(reader, writer, request)
+        except BaseException:
+            writer.close()
+            raise
+        self._idle.append((reader, writer, time.monotonic()))
+        return reply
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        for _, writer, _ in self._idle:
+            writer.close()
+        self._idle.clear()
+
+    async def _take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        while self._idle:
+            reader, writer, since = self._idle.pop()  # the last put back: the others age out
+            if time.monotonic() - since < self.idle_s and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        self.opened += 1
+        return await asyncio.open_connection(self.host, self.port)
 
 
 @dataclass
@@ -76,7 +140,7 @@ async def _client(base: str, request: Request, numbers: Iterator[int], stop_at: 
         while time.monotonic() < stop_at:
             n = next(numbers)  # taken only to be sent: the numbers sent are 1, 2, ... with no gap
             try:
-                status, body = await exchange(reader, writer, encode(netloc, *request(n)))
+                status, body, _ = await exchange(reader, writer, encode(netloc, *request(n)))
             except (OSError, ConnectionError, httptools.HttpParserError) as exc:
                 tally.errors[type(exc).__name__] += 1
                 return
@@ -111,7 +175,7 @@ def wait_all(base: str, job_ids: list[str], clients: int = 16, wait_s: int = 30)
         try:
             for job_id in pending:
                 request = encode(netloc, "GET", f"/v1/jobs/{job_id}?wait={wait_s}", None)
-                status, body = await exchange(reader, writer, request)
+                status, body, _ = await exchange(reader, writer, request)
                 statuses[str(json.loads(body)["status"]) if status == 200 else f"HTTP {status}"] += 1
         finally:
             writer.close()
