@@ -671,6 +671,14 @@ class WorkerSettings(CommonSettings):
         "waits up to this long after its first request arrived, for company (for backends where a fuller batch is "
         "worth the latency).",
     )
+    sync_backlog_fill_ms: int = Field(
+        50,
+        ge=0,
+        description="The synchronous baseline (`STOKER_PIPELINE_MODE=sync`) only: how long, after its last batch "
+        "returned, a worker whose queue still holds messages waits for them before running a batch that is not "
+        "full (its one thread ran the batch, so what queued meanwhile reaches it a few messages at a time); 0: "
+        "it takes what it has.",
+    )
     prefetch_batches: int = Field(
         3,
         ge=1,

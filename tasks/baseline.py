@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 from celery.canvas import Signature, _chain, group
@@ -43,6 +44,12 @@ class DeviceBatches(Batches):  # type: ignore[misc]
     wait since the first arrival, deadlines) says its batch goes, and never while a batch runs: the device runs
     back to back on batches as large as the queue allows. Requests whose deadline passed are answered and
     acked without reaching the model.
+
+    As large as the queue allows, not as large as one tick's delivery: the receiver's one thread runs the batch,
+    so the messages that queued meanwhile reach it only once it is back in the consumer's loop, a few each tick.
+    While the broker still holds messages of its queue, a batch that is not full waits for them (`_backlog_to_take`,
+    at most `STOKER_SYNC_BACKLOG_FILL_MS` after the device came free), as the inference consumer's intake takes
+    what waits.
     """
 
     abstract = True
@@ -53,6 +60,8 @@ class DeviceBatches(Batches):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._waiting: dict[str, tuple[Waiting, Request]] = {}
         self.running: Collection[Request] = ()
+        #: When the last batch returned (the device came free for this receiver).
+        self._free_since = 0.0
 
     @property
     def flush_every(self) -> int:
@@ -73,6 +82,8 @@ class DeviceBatches(Batches):  # type: ignore[misc]
             for request in take_arrived(self._buffer, self._buffer.qsize()):
                 self._waiting[request.id] = (as_waiting(request, now), request)
             plan = plan_batch([w for w, _ in self._waiting.values()], now, self.policy, not self._busy.is_set())
+            if plan.run and self._backlog_to_take(len(plan.run), now):
+                plan = replace(plan, run=[])
             expired = [self._waiting.pop(w.key)[1] for w in plan.expired]
             batch = [self._waiting.pop(w.key)[1] for w in plan.run]
             if not self._waiting and not batch:
@@ -86,6 +97,16 @@ class DeviceBatches(Batches):  # type: ignore[misc]
             except Exception:
                 self._busy.clear()
                 raise
+
+    def _backlog_to_take(self, have: int, now: float) -> bool:
+        """Whether a batch of `have` should wait for the messages its queue still holds: it is not full, this
+        receiver may hold more, and the device came free less than `sync_backlog_fill_ms` ago."""
+        s = context().settings
+        if have >= self.policy.max_batch_size or now - self._free_since > s.sync_backlog_fill_ms / 1000:
+            return False
+        if len(self._waiting) >= s.infer_prefetch:
+            return False
+        return context().outbox.queue_depths([SYNC_QUEUE]).get(SYNC_QUEUE, 0) > 0
 
     def _stop_timer(self) -> None:
         timer: Any = getattr(self, "_tref", None)
@@ -111,6 +132,7 @@ class DeviceBatches(Batches):  # type: ignore[misc]
             for request in requests:
                 request.acknowledge()
             self.running = ()
+            self._free_since = time.time()
             self._busy.clear()
 
         self.running = requests
