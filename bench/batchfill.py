@@ -127,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run both phases and report."""
     args = parser().parse_args(argv)
     device = Device("sim", args.base_ms, args.per_item_ms, args.batch)
-    capacity = args.batch / ((args.base_ms + args.batch * args.per_item_ms) / 1000)
-    rate = args.load * capacity
-    print(f"{device.describe()}: capacity {capacity:.1f} requests/s; interactive {rate:.1f}/s for {args.seconds:.0f} s")
+    rate = args.load * device.capacity_per_s
+    print(f"{device.describe()}; interactive {rate:.1f} requests/s for {args.seconds:.0f} s")
     with (
         tempfile.TemporaryDirectory(prefix="stoker-batchfill-") as scratch,
         bench_redis() as redis_base,
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         beside = drive(stack.base, interactive(rate, args.seconds, args.seed, "beside"), give_up_s=60)
         follower.join()
         client.close()
-    result = report(args, device, capacity, rate, alone, beside, ended, samples)
+    result = report(args, device, device.capacity_per_s, rate, alone, beside, ended, samples)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "batchfill.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -6,7 +6,7 @@ or one page that waited behind others, decides it, and the same commit's p99 rat
 from one run to the next. Runs of other seeds (`stoker bench --seed N --out DIR`), or of the same one again, are
 pooled here: each design's answered latencies of every run at an offered load are put together and its
 percentiles read from them; throughput and device busy are the runs' means; a pooled pair is compared only where
-every run of it could be (`bench.report.refusal`: no job unanswered, no baseline burning CPU), with each latency
+every run of it could be (`bench.report.refusal`: no job unanswered, neither design burning CPU), with each latency
 ratio's bootstrap interval over the pooled jobs. Prints the table; `--out FILE` writes it as JSON too.
 """
 

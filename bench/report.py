@@ -158,23 +158,26 @@ def busy_series(samples: list[Sample], start: float, window_s: float = 2.0) -> l
     return series
 
 
-#: A baseline that spent more CPU per job than this many times the pipeline's did work the pipeline did not
-#: (oversubscribed threads, a spinning lock): its ratios would compare a broken run, not a design.
+#: A run that spent more CPU per job than this many times the other run of its pair did work the other did not
+#: (oversubscribed threads, a spinning lock) or ran on a host slowed meanwhile: its ratios would compare a broken
+#: run, not a design.
 MAX_CPU_RATIO = 1.5
 
 
 def refusal(pipeline: dict[str, Any], baseline: dict[str, Any]) -> str | None:
     """Why the two runs must not be compared (None: they may): a run that left jobs unanswered measured a
-    collapse, not a throughput; a baseline far costlier in CPU per job than the pipeline measured a fault."""
+    collapse, not a throughput; a run far costlier in CPU per job than the other, either way round, measured a
+    fault or a slower host (the same jobs cost both designs about the same CPU), not a design."""
     for row in (pipeline, baseline):
         if row.get("unanswered"):
             return f"{row['mode']} left {row['unanswered']} of {row.get('jobs', '?')} jobs unanswered"
-    ours, theirs = pipeline.get("cpu_s_per_job"), baseline.get("cpu_s_per_job")
-    if ours and theirs and theirs > MAX_CPU_RATIO * ours:
-        return (
-            f"{baseline['mode']} spent {theirs} CPU s per job, {theirs / ours:.1f}x the pipeline's {ours}"
-            f" (more than {MAX_CPU_RATIO}x): a fault in the baseline's run, not its design"
-        )
+    for costly, other in ((baseline, pipeline), (pipeline, baseline)):
+        theirs, ours = costly.get("cpu_s_per_job"), other.get("cpu_s_per_job")
+        if ours and theirs and theirs > MAX_CPU_RATIO * ours:
+            return (
+                f"{costly['mode']} spent {theirs} CPU s per job, {theirs / ours:.1f}x {other['mode']}'s {ours}"
+                f" (more than {MAX_CPU_RATIO}x): a fault in its run or a slowed host, not its design"
+            )
     return None
 
 

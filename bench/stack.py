@@ -58,10 +58,19 @@ class Device:
             env |= {"STOKER_INFER_BATCH_TIMEOUT_S": "600", "STOKER_VISIBILITY_TIMEOUT_S": "1200"}
         return env
 
+    @property
+    def capacity_per_s(self) -> float:
+        """The most a simulated device serves: full batches back to back, jobs a second. No design serves more,
+        which bounds any ratio of two designs' throughput on it."""
+        return self.batch / ((self.base_ms + self.per_item_ms * self.batch) / 1000)
+
     def describe(self) -> str:
         """One line for the report."""
         if self.backend == "sim":
-            return f"simulated device: {self.base_ms:.0f} ms + {self.per_item_ms:.0f} ms per item, batch ≤ {self.batch}"
+            return (
+                f"simulated device: {self.base_ms:.0f} ms + {self.per_item_ms:.0f} ms per item, batch ≤ {self.batch} "
+                f"(at most {self.capacity_per_s:.1f} jobs/s, in full batches)"
+            )
         return f"real model (transformers) on the CPU, batch ≤ {self.batch}"
 
 

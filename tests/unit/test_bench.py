@@ -44,7 +44,7 @@ def test_percentiles_and_ratios() -> None:
     assert ratios({"throughput_per_s": 3.0, "p50_s": 1.0}, {"throughput_per_s": 2.0, "p50_s": 4.0})["p50_s"] == 0.25
 
 
-def test_runs_that_left_jobs_unanswered_or_a_baseline_burning_cpu_are_not_compared() -> None:
+def test_runs_that_left_jobs_unanswered_or_either_design_burning_cpu_are_not_compared() -> None:
     pipeline = {"mode": "pipeline", "jobs": 36, "unanswered": 0, "cpu_s_per_job": 0.63}
     fair = {"mode": "sync-pool", "jobs": 36, "unanswered": 0, "cpu_s_per_job": 0.7}
     assert refusal(pipeline, fair) is None
@@ -52,7 +52,10 @@ def test_runs_that_left_jobs_unanswered_or_a_baseline_burning_cpu_are_not_compar
     assert lost == "sync-pool left 13 of 36 jobs unanswered"
     burning = refusal(pipeline, {**fair, "cpu_s_per_job": 4.5})
     assert burning is not None
-    assert "7.1x the pipeline's 0.63" in burning
+    assert "sync-pool spent 4.5 CPU s per job, 7.1x pipeline's 0.63" in burning
+    slowed = refusal({**pipeline, "cpu_s_per_job": 1.4}, fair)  # the pipeline's run, on a host slowed meanwhile
+    assert slowed is not None
+    assert "pipeline spent 1.4 CPU s per job, 2.0x sync-pool's 0.7" in slowed
     table = markdown([pipeline], [{"offered_per_s": 3.0, "baseline": "sync", "ratios": {}, "refused": lost}])
     assert "| 3.0 | sync | not compared: sync-pool left 13 of 36 jobs unanswered |" in table
 
@@ -184,7 +187,7 @@ def test_pooled_runs_are_refused_when_any_one_of_them_would_have_been() -> None:
     assert refusal(*out["rows"]) is None  # pooled, the baseline's CPU per job (0.65) passes
     (pair,) = out["pairs"]
     assert pair["refused"] is not None
-    assert "1.6x the pipeline's 0.5" in pair["refused"]
+    assert "1.6x pipeline's 0.5" in pair["refused"]
     assert pair["ratios"]["p50_s"] is None
     assert pair["intervals"] == {}
 
