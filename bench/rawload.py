@@ -87,8 +87,6 @@ class Connections:
         parts = urlsplit(base)
         self.host, self.port, self.netloc = parts.hostname or "127.0.0.1", parts.port or 80, parts.netloc
         self.idle_s = idle_s
-        #: How many connections were opened in all.
-        self.opened = 0
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
 
     def request(
@@ -121,7 +119,6 @@ class Connections:
             if time.monotonic() - since < self.idle_s and not reader.at_eof():
                 return reader, writer
             writer.close()
-        self.opened += 1
         return await asyncio.open_connection(self.host, self.port)
 
 

@@ -106,7 +106,7 @@ class DeviceBatches(Batches):  # type: ignore[misc]
             return False
         if len(self._waiting) >= s.infer_prefetch:
             return False
-        return context().outbox.queue_depths([SYNC_QUEUE]).get(SYNC_QUEUE, 0) > 0
+        return context().outbox.queue_depths([SYNC_QUEUE], timeout_s=1.0).get(SYNC_QUEUE, 0) > 0
 
     def _stop_timer(self) -> None:
         timer: Any = getattr(self, "_tref", None)
