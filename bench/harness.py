@@ -62,6 +62,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-per-item-ms", type=float, default=None, help="and per item in it (40; device-bound: 5)")
     p.add_argument("--batch", type=int, default=None, help="the most items a batch holds (8; device-bound: 32)")
     p.add_argument(
+        "--sim-steps",
+        type=int,
+        default=SIM_STEPS,
+        help=f"decoding steps a simulated call is made of, between which requests join ({SIM_STEPS}; 0: it runs whole)",
+    )
+    p.add_argument(
         "--queue-limit",
         type=int,
         default=None,
@@ -84,6 +90,11 @@ QUICK: dict[str, Any] = {"rates": "3", "jobs": 36, "drain_s": 45.0, "overhead_jo
 #: holds, as a large model's decoding step does up to its memory bandwidth: the device on which batching the whole
 #: fleet's work matters (at 300 + 40 ms per item a batch of 8 costs twice a batch of one, and batching hardly does).
 DEVICES = {"cpu-bound": (300.0, 40.0, 8), "device-bound": (300.0, 5.0, 32)}
+#: Every regime's device is a call of 30 decoding steps (about 10 ms each, as a large model's are on a GPU), and
+#: the pipeline's consumer lets waiting requests join between them, as it does with the local model
+#: (`STOKER_YIELD_TOKENS`) and as servers that schedule every step do. A synchronous worker cannot: its one thread,
+#: in the call, is the one that would prepare the joiner. Before 2026-12-05 20:30 UTC calls ran whole (0).
+SIM_STEPS = 30
 #: Offered loads of the device-bound regime (its device serves about 70 jobs/s in full batches of 32), unless
 #: --rates names others.
 DEVICE_BOUND_RATES = {"full": "32,64,96", "quick": "64"}
@@ -133,6 +144,7 @@ def regime(args: argparse.Namespace, name: str) -> Regime:
         base_ms if args.sim_base_ms is None else args.sim_base_ms,
         per_item_ms if args.sim_per_item_ms is None else args.sim_per_item_ms,
         batch if args.batch is None else args.batch,
+        args.sim_steps,
     )
     limit = args.queue_limit or max(40, QUEUED_BATCHES * device.batch)
     spec = WorkloadSpec(jobs=int(jobs), rate=1.0, seed=args.seed, repeat=args.repeat, bad=args.bad)

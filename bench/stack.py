@@ -48,12 +48,16 @@ class Device:
     base_ms: float = 300.0
     per_item_ms: float = 40.0
     batch: int = 8
+    #: A simulated call's decoding steps (0: it runs whole): a consumer that yields between steps lets a waiting
+    #: request join the answers under way at the next one, as a server that schedules every step does.
+    steps: int = 0
 
     def env(self) -> dict[str, str]:
         """The settings that make this device."""
         env = {"STOKER_BACKEND": self.backend, "STOKER_MAX_BATCH_SIZE": str(self.batch)}
         if self.backend == "sim":
             env |= {"STOKER_SIM_BASE_MS": str(self.base_ms), "STOKER_SIM_PER_ITEM_MS": str(self.per_item_ms)}
+            env |= {"STOKER_SIM_STEPS": str(self.steps), "STOKER_YIELD_TOKENS": "1"}
         else:  # on a CPU the model shares the cores with preprocessing: a batch may take minutes, not a wedge
             env |= {"STOKER_INFER_BATCH_TIMEOUT_S": "600", "STOKER_VISIBILITY_TIMEOUT_S": "1200"}
         return env
@@ -70,6 +74,7 @@ class Device:
             return (
                 f"simulated device: {self.base_ms:.0f} ms + {self.per_item_ms:.0f} ms per item, batch ≤ {self.batch} "
                 f"(at most {self.capacity_per_s:.1f} jobs/s, in full batches)"
+                + (f", in {self.steps} steps a request can join between" if self.steps else "")
             )
         return f"real model (transformers) on the CPU, batch ≤ {self.batch}"
 

@@ -759,6 +759,13 @@ class WorkerSettings(CommonSettings):
     # The `sim` backend: a simulated accelerator, a batch takes base + per item (ms), asleep.
     sim_base_ms: float = Field(20.0, ge=0, description="`sim` backend: each batch's base time (ms), asleep.")
     sim_per_item_ms: float = Field(5.0, ge=0, description="`sim` backend: the time each item adds (ms).")
+    sim_steps: int = Field(
+        0,
+        ge=0,
+        description="`sim` backend: 0, a batch runs whole; N, each request is N decoding steps and a batch's time "
+        "is spread over them, so that a call can stop between steps (every `STOKER_YIELD_TOKENS` steps) for "
+        "requests waiting for the device or for its done answers, as the local model's calls do.",
+    )
     sim_shared: bool = Field(
         False,
         description="One simulated device shared by every inference process on this store (batches serialized "

@@ -147,7 +147,9 @@ class WorkerContext:
         s = self.settings
         chosen: Predictor
         if s.backend == "sim":
-            chosen = SimPredictor(s.sim_base_ms, s.sim_per_item_ms, fault=s.sim_fault)
+            chosen = SimPredictor(
+                s.sim_base_ms, s.sim_per_item_ms, fault=s.sim_fault, steps=s.sim_steps, yield_steps=s.yield_tokens
+            )
         elif s.backend == "openai":
             _ = self.decode_outputs  # the served model's image processor, loaded now: never inside a batch
             chosen = OpenAIPredictor(

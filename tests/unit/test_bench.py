@@ -213,6 +213,8 @@ def test_each_regime_has_its_own_device_loads_and_queue_limit_unless_told() -> N
     at its highest load for a pool of synchronous workers to settle; its queues admit five of its batches."""
     cpu, device = _regime("cpu-bound"), _regime("device-bound")
     assert (cpu.device.base_ms, cpu.device.per_item_ms, cpu.device.batch) == (300.0, 40.0, 8)
+    assert (cpu.device.steps, device.device.steps, _regime("cpu-bound", "--sim-steps", "0").device.steps) == (30, 30, 0)
+    assert cpu.device.env()["STOKER_SIM_STEPS"] == "30"
     assert (cpu.rates, cpu.spec.jobs, cpu.queue_limit) == ([1.0, 2.0, 3.0, 4.0], 90, 40)
     assert (device.device.base_ms, device.device.per_item_ms, device.device.batch) == (300.0, 5.0, 32)
     assert (device.rates, device.spec.jobs, device.queue_limit) == ([32.0, 64.0, 96.0], 960, 160)
