@@ -93,7 +93,7 @@ DEVICES = {"cpu-bound": (300.0, 40.0, 8), "device-bound": (300.0, 5.0, 32)}
 #: Every regime's device is a call of 30 decoding steps (about 10 ms each, as a large model's are on a GPU), and
 #: the pipeline's consumer lets waiting requests join between them, as it does with the local model
 #: (`STOKER_YIELD_TOKENS`) and as servers that schedule every step do. A synchronous worker cannot: its one thread,
-#: in the call, is the one that would prepare the joiner. Before 2026-12-05 20:30 UTC calls ran whole (0).
+#: in the call, is the one that would prepare the joiner. Before 2026-12-05 20:20 UTC calls ran whole (0).
 SIM_STEPS = 30
 #: Offered loads of the device-bound regime (its device serves about 70 jobs/s in full batches of 32), unless
 #: --rates names others.
