@@ -8,7 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
@@ -16,6 +16,7 @@ import pytest
 
 from bench import drive as driving
 from bench.workload import Media, Request
+from tests.serving import serve_handler
 
 #: The Retry-After the server sends with its one refusal.
 RETRY_AFTER_S = 0.3
@@ -90,15 +91,9 @@ def _form(kind: str, body: bytes) -> tuple[str, bytes | None]:
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setattr(driving, "CPU_SETTLE_S", 0.0)  # no workers here to settle
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Server)
     Server.posts, Server.media, Server.polls, Server.connections = {}, {}, {}, set()
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with serve_handler("127.0.0.1", Server) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def _requests(count: int) -> list[Request]:

@@ -4,15 +4,15 @@ what each client got, and every accepted job waited for."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import ClassVar
 from urllib.parse import parse_qs
 
 import pytest
 
 from bench import rawload
+from tests.serving import serve_handler
 
 
 class JobsHandler(BaseHTTPRequestHandler):
@@ -55,15 +55,9 @@ class JobsHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), JobsHandler)
     JobsHandler.made, JobsHandler.connections = set(), set()
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with serve_handler("127.0.0.1", JobsHandler) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def _form(n: int) -> tuple[str, str, bytes]:
