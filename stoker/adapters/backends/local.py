@@ -40,7 +40,27 @@ class LocalBatch:
         return [r.params for r in self.requests]
 
 
-class TransformersPredictor:
+class YieldsToConsumer:
+    """A backend whose calls can stop between decoding steps for the consumer's waiting requests: the consumer
+    hands it the count of those (`yield_to`); `stops_now` is the rule its calls stop by."""
+
+    #: How many interactive requests wait for the device (the consumer's), and the most rows a call may have.
+    _waiting: Callable[[], int] | None = None
+    _max_rows = 0
+
+    def yield_to(self, waiting: Callable[[], int], max_rows: int) -> None:
+        """Let calls stop between decoding steps for the requests `waiting` counts."""
+        self._waiting, self._max_rows = waiting, max_rows
+
+
+def stops_now(going: int, rows: int, max_rows: int, waiting: Callable[[], int]) -> bool:
+    """Whether a call of `rows` answers, `going` of them unfinished, stops at this step: when some are done and
+    others are not (the done ones go out now rather than with the longest), or when a request waits for the device
+    and the call has room for it (it joins the next call)."""
+    return going > 0 and (going < rows or (going < max_rows and waiting() > 0))
+
+
+class TransformersPredictor(YieldsToConsumer):
     """A local Hugging Face causal LM: batched generate with left padding, greedy unless a request samples.
 
     One generate call takes one temperature / top_p / seed (`mixes_sampling` is False: the consumer groups a batch
@@ -80,9 +100,6 @@ class TransformersPredictor:
         self.threads = threads
         self.pieces = pieces
         self.yield_tokens = yield_tokens
-        #: How many interactive requests wait for the device (the consumer's), and the most rows a call may have.
-        self._waiting: Callable[[], int] | None = None
-        self._max_rows = 0
         #: Prompt and answer together at most (an answer stops where the context is full).
         self.max_context_tokens = max_context_tokens
         self.max_new_tokens = max_new_tokens
@@ -132,10 +149,6 @@ class TransformersPredictor:
         """Padding token id (falls back to end-of-sequence)."""
         tok = self._tokenizer
         return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-
-    def yield_to(self, waiting: Callable[[], int], max_rows: int) -> None:
-        """Let calls stop between decoding steps for the requests `waiting` counts (see the class)."""
-        self._waiting, self._max_rows = waiting, max_rows
 
     def batch(self, requests: Sequence[ModelRequest]) -> LocalBatch:
         """Left-pad the prompts (with any answer so far) so generation starts at the same column for all."""
@@ -327,10 +340,7 @@ class YieldPoints:
             return stop
         ended = torch.isin(input_ids[:, self.width :], torch.tensor(self.stop_ids, device=input_ids.device)).any(1)
         done = [bool(e) or steps >= r for e, r in zip(ended.tolist(), self.rest, strict=True)]
-        going = rows - sum(done)
-        if going and (going < rows or (going < self.max_rows and self.waiting() > 0)):
-            return ~stop
-        return stop
+        return ~stop if stops_now(rows - sum(done), rows, self.max_rows, self.waiting) else stop
 
 
 @dataclass(frozen=True)
@@ -372,7 +382,7 @@ def _alternatives(best: Any, row: int, count: int) -> list[list[tuple[int, float
     return [list(zip(i, v, strict=True)) for i, v in zip(indices, values, strict=True)]
 
 
-class SimPredictor:
+class SimPredictor(YieldsToConsumer):
     """A simulated accelerator, for benchmarks and tests: a batch takes `base_ms + per_item_ms × items`.
 
     The time is spent asleep, so the device is busy while the CPU stays free, as with a real GPU. The answers are
@@ -404,17 +414,10 @@ class SimPredictor:
         self.fault = fault
         self.steps = steps
         self.yield_steps = yield_steps
-        #: How many interactive requests wait for the device (the consumer's), and the most rows a call may have.
-        self._waiting: Callable[[], int] | None = None
-        self._max_rows = 0
 
     def setup(self, device: str) -> None:
         """Nothing to load."""
         log.info("simulated device: %.1f ms + %.1f ms per item", self.base_ms, self.per_item_ms)
-
-    def yield_to(self, waiting: Callable[[], int], max_rows: int) -> None:
-        """Let calls stop between steps for the requests `waiting` counts (see the class)."""
-        self._waiting, self._max_rows = waiting, max_rows
 
     def batch(self, requests: Sequence[ModelRequest]) -> SimBatch:
         """Each request's prompt length and the steps its answer has had; whether the call may stop early."""
@@ -444,14 +447,14 @@ class SimPredictor:
             time.sleep(step_s)
             taken += 1
             done = [min(d + 1, self.steps) for d in done]
-            if taken % self.yield_steps == 0 and self._should_yield(done, rows):
+            going = sum(d < self.steps for d in done)
+            if (
+                taken % self.yield_steps == 0
+                and self._waiting
+                and stops_now(going, rows, self._max_rows, self._waiting)
+            ):
                 break
         return done
-
-    def _should_yield(self, done: list[int], rows: int) -> bool:
-        going = sum(d < self.steps for d in done)
-        waiting = self._waiting() if self._waiting is not None else 0
-        return going > 0 and (going < rows or (going < self._max_rows and waiting > 0))
 
     def unbatch(self, output: SimBatch) -> list[Prediction | Continued]:
         """One placeholder answer per request; with steps, an unfinished one comes back `Continued`."""
