@@ -562,6 +562,14 @@ class WorkerSettings(CommonSettings):
         "any CPU child, so one dense page does not hold a child while small ones wait; 0 turns bands off, and so "
         "does `STOKER_CACHE_ENABLED=false` (the bands read the decoded page from the stage cache).",
     )
+    ocr_band_idle_min_pixels: int = Field(
+        500_000,
+        ge=0,
+        description="A smaller page, down to this many pixels, is read in bands too when it is lines of text (every "
+        "cut between its bands falls on a blank row) and no CPU stage's message waits in the broker: its bands then "
+        "run at once on children that would idle, and its answer comes sooner for a little more CPU. Under load it "
+        "is read whole, at the least CPU. 0: only pages past `STOKER_OCR_BAND_MIN_PIXELS` are cut.",
+    )
     ocr_band_rows: int = Field(
         512,
         ge=64,

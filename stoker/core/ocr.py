@@ -192,6 +192,12 @@ def plan_bands(
     ]
 
 
+def lines_of_text(bands: list[Band]) -> bool:
+    """Whether the page was cut at blank rows only: lines of text, what tesseract spends its time on. A photo has
+    no blank row to cut at (its bands overlap), and costs a fraction of a page of text the same size."""
+    return len(bands) > 1 and not any(band.overlapped for band in bands)
+
+
 def _blank_rows(gray: npt.NDArray[np.uint8]) -> npt.NDArray[np.bool_]:
     """Rows with no ink (a speck of a pixel or two forgiven)."""
     ink = (gray < _INK).sum(axis=1)
