@@ -204,3 +204,45 @@ def test_small_pages_waiting_with_large_ones_are_taken_first(
     # large pages before either small one.
     before = [j for j in large if started[j] < max(started[s] for s in small)]
     assert len(before) <= 1, started
+
+
+def _text_page(tag: str) -> bytes:
+    """A page of eight lines under the band size threshold (1100 × 800: 880,000 pixels), new each time (as
+    `_dense_page`)."""
+    image = Image.new("L", (1100, 800), 255)
+    for x in range(32):
+        image.putpixel((x, 0), 255 - secrets.randbelow(2))
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=30)
+    for row in range(8):
+        draw.text((50, 50 + row * 90), f"{tag} ROW{row} " + " ".join(f"W{row}X{n}" for n in range(4)), 0, font)
+    return encode(image, "PNG")
+
+
+def test_a_page_under_the_size_threshold_is_cut_only_while_no_cpu_work_waits(client: TestClient) -> None:
+    from tasks.worker import app
+
+    page = _text_page(_tag())
+    idle = _wait(client, _submit(client, page))
+    assert idle["status"] == "succeeded", idle
+    read = idle["inputs"][0]
+    assert read["bands"] == 2  # on an idle stack: two bands, on two children
+    whole = read_text(decode_image(page, DecodeParams()).ocr_image, "eng", timeout_s=60)
+    assert read["text"].split() == whole.split()
+
+    # A transcription waits in the ASR queue (its consumer held): the next such page is read whole.
+    cpu = [name for reply in app.control.ping(timeout=1) for name in reply if name.startswith("cpu@")]
+    broker: redis.Redis[bytes] = redis.Redis.from_url(os.environ["STOKER_BROKER_URL"])
+    assert app.control.cancel_consumer("asr", destination=cpu, reply=True)
+    try:
+        talk = speech_wav(f"{SENTENCE} Number {secrets.randbelow(10**6)}.")  # no cached transcript
+        speech = client.post("/v1/jobs", data={"prompt": "Hi."}, files=[("audio", ("t.wav", talk, "audio/wav"))])
+        assert speech.status_code == 202, speech.text
+        wait_for(lambda: queued(broker, "asr") > 0, 60, "the transcription to wait in its queue", [])
+        busy = _wait(client, _submit(client, _text_page(_tag())))
+    finally:
+        app.control.add_consumer("asr", destination=cpu, reply=True)
+    assert busy["status"] == "succeeded", busy
+    assert busy["inputs"][0]["bands"] is None  # read whole: no child would have been free for a band
+    assert busy["inputs"][0]["cache_hit"]["ocr"] is False
+    assert _wait(client, speech.json()["id"])["status"] == "succeeded"
