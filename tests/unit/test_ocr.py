@@ -232,7 +232,8 @@ def test_a_page_of_text_under_the_size_threshold_is_cut_only_while_no_cpu_work_w
     assert gray.size < 1_500_000  # below the size threshold: whole, but for the idle rule
     idle, busy, away = _Depths(0), _Depths(1), _Depths(None)
     bands = _idle_rule_bands(gray, idle)
-    assert len(bands) == 2 and not bands[1].overlapped
+    assert len(bands) == 2
+    assert not bands[1].overlapped  # cut at a blank row
     assert (bands[0].top, bands[0].bottom, bands[1].bottom) == (0, bands[1].top, 768)
     assert _idle_rule_bands(gray, busy) == [Band(0, 768)]  # a message waits: read whole, at the least CPU
     assert _idle_rule_bands(gray, away) == [Band(0, 768)]  # the broker does not answer: as under load
