@@ -39,10 +39,11 @@ def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
     is past the size threshold; when smaller (down to `STOKER_OCR_BAND_IDLE_MIN_PIXELS`), only when it is lines of
     text and the pool has room (`_pool_has_room`); else it is one band.
 
-    What tesseract costs follows the lines of text more than the pixels: on the benchmark's pages a dense
-    1024×768 page took 0.60 s whole, a photo of the same size 0.16, a dense 2048×1536 page 0.71. A dense page
-    under the size threshold was the slowest job on an idle pool; in two bands on two free children it takes 0.37.
-    Under load the children are busy anyway, and the page is read whole, at the least CPU (two bands cost 0.68).
+    What tesseract costs follows the lines of text more than the pixels: on the benchmark's pages (one thread, an
+    idle host) a dense 1024×768 page took 0.57 s whole, a photo of the same size 0.15, a dense 2048×1536 page 0.78.
+    A dense page under the size threshold was among the slowest jobs on an idle pool; in two bands on two free
+    children it takes 0.34 (0.32 + 0.34 CPU s). Under load the children are busy anyway, and it is read whole, at
+    the least CPU.
 
     Bands read the decoded page from the stage cache, so with the cache off a page is read whole: each band would
     otherwise decode the whole page again (a 4000×3000 JPEG: 0.1 to 0.3 CPU s a band)."""

