@@ -1,7 +1,7 @@
 """The workload's recordings transcribed one by one in this process: how long each took, and how far its
 transcription fell back to sampling.
 
-    .venv/bin/python -m bench.speech [--seeds 8,9] [--threads 1]
+    .venv/bin/python -m bench.speech [--seeds 8,9] [--threads 1] [--halves]
 
 Each distinct recording of the CPU-bound workload of each seed (`bench.workload`, 90 requests) is transcribed as
 the ASR stage does (`stoker.core.asr.transcribe`: the built-in tiny.en, `STOKER_ASR_BEAM_SIZE`, VAD on), on
@@ -9,12 +9,19 @@ the ASR stage does (`stoker.core.asr.transcribe`: the built-in tiny.en, `STOKER_
 Each line: the recording, seconds taken, and the temperature each segment's text came from (0.0: the first try;
 faster-whisper retries a window whose text fails its checks at 0.2, 0.4, … 1.0, sampling five candidates each).
 The samples are random: which recordings fall back, and how far, changes from run to run. Run it on an idle host.
+
+`--halves`: each recording is also cut in two at its quietest 20 ms in the middle third and each half transcribed
+on its own, as two children could (the halves' times, the longer of them, and their temperatures).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from bench.workload import WorkloadSpec, generate
 from stoker.core.avmedia import decode_audio
@@ -26,7 +33,25 @@ def parser() -> argparse.ArgumentParser:
     args = argparse.ArgumentParser(prog="python -m bench.speech", description=__doc__.split("\n\n")[0])
     args.add_argument("--seeds", default="8,9", help="workload seeds whose recordings are transcribed")
     args.add_argument("--threads", type=int, default=1, help="the speech model's threads")
+    args.add_argument("--halves", action="store_true", help="each recording's two halves on their own too")
     return args
+
+
+def transcribed(model: Any, audio: npt.NDArray[np.float32], beam_size: int) -> tuple[float, list[float]]:
+    """Seconds to transcribe, and the temperature each segment's text came from."""
+    started = time.perf_counter()
+    segments, _ = model.transcribe(audio, beam_size=beam_size, vad_filter=True, condition_on_previous_text=False)
+    temperatures = [segment.temperature for segment in segments]  # consumed here: the work is done now
+    return time.perf_counter() - started, temperatures
+
+
+def quietest_cut(audio: npt.NDArray[np.float32], rate: int = 16000) -> int:
+    """The sample at the start of the quietest 20 ms frame in the recording's middle third."""
+    frame = rate // 50
+    frames = len(audio) // frame
+    energy = (audio[: frames * frame].reshape(frames, frame) ** 2).mean(axis=1)
+    low, high = frames // 3, 2 * frames // 3
+    return (low + int(np.argmin(energy[low:high]))) * frame
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,12 +75,17 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             seen.add(media.data)
             audio = decode_audio(media.data)
-            started = time.perf_counter()
-            segments, _ = model.transcribe(
-                audio, beam_size=settings.asr_beam_size, vad_filter=True, condition_on_previous_text=False
-            )
-            temperatures = [segment.temperature for segment in segments]  # consumed here: the work is done now
-            print(f"seed {seed} {media.label}: {time.perf_counter() - started:.3f} s, temperatures {temperatures}")
+            seconds, temperatures = transcribed(model, audio, settings.asr_beam_size)
+            line = f"seed {seed} {media.label}: {seconds:.3f} s, temperatures {temperatures}"
+            if args.halves:
+                cut = quietest_cut(audio)
+                (first, t1), (second, t2) = (
+                    transcribed(model, a, settings.asr_beam_size) for a in np.split(audio, [cut])
+                )
+                line += (
+                    f"; halves {first:.3f} + {second:.3f} s (longer {max(first, second):.3f}), temperatures {t1} {t2}"
+                )
+            print(line)
 
 
 if __name__ == "__main__":
