@@ -37,18 +37,24 @@ def _tag() -> str:
 
 def _dense_page(tag: str = "DENSE") -> bytes:
     """A page of 14 lines across its width whose OCR image (2048 × 1433) is well over the band threshold: three
-    bands (short words: the model reads a short prompt). A new page each time whatever its tag, so no page is a
-    cache hit of another test's: 32 random bits in the top row of its margin, as white and near-white pixels that
-    OCR's thresholding reads as white alike (a random tag would do it too, but some tags' letters are read
-    differently on the whole page, where tesseract splits a line's start off as a column of its own)."""
-    image = Image.new("L", (2400, 1680), 255)
+    bands (short words: the model reads a short prompt)."""
+    return _lined_page(tag, (2400, 1680), lines=14, words=6, font_size=34, spacing=100)
+
+
+def _lined_page(tag: str, size: tuple[int, int], lines: int, words: int, font_size: int, spacing: int) -> bytes:
+    """A page of `lines` lines of `words` short words, new each time whatever its tag, so no page is a cache hit of
+    another test's: 32 random bits in the top row of its margin, as white and near-white pixels that OCR's
+    thresholding reads as white alike (a random tag would do it too, but some tags' letters are read differently on
+    the whole page, where tesseract splits a line's start off as a column of its own)."""
+    image = Image.new("L", size, 255)
     for x in range(32):
         image.putpixel((x, 0), 255 - secrets.randbelow(2))
     draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default(size=34)
-    for row in range(14):
-        line = f"{tag} ROW{row} " + " ".join(f"W{row}X{n}" for n in range(6))
-        draw.text((60, 60 + row * 100), line, fill=0, font=font)
+    font = ImageFont.load_default(size=font_size)
+    margin = spacing * 6 // 10
+    for row in range(lines):
+        line = f"{tag} ROW{row} " + " ".join(f"W{row}X{n}" for n in range(words))
+        draw.text((margin, margin + row * spacing), line, fill=0, font=font)
     return encode(image, "PNG")
 
 
@@ -207,16 +213,8 @@ def test_small_pages_waiting_with_large_ones_are_taken_first(
 
 
 def _text_page(tag: str) -> bytes:
-    """A page of eight lines under the band size threshold (1100 × 800: 880,000 pixels), new each time (as
-    `_dense_page`)."""
-    image = Image.new("L", (1100, 800), 255)
-    for x in range(32):
-        image.putpixel((x, 0), 255 - secrets.randbelow(2))
-    draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default(size=30)
-    for row in range(8):
-        draw.text((50, 50 + row * 90), f"{tag} ROW{row} " + " ".join(f"W{row}X{n}" for n in range(4)), 0, font)
-    return encode(image, "PNG")
+    """A page of eight lines under the band size threshold (1100 × 800: 880,000 pixels)."""
+    return _lined_page(tag, (1100, 800), lines=8, words=4, font_size=30, spacing=90)
 
 
 def test_a_page_under_the_size_threshold_is_cut_only_while_no_cpu_work_waits(client: TestClient) -> None:
