@@ -24,6 +24,7 @@ from stoker.core.jobs import ErrorInfo, InputRecord
 from stoker.core.ocr import Band, band_limit, join_bands, lines_of_text, plan_bands, read_text
 from stoker.core.queues import CPU_QUEUES
 from stoker.runtime.context import WorkerContext
+from stoker.runtime.monitoring import sample_depths
 from stoker.runtime.stage import follower_wait, handoff, has_work, input_stage, through_cache
 
 log = logging.getLogger(__name__)
@@ -66,11 +67,8 @@ def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
 def _pool_has_room(ctx: WorkerContext) -> bool:
     """No CPU stage's message waits in the broker, so a band sent now is taken at once: by this child, whose OCR
     task ends as it sends them, and by any child that is free. While the broker does not answer: no."""
-    try:
-        return not any(ctx.outbox.queue_depths(CPU_QUEUES, timeout_s=1.0).values())
-    except Exception as exc:  # whatever the transport raises: the page is read whole, as under load
-        log.warning("cannot read the CPU queues' depths: %s", exc)
-        return False
+    depths = sample_depths(ctx.outbox, CPU_QUEUES, timeout_s=1.0)
+    return depths is not None and not any(depths.values())
 
 
 def run_band(

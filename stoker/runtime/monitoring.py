@@ -7,6 +7,7 @@ import logging
 import resource
 import threading
 import time
+from collections.abc import Iterable
 
 from stoker.adapters.metrics import DEVICE_BUSY_RATIO, QUEUE_DEPTH, STARVATION_SECONDS, DeviceClock
 from stoker.adapters.store import Store
@@ -23,10 +24,10 @@ def starved_seconds(interval_s: float, busy_s: float, cpu_backlog: int) -> float
     return max(interval_s - busy_s, 0.0) if cpu_backlog > 0 else 0.0
 
 
-def sample_depths(outbox: Outbox) -> dict[str, int] | None:
-    """Every queue's depth, or None while the broker does not answer."""
+def sample_depths(outbox: Outbox, queues: Iterable[str] = QUEUES, timeout_s: float = 5) -> dict[str, int] | None:
+    """Each queue's depth (every queue's by default), or None while the broker does not answer."""
     try:
-        return outbox.queue_depths(QUEUES, timeout_s=5)
+        return outbox.queue_depths(queues, timeout_s=timeout_s)
     except Exception as exc:
         log.warning("cannot sample queue depths: %s", exc)
         return None
