@@ -617,6 +617,14 @@ class WorkerSettings(CommonSettings):
         description="The speech model's (CTranslate2's) threads per process; 0: the host's cores shared among the "
         "worker's pool children, at least one each.",
     )
+    asr_lookahead: bool = Field(
+        True,
+        description="While no CPU stage's message waits, a recording's window decoded at one temperature has the next "
+        "fallback temperature decoded beside it on a second replica of the speech model, so a window whose text "
+        "fails faster-whisper's checks finds its next try done or under way (`stoker.adapters.speech`). Only where "
+        "the model runs on the CPU and the worker's children leave a core for the replica; never in the synchronous "
+        "baseline's one thread.",
+    )
     asr_concurrency: int = Field(1, ge=1, description="Prefork children of an `asr` worker.")
     asr_preload: bool = Field(
         False,

@@ -34,6 +34,11 @@ QUEUE_WAIT_SECONDS = Histogram(
     "stoker_stage_queue_wait_seconds", "Time a stage message waited in the broker.", ["stage"], buckets=STAGE_BUCKETS
 )
 CACHE_LOOKUPS = Counter("stoker_cache_lookups_total", "Stage cache lookups.", ["stage", "result"])
+ASR_LOOKAHEAD = Counter(
+    "stoker_asr_lookahead_decodes_total",
+    "Fallback tries of the speech model started ahead on its second replica, and those faster-whisper then took.",
+    ["outcome"],
+)
 STAGE_FAILURES = Counter("stoker_stage_failures_total", "Inputs failed by a stage.", ["stage", "code"])
 BATCH_SIZE = Histogram(
     "stoker_batch_size", "Requests per inference batch.", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

@@ -11,6 +11,12 @@ import numpy.typing as npt
 #: Bump when transcription's output changes for the same audio and parameters.
 VERSION = "1"
 
+#: The temperatures a window is decoded at, each only when the text of the one before failed faster-whisper's
+#: checks (too repetitive or too unlikely), and the candidates sampled at each above 0: faster-whisper's defaults,
+#: named here so transcription and the fallback lookahead (`stoker.adapters.speech`) agree on them.
+TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+BEST_OF = 5
+
 
 class SpeechModel(Protocol):
     """The slice of faster_whisper.WhisperModel that transcription needs."""
@@ -47,9 +53,21 @@ def speech_threads(configured: int, cores: int, children: int) -> int:
     return configured or max(1, cores // max(children, 1))
 
 
+def next_temperature(temperature: float) -> float | None:
+    """The temperature a window falls back to after `temperature`, or None after the last."""
+    return next((t for t in TEMPERATURES if t > temperature + 1e-6), None)
+
+
 def transcribe(model: SpeechModel, audio: npt.NDArray[np.float32], beam_size: int, vad: bool = True) -> Transcript:
     """Transcribe, consuming the lazy segment generator here, so the caller's time limit covers all the work."""
-    generator, info = model.transcribe(audio, beam_size=beam_size, vad_filter=vad, condition_on_previous_text=False)
+    generator, info = model.transcribe(
+        audio,
+        beam_size=beam_size,
+        vad_filter=vad,
+        condition_on_previous_text=False,
+        temperature=list(TEMPERATURES),
+        best_of=BEST_OF,
+    )
     segments = [Segment(round(s.start, 2), round(s.end, 2), s.text.strip()) for s in generator]
     text = " ".join(s.text for s in segments if s.text)
     return Transcript(text=text, segments=segments, language=getattr(info, "language", None))

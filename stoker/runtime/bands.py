@@ -22,9 +22,7 @@ from stoker.core.cachekeys import CacheAddress, ocr_band_address
 from stoker.core.errors import StokerError
 from stoker.core.jobs import ErrorInfo, InputRecord
 from stoker.core.ocr import Band, band_limit, join_bands, lines_of_text, plan_bands, read_text
-from stoker.core.queues import CPU_QUEUES
 from stoker.runtime.context import WorkerContext
-from stoker.runtime.monitoring import sample_depths
 from stoker.runtime.stage import follower_wait, handoff, has_work, input_stage, through_cache
 
 log = logging.getLogger(__name__)
@@ -38,7 +36,7 @@ Pixels = Callable[[], npt.NDArray[np.uint8]]
 def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
     """How this worker cuts a page, into no more bands than its pool reads at once (`band_limit`): always when it
     is past the size threshold; when smaller (down to `STOKER_OCR_BAND_IDLE_MIN_PIXELS`), only when it is lines of
-    text and the pool has room (`_pool_has_room`); else it is one band.
+    text and the pool has room (`WorkerContext.pool_has_room`); else it is one band.
 
     What tesseract costs follows the lines of text more than the pixels: on the benchmark's pages (one thread, an
     idle host) a dense 1024×768 page took 0.57 s whole, a photo of the same size 0.15, a dense 2048×1536 page 0.78.
@@ -61,14 +59,9 @@ def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
     bands = plan_bands(pixels, s.ocr_band_rows, s.ocr_band_search_rows, s.ocr_band_overlap_rows, most)
     if dense or len(bands) == 1:
         return bands
-    return bands if lines_of_text(bands) and _pool_has_room(ctx) else whole
-
-
-def _pool_has_room(ctx: WorkerContext) -> bool:
-    """No CPU stage's message waits in the broker, so a band sent now is taken at once: by this child, whose OCR
-    task ends as it sends them, and by any child that is free. While the broker does not answer: no."""
-    depths = sample_depths(ctx.outbox, CPU_QUEUES, timeout_s=1.0)
-    return depths is not None and not any(depths.values())
+    # With room in the pool, a band sent now is taken at once: by this child, whose OCR task ends as it sends
+    # them, and by any child that is free.
+    return bands if lines_of_text(bands) and ctx.pool_has_room() else whole
 
 
 def run_band(

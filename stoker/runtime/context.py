@@ -27,6 +27,7 @@ from stoker.adapters.broker import PulledQueue, RedisIntake, redis_transport, st
 from stoker.adapters.cache import StageCache
 from stoker.adapters.embeddings import EmbeddingCache, SharedEmbeddings
 from stoker.adapters.metrics import DeviceClock
+from stoker.adapters.speech import FallbackLookahead
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import cache_client
 from stoker.adapters.store.coordination import DeviceTurns
@@ -40,8 +41,9 @@ from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_rgb, served_pi
 from stoker.core.media import ContentHash
 from stoker.core.model import Predictor
 from stoker.core.ocr import tesseract_version
-from stoker.core.queues import INFER_BATCH_QUEUE, INFER_QUEUE
+from stoker.core.queues import CPU_QUEUES, INFER_BATCH_QUEUE, INFER_QUEUE
 from stoker.core.urls import Allowlist
+from stoker.runtime.monitoring import sample_depths
 from stoker.runtime.seams import Intake, LineSource, Outbox
 from stoker.settings import WorkerSettings
 
@@ -344,11 +346,32 @@ class WorkerContext:
 
         s = self.settings
         threads = speech_threads(s.asr_cpu_threads, self.cores, self.pool_children)
-        model: SpeechModel = WhisperModel(
-            self.asr_model_path, device=s.asr_device, compute_type=s.asr_compute_type, cpu_threads=threads
+        ahead = self._looks_ahead(threads)
+        model = WhisperModel(
+            self.asr_model_path,
+            device=s.asr_device,
+            compute_type=s.asr_compute_type,
+            cpu_threads=threads,
+            num_workers=2 if ahead else 1,  # the second replica decodes the next fallback try
         )
-        log.info("speech model loaded: threads=%d, pool children=%d", threads, self.pool_children)
-        return model
+        if ahead:
+            model.model = FallbackLookahead(model.model, room=self.pool_has_room)
+        log.info("speech model loaded: threads=%d, pool children=%d, lookahead=%s", threads, self.pool_children, ahead)
+        return model  # type: ignore[no-any-return]
+
+    def _looks_ahead(self, threads: int) -> bool:
+        """Whether the speech model decodes the next fallback try ahead (`STOKER_ASR_LOOKAHEAD`): on the CPU, where
+        a second replica's threads fit beside the children's own, and never in the synchronous baseline, the design
+        of one thread per job that stoker replaces."""
+        s = self.settings
+        fits = s.asr_device == "cpu" and 2 * threads <= self.cores
+        return s.asr_lookahead and fits and s.worker_kind != "sync"  # `workers.launch.BASELINE_KINDS`
+
+    def pool_has_room(self) -> bool:
+        """No CPU stage's message waits in the broker, so work started now on a free core delays none: a band, a
+        fallback try ahead. While the broker does not answer: no."""
+        depths = sample_depths(self.outbox, CPU_QUEUES, timeout_s=1.0)
+        return depths is not None and not any(depths.values())
 
     @cached_property
     def asr_model_identity(self) -> str:

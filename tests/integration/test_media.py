@@ -45,6 +45,8 @@ def test_every_cpu_child_loads_the_speech_model_as_it_starts(workers: dict[str, 
         return workers["cpu"].read_text(errors="replace").count("speech model preloaded in") >= 3
 
     wait_for(loaded, 60, "three CPU children to preload the speech model", [])
+    # Three children on two cores: one thread each, so the second replica for fallback tries ahead fits.
+    assert workers["cpu"].read_text(errors="replace").count("lookahead=True") >= 3
 
 
 def test_speech_is_transcribed_and_answered(client: TestClient) -> None:

