@@ -619,10 +619,11 @@ class WorkerSettings(CommonSettings):
     )
     asr_lookahead: bool = Field(
         True,
-        description="While no CPU stage's message waits, a recording's window decoded at one temperature has the next "
-        "fallback temperature decoded beside it on a second replica of the speech model, so a window whose text "
-        "fails faster-whisper's checks finds its next try done or under way (`stoker.adapters.speech`). Only where "
-        "the model runs on the CPU and the worker's children leave a core for the replica; never in the synchronous "
+        description="Once a window of a recording has failed faster-whisper's checks greedily, each fallback try "
+        "(temperature 0.2, 0.4, … 1.0) is decoded beside the next on a second replica of the speech model, while a "
+        "core of the host would otherwise idle (fewer of the pool's children busy than cores, no CPU stage's message "
+        "waiting): a window that falls back far takes about half as long (`stoker.adapters.speech`). Only where the "
+        "model runs on the CPU and one thread per child leaves a core for the replica; never in the synchronous "
         "baseline's one thread.",
     )
     asr_concurrency: int = Field(1, ge=1, description="Prefork children of an `asr` worker.")

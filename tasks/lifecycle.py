@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import billiard.process
 import redis
 from celery import Celery
 from celery.signals import (
@@ -39,6 +40,7 @@ from celery.signals import (
 
 from stoker.adapters.metricfiles import forget_process, remove_own_scratch_dir
 from stoker.adapters.metrics import serve_worker_metrics
+from stoker.adapters.occupancy import PoolOccupancy
 from stoker.adapters.rlimits import cap_address_space
 from stoker.adapters.tracing import instrument_celery, setup_tracing
 from stoker.core.batching import BatchPolicy
@@ -214,6 +216,7 @@ def _configure(sender: Celery, **_: Any) -> None:
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     ctx = setup(settings().worker_kind)
     ctx.pool_children = getattr(sender, "concurrency", None) or 1  # under --autoscale, its most children
+    ctx.occupancy = PoolOccupancy(ctx.pool_children)  # before the pool forks: every child shares it
 
 
 def _on_after_setup(sender: str, instance: Any, **_: Any) -> None:
@@ -229,6 +232,7 @@ def _on_child_start(**_: Any) -> None:
     """Each CPU and ASR pool child gets an address-space cap, so a decompression bomb (an image, or media whose
     decode balloons) fails alone instead of taking the host's memory; one that may transcribe starts loading the
     speech model (`STOKER_ASR_PRELOAD`)."""
+    _mark_busy(False)  # a child that replaces one killed mid-task takes its slot
     s = context().settings
     # A `cpu` child may transcribe too (it serves every CPU stage): it gets the room the speech model needs.
     both = (s.cpu_address_space_mb, s.asr_address_space_mb)
@@ -258,13 +262,23 @@ def _on_child_exit(pid: int | None = None, **_: Any) -> None:
 
 
 def _on_task_start(task_id: str | None = None, **_: Any) -> None:
-    """A prefork pool child counts the CPU of each task it runs (the parent counts its own)."""
+    """A prefork pool child counts the CPU of each task it runs (the parent counts its own), and is busy."""
     if task_id and _process.main_pid is not None and os.getpid() != _process.main_pid:
         _process.task_cpu[task_id] = cpu_seconds(children=True)
+        _mark_busy(True)
+
+
+def _mark_busy(busy: bool) -> None:
+    """This pool child's slot in the pool's occupancy (`WorkerContext.core_is_idle`)."""
+    occupancy, index = context().occupancy, getattr(billiard.process.current_process(), "index", None)
+    if occupancy is not None and index is not None:
+        occupancy.mark(index, busy)
 
 
 def _on_task_end(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     ctx = context()
+    if _process.main_pid is not None and os.getpid() != _process.main_pid:
+        _mark_busy(False)
     started = _process.task_cpu.pop(task_id or "", None)
     if started is not None:
         count_cpu(ctx.store, ctx.settings.worker_kind, cpu_seconds(children=True) - started)

@@ -1,17 +1,19 @@
-"""The speech model's fallback one temperature ahead: while a window is decoded at one temperature, the next
-temperature's decode already runs on a second replica of the model, so a window whose text fails finds its next
-try done or under way.
+"""Speech fallbacks two temperatures at a time: once a window's greedy text has failed, each fallback try is
+decoded beside the next one on a second replica of the model, so a window that fails again finds its next try
+done or under way.
 
 faster-whisper decodes a window greedily and, when the text fails its checks (too repetitive, too unlikely),
 samples it again at 0.2, 0.4, … 1.0, each try after the one before (`WhisperModel.generate_with_fallback`). On the
-benchmark's recordings a window that fell back to 1.0 took 1.8 s of one core against 0.4 for one that did not: the
-slowest jobs of a quiet pipeline, while the other core idled. Yet each try reads only the window's encoder output
-and prompt, never the try before, so the next one can start before the current one is judged. CTranslate2 runs one
-model's decodes side by side on its replicas (faster-whisper's `num_workers`) and hands them back asynchronously;
-this wrapper stands where faster-whisper calls the model (`WhisperModel.model`): asked for a try, it starts the try
-after it too, and when faster-whisper asks for that one, returns it. faster-whisper still judges every try and
-picks the text as it always does. A try started ahead and not asked for is left to finish on its replica (a
-CTranslate2 decode cannot be stopped; one dropped does not block).
+benchmark's recordings a window that fell back to 1.0 took 1.8 s of one core against 0.4 for one that did not:
+among the slowest jobs of a quiet pipeline, while the other core idled. Yet each try reads only the window's
+encoder output and prompt, never the try before, so the next one can start before the current one is judged.
+CTranslate2 runs one model's decodes side by side on its replicas (faster-whisper's `num_workers`) and hands them
+back asynchronously; this wrapper stands where faster-whisper calls the model (`WhisperModel.model`): asked for a
+fallback try, it starts the try after it too (while `room()` says a core would otherwise idle), and when
+faster-whisper asks for that one, returns it. faster-whisper still judges every try and picks the text as it
+always does. Most windows pass greedily, so nothing is started beside the greedy try. A try started ahead and not
+asked for (the one before it passed) is left to finish on its replica: a CTranslate2 decode cannot be stopped,
+and one dropped does not block.
 
 Hand-written: neither faster-whisper nor CTranslate2 decodes a fallback ahead, and faster-whisper has no hook
 around its tries but this attribute.
@@ -46,8 +48,8 @@ class _Ahead:
 
 
 class FallbackLookahead:
-    """Stands in for faster-whisper's CTranslate2 model: `generate` of one window's prompt at one temperature also
-    starts the window's next temperature, while `room()` says a core is free for it."""
+    """Stands in for faster-whisper's CTranslate2 model: `generate` of one window's prompt at a fallback temperature
+    also starts the window's next temperature, while `room()` says a core is free for it."""
 
     def __init__(self, model: Any, room: Callable[[], bool]) -> None:
         self._model = model
@@ -67,7 +69,8 @@ class FallbackLookahead:
         temperature = float(arguments.get("sampling_temperature", 0.0))  # absent: the greedy (or beam) first try
         current = self._taken(temperature, arguments) or self._start(features, prompts, arguments)
         following = asr.next_temperature(temperature)
-        if following is not None and following not in self._ahead and self._room():
+        # From the first fallback on: most windows pass greedily, and a try started beside theirs would be waste.
+        if temperature > 0 and following is not None and following not in self._ahead and self._room():
             ahead = sampled_at(arguments, following)
             self._ahead[following] = _Ahead(ahead, self._start(features, prompts, ahead))
             ASR_LOOKAHEAD.labels("started").inc()

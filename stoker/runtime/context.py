@@ -27,6 +27,7 @@ from stoker.adapters.broker import PulledQueue, RedisIntake, redis_transport, st
 from stoker.adapters.cache import StageCache
 from stoker.adapters.embeddings import EmbeddingCache, SharedEmbeddings
 from stoker.adapters.metrics import DeviceClock
+from stoker.adapters.occupancy import PoolOccupancy
 from stoker.adapters.speech import FallbackLookahead
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import cache_client
@@ -62,6 +63,8 @@ class WorkerContext:
         self._speech_lock = threading.Lock()
         #: Processes of this worker's pool (`tasks.lifecycle` sets it before the pool starts): they share the cores.
         self.pool_children = 1
+        #: Which of them run a task now (a prefork pool's; `tasks.lifecycle` makes it before the pool forks).
+        self.occupancy: PoolOccupancy | None = None
         for name, value in given.items():
             if not isinstance(getattr(type(self), name, None), cached_property):
                 raise TypeError(f"WorkerContext has no lazily built member {name!r}")
@@ -355,7 +358,7 @@ class WorkerContext:
             num_workers=2 if ahead else 1,  # the second replica decodes the next fallback try
         )
         if ahead:
-            model.model = FallbackLookahead(model.model, room=self.pool_has_room)
+            model.model = FallbackLookahead(model.model, room=self.core_is_idle)
         log.info("speech model loaded: threads=%d, pool children=%d, lookahead=%s", threads, self.pool_children, ahead)
         return model  # type: ignore[no-any-return]
 
@@ -366,6 +369,12 @@ class WorkerContext:
         s = self.settings
         fits = s.asr_device == "cpu" and 2 * threads <= self.cores
         return s.asr_lookahead and fits and s.worker_kind != "sync"  # `workers.launch.BASELINE_KINDS`
+
+    def core_is_idle(self) -> bool:
+        """Fewer of the pool's children run a task than the host has cores, and no CPU stage's message waits: work
+        started now beside this child's own runs on a core that would idle. Not in a process without a pool."""
+        occupancy = self.occupancy
+        return occupancy is not None and occupancy.busy() < self.cores and self.pool_has_room()
 
     def pool_has_room(self) -> bool:
         """No CPU stage's message waits in the broker, so work started now on a free core delays none: a band, a

@@ -207,7 +207,7 @@ def test_a_dense_page_read_in_bands_reads_as_the_whole_page() -> None:
     assert join_bands(texts, bands).split() == whole.split()
 
 
-class _Depths:
+class QueueDepths:
     """The outbox seam as the band planner sees it: the CPU queues' depths, or a broker that does not answer."""
 
     def __init__(self, waiting: int | None) -> None:
@@ -220,7 +220,7 @@ class _Depths:
         return {name: self.waiting if name == "asr" else 0 for name in queues}
 
 
-def _idle_rule_bands(gray: npt.NDArray[np.uint8], outbox: _Depths, idle_min: int = 500_000) -> list[Band]:
+def _idle_rule_bands(gray: npt.NDArray[np.uint8], outbox: QueueDepths, idle_min: int = 500_000) -> list[Band]:
     settings = WorkerSettings(ocr_band_min_pixels=1_500_000, ocr_band_idle_min_pixels=idle_min)
     ctx = WorkerContext(settings, outbox=outbox, cache=StageCache.connect(settings), cores=2)  # type: ignore[arg-type]
     ctx.pool_children = 3
@@ -230,21 +230,21 @@ def _idle_rule_bands(gray: npt.NDArray[np.uint8], outbox: _Depths, idle_min: int
 def test_a_page_of_text_under_the_size_threshold_is_cut_only_while_no_cpu_work_waits() -> None:
     gray = _page(14, size=(1024, 768), font_size=30)
     assert gray.size < 1_500_000  # below the size threshold: whole, but for the idle rule
-    idle, busy, away = _Depths(0), _Depths(1), _Depths(None)
+    idle, busy, away = QueueDepths(0), QueueDepths(1), QueueDepths(None)
     bands = _idle_rule_bands(gray, idle)
     assert len(bands) == 2
     assert not bands[1].overlapped  # cut at a blank row
     assert (bands[0].top, bands[0].bottom, bands[1].bottom) == (0, bands[1].top, 768)
     assert _idle_rule_bands(gray, busy) == [Band(0, 768)]  # a message waits: read whole, at the least CPU
     assert _idle_rule_bands(gray, away) == [Band(0, 768)]  # the broker does not answer: as under load
-    assert _idle_rule_bands(gray, _Depths(0), idle_min=0) == [Band(0, 768)]  # the rule off
+    assert _idle_rule_bands(gray, QueueDepths(0), idle_min=0) == [Band(0, 768)]  # the rule off
     assert (idle.asked, busy.asked, away.asked) == (1, 1, 1)
 
 
 def test_a_picture_with_no_blank_row_is_read_whole_on_an_idle_pool_without_asking_the_broker() -> None:
     rng = np.random.default_rng(3)
     photo = rng.integers(0, 256, size=(768, 1024), dtype=np.uint8)  # ink on every row: no line to cut between
-    idle = _Depths(0)
+    idle = QueueDepths(0)
     assert _idle_rule_bands(photo, idle) == [Band(0, 768)]
     small = _page(8, size=(800, 600), font_size=30)  # 480,000 pixels: under the idle rule's floor
     assert _idle_rule_bands(small, idle) == [Band(0, 600)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import numpy.typing as npt
 import pytest
 from prometheus_client import REGISTRY
 
+from stoker.adapters.occupancy import PoolOccupancy
 from stoker.adapters.speech import FallbackLookahead, sampled_at
 from stoker.core import asr
 from stoker.core.avmedia import decode_audio
@@ -18,6 +20,7 @@ from stoker.runtime.context import WorkerContext
 from stoker.settings import WorkerSettings
 from tests.media import speech_wav
 from tests.unit.test_feeder import NoOutbox
+from tests.unit.test_ocr import QueueDepths
 
 
 @functools.cache
@@ -56,27 +59,28 @@ def _transcribed(model: Any, **checks: Any) -> list[Any]:
 
 
 def test_a_window_that_passes_at_once_reads_as_without_the_lookahead() -> None:
-    """The greedy try passes: its text is the plain model's, and the one try started ahead of it is not taken."""
+    """The greedy try passes: its text is the plain model's, and no try was started beside it (most windows pass
+    greedily: one started ahead of theirs would be waste)."""
     started, taken = _tries("started"), _tries("taken")
     ahead = _transcribed(_whisper(lambda: True))
     plain = _transcribed(_whisper(None))
     assert [s.text for s in ahead] == [s.text for s in plain]
     assert {s.temperature for s in ahead} == {0.0}
-    assert (_tries("started") - started, _tries("taken") - taken) == (1, 0)
+    assert (_tries("started") - started, _tries("taken") - taken) == (0, 0)
 
 
 def test_a_window_that_falls_back_finds_every_later_try_started_ahead() -> None:
-    """With a log-probability floor no text reaches, the window is tried at every temperature: each try after the
-    greedy one was started while the one before ran, and faster-whisper took it."""
+    """With a log-probability floor no text reaches, the window is tried at every temperature: from the first
+    fallback on, each next try was started while the one before ran, and faster-whisper took it."""
     started, taken = _tries("started"), _tries("taken")
     segments = _transcribed(_whisper(lambda: True), log_prob_threshold=1.0)
     assert segments
     assert {s.temperature for s in segments} <= set(asr.TEMPERATURES)
-    later = len(asr.TEMPERATURES) - 1
-    assert (_tries("started") - started, _tries("taken") - taken) == (later, later)
+    ahead = len(asr.TEMPERATURES) - 2  # 0.4 to 1.0, each started beside the one before it
+    assert (_tries("started") - started, _tries("taken") - taken) == (ahead, ahead)
 
 
-def test_no_try_starts_ahead_while_the_pool_has_no_room() -> None:
+def test_no_try_starts_ahead_while_no_core_is_idle() -> None:
     asked: list[bool] = []
 
     def busy() -> bool:
@@ -85,7 +89,7 @@ def test_no_try_starts_ahead_while_the_pool_has_no_room() -> None:
 
     started, taken = _tries("started"), _tries("taken")
     assert _transcribed(_whisper(busy), log_prob_threshold=1.0)
-    assert len(asked) == len(asr.TEMPERATURES) - 1  # asked before each try that has a next one
+    assert len(asked) == len(asr.TEMPERATURES) - 2  # asked at each fallback try that has a next one
     assert (_tries("started") - started, _tries("taken") - taken) == (0, 0)
 
 
@@ -122,3 +126,37 @@ def test_the_lookahead_runs_where_a_core_is_left_for_it(
     ctx.pool_children = children
     threads = asr.speech_threads(settings.asr_cpu_threads, cores, children)
     assert ctx._looks_ahead(threads) is expected
+
+
+def _mark_in_a_child(occupancy: PoolOccupancy, index: int) -> None:
+    occupancy.mark(index, True)
+
+
+def test_a_child_marked_busy_is_seen_by_the_pool_and_its_other_children() -> None:
+    """The slots live in memory the forked children share: a mark made in one child is seen everywhere."""
+    occupancy = PoolOccupancy(3)
+    child = multiprocessing.get_context("fork").Process(target=_mark_in_a_child, args=(occupancy, 1))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert occupancy.busy() == 1
+    occupancy.mark(7, True)  # past the slots: a pool grown later
+    occupancy.mark(1, False)
+    assert occupancy.busy() == 0
+
+
+@pytest.mark.parametrize(
+    ("busy", "waiting", "expected"),
+    [(1, 0, True), (2, 0, False), (1, 1, False), (1, None, False)],
+    ids=["one-core-idle", "every-core-busy", "a-message-waits", "broker-away"],
+)
+def test_a_core_is_idle_when_fewer_children_run_than_cores_and_nothing_waits(
+    busy: int, waiting: int | None, expected: bool
+) -> None:
+    ctx = WorkerContext(WorkerSettings(), QueueDepths(waiting), cores=2)  # type: ignore[arg-type]
+    ctx.occupancy = PoolOccupancy(3)
+    for index in range(busy):
+        ctx.occupancy.mark(index, True)
+    assert ctx.core_is_idle() is expected
+    ctx.occupancy = None  # a process without a pool (the synchronous baseline)
+    assert ctx.core_is_idle() is False
