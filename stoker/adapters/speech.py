@@ -4,7 +4,7 @@ done or under way.
 
 faster-whisper decodes a window greedily and, when the text fails its checks (too repetitive, too unlikely),
 samples it again at 0.2, 0.4, … 1.0, each try after the one before (`WhisperModel.generate_with_fallback`). On the
-benchmark's recordings a window that fell back to 1.0 took 1.6–2.5 s of one core against 0.4–0.6 for one that did
+benchmark's recordings a window that fell back to 1.0 took 1.6 to 2.5 s of one core against 0.4 to 0.6 for one that did
 not: among the slowest jobs of a quiet pipeline, while the other core idled. Yet each try reads only the window's
 encoder output and prompt, never the try before, so the next one can start before the current one is judged.
 CTranslate2 runs one model's decodes side by side on its replicas (faster-whisper's `num_workers`) and hands them
