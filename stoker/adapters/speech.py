@@ -67,7 +67,9 @@ class FallbackLookahead:
         if self._window is None or self._window[0] is not features or self._window[1] != prompts:
             self._window, self._ahead = (features, prompts), {}  # a new window: earlier tries are not asked for
         temperature = float(arguments.get("sampling_temperature", 0.0))  # absent: the greedy (or beam) first try
-        current = self._taken(temperature, arguments) or self._start(features, prompts, arguments)
+        current = self._taken(temperature, arguments)
+        if current is None:
+            current = self._start(features, prompts, arguments)
         following = asr.next_temperature(temperature)
         # From the first fallback on: most windows pass greedily, and a try started beside theirs would be waste.
         if temperature > 0 and following is not None and following not in self._ahead and self._room():
