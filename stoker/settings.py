@@ -622,9 +622,9 @@ class WorkerSettings(CommonSettings):
         description="Once a window of a recording has failed faster-whisper's checks greedily, each fallback try "
         "(temperature 0.2, 0.4, … 1.0) is decoded beside the next on a second replica of the speech model, while a "
         "core of the host would otherwise idle (fewer of the pool's children busy than cores, no CPU stage's message "
-        "waiting): a window that falls back far takes about two thirds as long (`stoker.adapters.speech`). Only where the "
-        "model runs on the CPU and one thread per child leaves a core for the replica; never in the synchronous "
-        "baseline's one thread.",
+        "waiting): a window that falls back far takes about two thirds as long (`stoker.adapters.speech`). Only "
+        "where the model runs on the CPU and one thread per child leaves a core for the replica; never in the "
+        "synchronous baseline's one thread.",
     )
     asr_concurrency: int = Field(1, ge=1, description="Prefork children of an `asr` worker.")
     asr_preload: bool = Field(
