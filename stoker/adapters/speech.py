@@ -88,3 +88,15 @@ class FallbackLookahead:
 
     def _start(self, features: Any, prompts: list[Any], arguments: dict[str, Any]) -> Any:
         return self._model.generate(features, prompts, asynchronous=True, **arguments)[0]
+
+
+def load_whisper(path: str, *, device: str, compute_type: str, threads: int, room: Callable[[], bool] | None) -> Any:
+    """A faster-whisper model on `threads` threads, with its fallback tries decoded ahead on a second replica while
+    `room()` (None: one replica, no lookahead)."""
+    from faster_whisper import WhisperModel  # heavy (CTranslate2): only processes that transcribe load it
+
+    replicas = 1 if room is None else 2
+    model = WhisperModel(path, device=device, compute_type=compute_type, cpu_threads=threads, num_workers=replicas)
+    if room is not None:
+        model.model = FallbackLookahead(model.model, room)
+    return model

