@@ -953,7 +953,8 @@ class StackSettings(ApiSettings):
     flower_basic_auth: str | None = Field(
         None,
         description="\"user:password\" for Flower's basic auth; without it Flower's HTTP API refuses every call. "
-        "`stoker up` binds Flower to its host (127.0.0.1 unless `host` says otherwise).",
+        "`stoker up` binds Flower to its host (127.0.0.1 unless `host` says otherwise); with API keys on "
+        "(`--auth`) it never runs Flower without basic auth: unset, it makes a password for the run and prints it.",
     )
     ready_timeout_s: float = Field(
         300.0, ge=1, description="How long `stoker up` waits for every process to be ready before it gives up."
@@ -961,8 +962,15 @@ class StackSettings(ApiSettings):
     embedded_maxmemory_mb: int = Field(
         2048,
         ge=64,
-        description="The embedded Valkey's memory limit (it refuses writes beyond it: noeviction); the API refuses "
-        "new jobs with 503 `store_full` before it is reached (`store_memory_high_ratio`).",
+        description="The embedded broker and job store's memory limit (it refuses writes beyond it: noeviction); the "
+        "API refuses new jobs with 503 `store_full` before it is reached (`store_memory_high_ratio`).",
+    )
+    embedded_cache_maxmemory_mb: int = Field(
+        1024,
+        ge=16,
+        description="The embedded stage cache's memory limit: `stoker up` runs the cache on a Valkey of its own "
+        "(unless one answers at `cache_url`), which forgets the least recently used entries beyond it "
+        "(allkeys-lru), so a full cache never refuses a job.",
     )
 
 

@@ -25,8 +25,12 @@ def start_embedded(
     preexec: Callable[[], None] | None = None,
     maxmemory_mb: int = 2048,
     persist: bool = True,
+    policy: str = "noeviction",
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start valkey-server on loopback; returns it and its port.
+
+    `policy` is what it does at `maxmemory_mb`: `noeviction` (the default) refuses writes, as a broker and a job store
+    must (an evicted message or job record is lost); `allkeys-lru` forgets the least recently used keys, as a cache may.
 
     With `persist`, an AOF in `data_dir` fsynced on every write: an accepted job survives a crash of the broker and
     its restart on the same directory. Without, nothing is ever written to disk: what the server held (job records,
@@ -51,9 +55,9 @@ def start_embedded(
             "--save",
             "",
             "--maxmemory-policy",
-            "noeviction",
+            policy,
             "--maxmemory",
-            f"{maxmemory_mb}mb",  # a bound on the machine's memory: writes beyond it fail, the API refuses first
+            f"{maxmemory_mb}mb",  # a bound on the machine's memory: beyond it, writes fail or the oldest keys go
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -28,7 +29,13 @@ from workers.launch import worker_argv, worker_env
 from workers.procs import dies_with_parent, terminate
 
 console = Console()
+#: The embedded servers' names among the stack's children: the broker and job store (noeviction), and the stage
+#: cache (allkeys-lru). They stop last.
 BROKER = "valkey"
+CACHE = "valkey-cache"
+EMBEDDED = (BROKER, CACHE)
+#: Flower's user when `stoker up --auth` makes its credentials (STOKER_FLOWER_BASIC_AUTH unset).
+FLOWER_USER = "admin"
 
 
 #: Children that are replaced when they exit (a worker that gave up on a wedged device exits to be replaced).
@@ -76,10 +83,10 @@ class Stack:
         return True
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Stop the services first and the embedded broker last, so workers can ack and requeue on the way out."""
-        services = [p for name, p in self.procs.items() if name != BROKER]
+        """Stop the services first and the embedded servers last, so workers can ack and requeue on the way out."""
+        services = [p for name, p in self.procs.items() if name not in EMBEDDED]
         terminate(services, grace_s)
-        terminate([self.procs[BROKER]] if BROKER in self.procs else [], grace_s)
+        terminate([p for name, p in self.procs.items() if name in EMBEDDED], grace_s)
         for directory in self.scratch:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -96,6 +103,8 @@ def run_stack(ports: Mapping[str, int | None] | None = None, auth: bool = False)
         if value is not None:
             setattr(settings, name, value)
     settings.auth = stack_auth(settings, auth, os.environ)
+    made = settings.auth and not settings.flower_basic_auth
+    settings.flower_basic_auth = flower_credentials(settings)
     check_ports(stack_ports(settings))
     # Every child gets its environment from here: this one's, plus what the stack decided.
     env = {**os.environ, "STOKER_AUTH": "on" if settings.auth else "off"}  # the API's own default is on
@@ -110,7 +119,7 @@ def run_stack(ports: Mapping[str, int | None] | None = None, auth: bool = False)
         resolve_model(settings.model, settings.model_cache)
         _start_all(settings, stack, env)
         _wait_ready(settings, stack)
-        _announce(settings)
+        _announce(settings, flower_made=made)
         return _supervise(stack)
     except KeyboardInterrupt:
         console.print("stopping…")
@@ -122,6 +131,14 @@ def run_stack(ports: Mapping[str, int | None] | None = None, auth: bool = False)
 def stack_auth(settings: StackSettings, flag: bool, environ: Mapping[str, str]) -> bool:
     """Whether the local stack requires API keys: as STOKER_AUTH says when it is set, else as `--auth` says."""
     return settings.auth if any(name.upper() == "STOKER_AUTH" for name in environ) else flag
+
+
+def flower_credentials(settings: StackSettings) -> str | None:
+    """Flower's "user:password": the setting's; else, with API keys on, one made for this run (Flower's UI shows
+    every tenant's task arguments and results); else none."""
+    if settings.flower_basic_auth or not settings.auth:
+        return settings.flower_basic_auth
+    return f"{FLOWER_USER}:{secrets.token_urlsafe(18)}"  # URL-safe: no ":" or "," (Flower splits a list on commas)
 
 
 def _interrupt(*_: object) -> None:
@@ -185,25 +202,60 @@ def check_ports(ports: list[Port]) -> None:
 
 
 def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
-    """Start an embedded Valkey when no broker answers; returns the URLs every child must use instead."""
+    """Start embedded Valkeys when no broker answers: one for the broker and the job store, which never evicts (a
+    message or a job record must not be forgotten), and one for the stage cache, which forgets the least recently used
+    entries (unless a cache answers at its URL), so a full cache never fills the store's memory and refuses jobs.
+    Returns the URLs every child must use instead."""
     url = settings.broker_url
-    if not url.startswith("redis") or redis_answers(url, tls=settings.redis_tls(url)):
-        return {}
-    console.print(f"no broker answers at {settings.broker_url}: starting an embedded Valkey")
-    # In memory only: the stack stops when its broker does, so a file could serve no restart, only outlive the
-    # stack with every job record and upload in it. Its directory goes when the stack stops.
-    data_dir = Path(tempfile.mkdtemp(prefix="stoker-valkey-"))
+    if url.startswith("redis") and not redis_answers(url, tls=settings.redis_tls(url)):
+        console.print(f"no broker answers at {settings.broker_url}: starting an embedded Valkey")
+        port = _embedded(stack, BROKER, settings.embedded_maxmemory_mb, "noeviction")
+        urls = {"STOKER_BROKER_URL": f"redis://127.0.0.1:{port}/0", "STOKER_RESULT_URL": f"redis://127.0.0.1:{port}/1"}
+        if not redis_answers(settings.cache_url, tls=settings.redis_tls(settings.cache_url)):
+            port = _embedded(stack, CACHE, settings.embedded_cache_maxmemory_mb, "allkeys-lru")
+            urls["STOKER_CACHE_URL"] = f"redis://127.0.0.1:{port}/0"
+        settings.broker_url, settings.result_url = urls["STOKER_BROKER_URL"], urls["STOKER_RESULT_URL"]
+        settings.cache_url = urls.get("STOKER_CACHE_URL", settings.cache_url)
+    else:
+        urls = {}
+    if settings.cache_enabled and same_server(settings.cache_url, settings.result_url):
+        console.print(f"[yellow]warning: {cache_shares_store(settings)}[/]")
+    return urls
+
+
+def _embedded(stack: Stack, name: str, maxmemory_mb: int, policy: str) -> int:
+    """Start an embedded Valkey as one of the stack's children; its port.
+
+    In memory only: the stack stops when its servers do, so a file could serve no restart, only outlive the stack
+    with every job record and upload in it. Its directory goes when the stack stops."""
+    data_dir = Path(tempfile.mkdtemp(prefix=f"stoker-{name}-"))
     stack.scratch.append(data_dir)
     proc, port = start_embedded(
-        data_dir=data_dir, preexec=stack.tether, maxmemory_mb=settings.embedded_maxmemory_mb, persist=False
+        data_dir=data_dir, preexec=stack.tether, maxmemory_mb=maxmemory_mb, persist=False, policy=policy
     )
-    stack.procs[BROKER] = proc
-    urls = {"STOKER_BROKER_URL": f"redis://127.0.0.1:{port}/0", "STOKER_RESULT_URL": f"redis://127.0.0.1:{port}/1"}
-    if not redis_answers(settings.cache_url, tls=settings.redis_tls(settings.cache_url)):
-        urls["STOKER_CACHE_URL"] = f"redis://127.0.0.1:{port}/2"
-    settings.broker_url, settings.result_url = urls["STOKER_BROKER_URL"], urls["STOKER_RESULT_URL"]
-    settings.cache_url = urls.get("STOKER_CACHE_URL", settings.cache_url)
-    return urls
+    stack.procs[name] = proc
+    return port
+
+
+def same_server(a: str, b: str) -> bool:
+    """Whether two Redis URLs name one server (whatever their databases): one memory, one eviction policy."""
+    return _server(a) == _server(b)
+
+
+def _server(url: str) -> tuple[str | None, int, str]:
+    """A Redis URL's server: its host and port, or its socket's path."""
+    parts = urlsplit(url)
+    return parts.hostname, parts.port or 6379, parts.path if parts.scheme == "unix" else ""
+
+
+def cache_shares_store(settings: StackSettings) -> str:
+    """What a stage cache on the job store's server costs, said for a startup warning."""
+    where = _without_password(settings.cache_url)
+    return (
+        f"the stage cache ({where}) is on the job store's server: its entries fill the store's memory, which must "
+        "never evict (noeviction), until new jobs are refused (503 store_full); give STOKER_CACHE_URL a server of "
+        "its own with maxmemory-policy allkeys-lru"
+    )
 
 
 def _scratch(stack: Stack, env: dict[str, str]) -> dict[str, str]:
@@ -231,19 +283,23 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
         argv = worker_argv(kind, workers, extra.get(kind, []))
         stack.start(f"{kind}-worker", argv, {**_scratch(stack, worker_env(kind, env)), **_metrics(metrics)})
     stack.start("reaper", [py, "-m", "stoker.cli", "reaper"], _scratch(stack, worker_env("reaper", env)))
-    flower = [
-        py,
-        "-m",
-        "celery",
-        "-A",
-        "tasks.worker",
-        "flower",
-        f"--port={settings.flower_port}",
-        f"--address={settings.host}",
-    ]
+    stack.start("flower", *flower_command(settings, env))
+
+
+def flower_command(settings: StackSettings, env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Flower's command line and environment. With API keys on it never runs without basic auth: its UI shows every
+    tenant's task arguments and results."""
+    credentials = settings.flower_basic_auth
+    if settings.auth and not credentials:
+        raise SystemExit("API keys are on: Flower needs STOKER_FLOWER_BASIC_AUTH=user:password")
+    user, _, password = (credentials or ":").partition(":")
+    if credentials and not (user and password):
+        raise SystemExit("STOKER_FLOWER_BASIC_AUTH must be user:password")
+    port, address = f"--port={settings.flower_port}", f"--address={settings.host}"
+    argv = [sys.executable, "-m", "celery", "-A", "tasks.worker", "flower", port, address]
     # Flower reads FLOWER_* options from its environment: the credentials stay off its command line (and `ps`).
-    auth = {"FLOWER_BASIC_AUTH": settings.flower_basic_auth} if settings.flower_basic_auth else {}
-    stack.start("flower", flower, {**env, **auth})
+    auth = {"FLOWER_BASIC_AUTH": credentials} if credentials else {}
+    return argv, {**env, **auth}
 
 
 def api_argv(settings: StackSettings) -> list[str]:
@@ -282,10 +338,13 @@ def _workers_up(replies: list[dict[str, Any]]) -> bool:
     return set(METRICS_KINDS) <= names
 
 
-def _announce(settings: StackSettings) -> None:
+def _announce(settings: StackSettings, flower_made: bool = False) -> None:
     base = f"http://{settings.host}:{settings.port}"
     console.print(f"[bold green]stoker is ready[/]\n  API      {base}  (docs {base}/docs)")
     auth = "basic auth" if settings.flower_basic_auth else "no auth: its API stays closed"
+    if flower_made and settings.flower_basic_auth:
+        user, _, password = settings.flower_basic_auth.partition(":")
+        auth = f"basic auth: user {user}, password {password}, made for this run (STOKER_FLOWER_BASIC_AUTH sets one)"
     console.print(f"  Flower   http://{settings.host}:{settings.flower_port}  ({auth})")
     broker, store, cache = (
         _without_password(u) for u in (settings.broker_url, settings.result_url, settings.cache_url)
