@@ -1,10 +1,13 @@
 """Vision embeddings, once per picture for the whole fleet: what a vision-language model's encoder and connector
-made of a picture, kept by (content hash, model identity) in two tiers.
+made of a picture, kept by (content hash, model identity, cache scope) in two tiers.
 
 - `local`: this inference worker's memory, an LRU bounded in bytes (cachetools' `LRUCache` with the tensors'
   sizes as their weights);
 - `shared`: the cache Redis, where every worker of the fleet finds what any of them computed; bounded in bytes
   (the oldest entries go first, counted as evictions) and by a TTL.
+
+The cache scope is the stage cache's (`stoker.core.tenancy.cache_scope`): the tenant that sent the picture, so one
+tenant's pictures never answer, or speed up, another's; or one scope for all when `STOKER_CACHE_SHARED` is on.
 
 The model identity is a hash of what makes the embeddings: the model's config and processor files, the weights
 files' safetensors headers, sizes and a sample of their bytes, the dtype they run in and the decode parameters
@@ -121,10 +124,14 @@ def embeddings_from_bytes(data: bytes) -> Any:
     return load(data)[_TENSOR_NAME]
 
 
-class _BoundedLRU(LRUCache[str, Any]):
+#: An entry of this worker's LRU: (cache scope, content hash).
+_Entry = tuple[str, str]
+
+
+class _BoundedLRU(LRUCache[_Entry, Any]):
     """cachetools' LRU, weighed in bytes, counting what it drops to stay under its cap."""
 
-    def popitem(self) -> tuple[str, Any]:
+    def popitem(self) -> tuple[_Entry, Any]:
         item = super().popitem()
         VISION_EMBEDDING_EVICTIONS.labels("local").inc()
         return item
@@ -143,19 +150,19 @@ class SharedEmbeddings:
         self.ttl_s = ttl_s
         self._put = client.register_script(_PUT)
 
-    def get(self, model: str, digest: str) -> bytes | None:
+    def get(self, model: str, scope: str, digest: str) -> bytes | None:
         """The stored bytes, or None (also when the store fails)."""
         try:
-            raw = self.redis.get(embedding_key(model, digest))
+            raw = self.redis.get(embedding_key(model, scope, digest))
         except redis.RedisError as exc:
             VISION_EMBEDDING_STORE_FAILURES.labels("read").inc()
             log.warning("vision embeddings store read failed, recomputing: %s", exc)
             return None
         return bytes(raw) if raw is not None else None
 
-    def put(self, model: str, digest: str, data: bytes) -> None:
+    def put(self, model: str, scope: str, digest: str, data: bytes) -> None:
         """Store the bytes, evicting the oldest entries past the cap; a failure is logged and counted."""
-        keys = [embedding_key(model, digest), EMBEDDINGS_INDEX_KEY, EMBEDDINGS_SIZES_KEY, EMBEDDINGS_BYTES_KEY]
+        keys = [embedding_key(model, scope, digest), EMBEDDINGS_INDEX_KEY, EMBEDDINGS_SIZES_KEY, EMBEDDINGS_BYTES_KEY]
         keys.append(EMBEDDINGS_EVICTIONS_KEY)
         try:
             evicted = int(self._put(keys=keys, args=[data, self.ttl_s, self.max_bytes, time.time()]))
@@ -172,41 +179,42 @@ class SharedEmbeddings:
 
 
 class EmbeddingCache:
-    """A picture's vision embeddings under one model identity: this worker's LRU first, then the shared store."""
+    """A picture's vision embeddings under one model identity, in one cache scope: this worker's LRU first, then the
+    shared store."""
 
     def __init__(self, identity: str, *, local_bytes: int, shared: SharedEmbeddings | None) -> None:
         self.identity = identity
         self.shared = shared
         self._local: _BoundedLRU | None = _BoundedLRU(local_bytes, getsizeof=_nbytes) if local_bytes > 0 else None
 
-    def get(self, digest: str) -> Any | None:
-        """The embeddings (a CPU tensor), or None when neither tier has them."""
+    def get(self, digest: str, scope: str) -> Any | None:
+        """The embeddings (a CPU tensor), or None when neither tier has them in this scope."""
         if self._local is not None:
-            found = self._local.get(digest)
+            found = self._local.get((scope, digest))
             VISION_EMBEDDING_LOOKUPS.labels("local", "hit" if found is not None else "miss").inc()
             if found is not None:
                 return found
         if self.shared is None:
             return None
-        raw = self.shared.get(self.identity, digest)
+        raw = self.shared.get(self.identity, scope, digest)
         VISION_EMBEDDING_LOOKUPS.labels("shared", "hit" if raw is not None else "miss").inc()
         if raw is None:
             return None
         tensor = self._decoded(digest, raw)
         if tensor is not None:
-            self._remember(digest, tensor)
+            self._remember((scope, digest), tensor)
         return tensor
 
-    def put(self, digest: str, tensor: Any) -> None:
-        """Keep freshly computed embeddings in both tiers."""
+    def put(self, digest: str, scope: str, tensor: Any) -> None:
+        """Keep freshly computed embeddings in both tiers, in this scope."""
         cpu = tensor.detach().to("cpu")
-        self._remember(digest, cpu)
+        self._remember((scope, digest), cpu)
         if self.shared is not None:
-            self.shared.put(self.identity, digest, embeddings_to_bytes(cpu))
+            self.shared.put(self.identity, scope, digest, embeddings_to_bytes(cpu))
 
-    def _remember(self, digest: str, tensor: Any) -> None:
+    def _remember(self, entry: _Entry, tensor: Any) -> None:
         if self._local is not None and _nbytes(tensor) <= self._local.maxsize:
-            self._local[digest] = tensor
+            self._local[entry] = tensor
 
     @staticmethod
     def _decoded(digest: str, raw: bytes) -> Any | None:

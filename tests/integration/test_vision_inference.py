@@ -27,6 +27,7 @@ from stoker.adapters.store.keys import EMBEDDINGS_EVICTIONS_KEY, EMBEDDINGS_INDE
 from stoker.core.errors import ImageFeaturesMismatch, ImageTensorsMissing
 from stoker.core.imaging import DecodeParams, decode_rgb
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
+from stoker.core.tenancy import cache_scope
 from stoker.settings import WorkerSettings
 from tests.fakeopenai import fake_openai_server
 from tests.media import text_image
@@ -222,7 +223,8 @@ def test_a_restarted_worker_hits_the_shared_store_and_another_model_misses(
 
     # Another model's identity finds nothing; the same files elsewhere (another host's path, other mtimes) do.
     assert predictor.encoder.cache is not None
-    assert EmbeddingCache(predictor.encoder.cache.identity + "x", local_bytes=0, shared=shared).get(digest) is None
+    other_model = EmbeddingCache(predictor.encoder.cache.identity + "x", local_bytes=0, shared=shared)
+    assert other_model.get(digest, "shared") is None
     copy = tmp_path / "copy"
     copy.mkdir()
     for item in tiny_vlm.iterdir():
@@ -237,6 +239,26 @@ def test_a_restarted_worker_hits_the_shared_store_and_another_model_misses(
     assert model_identity(copy) != model_identity(tiny_vlm)
 
 
+def test_a_tenant_never_hits_the_embeddings_of_another_tenants_picture_unless_the_cache_is_shared(
+    predictor: VisionLanguagePredictor, pictures: Pictures, shared: SharedEmbeddings
+) -> None:
+    digest = pictures.add("TENANTS", WIDE)
+    alpha, beta = cache_scope("alpha", shared=False), cache_scope("beta", shared=False)
+    encoder = predictor.encoder
+    assert [encoder.embeddings(digest, alpha)[1] for _ in range(2)] == ["miss", "hit"]
+    calls = encoder.calls
+    assert encoder.embeddings(digest, beta)[1] == "miss"  # alpha's picture: beta's job shows no sign of it
+    assert encoder.calls == calls + 1
+    # the fleet's store is scoped as this worker's memory is: a restarted worker finds alpha's for alpha alone
+    assert encoder.cache is not None
+    restarted = EmbeddingCache(encoder.cache.identity, local_bytes=0, shared=shared)
+    assert restarted.get(digest, alpha) is not None
+    assert restarted.get(digest, cache_scope("gamma", shared=False)) is None
+    # STOKER_CACHE_SHARED: every tenant in one scope, and one tenant's picture saves another the encoder
+    assert encoder.embeddings(digest, cache_scope("alpha", shared=True))[1] == "miss"
+    assert encoder.embeddings(digest, cache_scope("beta", shared=True))[1] == "hit"
+
+
 def test_the_shared_store_stays_under_its_cap_and_counts_evictions(shared: SharedEmbeddings) -> None:
     small = SharedEmbeddings(shared.redis, max_bytes=250_000, ttl_s=600)
     identity = uuid.uuid4().hex
@@ -244,13 +266,13 @@ def test_the_shared_store_stays_under_its_cap_and_counts_evictions(shared: Share
     before, left = small.evictions(), int(shared.redis.zcard(EMBEDDINGS_INDEX_KEY))
     tensors = {f"p{i}": torch.full((64, 576), float(i)) for i in range(3)}  # ~147 kB each as float32
     for digest, tensor in tensors.items():
-        EmbeddingCache(identity, local_bytes=0, shared=small).put(digest, tensor)
+        EmbeddingCache(identity, local_bytes=0, shared=small).put(digest, "shared", tensor)
     fresh = EmbeddingCache(identity, local_bytes=0, shared=small)
-    assert fresh.get("p0") is None
-    assert fresh.get("p1") is None
-    assert torch.equal(fresh.get("p2"), tensors["p2"])  # read back exactly
+    assert fresh.get("p0", "shared") is None
+    assert fresh.get("p1", "shared") is None
+    assert torch.equal(fresh.get("p2", "shared"), tensors["p2"])  # read back exactly
     assert small.evictions() == before + left + 2
-    assert shared.redis.zscore(EMBEDDINGS_INDEX_KEY, f"stoker:vision-embeddings:{identity}:p2") is not None
+    assert shared.redis.zscore(EMBEDDINGS_INDEX_KEY, f"stoker:vision-embeddings:{identity}:shared:p2") is not None
     assert int(shared.redis.get(EMBEDDINGS_EVICTIONS_KEY) or 0) >= 2
 
 

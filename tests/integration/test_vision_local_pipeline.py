@@ -7,14 +7,18 @@ The fleet is `vlm_fleet`'s, its inference worker replaced for these tests by one
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
+from stoker.adapters.store import Store
 from stoker.core.imaging import DecodeParams, decode_rgb
+from stoker.core.tenancy import issue_key
 from tests.fakeopenai import FakeServer
 from tests.fleet import Fleet
 from tests.media import text_image
@@ -63,13 +67,17 @@ def _answer(in_process: tuple[Any, Any], data: bytes, prompt: str) -> str:
     return answer.strip()
 
 
-def _run(fleet: Fleet, data: bytes, prompt: str) -> dict[str, Any]:
-    response = fleet.client.post("/v1/jobs", data={"prompt": prompt}, files=[("image", ("p.png", data, "image/png"))])
+def _run(
+    fleet: Fleet, data: bytes, prompt: str, client: TestClient | None = None, headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    api = client or fleet.client
+    files = [("image", ("p.png", data, "image/png"))]
+    response = api.post("/v1/jobs", data={"prompt": prompt}, files=files, headers=headers)
     assert response.status_code == 202, response.text
     job_id = response.json()["id"]
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        job: dict[str, Any] = fleet.client.get(f"/v1/jobs/{job_id}", params={"wait": 5}).json()
+        job: dict[str, Any] = api.get(f"/v1/jobs/{job_id}", params={"wait": 5}, headers=headers).json()
         if job["status"] in ("succeeded", "degraded", "failed"):
             return job
     raise AssertionError(f"job {job_id} did not end:\n{fleet.logs()}")
@@ -89,3 +97,21 @@ def test_an_image_job_answers_as_the_model_in_process_and_a_restarted_worker_ski
     assert second["status"] == "succeeded", second
     assert second["inputs"][0]["encoder"] == "hit"
     assert second["result"]["text"] == _answer(in_process, data, "Describe it.")
+
+
+def test_a_tenant_sees_no_sign_of_a_picture_another_tenant_sent(fleet: Fleet) -> None:
+    store = Store.over(fleet.store(), blob_ttl_s=3600, job_ttl_s=3600)
+    headers = {}
+    for name in ("alpha", "beta"):
+        issued = issue_key(f"{name}-{uuid.uuid4().hex[:8]}", time.time())
+        store.tenants.put_api_key(issued.record)
+        headers[name] = {"Authorization": f"Bearer {issued.token}"}
+    data = text_image(f"ONLY ALPHA {uuid.uuid4().hex[:6]}", size=(400, 200))
+    with fleet.api(auth=True, rate_limit_per_s=1000.0, rate_limit_burst=1000) as api:
+        first = _run(fleet, data, "What does it say?", api, headers["alpha"])
+        second = _run(fleet, data, "What does it say?", api, headers["beta"])
+    assert first["status"] == second["status"] == "succeeded", (first, second)
+    assert first["inputs"][0]["encoder"] == "miss"
+    # the same picture, sent by beta after alpha: computed again, as if alpha had never sent it
+    assert second["inputs"][0]["encoder"] == "miss"
+    assert second["inputs"][0]["cache_hit"] == {"decode": False}

@@ -86,8 +86,9 @@ class VisionEncoder:
         return int(self.model.config.text_config.hidden_size)
 
     def embeddings(self, digest: str, scope: str) -> tuple[Any, EncoderUse]:
-        """One picture's embeddings (tokens × hidden, the model's dtype, on its device), and whether they hit."""
-        cached = self.cache.get(digest) if self.cache is not None else None
+        """One picture's embeddings (tokens × hidden, the model's dtype, on its device), and whether they hit: in the
+        request's cache scope only, so a tenant never hits what another computed (unless the cache is shared)."""
+        cached = self.cache.get(digest, scope) if self.cache is not None else None
         if cached is not None:
             return cached.to(device=self.device, dtype=self.model.dtype), "hit"
         prepared = self.prepared(digest, scope)
@@ -99,7 +100,7 @@ class VisionEncoder:
         features = self.encode(prepared)
         VISION_ENCODER_SECONDS.observe(time.perf_counter() - started)
         if self.cache is not None:
-            self.cache.put(digest, features)
+            self.cache.put(digest, scope, features)
         return features, "miss"
 
     def encode(self, prepared: PreparedImage) -> Any:

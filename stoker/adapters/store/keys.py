@@ -127,9 +127,10 @@ def cache_key(address: CacheAddress, part: str = "value") -> str:
     return f"{PREFIX}:cache:{a.stage}:{a.version}:{a.digest}:{a.fingerprint}:{a.scope}:{part}"
 
 
-def embedding_key(model: str, digest: str) -> str:
-    """A picture's vision embeddings (after the connector) under one model's identity, shared by the fleet."""
-    return f"{PREFIX}:vision-embeddings:{model}:{digest}"
+def embedding_key(model: str, scope: str, digest: str) -> str:
+    """A picture's vision embeddings (after the connector) under one model's identity, in one cache scope (the
+    tenant whose picture it was, or the shared scope), for the fleet."""
+    return f"{PREFIX}:vision-embeddings:{model}:{scope}:{digest}"
 
 
 #: The shared vision-embeddings store's bookkeeping: entries by when they were written, their sizes, the bytes
