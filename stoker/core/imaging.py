@@ -4,6 +4,7 @@ processor (or a server that sees) works from, out."""
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -72,6 +73,17 @@ class DecodedImage:
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError)
 
 
+#: The message for bytes that no allowed format's decoder recognises.
+UNIDENTIFIED = f"cannot identify image: not a picture in any format read here ({', '.join(IMAGE_FORMATS)})"
+#: How Python writes an object that has no text of its own: `<_io.BytesIO object at 0x7fa…>`.
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def error_text(exc: BaseException) -> str:
+    """A decoder's error as a client may read it: its message without any object it names by heap address."""
+    return " ".join(_OBJECT_REPR.sub("", str(exc)).split()) or type(exc).__name__
+
+
 def decode_image(data: bytes, params: DecodeParams, needs: DecodeNeeds | None = None) -> DecodedImage:
     """Decode image bytes safely (allowlisted formats, a pixel cap, EXIF orientation) into what `needs` asks for.
 
@@ -92,7 +104,7 @@ def decode_image(data: bytes, params: DecodeParams, needs: DecodeNeeds | None = 
         else:
             picture, small = None, _load_gray(image, params.ocr_max_side)  # decoded even unread: is it whole?
     except DECODE_ERRORS as exc:
-        raise ImageCorrupt(f"cannot decode image: {exc}", stage="decode") from exc
+        raise ImageCorrupt(f"cannot decode image: {error_text(exc)}", stage="decode") from exc
     gray = np.asarray(small, dtype=np.uint8) if small is not None and needs.ocr else None
     return DecodedImage(features=features, ocr_image=gray, picture=picture)
 
@@ -114,8 +126,10 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
             image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageTooLarge(f"image exceeds {max_pixels} pixels", stage="decode") from exc
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise ImageCorrupt(f"cannot identify image: {exc}", stage="decode") from exc
+    except UnidentifiedImageError as exc:  # Pillow's own message names the in-memory file object, heap address and all
+        raise ImageCorrupt(UNIDENTIFIED, stage="decode") from exc
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise ImageCorrupt(f"cannot identify image: {error_text(exc)}", stage="decode") from exc
     if image.width * image.height > max_pixels:
         raise ImageTooLarge(f"{image.width}×{image.height} exceeds {max_pixels} pixels", stage="decode")
     if image.width < 1 or image.height < 1:

@@ -11,7 +11,15 @@ import pytest
 from PIL import Image
 
 from stoker.core.errors import ImageCorrupt, ImageTooLarge
-from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_image, decode_rgb, served_picture, within
+from stoker.core.imaging import (
+    DecodeNeeds,
+    DecodeParams,
+    decode_image,
+    decode_rgb,
+    error_text,
+    served_picture,
+    within,
+)
 from tests.media import encode, png_bomb, text_image, truncated
 
 PARAMS = DecodeParams(max_pixels=90_000_000, ocr_max_side=2048)
@@ -130,6 +138,26 @@ def test_truncated_image_is_corrupt(fmt: str) -> None:
 def test_garbage_is_corrupt() -> None:
     with pytest.raises(ImageCorrupt):
         decode_image(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100, PARAMS)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\x89PNG\r\n\x1a\n" + b"\x00" * 100, b"GIF89a" + b"\x00" * 30, b"\xff\xd8\xff" + b"\x00" * 50],
+    ids=["png", "gif", "jpeg"],
+)
+def test_an_unidentified_image_is_told_without_the_decoders_object_or_its_address(data: bytes) -> None:
+    with pytest.raises(ImageCorrupt) as info:
+        decode_image(data, PARAMS)
+    assert info.value.message == (
+        "cannot identify image: not a picture in any format read here (JPEG, PNG, WEBP, GIF, BMP, TIFF, AVIF, HEIF)"
+    )
+    assert info.value.to_dict() == {"code": "image_corrupt", "message": info.value.message, "stage": "decode"}
+
+
+def test_a_decoders_message_loses_the_address_of_any_object_it_names() -> None:
+    said = OSError("cannot identify image file <_io.BytesIO object at 0x7fa31c2b9e40>")
+    assert error_text(said) == "cannot identify image file"
+    assert error_text(EOFError()) == "EOFError"  # an error without a message is named
 
 
 def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
