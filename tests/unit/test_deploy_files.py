@@ -28,6 +28,7 @@ from stoker.adapters.store import keys
 from stoker.core.queues import CALLBACK_QUEUE, QUEUES, SYNC_QUEUE
 from stoker.settings import ApiSettings, StackSettings, WorkerSettings
 from workers.launch import METRICS_PORTS, worker_kinds
+from workers.stack import same_server
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The API's settings as shipped (the suite's own environment changes some of them).
@@ -267,6 +268,7 @@ def test_broker_never_evicts_and_persists(compose: dict[str, Any]) -> None:
     command = compose["services"]["redis"]["command"]
     assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
     assert command[command.index("--appendonly") + 1] == "yes"
+    assert "--maxmemory" in command  # what the API refuses new jobs before (503 store_full)
 
 
 def test_cache_is_bounded_and_evicts_least_recently_used(compose: dict[str, Any]) -> None:
@@ -274,6 +276,18 @@ def test_cache_is_bounded_and_evicts_least_recently_used(compose: dict[str, Any]
     assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
     assert "--maxmemory" in command
     assert compose["x-stoker"]["environment"]["STOKER_CACHE_URL"].startswith("redis://stoker:${REDIS_PASSWORD:?")
+    assert command[command.index("--save") + 1] == ""
+
+
+def test_the_cache_is_a_server_apart_from_the_store_and_every_service_waits_for_it(compose: dict[str, Any]) -> None:
+    """The cache's entries never count against the store's memory (`store_full`), nor does its eviction reach a
+    job record."""
+    env = {k: re.sub(r"\$\{[^}]*\}", "secret", v) for k, v in compose["x-stoker"]["environment"].items()}
+    assert urlsplit(env["STOKER_CACHE_URL"]).hostname == "cache"
+    assert urlsplit(env["STOKER_RESULT_URL"]).hostname == "redis"
+    assert not same_server(env["STOKER_CACHE_URL"], env["STOKER_RESULT_URL"])
+    assert compose["x-stoker"]["depends_on"]["cache"] == {"condition": "service_healthy"}
+    assert compose["services"]["cache"]["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
 
 
 def test_inference_worker_reserves_a_gpu_and_flower_requires_auth(compose: dict[str, Any]) -> None:
@@ -314,11 +328,20 @@ def compose_acl(server: str) -> list[str]:
     return _acl_rules(data["services"][server]["command"])
 
 
-def _k8s_acl(name: str) -> list[str]:
-    redis = next(d for d in _k8s() if d["kind"] in ("StatefulSet", "Deployment") and d["metadata"]["name"] == name)
-    shell = redis["spec"]["template"]["spec"]["containers"][0]["command"]
+def _k8s_redis(name: str) -> dict[str, Any]:
+    """The Kubernetes workload running one of the Redis servers (`stoker-redis` or `stoker-cache`)."""
+    return next(d for d in _k8s() if d["kind"] in ("StatefulSet", "Deployment") and d["metadata"]["name"] == name)
+
+
+def _k8s_command(name: str) -> list[str]:
+    """A Kubernetes Redis server's command line, as its shell would split it."""
+    shell = _k8s_redis(name)["spec"]["template"]["spec"]["containers"][0]["command"]
     assert shell[:2] == ["sh", "-c"]
-    return _acl_rules(shlex.split(shell[2]))
+    return shlex.split(shell[2])
+
+
+def _k8s_acl(name: str) -> list[str]:
+    return _acl_rules(_k8s_command(name))
 
 
 #: A key of each kind stoker and Celery write on the broker and store Redis (kombu's and Celery's names from the
@@ -386,6 +409,34 @@ def test_the_redis_user_reaches_only_what_stoker_and_celery_use() -> None:
 def test_kubernetes_redis_servers_have_the_same_user_as_compose() -> None:
     assert _k8s_acl("stoker-redis") == compose_acl("redis")
     assert _k8s_acl("stoker-cache") == compose_acl("cache")
+
+
+def test_kubernetes_runs_the_cache_on_a_server_apart_that_evicts_and_the_store_never_does() -> None:
+    store, cache = _k8s_command("stoker-redis"), _k8s_command("stoker-cache")
+    assert store[store.index("--maxmemory-policy") + 1] == "noeviction"
+    assert store[store.index("--appendonly") + 1] == "yes"
+    assert "--maxmemory" in store
+    assert cache[cache.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert "--maxmemory" in cache
+    assert cache[cache.index("--save") + 1] == ""
+    assert "--appendonly" not in cache
+    docs = _k8s()
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    for name in ("stoker-redis", "stoker-cache"):
+        assert services[name]["spec"]["selector"] == {"app.kubernetes.io/name": name}
+        assert "readinessProbe" in _k8s_redis(name)["spec"]["template"]["spec"]["containers"][0]
+    pods = [
+        {e["name"]: e.get("value") for e in c.get("env", [])}
+        for d in docs
+        if d["kind"] == "Deployment"
+        for c in d["spec"]["template"]["spec"]["containers"]
+        if any(e["name"] == "STOKER_RESULT_URL" for e in c.get("env", []))
+    ]
+    assert len(pods) >= 6  # the API, every worker kind, the reaper, the batch feeder, Flower
+    for env in pods:
+        assert urlsplit(env["STOKER_CACHE_URL"]).hostname == "stoker-cache"
+        assert urlsplit(env["STOKER_RESULT_URL"]).hostname == "stoker-redis"
+        assert not same_server(env["STOKER_CACHE_URL"], env["STOKER_RESULT_URL"])
 
 
 def test_monitoring_is_an_optional_profile(compose: dict[str, Any]) -> None:
