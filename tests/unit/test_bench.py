@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench import harness
 from bench.costpair import Tally
 from bench.costpair import markdown as pair_table
 from bench.drive import Outcome, Run, Sample
-from bench.harness import Regime, parser, regime, with_defaults
+from bench.harness import Regime, parser, regime, shortfalls, with_defaults
 from bench.pool import pool
 from bench.report import busy_series, compare, markdown, percentile, ratio_intervals, ratios, refusal, summarise
 from bench.workload import WorkloadSpec, describe, generate
@@ -225,3 +228,52 @@ def test_each_regime_has_its_own_device_loads_and_queue_limit_unless_told() -> N
     assert _regime("device-bound", "--queue-limit", "64").queue_limit == 64
     quick = _regime("device-bound", "--quick")
     assert (quick.rates, quick.spec.jobs) == ([64.0], 640)
+
+
+def _summary(mode: str, unanswered: int = 0, answered: int = 4, cpu_s: float = 2.0) -> dict[str, Any]:
+    """A run's summary as `summarise` makes it: `answered` jobs succeeded, `unanswered` never got a job."""
+    requests = generate(replace(SMALL, jobs=answered + unanswered, bad=0.0, text=1.0))
+    run = Run(started=100.0, ended=110.0)
+    for i, r in enumerate(requests):
+        job = {"status": "succeeded", "inputs": [], "batch": {"id": "b", "size": 1}} if i < answered else None
+        run.outcomes.append(Outcome(r, first_try=100.0 + i, job=job, done_at=101.0 + i if job else None))
+    run.samples = [Sample(100.0, 0.0, {}, cpu_s=0.0), Sample(110.0, 5.0, {}, cpu_s=cpu_s)]
+    return summarise(mode, 3.0, run)
+
+
+def test_a_quick_run_fails_for_jobs_left_unanswered_or_a_refused_comparison() -> None:
+    """`make bench-quick` is CI's check that the harness drives every mode: one answered job is not enough."""
+    fine = [_summary("pipeline"), _summary("sync"), _summary("sync-pool")]
+    assert shortfalls(fine, compare(fine), strict=True) == []
+    lost = [_summary("pipeline"), _summary("sync", unanswered=3), _summary("sync-pool")]
+    assert shortfalls(lost, compare(lost), strict=True) == [
+        "sync at 3.0 jobs/s left 3 of 7 jobs unanswered",
+        "pipeline vs sync at 3.0 jobs/s not compared: sync left 3 of 7 jobs unanswered",
+    ]
+    burning = [_summary("pipeline"), _summary("sync"), _summary("sync-pool", cpu_s=8.0)]  # 2.0 CPU s a job against 0.5
+    (refused,) = shortfalls(burning, compare(burning), strict=True)
+    assert refused.startswith("pipeline vs sync-pool at 3.0 jobs/s not compared: sync-pool spent 2.0 CPU s per job")
+    # A full sweep reports such loads ("not compared") and fails only for a run that answered nothing.
+    assert shortfalls(lost, compare(lost), strict=False) == []
+    dead = [_summary("pipeline", unanswered=5, answered=0), _summary("sync")]
+    assert shortfalls(dead, compare(dead), strict=False) == ["pipeline at 3.0 jobs/s answered no job"]
+
+
+def test_bench_quick_exits_non_zero_when_a_mode_leaves_jobs_unanswered(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`stoker bench --quick` as `make bench-quick` runs it, its stacks replaced by the runs they would have made."""
+    outcomes = {"pipeline": 0, "sync": 2, "sync-pool": 0}  # jobs each mode leaves unanswered
+    monkeypatch.setattr(harness, "bench_redis", lambda: contextlib.nullcontext("redis://127.0.0.1:1"))
+    monkeypatch.setattr(harness, "generate", lambda spec: [])
+    monkeypatch.setattr(harness, "plot", lambda rows, out, name="": [])
+    monkeypatch.setattr(
+        harness, "_runs", lambda args, regime, modes, workload, base: [_summary(m, outcomes[m]) for m in modes]
+    )
+    argv = ["--quick", "--overhead-jobs", "0", "--out", str(tmp_path)]
+    assert harness.main(argv) == 1
+    assert "not compared: sync left 2 of 6 jobs unanswered" in (tmp_path / "results.md").read_text()
+    outcomes["sync"] = 0
+    assert harness.main(argv) == 0
+    outcomes["sync"] = 2
+    assert harness.main([*argv[1:], "--rates", "3"]) == 0  # not --quick: a load a baseline collapses under is reported
