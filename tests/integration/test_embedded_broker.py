@@ -106,7 +106,7 @@ def test_a_cache_filled_past_its_memory_is_evicted_and_never_refuses_a_job(
                 assert answer.status_code == 202, answer.text
                 jobs.append(answer.json()["id"])
         filled = time.time()
-        monitor = context_of(api.app).monitor
+        monitor = context_of(api.app).monitor  # type: ignore[arg-type]
         wait_for(lambda: bool(monitor.memory and monitor.memory.at > filled), 15, "a memory sample after the fill", [])
         assert monitor.store_full() is None
         assert monitor.memory is not None
