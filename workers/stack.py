@@ -208,10 +208,12 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
     Returns the URLs every child must use instead."""
     url = settings.broker_url
     if url.startswith("redis") and not redis_answers(url, tls=settings.redis_tls(url)):
-        console.print(f"no broker answers at {settings.broker_url}: starting an embedded Valkey")
+        console.print(f"no broker answers at {_without_password(url)}: an embedded Valkey for the broker and store")
         port = _embedded(stack, BROKER, settings.embedded_maxmemory_mb, "noeviction")
         urls = {"STOKER_BROKER_URL": f"redis://127.0.0.1:{port}/0", "STOKER_RESULT_URL": f"redis://127.0.0.1:{port}/1"}
-        if not redis_answers(settings.cache_url, tls=settings.redis_tls(settings.cache_url)):
+        cache = settings.cache_url
+        if settings.cache_enabled and not redis_answers(cache, tls=settings.redis_tls(cache)):
+            console.print(f"no cache answers at {_without_password(cache)}: an embedded Valkey for it (allkeys-lru)")
             port = _embedded(stack, CACHE, settings.embedded_cache_maxmemory_mb, "allkeys-lru")
             urls["STOKER_CACHE_URL"] = f"redis://127.0.0.1:{port}/0"
         settings.broker_url, settings.result_url = urls["STOKER_BROKER_URL"], urls["STOKER_RESULT_URL"]
