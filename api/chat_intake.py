@@ -25,9 +25,18 @@ from api.chat_schemas import (
 from api.intake import AcceptedRequest, Payload, UrlInput, first_error, validate_inputs
 from api.limits import read_json
 from stoker.adapters.backends.grammar import check_grammar
-from stoker.core.errors import InvalidRequest, ModelNotFound, TooManyTokens, UnsupportedMediaType
+from stoker.adapters.store.jobs import check_record_size
+from stoker.core.errors import (
+    AnswerTooLarge,
+    InvalidRequest,
+    ModelNotFound,
+    PromptTooLong,
+    TooManyTokens,
+    UnsupportedMediaType,
+)
 from stoker.core.jobs import ChatTurn, Conversation, InputKind
 from stoker.core.model import GenerationParams
+from stoker.core.prompting import material_chars
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -75,13 +84,16 @@ def accept_chat(
     turns, raw = _turns(spec.messages)
     if not any(t.role == "user" for t in turns):
         raise InvalidRequest("the chat needs at least one user message", param="messages")
-    if sum(len(t.text) for t in turns) > settings.max_prompt_chars:
-        raise InvalidRequest(f"the chat's text exceeds {settings.max_prompt_chars} characters", param="messages")
+    _within_prompt_limit(spec, turns, settings.max_prompt_chars)
     choice = spec.stoker_on_input_error or on_input_error or "degrade"
     params = _params(spec, settings)
-    check_grammar(params)
     conversation = Conversation(turns=turns, params=params, stream=spec.stream, on_input_error=choice)
     last_user = next(t.text for t in reversed(turns) if t.role == "user")
+    # the record is sized here, off the event loop and before any prompt is built from it (the store checks the
+    # whole record again when it writes it)
+    known: dict[str | bytes, str | bytes | float | int] = {"prompt": last_user, "chat": conversation.model_dump_json()}
+    check_record_size(known, settings.max_record_bytes)
+    check_grammar(params)
     accepted = AcceptedRequest(
         prompt=last_user,
         inputs=validate_inputs(raw, settings),
@@ -89,6 +101,21 @@ def accept_chat(
         chat=conversation,
     )
     return spec, accepted
+
+
+def _within_prompt_limit(spec: ChatCompletionCreate, turns: list[ChatTurn], limit: int) -> None:
+    """Refuse a chat whose prompt material passes `limit` characters (422 `prompt_too_long`): every turn's text,
+    the tool calls and call ids its turns carry, the tools it offers and its answer's schema, all of which the model
+    is given or the grammar compiled from, before any of it is built or tokenized."""
+    material = material_chars(turns, spec.tools or ())
+    if spec.response_format is not None:
+        material += len(spec.response_format.model_dump_json(by_alias=True, exclude_none=True))
+    if material > limit:
+        raise PromptTooLong(
+            f"the chat's prompt material (its turns' text and tool calls, its tools and response_format) is "
+            f"{material} characters, more than the {limit} this server takes",
+            param="messages",
+        )
 
 
 def _log_unknown(spec: ChatCompletionCreate) -> None:
@@ -109,6 +136,7 @@ def _params(spec: ChatCompletionCreate, settings: ApiSettings) -> GenerationPara
     asked, cap = spec.max_completion_tokens or spec.max_tokens, settings.max_tokens_cap
     if asked is not None and asked > cap:
         raise TooManyTokens(f"`{field}` is {asked}, but this server answers at most {cap} new tokens", param=field)
+    _within_answer_limit(spec, asked or cap, field, settings.max_answer_entries)
     return GenerationParams(
         max_tokens=asked or cap,
         temperature=spec.temperature or 0.0,
@@ -121,6 +149,22 @@ def _params(spec: ChatCompletionCreate, settings: ApiSettings) -> GenerationPara
         tools=tuple(spec.tools or ()),
         tool_choice=spec.tool_choice,
         response_format=spec.response_format,
+    )
+
+
+def _within_answer_limit(spec: ChatCompletionCreate, max_tokens: int, field: str, limit: int) -> None:
+    """Refuse a chat whose answers could hold more than `limit` token entries (400 `answer_too_large`): each of its
+    `n` answers of up to `max_tokens` tokens, each token with its `top_logprobs` alternatives, is stored with the
+    job."""
+    n, alternatives = spec.n or 1, spec.top_logprobs or 0
+    entries = n * max_tokens * (alternatives + 1)
+    if entries <= limit:
+        return
+    param = "top_logprobs" if alternatives else "n" if n > 1 else field
+    raise AnswerTooLarge(
+        f"n × {field} × (top_logprobs + 1) is {n} × {max_tokens} × {alternatives + 1} = {entries} token entries, "
+        f"more than the {limit} this server stores for one job: ask for fewer answers, tokens or alternatives",
+        param=param,
     )
 
 

@@ -86,6 +86,13 @@ class CommonSettings(BaseSettings):
         "records): every field a client sends is stored with its job for `job_ttl_s`, so none may make the record "
         "big (413 `record_too_large` above it). Stop sequences are at most 4 of 256 characters.",
     )
+    max_result_bytes: int = Field(
+        MAX_RECORD_BYTES,
+        ge=64 * 1024,
+        description="The most a job's stored result may hold (its answers, their logprobs and tool calls), checked "
+        "when it is written: a result over it is not stored and its job fails `result_too_large` (what a job may "
+        "ask for is bounded at intake, `max_answer_entries`, so only an answer of unusually long tokens meets it).",
+    )
     store_timeout_s: float = Field(
         10.0,
         gt=0,
@@ -119,6 +126,13 @@ class CommonSettings(BaseSettings):
         description="The most new tokens a chat answer may have, shown in `/v1/models` (`max_tokens_cap`): a chat "
         "without `max_tokens` gets up to this many; one asking for more (`max_tokens` or `max_completion_tokens`) "
         "is refused 400 `max_tokens_over_cap`.",
+    )
+    max_answer_entries: int = Field(
+        8192,
+        ge=1,
+        description="The most token entries a chat's answers may hold: n × max_tokens (the cap where none is "
+        "asked) × (top_logprobs + 1). Each is stored with the job (about 75 bytes a logprob entry), so a request "
+        "over it is refused 400 `answer_too_large` before any work: ask for fewer answers, tokens or alternatives.",
     )
     served_model_name: str | None = Field(
         None,
@@ -260,8 +274,10 @@ class ApiSettings(CommonSettings):
     max_prompt_chars: int = Field(
         32_000,
         ge=1,
-        description="The longest prompt; a multipart field over 4 × this many bytes is refused by the parser "
-        "(400 `bad_request`).",
+        description="The longest prompt, in characters; a chat's counts all its prompt material: every turn's text, "
+        "the tool calls its turns carry (ids, names, arguments), its tools' JSON and its `response_format` (over it: "
+        "422 `prompt_too_long`, before anything is built from it). A multipart field over 4 × this many bytes is "
+        "refused by the parser (400 `bad_request`).",
     )
     max_long_poll_s: float = Field(
         30.0,
@@ -355,9 +371,10 @@ class ApiSettings(CommonSettings):
     api_tokenize_cache_min_chars: int = Field(
         1024,
         ge=0,
-        description="A job with no attachment and no tools whose text (prompt, or every turn of a chat) is at most "
-        "this long is tokenized in the API without the stage cache: rendering and tokenizing it again costs less "
-        "CPU than looking it up and writing it back (0: every prompt goes through the cache).",
+        description="A job with no attachment and no tools whose text (prompt, or every turn of a chat with the tool "
+        "calls its turns carry) is at most this long is tokenized on the API's event loop, without the stage "
+        "cache: rendering and tokenizing it again costs less CPU than looking it up and writing it back (0: every "
+        "prompt goes through the cache). A longer one is tokenized on the API's tokenizing threads.",
     )
     api_docs: bool = Field(
         True,

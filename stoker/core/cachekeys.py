@@ -166,12 +166,14 @@ def prompt_worth_caching(
     min_chars: int,
 ) -> bool:
     """Whether a tokenized prompt is looked up in (and written to) the cache rather than tokenized every time: one
-    with attachments or tools, or with more than `min_chars` characters of text. A short text-only chat costs less
-    to render and tokenize again than the lookup's and the write's round trips to the cache."""
+    with attachments or tools, or with more than `min_chars` characters of prompt material (a chat's text, and the
+    tool calls its turns carry: `prompting.material_chars`). A short text-only chat costs less to render and
+    tokenize again than the lookup's and the write's round trips to the cache; only such a one is tokenized on the
+    API's event loop (`api.prompts.PromptBuilder.build_here`)."""
     if attachments or tools or min_chars == 0:
         return True
-    text = sum(len(t.text) for t in turns) if turns else len(prompt)
-    return text > min_chars
+    material = prompting.material_chars(turns) if turns else len(prompt)
+    return material > min_chars
 
 
 def pipeline_identity(stages: Mapping[str, Any]) -> str:

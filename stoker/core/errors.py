@@ -84,6 +84,19 @@ class TooManyTokens(InputError):
     http_status = 400
 
 
+class PromptTooLong(InvalidRequest):
+    """The prompt material (every turn's text, its tool calls, the tools, the answer's schema) passes the limit."""
+
+    code = "prompt_too_long"
+
+
+class AnswerTooLarge(InputError):
+    """The answers asked for would hold more token entries (n × max_tokens × (top_logprobs + 1)) than allowed."""
+
+    code = "answer_too_large"
+    http_status = 400
+
+
 class GrammarRefused(InputError):
     """The answer's format or a tool's parameters cannot be compiled into a grammar for decoding."""
 
@@ -109,6 +122,12 @@ class RecordTooLarge(PayloadTooLarge):
     """The job's stored record would pass the size a record may have."""
 
     code = "record_too_large"
+
+
+class ResultTooLarge(StokerError):
+    """The model's answer is larger than a job's stored result may be."""
+
+    code = "result_too_large"
 
 
 class MalformedRequest(InputError):

@@ -8,6 +8,7 @@ pictures as an image part (in order, before the turn's text), with its text only
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -145,6 +146,27 @@ def build_prompt_ids(
 ) -> list[int]:
     """Token ids of the whole chat prompt, fitted into budget."""
     return build_prompt(tokenizer, prompt, attachments, budget).ids
+
+
+def material_chars(turns: Sequence[ChatTurn], tools: Sequence[ToolSpec] = ()) -> int:
+    """The characters of a chat's prompt material: every turn's text, the calls an assistant turn makes (their ids,
+    function names and arguments), the call a tool turn answers, and the offered tools as the prompt spells them
+    (JSON)."""
+    calls = sum(_call_chars(call) for turn in turns for call in turn.tool_calls)
+    answered = sum(len(turn.tool_call_id or "") for turn in turns)
+    return sum(len(turn.text) for turn in turns) + calls + answered + sum(tool_chars(tool) for tool in tools)
+
+
+def tool_chars(tool: ToolSpec) -> int:
+    """The characters of one offered tool as the prompt spells it (`stoker.core.tools.tools_prompt`)."""
+    return len(json.dumps(tool.model_dump(exclude_none=True), ensure_ascii=False))
+
+
+def _call_chars(call: dict[str, Any]) -> int:
+    """The characters of one call an assistant turn made (OpenAI's `tool_calls` entry): its id, its function's name
+    and its arguments."""
+    function = call.get("function") or {}
+    return sum(len(str(part or "")) for part in (call.get("id"), function.get("name"), function.get("arguments")))
 
 
 def _droppable(chat: Sequence[ChatTurn]) -> bool:

@@ -157,3 +157,16 @@ def test_a_short_text_only_prompt_is_tokenized_without_the_cache() -> None:
     assert prompt_worth_caching("Hi", [], turns, (), min_chars=1024)
     assert not prompt_worth_caching("Hi", [], turns[:1], (), min_chars=1024)
     assert prompt_worth_caching("", [], None, (), min_chars=0)  # 0: everything through the cache
+
+
+def test_the_tool_calls_a_chat_carries_count_as_its_text_does() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "x" * 1024}}
+    turns = [ChatTurn(role="user", text="Hi"), ChatTurn(role="assistant", text="", tool_calls=[call])]
+    assert prompt_worth_caching("Hi", [], turns, (), min_chars=1024)  # tokenized off the event loop
+    answered = [ChatTurn(role="user", text="Hi"), ChatTurn(role="tool", text="ok", tool_call_id="c" * 1024)]
+    assert prompt_worth_caching("Hi", [], answered, (), min_chars=1024)
+    short = [
+        ChatTurn(role="user", text="Hi"),
+        ChatTurn(role="assistant", text="", tool_calls=[{**call, "function": {"name": "f", "arguments": "{}"}}]),
+    ]
+    assert not prompt_worth_caching("Hi", [], short, (), min_chars=1024)

@@ -11,8 +11,11 @@ import pytest
 
 from api.chat_intake import accept_chat, on_input_error_header
 from stoker.core.errors import (
+    AnswerTooLarge,
     InvalidRequest,
     ModelNotFound,
+    PromptTooLong,
+    RecordTooLarge,
     StokerError,
     TooManyInputs,
     TooManyTokens,
@@ -169,3 +172,103 @@ def test_the_core_refuses_long_stop_sequences_whoever_builds_the_parameters() ->
     assert GenerationParams(stop=("x" * 256,)).stop == ("x" * 256,)
     with pytest.raises(ValueError, match="256"):
         GenerationParams(stop=("x" * 257,))
+
+
+def _call(arguments: str, call_id: str = "call_1", name: str = "lookup") -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tool(description: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    function = {"name": "lookup", "description": description, "parameters": parameters or {"type": "object"}}
+    return {"type": "function", "function": function}
+
+
+MEGABYTE = 1 << 20
+ASKED = {"role": "user", "content": "What is the weather?"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "fields"),
+    [
+        # a call's arguments sent back with the chat, without any tools offered
+        ([ASKED, {"role": "assistant", "content": None, "tool_calls": [_call("x" * MEGABYTE)]}], {}),
+        # the id of the call a tool turn answers
+        (
+            [
+                ASKED,
+                {"role": "assistant", "tool_calls": [_call("{}", call_id="c" * MEGABYTE)]},
+                {"role": "tool", "tool_call_id": "c" * MEGABYTE, "content": "sunny"},
+            ],
+            {},
+        ),
+        # the tools' descriptions and parameters
+        ([ASKED], {"tools": [_tool("d" * 4 * MEGABYTE)]}),
+        ([ASKED], {"tools": [_tool("", {"type": "object", "description": "p" * MEGABYTE})]}),
+        # the answer's schema, which the grammar is compiled from
+        (
+            [ASKED],
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "r", "schema": {"title": "t" * MEGABYTE}},
+                }
+            },
+        ),
+    ],
+    ids=["call_arguments", "tool_call_id", "tool_descriptions", "tool_parameters", "response_schema"],
+)
+def test_every_piece_of_prompt_material_counts_against_the_prompt_limit(
+    messages: list[dict[str, Any]], fields: dict[str, Any]
+) -> None:
+    with pytest.raises(PromptTooLong) as refused:
+        _accept(messages, **fields)
+    assert (refused.value.code, refused.value.http_status, refused.value.param) == ("prompt_too_long", 422, "messages")
+    assert str(SETTINGS.max_prompt_chars) in refused.value.message
+
+
+def test_prompt_material_is_counted_to_the_character() -> None:
+    settings = ApiSettings(max_prompt_chars=100)
+    head = [{"role": "user", "content": "hi"}]  # 2 characters
+    room = 100 - 2 - len("call_1") - len("lookup")
+
+    def chat(arguments: str) -> bytes:
+        turn = {"role": "assistant", "content": None, "tool_calls": [_call(arguments)]}
+        return json.dumps({"model": MODEL, "messages": [*head, turn, *head]}).encode()
+
+    _, accepted = accept_chat(chat("a" * (room - 2)), settings)  # the last user turn's 2 characters too
+    assert accepted.chat.turns[1].tool_calls[0]["function"]["arguments"] == "a" * (room - 2)
+    with pytest.raises(PromptTooLong):
+        accept_chat(chat("a" * (room - 1)), settings)
+
+
+def test_a_record_too_large_is_refused_at_intake_before_any_prompt_is_built() -> None:
+    settings = ApiSettings(max_prompt_chars=8 * MEGABYTE, max_record_bytes=64 * 1024)
+    turn = {"role": "assistant", "content": None, "tool_calls": [_call("x" * 100_000)]}
+    with pytest.raises(RecordTooLarge) as refused:
+        accept_chat(json.dumps({"model": MODEL, "messages": [ASKED, turn, ASKED]}).encode(), settings)
+    assert (refused.value.code, refused.value.http_status) == ("record_too_large", 413)
+
+
+def test_answers_that_could_hold_too_many_token_entries_are_refused_at_intake() -> None:
+    settings = ApiSettings(max_tokens_cap=512, max_answer_entries=8192)
+    asked = json.dumps(
+        {"model": MODEL, "messages": [ASKED], "n": 4, "logprobs": True, "top_logprobs": 20, "max_tokens": 128}
+    )
+    with pytest.raises(AnswerTooLarge) as refused:
+        accept_chat(asked.encode(), settings)
+    assert (refused.value.code, refused.value.http_status, refused.value.param) == (
+        "answer_too_large",
+        400,
+        "top_logprobs",
+    )
+    assert "4 × 128 × 21 = 10752" in refused.value.message
+    one = {"model": MODEL, "messages": [ASKED], "logprobs": True, "top_logprobs": 20, "max_tokens": 390}
+    _, accepted = accept_chat(json.dumps(one).encode(), settings)  # 390 × 21 = 8190: within
+    assert (accepted.chat.params.top_logprobs, accepted.chat.params.max_tokens) == (20, 390)
+    with pytest.raises(AnswerTooLarge) as uncapped:  # no max_tokens: the cap's 512 is what the answer may take
+        accept_chat(json.dumps({**one, "max_tokens": None}).encode(), settings)
+    assert "1 × 512 × 21" in uncapped.value.message
+    many = {"model": MODEL, "messages": [ASKED], "n": 4, "max_tokens": 512}
+    with pytest.raises(AnswerTooLarge) as plain:
+        accept_chat(json.dumps(many).encode(), ApiSettings(max_tokens_cap=512, max_answer_entries=2047))
+    assert plain.value.param == "n"

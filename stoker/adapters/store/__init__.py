@@ -44,12 +44,21 @@ class Store:
 
     @classmethod
     def over(
-        cls, client: redis.Redis[bytes], *, blob_ttl_s: int, job_ttl_s: int, max_record_bytes: int = MAX_RECORD_BYTES
+        cls,
+        client: redis.Redis[bytes],
+        *,
+        blob_ttl_s: int,
+        job_ttl_s: int,
+        max_record_bytes: int = MAX_RECORD_BYTES,
+        max_result_bytes: int = MAX_RECORD_BYTES,
     ) -> Store:
         """Every repository over one client."""
+        jobs = JobRepository(
+            client, ttl_s=job_ttl_s, max_record_bytes=max_record_bytes, max_result_bytes=max_result_bytes
+        )
         return cls(
             client=client,
-            jobs=JobRepository(client, ttl_s=job_ttl_s, max_record_bytes=max_record_bytes),
+            jobs=jobs,
             blobs=BlobRepository(client, ttl_s=blob_ttl_s),
             tenants=TenantRepository(client),
             stats=StatsRepository(client),
@@ -73,6 +82,7 @@ class Store:
             blob_ttl_s=settings.blob_ttl_s,
             job_ttl_s=settings.job_ttl_s,
             max_record_bytes=settings.max_record_bytes,
+            max_result_bytes=settings.max_result_bytes,
         )
 
     def close(self) -> None:

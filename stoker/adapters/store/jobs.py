@@ -7,8 +7,8 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any, Literal
 
 import redis
@@ -37,7 +37,7 @@ from stoker.adapters.store.keys import (
 )
 from stoker.adapters.store.tenants import DROP_JOB, tenant_keys
 from stoker.core.deadlines import Deadline
-from stoker.core.errors import RecordTooLarge
+from stoker.core.errors import RecordTooLarge, ResultTooLarge
 from stoker.core.jobs import (
     MAX_RECORD_BYTES,
     STAMPS,
@@ -306,7 +306,7 @@ def _queue_new_job(
     back), then `required`, then `also` (a record over `max_record_bytes` is refused first, nothing queued). The
     script's call, to make it again on its own."""
     fields = new.fields()
-    _check_size(fields, max_record_bytes)
+    check_record_size(fields, max_record_bytes)
     deadline, accepted, tenant = new.deadline, new.accepted, new.tenant
     keys = [job_key(job_id), ACTIVE_KEY, tenant_jobs_key(tenant), tenant_index_key(tenant), JOB_COUNTS_KEY]
     first_look = min(deadline.preprocess_by, new.look_at or deadline.preprocess_by)
@@ -340,10 +340,19 @@ def _created(job_id: str, results: list[Any], new: NewJob) -> tuple[Job | None, 
 class JobRepository:
     """One hash per job (`keys.job_key`), its model request, and its place on the reaper's watch list."""
 
-    def __init__(self, client: redis.Redis[bytes], *, ttl_s: int, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+    def __init__(
+        self,
+        client: redis.Redis[bytes],
+        *,
+        ttl_s: int,
+        max_record_bytes: int = MAX_RECORD_BYTES,
+        max_result_bytes: int = MAX_RECORD_BYTES,
+    ) -> None:
         self.redis = client
         self.ttl_s = ttl_s
         self.max_record_bytes = max_record_bytes
+        #: The most a stored result may hold: one over it is not written, and its job fails `result_too_large`.
+        self.max_result_bytes = max_result_bytes
         self._put_input = client.register_script(_PUT_INPUT)
         self._create = client.register_script(_CREATE)
         self._hand_off = client.register_script(_HAND_OFF)
@@ -455,16 +464,18 @@ class JobRepository:
         error: ErrorInfo | None = None,
         batch: BatchInfo | None = None,
     ) -> bool:
-        """Write a terminal status with its result or error and announce it; False if the job had already ended."""
+        """Write a terminal status with its result or error and announce it; False if the job had already ended.
+        A result over `max_result_bytes` is not written: the job fails `result_too_large` instead."""
         tenant = self.tenant(job_id) or DEFAULT_TENANT  # never changes once written: safe to read first
         ending = Ending(job_id, tenant, status, result=result, error=error, batch=batch)
-        return bool(self._finish(*_finish_call(ending, time.time())))
+        return bool(self._finish(*_finish_call(ending, time.time(), self.max_result_bytes)))
 
     def finish_many(self, endings: Sequence[Ending], also: Sequence[Queued] = ()) -> list[bool]:
         """End many jobs in one pipelined round trip (the inference consumer's writer), with `also` queued after
-        them (the batch's counters, the consumer letting go of its jobs); True where written."""
+        them (the batch's counters, the consumer letting go of its jobs); True where written. As `finish`, a result
+        over `max_result_bytes` ends its job `result_too_large`."""
         now = time.time()
-        calls = [_finish_call(ending, now) for ending in endings]
+        calls = [_finish_call(ending, now, self.max_result_bytes) for ending in endings]
         # EVALSHA straight into the pipeline: a script run through a pipeline (`client=pipe`) has redis-py send a
         # SCRIPT EXISTS round trip before every batch. The store only forgets the script when it restarts empty
         # or is flushed; those jobs are then ended by the script itself, which loads it on NOSCRIPT.
@@ -595,7 +606,8 @@ class LoopJobs:
         await self.redis.aclose(close_connection_pool=True)  # type: ignore[attr-defined]  # the stubs lag
 
 
-def _check_size(fields: dict[str | bytes, str | bytes | float | int], limit: int) -> None:
+def check_record_size(fields: Mapping[str | bytes, str | bytes | float | int], limit: int) -> None:
+    """Refuse a record (or the part of one known so far) whose fields pass `limit` bytes (413 `record_too_large`)."""
     size = sum(
         len(str(name)) + len(value if isinstance(value, bytes) else str(value).encode())
         for name, value in fields.items()
@@ -627,11 +639,15 @@ def _hand_off_call(job_id: str, request: ModelRequest, rev: int | None, ttl_s: i
     return [job_key(job_id), tokens_key(job_id), ACTIVE_KEY], args
 
 
-def _finish_call(ending: Ending, now: float) -> tuple[list[str], list[str]]:
-    """Keys and arguments of the finish-once script for one ending."""
+def _finish_call(ending: Ending, now: float, max_result_bytes: int) -> tuple[list[str], list[str]]:
+    """Keys and arguments of the finish-once script for one ending (a result over `max_result_bytes` ends its job
+    failed instead, `_bounded`)."""
+    ending, result = _bounded(ending, max_result_bytes)
     fields = {"status": ending.status, "ts:done": repr(now)}
     fields.update({f"ts:{name}": repr(at) for name, at in ending.stamps.items()})
-    for name, value in (("result", ending.result), ("error", ending.error), ("batch", ending.batch)):
+    if result is not None:
+        fields["result"] = result
+    for name, value in (("error", ending.error), ("batch", ending.batch)):
         if value is not None:
             fields[name] = value.model_dump_json()
     if ending.encoder:
@@ -640,6 +656,24 @@ def _finish_call(ending: Ending, now: float) -> tuple[list[str], list[str]]:
     keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
     keys += [*tenant_keys(ending.tenant), CALLBACKS_DUE_KEY, job_blobs_key(job_id)]
     return keys, [job_id, ending.status, ending.tenant, *(x for pair in fields.items() for x in pair)]
+
+
+def _bounded(ending: Ending, max_result_bytes: int) -> tuple[Ending, str | None]:
+    """The ending as written, with its result as stored: a result of more than `max_result_bytes` is not stored,
+    and the job fails `result_too_large` (stage `infer`) rather than keep a part of its answers: a client that
+    asked for logprobs gets all of them or a reason."""
+    if ending.result is None:
+        return ending, None
+    result = ending.result.model_dump_json()
+    size = len(result.encode())
+    if size <= max_result_bytes:
+        return ending, result
+    reason = ResultTooLarge(
+        f"the answer is {size} bytes, more than the {max_result_bytes} a job's result may hold: ask for fewer "
+        "answers, tokens or logprobs",
+        stage="infer",
+    )
+    return replace(ending, status="failed", result=None, error=ErrorInfo(**reason.to_dict())), None
 
 
 def _pending(job_id: str, tokens: bytes | None, raw: dict[bytes, bytes]) -> Pending | None:
