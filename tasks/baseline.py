@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import select
+import socket
 import threading
 import time
 from collections.abc import Collection
@@ -21,6 +23,7 @@ from celery.canvas import Signature, _chain, group
 from celery.worker.request import Request
 from celery_batches import Batches, SimpleRequest
 from celery_batches.trace import apply_batches_task
+from kombu.transport import redis as kombu_redis
 
 from stoker.core.batching import BatchPolicy, Waiting, plan_batch
 from stoker.core.queues import SYNC_QUEUE
@@ -47,9 +50,9 @@ class DeviceBatches(Batches):  # type: ignore[misc]
 
     As large as the queue allows, not as large as one tick's delivery: the receiver's one thread runs the batch,
     so the messages that queued meanwhile reach it only once it is back in the consumer's loop, a few each tick.
-    While the broker still holds messages of its queue, a batch that is not full waits for them (`_backlog_to_take`,
-    at most `STOKER_SYNC_BACKLOG_FILL_MS` after the device came free), as the inference consumer's intake takes
-    what waits.
+    While the broker still holds messages of its queue, or the consumer's `BRPOP` took one whose reply it has not
+    read yet, a batch that is not full waits for them (`_backlog_to_take`, at most `STOKER_SYNC_BACKLOG_FILL_MS`
+    after the device came free), as the inference consumer's intake takes what waits.
     """
 
     abstract = True
@@ -62,6 +65,8 @@ class DeviceBatches(Batches):  # type: ignore[misc]
         self.running: Collection[Request] = ()
         #: When the last batch returned (the device came free for this receiver).
         self._free_since = 0.0
+        #: The Celery consumer this task's messages come through (`Strategy`).
+        self._consumer: Any = None
 
     @property
     def flush_every(self) -> int:
@@ -106,7 +111,28 @@ class DeviceBatches(Batches):  # type: ignore[misc]
             return False
         if len(self._waiting) >= s.infer_prefetch:
             return False
-        return context().outbox.queue_depths([SYNC_QUEUE], timeout_s=1.0).get(SYNC_QUEUE, 0) > 0
+        if self._queued() > 0:
+            return True
+        return self._taken_unread()
+
+    def _queued(self) -> int:
+        return context().outbox.queue_depths([SYNC_QUEUE], timeout_s=1.0).get(SYNC_QUEUE, 0)
+
+    def _taken_unread(self) -> bool:
+        """Whether the consumer's `BRPOP` took a message off the queue that the depth no longer counts and the
+        event loop has not read yet (the queue's last message, taken while the receiver looked)."""
+        sock = unread_brpop(self._consumer)
+        if sock is None:
+            return False
+        # The server writes each round's replies before it reads the next round's commands, so once a later command
+        # is answered, the reply to a BRPOP served before the depth was read is on the socket (the depth's own answer
+        # can go out just before it, when both were served in one round).
+        return self._queued() > 0 or reply_waits(sock)
+
+    def Strategy(self, task: Any, app: Any, consumer: Any) -> Any:
+        """celery-batches' handler of this task's messages; the consumer is kept to see what its broker sent."""
+        self._consumer = consumer
+        return super().Strategy(task, app, consumer)
 
     def _stop_timer(self) -> None:
         timer: Any = getattr(self, "_tref", None)
@@ -137,6 +163,29 @@ class DeviceBatches(Batches):  # type: ignore[misc]
 
         self.running = requests
         return self._pool.apply_async(apply_batches_task, (self, serializable, 0, None), callback=on_return)
+
+
+def unread_brpop(consumer: Any) -> socket.socket | None:
+    """The socket of a `BRPOP` the consumer sent for the sync queue and has not read the reply of (None: none).
+
+    Mirrors kombu 5.7's Redis transport: a channel has at most one `BRPOP` out, for its `active_queues`, and keeps the
+    connection it went out on in `_in_poll` until the event loop reads its reply (`_brpop_read`)."""
+    transport = getattr(getattr(consumer, "connection", None), "transport", None)
+    if not isinstance(transport, kombu_redis.Transport):
+        return None
+    for channel in transport.channels:
+        connection = channel._in_poll
+        if connection and SYNC_QUEUE in channel.active_queues:
+            sock: socket.socket | None = connection._sock
+            return sock
+    return None
+
+
+def reply_waits(sock: socket.socket) -> bool:
+    """Whether a reply waits on the socket, left unread (the event loop reads it when it sees it readable)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _drop_expired(ctx: WorkerContext, request: Request) -> None:

@@ -6,14 +6,22 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import closing
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from kombu import Connection, Consumer, Queue
+from kombu.asynchronous import Hub
 
+from stoker.adapters.broker import REDIS_TRANSPORT, queue_depths, transport_options
+from stoker.core.queues import SYNC_QUEUE
 from tests.conftest import queued
 from tests.fleet import Fleet, own_fleet
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image, truncated
+from workers.broker import start_embedded
 
 SYNC = {"STOKER_PIPELINE_MODE": "sync", "STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "50"}
 
@@ -71,6 +79,54 @@ def test_a_backlog_is_taken_in_full_batches() -> None:
         assert crew.client.get(f"/v1/jobs/{first}").json()["status"] == "inferring"  # all 48 queued behind it
         sizes = Counter(_wait(crew.client, job_id)["batch"]["size"] for job_id in backlog)
     assert sizes == {32: 32, 16: 16}
+
+
+def test_a_message_the_consumer_took_and_has_not_read_is_seen() -> None:
+    """The receiver waits for a backlog while the queue's depth counts it; kombu's BRPOP takes each message off the
+    queue before the consumer's event loop reads it, so the last one is counted by neither the depth nor the
+    receiver: `unread_brpop` and `reply_waits` see it (kombu's Redis transport, as the baseline mirrors it)."""
+    from tasks.baseline import reply_waits, unread_brpop
+
+    server, port = start_embedded(persist=False)
+    url = f"redis://127.0.0.1:{port}/0"
+    options = transport_options(url, 3600)
+    try:
+        with (
+            Connection(url, transport=REDIS_TRANSPORT, transport_options=options) as consuming,
+            Connection(url, transport=REDIS_TRANSPORT, transport_options=options) as looking,
+            closing(Hub()) as hub,
+        ):
+            consuming.transport.register_with_event_loop(consuming.connection, hub)
+            consumer, delivered = SimpleNamespace(connection=consuming), []
+
+            def deliver(body: Any, message: Any) -> None:
+                delivered.append(body)
+                message.ack()
+
+            with Consumer(consuming.default_channel, [Queue(SYNC_QUEUE)], callbacks=[deliver]):
+                assert unread_brpop(consumer) is None  # the loop has not run: no BRPOP sent
+                for tick in list(hub.on_tick):  # the start of the loop's round: it sends the BRPOP
+                    tick()
+                sock = unread_brpop(consumer)
+                assert sock is not None
+                assert not reply_waits(sock)  # blocked on the empty queue
+                looking.Producer().publish({"n": 1}, routing_key=SYNC_QUEUE)
+                _until(lambda: queue_depths(looking, [SYNC_QUEUE])[SYNC_QUEUE] == 0, "the BRPOP never took it")
+                assert reply_waits(sock)  # off the queue, not yet read: in flight
+                assert not delivered
+                _until(lambda: hub.run_once() or delivered, "the event loop never read it")
+                assert delivered == [{"n": 1}]
+                assert unread_brpop(consumer) is None  # read: nothing in flight
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def _until(condition: Any, failure: str, timeout_s: float = 10.0) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < give_up, failure
+        time.sleep(0.01)
 
 
 def _until_inferring(client: TestClient, job_id: str, timeout_s: float = 30.0) -> None:
