@@ -101,3 +101,20 @@ unit integration e2e: install rabbitmq model tiny-vlm
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+# A peer in the house: a pinned vLLM on the CPU in a venv of its own (never the project's, never `make test`), its
+# render of the test corpus recorded into tests/fixtures/vllm_render (with the JSON Schema of its GenerateRequest),
+# then stoker's render compared with it. `make test` compares against the recorded files without vLLM.
+VLLM_SPEC ?= vllm==0.33.0
+PEER_VENV ?= $(HOME)/.cache/stoker/vllm-venv
+
+$(PEER_VENV)/.installed:
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install --quiet "$(VLLM_SPEC)"
+	touch $@
+
+.PHONY: peer
+peer: $(PEER_VENV)/.installed tiny-vlm
+	$(PEER_VENV)/bin/python tests/fixtures/vllm_render/export_schema.py
+	$(PEER_VENV)/bin/python tests/fixtures/vllm_render/record.py
+	$(BIN)/pytest -q -p no:randomly tests/unit/test_vllm_render.py tests/unit/test_render_conformance.py
