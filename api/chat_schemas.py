@@ -114,7 +114,8 @@ class ChatCompletionCreate(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    #: OpenAI's bounds (a signed 64-bit integer), as a server it is passed to takes it.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1, le=MAX_CHOICES, description=f"answers to make, at most {MAX_CHOICES}")

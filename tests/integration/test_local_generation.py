@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
+from stoker.adapters.backends import local
+from stoker.adapters.backends.grammar import GrammarMask
 from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
+from stoker.core.errors import InferenceFailed
 from stoker.core.model import Continued, GenerationParams, ModelRequest, Prediction, run_predictor
 from stoker.core.prompting import build_prompt
 from stoker.settings import WorkerSettings
@@ -171,6 +175,39 @@ def test_one_call_holds_each_answer_to_its_own_schema_call_or_nothing(
     assert not free.text.startswith("{")
 
 
+def _derailed(token: int) -> type[GrammarMask]:
+    """A grammar mask whose first row writes `token` as its third, whatever its grammar allows (as when the grammar
+    engine and the model fall out of step)."""
+
+    class Derailed(GrammarMask):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            scores = super().__call__(input_ids, scores)
+            if input_ids.shape[1] - self.width == 2:
+                scores[0] = float("-inf")
+                scores[0, token] = 0.0
+            return scores
+
+    return Derailed
+
+
+def test_a_row_that_breaks_its_grammar_mid_answer_is_ended_and_fails_alone(
+    model: tuple[TransformersPredictor, list[int]], roomy: TransformersPredictor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = model[1]
+    schema = {"type": "json_schema", "json_schema": {"name": "book", "schema": ANSWER_SCHEMA, "strict": True}}
+    (newline,) = roomy._tokenizer.encode("\n", add_special_tokens=False)  # never in compact JSON, nor in a string
+    monkeypatch.setattr(local, "GrammarMask", _derailed(newline))
+    structured = _ask(ids, max_tokens=48, response_format=schema)
+    broken, kept, free = run_predictor(roomy, [structured, structured, _ask(ids, max_tokens=6)])
+    assert isinstance(broken, InferenceFailed)  # not an answer that went on unconstrained
+    assert broken.to_dict()["code"] == "inference_failed"
+    assert f"refused token {newline}" in broken.message
+    assert isinstance(kept, Prediction)  # the call's other rows: answered as ever
+    assert set(json.loads(kept.text)) == {"title", "pages", "long"}
+    assert isinstance(free, Prediction)
+    assert free.completion_tokens == 6
+
+
 def test_a_streamed_request_sends_its_answer_while_the_call_generates(
     model: tuple[TransformersPredictor, list[int]],
 ) -> None:
@@ -213,11 +250,19 @@ def test_a_call_yields_between_steps_and_an_answer_goes_on_where_it_was(
     yielding = TransformersPredictor(roomy.model_path, max_new_tokens=64, max_tokens_cap=64, yield_tokens=4)
     yielding.setup("cpu")
     yielding.yield_to(lambda: waiting[0], max_rows=8)
+    # answers that end unevenly, nobody waiting: the call runs to its end (a stop would cost the rest a re-read)
     short, long = run_predictor(yielding, [_ask(ids, max_tokens=3), _ask(ids, max_tokens=20)])
-    assert isinstance(short, Prediction)  # done at 3 tokens: the call stopped at 4 for it, not at 20
+    assert isinstance(short, Prediction)
+    assert short.completion_tokens == 3
+    assert isinstance(long, Prediction)
+    assert long.completion_tokens == 20
+    waiting[0] = 1  # someone waits: the call stops at the yield point after the short answer's end, for it
+    short, long = run_predictor(yielding, [_ask(ids, max_tokens=3), _ask(ids, max_tokens=20)])
+    assert isinstance(short, Prediction)
     assert short.completion_tokens == 3
     assert isinstance(long, Continued)
     assert len(long.generated) == 4
+    waiting[0] = 0
     alone, calls = _until_done(yielding, _ask(ids, max_tokens=20))
     assert calls == 1  # alone, with nobody waiting, a call runs to its end
     waiting[0] = 1
@@ -225,6 +270,47 @@ def test_a_call_yields_between_steps_and_an_answer_goes_on_where_it_was(
     assert calls == 5  # a request waited at every yield point: 4 tokens a call
     assert (went_on.text, went_on.completion_tokens, went_on.finish_reason) == (whole.text, 20, "length")
     assert (alone.text, alone.completion_tokens) == (whole.text, 20)
+
+
+def _until_all_done(predictor: TransformersPredictor, requests: list[ModelRequest]) -> tuple[list[Prediction], int]:
+    """Run requests together call after call, each unfinished one going on, until every answer is done; the answers
+    and the calls it took."""
+    answers: dict[int, Prediction] = {}
+    going = dict(enumerate(requests))
+    calls = 0
+    while going:
+        calls += 1
+        for position, outcome in zip(list(going), run_predictor(predictor, list(going.values())), strict=True):
+            if isinstance(outcome, Continued):
+                going[position] = going[position].continued(outcome)
+            else:
+                assert isinstance(outcome, Prediction), outcome
+                answers[position] = outcome
+                del going[position]
+    return [answers[i] for i in range(len(requests))], calls
+
+
+def test_a_seeded_sampled_answer_is_the_same_alone_and_beside_other_traffic(
+    model: tuple[TransformersPredictor, list[int]],
+) -> None:
+    ids = model[1]
+    other = [*ids[:-4], *ids[-2:]]  # another prompt, asked with the same sampling parameters: the same call
+    asked = {"max_tokens": 8, "temperature": 1.5, "top_p": 0.95, "seed": 11}
+    waiting = [0]
+    yielding = TransformersPredictor(model[0].model_path, max_new_tokens=8, max_tokens_cap=8, yield_tokens=2)
+    yielding.setup("cpu")
+    yielding.yield_to(lambda: waiting[0], max_rows=8)
+    alone, calls = _until_done(yielding, _ask(ids, **asked))
+    assert calls == 1
+    assert alone.completion_tokens == 8
+    waiting[0] = 1  # other traffic: a request waits at every yield point, another answer shares each call
+    (beside, _), calls = _until_all_done(yielding, [_ask(ids, **asked), _ask(other, **asked)])
+    assert calls == 4  # it stopped every 2 tokens and went on
+    assert (beside.text, beside.completion_tokens) == (alone.text, alone.completion_tokens)
+    waiting[0] = 0
+    (reseeded,) = run_predictor(yielding, [_ask(ids, **{**asked, "seed": 12})])
+    assert isinstance(reseeded, Prediction)
+    assert reseeded.text != alone.text  # the seed chooses the answer
 
 
 def test_a_streamed_answer_that_goes_on_sends_each_piece_once(model: tuple[TransformersPredictor, list[int]]) -> None:

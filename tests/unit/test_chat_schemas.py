@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import tracemalloc
 
+import pytest
+
+from api.chat_intake import accept_chat
 from api.chat_schemas import ChatCompletionCreate
+from stoker.core.errors import InvalidRequest
 from stoker.settings import ApiSettings
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache": {"a": 1}}]}]}
@@ -40,3 +44,17 @@ def test_a_top_level_unknown_field_at_the_value_limit_costs_little() -> None:
         tracemalloc.stop()
     assert set(spec.model_extra or {}) == {"junk"}
     assert peak < 4 << 20, peak
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**64, 10**40])
+def test_a_seed_outside_a_signed_64_bit_integer_is_refused_at_intake(seed: int) -> None:
+    body = json.dumps({**BASE, "model": ApiSettings().public_model_name, "seed": seed}).encode()
+    with pytest.raises(InvalidRequest) as refused:
+        accept_chat(body, ApiSettings())
+    assert (refused.value.param, refused.value.http_status, refused.value.code) == ("seed", 422, "invalid_request")
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), 0])
+def test_a_seed_within_a_signed_64_bit_integer_is_taken(seed: int) -> None:
+    body = json.dumps({**BASE, "model": ApiSettings().public_model_name, "seed": seed}).encode()
+    assert accept_chat(body, ApiSettings())[1].chat.params.seed == seed

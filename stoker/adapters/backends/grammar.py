@@ -97,7 +97,11 @@ def token_grammar(tokenizer: Any) -> llguidance.LLTokenizer:
 class GrammarMask:
     """A logits processor for `generate`: each constrained row's next token is one its grammar allows (past the
     tokens `done` it already has, for an answer that goes on); rows without a grammar are left alone. A row that
-    ends (its grammar complete, or the end-of-sequence token) is left alone too: `generate` pads it from then on."""
+    ends (its grammar complete, or the end-of-sequence token) is left alone too: `generate` pads it from then on.
+
+    A row whose grammar fails (it cannot load, refuses a token, or its matcher errors on a resource limit) is never
+    left to go on unconstrained: from then on its one allowed token is `end` (the end of sequence), and `failed`
+    says why, for its request to fail alone."""
 
     def __init__(
         self,
@@ -105,36 +109,55 @@ class GrammarMask:
         grammars: Sequence[str | None],
         width: int,
         done: Sequence[Sequence[int]] = (),
+        *,
+        end: int,
     ) -> None:
         self.width = width
+        self.end = end
+        #: Rows whose grammar failed, and why.
+        self.failed: dict[int, str] = {}
         self.matchers = [LLMatcher(tokenizer, g) if g is not None else None for g in grammars]
         for row, matcher in enumerate(self.matchers):
             if matcher is not None and row < len(done) and done[row]:
                 matcher.consume_tokens(list(done[row]))  # an answer that goes on: past what it has
             if matcher is not None and matcher.is_error():
-                log.warning("row %d: grammar failed to load (%s): answer unconstrained", row, matcher.get_error())
-                self.matchers[row] = None
+                self._fail(row, f"its grammar failed to load: {matcher.get_error()}")
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import torch  # heavy: in the model's process only
 
         if input_ids.shape[1] > self.width:
             self._consume(input_ids[:, -1].tolist())
-        bits = torch.arange(32, dtype=torch.int32)
         for row, matcher in enumerate(self.matchers):
-            if matcher is None or matcher.is_error():
-                continue  # a complete grammar's mask allows the end of sequence alone
-            packed = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
-            allowed = ((packed.unsqueeze(-1) >> bits) & 1).flatten().bool()
-            vocab = scores.shape[1]
-            if allowed.shape[0] < vocab:
-                allowed = torch.cat([allowed, torch.zeros(vocab - allowed.shape[0], dtype=torch.bool)])
-            scores[row] = scores[row].masked_fill(~allowed[:vocab].to(scores.device), float("-inf"))
+            allowed = self._allowed(torch, row, matcher, scores.shape[1]) if matcher is not None else None
+            if row in self.failed:
+                allowed = torch.zeros(scores.shape[1], dtype=torch.bool)
+                allowed[self.end] = True
+            if allowed is not None:  # a complete grammar's mask allows the end of sequence alone
+                scores[row] = scores[row].masked_fill(~allowed.to(scores.device), float("-inf"))
         return scores
+
+    def _allowed(self, torch: Any, row: int, matcher: LLMatcher, vocab: int) -> Any | None:
+        """The tokens a row's grammar allows next, over the model's vocabulary; None once its grammar failed."""
+        if row in self.failed:
+            return None
+        packed = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+        if matcher.is_error():  # a resource limit met while computing the mask
+            self._fail(row, f"its grammar failed: {matcher.get_error()}")
+            return None
+        allowed = ((packed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
+        if allowed.shape[0] < vocab:
+            allowed = torch.cat([allowed, torch.zeros(vocab - allowed.shape[0], dtype=torch.bool)])
+        return allowed[:vocab]
 
     def _consume(self, tokens: list[int]) -> None:
         for row, (matcher, token) in enumerate(zip(self.matchers, tokens, strict=True)):
-            if matcher is None or matcher.is_stopped() or matcher.is_error():
+            if matcher is None or row in self.failed or matcher.is_stopped():
                 continue
-            if not matcher.consume_token(token):
-                log.warning("row %d: token %d refused by its grammar (%s)", row, token, matcher.get_error())
+            if not matcher.consume_token(token) or matcher.is_error():
+                self._fail(row, f"its grammar refused token {token}: {matcher.get_error()}")
+
+    def _fail(self, row: int, reason: str) -> None:
+        """End the row at its next token: what it writes can no longer be held to its grammar."""
+        log.warning("row %d: %s; the row is ended and its request fails", row, reason)
+        self.failed[row] = reason

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -12,7 +14,8 @@ from stoker.adapters.backends.grammar import GrammarMask, grammar_for, token_gra
 from stoker.adapters.backends.streams import Pieces, RowStreams, StreamedRow
 from stoker.adapters.backends.tokenizer import load_tokenizer
 from stoker.core.batching import Collated, collate_left, strip_generated
-from stoker.core.model import Continued, GenerationParams, ModelRequest, Prediction, apply_stop
+from stoker.core.errors import InferenceFailed
+from stoker.core.model import Continued, GenerationParams, ModelRequest, Outcome, Prediction, apply_stop
 from stoker.core.streaming import TextStream
 from stoker.core.tools import parse_tool_calls
 
@@ -54,29 +57,30 @@ class YieldsToConsumer:
 
 
 def stops_now(going: int, rows: int, max_rows: int, waiting: Callable[[], int]) -> bool:
-    """Whether a call of `rows` answers, `going` of them unfinished, stops at this step: when some are done and
-    others are not (the done ones go out now rather than with the longest), or when a request waits for the device
-    and the call has room for it (it joins the next call)."""
-    return going > 0 and (going < rows or (going < max_rows and waiting() > 0))
+    """Whether a call of `rows` answers, `going` of them unfinished, stops at this step: only when a request waits
+    for the device and the call has room for it (it joins the next call, and the done answers go out now). Answers
+    that merely end unevenly do not stop it: nobody would gain, and the unfinished ones would re-read their prompts."""
+    return 0 < going < max_rows and waiting() > 0
 
 
 class TransformersPredictor(YieldsToConsumer):
     """A local Hugging Face causal LM: batched generate with left padding, greedy unless a request samples.
 
     One generate call takes one temperature / top_p / seed (`mixes_sampling` is False: the consumer groups a batch
-    by them); requests of a call may differ in `max_tokens` (the call runs to the largest, each row is cut to its
-    own), in stop sequences (applied to each row's text), in the grammar their answer must follow
-    (`response_format`, forced tool calls: `grammar.GrammarMask`), and in being streamed (`streams.RowStreams`,
-    given `pieces`). An answer of a request with tools is parsed for its calls, and is not streamed: its text may
-    turn out to be calls.
+    by them); a sampled row draws its tokens from a stream of its own (`RowSampler`), so a seeded answer is the
+    same whatever shares its call and however often the call yields. Requests of a call may differ in
+    `max_tokens` (the call runs to the largest, each row is cut to its own), in stop sequences (applied to each
+    row's text), in the grammar their answer must follow (`response_format`, forced tool calls:
+    `grammar.GrammarMask`; a row that breaks its grammar is ended and its request fails alone), and in being
+    streamed (`streams.RowStreams`, given `pieces`). An answer of a request with tools is parsed for its calls, and
+    is not streamed: its text may turn out to be calls.
 
     Given a consumer to yield to (`yield_to`), a call of interactive requests stops between decoding steps, every
-    `yield_tokens` new tokens, when a request waits for the device and the call has room for it, or when some of
-    its answers are done and others are not (`YieldPoints`): the done ones are answered, the others come back
-    `Continued` and go on in the next call beside the requests that waited, their prompts re-read with the tokens
-    they have (iteration-level scheduling at a granularity of `yield_tokens`, for a model behind `generate`,
-    which cannot take new rows into a running call). Calls with `n` above 1 or `logprobs`, and batch lines, run to
-    their end.
+    `yield_tokens` new tokens, when a request waits for the device and the call has room for it (`YieldPoints`):
+    the done answers are written, the others come back `Continued` and go on in the next call beside the requests
+    that waited, their prompts re-read with the tokens they have (iteration-level scheduling at a granularity of
+    `yield_tokens`, for a model behind `generate`, which cannot take new rows into a running call). Calls with `n`
+    above 1 or `logprobs`, and batch lines, run to their end.
     """
 
     mixes_sampling = False
@@ -170,13 +174,10 @@ class TransformersPredictor(YieldsToConsumer):
         first = batch.params[0]
         ids = torch.tensor(batch.collated.input_ids, device=self._device).repeat_interleave(first.n, dim=0)
         mask = torch.tensor(batch.collated.attention_mask, device=self._device).repeat_interleave(first.n, dim=0)
-        sampling: dict[str, Any] = {"do_sample": False}
-        if not first.greedy:
-            sampling = {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p}
-            if first.seed is not None:
-                torch.manual_seed(first.seed)
-        streams = self._streams(batch)
-        hooks = [hook for hook in (self._grammars(batch), streams) if hook is not None]
+        streams, grammars = self._streams(batch), self._grammars(batch)
+        # after the grammars: a sampled row draws among the tokens its grammar allows; generate then takes the one
+        # drawn as its greedy choice
+        hooks = [hook for hook in (grammars, self._sampler(batch), streams) if hook is not None]
         rest = [self._limit(r) - len(r.generated) for r in batch.requests]
         with torch.inference_mode():
             out = self._model.generate(
@@ -188,11 +189,26 @@ class TransformersPredictor(YieldsToConsumer):
                 output_logits=first.logprobs,
                 logits_processor=LogitsProcessorList(hooks),
                 stopping_criteria=StoppingCriteriaList(self._yield_points(batch, rest)),
-                **sampling,
+                do_sample=False,
                 **inputs,
             )
             steps = _steps(torch, out, batch.collated.width, first.top_logprobs) if first.logprobs else None
-        return Generated(batch, out.sequences.tolist(), steps, streams)
+        return Generated(batch, out.sequences.tolist(), steps, streams, grammars)
+
+    def _sampler(self, batch: LocalBatch) -> RowSampler | None:
+        """A sampled call's draws, one stream per row: its request's seed (a random one for a request without),
+        which of its `n` answers the row is, and the place of each token in the answer (past any it has); None for
+        a greedy call."""
+        first = batch.params[0]
+        if first.greedy:
+            return None
+        rows = [
+            _Stream(r.params.seed if r.params.seed is not None else secrets.randbits(63), answer, len(r.generated))
+            for r in batch.requests
+            for answer in range(first.n)
+        ]
+        top_k = getattr(self._model.generation_config, "top_k", None)
+        return RowSampler(first.temperature, first.top_p, top_k, rows, batch.collated.width)
 
     def _yield_points(self, batch: LocalBatch, rest: list[int]) -> list[YieldPoints]:
         """Where the call may stop between decoding steps (none: it runs to its end)."""
@@ -213,7 +229,8 @@ class TransformersPredictor(YieldsToConsumer):
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = token_grammar(self._tokenizer)
         done = [list(r.generated) for r in batch.requests for _ in range(n)]
-        return GrammarMask(self._grammar_tokenizer, grammars, batch.collated.width, done)
+        end = int(self._tokenizer.eos_token_id)
+        return GrammarMask(self._grammar_tokenizer, grammars, batch.collated.width, done, end=end)
 
     def _streams(self, batch: LocalBatch) -> RowStreams | None:
         """The rows streamed to their jobs: a streamed request's (one answer each: a stream has no `n`) whose
@@ -242,17 +259,22 @@ class TransformersPredictor(YieldsToConsumer):
         room = self.max_context_tokens - prompt_tokens if self.max_context_tokens else None
         return request.params.new_tokens(self.max_new_tokens, self.max_tokens_cap, room)
 
-    def unbatch(self, output: Generated) -> list[Prediction | Continued]:
+    def unbatch(self, output: Generated) -> list[Outcome]:
         """Decode each row's answer (the tokens it had, then this call's), cut to its own limit and stop
         sequences; a request's `n` rows become its answer and the `more` after it. A streamed row's last piece is
-        sent. An answer the call stopped before its end comes back `Continued`."""
+        sent. An answer the call stopped before its end comes back `Continued`; a request a row of which broke its
+        grammar fails alone (`inference_failed`)."""
         batch, rows, steps = output.batch, output.rows, output.steps
         width = batch.collated.width
         ran = len(rows[0]) - width if rows else 0
         generated = strip_generated(rows, width, self._stop_ids())
         n = batch.params[0].n
-        outcomes: list[Prediction | Continued] = []
+        outcomes: list[Outcome] = []
         for i, request in enumerate(batch.requests):
+            broken = output.broken(range(i * n, (i + 1) * n))
+            if broken is not None:
+                outcomes.append(broken)
+                continue
             answers = [
                 self._answer(request, generated[row], ran, steps[row] if steps else None)
                 for row in range(i * n, (i + 1) * n)
@@ -316,9 +338,9 @@ def _with_calls(answer: Prediction, params: GenerationParams) -> Prediction:
 
 
 class YieldPoints:
-    """A stopping criterion for `generate`: every `every` new tokens, the whole call stops when some of its rows
-    are done and others are not (the done answers go out now rather than with the longest), or when a request
-    waits for the device and the call has room for it (it joins the next call); else the call goes on."""
+    """A stopping criterion for `generate`: every `every` new tokens, the whole call stops when a request waits for
+    the device and the call has room for it (it joins the next call; the done answers go out now); else the call
+    goes on."""
 
     def __init__(
         self, every: int, width: int, rest: list[int], stop_ids: set[int], waiting: Callable[[], int], max_rows: int
@@ -345,12 +367,75 @@ class YieldPoints:
 
 @dataclass(frozen=True)
 class Generated:
-    """What one generate call made: every row's ids, with `logprobs` each row's steps, and the streamed rows."""
+    """What one generate call made: every row's ids, with `logprobs` each row's steps, the streamed rows, and the
+    rows' grammars (which say what rows broke theirs)."""
 
     batch: LocalBatch
     rows: list[list[int]]
     steps: Steps | None
     streams: RowStreams | None = None
+    grammars: GrammarMask | None = None
+
+    def broken(self, rows: range) -> InferenceFailed | None:
+        """The error of a request whose rows (one of them) broke their grammar mid-answer; None when none did."""
+        failed = self.grammars.failed if self.grammars is not None else {}
+        reason = next((failed[row] for row in rows if row in failed), None)
+        if reason is None:
+            return None
+        return InferenceFailed(f"the answer could not be held to its format ({reason}): it was ended", stage="infer")
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """Where a sampled row's draws come from: its request's seed, which of the request's answers it is, and how
+    many tokens the answer had before this call."""
+
+    seed: int
+    answer: int
+    offset: int
+
+    def uniform(self, step: int) -> float:
+        """The draw for this call's `step`-th token: a number in [0, 1) fixed by the seed, the answer and the
+        token's place in it, and by nothing else (neither the other rows of the call nor the calls before)."""
+        place = f"{self.seed}:{self.answer}:{self.offset + step}".encode()
+        bits = int.from_bytes(hashlib.blake2b(place, digest_size=8).digest(), "little")
+        return (bits >> 11) * 2.0**-53  # the top 53 bits: every double in [0, 1) a draw can be
+
+
+class RowSampler:
+    """A logits processor that samples each row's next token itself and leaves it the only one `generate` can take:
+    the scores warped as transformers warps them (temperature; the model's own top_k, if its generation config sets
+    one; top_p), then the token where the row's own draw (`_Stream.uniform`) falls in their cumulative
+    distribution.
+
+    By hand, because generate's sampling draws every row from one global generator: a row's tokens would then
+    depend on the rows beside it, and a seed set at each call would start over at every continuation."""
+
+    def __init__(self, temperature: float, top_p: float, top_k: int | None, rows: list[_Stream], width: int) -> None:
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper  # heavy: see setup()
+
+        warpers: list[Any] = [TemperatureLogitsWarper(temperature)]
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k))
+        if top_p < 1:
+            warpers.append(TopPLogitsWarper(top_p))
+        self.warpers = warpers
+        self.rows = rows
+        self.width = width
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch  # heavy: in the model's process only
+
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        step = input_ids.shape[1] - self.width
+        probs = torch.softmax(scores.double(), dim=-1)
+        cumulative = probs.cumsum(-1)
+        draws = torch.tensor([[r.uniform(step)] for r in self.rows], dtype=torch.float64, device=scores.device)
+        chosen = torch.searchsorted(cumulative, draws * cumulative[:, -1:], right=True)
+        last = (probs > 0).long().cumsum(-1).argmax(-1, keepdim=True)  # each row's last token that can be drawn
+        chosen = torch.minimum(chosen, last)
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
 
 
 #: One generated token's (id, log probability), and the likeliest tokens' at its place.
@@ -390,8 +475,8 @@ class SimPredictor(YieldsToConsumer):
 
     With `steps`, each request is that many decoding steps, and a call of n requests spends `(base_ms + per_item_ms
     × n) / steps` on each: run whole, a batch takes what it took without steps. Given a consumer to yield to
-    (`yield_to`), a call stops every `yield_steps` steps when some of its answers are done and others are not, or
-    when a request waits for the device and the call has room for it, as `TransformersPredictor`'s calls do: the
+    (`yield_to`), a call stops every `yield_steps` steps when a request waits for the device and the call has room
+    for it, as `TransformersPredictor`'s calls do: the
     unfinished answers come back `Continued` (their steps so far) and go on in the next call beside the waiting
     requests. Batch lines run to their end.
     """

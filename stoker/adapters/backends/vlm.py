@@ -30,7 +30,7 @@ from stoker.adapters.embeddings import CacheFactory, EmbeddingCache, model_ident
 from stoker.adapters.metrics import VISION_ENCODER_SECONDS
 from stoker.core.batching import collate_left
 from stoker.core.errors import ImageFeaturesMismatch, ImageTensorsMissing, StokerError
-from stoker.core.model import Continued, EncoderUse, ModelRequest, Outcome, Prediction
+from stoker.core.model import EncoderUse, ModelRequest, Outcome, Prediction
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class VisionLanguagePredictor(TransformersPredictor):
         return outcomes
 
     @staticmethod
-    def _with_encoder(answer: Prediction | Continued, used: dict[str, EncoderUse]) -> Prediction | Continued:
+    def _with_encoder(answer: Outcome, used: dict[str, EncoderUse]) -> Outcome:
         return replace(answer, encoder=used) if used and isinstance(answer, Prediction) else answer
 
     def _stop_ids(self) -> set[int]:
