@@ -43,7 +43,7 @@ class PromptBuilder:
     `tokenizers` library keeps its BPE word cache per thread (up to 10,000 words each, huggingface/tokenizers#2028),
     and glibc's allocator gives threads arenas of their own: on the request pool's 40 threads the API grew by
     tens of MB more than on a few, and the hop to these costs about 10 µs of CPU a job (the measurements, and why
-    four by default: docs/benchmarks.md, the cost of a job)."""
+    four by default: docs/bench/log/2026-12-05-api-memory-under-admission.md)."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
@@ -86,7 +86,7 @@ class PromptBuilder:
 
         Rendering and encoding hold the GIL throughout (two threads building prompts take twice one's wall time),
         so a tokenizing thread never let the loop serve meanwhile: for a short prompt (50-60 µs here) it only
-        added the hop there and back."""
+        added the hop there and back (docs/bench/log/2026-12-05-cost-store-calls-on-the-loop.md)."""
         tokenizer = self._tokenizer_for(context)
         if tokenizer is None:
             return None

@@ -47,7 +47,8 @@ WAIT_PARAMETER = {
 def wait_of(request: Request) -> float:
     """The request's `?wait=S` (0 without one), or 422 `invalid_request`. Read here rather than declared as a
     FastAPI query parameter: FastAPI's validation of that one float took 7 % of the API's CPU per submission
-    (its dependency solving, measured under admission load with `python -m bench.cost --admission-s`)."""
+    (its dependency solving, measured under admission load with `python -m bench.cost --admission-s`:
+    docs/bench/log/2026-12-03-cost-one-request-per-job.md)."""
     raw = request.query_params.get("wait")
     if raw is None:
         return 0.0

@@ -2,8 +2,9 @@
 
     .venv/bin/python -m bench.costpair REV [--rounds 10] [--jobs 400] [--cases text,text-wait,image,chat] [--auth]
 
-A single `bench.cost` run moves by ±20 % from one minute to the next on a shared 2-core virtual machine, more
-than most changes it is meant to judge, and runs alternated one after the other still see different minutes.
+A single `bench.cost` run moves by ±20 % from one minute to the next on a shared 2-core virtual machine
+(docs/bench/log/2026-12-05-cost-fewer-answers-fewer-wakeups.md), more than most changes it is meant to judge, and
+runs alternated one after the other still see different minutes.
 Here the commit REV (checked out in a temporary worktree) and this working tree are started side by side with
 `stoker up`, as `bench.cost` starts one (the simulated device at 0 ms), and the same closed-loop bursts of
 `--jobs` jobs from 8 clients go to each in turn, `--rounds` times per case, which goes first swapped every round:

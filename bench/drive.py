@@ -76,7 +76,7 @@ def drive(base: str, requests: list[Request], give_up_s: float, max_refusals: in
     clock starts, responses parsed by httptools), so the load generator takes little of the cores it shares with
     the stack it measures: httpx, a thread per client, cost about 0.8 ms of CPU per request here, and a job is two
     requests or more, which at a hundred jobs a second was a sixth of the machine taken from whichever design the
-    cores hold back."""
+    cores hold back (docs/bench/log/2026-12-05-cheaper-load-generator-and-backlog-baseline.md)."""
     time.sleep(CPU_SETTLE_S)  # every worker has counted what starting it cost
     with httpx.Client(base_url=base, timeout=5) as http:
         before = sample(http).cpu_s

@@ -99,8 +99,8 @@ SIM_STEPS = 30
 #: --rates names others.
 DEVICE_BOUND_RATES = {"full": "32,64,96", "quick": "64"}
 #: Seconds of arrivals a device-bound run has at its highest rate, unless --jobs says how many: over fewer, a pool
-#: of synchronous workers has not settled into its cycle (docs/benchmarks.md: a 6 s run showed 2.01x where 12 s
-#: showed 1.36x).
+#: of synchronous workers has not settled into its cycle (a 6 s run showed 2.01x where 12 s showed 1.36x:
+#: docs/bench/log/2026-12-02-device-bound-mix.md).
 DEVICE_BOUND_ARRIVALS_S = 10
 #: Batches the queues admit, waiting, before they refuse: a device that batches more needs more waiting to fill its
 #: next batch while one runs (40 for batches of 8).

@@ -3,11 +3,12 @@ offered load, so a tail goal is judged on hundreds of jobs a design rather than 
 
 With 90 jobs a run, a run's p99 is its slowest job or two: one recording whose transcription fell back to sampling,
 or one page that waited behind others, decides it, and the same commit's p99 ratio has moved between 0.56 and 1.07
-from one run to the next. Runs of other seeds (`stoker bench --seed N --out DIR`), or of the same one again, are
-pooled here: each design's answered latencies of every run at an offered load are put together and its
-percentiles read from them; throughput and device busy are the runs' means; a pooled pair is compared only where
-every run of it could be (`bench.report.refusal`: no job unanswered, neither design burning CPU), with each latency
-ratio's bootstrap interval over the pooled jobs. Prints the table; `--out FILE` writes it as JSON too.
+from one run to the next (docs/bench/log/2026-12-06-goals-and-method.md). Runs of other seeds
+(`stoker bench --seed N --out DIR`), or of the same one again, are pooled here: each design's answered latencies of
+every run at an offered load are put together and its percentiles read from them; throughput and device busy are the
+runs' means; a pooled pair is compared only where every run of it could be (`bench.report.refusal`: no job
+unanswered, neither design burning CPU), with each latency ratio's bootstrap interval over the pooled jobs. Prints
+the table; `--out FILE` writes it as JSON too.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ clients here (`run`, `wait_all`), and kept-alive connections (`Connections`) for
 
 httpx spends about 0.8 ms of CPU per request here (its request and response models, h11 in pure Python, a thread
 per client): at the hundreds of requests a second the admission phase sends, that is a fifth of a two-core machine
-taken from the stack it measures. These clients are coroutines on one event loop, each on a keep-alive
-connection (the closed-loop ones one each; the open loop's share theirs, `Connections`), writing requests built as
-bytes and reading responses with httptools (llhttp, the C parser uvicorn uses). No HTTP client library offers
-that: they all build request and response objects per exchange, which is the cost to avoid. The requests are the
-same bytes a client library would send.
+taken from the stack it measures (docs/bench/log/2026-12-04-cost-free-load-generator-and-admission.md). These
+clients are coroutines on one event loop, each on a keep-alive connection (the closed-loop ones one each; the open
+loop's share theirs, `Connections`), writing requests built as bytes and reading responses with httptools (llhttp,
+the C parser uvicorn uses). No HTTP client library offers that: they all build request and response objects per
+exchange, which is the cost to avoid. The requests are the same bytes a client library would send.
 """
 
 from __future__ import annotations

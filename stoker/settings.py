@@ -153,7 +153,7 @@ class CommonSettings(BaseSettings):
     # The watermarks sit near the inference queue's own limit: above the high one the API sends the jobs it would
     # have handed to inference itself (text only, or cached) through the CPU workers' tokenize stage, a Celery task
     # each where its own hand-off is one push, and under sustained load that path cost a third of the admissions
-    # (docs/benchmarks.md, the cost of a job).
+    # (docs/bench/log/2026-12-04-cost-third-host.md).
     infer_high_watermark: int = Field(
         160,
         ge=1,

@@ -44,7 +44,7 @@ class StokerCelery(Celery):  # type: ignore[misc]
     A backend that is not thread-safe (Redis's) is made once for each thread that publishes, and Celery finds its
     class anew each time by reading every installed package's entry points: about 8 ms of CPU holding the GIL,
     paid by each new API thread on its first publish. When a batch began feeding, a burst of new threads stalled
-    every request of the API for up to a second."""
+    every request of the API for up to a second (docs/bench/log/2026-12-02-batchfill-line-policy.md)."""
 
     #: Set by `configure` for the API: it publishes jobs and never waits on a Celery result (a job's is in the job
     #: store), so its backend subscribes to no result channel (`PublishOnly`).

@@ -2,10 +2,10 @@
 is (every text-only job, and every job whose inputs are cached, is handed over by the API this way).
 
 Celery's `apply_async` costs about 0.3 ms of CPU per message on a Redis broker, against 0.06 ms for the `LPUSH` it
-comes down to: the router, a producer taken from the pool and given back, kombu's retry wrapper around the publish,
-its declaration cache, an `AsyncResult`, `saferepr` of the arguments. No Celery or kombu call publishes a prepared
-message without that machinery, so the message is assembled here from Celery's and kombu's own parts, as
-`send_task` assembles it:
+comes down to (docs/bench/log/2026-12-04-cost-celery-machinery.md): the router, a producer taken from the pool and
+given back, kombu's retry wrapper around the publish, its declaration cache, an `AsyncResult`, `saferepr` of the
+arguments. No Celery or kombu call publishes a prepared message without that machinery, so the message is assembled
+here from Celery's and kombu's own parts, as `send_task` assembles it:
 
 - Celery's router picks the queue, and `as_task_v2` builds the message (protocol 2);
 - `before_task_publish` and `after_task_publish` are sent around the push (the publish time is stamped there, a

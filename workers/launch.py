@@ -99,7 +99,7 @@ def worker_env(kind: str, base: Mapping[str, str]) -> dict[str, str]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # No OMP_THREAD_LIMIT for the worker itself: tesseract gets its own (`stoker.core.ocr.read_text`), and the
     # speech model under OMP_THREAD_LIMIT=1 with its threads left to choose (CTranslate2) runs about 40x slower and
-    # transcribes garbage; a CPU child may transcribe.
+    # transcribes garbage (docs/bench/log/2026-11-30-stoker-bench-sweep-and-overhead.md); a CPU child may transcribe.
     env.pop("OMP_THREAD_LIMIT", None)
     return env
 

@@ -48,7 +48,8 @@ def speech_threads(configured: int, cores: int, children: int) -> int:
     pool children (at least one each).
 
     CTranslate2's own choice takes more threads than a small host's children can share: on 2 cores it spent 1.5x
-    the CPU of one thread per recording, and took longer.
+    the CPU of one thread per recording, and took longer
+    (docs/bench/log/2026-12-03-cpu-bound-speech-threads-and-size-classes.md).
     """
     return configured or max(1, cores // max(children, 1))
 

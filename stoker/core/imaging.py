@@ -165,7 +165,8 @@ def _load_gray(image: Image.Image, max_side: int) -> Image.Image:
     if image.format == "JPEG":
         # JPEG decodes at 1/2, 1/4 or 1/8 scale for free (draft picks the smallest scale ≥ the request), and a
         # colour JPEG decodes to its luma channel alone: no colour conversion, and a third of the pixels to resample.
-        # A 4000×3000 page: 0.32 CPU s through RGB, 0.095 as luma, within 2 grey levels of RGB's conversion to L.
+        # A 4000×3000 page: 0.32 CPU s through RGB, 0.095 as luma, within 2 grey levels of RGB's conversion to L
+        # (docs/bench/log/2026-12-04-largest-page-whole-vs-bands.md).
         image.draft("L", (max_side, max_side))
     image.load()
     image = ImageOps.exif_transpose(image)

@@ -157,7 +157,8 @@ def band_limit(configured: int, cores: int, children: int) -> int:
 
     A band costs a tesseract start (about 0.1 s here) and reads less context per call, so bands beyond what runs at
     once cost CPU and gain nothing: measured on 2 cores, a 2048×1536 page took 1.13 CPU s whole, 1.10 in two bands
-    and 1.32 in three, and three bands on two cores finish in two rounds.
+    and 1.32 in three, and three bands on two cores finish in two rounds
+    (docs/bench/log/2026-12-04-largest-page-whole-vs-bands.md).
     """
     return configured or max(2, min(cores, children))
 

@@ -41,8 +41,8 @@ def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
     What tesseract costs follows the lines of text more than the pixels: on the benchmark's pages (one thread, an
     idle host) a dense 1024×768 page took 0.57 s whole, a photo of the same size 0.15, a dense 2048×1536 page 0.78.
     A dense page under the size threshold was among the slowest jobs on an idle pool; in two bands on two free
-    children it takes 0.34 (0.32 + 0.34 CPU s). Under load the children are busy anyway, and it is read whole, at
-    the least CPU.
+    children it takes 0.34 (0.32 + 0.34 CPU s; docs/bench/log/2026-12-05-pages-of-text-in-bands-while-idle.md).
+    Under load the children are busy anyway, and it is read whole, at the least CPU.
 
     Bands read the decoded page from the stage cache, so with the cache off a page is read whole: each band would
     otherwise decode the whole page again (a 4000×3000 JPEG: 0.1 to 0.3 CPU s a band)."""

@@ -34,7 +34,8 @@ def load_tokenizer(model_path: str) -> Any:
     A local model whose `tokenizer_config.json` declares transformers' generic backend, with no code of its own
     (`auto_map`), is loaded by that class directly. `AutoTokenizer` chooses the same class for it, but on the way
     reads the model's config through modules that import torch: about 190 MB of private memory and 2-3 s of start-up
-    in each process that only tokenizes (the API, the CPU workers, the reaper, the batch feeder; docs/benchmarks.md).
+    in each process that only tokenizes (the API, the CPU workers, the reaper, the batch feeder;
+    docs/bench/log/2026-12-05-soak-process-memory-and-torch.md).
     Any other model goes through `AutoTokenizer`. (`AutoTokenizer` overrides a declared class only for the few model
     types whose hub configs it knows to be wrong, its `MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`; `save_pretrained`
     writes the class a tokenizer was loaded as.)

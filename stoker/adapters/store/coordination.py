@@ -128,8 +128,9 @@ class DeviceTurns:
     """Turns on one device shared by several processes (the benchmark's sync-pool baseline on one simulated
     device): redis-py's lock, which expires, so a holder that dies stops the others for at most `hold_s`; its
     waiters are woken by the holder's release instead of polling the lock. redis-py's blocking acquire retries every
-    `sleep` seconds: at 5 ms, three processes waiting for one device spent more CPU polling than on their jobs. A
-    waiter whose wake-up went to another tries again within `recheck_s` anyway."""
+    `sleep` seconds: at 5 ms, three processes waiting for one device spent more CPU polling than on their jobs
+    (docs/bench/log/2026-12-02-device-bound-mix.md). A waiter whose wake-up went to another tries again within
+    `recheck_s` anyway."""
 
     def __init__(self, client: redis.Redis[bytes], key: str, hold_s: float, recheck_s: float = 0.25) -> None:
         self.client = client

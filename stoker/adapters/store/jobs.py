@@ -568,7 +568,8 @@ class LoopJobs:
 
     The API's routes run on one event loop; a call of the synchronous client has to leave it for a pool thread
     and come back. That hop cost the API about four times the CPU of the call itself, measured on its own
-    (8 concurrent requests, one `HGETALL` each: 180-240 µs of CPU from anyio's pool, 45 µs from the loop), so
+    (8 concurrent requests, one `HGETALL` each: 180-240 µs of CPU from anyio's pool, 45 µs from the loop;
+    docs/bench/log/2026-12-05-cost-store-calls-on-the-loop.md), so
     the calls every request makes go over an asyncio client of the loop's own. Same records, same scripts:
     `JobRepository.create`, `load_job` and `watch_job` are their synchronous twins."""
 
