@@ -1,0 +1,114 @@
+"""vLLM's encoding of a multimodal kwargs item (`stoker.adapters.vllm_render`) against items vLLM wrote itself."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from stoker.adapters.vllm_render import (
+    VLLM_VERSION,
+    FieldSpec,
+    ItemElement,
+    WireTensor,
+    decode_item,
+    encode_item,
+    item_bytes,
+)
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm_render"
+
+
+def _recorded_items() -> dict[str, Any]:
+    return json.loads(gzip.decompress((FIXTURES / "tiny-vlm-v1" / "flat_picture.items.json.gz").read_bytes()))
+
+
+def _summary() -> dict[str, Any]:
+    return json.loads((FIXTURES / "tiny-vlm-v1" / "flat_picture.json").read_text())["features"]
+
+
+def test_recorded_by_the_vllm_this_module_mirrors() -> None:
+    manifest = json.loads((FIXTURES / "manifest.json").read_text())
+    assert manifest["vllm"] == VLLM_VERSION
+
+
+@pytest.mark.parametrize("part", ["kwargs_data", "mm_metadata"])
+def test_an_item_vllm_wrote_decodes_to_its_tensors_and_encodes_to_its_bytes(part: str) -> None:
+    encoded = _recorded_items()[part]["image"][0]
+    summary = _summary()[part]["image"][0]
+    item = decode_item(encoded)
+    assert list(item) == summary["keys"]  # the processor's key order, kept
+    for key, element in item.items():
+        expected = summary["tensors"][key]
+        assert element.tensor.dtype == expected["dtype"]
+        assert list(element.tensor.shape) == expected["shape"]
+        assert hashlib.sha256(element.tensor.data).hexdigest() == expected["sha256"]
+        assert element.field.wire() == expected["field"]
+    assert encode_item(item) == encoded
+    assert hashlib.sha256(item_bytes(item)).hexdigest() == summary["sha256"]
+
+
+def test_the_flat_pictures_tensors_read_as_numbers() -> None:
+    item = decode_item(_recorded_items()["kwargs_data"]["image"][0])
+    pixels = item["pixel_values"].tensor.to_numpy()
+    assert pixels.shape == (5, 3, 512, 512)
+    # grey 128 rescaled and normalised with mean and std 0.5: 128/255*2-1, in bfloat16
+    assert float(np.abs(pixels[0, :, :10, :10] - (128 / 255 * 2 - 1)).max()) < 2**-8
+    assert int(item["num_patches"].tensor.to_numpy()) == 5
+
+
+def test_bfloat16_rounds_as_torch_does() -> None:
+    rng = np.random.default_rng(3)
+    values = np.concatenate(
+        [
+            rng.normal(0, 1, 10_000).astype(np.float32),
+            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 3.4e38, 1 + 2**-8, 1 + 3 * 2**-8], np.float32),
+        ]
+    )
+    ours = WireTensor.bfloat16(values)
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    assert ours.data == theirs
+    assert ours.dtype == "bfloat16"
+    assert ours.shape == values.shape
+
+
+def test_an_item_round_trips() -> None:
+    mask = np.ones((2, 4, 4), dtype=np.int64)
+    item = {
+        "pixel_values": ItemElement(
+            WireTensor.bfloat16(np.linspace(-1, 1, 96, dtype=np.float32).reshape(2, 3, 4, 4)),
+            FieldSpec("flat", slices=((slice_of(0, 2),),)),
+        ),
+        "pixel_attention_mask": ItemElement(WireTensor.of(mask), FieldSpec("flat", slices=((slice_of(0, 2),),))),
+        "num_patches": ItemElement(WireTensor.of(np.array(2, dtype=np.int64)), FieldSpec("batched", keep_on_cpu=True)),
+    }
+    back = decode_item(encode_item(item))
+    assert back == item
+    assert np.array_equal(back["pixel_attention_mask"].tensor.to_numpy(), mask)
+
+
+def slice_of(start: int, stop: int) -> tuple[int, int, None]:
+    """A slice as vLLM encodes one: start, stop, step."""
+    return (start, stop, None)
+
+
+@pytest.mark.parametrize(
+    "encoded",
+    [
+        "not base64!",
+        base64.b64encode(b"\x01").decode(),
+        base64.b64encode(
+            b"\x81\xa1k\x82\xa4data\x93\xa5int64\x91\x02\xd4\x03\x00\xa5field\x92\xa7batched\x80"
+        ).decode(),
+    ],
+)
+def test_what_is_not_an_item_is_refused(encoded: str) -> None:
+    with pytest.raises(ValueError, match="not a multimodal kwargs item"):
+        decode_item(encoded)
