@@ -15,7 +15,7 @@ from stoker.adapters.tracing import mark_failed, stage_span
 from stoker.core.arrays import array_from_bytes, array_to_bytes
 from stoker.core.cachekeys import OCR_IMAGE, PICTURE, CacheAddress
 from stoker.core.errors import StageKilled
-from stoker.core.imaging import DecodedImage, decode_image, served_picture
+from stoker.core.imaging import DecodedImage, decode_image
 from stoker.core.jobs import InputRecord
 from stoker.core.ocr import Band, read_text
 from stoker.runtime.bands import bands_for, run_band
@@ -42,7 +42,7 @@ def _decode_and_cache(
         ctx.put_prepared(ctx.vision_address(record.content_hash, address.scope), prepared)
         value["prepared"] = {"processor": ctx.image_preparer.identity, "layout": ctx.image_preparer.layout(prepared)}
     if decoded.picture is not None and ctx.picture_bounds is not None:
-        ctx.cache.put_bytes(address, served_picture(decoded.picture, *ctx.picture_bounds), part=PICTURE)
+        ctx.cache.put_bytes(address, ctx.served(decoded.picture), part=PICTURE)
     return value, decoded
 
 

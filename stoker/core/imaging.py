@@ -215,12 +215,41 @@ def within(size: tuple[int, int], max_side: int, max_pixels: int | None = None) 
     return max(1, round(width * scale)), max(1, round(height * scale))
 
 
-def served_picture(picture: Image.Image, max_side: int, max_pixels: int | None = None) -> bytes:
+#: The JPEG qualities a picture for a server is tried at, best first, when its PNG is over the bytes it may have: a
+#: camera's noise makes PNG (and lossless WebP) large. A 4096×3072 photo: PNG 26.6 MB in 1.3 s, lossless WebP no
+#: smaller, JPEG at quality 95 5.2 MB in 0.05 s.
+SERVED_JPEG_QUALITIES = (95, 90, 80)
+
+
+def served_picture(
+    picture: Image.Image, max_side: int, max_pixels: int | None = None, max_bytes: int | None = None
+) -> bytes:
     """The picture for a server that sees images: shrunk (Lanczos) to fit max_side and max_pixels, never enlarged,
-    as a lossless PNG."""
+    as a lossless PNG; when that is over `max_bytes` (what the stage cache keeps, so that the inference worker only
+    reads it), as the best JPEG that fits, at a smaller size only where no quality does."""
     target = within(picture.size, max_side, max_pixels)
     if target != picture.size:
         picture = picture.resize(target, Image.Resampling.LANCZOS)
+    png = _encoded(picture, "PNG", compress_level=1)  # lossless; level 1: a fraction of the time, a little larger
+    if max_bytes is None or len(png) <= max_bytes:
+        return png
+    return _jpeg_within(picture, max_bytes)
+
+
+def _jpeg_within(picture: Image.Image, max_bytes: int) -> bytes:
+    """The picture as a JPEG of at most max_bytes: the best quality that fits; shrunk in proportion where none does."""
+    while True:
+        for quality in SERVED_JPEG_QUALITIES:
+            data = _encoded(picture, "JPEG", quality=quality)
+            if len(data) <= max_bytes:
+                return data
+        if max(picture.size) == 1:
+            return data  # nothing smaller to send
+        side = max(1, int(max(picture.size) * 0.9 * (max_bytes / len(data)) ** 0.5))
+        picture = picture.resize(within(picture.size, side), Image.Resampling.LANCZOS)
+
+
+def _encoded(picture: Image.Image, fmt: str, **options: Any) -> bytes:
     out = io.BytesIO()
-    picture.save(out, "PNG", compress_level=1)  # lossless; level 1: a fraction of the time, bytes a little larger
+    picture.save(out, fmt, **options)
     return out.getvalue()

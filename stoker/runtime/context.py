@@ -222,9 +222,9 @@ class WorkerContext:
         return DeviceTurns(self.store.client, DEVICE_LOCK_KEY, s.infer_batch_timeout_s + s.infer_wedge_grace_s)
 
     def picture(self, digest: str, scope: str) -> bytes | None:
-        """A decoded picture as a server that sees images gets it (PNG, at the served model's size), from the cache
-        scope it was decoded in, or made again from the input's bytes while the job store still holds them; None
-        when neither has it."""
+        """A decoded picture as a server that sees images gets it (`served`), from the cache scope it was decoded
+        in, or made again from the input's bytes while the job store still holds them (the cache lost it); None when
+        neither has it."""
         address = self.decode_address(digest, scope)
         found = self.cache.get_bytes(address, part=PICTURE)
         if found is not None or self.picture_bounds is None:
@@ -232,9 +232,16 @@ class WorkerContext:
         picture = self._picture_again(digest)
         if picture is None:
             return None
-        png = served_picture(picture, *self.picture_bounds)
-        self.cache.put_bytes(address, png, part=PICTURE)
-        return png
+        served = self.served(picture)
+        self.cache.put_bytes(address, served, part=PICTURE)
+        return served
+
+    def served(self, picture: Image.Image) -> bytes:
+        """A decoded picture as the server gets it: at the served model's size, in a form the stage cache keeps
+        (`served_picture`: PNG, or the best JPEG within the cache's value limit), so that the inference worker only
+        ever reads it."""
+        assert self.picture_bounds is not None  # the `openai` backend's
+        return served_picture(picture, *self.picture_bounds, max_bytes=self.settings.cache_max_value_bytes)
 
     def prepared_image(self, digest: str, scope: str) -> PreparedImage | None:
         """One picture's tensors as the served model's image processor made them in the decode stage (from the

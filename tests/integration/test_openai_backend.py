@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.store.jobs import Pending
+from stoker.adapters.store.keys import cache_key
+from stoker.core import cachekeys
 from stoker.core.errors import InferenceFailed, ModelUnavailable
 from stoker.core.imaging import DecodeParams, decode_rgb, served_picture
-from stoker.core.jobs import Job
+from stoker.core.jobs import InputRecord, Job
+from stoker.core.media import content_hash
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
+from stoker.core.tenancy import DEFAULT_TENANT, cache_scope
 from stoker.runtime.batches import BatchItem
+from stoker.settings import WorkerSettings
 from tests.fakeopenai import FakeServer, Picture, fake_openai_server
-from tests.media import text_image
+from tests.media import encode, photo, text_image
 
 PICTURE = served_picture(decode_rgb(text_image("HELLO"), DecodeParams()), 4096)
 
@@ -140,3 +147,40 @@ def test_a_batch_line_goes_to_a_priority_scheduling_server_behind_interactive_re
     prioritised = _predictor(server, batch_priority=10)
     assert (prioritised.body(background)["priority"], prioritised.body(interactive)["priority"]) == (10, 0)
     assert "priority" not in _predictor(server).body(background)  # a server without priority scheduling
+
+
+def test_a_photo_too_big_as_png_is_prepared_once_in_a_form_the_cache_keeps_and_the_inference_side_only_reads_it(
+    server: FakeServer, store_redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stoker.runtime import context as runtime
+    from tasks.preprocess import _decode_and_cache
+
+    upload = encode(photo(4096, 3072, seed=21), "PNG")  # a camera's noise: far over the cache's 8 MiB as PNG
+    digest, job_id = content_hash(upload), f"served-{uuid.uuid4().hex[:8]}"
+    ctx = runtime.WorkerContext(WorkerSettings(backend="openai", openai_base_url=server.url), outbox=None)  # type: ignore[arg-type]
+    decodes = [0]
+    real = runtime.decode_rgb
+
+    def counted(data: bytes, params: DecodeParams) -> Any:
+        decodes[0] += 1
+        return real(data, params)
+
+    monkeypatch.setattr(runtime, "decode_rgb", counted)  # the inference side's one way to decode a picture
+    try:
+        ctx.store.blobs.put_blob(digest, upload, job_id)  # held for the job: the inference side could decode it
+        scope = cache_scope(DEFAULT_TENANT, shared=False)
+        address = ctx.decode_address(digest, scope)
+        record = InputRecord(index=0, kind="image", content_hash=digest, size_bytes=len(upload))
+        _decode_and_cache(ctx, record, address)  # the CPU stage
+        assert ctx.cache.redis is not None
+        stored = ctx.cache.redis.strlen(cache_key(address, cachekeys.PICTURE))
+        assert 0 < stored <= ctx.settings.cache_max_value_bytes
+        predictor = _predictor(server, images=ctx.picture)
+        request = ModelRequest([1], [{"role": "user", "content": "What is it?"}], [digest], scope)
+        answers = run_predictor(predictor, [request, request])
+    finally:
+        ctx.store.blobs.release(job_id)
+        ctx.close()
+    assert all(isinstance(a, Prediction) for a in answers), answers
+    assert decodes[0] == 0  # read from the cache each time, never decoded again
+    assert server.pictures == [Picture("image/jpeg", "JPEG", (4096, 3072), digest)] * 2

@@ -20,7 +20,7 @@ from stoker.core.imaging import (
     served_picture,
     within,
 )
-from tests.media import encode, png_bomb, text_image, truncated
+from tests.media import encode, photo, png_bomb, text_image, truncated
 
 PARAMS = DecodeParams(max_pixels=90_000_000, ocr_max_side=2048)
 
@@ -64,6 +64,26 @@ def test_the_served_picture_fits_the_bounds_losslessly_and_is_never_enlarged() -
     assert np.array_equal(np.asarray(small), np.asarray(picture))  # lossless, at the upload's own size
     assert within((4000, 3000), 10_000, max_pixels=3_000_000) == (2000, 1500)
     assert within((1, 1), 64) == (1, 1)
+
+
+def test_a_served_photo_over_the_cache_limit_as_png_goes_as_the_best_jpeg_that_fits() -> None:
+    limit = 8 * 1024**2  # STOKER_CACHE_MAX_VALUE_BYTES's default
+    picture = photo(4096, 3072, seed=5)
+    assert len(served_picture(picture, 4096)) > limit  # lossless, a camera's noise and all
+    data = served_picture(picture, 4096, max_bytes=limit)
+    served = Image.open(io.BytesIO(data))
+    assert (served.format, served.size) == ("JPEG", (4096, 3072))  # at the served size: only the encoding gives
+    assert len(data) <= limit
+    # a limit no quality meets: the best quality at a smaller size, within it
+    tight = served_picture(photo(800, 600, seed=5), 4096, max_bytes=40_000)
+    shrunk = Image.open(io.BytesIO(tight))
+    assert len(tight) <= 40_000
+    assert shrunk.format == "JPEG"
+    assert max(shrunk.size) < 800
+    assert shrunk.size[0] * 3 == pytest.approx(shrunk.size[1] * 4, abs=4)  # the same shape
+    # a picture whose PNG fits stays lossless
+    page = decode_rgb(text_image("PAGE", size=(1600, 400)), PARAMS)
+    assert Image.open(io.BytesIO(served_picture(page, 4096, max_bytes=limit))).format == "PNG"
 
 
 def test_big_jpeg_is_downscaled_while_decoding() -> None:

@@ -1,13 +1,14 @@
 """The `openai` backend: an OpenAI-compatible chat-completions server (`vllm serve`, …) as the device.
 
 Each batch's requests go out concurrently (at most `max_in_flight` at a time) with the chat as text turns, each
-decoded picture in the turn it came with as an `image_url` part: a base64 PNG data URL of the decoded original
-(EXIF-rotated, at the served model's own size, never a thumbnail) and stoker's content hash as vLLM's per-item
-`uuid`, so vLLM's processor cache keys agree across its API servers; and the request's own generation parameters;
-the server batches them itself. A request whose client reads a stream is asked for as a stream, and every piece
-is handed to `pieces` as it arrives. Server answers map onto the error taxonomy: overload and unreachability are
-transient (retried with backoff, then `model_unavailable`; a stream that already sent pieces is not retried),
-anything else is `inference_failed` for that request alone.
+decoded picture in the turn it came with as an `image_url` part: a base64 data URL of the decoded original
+(EXIF-rotated, at the served model's own size, never a thumbnail; PNG, or the best JPEG within the stage cache's
+value limit where the PNG is over it: the CPU stage made it, this worker only reads it) and stoker's content hash
+as vLLM's per-item `uuid`, so vLLM's processor cache keys agree across its API servers; and the request's own
+generation parameters; the server batches them itself. A request whose client reads a stream is asked for as a
+stream, and every piece is handed to `pieces` as it arrives. Server answers map onto the error taxonomy: overload
+and unreachability are transient (retried with backoff, then `model_unavailable`; a stream that already sent pieces
+is not retried), anything else is `inference_failed` for that request alone.
 """
 
 from __future__ import annotations
