@@ -9,42 +9,69 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, Field, StringConstraints, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api.context import ApiContext, Context
 from api.files import owned_file, page_of
+from api.intake import first_error
+from api.limits import read_json
 from api.schemas import error_responses
 from api.tenancy import within_rate
 from stoker.core.batchfiles import ENDPOINTS, WINDOWS, BatchRecord, new_batch_id, now_s
-from stoker.core.errors import BatchAlreadyEnded, BatchNotFound, InvalidRequest
+from stoker.core.errors import (
+    BatchAlreadyEnded,
+    BatchNotFound,
+    InvalidRequest,
+    StoreFull,
+    TooManyBatches,
+)
 
 router = APIRouter()
 Tenant = Annotated[str, Depends(within_rate)]
+
+#: OpenAI's limits on a batch's metadata: 16 pairs, keys of 64 characters, values of 512.
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 
 
 class BatchCreate(BaseModel):
     """A batch to run: its input file, the endpoint every line calls, the window it must finish in."""
 
-    input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    input_file_id: str = Field(max_length=128)
+    endpoint: str = Field(max_length=128)
+    completion_window: str = Field(max_length=16)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
 
 
-@router.post("/v1/batches", response_model=BatchRecord, responses=error_responses(401, 404, 422, 429))
-async def create_batch(spec: BatchCreate, context: Context, tenant: Tenant) -> BatchRecord:
-    """Record a batch over one of the tenant's files; it is validated and run in the background."""
-    if spec.endpoint not in ENDPOINTS:
-        raise InvalidRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
-    if spec.completion_window not in WINDOWS:
-        raise InvalidRequest(f"completion_window must be one of {', '.join(WINDOWS)}", param="completion_window")
+#: The body's schema in the OpenAPI document (the route reads the body itself, once the key is checked).
+_BODY_SCHEMA = {
+    "requestBody": {"required": True, "content": {"application/json": {"schema": BatchCreate.model_json_schema()}}}
+}
+
+
+@router.post(
+    "/v1/batches",
+    response_model=BatchRecord,
+    responses=error_responses(401, 404, 413, 422, 429, 503),
+    openapi_extra=_BODY_SCHEMA,
+)
+async def create_batch(request: Request, context: Context, tenant: Tenant) -> BatchRecord:
+    """Record a batch over one of the tenant's files; it is validated and run in the background.
+
+    The body is read only once the key and the rate let the request in (and the store has room), counted as it
+    streams (`read_json`) and parsed off the event loop."""
+    settings = context.settings
+    full = context.monitor.store_full()
+    if full is not None:
+        raise StoreFull(f"the job store holds {full.used >> 20} MiB of its {full.limit >> 20} MiB: try again soon")
+    spec = await run_in_threadpool(parse_batch_create, await read_json(request, settings.max_json_values))
     source = await owned_file(context, tenant, spec.input_file_id)
     if source.purpose != "batch":
         raise InvalidRequest("the input file must be one uploaded with purpose `batch`", param="input_file_id")
     now = now_s()
-    window = min(WINDOWS[spec.completion_window], context.settings.batch_window_s)
+    window = min(WINDOWS[spec.completion_window], settings.batch_window_s)
     record = BatchRecord(
         id=new_batch_id(),
         endpoint=spec.endpoint,
@@ -56,8 +83,24 @@ async def create_batch(spec: BatchCreate, context: Context, tenant: Tenant) -> B
         metadata=spec.metadata,
         tenant=tenant,
     )
-    await run_in_threadpool(context.store.batches.create, record)
+    if not await run_in_threadpool(context.store.batches.create, record, settings.batch_tenant_max_live):
+        most = settings.batch_tenant_max_live
+        raise TooManyBatches(f"the tenant has {most} batches running, as many as it may: wait for one to end")
     return record
+
+
+def parse_batch_create(body: bytes) -> BatchCreate:
+    """The request's body as a batch to create (422 `invalid_request` naming the field for anything else)."""
+    try:
+        spec = BatchCreate.model_validate_json(body)
+    except ValidationError as exc:
+        where, message = first_error(exc)
+        raise InvalidRequest(f"{where}: {message}", param=where) from exc
+    if spec.endpoint not in ENDPOINTS:
+        raise InvalidRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
+    if spec.completion_window not in WINDOWS:
+        raise InvalidRequest(f"completion_window must be one of {', '.join(WINDOWS)}", param="completion_window")
+    return spec
 
 
 @router.get("/v1/batches", responses=error_responses(401, 429))

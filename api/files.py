@@ -8,7 +8,10 @@ the tenant's stored-files quota. Batches write their output and error files here
 
 from __future__ import annotations
 
+import time
+import unicodedata
 from collections.abc import Iterator
+from email.utils import encode_rfc2231
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -18,45 +21,91 @@ from starlette.concurrency import run_in_threadpool
 from api.context import ApiContext, Context
 from api.schemas import error_responses
 from api.tenancy import within_rate
-from api.upload import stream_upload
+from api.upload import Uploaded, stream_upload
+from stoker.adapters.store.batches import HOLD_LEASE_S, FileRepository
 from stoker.core.batchfiles import FileRecord, new_file_id, now_s
 from stoker.core.errors import FileNotFound, InvalidRequest, TenantStorageFull
 
 router = APIRouter()
 Tenant = Annotated[str, Depends(within_rate)]
 
+#: How far ahead of an upload's bytes it holds room in its tenant's quota: one round trip to the store per step.
+HOLD_STEP_BYTES = 8 * 1024 * 1024
+
 
 @router.post("/v1/files", response_model=FileRecord, responses=error_responses(401, 404, 413, 415, 422, 429))
 async def create_file(request: Request, context: Context, tenant: Tenant) -> FileRecord:
-    """Store an uploaded file (for a batch's input: `purpose=batch`), streamed as it arrives."""
-    settings = context.settings
+    """Store an uploaded file (for a batch's input: `purpose=batch`), streamed as it arrives.
+
+    The upload holds room in the tenant's quota a step ahead of its bytes (`QuotaHold`), so uploads in parallel
+    never pass the quota together; the room is the file's once it is recorded, and free again if it is not."""
+    settings, files = context.settings, context.store.files
+    most = settings.files_tenant_max_count
+    if most > 0 and await run_in_threadpool(files.count, tenant) >= most:
+        raise TenantStorageFull(f"the tenant stores {most} files, as many as it may: delete some first")
     file_id = new_file_id()
-    quota = settings.files_tenant_max_bytes
-    left = None if quota == 0 else quota - await run_in_threadpool(context.store.files.used, tenant)
-    if left is not None and left <= 0:
-        raise TenantStorageFull("the tenant's stored files hold their whole quota: delete some first")
+    hold = QuotaHold(files, tenant, file_id, settings.files_tenant_max_bytes)
+    try:
+        await hold.cover(0)
+        upload = await _stored_upload(request, context, file_id, hold)
+        now = now_s()
+        record = FileRecord(
+            id=file_id,
+            bytes=upload.size,
+            created_at=now,
+            expires_at=now + settings.files_ttl_s,
+            filename=upload.filename or "upload.jsonl",
+            purpose="batch",
+            tenant=tenant,
+            lines=upload.lines,
+        )
+        if not await run_in_threadpool(files.put, record, hold.quota, most):
+            context.files.delete(file_id)  # the tenant's files filled up meanwhile (a lapsed hold, or their count)
+            raise TenantStorageFull("the tenant's stored files would pass their quota")
+    except Exception:  # a cancelled upload (the server stopping) leaves its hold to lapse
+        await run_in_threadpool(hold.release)
+        raise
+    return record
+
+
+async def _stored_upload(request: Request, context: ApiContext, file_id: str, hold: QuotaHold) -> Uploaded:
+    """The upload streamed into the file storage as `file_id` and checked (its purpose, its lines); nothing kept
+    when it is refused."""
+    settings = context.settings
     with context.files.create(file_id) as writer:
-        upload = await stream_upload(request, writer, settings.files_max_bytes, left)
+        upload = await stream_upload(request, writer, settings.files_max_bytes, hold.cover)
         if upload.fields.get("purpose") != "batch":
             raise InvalidRequest("purpose must be `batch` (the only use of files here)", param="purpose")
         if upload.lines > settings.batch_max_requests:
             message = f"a batch input file may hold at most {settings.batch_max_requests} lines"
             raise InvalidRequest(message, param="file")
-    now = now_s()
-    record = FileRecord(
-        id=file_id,
-        bytes=upload.size,
-        created_at=now,
-        expires_at=now + settings.files_ttl_s,
-        filename=upload.filename or "upload.jsonl",
-        purpose="batch",
-        tenant=tenant,
-        lines=upload.lines,
-    )
-    if not await run_in_threadpool(context.store.files.put, record, quota):
-        context.files.delete(file_id)  # a concurrent upload took the room first
-        raise TenantStorageFull("the tenant's stored files would pass their quota")
-    return record
+    return upload
+
+
+class QuotaHold:
+    """Room one upload holds in its tenant's stored-files quota (`quota` bytes; 0: none), a step ahead of its
+    bytes as they stream in and renewed before its lease lapses."""
+
+    def __init__(self, files: FileRepository, tenant: str, file_id: str, quota: int) -> None:
+        self.files, self.tenant, self.file_id, self.quota = files, tenant, file_id, quota
+        #: Bytes held now.
+        self.held = -1
+        self._renew_at = 0.0
+
+    async def cover(self, size: int) -> None:
+        """Hold room for the upload's `size` bytes so far (TenantStorageFull when the quota has none left)."""
+        if self.quota == 0 or (size <= self.held and time.monotonic() < self._renew_at):
+            return
+        asked = size + HOLD_STEP_BYTES
+        held = await run_in_threadpool(self.files.hold, self.tenant, self.file_id, size, asked, self.quota)
+        if held < 0:
+            raise TenantStorageFull("the tenant's stored files would pass their quota: delete some first")
+        self.held, self._renew_at = held, time.monotonic() + HOLD_LEASE_S / 2
+
+    def release(self) -> None:
+        """The upload was not recorded: the room it held is free again."""
+        if self.held >= 0:
+            self.files.release(self.tenant, self.file_id)
 
 
 @router.get("/v1/files", responses=error_responses(401, 429))
@@ -89,8 +138,17 @@ async def file_content(file_id: str, context: Context, tenant: Tenant) -> Stream
         chunks = context.files.read(record.id)
     except FileNotFoundError as exc:
         raise FileNotFound(f"no file {file_id}") from exc
-    headers = {"Content-Length": str(record.bytes), "Content-Disposition": f'attachment; filename="{record.filename}"'}
+    headers = {"Content-Length": str(record.bytes), "Content-Disposition": attachment(record.filename)}
     return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+
+
+def attachment(filename: str) -> str:
+    """A Content-Disposition naming a download `filename` whatever its characters (RFC 6266): the name itself,
+    percent-encoded as UTF-8 (`filename*`, RFC 5987, the standard library's `encode_rfc2231`), and an ASCII
+    fallback for clients without it, where nothing can end the quoted string or the header."""
+    ascii_name = unicodedata.normalize("NFKD", filename).encode("ascii", "ignore").decode()
+    fallback = "".join(c if c.isalnum() or c in "._- " else "_" for c in ascii_name).strip() or "download"
+    return f'attachment; filename="{fallback}"; filename*={encode_rfc2231(filename, "utf-8")}'
 
 
 @router.delete("/v1/files/{file_id}", responses=error_responses(401, 404, 429))

@@ -3,10 +3,10 @@ the Dockerfile, Compose and Kubernetes all run) bounds what one connection may c
 
 uvicorn's defaults bound nothing of a request's head: httptools (its default parser) buffers a header value or a
 request target of any length, at a cost that grows with the square of its length (a 64 MiB header held the loop
-for seconds), and no clock limits how long a head may take to arrive. `HeadBoundedProtocol` is uvicorn's httptools
-protocol with both bounds. httptools, not h11: h11 bounds a head itself, but parsing and writing HTTP in pure Python
-took about a seventh of the API's CPU per job (`python -m bench.cost`'s profile), httptools' C parser a fraction of
-that.
+for seconds), and no clock limits how long a head, or a body, may take to arrive. `HeadBoundedProtocol` is uvicorn's
+httptools protocol with these bounds. httptools, not h11: h11 bounds a head itself, but parsing and writing HTTP in
+pure Python took about a seventh of the API's CPU per job (`python -m bench.cost`'s profile), httptools' C parser a
+fraction of that.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from api.app import create_app
 from api.context import context_of
-from stoker.core.errors import HeadersTooLarge, MalformedRequest, RequestTimeout, StokerError
+from stoker.core.errors import BodyTimeout, HeadersTooLarge, MalformedRequest, RequestTimeout, StokerError
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -97,12 +98,14 @@ class ApiServer(uvicorn.Server):
 
 
 def server_config(settings: ApiSettings, app: FastAPI | None = None) -> ApiServerConfig:
-    """uvicorn's config for the API (its app built from settings unless given): httptools with a bounded head, a
-    deadline on the head, and no WebSocket protocol (no route serves one)."""
+    """uvicorn's config for the API (its app built from settings unless given): httptools with a bounded head,
+    deadlines on the head and the body, and no WebSocket protocol (no route serves one)."""
     return ApiServerConfig(
         create_app(settings) if app is None else app,
         header_timeout_s=settings.header_timeout_s,
         max_head_bytes=settings.max_header_bytes,
+        body_timeout_s=settings.body_timeout_s,
+        body_min_bytes_per_s=settings.body_min_bytes_per_s,
         host=settings.host,
         port=settings.port,
         http=HeadBoundedProtocol,
@@ -115,13 +118,25 @@ def server_config(settings: ApiSettings, app: FastAPI | None = None) -> ApiServe
 
 
 class ApiServerConfig(uvicorn.Config):
-    """uvicorn's config and the two bounds it has no option for with httptools: how long a request's head may take
-    to arrive, and how many bytes it may have."""
+    """uvicorn's config and the bounds it has no option for with httptools: how long a request's head may take to
+    arrive, and how many bytes it may have; how long its body may take (`body_timeout_s`, and as long again as its
+    bytes so far take at `body_min_bytes_per_s`; 0: no such allowance)."""
 
-    def __init__(self, app: FastAPI, *, header_timeout_s: float, max_head_bytes: int, **options: Any) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        *,
+        header_timeout_s: float,
+        max_head_bytes: int,
+        body_timeout_s: float = 30.0,
+        body_min_bytes_per_s: int = 64 * 1024,
+        **options: Any,
+    ) -> None:
         super().__init__(app, **options)
         self.header_timeout_s = header_timeout_s
         self.max_head_bytes = max_head_bytes
+        self.body_timeout_s = body_timeout_s
+        self.body_min_bytes_per_s = body_min_bytes_per_s
 
 
 class HeadBoundedProtocol(HttpToolsProtocol):
@@ -139,6 +154,12 @@ class HeadBoundedProtocol(HttpToolsProtocol):
       (the parser buffers an unfinished line whole: this is what keeps it from growing without bound). A head that
       begins mid-chunk (a pipelined request) is counted from the next chunk on, so a pipelined request is never
       refused for the body before it.
+
+    A body still arriving after the chunk that completed its head has a deadline too (`body_timeout_s` from the
+    head's end, and as long again as its bytes so far take at `body_min_bytes_per_s`), cancelled once it is in. Past
+    it, the route reading the body gets `BodyTimeout` from its `receive` (answered 408 in the error shape, as any
+    error) and the connection is closed after the answer; a body whose answer went out before it was read (a 401,
+    say, or a 413) is no longer waited for: the connection is closed.
     """
 
     def __init__(
@@ -164,6 +185,14 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         self.head_lines_bytes = 0
         #: Set by the parser when a head completes during the chunk being fed.
         self._head_completed = False
+        self.body_timeout_s = config.body_timeout_s
+        self.body_min_bytes_per_s = config.body_min_bytes_per_s
+        self.body_deadline: asyncio.TimerHandle | None = None
+        #: When the current request's head completed (the loop's clock), and the bytes of its body since.
+        self.body_began = 0.0
+        self.body_bytes = 0
+        #: The request whose body passed its deadline: its `receive` raises `BodyTimeout`.
+        self.late_cycle: RequestResponseCycle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """A new connection: its first head is due within the header timeout."""
@@ -184,6 +213,8 @@ class HeadBoundedProtocol(HttpToolsProtocol):
                     self._refuse(HeadersTooLarge())
             elif self.head_begun and self.head_deadline is None:
                 self._arm()  # a pipelined request's head began after the one before it ended
+        elif self.body_deadline is None and not self.transport.is_closing():
+            self._arm_body()  # the head is in and its body goes on past this chunk
 
     def on_message_begin(self) -> None:
         """A request's first bytes: its head is measured from here."""
@@ -206,18 +237,41 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         if self.head_lines_bytes > self.max_head_bytes:
             raise HeadersTooLarge()
         self.awaiting_head, self.head_begun, self._head_completed, self.head_bytes = False, False, True, 0
+        self.body_began, self.body_bytes = self.loop.time(), 0
         self._disarm()
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        """A piece of the request's body: counted towards its deadline's allowance."""
+        self.body_bytes += len(body)
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
-        """The request's body is in: the next bytes begin the next head."""
+        """The request's body is in: its deadline ends, and the next bytes begin the next head."""
         self.awaiting_head = True
+        self._disarm_body()
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """The connection is gone: so is its deadline."""
+        """The connection is gone: so are its deadlines."""
         self._disarm()
+        self._disarm_body()
         super().connection_lost(exc)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        """Run the app for a request with a `receive` that raises `BodyTimeout` once the request's body is late."""
+
+        async def bounded(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+            async def receive_in_time() -> Any:
+                if self.late_cycle is not cycle:
+                    message = await receive()
+                    if self.late_cycle is not cycle:
+                        return message
+                raise BodyTimeout(f"the request's body did not arrive within {self.body_timeout_s:g} s")
+
+            await app(scope, receive_in_time, send)
+
+        super()._start_asgi_task(cycle, bounded)
 
     def send_400_response(self, msg: str) -> None:
         """Answer a request the parser refused in stoker's error shape instead of uvicorn's plain-text 400: 431
@@ -235,6 +289,32 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         if self.head_deadline is not None:
             self.head_deadline.cancel()
             self.head_deadline = None
+
+    def _arm_body(self) -> None:
+        self.body_deadline = self.loop.call_at(self.body_began + self.body_timeout_s, self._body_late)
+
+    def _disarm_body(self) -> None:
+        if self.body_deadline is not None:
+            self.body_deadline.cancel()
+            self.body_deadline = None
+
+    def _body_late(self) -> None:
+        """The body's deadline came: put off by what its bytes so far allow, or refused."""
+        self.body_deadline = None
+        if self.awaiting_head or self.transport.is_closing():
+            return
+        allowed = self.body_bytes / self.body_min_bytes_per_s if self.body_min_bytes_per_s else 0.0
+        due = self.body_began + self.body_timeout_s + allowed
+        if self.loop.time() < due:
+            self.body_deadline = self.loop.call_at(due, self._body_late)
+            return
+        cycle = self.cycle
+        if cycle is None or cycle.response_started:  # answered (or answering) already: the rest is not waited for
+            self.transport.close()
+            return
+        cycle.keep_alive = False  # whatever the answer, the connection closes after it
+        self.late_cycle = cycle
+        cycle.message_event.set()  # wakes the route waiting for the body, whose `receive` now raises
 
     def _head_late(self) -> None:
         self.head_deadline = None

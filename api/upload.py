@@ -8,7 +8,7 @@ because Starlette offers no hook to send a part's bytes anywhere but its own tem
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from python_multipart.exceptions import MultipartParseError
@@ -21,7 +21,6 @@ from stoker.core.errors import (
     InvalidRequest,
     MalformedRequest,
     PayloadTooLarge,
-    TenantStorageFull,
     UnsupportedMediaType,
 )
 
@@ -123,10 +122,12 @@ class _Receiver:
             self.upload.fields[self._part.name] = self._part.data.decode("utf-8", "replace")
 
 
-async def stream_upload(request: Request, writer: FileWriter, max_bytes: int, quota_left: int | None) -> Uploaded:
+async def stream_upload(
+    request: Request, writer: FileWriter, max_bytes: int, room: Callable[[int], Awaitable[None]] | None = None
+) -> Uploaded:
     """Parse the multipart body as it streams in, writing the `file` part's bytes to `writer` (in the thread pool,
-    a chunk at a time); past `max_bytes`, or past `quota_left` (what the tenant's stored files may still hold;
-    None: no cap), it is refused at once."""
+    a chunk at a time); past `max_bytes` it is refused at once, and `room` (the tenant's stored-files quota) is
+    asked for the file's bytes so far after each chunk, refusing it when they do not fit."""
     kind, options = parse_options_header(request.headers.get("content-type", ""))
     if kind != b"multipart/form-data" or b"boundary" not in options:
         raise UnsupportedMediaType("send multipart/form-data with a `file` and its `purpose`")
@@ -137,8 +138,8 @@ async def stream_upload(request: Request, writer: FileWriter, max_bytes: int, qu
             parser.write(chunk)
         except MultipartParseError as exc:
             raise MalformedRequest("the multipart body is malformed") from exc
-        if quota_left is not None and receiver.upload.size > quota_left:
-            raise TenantStorageFull("the tenant's stored files would pass its quota")
+        if room is not None:
+            await room(receiver.upload.size)
         if receiver.queued:
             pending, receiver.queued = b"".join(receiver.queued), []
             await run_in_threadpool(writer.write, pending)

@@ -79,6 +79,12 @@ class CommonSettings(BaseSettings):
     )
     redis_key_file: Path | None = Field(None, description="For `rediss://` URLs: the client certificate's key.")
     job_ttl_s: int = Field(86400, ge=60, description="How long a job record lives after it was accepted.")
+    batch_ttl_s: int = Field(
+        30 * 24 * 3600,
+        ge=60,
+        description="How long a batch's record is kept once the batch ended (as its output and error files are, "
+        "`files_ttl_s`): then it is gone from `GET /v1/batches` and its id is 404.",
+    )
     max_record_bytes: int = Field(
         MAX_RECORD_BYTES,
         ge=64 * 1024,
@@ -412,6 +418,19 @@ class ApiSettings(CommonSettings):
         description="A request's head must be in this long after the connection opened (or its first byte, on a "
         "kept-alive connection); a later one is answered 408 `request_timeout` and closed.",
     )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A request's body must be in this long after its head, plus the time its bytes so far take at "
+        "`body_min_bytes_per_s` (a large upload on a slow link gets its time, a trickle does not); a later one is "
+        "answered 408 `request_timeout` and closed (closed only, where its answer was sent before its body was read).",
+    )
+    body_min_bytes_per_s: int = Field(
+        64 * 1024,
+        ge=0,
+        description="The slowest pace a request's body may arrive at past `body_timeout_s` (0: the body must be in "
+        "within `body_timeout_s`, whatever its size).",
+    )
     keep_alive_s: int = Field(
         75,
         ge=1,
@@ -429,9 +448,9 @@ class ApiSettings(CommonSettings):
     max_json_values: int = Field(
         16_384,
         ge=256,
-        description="A JSON body may hold this many values (`,` `[` `{` counted as it streams in, inside strings "
-        "too); past that it is refused 413 before it is parsed: what parsing costs, all of it holding the GIL, "
-        "grows with the values, not the bytes (base64 media stays within `max_body_bytes`).",
+        description="A JSON body may hold this many values (`,` `[` `{` outside strings, counted as it streams in: "
+        "a prompt's commas are no values); past that it is refused 413 before it is parsed: what parsing costs, all "
+        "of it holding the GIL, grows with the values, not the bytes (base64 media stays within `max_body_bytes`).",
     )
 
     # OpenAI's Files and Batch APIs (`/v1/files`, `/v1/batches`): the limits are OpenAI's own by default.
@@ -453,7 +472,15 @@ class ApiSettings(CommonSettings):
     files_tenant_max_bytes: int = Field(
         10 * 1000 * 1000 * 1000,
         ge=0,
-        description="Per tenant: the bytes its stored files may hold together (429 `tenant_storage_full`). 0: no cap.",
+        description="Per tenant: the bytes its stored files may hold together (429 `tenant_storage_full`), each "
+        "file counted as 1 KiB at least; uploads in flight hold their bytes as they stream in, so parallel uploads "
+        "never pass it together. 0: no cap.",
+    )
+    files_tenant_max_count: int = Field(
+        10_000,
+        ge=0,
+        description="Per tenant: the most files it may store at once, its batches' output and error files "
+        "included (429 `tenant_storage_full` for an upload past it). 0: no cap.",
     )
     batch_max_requests: int = Field(
         50_000, ge=1, description="The most requests (lines) a batch's input file may hold (the batch fails)."
@@ -463,6 +490,12 @@ class ApiSettings(CommonSettings):
         ge=1,
         description="How long a batch (`completion_window` `24h`) may run: then it ends `expired`, its unfinished "
         "lines in its error file.",
+    )
+    batch_tenant_max_live: int = Field(
+        100,
+        ge=0,
+        description="Per tenant: the most batches not yet ended (validating, in progress, finalizing or "
+        "cancelling); a new one past it is refused 429 `too_many_batches`. 0: no cap.",
     )
     batch_max_in_flight: int = Field(
         64,

@@ -151,6 +151,10 @@ class RequestTimeout(InputError):
     http_status = 408
 
 
+class BodyTimeout(RequestTimeout):
+    """The request's body did not arrive within the configured time."""
+
+
 class TooManyInputs(InputError):
     """The request carries more inputs than allowed."""
 
@@ -423,6 +427,13 @@ class TenantStorageFull(TenantLimited):
     """This tenant's unfinished jobs hold as many input bytes as it may store: come back when some have ended."""
 
     code = "tenant_storage_full"
+
+
+class TooManyBatches(TenantLimited):
+    """This tenant has as many batches running as it may: come back when one has ended."""
+
+    code = "too_many_batches"
+    retry_after_s = 60
 
 
 class BrokerUnavailable(TransientError):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import redis
 
 from stoker.adapters.store.answers import AnswerStreams
-from stoker.adapters.store.batches import BatchRepository, FileRepository
+from stoker.adapters.store.batches import BATCH_TTL_S, BatchRepository, FileRepository
 from stoker.adapters.store.blobs import BlobRepository
 from stoker.adapters.store.callbacks import CallbackRepository
 from stoker.adapters.store.clients import store_client
@@ -51,6 +51,7 @@ class Store:
         job_ttl_s: int,
         max_record_bytes: int = MAX_RECORD_BYTES,
         max_result_bytes: int = MAX_RECORD_BYTES,
+        batch_ttl_s: int = BATCH_TTL_S,
     ) -> Store:
         """Every repository over one client."""
         jobs = JobRepository(
@@ -71,7 +72,7 @@ class Store:
             idempotency=IdempotencyKeys(client),
             callbacks=CallbackRepository(client),
             files=FileRepository(client),
-            batches=BatchRepository(client),
+            batches=BatchRepository(client, ended_ttl_s=batch_ttl_s),
         )
 
     @classmethod
@@ -83,6 +84,7 @@ class Store:
             job_ttl_s=settings.job_ttl_s,
             max_record_bytes=settings.max_record_bytes,
             max_result_bytes=settings.max_result_bytes,
+            batch_ttl_s=settings.batch_ttl_s,
         )
 
     def close(self) -> None:

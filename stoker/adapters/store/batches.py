@@ -4,10 +4,12 @@ per `custom_id`."""
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -22,21 +24,74 @@ from stoker.adapters.store.keys import (
     file_key,
     tenant_batches_key,
     tenant_file_bytes_key,
+    tenant_file_holds_key,
     tenant_files_key,
+    tenant_live_batches_key,
 )
 from stoker.core.batchfiles import BatchRecord, BatchStatus, FileRecord
 
-# A file's record, written only while its tenant's files stay within their byte quota (0: none).
-_PUT_FILE = """
-local size, quota = tonumber(ARGV[2]), tonumber(ARGV[3])
-local used = tonumber(redis.call('GET', KEYS[2]) or '0')
-if quota > 0 and used + size > quota then return 0 end
+T = TypeVar("T")
+
+#: The least a file counts against its tenant's stored-files quota, however small (an empty file's record costs the
+#: store as much as any other's).
+FILE_MIN_BYTES = 1024
+#: How long an upload's hold on quota lasts unless renewed (each step of its bytes renews it): a hold of a process
+#: that died mid-upload lapses after this.
+HOLD_LEASE_S = 600
+
+# The bytes held by a tenant's uploads in flight (a hash: file id → "<bytes>:<until>") but `file_id`'s, lapsed holds
+# dropped on the way.
+_OTHER_HOLDS = """
+local function other_holds(holds_key, file_id, now)
+  local held, entries = 0, redis.call('HGETALL', holds_key)
+  for i = 1, #entries, 2 do
+    local bytes, till = string.match(entries[i + 1], '^(%d+):(%d+)$')
+    if till == nil or tonumber(till) < now then
+      redis.call('HDEL', holds_key, entries[i])
+    elseif entries[i] ~= file_id then
+      held = held + tonumber(bytes)
+    end
+  end
+  return held
+end
+"""
+
+# Hold room for an upload in its tenant's quota: as much as asked (ARGV[3]) of what the files' bytes and the other
+# uploads' holds leave, if that is at least what it needs now (ARGV[4]); what it holds then, or -1 (nothing changed).
+_HOLD = (
+    _OTHER_HOLDS
+    + """
+local now, asked, needed, quota, lease = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
+  tonumber(ARGV[6])
+local room = quota - tonumber(redis.call('GET', KEYS[2]) or '0') - other_holds(KEYS[1], ARGV[1], now)
+local held = math.min(asked, room)
+if held < needed then return -1 end
+redis.call('HSET', KEYS[1], ARGV[1], string.format('%d:%d', held, now + lease))
+redis.call('EXPIRE', KEYS[1], lease)
+return held
+"""
+)
+
+# A file's record, written only while its tenant's files (with the other uploads' holds) stay within their byte
+# quota (ARGV[3], 0: none) and their count within its cap (ARGV[9], 0: none); the upload's own hold becomes its
+# bytes.
+_PUT_FILE = (
+    _OTHER_HOLDS
+    + """
+local size, quota, most = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[9])
+if most > 0 and redis.call('ZCARD', KEYS[3]) >= most then return 0 end
+if quota > 0 then
+  local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+  if used + size + other_holds(KEYS[5], ARGV[7], tonumber(ARGV[10])) > quota then return 0 end
+end
+redis.call('HDEL', KEYS[5], ARGV[7])
 redis.call('INCRBY', KEYS[2], size)
 redis.call('HSET', KEYS[1], 'record', ARGV[1], 'tenant', ARGV[5], 'lines', ARGV[6])
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[7])
 if ARGV[8] ~= '' then redis.call('ZADD', KEYS[4], ARGV[8], ARGV[7]) end
 return 1
 """
+)
 
 # A file's record gone, and its bytes no longer counted; 0 if it was gone already.
 _DELETE_FILE = """
@@ -45,6 +100,22 @@ redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 if tonumber(redis.call('DECRBY', KEYS[2], ARGV[2])) <= 0 then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+
+# A new batch, unless its tenant has ARGV[3] (0: no cap) not yet ended: its record (fields from ARGV[6] on), its
+# place in the tenant's listing (which keeps ARGV[4] seconds of batches: older ones expired, ARGV[5] is that horizon),
+# the feeder's work list, the tenant's live batches. 1 if made.
+_CREATE_BATCH = """
+local most = tonumber(ARGV[3])
+if most > 0 and redis.call('SCARD', KEYS[4]) >= most then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+redis.call('SADD', KEYS[3], ARGV[1])
+redis.call('SADD', KEYS[4], ARGV[1])
+redis.call('EXPIRE', KEYS[4], ARGV[4])
 return 1
 """
 
@@ -81,41 +152,68 @@ class PendingLine:
 
 
 class FileRepository:
-    """Stored files' records, by id and by tenant, and the bytes each tenant's files hold."""
+    """Stored files' records, by id and by tenant, the bytes each tenant's files hold (each counted as
+    `FILE_MIN_BYTES` at least), and the room its uploads in flight hold in its quota."""
 
     def __init__(self, client: redis.Redis[bytes]) -> None:
         self.redis = client
         self._put = client.register_script(_PUT_FILE)
         self._delete = client.register_script(_DELETE_FILE)
+        self._hold = client.register_script(_HOLD)
 
-    def put(self, record: FileRecord, quota: int) -> bool:
-        """Record a file whose bytes are stored; False (nothing written) if that takes its tenant's files past
-        `quota` bytes."""
+    def put(self, record: FileRecord, quota: int, max_count: int = 0) -> bool:
+        """Record a file whose bytes are stored (its upload's hold, if any, becoming its bytes); False (nothing
+        written) if that takes its tenant's files past `quota` bytes with what other uploads hold, or past
+        `max_count` files (0: no cap)."""
         keys = [file_key(record.id), tenant_file_bytes_key(record.tenant), tenant_files_key(record.tenant)]
+        keys += [FILES_EXPIRY_KEY, tenant_file_holds_key(record.tenant)]
         expiry = "" if record.expires_at is None else str(record.expires_at)
-        args = [record.model_dump_json(), record.bytes, quota, record.created_at, record.tenant, record.lines]
-        return bool(self._put(keys=[*keys, FILES_EXPIRY_KEY], args=[*args, record.id, expiry]))
+        args = [record.model_dump_json(), counted_bytes(record.bytes), quota, record.created_at, record.tenant]
+        args += [record.lines, record.id, expiry, max_count, int(time.time())]
+        return bool(self._put(keys=keys, args=args))
+
+    def hold(self, tenant: str, file_id: str, needed: int, asked: int, quota: int) -> int:
+        """Hold room in the tenant's quota for an upload in flight, renewing its hold: up to `asked` bytes of what
+        the files and the other uploads leave, if that is at least `needed` (each counted as `FILE_MIN_BYTES` at
+        least); the bytes it holds now, or -1 when `needed` does not fit (its hold left as it was)."""
+        keys = [tenant_file_holds_key(tenant), tenant_file_bytes_key(tenant)]
+        needed = counted_bytes(needed)
+        args = [file_id, int(time.time()), max(asked, needed), needed, quota, HOLD_LEASE_S]
+        return int(self._hold(keys=keys, args=args))
+
+    def release(self, tenant: str, file_id: str) -> None:
+        """An upload in flight gave up: the room it held is free again."""
+        self.redis.hdel(tenant_file_holds_key(tenant), file_id)
+
+    def count(self, tenant: str) -> int:
+        """How many files the tenant stores now (its batches' output and error files included)."""
+        return int(self.redis.zcard(tenant_files_key(tenant)))
 
     def get(self, file_id: str) -> FileRecord | None:
         """A file's record; None if there is none."""
-        raw = self.redis.hmget(file_key(file_id), ["record", "tenant", "lines"])
-        if raw[0] is None:
-            return None
-        record = FileRecord.model_validate_json(raw[0])
-        return record.model_copy(update={"tenant": (raw[1] or b"local").decode(), "lines": int(raw[2] or 0)})
+        return _file_record(self.redis.hmget(file_key(file_id), ["record", "tenant", "lines"]))
 
     def page(self, tenant: str, after: str | None, limit: int, purpose: str | None = None) -> list[FileRecord]:
-        """Up to `limit` of a tenant's files, newest first, after the file `after` (of `purpose`, if given)."""
-        ids = [raw.decode() for raw in self.redis.zrevrange(tenant_files_key(tenant), 0, -1)]
-        if after is not None and after in ids:
-            ids = ids[ids.index(after) + 1 :]
-        found = [r for r in (self.get(i) for i in ids) if r is not None and (purpose is None or r.purpose == purpose)]
-        return found[:limit]
+        """Up to `limit` of a tenant's files, newest first, after the file `after` (of `purpose`, if given): read
+        a range of the listing at a time, and ids whose record is gone taken off it."""
+        found: list[FileRecord] = []
+        for record in _listed(self.redis, tenant_files_key(tenant), after, limit, self._records):
+            if purpose is None or record.purpose == purpose:
+                found.append(record)
+            if len(found) == limit:
+                break
+        return found
+
+    def _records(self, file_ids: list[str]) -> list[FileRecord | None]:
+        with self.redis.pipeline(transaction=False) as pipe:
+            for file_id in file_ids:
+                pipe.hmget(file_key(file_id), ["record", "tenant", "lines"])
+            return [_file_record(raw) for raw in pipe.execute()]
 
     def delete(self, record: FileRecord) -> bool:
         """Forget a file's record and stop counting its bytes; False if it was gone already."""
         keys = [file_key(record.id), tenant_file_bytes_key(record.tenant), tenant_files_key(record.tenant)]
-        return bool(self._delete(keys=[*keys, FILES_EXPIRY_KEY], args=[record.id, record.bytes]))
+        return bool(self._delete(keys=[*keys, FILES_EXPIRY_KEY], args=[record.id, counted_bytes(record.bytes)]))
 
     def due(self, now: float, count: int = 100) -> list[str]:
         """Ids of files whose expiry has come."""
@@ -126,53 +224,99 @@ class FileRepository:
         self.redis.zrem(FILES_EXPIRY_KEY, file_id)
 
     def used(self, tenant: str) -> int:
-        """Bytes the tenant's files hold now."""
+        """Bytes the tenant's files count for now (each `FILE_MIN_BYTES` at least)."""
         return int(self.redis.get(tenant_file_bytes_key(tenant)) or 0)
+
+
+def counted_bytes(size: int) -> int:
+    """What a file of `size` bytes counts for in its tenant's quota."""
+    return max(size, FILE_MIN_BYTES)
+
+
+def _file_record(raw: list[bytes | None]) -> FileRecord | None:
+    """A file's record from its hash's fields (record, tenant, lines); None if there is none."""
+    if raw[0] is None:
+        return None
+    record = FileRecord.model_validate_json(raw[0])
+    return record.model_copy(update={"tenant": (raw[1] or b"local").decode(), "lines": int(raw[2] or 0)})
+
+
+#: Ids read off a listing at a time.
+LISTING_STEP = 100
+#: How long an ended batch's record is kept unless the repository is told otherwise (`batch_ttl_s`'s default).
+BATCH_TTL_S = 30 * 24 * 3600
+#: Slack on how long a listing keeps a batch past its window and its record's time: a feeder that was down ends it
+#: late.
+LISTING_SLACK_S = 24 * 3600
+
+
+def _listed(
+    client: redis.Redis[bytes], key: str, after: str | None, wanted: int, read: Callable[[list[str]], list[T | None]]
+) -> Iterator[T]:
+    """A tenant's listing (a sorted set, newest first) from just after `after` (from the start when `after` is not
+    in it), as the records `read` finds for its ids, a range at a time (`wanted` ids first, then `LISTING_STEP`);
+    an id whose record is gone (expired) is taken off the listing."""
+    start = 0
+    if after is not None:
+        rank = client.zrevrank(key, after)
+        start = 0 if rank is None else int(rank) + 1
+    step = max(1, min(wanted, LISTING_STEP))
+    while ids := [raw.decode() for raw in client.zrevrange(key, start, start + step - 1)]:
+        records = read(ids)
+        gone = [listed_id for listed_id, record in zip(ids, records, strict=True) if record is None]
+        if gone:
+            client.zrem(key, *gone)
+        start += len(ids) - len(gone)  # what was taken off moved the rest up
+        yield from (record for record in records if record is not None)
+        step = LISTING_STEP
 
 
 class BatchRepository:
     """Batches: their records (one hash field per OpenAI field, so status and counts move independently), feeding
     progress, lines in flight, and each line's outcome, written once per `custom_id`."""
 
-    def __init__(self, client: redis.Redis[bytes]) -> None:
+    def __init__(self, client: redis.Redis[bytes], ended_ttl_s: int = BATCH_TTL_S) -> None:
         self.redis = client
+        #: How long an ended batch's record is kept.
+        self.ended_ttl_s = ended_ttl_s
         self._transition = client.register_script(_TRANSITION)
+        self._create = client.register_script(_CREATE_BATCH)
 
-    def create(self, record: BatchRecord) -> None:
-        """Store a new batch and put it on the feeder's work list."""
-        fields: dict[str | bytes, str | int] = {k: json.dumps(v) for k, v in record.model_dump(mode="json").items()}
-        with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(batch_key(record.id), mapping={**fields, "tenant": record.tenant, "fed": 0, "offset": 0})
-            pipe.zadd(tenant_batches_key(record.tenant), {record.id: record.created_at})
-            pipe.sadd(ACTIVE_BATCHES_KEY, record.id)
-            pipe.execute()
+    def create(self, record: BatchRecord, max_live: int = 0) -> bool:
+        """Store a new batch and put it on the feeder's work list; False (nothing written) when its tenant has
+        `max_live` batches not yet ended already (0: no cap)."""
+        fields: dict[str, str | int] = {k: json.dumps(v) for k, v in record.model_dump(mode="json").items()}
+        fields.update(tenant=record.tenant, fed=0, offset=0)
+        window = (record.expires_at or record.created_at) - record.created_at
+        # Every batch ends within its window (the feeder expires it) and its record lapses `ended_ttl_s` after: a
+        # listing entry older than that (and a day's slack for a feeder that was down) names a record gone.
+        keep_s = window + self.ended_ttl_s + LISTING_SLACK_S
+        keys = [batch_key(record.id), tenant_batches_key(record.tenant), ACTIVE_BATCHES_KEY]
+        keys.append(tenant_live_batches_key(record.tenant))
+        args: list[str | int] = [record.id, record.created_at, max_live, keep_s, record.created_at - keep_s]
+        args += [item for pair in fields.items() for item in pair]
+        return bool(self._create(keys=keys, args=args))
 
     def get(self, batch_id: str) -> BatchRecord | None:
         """A batch's record with its counts (live while it runs); None if there is none."""
+        (found,) = self._records([batch_id])
+        return found
+
+    def _records(self, batch_ids: list[str]) -> list[BatchRecord | None]:
+        """Batches' records with their counts, in one round trip; None for each that is gone."""
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(batch_key(batch_id))
-            pipe.hlen(batch_output_key(batch_id))
-            pipe.hlen(batch_errors_key(batch_id))
-            raw, completed, failed = pipe.execute()
-        if not raw:
-            return None
-        fields = {k.decode(): v.decode() for k, v in raw.items()}
-        values: dict[str, Any] = {
-            k: json.loads(fields[k]) for k in BatchRecord.model_fields if k in fields and k != "tenant"
-        }
-        record = BatchRecord.model_validate({**values, "tenant": fields.get("tenant", "local")})
-        if record.ended:  # its final counts were written when it ended, and its working sets are gone
-            return record
-        counts = record.request_counts.model_copy(update={"completed": completed, "failed": failed})
-        return record.model_copy(update={"request_counts": counts})
+            for batch_id in batch_ids:
+                pipe.hgetall(batch_key(batch_id))
+                pipe.hlen(batch_output_key(batch_id))
+                pipe.hlen(batch_errors_key(batch_id))
+            raw = pipe.execute()
+        return [_batch_record(*raw[i : i + 3]) for i in range(0, len(raw), 3)]
 
     def page(self, tenant: str, after: str | None, limit: int) -> list[BatchRecord]:
-        """Up to `limit` of a tenant's batches, newest first, after the batch `after`."""
-        ids = [raw.decode() for raw in self.redis.zrevrange(tenant_batches_key(tenant), 0, -1)]
-        if after is not None and after in ids:
-            ids = ids[ids.index(after) + 1 :]
-        found = (self.get(i) for i in ids[: limit + 1])
-        return [r for r in found if r is not None][:limit]
+        """Up to `limit` of a tenant's batches, newest first, after the batch `after`: read a range of the listing
+        at a time, and ids whose record is gone (expired) taken off it."""
+        found = _listed(self.redis, tenant_batches_key(tenant), after, limit, self._records)
+        return list(itertools.islice(found, limit))
 
     def update(self, batch_id: str, **fields: Any) -> None:
         """Set some of a batch's OpenAI fields."""
@@ -188,10 +332,15 @@ class BatchRepository:
         return sorted(raw.decode() for raw in self.redis.smembers(ACTIVE_BATCHES_KEY))
 
     def retire(self, batch_id: str) -> None:
-        """A batch is over: off the feeder's work list, its working sets gone (its record stays)."""
+        """A batch is over: off the feeder's work list and its tenant's live batches, its working sets gone, its
+        record kept `ended_ttl_s` more."""
+        tenant = self.redis.hget(batch_key(batch_id), "tenant")
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.srem(ACTIVE_BATCHES_KEY, batch_id)
+            if tenant is not None:
+                pipe.srem(tenant_live_batches_key(tenant.decode()), batch_id)
             pipe.delete(batch_pending_key(batch_id), batch_output_key(batch_id), batch_errors_key(batch_id))
+            pipe.expire(batch_key(batch_id), self.ended_ttl_s)
             pipe.execute()
 
     # -- feeding ----------------------------------------------------------------------------------------------
@@ -279,6 +428,21 @@ class BatchRepository:
                 left += max(done.total - done.completed - done.failed, 0)
         totals = {name: raw.get(name, 0) for name in ("fed", "completed", "failed")}
         return {**totals, "in_flight": in_flight, "waiting": max(left - in_flight, 0)}
+
+
+def _batch_record(raw: dict[bytes, bytes], completed: int, failed: int) -> BatchRecord | None:
+    """A batch's record from its hash, with its live counts while it runs; None if there is none."""
+    if not raw:
+        return None
+    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    values: dict[str, Any] = {
+        k: json.loads(fields[k]) for k in BatchRecord.model_fields if k in fields and k != "tenant"
+    }
+    record = BatchRecord.model_validate({**values, "tenant": fields.get("tenant", "local")})
+    if record.ended:  # its final counts were written when it ended, and its working sets are gone
+        return record
+    counts = record.request_counts.model_copy(update={"completed": completed, "failed": failed})
+    return record.model_copy(update={"request_counts": counts})
 
 
 def _pending_fields(raw: bytes) -> tuple[str, int, bool]:

@@ -287,6 +287,17 @@ def tenant_batches_key(tenant: str) -> str:
     return f"{PREFIX}:batches:{tenant}"
 
 
+def tenant_live_batches_key(tenant: str) -> str:
+    """A tenant's batches not yet ended (a set: its cap on batches running at once)."""
+    return f"{PREFIX}:batches:{tenant}:live"
+
+
+def tenant_file_holds_key(tenant: str) -> str:
+    """Room in a tenant's stored-files quota held by its uploads in flight: upload's file id → the bytes it holds
+    and until when (a hash; a hold not renewed lapses, so a process that died mid-upload holds nothing for long)."""
+    return f"{PREFIX}:files:{tenant}:holds"
+
+
 #: Every file whose expiry is due, by when (a sorted set the expiry sweep reads), across tenants.
 FILES_EXPIRY_KEY = f"{PREFIX}:files:expiry"
 #: Batches that are not over yet: the batch feeder's work list.
