@@ -19,7 +19,7 @@ import pytest
 
 from stoker.adapters.broker import queue_depths
 from stoker.adapters.store.keys import PROGRESS_FIELD, input_ref, job_key
-from stoker.settings import WorkerSettings
+from stoker.settings import ApiSettings, WorkerSettings
 from tasks.app import make_app
 from tests.fleet import SIM_RECOVERY, Fleet, own_fleet
 from tests.integration.conftest import SpySubmitter
@@ -35,7 +35,11 @@ def fleet() -> Iterator[Fleet]:
     # Every job does its own work: nothing rides on a cache hit.
     device = {"STOKER_BACKEND": "sim", "STOKER_SIM_BASE_MS": "1500"}
     settings = {**SIM_RECOVERY, **device, "STOKER_CACHE_ENABLED": "false"}
-    with own_fleet(settings) as crew:
+    # The API in this process reads the stack's settings as its workers do: it plans each job's first look by the
+    # reaper (`redrive_after_s`), so a message lost with a crash is sent again after 10 s, not the default 120.
+    names = {key: key.removeprefix("STOKER_").lower() for key in settings}
+    api = {names[key]: value for key, value in settings.items() if names[key] in ApiSettings.model_fields}
+    with own_fleet(settings, api=api) as crew:
         yield crew
 
 
