@@ -62,7 +62,7 @@ class WireTensor:
         name = _TORCH_NAMES.get(array.dtype.name)
         if name is None:
             raise ValueError(f"no torch dtype for numpy's {array.dtype}")
-        little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        little = np.asarray(array, dtype=array.dtype.newbyteorder("<"))  # tobytes: C order; 0-d kept 0-d
         return cls(name, tuple(int(n) for n in little.shape), little.tobytes())
 
     @classmethod
@@ -70,7 +70,7 @@ class WireTensor:
         """Floating values cast to bfloat16 as torch casts them (`tensor.to(torch.bfloat16)`, which vLLM applies to a
         processor's floating outputs for a model served in bfloat16): round to nearest, ties to even; any NaN becomes
         0xFFFF, as torch's CPU cast makes it. By hand: numpy has no bfloat16, and a CPU worker need not load torch."""
-        bits = np.ascontiguousarray(array, dtype="<f4").view("<u4")
+        bits = np.asarray(array, dtype="<f4").view("<u4")
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
         rounded[np.isnan(bits.view("<f4"))] = 0xFFFF
         return cls("bfloat16", tuple(int(n) for n in bits.shape), rounded.tobytes())
@@ -180,3 +180,132 @@ def _element(value: dict[str, Any]) -> ItemElement:
     if len(tensor.data) != width * int(np.prod(tensor.shape, dtype=np.int64)):
         raise ValueError(f"{len(tensor.data)} bytes for a {tensor.dtype} tensor of shape {list(tensor.shape)}")
     return ItemElement(tensor, FieldSpec.from_wire(value["field"]))
+
+
+def idefics3_item(tensors: Mapping[str, npt.NDArray[Any]], dtype: str = "bfloat16") -> dict[str, ItemElement]:
+    """One picture's item as vLLM's Idefics3 / SmolVLM processor makes it (`Idefics3MultiModalProcessor`'s fields):
+    `pixel_values` (tiles × 3 × side × side, floats cast to the served model's `dtype`) and `pixel_attention_mask`
+    (int64), both `flat` over the picture's tiles, and `num_patches` (the tile count, 0-d int64, `batched`, kept on
+    the CPU). `tensors`: the image processor's output for one picture (a leading batch of one), floats as float32."""
+    pixels = np.asarray(tensors["pixel_values"])[0]
+    tiles = int(pixels.shape[0])
+    spread = FieldSpec("flat", slices=(((0, tiles, None),),))
+    if dtype == "bfloat16":
+        values = WireTensor.bfloat16(pixels.astype(np.float32))
+    else:
+        values = WireTensor.of(pixels.astype(dtype))
+    mask = np.asarray(tensors["pixel_attention_mask"])[0].astype(np.int64)
+    return {
+        "pixel_values": ItemElement(values, spread),
+        "pixel_attention_mask": ItemElement(WireTensor.of(mask), spread),
+        "num_patches": ItemElement(WireTensor.of(np.array(tiles, dtype=np.int64)), FieldSpec("batched", True)),
+    }
+
+
+def metadata_item(item: Mapping[str, ItemElement]) -> dict[str, ItemElement]:
+    """The part of an item `mm_metadata` carries: its fields kept on the CPU (`_encode_metadata_items`)."""
+    return {key: element for key, element in item.items() if element.field.keep_on_cpu}
+
+
+#: vLLM's SamplingParams defaults that an int equal to them leaves out of its JSON (msgspec's `omit_defaults`
+#: compares by identity, so a small int equal to its default is omitted, a computed float is not).
+_INT_DEFAULTS = {"max_tokens": 16, "n": 1}
+#: What its render's chat_template_kwargs always carry besides the generation prompt's two switches.
+TEMPLATE_DEFAULTS = {"cohere_format": "cmd4"}
+_GREEDY = 1e-5
+
+
+def sampling_params(
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    n: int | None = None,
+    logprobs: int | None = None,
+    stream: bool = False,
+    tools_parsed: bool = False,
+) -> dict[str, Any]:
+    """`SamplingParams` as vLLM 0.33.0's render writes them in JSON for these request values (`to_sampling_params`,
+    `SamplingParams.from_optional`): greedy sampling (temperature 0) drops top_p and min_p; a stop string asks for
+    an output buffer of its length less one; ints equal to their defaults are left out. `tools_parsed`: the answer
+    is read for tool calls (tools offered, a choice other than `none`), so its special tokens are kept for the
+    parser."""
+    out: dict[str, Any] = {
+        "bad_words": [],
+        "frequency_penalty": 0.0,
+        "output_kind": 1 if stream else 2,  # RequestOutputKind.DELTA / FINAL_ONLY
+        "presence_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "skip_clone": True,
+        "skip_reading_prefix_cache": False,
+        "stop": list(stop or []),
+        "stop_token_ids": [],
+        "temperature": temperature,
+    }
+    if temperature >= _GREEDY:
+        out |= {"top_p": 1.0 if top_p is None else top_p, "min_p": 0.0}
+    for name, value in (("max_tokens", max_tokens), ("n", n)):
+        if value is not None and value != _INT_DEFAULTS[name]:
+            out[name] = value
+    if seed is not None:
+        out["seed"] = seed
+    if logprobs is not None:
+        out["logprobs"] = logprobs
+    if tools_parsed:
+        out["skip_special_tokens"] = False
+    if stop:
+        out["output_text_buffer_length"] = max(len(s) for s in stop) - 1
+    return out
+
+
+def features(
+    hashes: list[str], placeholders: list[tuple[int, int]], items: list[Mapping[str, ItemElement]]
+) -> dict[str, Any] | None:
+    """`MultiModalFeatures` for a render's pictures (None for a render without one): their hashes, placeholder
+    ranges and items, each item's fields kept on the CPU again in `mm_metadata`."""
+    if not hashes:
+        return None
+    metadata = [metadata_item(item) for item in items]
+    return {
+        "mm_hashes": {"image": hashes},
+        "mm_placeholders": {"image": [{"offset": offset, "length": length} for offset, length in placeholders]},
+        "kwargs_data": {"image": [encode_item(item) for item in items]},
+        "mm_metadata": {"image": [encode_item(m) if m else None for m in metadata]} if any(metadata) else None,
+    }
+
+
+def generate_request(
+    request_id: str,
+    token_ids: list[int],
+    sampling: dict[str, Any],
+    *,
+    model: str,
+    mm_features: dict[str, Any] | None = None,
+    parse_context: dict[str, Any] | None = None,
+    stream: bool = False,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> dict[str, Any]:
+    """vLLM's `GenerateRequest` as its render answers it in JSON (every field, at its default where unused)."""
+    return {
+        "request_id": request_id,
+        "token_ids": token_ids,
+        "token_offsets": None,
+        "features": mm_features,
+        "content_parts": None,
+        "sampling_params": sampling,
+        "model": model,
+        "reasoning_ended": None,
+        "reasoning_parser_kwargs": None,
+        "return_token_ids": None,
+        "output_mode": "tokens",
+        "parse_context": parse_context,
+        "stream": stream,
+        "stream_options": None,
+        "cache_salt": cache_salt,
+        "priority": priority,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+    }

@@ -106,15 +106,25 @@ class ImageTokens:
 
     def expand(self, ids: list[int], layouts: list[dict[str, Any]]) -> list[int]:
         """Rendered ids with each image token the template wrote replaced by its picture's expansion, in order."""
+        return self.expand_with_ranges(ids, layouts)[0]
+
+    def expand_with_ranges(
+        self, ids: list[int], layouts: list[dict[str, Any]]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """`expand`, and where each picture's expansion lies in the expanded ids (offset, length), in order."""
         positions = [i for i, token in enumerate(ids) if token == self.token_id]
         if len(positions) != len(layouts):
             raise StokerError(f"the chat template wrote {len(positions)} image tokens for {len(layouts)} pictures")
         out: list[int] = []
+        ranges: list[tuple[int, int]] = []
         start = 0
         for at, layout in zip(positions, layouts, strict=True):
-            out += ids[start:at] + self.expansion(layout)
+            out += ids[start:at]
+            expansion = self.expansion(layout)
+            ranges.append((len(out), len(expansion)))
+            out += expansion
             start = at + 1
-        return out + ids[start:]
+        return out + ids[start:], ranges
 
 
 class PromptTokenizer:
@@ -170,13 +180,30 @@ class PromptTokenizer:
         ids = self._apply(parts, chat_template=self.images.template, **options)
         return self.images.expand(ids, [layout for m in messages for layout in m.get("images", [])])
 
+    def render_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Messages as they are (content parts for a model that sees: `{"type": "image"}`, `{"type": "text"}`) in the
+        model's template (the processor's for a model that sees), with the template's own options, as a renderer
+        that hands them on unchanged does (vLLM's: `stoker.adapters.render`); their text is still only text. The
+        image tokens are left for the caller to expand (`ImageTokens.expand_with_ranges`)."""
+        template: dict[str, Any] = {"chat_template": self.images.template} if self.images else {}
+        if tools:
+            template["tools"] = list(tools)
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        return self._apply(messages, **template, **options)
+
     def _apply(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
+        template.setdefault("add_generation_prompt", True)
         if self._whole is not None and not self._whole.spelled_in(messages, template.get("tools")):
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template)
             return self._whole.encode(str(text))
         out = self.tokenizer.apply_chat_template(
             messages,
-            add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
             sanitize_control_tokens=True,

@@ -114,9 +114,13 @@ class ImagePreparer:
 
     processor: Any
     identity: str
+    #: The dtype floating tensors are kept in: float16 (half the bytes; the local model and the embeddings read
+    #: them), or float32, the processor's own values, which a render casts to the served model's dtype exactly as
+    #: vLLM does (`stoker.adapters.render`). Part of `identity`, so the two never share a cache entry.
+    floats: str = "float16"
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> ImagePreparer | None:
+    def load(cls, model_dir: str | Path, floats: str = "float16") -> ImagePreparer | None:
         """The image processor a model directory (or hub id) declares; None when the model reads no images."""
         if not declares_processor(str(model_dir)):
             return None
@@ -126,7 +130,8 @@ class ImagePreparer:
             processor = AutoImageProcessor.from_pretrained(str(model_dir))
         except OSError:  # no preprocessor_config.json: a text-only model
             return None
-        return cls(processor=processor, identity=processor_identity(processor))
+        identity = processor_identity(processor)
+        return cls(processor, identity if floats == "float16" else f"{identity}.{floats}", floats)
 
     def prepare(self, rgb: Image.Image) -> PreparedImage:
         """The model's tensors for one decoded picture (RGB, already EXIF-rotated, as decode makes it)."""
@@ -136,7 +141,7 @@ class ImagePreparer:
             output = self.processor(images=rgb, **self._extra())
         except ValueError as exc:
             raise ImageCorrupt(f"the model's image processor cannot read this image: {exc}", stage="decode") from exc
-        tensors = {name: _stored(name, value) for name, value in output.items()}
+        tensors = {name: _stored(name, value, self.floats) for name, value in output.items()}
         meta = {"processor": self.identity, "processor_class": type(self.processor).__name__, "size": list(rgb.size)}
         return PreparedImage(tensors=tensors, meta=meta)
 
@@ -167,11 +172,11 @@ class ImagePreparer:
         return {"return_row_col_info": True} if "return_row_col_info" in accepted else {}
 
 
-def _stored(name: str, value: Any) -> npt.NDArray[Any]:
-    """The dtype a tensor travels in: float16 for values, bool for masks, int64 for counts and grids."""
+def _stored(name: str, value: Any, floats: str = "float16") -> npt.NDArray[Any]:
+    """The dtype a tensor travels in: `floats` for values, bool for masks, int64 for counts and grids."""
     array = np.asarray(value)
     if name.endswith("_mask"):
         return array.astype(np.bool_)
     if np.issubdtype(array.dtype, np.floating):
-        return array.astype(np.float16)
+        return array.astype(floats)
     return array.astype(np.int64)

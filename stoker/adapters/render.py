@@ -1,0 +1,138 @@
+"""A request rendered as vLLM's render tier renders it (`/v1/chat/completions/render`, `/v1/completions/render`): the
+token ids the model is given, each picture's placeholder range and its tensors in vLLM's encoding
+(`stoker.adapters.vllm_render`), with the model's own tokenizer and image processor.
+
+Unlike stoker's own prompts (`stoker.core.prompting`), a render hands the chat on as it was sent: content parts in
+their order, the template's `add_generation_prompt` / `continue_final_message` as asked, tools to a template that
+renders them (one that does not, ignores them, as vLLM's does: they travel in `parse_context`), no system prompt
+and no budget. One difference stays on purpose: a message's text is only ever text (a string that spells
+`<|im_end|>` is not the control token), where vLLM would encode it as the token.
+
+Equal to vLLM 0.33.0's render for the corpus of `tests/fixtures/vllm_render` (token ids and placeholders; tensors
+bit-equal where both run the same image processor backend: see that folder's README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blake3
+from PIL import Image
+
+from stoker.adapters.backends.tokenizer import PromptTokenizer, load_prompt_tokenizer
+from stoker.adapters.backends.vision import ImagePreparer
+from stoker.adapters.vllm_render import ItemElement, idefics3_item
+from stoker.core.errors import StokerError
+
+#: Bump when what a render makes of a picture changes (its cache entries are then missed).
+VERSION = "1"
+
+
+@dataclass(frozen=True)
+class RenderedPicture:
+    """One picture ready for a render: its layout (for its placeholder tokens) and its vLLM item."""
+
+    layout: dict[str, Any]
+    item: dict[str, ItemElement]
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered prompt: its token ids and, per picture in order, where its placeholder lies (offset, length)."""
+
+    token_ids: list[int]
+    placeholders: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Renderer:
+    """The served model's tokenizer and image processor, rendering as vLLM does for a model served in `dtype`."""
+
+    def __init__(self, model_path: str, dtype: str = "bfloat16", tokenizer: PromptTokenizer | None = None) -> None:
+        self.model_path = model_path
+        self.dtype = dtype
+        self.tokenizer = tokenizer or load_prompt_tokenizer(model_path)
+        # float32: the processor's own values, cast once to the model's dtype as vLLM casts them
+        self.preparer = ImagePreparer.load(model_path, floats="float32") if self.sees else None
+        self.max_model_len = _max_model_len(Path(model_path))
+
+    @property
+    def sees(self) -> bool:
+        """Whether the model reads pictures (its processor has image tokens)."""
+        return self.tokenizer.images is not None
+
+    @property
+    def identity(self) -> str:
+        """What identifies a picture's rendering: the image processor and the dtype its floats are cast to."""
+        processor = self.preparer.identity if self.preparer is not None else ""
+        return f"{VERSION}.{processor}.{self.dtype}"
+
+    def picture_hash(self, content_hash: str) -> str:
+        """A picture's `mm_hash`: its content hash and this rendering's identity, so vLLM's caches key on one value
+        for one picture across every stoker of the fleet."""
+        return blake3.blake3(f"{content_hash}:{self.identity}".encode()).hexdigest()
+
+    def picture(self, rgb: Image.Image) -> RenderedPicture:
+        """One decoded picture through the model's image processor, as vLLM's item."""
+        if self.preparer is None:
+            raise StokerError("this model reads no pictures", stage="render")
+        prepared = self.preparer.prepare(rgb)
+        return RenderedPicture(self.preparer.layout(prepared), idefics3_item(prepared.tensors, self.dtype))
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        layouts: Sequence[dict[str, Any]] = (),
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> Rendered:
+        """A chat's messages (OpenAI's, each image part already replaced by `{"type": "image"}`) rendered, the
+        pictures' `layouts` in the order of their image parts."""
+        shaped = [self._message(m) for m in messages]
+        ids = self.tokenizer.render_template(shaped, tools, add_generation_prompt, continue_final_message)
+        images = self.tokenizer.images
+        if images is None:
+            return Rendered(ids)
+        expanded, ranges = images.expand_with_ranges(ids, list(layouts))
+        return Rendered(expanded, ranges)
+
+    def completion(self, prompt: str) -> Rendered:
+        """A completion's prompt, encoded with the tokenizer's own special tokens (its BOS, where it adds one)."""
+        return Rendered([int(i) for i in self.tokenizer.tokenizer.encode(prompt, add_special_tokens=True)])
+
+    def _message(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A message as the template takes it: content parts for a model that sees (a string made one text part),
+        text for any other (its text parts joined by newlines); a call's arguments as an object."""
+        content = message.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        out: dict[str, Any] = {**message}
+        if self.sees:
+            out["content"] = parts
+        else:
+            out["content"] = content if isinstance(content, str) else "\n".join(p["text"] for p in parts)
+        if message.get("tool_calls"):
+            out["tool_calls"] = [_with_arguments(call) for call in message["tool_calls"]]
+        return out
+
+
+def _with_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    with contextlib.suppress(TypeError, ValueError):  # not JSON: the template gets the text as it was sent
+        function["arguments"] = json.loads(function.get("arguments") or "{}")
+    return {**call, "function": function}
+
+
+def _max_model_len(model_dir: Path) -> int:
+    """The model's context length as vLLM reads it from its config (`max_position_embeddings`, the text model's
+    for a model that sees); 2048 where the config has none."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return 2048
+    text = config.get("text_config") or config
+    return int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 2048)
