@@ -22,6 +22,7 @@ from api.context import ApiContext, close_clients
 from api.files import router as files_router
 from api.headers import SHOULD_RETRY, retry_headers
 from api.limits import BodyLimitMiddleware
+from api.render import router as render_router
 from api.routes import router
 from stoker.adapters.cache import StageCache
 from stoker.adapters.metrics import REQUESTS, serve_api_metrics
@@ -58,6 +59,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app.include_router(chat_router)
     app.include_router(files_router)
     app.include_router(batches_router)
+    app.include_router(render_router)
     _add_error_handlers(app)
     return app
 
