@@ -30,7 +30,7 @@ from uvicorn.server import ServerState
 
 from api.app import create_app
 from api.context import context_of
-from stoker.core.errors import BodyTimeout, HeadersTooLarge, MalformedRequest, RequestTimeout, StokerError
+from stoker.core.errors import HeadersTooLarge, MalformedRequest, RequestTimeout, StokerError
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class HeadBoundedProtocol(HttpToolsProtocol):
 
     A body still arriving after the chunk that completed its head has a deadline too (`body_timeout_s` from the
     head's end, and as long again as its bytes so far take at `body_min_bytes_per_s`), cancelled once it is in. Past
-    it, the route reading the body gets `BodyTimeout` from its `receive` (answered 408 in the error shape, as any
+    it, the route reading the body gets `RequestTimeout` from its `receive` (answered 408 in the error shape, as any
     error) and the connection is closed after the answer; a body whose answer went out before it was read (a 401,
     say, or a 413) is no longer waited for: the connection is closed.
     """
@@ -191,7 +191,7 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         #: When the current request's head completed (the loop's clock), and the bytes of its body since.
         self.body_began = 0.0
         self.body_bytes = 0
-        #: The request whose body passed its deadline: its `receive` raises `BodyTimeout`.
+        #: The request whose body passed its deadline: its `receive` raises `RequestTimeout`.
         self.late_cycle: RequestResponseCycle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -259,7 +259,7 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
-        """Run the app for a request with a `receive` that raises `BodyTimeout` once the request's body is late."""
+        """Run the app for a request with a `receive` that raises `RequestTimeout` once the request's body is late."""
 
         async def bounded(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
             async def receive_in_time() -> Any:
@@ -267,7 +267,7 @@ class HeadBoundedProtocol(HttpToolsProtocol):
                     message = await receive()
                     if self.late_cycle is not cycle:
                         return message
-                raise BodyTimeout(f"the request's body did not arrive within {self.body_timeout_s:g} s")
+                raise RequestTimeout(f"the request's body did not arrive within {self.body_timeout_s:g} s")
 
             await app(scope, receive_in_time, send)
 

@@ -145,14 +145,10 @@ class HeadersTooLarge(InputError):
 
 
 class RequestTimeout(InputError):
-    """The request line and headers did not arrive within the configured time."""
+    """The request's head, or its body, did not arrive within the configured time."""
 
     code = "request_timeout"
     http_status = 408
-
-
-class BodyTimeout(RequestTimeout):
-    """The request's body did not arrive within the configured time."""
 
 
 class TooManyInputs(InputError):
