@@ -756,8 +756,8 @@ class WorkerSettings(CommonSettings):
         16,
         ge=0,
         description="The local model: every this many new tokens, a running generate call of interactive requests "
-        "stops when a request waits for the device and the call has room for it (never only because some of its "
-        "answers are done); the done answers are written, the others go on in the next call beside the waiting "
+        "stops when some of its answers are done and others are not, or when a request waits for the device and "
+        "the call has room for it; the done answers are written, the others go on in the next call beside the waiting "
         "requests (re-reading their prompts and tokens so far). A smaller number makes a request wait less for a "
         "long answer on the device and costs more re-reading; 0: a call runs until its longest answer ends.",
     )

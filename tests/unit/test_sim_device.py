@@ -1,5 +1,5 @@
-"""The simulated device in steps (`STOKER_SIM_STEPS`): a call stops between steps for waiting requests (and only
-for them), as the local model's calls do, and an unfinished answer comes back `Continued` with its steps."""
+"""The simulated device in steps (`STOKER_SIM_STEPS`): a call stops between steps for waiting requests or for its
+done answers, as the local model's calls do, and an unfinished answer comes back `Continued` with its steps."""
 
 from __future__ import annotations
 
@@ -33,13 +33,11 @@ def test_a_waiting_request_stops_the_call_at_its_next_yield_point() -> None:
     assert outcomes == [Continued((0, 0)), Continued((0, 0))]  # two steps each, then room for the waiting one
 
 
-def test_answers_that_end_unevenly_leave_the_call_only_for_a_waiting_request() -> None:
+def test_answers_under_way_finish_beside_a_new_one_and_leave_the_call() -> None:
     going = [replace(r, generated=(0,) * 8) for r in _requests(2)]
-    # nobody waits: the call runs on past the answers under way to the new one's end (no stop, no re-read)
-    alone = run_predictor(_device(waiting=0), [*going, *_requests(1)])
-    assert [type(o) for o in alone] == [Prediction, Prediction, Prediction]
-    # a request waits: at the first yield point after the others are done, the call stops and makes room for it
-    outcomes = run_predictor(_device(waiting=1), [*going, *_requests(1)])
+    # nobody waits, yet the done answers leave at the first yield point after their end: their clients do not wait
+    # for the longest answer of the call (the unfinished one goes on in the next call)
+    outcomes = run_predictor(_device(waiting=0), [*going, *_requests(1)])
     assert [type(o) for o in outcomes] == [Prediction, Prediction, Continued]
     assert outcomes[2] == Continued((0, 0))  # it had two steps when the others were done
 

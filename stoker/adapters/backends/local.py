@@ -57,10 +57,11 @@ class YieldsToConsumer:
 
 
 def stops_now(going: int, rows: int, max_rows: int, waiting: Callable[[], int]) -> bool:
-    """Whether a call of `rows` answers, `going` of them unfinished, stops at this step: only when a request waits
-    for the device and the call has room for it (it joins the next call, and the done answers go out now). Answers
-    that merely end unevenly do not stop it: nobody would gain, and the unfinished ones would re-read their prompts."""
-    return 0 < going < max_rows and waiting() > 0
+    """Whether a call of `rows` answers, `going` of them unfinished, stops at this step: when some are done and
+    others are not (the done ones go out now rather than with the longest: their clients gain, at the cost of the
+    others re-reading their prompts in the next call), or when a request waits for the device and the call has room
+    for it (it joins the next call)."""
+    return going > 0 and (going < rows or (going < max_rows and waiting() > 0))
 
 
 class TransformersPredictor(YieldsToConsumer):
@@ -76,11 +77,12 @@ class TransformersPredictor(YieldsToConsumer):
     is not streamed: its text may turn out to be calls.
 
     Given a consumer to yield to (`yield_to`), a call of interactive requests stops between decoding steps, every
-    `yield_tokens` new tokens, when a request waits for the device and the call has room for it (`YieldPoints`):
-    the done answers are written, the others come back `Continued` and go on in the next call beside the requests
-    that waited, their prompts re-read with the tokens they have (iteration-level scheduling at a granularity of
-    `yield_tokens`, for a model behind `generate`, which cannot take new rows into a running call). Calls with `n`
-    above 1 or `logprobs`, and batch lines, run to their end.
+    `yield_tokens` new tokens, when some of its answers are done and others are not, or when a request waits for
+    the device and the call has room for it (`YieldPoints`): the done answers are written, the others come back
+    `Continued` and go on in the next call beside the requests that waited, their prompts re-read with the tokens
+    they have (iteration-level scheduling at a granularity of `yield_tokens`, for a model behind `generate`, which
+    cannot take new rows into a running call). Calls with `n` above 1 or `logprobs`, and batch lines, run to their
+    end.
     """
 
     mixes_sampling = False
@@ -338,9 +340,9 @@ def _with_calls(answer: Prediction, params: GenerationParams) -> Prediction:
 
 
 class YieldPoints:
-    """A stopping criterion for `generate`: every `every` new tokens, the whole call stops when a request waits for
-    the device and the call has room for it (it joins the next call; the done answers go out now); else the call
-    goes on."""
+    """A stopping criterion for `generate`: every `every` new tokens, the whole call stops when some of its rows
+    are done and others are not (the done answers go out now rather than with the longest), or when a request
+    waits for the device and the call has room for it (it joins the next call); else the call goes on."""
 
     def __init__(
         self, every: int, width: int, rest: list[int], stop_ids: set[int], waiting: Callable[[], int], max_rows: int
@@ -475,8 +477,8 @@ class SimPredictor(YieldsToConsumer):
 
     With `steps`, each request is that many decoding steps, and a call of n requests spends `(base_ms + per_item_ms
     × n) / steps` on each: run whole, a batch takes what it took without steps. Given a consumer to yield to
-    (`yield_to`), a call stops every `yield_steps` steps when a request waits for the device and the call has room
-    for it, as `TransformersPredictor`'s calls do: the
+    (`yield_to`), a call stops every `yield_steps` steps when some of its answers are done and others are not, or
+    when a request waits for the device and the call has room for it, as `TransformersPredictor`'s calls do: the
     unfinished answers come back `Continued` (their steps so far) and go on in the next call beside the waiting
     requests. Batch lines run to their end.
     """
