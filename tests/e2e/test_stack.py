@@ -219,9 +219,9 @@ def _cmdline(pid: int) -> str:
 
 
 def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_path: Path) -> None:
-    """No broker answers: `stoker up` starts an embedded Valkey and serves a job with it. A second stack on its
-    port is told which port; a SIGKILL of the supervisor takes every process it started with it. (The module's
-    own stack shows the clean stop, Ctrl-C, exit 0.)"""
+    """No broker answers: `stoker up` starts embedded Valkeys (the broker and store's, the cache's) and serves a job
+    with them. A second stack on its port is told which port; a SIGKILL of the supervisor takes every process it
+    started with it. (The module's own stack shows the clean stop, Ctrl-C, exit 0.)"""
     nobody = f"redis://127.0.0.1:{free_port()}"  # the embedded broker is one more child that must not outlive it
     env = {
         **os.environ,
@@ -234,7 +234,9 @@ def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_pat
     started: set[int] = set()
     try:
         log = (tmp_path / "up.log").read_text()
-        assert "starting an embedded Valkey" in log
+        said = " ".join(log.split())  # the console wraps its lines
+        assert "an embedded Valkey for the broker and store" in said
+        assert "an embedded Valkey for it (allkeys-lru)" in said  # the cache on a server of its own, which evicts
         assert f"cache    {nobody}/2" not in log
         # A stack in service (its workers' children warm, models loaded), not one still starting up.
         response = httpx.post(f"{base}/v1/jobs", data={"prompt": "Say hi."}, timeout=30)
@@ -244,10 +246,11 @@ def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_pat
         names = {_cmdline(pid) for pid in started}
         assert any("stoker.cli api" in name for name in names), names
         assert sum("celery" in name and " worker " in name for name in names) >= 2, names  # CPU pool, inference
-        (valkey,) = [pid for pid in started if "valkey-server" in _cmdline(pid)]
-        data_dir = Path(f"/proc/{valkey}/cwd").resolve()  # the server works in its --dir (its title hides it)
-        assert data_dir.name.startswith("stoker-valkey-")
-        assert list(data_dir.iterdir()) == []  # its job records and uploads live in memory only
+        valkeys = [pid for pid in started if "valkey-server" in _cmdline(pid)]
+        data_dirs = [Path(f"/proc/{pid}/cwd").resolve() for pid in valkeys]  # each works in its --dir
+        assert sorted(d.name.startswith("stoker-valkey-cache-") for d in data_dirs) == [False, True], data_dirs
+        assert all(d.name.startswith("stoker-valkey-") for d in data_dirs), data_dirs  # the store's, the cache's
+        assert [list(d.iterdir()) for d in data_dirs] == [[], []]  # job records and uploads live in memory only
         # A second stack with the same API port is told which port, before it starts anything.
         port = base.rsplit(":", 1)[1]
         second = subprocess.run(
@@ -268,7 +271,7 @@ def test_up_starts_an_embedded_broker_and_nothing_it_started_outlives_it(tmp_pat
         except TimeoutError as exc:
             left = {pid: _cmdline(pid) for pid in started if running(pid)}
             raise AssertionError(f"still running: {left}") from exc
-        assert list(data_dir.rglob("*")) == []  # even killed, the stack left none of its jobs on disk
+        assert [list(d.rglob("*")) for d in data_dirs] == [[], []]  # even killed, it left none of its jobs on disk
     finally:
         for pid in (pid for pid in started if running(pid)):  # only if the test failed: leave nothing behind
             with contextlib.suppress(ProcessLookupError):
