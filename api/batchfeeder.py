@@ -9,6 +9,10 @@ when the batch completes, is cancelled or expires.
 Every step's progress is in the store, so a feeder that dies (SIGKILLed) is replaced by the next lease
 holder, which resumes where it left off: a line's job id is derived from its batch and line number, so a line
 fed again is found to exist and never runs twice, and each `custom_id`'s outcome is written once.
+
+Each batch is moved on by itself: an error in one batch's step is that batch's (tried again later, and after
+`MAX_STEP_FAULTS` tries in a row the batch fails), never the other batches'. The room a tick has is shared among
+the tenants with running batches in turn, so one tenant's large batch never holds another's small one back.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
+from functools import partial
+from itertools import islice
+from typing import TypeVar
 
 import redis
 from starlette.concurrency import run_in_threadpool
@@ -45,11 +52,16 @@ from stoker.core.batchfiles import (
     Room,
     Validation,
     batch_room,
+    index_entry,
+    indexed_names,
+    json_values,
+    line_index_id,
     line_job_id,
     now_s,
     output_line,
     parse_line,
     split_lines,
+    tenant_turns,
     unrun_line,
 )
 from stoker.core.errors import BatchCancelled, BatchExpired, StokerError, error_class
@@ -59,10 +71,18 @@ from stoker.core.queues import inference_depth
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
-#: The most lines fed in one tick (taken in concurrently).
+#: The most lines of one batch fed in one tick (taken in concurrently).
 FEED_AT_ONCE = 32
 #: How often expired files are looked for.
 SWEEP_EVERY_S = 10.0
+#: A batch whose step fails this many times in a row fails; it is tried again after 0.5 s, 1 s, 2 s, ...
+MAX_STEP_FAULTS = 5
+FAULT_BACKOFF_S = 0.5
+#: Lines that never ran written to the store at a time (when a batch is cancelled, expires or loses its input).
+UNRUN_AT_ONCE = 1000
+#: The statuses a batch the feeder cannot move on fails from.
+_UNENDED: tuple[BatchStatus, ...] = ("validating", "in_progress", "finalizing", "cancelling")
+T = TypeVar("T")
 
 
 class BatchFeeder:
@@ -73,6 +93,8 @@ class BatchFeeder:
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.holding = False  # the inference queue passed its high watermark: wait for the low one
         self._swept = 0.0
+        self._turn = 0  # rounds of feeding so far: which tenant is served first in the next
+        self._retry_at: dict[str, float] = {}  # batches whose last step failed: when they are tried again
 
     async def run(self) -> None:
         """Tick until cancelled (the API's lifespan, or `stoker batch-feeder`'s signal handler): every
@@ -100,21 +122,60 @@ class BatchFeeder:
         return self.context.store.leases.take_lease(BATCH_FEEDER_LEASE_KEY, self.token, lease_s)
 
     async def tick(self) -> bool:
-        """One round over every active batch: validate, collect, feed into the room there is, end; whether any
-        batch was active."""
+        """One round over every active batch: validate, collect, end, each batch by itself; then feed the room
+        there is across tenants in turn. Whether any batch was active."""
         store = self.context.store
         if time.time() - self._swept >= SWEEP_EVERY_S:
             self._swept = time.time()
             await run_in_threadpool(sweep_expired_files, self.context)
         ids = await run_in_threadpool(store.batches.active)
         room = await run_in_threadpool(self._room, ids)
+        running = []
         for batch_id in ids:
-            record = await run_in_threadpool(store.batches.get, batch_id)
-            if record is None or record.ended:
-                await run_in_threadpool(store.batches.retire, batch_id)
-                continue
-            room -= await self.step(record, room)
+            record = await self._guarded(batch_id, partial(self._advance, batch_id))
+            if record is not None:
+                running.append(record)
+        await self._feed_in_turn(running, room)
         return bool(ids)
+
+    async def _advance(self, batch_id: str) -> BatchRecord | None:
+        """Move one batch on but for feeding; the batch if it has lines to feed."""
+        store = self.context.store.batches
+        record = await run_in_threadpool(store.get, batch_id)
+        if record is None or record.ended:
+            await run_in_threadpool(store.retire, batch_id)
+            return None
+        return record if await self.step(record) else None
+
+    async def _guarded(self, batch_id: str, work: Callable[[], Awaitable[T]]) -> T | None:
+        """One batch's work, by itself: an error in it is that batch's alone (logged with its traceback the first
+        time), tried again later and later, and the batch fails after `MAX_STEP_FAULTS` tries in a row. The
+        store's errors are everyone's: the tick waits for the store."""
+        if time.monotonic() < self._retry_at.get(batch_id, 0.0):
+            return None
+        try:
+            done = await work()
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # one batch's fault (a bad line, a schema, a storage error) never stops the rest
+            await run_in_threadpool(self._fault, batch_id, exc)
+            return None
+        if self._retry_at.pop(batch_id, None) is not None:
+            await run_in_threadpool(self.context.store.batches.clear_faults, batch_id)
+        return done
+
+    def _fault(self, batch_id: str, exc: Exception) -> None:
+        """Count a failed step of a batch: tried again after a pause that doubles, failed after too many."""
+        tries = self.context.store.batches.note_fault(batch_id)
+        if tries == 1:
+            log.error("batch %s: its step failed (tried up to %d times)", batch_id, MAX_STEP_FAULTS, exc_info=exc)
+        if tries < MAX_STEP_FAULTS:
+            self._retry_at[batch_id] = time.monotonic() + FAULT_BACKOFF_S * 2 ** (tries - 1)
+            return
+        problem = f"{type(exc).__name__}: {exc}"
+        log.error("batch %s failed: its step failed %d times in a row (%s)", batch_id, tries, problem)
+        self._retry_at.pop(batch_id, None)
+        self._give_up(batch_id, problem)
 
     def _room(self, ids: list[str]) -> int:
         """How many lines may be fed this tick, over every batch."""
@@ -133,47 +194,96 @@ class BatchFeeder:
         self.holding = infer > settings.infer_high_watermark or (self.holding and infer > settings.infer_low_watermark)
         return room
 
-    async def step(self, record: BatchRecord, room: int) -> int:
-        """Move one batch on; how many of its lines were fed."""
-        if record.status == "validating":
-            await run_in_threadpool(self._validate, record)
-            return 0
-        if record.status == "cancelling":
-            await run_in_threadpool(self._stop, record, "cancelled")
-            return 0
-        if record.status == "finalizing":
-            await run_in_threadpool(self._finish, record, "completed")
-            return 0
-        if record.expires_at is not None and now_s() >= record.expires_at:
-            await run_in_threadpool(self._stop, record, "expired")
-            return 0
+    async def step(self, record: BatchRecord) -> bool:
+        """Move one batch on, but for feeding it: validate it, end it (cancelled, expired, completed) or collect
+        its ended lines; whether it is running, with lines to feed."""
+        ending = self._ending(record)
+        if ending is not None:
+            await run_in_threadpool(ending, record)
+            return False
         await run_in_threadpool(self._collect, record)
-        fed = await self._feed(record, room) if room > 0 else 0
         if await run_in_threadpool(self._all_done, record):
             await run_in_threadpool(self._finish, record, "completed")
-        return fed
+            return False
+        return True
+
+    def _ending(self, record: BatchRecord) -> Callable[[BatchRecord], None] | None:
+        """What moves a batch on when it is not running: its validation, or its end; None while it runs."""
+        expired = record.expires_at is not None and now_s() >= record.expires_at
+        if record.in_progress_at is None:  # never started: no line of it ran, none is written anywhere
+            if record.status == "cancelling" or expired:
+                return partial(self._end_unstarted, ending="cancelled" if record.status == "cancelling" else "expired")
+            return self._validate
+        if record.status == "finalizing":
+            return partial(self._finish, ending="completed")
+        if expired:
+            return partial(self._stop, ending="expired")
+        if record.status == "cancelling":
+            return partial(self._stop, ending="cancelled")
+        return None
+
+    async def _feed_in_turn(self, running: list[BatchRecord], room: int) -> None:
+        """Feed the room there is across tenants in turn: each tenant's next batch (its oldest first) is offered
+        an equal share of the room left (at most `FEED_AT_ONCE` lines), the first tenant served changing every
+        tick, so a small batch of one tenant never waits for a large one of another."""
+        turns = tenant_turns(running, self._turn)
+        self._turn += 1
+        while room > 0 and turns:
+            batches = turns.popleft()
+            record = batches.popleft()
+            share = min(max(room // (len(turns) + 1), 1), FEED_AT_ONCE)
+            room -= await self._guarded(record.id, partial(self._feed, record, share)) or 0
+            if batches:
+                turns.append(batches)
 
     # -- validation -------------------------------------------------------------------------------------------
     def _validate(self, record: BatchRecord) -> None:
-        """Read the input file through once: every line a request to the endpoint, each custom_id once, one model."""
-        settings, store = self.context.settings, self.context.store
-        check = Validation(record.endpoint, settings.batch_max_requests)
+        """Read the input file through once: every line a request to the endpoint, within a request's limits, each
+        custom_id once, one model; the tenant's files within their quota (its batches' output and error files
+        count: a tenant past it runs no new batch). The custom_ids are kept in the batch's line index."""
+        full = self._storage_full(record)
+        if full is not None:
+            self._refuse(record, [full])
+            return
+        check = self._check_lines(record)
+        if check.errors:
+            self._refuse(record, check.errors)
+            return
+        store = self.context.store.batches
+        store.update(record.id, request_counts=RequestCounts(total=check.requests).model_dump())
+        store.move(record.id, "in_progress", now_s(), only_from=("validating",))  # cancelled meanwhile: see _ending
+
+    def _refuse(self, record: BatchRecord, errors: list[LineError]) -> None:
+        """A batch that failed validation: `failed`, with OpenAI's `errors` list."""
+        store = self.context.store.batches
+        self._drop_index(record.id)
+        store.update(record.id, errors=BatchErrors(data=errors).model_dump(mode="json"))
+        if store.move(record.id, "failed", now_s(), only_from=("validating",)):
+            store.retire(record.id)
+
+    def _check_lines(self, record: BatchRecord) -> Validation:
+        """Check every line of the input file, each held to the limits of the request it stands for (a line over
+        them is never held whole), writing the line index as it goes; the check, its errors found."""
+        settings, files = self.context.settings, self.context.files
+        most = settings.max_body_bytes
+        check = Validation(record.endpoint, settings.batch_max_requests, most, settings.max_json_values, _json_values)
         try:
-            for raw, _ in split_lines(self.context.files.read(record.input_file_id)):
-                check.add(raw)
+            lines = split_lines(files.read(record.input_file_id), most)
+            with files.create(line_index_id(record.id)) as index:
+                for raw, _ in lines:
+                    index.write(index_entry(check.add(raw)))
         except FileNotFoundError:
             check.errors.append(_missing_input(record.input_file_id))
-        errors = check.finish()
-        now = now_s()
-        if errors:
-            store.batches.update(record.id, errors=BatchErrors(data=errors).model_dump(mode="json"))
-            if store.batches.move(record.id, "failed", now, only_from=("validating",)):
-                store.batches.retire(record.id)
-            return
-        store.batches.update(record.id, request_counts=RequestCounts(total=check.requests).model_dump())
-        if not store.batches.move(record.id, "in_progress", now, only_from=("validating",)):
-            store.batches.move(record.id, "cancelled", now, only_from=("cancelling",))  # cancelled while validated
-            store.batches.retire(record.id)
+        check.finish()
+        return check
+
+    def _storage_full(self, record: BatchRecord) -> LineError | None:
+        """Why the batch may not run: its tenant's stored files hold their whole quota; None if they do not."""
+        quota = self.context.settings.files_tenant_max_bytes
+        if quota == 0 or self.context.store.files.used(record.tenant) < quota:
+            return None
+        message = "the tenant's stored files (its batches' output and error files too) hold their whole quota"
+        return LineError(code="tenant_storage_full", message=f"{message}: delete some first")
 
     # -- feeding ----------------------------------------------------------------------------------------------
     async def _feed(self, record: BatchRecord, room: int) -> int:
@@ -182,7 +292,11 @@ class BatchFeeder:
         the broker) stops the cursor at that line, tried again next tick."""
         store = self.context.store.batches
         progress = await run_in_threadpool(store.progress, record.id)
-        lines = await run_in_threadpool(_next_lines, self.context, record, progress, min(room, FEED_AT_ONCE))
+        try:
+            lines = await run_in_threadpool(_next_lines, self.context, record, progress, min(room, FEED_AT_ONCE))
+        except FileNotFoundError:
+            await run_in_threadpool(self._input_gone, record, progress)
+            return 0
         requests = [parsed for parsed, _ in lines if parsed is not None]
         outcomes = dict(
             zip(
@@ -292,13 +406,75 @@ class BatchFeeder:
             cancel(store, line.job_id, replace_stage(reason))
         self._collect(record)
         progress = store.batches.progress(record.id)
-        for parsed, _ in _next_lines(self.context, record, progress, None):
-            if parsed is None or store.batches.settled(record.id, parsed.custom_id):
-                continue
-            job_id = line_job_id(record.id, parsed.number)
-            body = unrun_line(parsed.custom_id, job_id, reason.code, reason.message)
-            store.batches.settle(record.id, PendingLine(job_id, parsed.custom_id, parsed.number), body, ok=False)
+        if self._write_unrun(record, progress, reason.code, reason.message) is None:
+            log.warning("batch %s: the lines it never fed cannot be named (its input file is gone)", record.id)
         self._finish(record, ending)
+
+    def _input_gone(self, record: BatchRecord, progress: Progress) -> None:
+        """The input file of a running batch was deleted: every line not fed yet goes to the error file
+        (`file_not_found`), and the batch completes once the lines in flight end. Without a line index to name its
+        lines by (a batch validated before indexes were kept), the batch fails."""
+        message = f"the input file {record.input_file_id} was deleted before this line ran"
+        last = self._write_unrun(record, progress, _missing_input(record.input_file_id).code, message)
+        if last is None:
+            self._give_up(record.id, message.replace("this line ran", "every line ran"))
+            return
+        self.context.store.batches.advance(record.id, Progress(max(last, progress.lines), progress.offset))
+
+    def _write_unrun(self, record: BatchRecord, progress: Progress, code: str, message: str) -> int | None:
+        """Write every line past the feeding cursor that has no outcome yet to the error file, as one that never
+        ran (`code`), a thousand at a time: named by the line index, read once without parsing the input again.
+        The last line number seen; None if the lines cannot be named."""
+        try:
+            names = self._names_after(record, progress)
+        except FileNotFoundError:
+            return None
+        store, last = self.context.store.batches, progress.lines
+        while chunk := list(islice(names, UNRUN_AT_ONCE)):
+            rows = []
+            for number, custom_id in chunk:
+                job_id = line_job_id(record.id, number)
+                rows.append((job_id, custom_id, unrun_line(custom_id, job_id, code, message)))
+            store.settle_unrun(record.id, rows)
+            last = chunk[-1][0]
+        return last
+
+    def _names_after(self, record: BatchRecord, progress: Progress) -> Iterator[tuple[int, str]]:
+        """The line number and custom_id of each request past the feeding cursor: from the line index, or (a batch
+        validated before indexes were kept) from its input file; FileNotFoundError when neither is there."""
+        files = self.context.files
+        try:
+            return indexed_names(split_lines(files.read(line_index_id(record.id))), progress.lines)
+        except FileNotFoundError:
+            lines = _next_lines(self.context, record, progress, None)
+            return ((parsed.number, parsed.custom_id) for parsed, _ in lines if parsed is not None)
+
+    def _end_unstarted(self, record: BatchRecord, ending: BatchStatus) -> None:
+        """End a batch cancelled or expired before it started: no line of it ran, none is in a file (its counts
+        all 0)."""
+        store = self.context.store.batches
+        store.update(record.id, request_counts=RequestCounts().model_dump())
+        if store.move(record.id, ending, now_s(), only_from=("validating", "cancelling")):
+            store.retire(record.id)
+        self._drop_index(record.id)
+
+    def _drop_index(self, batch_id: str) -> None:
+        """Delete a batch's line index (it ended, or never started)."""
+        try:
+            self.context.files.delete(line_index_id(batch_id))
+        except OSError as exc:  # the batch's end stands: a file left behind is only disk
+            log.warning("batch %s: its line index was not deleted (%s)", batch_id, exc)
+
+    def _give_up(self, batch_id: str, problem: str) -> None:
+        """Fail a batch the feeder cannot move on, saying why; its lines in flight are cancelled."""
+        store = self.context.store
+        error = LineError(code="internal_error", message=f"the batch could not go on: {problem}"[:500])
+        store.batches.update(batch_id, errors=BatchErrors(data=[error]).model_dump(mode="json"))
+        if store.batches.move(batch_id, "failed", now_s(), only_from=_UNENDED):
+            for line in store.batches.pending(batch_id):
+                cancel(store, line.job_id, replace_stage(BatchCancelled()))
+            store.batches.retire(batch_id)
+        self._drop_index(batch_id)
 
     def _finish(self, record: BatchRecord, ending: BatchStatus) -> None:
         """Write the output and error files and end the batch (through `finalizing` when it completed)."""
@@ -322,6 +498,7 @@ class BatchFeeder:
             source = ("in_progress", "cancelling", "finalizing")
         store.move(record.id, ending, now_s(), only_from=source)
         store.retire(record.id)
+        self._drop_index(record.id)
         log.info("batch %s %s: %s", record.id, ending, counts)
 
 
@@ -345,10 +522,11 @@ def _next_lines(
     context: ApiContext, record: BatchRecord, progress: Progress, count: int | None
 ) -> list[tuple[BatchLine | None, int]]:
     """The next `count` lines of a batch's input (all that are left: None) from where feeding got to, each with
-    the offset after it; a blank line is None."""
+    the offset after it; a blank line is None. FileNotFoundError when the input file is gone."""
     found: list[tuple[BatchLine | None, int]] = []
     number = progress.lines
-    for raw, after in _lines_from(context, record.input_file_id, progress.offset):
+    chunks = context.files.read(record.input_file_id, progress.offset)
+    for raw, after in split_lines(chunks, context.settings.max_body_bytes):
         number += 1
         parsed = parse_line(raw, number, record.endpoint) if raw.strip() else None
         found.append((parsed if isinstance(parsed, BatchLine) else None, progress.offset + after))
@@ -357,11 +535,9 @@ def _next_lines(
     return found
 
 
-def _lines_from(context: ApiContext, file_id: str, offset: int) -> Iterator[tuple[bytes, int]]:
-    try:
-        yield from split_lines(context.files.read(file_id, offset))
-    except FileNotFoundError:
-        return
+def _json_values(raw: bytes) -> int:
+    """A line's JSON values, counted as a request body's to `/v1/chat/completions` are."""
+    return json_values(raw)
 
 
 def _missing_input(file_id: str) -> LineError:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -127,14 +128,23 @@ class BatchLine:
     number: int
     custom_id: str
     body: bytes
+    #: The body's `model`, as sent.
+    model: object = None
 
 
 def parse_line(raw: bytes, number: int, endpoint: str) -> BatchLine | LineError:
-    """A line of an input file, or why it is not a request to `endpoint` (1-based line numbers)."""
+    """A line of an input file, or why it is not a request to `endpoint` (1-based line numbers). Never raises:
+    whatever reading a line fails with is that line's error."""
     try:
-        item = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        return _parsed_line(raw, number, endpoint)
+    except RecursionError:
+        return LineError(code="invalid_json_line", message=f"line {number} nests too deeply to read", line=number)
+    except Exception:  # any failure to read a line (bad UTF-8, bad JSON, ...) is that line's, never the reader's
         return LineError(code="invalid_json_line", message=f"line {number} is not valid JSON", line=number)
+
+
+def _parsed_line(raw: bytes, number: int, endpoint: str) -> BatchLine | LineError:
+    item = json.loads(raw)
     if not isinstance(item, dict):
         return LineError(code="invalid_json_line", message=f"line {number} is not a JSON object", line=number)
     custom_id, method, url, body = (item.get(k) for k in ("custom_id", "method", "url", "body"))
@@ -147,40 +157,66 @@ def parse_line(raw: bytes, number: int, endpoint: str) -> BatchLine | LineError:
         return LineError(code="mismatched_endpoint", message=message, param="url", line=number)
     if not isinstance(body, dict):
         return LineError(code="invalid_body", message="body must be a JSON object", param="body", line=number)
-    return BatchLine(number, custom_id, json.dumps(body, separators=(",", ":")).encode())
+    return BatchLine(number, custom_id, json.dumps(body, separators=(",", ":")).encode(), body.get("model"))
+
+
+#: The bytes that open a JSON value after the first (counted as `/v1/chat/completions` counts a body's values).
+_VALUE_OPENERS = b",[{"
+
+
+def json_values(raw: bytes) -> int:
+    """How many values a JSON text holds, at most: one, and one more for each `,` `[` `{` (inside strings too)."""
+    return 1 + len(raw) - len(raw.translate(None, _VALUE_OPENERS))
 
 
 @dataclass
 class Validation:
-    """An input file checked line by line as it streams past: every line a request to the endpoint, every
-    `custom_id` once, one model for all."""
+    """An input file checked line by line as it streams past: every line a request to the endpoint, within the
+    limits of the request it stands for (`max_line_bytes`, `max_line_values`; 0: none), every `custom_id` once,
+    one model for all."""
 
     endpoint: str
     max_lines: int
+    max_line_bytes: int = 0
+    max_line_values: int = 0
+    #: How a line's JSON values are counted (as the API counts a request body's).
+    values_of: Callable[[bytes], int] = json_values
     errors: list[LineError] = field(default_factory=list)
     lines: int = 0
     _seen: set[str] = field(default_factory=set)
-    _model: str | None = None
+    _model: object = None
 
-    def add(self, raw: bytes) -> None:
-        """Check the next line (blank lines are skipped but counted, as line numbers are)."""
+    def add(self, raw: bytes) -> str | None:
+        """Check the next line (blank lines are skipped but counted, as line numbers are); its custom_id if it is
+        a request."""
         self.lines += 1
         if not raw.strip():
-            return
-        parsed = parse_line(raw, self.lines, self.endpoint)
+            return None
+        parsed = self._oversized(raw) or parse_line(raw, self.lines, self.endpoint)
         if isinstance(parsed, LineError):
             self._error(parsed)
-            return
+            return None
         if parsed.custom_id in self._seen:
             message = f"custom_id {parsed.custom_id!r} appears more than once"
             self._error(LineError(code="duplicate_custom_id", message=message, param="custom_id", line=parsed.number))
         self._seen.add(parsed.custom_id)
-        model = json.loads(parsed.body).get("model")
         if self._model is None:
-            self._model = model
-        elif model != self._model:
-            message = f"every line must use the same model ({self._model!r}); this one uses {model!r}"
+            self._model = parsed.model
+        elif parsed.model != self._model:
+            message = f"every line must use the same model ({self._model!r}); this one uses {parsed.model!r}"
             self._error(LineError(code="mismatched_model", message=message, param="body.model", line=parsed.number))
+        return parsed.custom_id
+
+    def _oversized(self, raw: bytes) -> LineError | None:
+        """Why the line is larger than the request it stands for may be, before it is parsed; None if it is not."""
+        number, most = self.lines, self.max_line_values
+        if self.max_line_bytes and len(raw) > self.max_line_bytes:
+            message = f"line {number} is over {self.max_line_bytes} bytes, the most a request may be"
+            return LineError(code="line_too_large", message=message, line=number)
+        if most and self.values_of(raw) > most:
+            message = f"line {number} holds more than {most} JSON values, the most a request may hold"
+            return LineError(code="line_too_large", message=message, line=number)
+        return None
 
     def _error(self, error: LineError) -> None:
         if len(self.errors) < MAX_REPORTED_ERRORS:
@@ -221,17 +257,54 @@ def unrun_line(custom_id: str, job_id: str, code: str, message: str) -> dict[str
     }
 
 
-def split_lines(chunks: Iterable[bytes]) -> Iterable[tuple[bytes, int]]:
-    """Each line of a byte stream (without its newline) and the offset just past it."""
-    pending, offset = b"", 0
+def split_lines(chunks: Iterable[bytes], max_line_bytes: int = 0) -> Iterator[tuple[bytes, int]]:
+    """Each line of a byte stream (without its newline) and the offset just past it. A line longer than
+    `max_line_bytes` (0: no limit) comes cut to `max_line_bytes + 1` bytes, its length saying it is too long: the
+    rest of it is never held."""
+    keep = max_line_bytes + 1 if max_line_bytes > 0 else None
+    head, size, offset = bytearray(), 0, 0  # the line's bytes kept so far, and its whole length so far
     for chunk in chunks:
-        pending += chunk
-        *done, pending = pending.split(b"\n")
-        for line in done:
-            offset += len(line) + 1
-            yield line, offset
-    if pending:
-        yield pending, offset + len(pending)
+        *done, rest = chunk.split(b"\n")
+        for part in done:
+            head += part if keep is None else part[: max(keep - len(head), 0)]
+            offset += size + len(part) + 1
+            yield bytes(head), offset
+            head.clear()
+            size = 0
+        head += rest if keep is None else rest[: max(keep - len(head), 0)]
+        size += len(rest)
+    if size:
+        yield bytes(head), offset + size
+
+
+def line_index_id(batch_id: str) -> str:
+    """The file id of a batch's line index: each input line's custom_id, one a line (an empty line where the input
+    has no request), written as the batch is validated, so its lines can be named without reading its input
+    again (a cancel, an expiry), or after its input file was deleted."""
+    return f"{batch_id}.lines"
+
+
+def index_entry(custom_id: str | None) -> bytes:
+    """A line index's line for an input line: its custom_id, as JSON, or nothing."""
+    return (json.dumps(custom_id) if custom_id else "").encode() + b"\n"
+
+
+def indexed_names(index: Iterable[tuple[bytes, int]], after: int) -> Iterator[tuple[int, str]]:
+    """The line number and custom_id of each request a line index names past line `after`."""
+    for number, (raw, _) in enumerate(index, 1):
+        if number > after and raw:
+            yield number, str(json.loads(raw))
+
+
+def tenant_turns(batches: Iterable[BatchRecord], turn: int) -> deque[deque[BatchRecord]]:
+    """Running batches in the order they are fed: grouped by tenant, each tenant's oldest first, the tenants in
+    turn (by name, rotated by `turn`, a count of rounds, so each goes first in its round)."""
+    by_tenant: dict[str, deque[BatchRecord]] = {}
+    for record in sorted(batches, key=lambda r: (r.created_at, r.id)):
+        by_tenant.setdefault(record.tenant, deque()).append(record)
+    names = sorted(by_tenant)
+    first = turn % len(names) if names else 0
+    return deque(by_tenant[name] for name in names[first:] + names[:first])
 
 
 def batch_room(depths: dict[str, int], in_flight: int, *, max_in_flight: int, room: Room, holding: bool) -> int:

@@ -6,13 +6,17 @@ import json
 
 from stoker.core.batchfiles import (
     BatchLine,
+    BatchRecord,
     LineError,
     Room,
     Validation,
     batch_room,
+    index_entry,
+    indexed_names,
     line_job_id,
     parse_line,
     split_lines,
+    tenant_turns,
     unrun_line,
 )
 from stoker.core.batching import BatchPolicy, Waiting, top_up
@@ -96,3 +100,66 @@ def test_a_line_that_never_ran_says_why() -> None:
         "response": None,
         "error": {"code": "batch_expired", "message": "too late"},
     }
+
+
+def test_any_line_that_cannot_be_read_is_its_own_error_never_the_readers() -> None:
+    deep = b'{"custom_id": "x", "body": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for bad in (deep, b"\xff\xfe{"):
+        refused = parse_line(bad, 4, ENDPOINT)
+        assert isinstance(refused, LineError)
+        assert (refused.code, refused.line) == ("invalid_json_line", 4)
+    check = Validation(ENDPOINT, max_lines=10)
+    assert check.add(deep) is None
+    assert check.add(raw("ok")) == "ok"
+    assert [(e.code, e.line) for e in check.finish()] == [("invalid_json_line", 1)]
+
+
+def test_a_line_over_a_requests_limits_is_refused_by_number_before_it_is_parsed() -> None:
+    picture = raw("big").replace(b'"hi"', b'"' + b"A" * 5000 + b'"')
+    many = raw("many").replace(b'"hi"', b"[" + b"1," * 400 + b"1]")
+    check = Validation(ENDPOINT, max_lines=10, max_line_bytes=2048, max_line_values=256)
+    for line in (raw("a"), picture, many, raw("b")):
+        check.add(line)
+    errors = check.finish()
+    assert [(e.code, e.line) for e in errors] == [("line_too_large", 2), ("line_too_large", 3)]
+    assert "2048 bytes" in errors[0].message
+    assert "256 JSON values" in errors[1].message
+    assert check.requests == 2
+
+
+def test_a_long_line_is_cut_while_it_is_split_never_held_whole() -> None:
+    chunks = [b"ab", b"cdefgh" * 1000, b"ij\nshort\n", b"x" * 50]
+    assert list(split_lines(chunks, max_line_bytes=4)) == [(b"abcde", 6005), (b"short", 6011), (b"xxxxx", 6061)]
+    assert list(split_lines(chunks)) == list(split_lines(chunks, max_line_bytes=0))
+    assert [len(line) for line, _ in split_lines(chunks)] == [6004, 5, 50]
+
+
+def test_a_line_index_names_each_request_past_the_cursor() -> None:
+    index = index_entry("a") + index_entry(None) + index_entry('quote "b"\n') + index_entry("c")
+    assert list(indexed_names(split_lines([index]), 0)) == [(1, "a"), (3, 'quote "b"\n'), (4, "c")]
+    assert list(indexed_names(split_lines([index]), 3)) == [(4, "c")]
+
+
+def _record(tenant: str, created_at: int) -> BatchRecord:
+    return BatchRecord(
+        id=f"batch_{tenant}{created_at}",
+        endpoint=ENDPOINT,
+        input_file_id="file-x",
+        completion_window="24h",
+        status="in_progress",
+        created_at=created_at,
+        tenant=tenant,
+    )
+
+
+def test_tenants_are_fed_in_turn_each_one_first_in_its_round() -> None:
+    batches = [_record("alpha", 1), _record("alpha", 2), _record("beta", 3), _record("gamma", 0)]
+    first = tenant_turns(batches, 0)
+    assert [[r.id for r in tenant] for tenant in first] == [
+        ["batch_alpha1", "batch_alpha2"],
+        ["batch_beta3"],
+        ["batch_gamma0"],
+    ]
+    leaders = [tenant_turns(batches, turn)[0][0].tenant for turn in range(4)]
+    assert leaders == ["alpha", "beta", "gamma", "alpha"]
+    assert not tenant_turns([], 5)

@@ -49,20 +49,30 @@ def check_grammar(params: GenerationParams) -> None:
     try:
         grammar = grammar_for(params)
         problem = LLMatcher.validate_grammar(grammar) if grammar is not None else ""
-    except ValueError as exc:
-        problem = str(exc)
+    except (ValueError, TypeError, RecursionError) as exc:  # what building or compiling a grammar from a schema
+        problem = str(exc) or type(exc).__name__  # the client sent can raise: the request's fault, never a 500
     if problem:
         where = "tools" if params.calls != "none" else "response_format"
         raise GrammarRefused(f"`{where}` cannot be used to constrain the answer: {problem.strip()[:500]}", param=where)
 
 
-def _json(schema: dict[str, Any]) -> str:
-    return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+def _json(schema: object) -> str:
+    return LLMatcher.grammar_from_json_schema(_schema(schema), defaults=_JSON_OPTIONS)
 
 
-def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+def _compact(schema: object) -> dict[str, Any]:
     """A schema for a grammar's `%json`, which takes its options from the schema itself."""
-    return {**schema, "x-guidance": {**_JSON_OPTIONS, **schema.get("x-guidance", {})}}
+    checked = _schema(schema)
+    return {**checked, "x-guidance": {**_JSON_OPTIONS, **checked.get("x-guidance", {})}}
+
+
+def _schema(schema: object) -> dict[str, Any]:
+    """A client's JSON schema, refused (ValueError) unless it and its llguidance options are objects."""
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema must be an object")
+    if not isinstance(schema.get("x-guidance", {}), dict):
+        raise ValueError("a schema's `x-guidance` must be an object")
+    return schema
 
 
 def _forced_call(tools: Sequence[ToolSpec]) -> str:

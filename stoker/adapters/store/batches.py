@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -428,6 +428,36 @@ class BatchRepository:
                 left += max(done.total - done.completed - done.failed, 0)
         totals = {name: raw.get(name, 0) for name in ("fed", "completed", "failed")}
         return {**totals, "in_flight": in_flight, "waiting": max(left - in_flight, 0)}
+
+    # -- a feeder's faults, and lines that never ran, many at a time -----------------------------------------------
+    def note_fault(self, batch_id: str) -> int:
+        """Count one more failed try at moving a batch on; how many in a row so far."""
+        return int(self.redis.hincrby(batch_key(batch_id), "faults", 1))
+
+    def clear_faults(self, batch_id: str) -> None:
+        """A batch moved on again: its failed tries are forgotten."""
+        self.redis.hdel(batch_key(batch_id), "faults")
+
+    def settle_unrun(self, batch_id: str, lines: Sequence[tuple[str, str, dict[str, Any]]]) -> int:
+        """Write lines that never ran, each (job id, custom_id, error line), to the error side in two round trips
+        (a line with an outcome already is left as it is), and take them off the lines in flight; how many were
+        written."""
+        if not lines:
+            return 0
+        output, errors = batch_output_key(batch_id), batch_errors_key(batch_id)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for _, custom_id, _ in lines:
+                pipe.hexists(output, custom_id)
+            ran = pipe.execute()
+        fresh = [(custom_id, outcome) for (_, custom_id, outcome), done in zip(lines, ran, strict=True) if not done]
+        with self.redis.pipeline(transaction=True) as pipe:
+            for custom_id, outcome in fresh:
+                pipe.hsetnx(errors, custom_id, json.dumps(outcome, separators=(",", ":")))
+            pipe.hdel(batch_pending_key(batch_id), *(job_id for job_id, _, _ in lines))
+            written = sum(1 for made in pipe.execute()[: len(fresh)] if made)
+        if written:
+            self.redis.hincrby(BATCH_COUNTS_KEY, "failed", written)
+        return written
 
 
 def _batch_record(raw: dict[bytes, bytes], completed: int, failed: int) -> BatchRecord | None:
