@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,12 +104,25 @@ def bench_redis() -> Iterator[str]:
 
 
 @contextmanager
-def bench_stack(mode: Mode, device: Device, base_url: str, logs: Path, **settings: str) -> Iterator[BenchStack]:
-    """Flush the benchmark databases, start the mode's processes, wait until a job goes through; stop them after."""
+def bench_stack(
+    mode: Mode,
+    device: Device,
+    base_url: str,
+    logs: Path,
+    on_flushed: Callable[[str], None] | None = None,
+    api_key: str | None = None,
+    /,
+    **settings: str,
+) -> Iterator[BenchStack]:
+    """Flush the benchmark databases, start the mode's processes, wait until a job goes through; stop them after.
+    `on_flushed` gets the job store's URL once it is flushed (to write API keys there for a stack with
+    `STOKER_AUTH=on`); the warm-up job is sent with `api_key`."""
     urls = dict(zip(("STOKER_BROKER_URL", "STOKER_RESULT_URL", "STOKER_CACHE_URL"), _db_urls(base_url), strict=True))
     for url in urls.values():
         with redis.Redis.from_url(url) as client:
             client.flushdb()
+    if on_flushed is not None:
+        on_flushed(urls["STOKER_RESULT_URL"])
     env = {
         **os.environ,
         **urls,
@@ -136,7 +149,7 @@ def bench_stack(mode: Mode, device: Device, base_url: str, logs: Path, **setting
         feeder = (("batch-feeder",),) if mode == "pipeline" and env["STOKER_BATCH_FEEDER"] == "false" else ()
         for args in (*PROCESSES[mode], *feeder):  # the batch feeder where the API does not feed
             stack.procs.append(spawn(args, env, logs / f"{'-'.join(args)}.log"))
-        _warm_up(stack)
+        _warm_up(stack, api_key)
         yield stack
     finally:
         terminate(stack.procs, grace_s=20.0)
@@ -161,10 +174,11 @@ def wait_ready(base: str, procs: list[subprocess.Popen[bytes]] | None = None, ti
     raise SystemExit("API did not become ready")
 
 
-def _warm_up(stack: BenchStack, timeout_s: float = 120.0) -> None:
+def _warm_up(stack: BenchStack, api_key: str | None, timeout_s: float = 120.0) -> None:
     """The API answers and one text job goes all the way through: every worker is up and has its models."""
     wait_ready(stack.base, stack.procs)
-    with httpx.Client(base_url=stack.base, timeout=40) as http:
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    with httpx.Client(base_url=stack.base, timeout=40, headers=headers) as http:
         job = http.post("/v1/jobs", data={"prompt": "warm up"}).json()
         deadline = time.monotonic() + timeout_s
         while job.get("status") not in ("succeeded", "degraded", "failed"):
