@@ -74,7 +74,7 @@ def connection(s: CommonSettings) -> dict[str, Any]:
         # One queue per stage, so each can be watched and scaled on its own (quorum queues on RabbitMQ).
         "task_queues": declare_queues(s.broker_url),
         "broker_transport_options": transport_options(s.broker_url, s.visibility_timeout_s),
-        # On Redis, kombu's transport with one client per pool (`stoker.adapters.broker.RedisChannel`).
+        # On Redis, kombu's transport with one client per pool (`stoker.adapters.kombu_redis.RedisChannel`).
         "broker_transport": redis_transport(s.broker_url),
         # RabbitMQ's quorum queues take a message above priority 4 first: interactive jobs' say so (on Redis the
         # default, 0, is already the first).

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import select
-import socket
 import threading
 import time
 from collections.abc import Collection
@@ -23,8 +21,8 @@ from celery.canvas import Signature, _chain, group
 from celery.worker.request import Request
 from celery_batches import Batches, SimpleRequest
 from celery_batches.trace import apply_batches_task
-from kombu.transport import redis as kombu_redis
 
+from stoker.adapters.kombu_redis import reply_waits, unread_brpop
 from stoker.core.batching import BatchPolicy, Waiting, plan_batch
 from stoker.core.queues import SYNC_QUEUE
 from stoker.runtime.batches import expire, serve_batch
@@ -163,29 +161,6 @@ class DeviceBatches(Batches):  # type: ignore[misc]
 
         self.running = requests
         return self._pool.apply_async(apply_batches_task, (self, serializable, 0, None), callback=on_return)
-
-
-def unread_brpop(consumer: Any) -> socket.socket | None:
-    """The socket of a `BRPOP` the consumer sent for the sync queue and has not read the reply of (None: none).
-
-    Mirrors kombu 5.7's Redis transport: a channel has at most one `BRPOP` out, for its `active_queues`, and keeps the
-    connection it went out on in `_in_poll` until the event loop reads its reply (`_brpop_read`)."""
-    transport = getattr(getattr(consumer, "connection", None), "transport", None)
-    if not isinstance(transport, kombu_redis.Transport):
-        return None
-    for channel in transport.channels:
-        connection = channel._in_poll
-        if connection and SYNC_QUEUE in channel.active_queues:
-            sock: socket.socket | None = connection._sock
-            return sock
-    return None
-
-
-def reply_waits(sock: socket.socket) -> bool:
-    """Whether a reply waits on the socket, left unread (the event loop reads it when it sees it readable)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 def _drop_expired(ctx: WorkerContext, request: Request) -> None:

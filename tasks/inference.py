@@ -1,7 +1,8 @@
 """The inference queue's receiver: the `stoker.infer` task, whose messages go straight to the inference consumer.
 
-On a Redis broker the consumer reads the queue itself (`stoker.adapters.broker.RedisIntake`, many messages per round
-trip) and Celery's consumer leaves it alone (`tasks.lifecycle`); on RabbitMQ, Celery's consumer receives them here.
+On a Redis broker the consumer reads the queue itself (`stoker.adapters.redis_intake.RedisIntake`, many messages per
+round trip) and Celery's consumer leaves it alone (`tasks.lifecycle`); on RabbitMQ, Celery's consumer receives them
+here.
 
 How batches are formed and kept flowing so the device never waits is `stoker.runtime.feeder`; how a batch is
 loaded, run and written is `stoker.runtime.batches`; `tasks.lifecycle` starts the consumer and its watchdog.

@@ -20,7 +20,8 @@ import redis.asyncio as aioredis
 from celery import Celery, chain, chord, group
 from celery.canvas import Signature, _chain
 
-from stoker.adapters.broker import class_priority, promote_aged, queue_depths, stage_priority
+from stoker.adapters.broker import class_priority, queue_depths, stage_priority
+from stoker.adapters.kombu_redis import promote_aged
 from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.core.jobs import InputRecord, Job, JobClass
 from stoker.core.queues import INFER_BATCH_QUEUE

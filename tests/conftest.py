@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from stoker.adapters.broker import priority_keys
+from stoker.adapters.kombu_redis import priority_keys
 from stoker.adapters.store.clients import redis_answers
 from workers.broker import start_embedded
 

@@ -1,7 +1,7 @@
 """What an input is expected to cost its stages, read from its header at the door: pixels for a picture (OCR and
 decode grow with them), seconds for speech (transcription grows with them). Its size class orders the CPU queues:
 small inputs are taken before large ones (broker priorities), and the reaper's age bound lifts a large input that
-waited too long to the front (`stoker.adapters.broker.promote_aged`), so it is never starved.
+waited too long to the front (`stoker.adapters.kombu_redis.promote_aged`), so it is never starved.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The pipeline's inference consumer: work-conserving and double-buffered, so the device never waits on Redis.
 
 On a Redis broker the **intake** thread takes interactive requests straight from their queue, as many as the
-consumer has room for (the prefetch) per round trip (`stoker.adapters.broker.RedisIntake`); on RabbitMQ
+consumer has room for (the prefetch) per round trip (`stoker.adapters.redis_intake.RedisIntake`); on RabbitMQ
 celery-batches hands each message over the moment it arrives (`tasks.inference.Feed`, flush_every=1: no polling
 tick). Three threads do the rest:
 

@@ -85,7 +85,7 @@ def test_a_message_the_consumer_took_and_has_not_read_is_seen() -> None:
     """The receiver waits for a backlog while the queue's depth counts it; kombu's BRPOP takes each message off the
     queue before the consumer's event loop reads it, so the last one is counted by neither the depth nor the
     receiver: `unread_brpop` and `reply_waits` see it (kombu's Redis transport, as the baseline mirrors it)."""
-    from tasks.baseline import reply_waits, unread_brpop
+    from stoker.adapters.kombu_redis import reply_waits, unread_brpop
 
     server, port = start_embedded(persist=False)
     url = f"redis://127.0.0.1:{port}/0"

@@ -23,14 +23,8 @@ from kombu.connection import Connection
 
 from api.app import create_app
 from api.pressure import QueueMonitor
-from stoker.adapters.broker import (
-    RedisChannel,
-    RedisTransport,
-    declare_queues,
-    promote_aged,
-    queue_depths,
-    stage_queue,
-)
+from stoker.adapters.broker import declare_queues, queue_depths, stage_queue
+from stoker.adapters.kombu_redis import RedisChannel, RedisTransport, promote_aged
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import async_broker_client
 from stoker.core.jobs import InputRecord

@@ -14,7 +14,8 @@ import pytest
 import redis
 from kombu.connection import Connection
 
-from stoker.adapters.broker import RedisIntake, redis_transport, transport_options
+from stoker.adapters.broker import redis_transport, transport_options
+from stoker.adapters.redis_intake import RedisIntake
 from stoker.core.queues import INFER_QUEUE
 from stoker.settings import ApiSettings
 from tasks.app import make_app
