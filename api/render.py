@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -29,16 +28,8 @@ from api.context import ApiContext, Context
 from api.schemas import error_responses
 from api.tenancy import within_rate
 from stoker.adapters.backends.modelstore import resolve_model
-from stoker.adapters.render import Rendered, RenderedPicture, Renderer
-from stoker.adapters.vllm_render import (
-    TEMPLATE_DEFAULTS,
-    decode_item,
-    features,
-    generate_request,
-    item_bytes,
-    sampling_params,
-)
-from stoker.core.cachekeys import CacheAddress, fingerprint
+from stoker.adapters.render import ITEM, Rendered, RenderedPicture, Renderer
+from stoker.adapters.vllm_render import features, generate_request, parse_context, sampling_params
 from stoker.core.errors import InvalidRequest, ModelNotFound, Overloaded, StokerError, StoreFull
 from stoker.core.imaging import DecodeParams, decode_rgb
 from stoker.core.media import content_hash
@@ -199,21 +190,15 @@ def _sampling(body: RenderBody, model: Renderer, rendered: Rendered, asked: int 
 
 def _parse_context(body: ChatRenderCreate) -> dict[str, Any]:
     """What a generate server needs to read the answer back (`ParseContext`)."""
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
     calls = sum(len(m.get("tool_calls") or []) for m in body.messages if m.get("role") == "assistant")
-    template = {
-        "add_generation_prompt": body.add_generation_prompt,
-        "continue_final_message": body.continue_final_message,
-        **TEMPLATE_DEFAULTS,
-    }
-    return {
-        "tools": body.tools,
-        "tool_choice": choice,
-        "parallel_tool_calls": body.parallel_tool_calls,
-        "include_reasoning": True,
-        "chat_template_kwargs": template,
-        "history_tool_call_cnt": calls,
-    }
+    return parse_context(
+        body.tools,
+        body.tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        history_tool_call_cnt=calls,
+    )
 
 
 async def _pictures(
@@ -259,11 +244,11 @@ async def _picture(
     data = _data_url(str((part.get("image_url") or {}).get("url") or ""), where)
     digest = content_hash(data)
     params = DecodeParams()
-    address = CacheAddress("render", "1", digest, fingerprint(renderer=model.identity, params=repr(params)), scope)
-    cached = await run_in_threadpool(context.cache.get_bytes, address, "item")
+    address = model.picture_address(digest, repr(params), scope)
+    cached = await run_in_threadpool(context.cache.get_bytes, address, ITEM)
     if cached is not None:
         context.cache.record("render", hit=True, cost_s=0.0)
-        return digest, _unpacked(cached)
+        return digest, RenderedPicture.from_bytes(cached)
     started = time.perf_counter()
     try:
         picture = await run_in_threadpool(lambda: model.picture(decode_rgb(data, params)))
@@ -272,7 +257,7 @@ async def _picture(
         exc.message = f"{where}: {exc.message}"
         raise
     limit = context.settings.cache_max_tensor_bytes
-    await run_in_threadpool(context.cache.put_bytes, address, _packed(picture), "item", limit)
+    await run_in_threadpool(context.cache.put_bytes, address, picture.to_bytes(), ITEM, limit)
     context.cache.record("render", hit=False, cost_s=time.perf_counter() - started)
     return digest, picture
 
@@ -285,13 +270,3 @@ def _data_url(url: str, where: str) -> bytes:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise InvalidRequest(f"{where}: not valid base64", param=where) from exc
-
-
-def _packed(picture: RenderedPicture) -> bytes:
-    """A rendering as cached: its layout as one line of JSON, then its item's msgpack bytes."""
-    return json.dumps(picture.layout).encode() + b"\n" + item_bytes(picture.item)
-
-
-def _unpacked(data: bytes) -> RenderedPicture:
-    layout, _, item = data.partition(b"\n")
-    return RenderedPicture(json.loads(layout), decode_item(base64.b64encode(item).decode()))

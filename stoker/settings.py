@@ -868,6 +868,15 @@ class WorkerSettings(CommonSettings):
         "server's own scheduler serves interactive requests before batch lines it already holds. Unset: no "
         "`priority` is sent (a server without priority scheduling refuses one other than 0).",
     )
+    openai_protocol: Literal["auto", "generate", "chat"] = Field(
+        "auto",
+        description="`openai` backend: how a request reaches the server. `generate`: rendered here (token ids, each "
+        "picture's tensors from the stage cache, sampling parameters) and sent as vLLM's `GenerateRequest` to "
+        "`/inference/v1/generate` (a `vllm serve` with `--enable-scale-out` or `--tokens-only`), so the server runs "
+        "the model alone; `chat`: chat completions with each picture as a data URL; `auto`: `generate` while the "
+        "server offers it, chat completions from its first 404 on (logged once, counted in "
+        "`stoker_openai_generate_fallbacks_total`).",
+    )
     openai_image_embeds: bool = Field(
         False,
         description="`openai` backend, for a vLLM started with `--enable-mm-embeds`: this worker loads the vision "

@@ -32,7 +32,7 @@ def _decode_and_cache(
     ctx: WorkerContext, record: InputRecord, address: CacheAddress
 ) -> tuple[dict[str, Any], DecodedImage]:
     """Decode what this configuration needs and cache each part: the OCR image, the model's image tensors (their
-    layout goes into the record), the picture for a server that sees."""
+    layout goes into the record), the picture for a server that sees, its rendering for vLLM's generate endpoint."""
     decoded = decode_image(input_bytes(ctx, record, "decode"), ctx.decode_params, ctx.decode_needs)
     value: dict[str, Any] = {"features": decoded.features.to_dict()}
     if decoded.ocr_image is not None:
@@ -43,6 +43,8 @@ def _decode_and_cache(
         value["prepared"] = {"processor": ctx.image_preparer.identity, "layout": ctx.image_preparer.layout(prepared)}
     if decoded.picture is not None and ctx.picture_bounds is not None:
         ctx.cache.put_bytes(address, ctx.served(decoded.picture), part=PICTURE)
+    if decoded.picture is not None and ctx.request_renderer is not None:
+        ctx.put_rendered(record.content_hash, address.scope, decoded.picture)  # for the generate endpoint
     return value, decoded
 
 

@@ -1,4 +1,7 @@
-"""A small OpenAI-compatible chat-completions server on loopback, for testing the `openai` backend."""
+"""A small OpenAI-compatible chat-completions server on loopback, for testing the `openai` backend; with
+`generate`, vLLM's token-in, token-out endpoint too (`/inference/v1/generate`), which checks each `GenerateRequest`
+against the JSON Schema exported from vLLM's own (`tests/fixtures/vllm_render/generate_request.schema.json`) and
+decodes every picture's tensors with stoker's decoder of vLLM's format, answering in vLLM's response shapes."""
 
 from __future__ import annotations
 
@@ -10,13 +13,30 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import jsonschema
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from PIL import Image
 
+from stoker.adapters.vllm_render import ItemElement, decode_item
 from tests.serving import serve
+
+#: vLLM's `GenerateRequest` as JSON Schema (`tests/fixtures/vllm_render/export_schema.py` wrote it from vLLM).
+GENERATE_SCHEMA = json.loads(
+    (Path(__file__).parent / "fixtures" / "vllm_render" / "generate_request.schema.json").read_text()
+)
+GENERATE_VALIDATOR = jsonschema.Draft202012Validator(GENERATE_SCHEMA)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One `GenerateRequest` the fake took: its body, and each picture's item decoded (tensors and fields)."""
+
+    body: dict[str, Any]
+    items: list[dict[str, ItemElement]]
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,14 @@ class FakeServer:
     pieces: list[str] = field(default_factory=lambda: ["Hel", "lo ", "from ", "the ", "fake."])
     #: Each `image_embeds` part received, decoded as vLLM decodes it: (shape, dtype).
     embeds: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
+    #: Whether it offers vLLM's `/inference/v1/generate` (without: 404, as a server without `--enable-scale-out`).
+    generate: bool = False
+    #: Every request to the generate endpoint, answered or not.
+    generate_calls: int = 0
+    #: Every `GenerateRequest` that was schema-valid and whose items decoded, in arrival order.
+    generated: list[Generated] = field(default_factory=list)
+    #: What a streamed generate answer (`output_mode: tokens`) is made of: token ids, chunk by chunk.
+    stream_tokens: list[list[int]] = field(default_factory=lambda: [[1], [2, 3]])
     in_flight: int = 0
     most_in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -53,8 +81,8 @@ class FakeServer:
 def _app(state: FakeServer) -> FastAPI:
     app = FastAPI()
 
-    @app.post("/v1/chat/completions")
-    async def complete(request: Request) -> JSONResponse:
+    @app.post("/v1/chat/completions", response_model=None)
+    async def complete(request: Request) -> JSONResponse | StreamingResponse:
         body = await request.json()
         with state.lock:
             state.bodies.append(body)
@@ -83,7 +111,90 @@ def _app(state: FakeServer) -> FastAPI:
             with state.lock:
                 state.in_flight -= 1
 
+    @app.post("/inference/v1/generate", response_model=None)
+    async def generate(request: Request) -> JSONResponse | StreamingResponse:
+        body = await request.json()
+        with state.lock:
+            state.generate_calls += 1
+        if not state.generate:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        error = _invalid(body)
+        if error:
+            return JSONResponse({"error": {"message": error, "type": "BadRequestError"}}, status_code=400)
+        items = [decode_item(item) for item in ((body.get("features") or {}).get("kwargs_data") or {}).get("image", [])]
+        with state.lock:
+            state.generated.append(Generated(body, items))
+        if body.get("stream"):
+            chunks = _token_chunks(body["request_id"], state.stream_tokens, len(body["token_ids"]))
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        return JSONResponse(_derendered(body, len(items)))
+
     return app
+
+
+def _invalid(body: dict[str, Any]) -> str | None:
+    """What vLLM would refuse in a `GenerateRequest` (its schema; placeholders within the tokens; a derendered answer
+    streamed; a picture's item that does not decode), or None."""
+    errors = sorted(GENERATE_VALIDATOR.iter_errors(body), key=lambda e: list(e.path))
+    if errors:
+        return f"schema: {errors[0].message} at {list(errors[0].path)}"
+    if body.get("output_mode") == "derender" and body.get("stream"):
+        return "output_mode='derender' does not support stream"
+    features = body.get("features") or {}
+    for ranges in (features.get("mm_placeholders") or {}).values():
+        if any(r["offset"] + r["length"] > len(body["token_ids"]) for r in ranges):
+            return "mm_placeholders must remain within the token_ids sequence"
+    try:
+        for item in (features.get("kwargs_data") or {}).get("image", []):
+            decode_item(item)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _derendered(body: dict[str, Any], pictures: int) -> dict[str, Any]:
+    """A whole answer in `output_mode: derender`: per choice its tokens and the parsed message (a call of the forced
+    tool when `parse_context` forces one)."""
+    context = body.get("parse_context") or {}
+    called = _forced(context)
+    sampling = body["sampling_params"]
+    choices = []
+    for index in range(int(sampling.get("n", 1))):
+        text = f"fake generated with {pictures} image(s)" + (f" (choice {index})" if index else "")
+        message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": []}
+        if called is not None:
+            call = {
+                "id": "call_gen",
+                "type": "function",
+                "function": {"name": called, "arguments": '{"city": "Bergen"}'},
+            }
+            message = {"role": "assistant", "content": "", "tool_calls": [call]}
+        choice = {"index": index, "token_ids": [7, 8, 9], "message": message}
+        choice["finish_reason"] = "tool_calls" if called else "stop"
+        if sampling.get("logprobs") is not None:
+            top = int(sampling["logprobs"])
+            entries = [_logprob(word, -0.25) for word in text.split()]
+            choice["logprobs"] = {"content": [{**e, "top_logprobs": [e] * top} for e in entries]}
+        choices.append(choice)
+    usage = {
+        "prompt_tokens": len(body["token_ids"]),
+        "completion_tokens": 3,
+        "total_tokens": len(body["token_ids"]) + 3,
+    }
+    return {"request_id": body["request_id"], "output_mode": "derender", "choices": choices, "usage": usage}
+
+
+def _token_chunks(request_id: str, chunks: list[list[int]], prompt_tokens: int) -> Iterator[str]:
+    """A streamed answer in `output_mode: tokens` as vLLM sends it: each chunk's new token ids, a last chunk with the
+    finish reason, the usage, [DONE]."""
+    for ids in chunks:
+        choice = {"index": 0, "token_ids": ids, "finish_reason": None}
+        yield f"data: {json.dumps({'request_id': request_id, 'output_mode': 'tokens', 'choices': [choice]})}\n\n"
+    last = {"index": 0, "token_ids": [], "finish_reason": "length"}
+    yield f"data: {json.dumps({'request_id': request_id, 'choices': [last]})}\n\n"
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(map(len, chunks))}
+    yield f"data: {json.dumps({'request_id': request_id, 'choices': [], 'usage': usage})}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def _choices(body: dict[str, Any], answer: str) -> list[dict[str, Any]]:
@@ -107,6 +218,7 @@ def _choices(body: dict[str, Any], answer: str) -> list[dict[str, Any]]:
 
 
 def _forced(body: dict[str, Any]) -> str | None:
+    """The function a chat body (or a `GenerateRequest`'s `parse_context`) forces a call of, if any."""
     choice, tools = body.get("tool_choice"), body.get("tools") or []
     if isinstance(choice, dict):
         return str(choice["function"]["name"])
@@ -148,9 +260,10 @@ async def _sleep(seconds: float) -> None:
 
 
 @contextmanager
-def fake_openai_server() -> Iterator[FakeServer]:
-    """Serve the fake on a free loopback port for the duration of the block."""
-    state = FakeServer()
+def fake_openai_server(generate: bool = False) -> Iterator[FakeServer]:
+    """Serve the fake on a free loopback port for the duration of the block (`generate`: with vLLM's generate
+    endpoint)."""
+    state = FakeServer(generate=generate)
     with serve(_app(state)) as base:
         state.url = f"{base}/v1"
         yield state

@@ -80,6 +80,11 @@ VISION_EMBEDDING_STORE_FAILURES = Counter(
     "Reads or writes of the shared vision-embeddings store that failed (each costs a recomputation at most).",
     ["op"],
 )
+OPENAI_GENERATE_FALLBACKS = Counter(
+    "stoker_openai_generate_fallbacks_total",
+    "Requests the `openai` backend sent as chat completions because its server answered 404 for "
+    "/inference/v1/generate (`STOKER_OPENAI_PROTOCOL=auto`; the rest of the process's requests go there at once).",
+)
 STARVATION_SECONDS = Counter(
     "stoker_device_starved_seconds_total",
     "Seconds the device sat idle while jobs waited in CPU queues: add CPU workers when this grows.",

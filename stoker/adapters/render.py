@@ -14,6 +14,7 @@ bit-equal where both run the same image processor backend: see that folder's REA
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 from collections.abc import Sequence
@@ -26,11 +27,14 @@ from PIL import Image
 
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_prompt_tokenizer
 from stoker.adapters.backends.vision import ImagePreparer
-from stoker.adapters.vllm_render import ItemElement, idefics3_item
+from stoker.adapters.vllm_render import ItemElement, decode_item, idefics3_item, item_bytes
+from stoker.core.cachekeys import CacheAddress, fingerprint
 from stoker.core.errors import StokerError
 
 #: Bump when what a render makes of a picture changes (its cache entries are then missed).
 VERSION = "1"
+#: The part of a render's cache entry that holds a picture's rendering (`RenderedPicture.to_bytes`).
+ITEM = "item"
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,16 @@ class RenderedPicture:
 
     layout: dict[str, Any]
     item: dict[str, ItemElement]
+
+    def to_bytes(self) -> bytes:
+        """As cached: the layout as one line of JSON, then the item's msgpack bytes."""
+        return json.dumps(self.layout).encode() + b"\n" + item_bytes(self.item)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RenderedPicture:
+        """The inverse of `to_bytes`; ValueError for anything else."""
+        layout, _, item = data.partition(b"\n")
+        return cls(json.loads(layout), decode_item(base64.b64encode(item).decode()))
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,11 @@ class Renderer:
         """A picture's `mm_hash`: its content hash and this rendering's identity, so vLLM's caches key on one value
         for one picture across every stoker of the fleet."""
         return blake3.blake3(f"{content_hash}:{self.identity}".encode()).hexdigest()
+
+    def picture_address(self, content_hash: str, decode: str, scope: str) -> CacheAddress:
+        """Where a picture's rendering is cached: its content, this rendering's identity and the decode parameters
+        (`decode`: their repr) that made its pixels, in the tenant's scope."""
+        return CacheAddress("render", VERSION, content_hash, fingerprint(renderer=self.identity, params=decode), scope)
 
     def picture(self, rgb: Image.Image) -> RenderedPicture:
         """One decoded picture through the model's image processor, as vLLM's item."""

@@ -276,6 +276,33 @@ def features(
     }
 
 
+def parse_context(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    *,
+    parallel_tool_calls: bool = True,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    history_tool_call_cnt: int = 0,
+) -> dict[str, Any]:
+    """`ParseContext` as vLLM's render writes it: what a generate server needs to read the answer back (tool calls
+    by its parser) in `output_mode: derender`. No `tool_choice`: `auto` with tools, else `none`."""
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    template = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        **TEMPLATE_DEFAULTS,
+    }
+    return {
+        "tools": tools,
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel_tool_calls,
+        "include_reasoning": True,
+        "chat_template_kwargs": template,
+        "history_tool_call_cnt": history_tool_call_cnt,
+    }
+
+
 def generate_request(
     request_id: str,
     token_ids: list[int],
@@ -287,8 +314,10 @@ def generate_request(
     stream: bool = False,
     priority: int = 0,
     cache_salt: str | None = None,
+    output_mode: str = "tokens",
 ) -> dict[str, Any]:
-    """vLLM's `GenerateRequest` as its render answers it in JSON (every field, at its default where unused)."""
+    """vLLM's `GenerateRequest` as its render answers it in JSON (every field, at its default where unused);
+    `output_mode` as a generate server is asked for it (`tokens`, `text` or `derender`; a render writes `tokens`)."""
     return {
         "request_id": request_id,
         "token_ids": token_ids,
@@ -300,7 +329,7 @@ def generate_request(
         "reasoning_ended": None,
         "reasoning_parser_kwargs": None,
         "return_token_ids": None,
-        "output_mode": "tokens",
+        "output_mode": output_mode,
         "parse_context": parse_context,
         "stream": stream,
         "stream_options": None,

@@ -35,11 +35,12 @@ class DecodeOutputs:
 
     `ocr`: the grayscale OCR image; `processor`: the identity of the model's image processor whose tensors it
     stores ("" for none); `picture`: the served picture's bounds (longest side, pixels) for a server that sees
-    images, or None."""
+    images, or None; `render`: the identity of the rendering it caches for vLLM's generate endpoint ("" for none)."""
 
     ocr: bool = True
     processor: str = ""
     picture: tuple[int, int] | None = None
+    render: str = ""
 
 
 def fingerprint(**parts: Any) -> str:
@@ -100,6 +101,8 @@ def decode_address(digest: str, scope: str, params: DecodeParams, outputs: Decod
     """Cache address of decode's output for this content under these decode parameters and outputs (and this
     Pillow)."""
     made = asdict(outputs or DecodeOutputs())
+    if not made["render"]:
+        del made["render"]  # addresses from before renderings were cached stay as they were
     parts = fingerprint(params=asdict(params), outputs=made, pillow=PIL.__version__)
     return CacheAddress("decode", imaging.VERSION, digest, parts, scope)
 

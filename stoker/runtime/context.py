@@ -26,8 +26,10 @@ from stoker.adapters.backends.vlm import VisionEncoder, VisionLanguagePredictor,
 from stoker.adapters.broker import PulledQueue, RedisIntake, redis_transport, stage_queue, transport_options
 from stoker.adapters.cache import StageCache
 from stoker.adapters.embeddings import EmbeddingCache, SharedEmbeddings
+from stoker.adapters.generate import RequestRenderer
 from stoker.adapters.metrics import DeviceClock
 from stoker.adapters.occupancy import PoolOccupancy
+from stoker.adapters.render import ITEM, RenderedPicture, Renderer
 from stoker.adapters.speech import load_whisper
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import cache_client
@@ -49,6 +51,10 @@ from stoker.runtime.seams import Intake, LineSource, Outbox
 from stoker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+
+#: The dtype a picture's floating tensors are rendered in for the generate endpoint: vLLM's for the served model
+#: (`--dtype auto` serves a float32 or bfloat16 checkpoint in bfloat16), as stoker's render endpoints write them.
+RENDER_DTYPE = "bfloat16"
 
 
 class WorkerContext:
@@ -169,11 +175,58 @@ class WorkerContext:
                 max_tokens_cap=s.max_tokens_cap,
                 batch_priority=s.openai_batch_priority,
                 embedder=self._image_embedder(),
+                rendering=self.request_renderer,
+                protocol=s.openai_protocol,
             )
         else:
             chosen = self._local_predictor()
         chosen.setup(s.device)
         return chosen
+
+    @cached_property
+    def request_renderer(self) -> RequestRenderer | None:
+        """The `openai` backend's renderer for vLLM's generate endpoint (`STOKER_OPENAI_PROTOCOL` other than
+        `chat`): the served model's tokenizer and image processor, pictures' renderings from the stage cache. None
+        for another backend, for chat completions, and where pictures go as embeddings (those take chat)."""
+        s = self.settings
+        if s.backend != "openai" or s.openai_protocol == "chat" or s.openai_image_embeds:
+            return None
+        renderer = Renderer(self.model_path, RENDER_DTYPE, tokenizer=self.prompt_tokenizer)
+        return RequestRenderer(renderer, self.rendered_picture, s.openai_model)
+
+    def rendered_picture(self, digest: str, scope: str) -> RenderedPicture | None:
+        """A picture's rendering for the generate endpoint, as the decode stage cached it (in the scope it was
+        decoded in), or made again from the input's bytes while the job store still holds them (and cached); None
+        when neither has it."""
+        assert self.request_renderer is not None
+        renderer = self.request_renderer.renderer
+        address = renderer.picture_address(digest, repr(self.decode_params), scope)
+        found = self.cache.get_bytes(address, part=ITEM)
+        if found is not None:
+            try:
+                return RenderedPicture.from_bytes(found)
+            except ValueError:
+                pass  # not what this version writes: rendered again below
+        picture = self._picture_again(digest)
+        if picture is None:
+            return None
+        return self.put_rendered(digest, scope, picture)
+
+    def put_rendered(self, digest: str, scope: str, picture: Image.Image) -> RenderedPicture | None:
+        """Render a decoded picture for the generate endpoint and cache it (under the tensors' size cap); None for
+        a model that reads no pictures, or one its processor cannot read."""
+        assert self.request_renderer is not None
+        renderer = self.request_renderer.renderer
+        if not renderer.sees:
+            return None
+        try:
+            rendered = renderer.picture(picture)
+        except StokerError:
+            return None
+        address = renderer.picture_address(digest, repr(self.decode_params), scope)
+        limit = self.settings.cache_max_tensor_bytes
+        self.cache.put_bytes(address, rendered.to_bytes(), part=ITEM, limit=limit)
+        return rendered
 
     def _local_predictor(self) -> TransformersPredictor:
         """The `transformers` backend: a vision-language model when STOKER_MODEL names one, else a text model."""
@@ -306,10 +359,10 @@ class WorkerContext:
     def picture_bounds(self) -> tuple[int, int] | None:
         """With the `openai` backend, the bounds of the picture the server gets (longest side, pixels; 0 for no
         pixel bound): the served model's own size policy from its image processor's config, under
-        `openai_image_max_side`. None for any other backend."""
+        `openai_image_max_side`. None for any other backend, and for one that only speaks vLLM's generate."""
         s = self.settings
-        if s.backend != "openai":
-            return None
+        if s.backend != "openai" or (s.openai_protocol == "generate" and not s.openai_image_embeds):
+            return None  # generate sends each picture's tensors, never the picture
         side, pixels = self.image_preparer.size_policy() if self.image_preparer else (None, None)
         return min(side or s.openai_image_max_side, s.openai_image_max_side), pixels or 0
 
@@ -318,7 +371,8 @@ class WorkerContext:
         """What the decode stage makes under this configuration (part of its cache address)."""
         preparer = self.image_preparer
         identity = preparer.identity if preparer else ""
-        return DecodeOutputs(ocr=self.ocr_runs, processor=identity, picture=self.picture_bounds)
+        rendering = self.request_renderer.renderer.identity if self.request_renderer else ""
+        return DecodeOutputs(ocr=self.ocr_runs, processor=identity, picture=self.picture_bounds, render=rendering)
 
     @cached_property
     def decode_needs(self) -> DecodeNeeds:

@@ -61,6 +61,7 @@ def test_what_decode_makes_is_part_of_its_address() -> None:
         DecodeOutputs(processor="p1"),
         DecodeOutputs(picture=(1024, 0)),
         DecodeOutputs(picture=(2048, 0)),
+        DecodeOutputs(render="r1"),
     ]
     keys = {cache_key(decode_address("abc", SCOPE, PARAMS, v)) for v in variants}
     assert len(keys) == len(variants)

@@ -9,6 +9,13 @@ generation parameters; the server batches them itself. A request whose client re
 stream, and every piece is handed to `pieces` as it arrives. Server answers map onto the error taxonomy: overload
 and unreachability are transient (retried with backoff, then `model_unavailable`; a stream that already sent pieces
 is not retried), anything else is `inference_failed` for that request alone.
+
+With `STOKER_OPENAI_PROTOCOL` `generate` (or `auto`, while the server offers it), a request is instead rendered here
+(`RequestRendering`: token ids, each picture's tensors from the stage cache, never a picture) and POSTed as vLLM's
+`GenerateRequest` to `/inference/v1/generate` at the server's root (the base URL less its `/v1`); the answer comes
+back as a parsed chat message (`output_mode: derender`), or streamed as tokens detokenized here
+(`stoker.adapters.backends.generated`). In `auto`, a server that answers 404 there gets chat completions from then on
+(logged once, counted in `stoker_openai_generate_fallbacks_total`).
 """
 
 from __future__ import annotations
@@ -16,15 +23,19 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import httpx
 
+from stoker.adapters.backends.generated import StreamedTokens, chat_completion
 from stoker.adapters.backends.vlm import VisionEncoder, tensor_base64
+from stoker.adapters.metrics import OPENAI_GENERATE_FALLBACKS
 from stoker.core.errors import InferenceFailed, ModelUnavailable, StokerError
 from stoker.core.model import EncoderUse, GenerationParams, ModelRequest, Outcome, Prediction
 
@@ -32,16 +43,37 @@ log = logging.getLogger(__name__)
 
 #: Statuses that mean "not now": retried, then model_unavailable.
 TRANSIENT_STATUS = frozenset({408, 429, 502, 503, 504})
+#: vLLM's token-in, token-out endpoint, at the server's root.
+GENERATE_PATH = "/inference/v1/generate"
+ServerProtocol = Literal["auto", "generate", "chat"]
+
+
+class RequestRendering(Protocol):
+    """What renders a request into vLLM's `GenerateRequest` (`stoker.adapters.generate.RequestRenderer`)."""
+
+    def body(self, request: ModelRequest, *, max_tokens: int, priority: int, stream: bool) -> dict[str, Any]:
+        """The request's `GenerateRequest` JSON."""
+        ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Answer tokens as text."""
+        ...
+
+
+class _NoGenerate(Exception):
+    """The server answered 404 for the generate endpoint."""
 
 
 @dataclass(frozen=True)
 class Call:
-    """One request as it goes out: its body, and where its pieces go when it is streamed."""
+    """One request as it goes out: the request, where its pieces go when it is streamed, and its bodies once made."""
 
-    body: dict[str, Any]
+    request: ModelRequest
     stream_to: str | None = None
     #: Per picture sent as embeddings (content hash): whether they came from the cache.
     encoder: dict[str, EncoderUse] = field(default_factory=dict)
+    #: The request's bodies by protocol (`chat`, `generate`), each made once, on its first attempt.
+    bodies: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class OpenAIPredictor:
@@ -65,6 +97,8 @@ class OpenAIPredictor:
         batch_priority: int | None = None,
         max_tokens_cap: int | None = None,
         embedder: VisionEncoder | None = None,
+        rendering: RequestRendering | None = None,
+        protocol: ServerProtocol = "auto",
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -81,6 +115,10 @@ class OpenAIPredictor:
         self.max_tokens_cap = max_tokens_cap or max_new_tokens
         #: With `--enable-mm-embeds` on the server: pictures go as their vision embeddings, made (or cached) here.
         self.embedder = embedder
+        #: How requests reach the server (`STOKER_OPENAI_PROTOCOL`); without a renderer, always chat completions.
+        self.rendering = rendering
+        self.protocol: ServerProtocol = protocol if rendering is not None else "chat"
+        self._protocol_lock = threading.Lock()
         self._client: httpx.Client | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -105,13 +143,22 @@ class OpenAIPredictor:
             self._pool = None
 
     def batch(self, requests: Sequence[ModelRequest]) -> list[Call]:
-        """One chat-completions call per request."""
+        """One call per request (its body is made when it goes out, for the protocol it goes by)."""
         calls = []
         for r in requests:
-            used: dict[str, EncoderUse] = {}
             streamed = self.pieces is not None and r.params.calls == "none"  # calls come whole (see _Streamed)
-            calls.append(Call(self.body(r, used), r.stream_to if streamed else None, used))
+            calls.append(Call(r, r.stream_to if streamed else None))
         return calls
+
+    def generate_body(self, request: ModelRequest, stream: bool = False) -> dict[str, Any]:
+        """The request as vLLM's `GenerateRequest`, with its new tokens, priority and streaming."""
+        assert self.rendering is not None
+        max_tokens = request.params.new_tokens(self.max_new_tokens, self.max_tokens_cap)
+        return self.rendering.body(request, max_tokens=max_tokens, priority=self._priority(request), stream=stream)
+
+    def _priority(self, request: ModelRequest) -> int:
+        """vLLM's priority scheduling: lower runs first, and may preempt; a batch line's is the configured one."""
+        return self.batch_priority if self.batch_priority is not None and request.background else 0
 
     def body(self, request: ModelRequest, used: dict[str, EncoderUse] | None = None) -> dict[str, Any]:
         """The request as the server takes it: the chat's turns, each user turn with the pictures it carried (a
@@ -139,8 +186,8 @@ class OpenAIPredictor:
             body["n"] = params.n
         if params.logprobs:
             body |= {"logprobs": True, "top_logprobs": params.top_logprobs}
-        if self.batch_priority is not None:  # vLLM's priority scheduling: lower runs first, and may preempt
-            body["priority"] = self.batch_priority if request.background else 0
+        if self.batch_priority is not None:  # a server without priority scheduling refuses one other than 0
+            body["priority"] = self._priority(request)
         return body | _structured(request.params)
 
     def _embeds_for(
@@ -208,7 +255,7 @@ class OpenAIPredictor:
         sent = [0]
         for attempt in range(self.attempts):
             try:
-                answer = self._stream(call, sent) if call.stream_to else self._post(call.body)
+                answer = self._answer(call, sent)
                 return replace(answer, encoder=call.encoder) if call.encoder else answer
             except StokerError as exc:
                 if exc.permanent or sent[0]:  # a stream that sent pieces cannot be taken back: no retry
@@ -216,6 +263,71 @@ class OpenAIPredictor:
                 error = exc
                 time.sleep(min(0.5 * 2**attempt, 5.0))
         return error
+
+    def _answer(self, call: Call, sent: list[int]) -> Prediction:
+        """The request's answer by the protocol it goes by: generate while the server offers it, else chat."""
+        if self.protocol != "chat":
+            try:
+                return self._generate(call, sent)
+            except _NoGenerate:
+                self._fall_back()
+        if "chat" not in call.bodies:
+            call.bodies["chat"] = self.body(call.request, call.encoder)
+        body = call.bodies["chat"]
+        return self._stream(body, call.stream_to, sent) if call.stream_to else self._post(body)
+
+    def _fall_back(self) -> None:
+        """A server without the generate endpoint: `auto` goes on by chat completions (said once, counted per
+        request); `generate` fails the request."""
+        if self.protocol == "generate":
+            raise InferenceFailed(
+                f"the inference server has no {GENERATE_PATH} (404): start vLLM with --enable-scale-out, or set "
+                "STOKER_OPENAI_PROTOCOL=chat",
+                stage="infer",
+            )
+        OPENAI_GENERATE_FALLBACKS.inc()
+        with self._protocol_lock:
+            if self.protocol == "auto":
+                self.protocol = "chat"
+                log.warning(
+                    "openai backend: %s answers 404 for %s: chat completions from now on", self.base_url, GENERATE_PATH
+                )
+
+    def _generate(self, call: Call, sent: list[int]) -> Prediction:
+        """One request through vLLM's generate endpoint: a parsed message, or a stream of tokens."""
+        assert self.rendering is not None
+        if "generate" not in call.bodies:
+            call.bodies["generate"] = self.generate_body(call.request, stream=call.stream_to is not None)
+        url = self.base_url.removesuffix("/v1") + GENERATE_PATH
+        with _reaching_the_server():
+            if call.stream_to:
+                return self._generate_stream(url, call, sent)
+            response = self._http().post(url, json=call.bodies["generate"])
+        _check_generate(response, response.text)
+        return _prediction(chat_completion(response.json(), self.rendering.detokenize))
+
+    def _generate_stream(self, url: str, call: Call, sent: list[int]) -> Prediction:
+        """The answer's tokens as they come, detokenized here; each piece goes on at once."""
+        assert self.rendering is not None
+        assert call.stream_to is not None
+        answer = StreamedTokens(self.rendering.detokenize, call.request.params.stop)
+        with self._http().stream("POST", url, json=call.bodies["generate"]) as response:
+            _check_generate(response, response.read().decode(errors="replace") if response.status_code != 200 else "")
+            for chunk in _sse_chunks(response.iter_lines()):
+                self._hand_on(call.stream_to, answer.add(chunk), sent)
+        self._hand_on(call.stream_to, answer.rest(), sent)
+        return answer.prediction()
+
+    def _hand_on(self, job_id: str, piece: str, sent: list[int]) -> None:
+        if piece:
+            assert self.pieces is not None
+            self.pieces(job_id, piece)
+            sent[0] += 1
+
+    def _http(self) -> httpx.Client:
+        if self._client is None:
+            raise ModelUnavailable("the openai backend was not set up")
+        return self._client
 
     def _post(self, body: dict[str, Any]) -> Prediction:
         assert self._client is not None
@@ -228,26 +340,40 @@ class OpenAIPredictor:
         _check(response, response.text)
         return _prediction(response.json())
 
-    def _stream(self, call: Call, sent: list[int]) -> Prediction:
+    def _stream(self, body: dict[str, Any], stream_to: str, sent: list[int]) -> Prediction:
         """The answer as a stream: each piece goes on as it arrives; the whole answer is returned at the end."""
         assert self._client is not None
         assert self.pieces is not None
-        assert call.stream_to is not None
-        body = {**call.body, "stream": True, "stream_options": {"include_usage": True}}
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         answer = _Streamed()
         try:
             with self._client.stream("POST", "/chat/completions", json=body) as response:
                 _check(response, response.read().decode(errors="replace") if response.status_code != 200 else "")
                 for chunk in _sse_chunks(response.iter_lines()):
-                    piece = answer.add(chunk)
-                    if piece:
-                        self.pieces(call.stream_to, piece)
-                        sent[0] += 1
+                    self._hand_on(stream_to, answer.add(chunk), sent)
         except httpx.TimeoutException as exc:
             raise ModelUnavailable(f"the inference server timed out: {exc}", stage="infer") from exc
         except httpx.TransportError as exc:
             raise ModelUnavailable(f"the inference server cannot be reached: {exc}", stage="infer") from exc
         return answer.prediction()
+
+
+@contextmanager
+def _reaching_the_server() -> Iterator[None]:
+    """Timeouts and unreachability as the error taxonomy has them: transient."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise ModelUnavailable(f"the inference server timed out: {exc}", stage="infer") from exc
+    except httpx.TransportError as exc:
+        raise ModelUnavailable(f"the inference server cannot be reached: {exc}", stage="infer") from exc
+
+
+def _check_generate(response: httpx.Response, detail: str) -> None:
+    """As `_check`, a 404 saying the server has no generate endpoint."""
+    if response.status_code == 404:
+        raise _NoGenerate
+    _check(response, detail)
 
 
 def _check(response: httpx.Response, detail: str) -> None:
