@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from api.limits import read_json
 from api.schemas import MAX_JSON_INPUTS, JobCreate
-from stoker.core.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType, UrlRejected
+from stoker.core.errors import InvalidRequest, PromptTooLong, TooManyInputs, UnsupportedMediaType, UrlRejected
 from stoker.core.jobs import Conversation, InputKind
 from stoker.core.media import KIND_FORMATS, ContentHash, content_hash, sniff_format
 from stoker.core.urls import parse_url
@@ -140,7 +140,10 @@ def validate(
     if prompt is None or not prompt.strip():
         raise InvalidRequest("prompt is required")
     if len(prompt) > settings.max_prompt_chars:
-        raise InvalidRequest(f"prompt exceeds {settings.max_prompt_chars} characters")
+        raise PromptTooLong(
+            f"the prompt is {len(prompt)} characters, more than the {settings.max_prompt_chars} this server takes",
+            param="prompt",
+        )
     accepted = validate_inputs(raw, settings)
     deadline = _deadline_ms(deadline_ms, settings)
     return AcceptedRequest(prompt, accepted, deadline, callback_url=_callback_url(callback_url))

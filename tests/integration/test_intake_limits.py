@@ -17,6 +17,7 @@ import openai
 import pytest
 import redis
 from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 import api.prompts
 from api.app import create_app
@@ -141,6 +142,23 @@ def test_only_a_short_prompt_is_built_on_the_event_loop(roomy: openai.OpenAI, bu
     assert long.model_extra["stoker"]["status"] == "succeeded"
     assert len(builds.threads) == 2
     assert builds.threads[1].startswith(TOKENIZING_THREAD)
+
+
+@pytest.mark.parametrize("body", ["form", "json"])
+def test_a_jobs_prompt_over_the_limit_is_prompt_too_long_as_a_chats_is(client: TestClient, body: str) -> None:
+    limit = ApiSettings().max_prompt_chars
+    prompt = "x" * (limit + 1)
+    if body == "form":
+        response = client.post("/v1/jobs", data={"prompt": prompt})
+    else:
+        response = client.post("/v1/jobs", json={"prompt": prompt})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"] == {
+        "message": f"the prompt is {limit + 1} characters, more than the {limit} this server takes",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "prompt_too_long",
+    }
 
 
 def test_answers_are_bounded_where_they_are_asked_for_and_stored(

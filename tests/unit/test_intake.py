@@ -7,7 +7,7 @@ import json
 import pytest
 
 from api.intake import _read_json, validate
-from stoker.core.errors import InvalidRequest, TooManyInputs, UnsupportedMediaType
+from stoker.core.errors import InvalidRequest, PromptTooLong, TooManyInputs, UnsupportedMediaType
 from stoker.core.media import content_hash
 from stoker.settings import ApiSettings
 from tests.media import text_image
@@ -36,6 +36,21 @@ def test_valid_request_is_hashed_and_sniffed() -> None:
 def test_invalid_requests_raise_their_error(prompt: str | None, raw: list[tuple[str, bytes]], error: type) -> None:
     with pytest.raises(error):
         validate(prompt, raw, SETTINGS)
+
+
+def test_a_prompt_over_the_limit_is_prompt_too_long_as_a_chats_is() -> None:
+    with pytest.raises(PromptTooLong) as refused:
+        validate("x" * 51, [], SETTINGS)
+    assert refused.value.envelope() == {
+        "error": {
+            "message": "the prompt is 51 characters, more than the 50 this server takes",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "prompt_too_long",
+        }
+    }
+    assert refused.value.http_status == 422
+    assert validate("x" * 50, [], SETTINGS).prompt == "x" * 50
 
 
 def test_deadline_defaults_from_settings_and_accepts_form_text() -> None:

@@ -170,6 +170,29 @@ def test_a_picture_the_processor_rejects_is_a_structured_error(qwen2_vl: ImagePr
     with pytest.raises(ImageCorrupt, match="aspect ratio") as caught:
         qwen2_vl.prepare(decode_rgb(sliver, PARAMS))
     assert (caught.value.code, caught.value.stage) == ("image_corrupt", "decode")
+    assert caught.value.message.startswith("the model's image processor (Qwen2VLImageProcessorPil) cannot read this")
+    assert "1×500 picture" in caught.value.message
+
+
+class RefusingProcessor:
+    """An image processor that refuses every picture the way a library's can: naming an object by its heap address,
+    then quoting a long array."""
+
+    def __call__(self, images: Image.Image) -> dict[str, Any]:
+        raise ValueError(f"cannot use <numpy.ndarray object at 0x7f3a9c1b2d40>: values {list(range(2000))}")
+
+
+def test_a_processors_refusal_reaches_the_client_without_addresses_or_arrays() -> None:
+    preparer = ImagePreparer(RefusingProcessor(), identity="refusing")
+    with pytest.raises(ImageCorrupt) as caught:
+        preparer.prepare(Image.new("RGB", (30, 20), "white"))
+    message = caught.value.message
+    assert message.startswith("the model's image processor (RefusingProcessor) cannot read this 30×20 picture: ")
+    assert "0x7f3a" not in message
+    assert "cannot use : values [0, 1, 2" in message
+    assert len(message) < 300
+    assert message.endswith("…")
+    assert "1999" in str(caught.value.__cause__)  # the whole reason stays on the cause, for the worker's log
 
 
 @pytest.mark.parametrize(

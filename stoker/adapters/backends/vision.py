@@ -38,6 +38,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load, save
 
 from stoker.core.errors import ImageCorrupt
+from stoker.core.imaging import error_text
 
 #: The layout of the bytes `PreparedImage.to_bytes` writes; bump when it changes.
 FORMAT = "stoker.vision/1"
@@ -140,7 +141,7 @@ class ImagePreparer:
         try:
             output = self.processor(images=rgb, **self._extra())
         except ValueError as exc:
-            raise ImageCorrupt(f"the model's image processor cannot read this image: {exc}", stage="decode") from exc
+            raise ImageCorrupt(_refusal(self.processor, rgb, exc), stage="decode") from exc
         tensors = {name: _stored(name, value, self.floats) for name, value in output.items()}
         meta = {"processor": self.identity, "processor_class": type(self.processor).__name__, "size": list(rgb.size)}
         return PreparedImage(tensors=tensors, meta=meta)
@@ -170,6 +171,22 @@ class ImagePreparer:
         # Idefics3 / SmolVLM tell how the picture was tiled only when asked; the prompt needs it.
         accepted = getattr(getattr(self.processor, "valid_kwargs", None), "__annotations__", {})
         return {"return_row_col_info": True} if "return_row_col_info" in accepted else {}
+
+
+#: The most of an image processor's own reason a client is shown: a processor's message may quote whole arrays.
+MAX_REASON_CHARS = 200
+
+
+def _refusal(processor: Any, rgb: Image.Image, exc: ValueError) -> str:
+    """Why the model's image processor refused a picture, as a client may read it: the processor and the picture's
+    size, then the processor's reason without any object it names by heap address, cut short (the whole of it stays
+    on the exception's cause, for the worker's log)."""
+    reason = error_text(exc)
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[: MAX_REASON_CHARS - 1].rstrip() + "…"
+    width, height = rgb.size
+    name = type(processor).__name__
+    return f"the model's image processor ({name}) cannot read this {width}×{height} picture: {reason}"
 
 
 def _stored(name: str, value: Any, floats: str = "float16") -> npt.NDArray[Any]:
