@@ -24,7 +24,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from api.app import error_response
 from api.limits import JsonValueCounter, read_json
-from api.server import ApiServer, HeadBoundedProtocol, server_config
+from api.server import server_config
+from api.uvicorn_server import ApiServer, HeadBoundedProtocol
 from stoker.core.errors import PayloadTooLarge, StokerError
 from stoker.settings import ApiSettings, StackSettings
 from tests.serving import serve_with
