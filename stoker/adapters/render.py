@@ -80,6 +80,12 @@ class Renderer:
         return self.tokenizer.images is not None
 
     @property
+    def renders_pictures(self) -> bool:
+        """Whether its pictures can be rendered as vLLM's items: the Idefics3 / SmolVLM family's processor (the one
+        item layout mirrored, `idefics3_item`), or a model that reads no pictures."""
+        return self.preparer is None or "Idefics3" in type(self.preparer.processor).__name__
+
+    @property
     def identity(self) -> str:
         """What identifies a picture's rendering: the image processor and the dtype its floats are cast to."""
         processor = self.preparer.identity if self.preparer is not None else ""

@@ -187,11 +187,15 @@ class WorkerContext:
     def request_renderer(self) -> RequestRenderer | None:
         """The `openai` backend's renderer for vLLM's generate endpoint (`STOKER_OPENAI_PROTOCOL` other than
         `chat`): the served model's tokenizer and image processor, pictures' renderings from the stage cache. None
-        for another backend, for chat completions, and where pictures go as embeddings (those take chat)."""
+        for another backend, for chat completions, where pictures go as embeddings (those take chat), and for a
+        model whose pictures stoker cannot render as vLLM's items (only the Idefics3 / SmolVLM family's today)."""
         s = self.settings
         if s.backend != "openai" or s.openai_protocol == "chat" or s.openai_image_embeds:
             return None
         renderer = Renderer(self.model_path, RENDER_DTYPE, tokenizer=self.prompt_tokenizer)
+        if not renderer.renders_pictures:
+            log.info("openai backend: %s's pictures cannot be rendered for vLLM here: chat completions", s.model)
+            return None
         return RequestRenderer(renderer, self.rendered_picture, s.openai_model)
 
     def rendered_picture(self, digest: str, scope: str) -> RenderedPicture | None:
