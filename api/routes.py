@@ -243,9 +243,10 @@ def _found(job_id: str, job: Job | None, tenant: str) -> JobPublic:
     return JobPublic.model_validate(job.model_dump())
 
 
-@router.get("/v1/stats", dependencies=[Depends(within_rate)])
-async def stats(context: Context) -> dict[str, Any]:
-    """Queue depths, limits and drain rates; the inference watermarks; device time; refusals."""
+@router.get("/v1/stats")
+async def stats(context: Context, tenant: Annotated[str, Depends(within_rate)]) -> dict[str, Any]:
+    """Queue depths, limits and drain rates; the inference watermarks; device time; refusals; with keys on, what
+    the caller's tenant holds against its limits."""
     monitor, settings = context.monitor, context.settings
     snapshot = monitor.fresh()
     if snapshot is None:
@@ -266,6 +267,23 @@ async def stats(context: Context) -> dict[str, Any]:
         **counters,
         "device_idle_gap": idle_gap_summary(gaps),
         "classes": {"batch": await run_in_threadpool(context.store.batches.line_stats)},
+        **({"tenant": await _tenant_usage(context, tenant)} if settings.auth else {}),
+    }
+
+
+async def _tenant_usage(context: ApiContext, tenant: str) -> dict[str, Any]:
+    """What a tenant holds now against its limits: queue messages and input bytes of its unfinished jobs, and its
+    stored results (how many, their bytes), with each limit (0: none)."""
+    usage = await run_in_threadpool(context.store.tenants.usage, tenant)
+    limits = context.settings.tenant_limits
+    return {
+        "name": tenant,
+        "queue_messages": usage.messages,
+        "stored_bytes": usage.stored_bytes,
+        "max_stored_bytes": limits.max_stored_bytes,
+        "results": usage.results,
+        "result_bytes": usage.result_bytes,
+        "max_result_bytes": limits.max_result_bytes,
     }
 
 

@@ -104,7 +104,7 @@ async def admit(context: ApiContext, tenant: str, job_id: str | None = None, *, 
     except redis.RedisError as exc:
         raise BrokerUnavailable("the job store cannot be reached") from exc
     if verdict.outcome != "ok" and job_id is not None:
-        ADMISSIONS.labels(f"{verdict.outcome}_limited").inc()  # a refused submission: rate_ or in_flight_limited
+        ADMISSIONS.labels(f"{verdict.outcome}_limited").inc()  # a refused submission: rate_limited, results_limited, …
     _enforce(verdict)
 
 
@@ -126,6 +126,9 @@ def refusal(outcome: str, retry_after_s: int = IN_FLIGHT_RETRY_S) -> StokerError
         return TenantOverShare(retry_after_s=retry_after_s)
     if outcome == "bytes":
         return TenantStorageFull(retry_after_s=retry_after_s)
+    if outcome == "results":
+        message = "this tenant's stored results hold as many bytes as it may keep: come back when some have expired"
+        return TenantStorageFull(message, retry_after_s=retry_after_s)
     assert outcome == "too_big", outcome
     return PayloadTooLarge("the job's inputs are more bytes than its tenant may store at once")
 

@@ -360,6 +360,15 @@ class ApiSettings(CommonSettings):
         "(429 `tenant_storage_full`; a URL download that would pass it fails its input `storage_quota_exceeded`). "
         "0: no cap.",
     )
+    tenant_max_result_bytes: int = Field(
+        512 * MiB,
+        ge=0,
+        description="Per tenant: bytes its jobs' stored results may hold together (a quarter of the shipped store's "
+        "2 GB `maxmemory`: size it to yours). A result is kept with its job's record, `job_ttl_s` from acceptance, "
+        "and counts from the job's end until then; a tenant at the cap is refused new jobs (429 "
+        "`tenant_storage_full`, Retry-After: until its first result expires). Jobs already running still store "
+        "theirs, so it may be passed by what they hold (each at most `max_result_bytes`). 0: no cap.",
+    )
     api_tokenize: bool = Field(
         True,
         description="Tokenize jobs with nothing to preprocess (text only, or every input cached) here, off the "
@@ -538,6 +547,7 @@ class ApiSettings(CommonSettings):
             share_capacity=self.cpu_queue_limit if self.tenant_max_share > 0 else 0,
             max_share=self.tenant_max_share,
             max_stored_bytes=self.tenant_max_stored_bytes,
+            max_result_bytes=self.tenant_max_result_bytes,
         )
 
 

@@ -112,8 +112,8 @@ def cache_scope(tenant: str, shared: bool) -> str:
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """What one tenant may do: requests per second (with a burst), unfinished jobs at once, its share of the queues
-    and the input bytes its unfinished jobs may hold; 0 is no limit.
+    """What one tenant may do: requests per second (with a burst), unfinished jobs at once, its share of the queues,
+    the input bytes its unfinished jobs may hold and the bytes its stored results may hold; 0 is no limit.
 
     Fair share: the tenant's unfinished jobs may fan out into at most `share_capacity` × min(`max_share`, 1/n)
     queue messages, n being the tenants with unfinished jobs (itself included). Below the global queue limit a
@@ -127,16 +127,20 @@ class TenantLimits:
     share_capacity: int = 0
     max_share: float = 0.0
     max_stored_bytes: int = 0
+    #: Its jobs' stored results (kept with their records, `job_ttl_s`), together; at it, new jobs are refused.
+    max_result_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class TenantUsage:
-    """What a tenant's unfinished jobs hold: queue messages they fan out into, input bytes they stored; and how
-    many tenants have unfinished jobs."""
+    """What a tenant's unfinished jobs hold: queue messages they fan out into, input bytes they stored; how many
+    tenants have unfinished jobs; and the results its jobs' records keep (how many, and their bytes)."""
 
     messages: int
     stored_bytes: int
     busy_tenants: int
+    result_bytes: int = 0
+    results: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ class LimitVerdict:
     """Whether a tenant's request goes ahead, and if not, which limit it hit and when to come back (or, for a
     request checked with its key, that the key does not open)."""
 
-    outcome: Literal["ok", "rate", "in_flight", "share", "bytes", "too_big", "unauthorized"]
+    outcome: Literal["ok", "rate", "in_flight", "share", "bytes", "too_big", "results", "unauthorized"]
     retry_after_s: int = 0
 
     @classmethod
@@ -152,8 +156,8 @@ class LimitVerdict:
         """From what the store's admission script answered: an outcome and the seconds until it would pass."""
         if outcome == "ok":
             return cls("ok")
-        if outcome == "rate":
-            return cls("rate", retry_after(wait_s))
+        if outcome in ("rate", "results"):  # the rate's next slot, or when the first stored result expires
+            return cls(outcome, retry_after(wait_s))  # type: ignore[arg-type]
         if outcome == "unauthorized":  # the key checked with the request: revoked, or another secret
             return cls("unauthorized")
         if outcome in ("in_flight", "share", "bytes", "too_big"):

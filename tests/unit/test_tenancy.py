@@ -105,6 +105,8 @@ def test_retry_after_rounds_up_and_is_never_zero() -> None:
     assert LimitVerdict.from_script("in_flight", 0) == LimitVerdict("in_flight", IN_FLIGHT_RETRY_S)
     assert LimitVerdict.from_script("share", 0) == LimitVerdict("share", IN_FLIGHT_RETRY_S)
     assert LimitVerdict.from_script("bytes", 0) == LimitVerdict("bytes", IN_FLIGHT_RETRY_S)
+    assert LimitVerdict.from_script("results", 3599.2) == LimitVerdict("results", 3600)  # its first result's expiry
+    assert LimitVerdict.from_script("results", -0.5) == LimitVerdict("results", 1)  # expired, not yet let go of
     with pytest.raises(ValueError, match="unknown admission outcome"):
         LimitVerdict.from_script("maybe", 0)
 

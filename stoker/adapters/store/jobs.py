@@ -35,7 +35,7 @@ from stoker.adapters.store.keys import (
     tenant_jobs_key,
     tokens_key,
 )
-from stoker.adapters.store.tenants import DROP_JOB, tenant_keys
+from stoker.adapters.store.tenants import DROP_JOB, RESULTS, result_keys, tenant_keys
 from stoker.core.deadlines import Deadline
 from stoker.core.errors import RecordTooLarge, ResultTooLarge
 from stoker.core.jobs import (
@@ -104,19 +104,23 @@ return 'ok'
 )
 
 # A terminal status is written once: whoever comes second (a late batch, the reaper, the watchdog) changes nothing.
-# What the job held of its tenant's limits (in-flight slot, queue messages, stored bytes) is given back with it.
+# What the job held of its tenant's limits (in-flight slot, queue messages, stored bytes) is given back with it,
+# and the result it keeps (ARGV[4] bytes; 0: none, or no tenant to charge) is charged to the tenant for as long as
+# the record lives (`RESULTS`).
 _FINISH = (
     DROP_JOB
+    + RESULTS
     + RELEASE_BLOBS
     + TERMINAL_LUA
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or TERMINAL[status] then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
 drop(KEYS[6], KEYS[7], KEYS[8], ARGV[1], ARGV[3])
+if tonumber(ARGV[4]) > 0 then hold_result(KEYS[11], KEYS[12], KEYS[1], ARGV[1], tonumber(ARGV[4])) end
 release_blobs(KEYS[10], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], 'callback') == 1 then  -- its client asked to be told: due now
   local clock = redis.call('TIME')
@@ -132,6 +136,9 @@ end
     + f"if ARGV[2] == 'cancelled' then redis.call('PUBLISH', '{CANCELLED_CHANNEL}', ARGV[1]) end\n"
     + "return 1\n"
 )
+
+# A job deleted gives back its result's charge (`RESULTS`).
+_DROP_RESULT = RESULTS + "drop_result(KEYS[1], KEYS[2], ARGV[1])\n"
 
 # One band of a page OCR'd in bands (`stoker.runtime.bands`): kept beside the page's record while the job is still
 # preprocessing; the answer is how many of the page's bands are in, so the one that brings in the last joins them.
@@ -360,6 +367,7 @@ class JobRepository:
         self._watch = client.register_script(_WATCH)
         self._start = client.register_script(_START)
         self._put_band = client.register_script(_PUT_BAND)
+        self._drop_result = client.register_script(_DROP_RESULT)
 
     def create(self, job_id: str, new: NewJob) -> Job:
         """Write a new job record atomically, in status queued, and put it under the reaper's watch (its first look
@@ -386,10 +394,14 @@ class JobRepository:
         return created
 
     def delete_job(self, job_id: str) -> None:
-        """Forget a job that was never enqueued (its blobs: `BlobRepository.release`)."""
+        """Forget a job that was never enqueued (its blobs: `BlobRepository.release`), and any result of its that
+        its tenant was charged for."""
+        tenant = self.tenant(job_id)
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(job_key(job_id), tokens_key(job_id))
             pipe.zrem(ACTIVE_KEY, job_id)
+            if tenant is not None:
+                self._drop_result(keys=result_keys(tenant), args=[job_id], client=pipe)
             pipe.execute()
 
     def mark_started(self, job_id: str) -> bool:
@@ -640,10 +652,10 @@ def _hand_off_call(job_id: str, request: ModelRequest, rev: int | None, ttl_s: i
     return [job_key(job_id), tokens_key(job_id), ACTIVE_KEY], args
 
 
-def _finish_call(ending: Ending, now: float, max_result_bytes: int) -> tuple[list[str], list[str]]:
+def _finish_call(ending: Ending, now: float, max_result_bytes: int) -> tuple[list[str], list[str | int]]:
     """Keys and arguments of the finish-once script for one ending (a result over `max_result_bytes` ends its job
     failed instead, `_bounded`)."""
-    ending, result = _bounded(ending, max_result_bytes)
+    ending, result, size = _bounded(ending, max_result_bytes)
     fields = {"status": ending.status, "ts:done": repr(now)}
     fields.update({f"ts:{name}": repr(at) for name, at in ending.stamps.items()})
     if result is not None:
@@ -655,26 +667,27 @@ def _finish_call(ending: Ending, now: float, max_result_bytes: int) -> tuple[lis
         fields["encoder"] = json.dumps(ending.encoder, sort_keys=True)
     job_id = ending.job_id
     keys = [job_key(job_id), tokens_key(job_id), ACTIVE_KEY, done_channel(job_id), JOB_COUNTS_KEY]
-    keys += [*tenant_keys(ending.tenant), CALLBACKS_DUE_KEY, job_blobs_key(job_id)]
-    return keys, [job_id, ending.status, ending.tenant, *(x for pair in fields.items() for x in pair)]
+    keys += [*tenant_keys(ending.tenant), CALLBACKS_DUE_KEY, job_blobs_key(job_id), *result_keys(ending.tenant)]
+    charged = size if ending.tenant != DEFAULT_TENANT else 0  # without keys there are no tenants to charge
+    return keys, [job_id, ending.status, ending.tenant, charged, *(x for pair in fields.items() for x in pair)]
 
 
-def _bounded(ending: Ending, max_result_bytes: int) -> tuple[Ending, str | None]:
-    """The ending as written, with its result as stored: a result of more than `max_result_bytes` is not stored,
-    and the job fails `result_too_large` (stage `infer`) rather than keep a part of its answers: a client that
-    asked for logprobs gets all of them or a reason."""
+def _bounded(ending: Ending, max_result_bytes: int) -> tuple[Ending, str | None, int]:
+    """The ending as written, with its result as stored and that result's bytes: a result of more than
+    `max_result_bytes` is not stored, and the job fails `result_too_large` (stage `infer`) rather than keep a part
+    of its answers: a client that asked for logprobs gets all of them or a reason."""
     if ending.result is None:
-        return ending, None
+        return ending, None, 0
     result = ending.result.model_dump_json()
     size = len(result.encode())
     if size <= max_result_bytes:
-        return ending, result
+        return ending, result, size
     reason = ResultTooLarge(
         f"the answer is {size} bytes, more than the {max_result_bytes} a job's result may hold: ask for fewer "
         "answers, tokens or logprobs",
         stage="infer",
     )
-    return replace(ending, status="failed", result=None, error=ErrorInfo(**reason.to_dict())), None
+    return replace(ending, status="failed", result=None, error=ErrorInfo(**reason.to_dict())), None, 0
 
 
 def _pending(job_id: str, tokens: bytes | None, raw: dict[bytes, bytes]) -> Pending | None:

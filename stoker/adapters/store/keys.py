@@ -173,6 +173,18 @@ def tenant_usage_key(tenant: str) -> str:
     return f"{PREFIX}:tenant:{tenant}:usage"
 
 
+def tenant_results_key(tenant: str) -> str:
+    """A tenant's stored results: each job whose record holds one, scored by when that record expires (what its
+    result-bytes quota counts, `tenants.RESULTS`)."""
+    return f"{PREFIX}:tenant:{tenant}:results"
+
+
+def tenant_result_bytes_key(tenant: str) -> str:
+    """Hash of the bytes each of a tenant's stored results holds (`b:<id>`) and their total (`bytes`); kept with
+    `tenant_results_key`, and expiring with it."""
+    return f"{PREFIX}:tenant:{tenant}:result-bytes"
+
+
 def tenant_index_key(tenant: str) -> str:
     """A tenant's jobs by when they were accepted (newest last), trimmed to the records' own lifetime."""
     return f"{PREFIX}:tenant:{tenant}:jobs"

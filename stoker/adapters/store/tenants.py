@@ -13,6 +13,8 @@ from stoker.adapters.store.keys import (
     api_key_key,
     tenant_jobs_key,
     tenant_rate_key,
+    tenant_result_bytes_key,
+    tenant_results_key,
     tenant_usage_key,
 )
 from stoker.core.tenancy import ApiKey, LimitVerdict, TenantLimits, TenantUsage, hash_secret
@@ -33,6 +35,54 @@ local function drop(inflight, usage, busy, job, tenant)
 end
 """
 
+#: Stored results let go of at most this many at a time (`RESULTS`' trim): one script never walks a long list.
+TRIM_AT_ONCE = 512
+
+#: Lua: the bytes a tenant's stored results hold, for its result quota. A result lives as long as its job's record
+#: (`job_ttl_s` from acceptance), long after the job stopped counting as in flight, so it is charged apart from
+#: `DROP_JOB`'s usage: per tenant, a sorted set of its jobs with a result, each scored by when its record expires
+#: (KEYS `held`), and a hash of each one's bytes (`b:<id>`) with their total (`bytes`, KEYS `sizes`).
+#: Why this and not counters per expiry bucket, which Redis would drop by itself: a bucket is let go of only when
+#: the whole bucket expires (a result would count up to a bucket's width past its record), and a job deleted early
+#: could not take back its bytes without knowing its bucket. Here each entry is let go of at its record's own
+#: expiry, by whichever script next looks (admission, a finish, a usage read: each trims what expired first), or
+#: with its job (`drop_result`); an entry and the total change in the same script, so they cannot part; a result
+#: is charged once per job (HSETNX), and both keys expire when their last entry does, so a tenant that stops
+#: leaves nothing behind. A result is charged only where its record has a lifetime (every record has one).
+RESULTS = f"""
+local function trim_results(held, sizes, now)
+  local gone = redis.call('ZRANGEBYSCORE', held, '-inf', now, 'LIMIT', 0, {TRIM_AT_ONCE})
+  if #gone == 0 then return end
+  local freed = 0
+  for _, job in ipairs(gone) do
+    freed = freed + tonumber(redis.call('HGET', sizes, 'b:' .. job) or '0')
+    redis.call('HDEL', sizes, 'b:' .. job)
+  end
+  redis.call('ZREM', held, unpack(gone))
+  redis.call('HINCRBY', sizes, 'bytes', 0 - freed)
+end
+local function hold_result(held, sizes, record, job, bytes)
+  local ttl = redis.call('PTTL', record)
+  if bytes <= 0 or ttl <= 0 then return end
+  local clock = redis.call('TIME')
+  local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+  trim_results(held, sizes, now)
+  if redis.call('HSETNX', sizes, 'b:' .. job, bytes) == 0 then return end
+  redis.call('ZADD', held, string.format('%.3f', now + ttl / 1000), job)
+  redis.call('HINCRBY', sizes, 'bytes', bytes)
+  local last = math.ceil(tonumber(redis.call('ZRANGE', held, -1, -1, 'WITHSCORES')[2]))
+  redis.call('EXPIREAT', held, last)
+  redis.call('EXPIREAT', sizes, last)
+end
+local function drop_result(held, sizes, job)
+  local bytes = redis.call('HGET', sizes, 'b:' .. job)
+  if not bytes then return end
+  redis.call('HDEL', sizes, 'b:' .. job)
+  redis.call('ZREM', held, job)
+  redis.call('HINCRBY', sizes, 'bytes', 0 - tonumber(bytes))
+end
+"""
+
 #: Lua: the most queue messages a tenant may hold: capacity x min(max share, 1/n), n the busy tenants with it.
 _SHARE = """
 local function share(busy, tenant, capacity, max_share)
@@ -42,25 +92,27 @@ local function share(busy, tenant, capacity, max_share)
 end
 """
 
-#: Lua, with a key's record (KEYS[5]) and the hash of the secret presented (ARGV[10]): the key is checked before
+#: Lua, with a key's record (KEYS[7]) and the hash of the secret presented (ARGV[11]): the key is checked before
 #: anything is counted. A key revoked or presented with another secret is 'unauthorized'; one with no record, or
 #: whose record names another tenant than the caller passed (a stale hint), is 'moved'. Either counts nothing.
 _KEY_CHECK = """
-if KEYS[5] then
-  local record = redis.call('HMGET', KEYS[5], 'tenant', 'hash', 'revoked')
+if KEYS[7] then
+  local record = redis.call('HMGET', KEYS[7], 'tenant', 'hash', 'revoked')
   if not record[2] or record[1] ~= ARGV[6] then return {'moved', '0'} end
   -- digests of the two hashes compared, not the hashes: how far a comparison runs tells nothing of a stored prefix
-  if record[3] == '1' or redis.sha1hex(record[2]) ~= redis.sha1hex(ARGV[10]) then return {'unauthorized', '0'} end
+  if record[3] == '1' or redis.sha1hex(record[2]) ~= redis.sha1hex(ARGV[11]) then return {'unauthorized', '0'} end
 end
 """
 
 # Per-tenant admission before a body is read, atomic across API replicas: the request rate as GCRA (one
 # theoretical arrival time per tenant, in Redis time, so replicas' clocks do not matter) and, for a new job, a slot
-# among the tenant's unfinished jobs, unless those already hold its fair share of the queues or its stored bytes.
-# A refused request changes nothing but forgetting jobs whose hold ran out. Given a key's record, the key is
-# checked first (`_KEY_CHECK`): the API's check and count of a request in one round trip.
+# among the tenant's unfinished jobs, unless those already hold its fair share of the queues or its stored bytes,
+# or its stored results hold their quota (then: the seconds until the first of them expires). A refused request
+# changes nothing but forgetting jobs whose hold ran out and results that expired. Given a key's record, the key
+# is checked first (`_KEY_CHECK`): the API's check and count of a request in one round trip.
 _ADMIT_TENANT = (
     DROP_JOB
+    + RESULTS
     + _SHARE
     + _KEY_CHECK
     + """
@@ -87,6 +139,14 @@ if job ~= '' then
   end
   if max_bytes > 0 and tonumber(redis.call('HGET', KEYS[3], 'bytes') or '0') >= max_bytes then
     return {'bytes', '0'}
+  end
+  local max_results = tonumber(ARGV[10])
+  if max_results > 0 then
+    trim_results(KEYS[5], KEYS[6], now)
+    if tonumber(redis.call('HGET', KEYS[6], 'bytes') or '0') >= max_results then
+      local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')[2]
+      return {'results', string.format('%.6f', (tonumber(first) or now) - now)}
+    end
   end
   redis.call('ZADD', KEYS[2], now + hold, job)
 end
@@ -137,10 +197,27 @@ drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])
 """
 )
 
+# What a tenant holds now, its stored results trimmed of those that expired first.
+_USAGE = (
+    RESULTS
+    + """
+local clock = redis.call('TIME')
+trim_results(KEYS[3], KEYS[4], tonumber(clock[1]) + tonumber(clock[2]) / 1000000)
+local usage = redis.call('HMGET', KEYS[1], 'messages', 'bytes')
+local held = redis.call('HGET', KEYS[4], 'bytes') or '0'
+return {usage[1] or '0', usage[2] or '0', redis.call('ZCARD', KEYS[2]), held, redis.call('ZCARD', KEYS[3])}
+"""
+)
+
 
 def tenant_keys(tenant: str) -> list[str]:
     """The keys DROP_JOB works on, for one tenant: in-flight, usage, busy tenants."""
     return [tenant_jobs_key(tenant), tenant_usage_key(tenant), BUSY_TENANTS_KEY]
+
+
+def result_keys(tenant: str) -> list[str]:
+    """The keys RESULTS works on, for one tenant: its stored results by expiry, and their bytes."""
+    return [tenant_results_key(tenant), tenant_result_bytes_key(tenant)]
 
 
 class TenantRepository:
@@ -152,6 +229,7 @@ class TenantRepository:
         self._charge_job = client.register_script(_CHARGE_JOB)
         self._charge_bytes = client.register_script(_CHARGE_BYTES)
         self._release = client.register_script(_RELEASE)
+        self._usage = client.register_script(_USAGE)
 
     def admit_tenant(
         self, tenant: str, limits: TenantLimits, job_id: str | None = None, hold_s: float = 0
@@ -184,12 +262,11 @@ class TenantRepository:
         return [raw.decode() for raw in self.redis.zrangebyscore(tenant_jobs_key(tenant), time.time(), "+inf")]
 
     def usage(self, tenant: str) -> TenantUsage:
-        """What the tenant's unfinished jobs hold now, and how many tenants have some."""
-        with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hmget(tenant_usage_key(tenant), ["messages", "bytes"])
-            pipe.zcard(BUSY_TENANTS_KEY)
-            (messages, stored), busy = pipe.execute()
-        return TenantUsage(messages=int(messages or 0), stored_bytes=int(stored or 0), busy_tenants=int(busy))
+        """What the tenant's unfinished jobs hold now, how many tenants have some, and what its stored results
+        hold (those that expired let go of first)."""
+        keys = [tenant_usage_key(tenant), BUSY_TENANTS_KEY, *result_keys(tenant)]
+        messages, stored, busy, held, results = (int(x) for x in self._usage(keys=keys))
+        return TenantUsage(messages, stored, busy, result_bytes=held, results=results)
 
     def put_api_key(self, key: ApiKey) -> None:
         """Store a key's record (the hash of its secret, never the secret)."""
@@ -290,8 +367,9 @@ def _admit_call(
         limits.share_capacity,
         limits.max_share,
         limits.max_stored_bytes,
+        limits.max_result_bytes,
     ]
-    return [tenant_rate_key(tenant), *tenant_keys(tenant)], args
+    return [tenant_rate_key(tenant), *tenant_keys(tenant), *result_keys(tenant)], args
 
 
 def _charge_call(
