@@ -144,8 +144,7 @@ def close_clients(context: ApiContext) -> None:
     store's connections, and the tokenizing threads."""
     context.monitor.close()
     context.prompts.close()
-    if isinstance(context.submitter, CelerySubmitter):
-        context.submitter.close()
+    context.submitter.close()
     context.store.close()
 
 

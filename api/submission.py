@@ -43,7 +43,7 @@ from stoker.core.prompting import Attachment, attachment_for, model_request, off
 from stoker.core.queues import job_messages
 from stoker.core.tenancy import cache_scope
 from stoker.core.tools import ToolSpec
-from tasks.pipeline import CelerySubmitter, Start
+from tasks.pipeline import Start
 
 log = logging.getLogger(__name__)
 #: Response header on a submission answered with the job an earlier one (same Idempotency-Key) made.
@@ -387,18 +387,13 @@ def _uploads(store: Store, admission: Admission) -> list[Required]:
 
 
 async def _enqueue(context: ApiContext, admission: Admission) -> None:
-    """Publish the job's first message (on the loop, where the submitter can: `CelerySubmitter.submit_on`); if
+    """Publish the job's first message (on the loop, where the submitter can: `Submitter.submit_on`); if
     that fails, the job is unmade (record and blobs gone) and the broker answered as away."""
     job_id, request, submitter = admission.job_id, admission.model_request, context.submitter
     start, deadline, job_class = admission.start, admission.deadline.at, admission.job_class
     tokens = len(request.prompt_ids) if request else None
     try:
-        if isinstance(submitter, CelerySubmitter):
-            broker = context.loop.broker
-            await submitter.submit_on(broker, job_id, admission.records, start, deadline, tokens, job_class)
-        else:
-            publish = functools.partial(submitter.submit, job_id, admission.records, start, deadline, tokens, job_class)
-            await run_in_threadpool(publish)
+        await submitter.submit_on(context.loop.broker, job_id, admission.records, start, deadline, tokens, job_class)
     except Exception as exc:
         log.warning("could not enqueue job %s: %r", job_id, exc)
         await run_in_threadpool(unmake, context.store, job_id)

@@ -37,7 +37,9 @@ UNWAITED: dict[str, Any] = {"ignore_result": True}
 
 
 class Submitter(Protocol):
-    """Starts the processing of an accepted job. The API depends on this seam, not on Celery."""
+    """Starts the processing of an accepted job. The API depends on this seam, not on Celery: it submits from its
+    event loop (`submit_on`) and closes the submitter when it stops. A submitter that only has a blocking `submit`
+    subclasses this and is given both: `submit` in a worker thread, and nothing to close."""
 
     def submit(
         self,
@@ -50,6 +52,24 @@ class Submitter(Protocol):
     ) -> None:
         """Enqueue the job's work from `start` on (a batch line's behind every interactive job's); raises if the
         broker cannot take it."""
+
+    async def submit_on(
+        self,
+        client: aioredis.Redis[bytes] | None,
+        job_id: str,
+        inputs: Sequence[InputRecord],
+        start: Start = "preprocess",
+        deadline: float | None = None,
+        prompt_tokens: int | None = None,
+        job_class: JobClass = "interactive",
+    ) -> None:
+        """`submit`, from an asyncio loop, which `client` (an asyncio client of the broker's Redis; None: there is
+        none) may serve without leaving the loop; by default `submit` in a worker thread."""
+        await asyncio.to_thread(self.submit, job_id, inputs, start, deadline, prompt_tokens, job_class)
+
+    def close(self) -> None:
+        """Let go of what the submitter holds open (by default nothing)."""
+        return  # not abstract (mypy reads a body of a docstring alone as one): nothing to close
 
 
 def job_canvas(
@@ -210,7 +230,7 @@ class CeleryOutbox:
             return promote_aged(connection, queues, max_age_s, time.time())
 
 
-class CelerySubmitter:
+class CelerySubmitter(Submitter):
     """Submits jobs to the broker as Celery canvases.
 
     A job's chord publishes through two of the app's pooled producers at once: its header group takes one and
@@ -273,7 +293,7 @@ class CelerySubmitter:
             self._direct.close()
 
 
-class SyncSubmitter:
+class SyncSubmitter(Submitter):
     """The synchronous baseline (`STOKER_PIPELINE_MODE=sync`): the whole job goes to one worker as one message."""
 
     def __init__(self, app: Celery) -> None:

@@ -14,6 +14,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from stoker.core.jobs import InputRecord
+from tasks.pipeline import Submitter
 from tests.fakeopenai import FakeServer, fake_openai_server
 from tests.fleet import Fleet, kill_all, own_fleet
 from workers.broker import free_port
@@ -109,8 +110,9 @@ def workers(session_workers: SessionWorkers) -> dict[str, Path]:
     return session_workers.logs
 
 
-class SpySubmitter:
-    """Records submissions and passes them on to Celery (or nowhere)."""
+class SpySubmitter(Submitter):
+    """Records submissions and passes them on to Celery (or nowhere); from the API's loop, in a worker thread (the
+    seam's default)."""
 
     def __init__(self, forward: bool = True) -> None:
         from stoker.settings import CommonSettings

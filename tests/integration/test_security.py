@@ -28,7 +28,7 @@ from stoker.core.jobs import ErrorInfo
 from stoker.core.tenancy import issue_key, parse_key
 from stoker.settings import ApiSettings
 from tasks.app import make_app
-from tasks.pipeline import CelerySubmitter
+from tasks.pipeline import CelerySubmitter, Submitter
 from tests.conftest import missing, queued
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
@@ -267,7 +267,7 @@ def test_jobs_in_flight_are_limited_and_given_back_when_they_end(
     assert job_store.tenants.jobs_in_flight(globex.name) == []
 
 
-class FailingSubmitter:
+class FailingSubmitter(Submitter):
     """A broker that takes nothing."""
 
     def submit(self, *args: Any, **kwargs: Any) -> None:
