@@ -15,13 +15,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.batches import router as batches_router
-from api.batchfeeder import BatchFeeder
 from api.chat import router as chat_router
 from api.context import ApiContext, close_clients
 from api.files import router as files_router
 from api.headers import SHOULD_RETRY, retry_headers
 from api.limits import BodyLimitMiddleware
+from api.openai_batch_feeder import OpenAIBatchFeeder
+from api.openai_batches import router as openai_batches_router
 from api.render import router as render_router
 from api.routes import router
 from stoker.adapters.cache import StageCache
@@ -58,7 +58,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app.include_router(router)
     app.include_router(chat_router)
     app.include_router(files_router)
-    app.include_router(batches_router)
+    app.include_router(openai_batches_router)
     app.include_router(render_router)
     _add_error_handlers(app)
     return app
@@ -83,7 +83,7 @@ def _lifespan(context: ApiContext) -> Callable[[FastAPI], contextlib.AbstractAsy
             asyncio.create_task(context.announcements.run(listener)),
         ]
         if settings.batch_feeder:
-            background.append(asyncio.create_task(BatchFeeder(context).run()))
+            background.append(asyncio.create_task(OpenAIBatchFeeder(context).run()))
         background.append(asyncio.create_task(_write_cache_counts(context.cache)))
         yield
         for task in background:

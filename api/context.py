@@ -18,7 +18,7 @@ from api.pressure import QueueMonitor
 from api.prompts import PromptBuilder
 from stoker.adapters.cache import LoopCache, StageCache
 from stoker.adapters.files import DirectoryStorage, FileStorage
-from stoker.adapters.metrics import BatchLines, JobCounts
+from stoker.adapters.metrics import JobCounts, OpenAIBatchLines
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import async_broker_client, async_cache_client, async_request_client
 from stoker.adapters.store.jobs import LoopJobs
@@ -123,7 +123,7 @@ class ApiContext:
         producer = make_app(settings)
         metrics = CollectorRegistry()
         metrics.register(JobCounts(store.stats.job_counts))
-        metrics.register(BatchLines(store.batches.line_stats))
+        metrics.register(OpenAIBatchLines(store.openai_batches.line_stats))
         return cls(
             settings=settings,
             store=store,

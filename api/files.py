@@ -22,9 +22,9 @@ from api.context import ApiContext, Context
 from api.schemas import error_responses
 from api.tenancy import within_rate
 from api.upload import Uploaded, stream_upload
-from stoker.adapters.store.batches import HOLD_LEASE_S, FileRepository
-from stoker.core.batchfiles import FileRecord, new_file_id, now_s
+from stoker.adapters.store.openai_batches import HOLD_LEASE_S, FileRepository
 from stoker.core.errors import FileNotFound, InvalidRequest, TenantStorageFull
+from stoker.core.openai_batches import FileRecord, new_file_id, now_s
 
 router = APIRouter()
 Tenant = Annotated[str, Depends(within_rate)]

@@ -266,7 +266,7 @@ async def stats(context: Context, tenant: Annotated[str, Depends(within_rate)]) 
         },
         **counters,
         "device_idle_gap": idle_gap_summary(gaps),
-        "classes": {"batch": await run_in_threadpool(context.store.batches.line_stats)},
+        "classes": {"batch": await run_in_threadpool(context.store.openai_batches.line_stats)},
         **({"tenant": await _tenant_usage(context, tenant)} if settings.auth else {}),
     }
 

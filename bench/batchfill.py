@@ -35,7 +35,7 @@ from bench.drive import Run, Sample, drive, sample
 from bench.report import percentile
 from bench.stack import Device, bench_redis, bench_stack
 from bench.workload import Request
-from stoker.adapters.batchclient import ENDED, BatchClient
+from stoker.adapters.openai_batch_client import ENDED, OpenAIBatchClient
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -79,7 +79,7 @@ def batch_file(lines: int, model: str, tag: str) -> bytes:
     return "".join(json.dumps(row) + "\n" for row in rows).encode()
 
 
-def follow(client: BatchClient, batch_id: str, samples: list[Sample], give_up_s: float) -> dict[str, Any]:
+def follow(client: OpenAIBatchClient, batch_id: str, samples: list[Sample], give_up_s: float) -> dict[str, Any]:
     """Poll the batch (and /v1/stats, into `samples`) every 0.5 s until it ends; the batch as it ended."""
     deadline = time.monotonic() + give_up_s
     while time.monotonic() < deadline:
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_stack("pipeline", device, redis_base, Path(scratch) / "logs", **_settings(args, scratch)) as stack,
     ):
         alone = drive(stack.base, interactive(rate, args.seconds, args.seed, "alone"), give_up_s=60)
-        client = BatchClient(stack.base)
+        client = OpenAIBatchClient(stack.base)
         model = client.http.get("/v1/models").json()["data"][0]["id"]
         lines = Path(scratch) / "lines.jsonl"
         lines.write_bytes(batch_file(args.lines, model, "fill"))

@@ -117,10 +117,10 @@ def _reaper(args: argparse.Namespace, _: list[str]) -> int:
 
 
 def _batch_feeder(args: argparse.Namespace, _: list[str]) -> int:
-    from api.batchfeeder import run_feeder_process
+    from api.openai_batch_feeder import run_openai_batch_feeder
     from stoker.settings import ApiSettings
 
-    return run_feeder_process(ApiSettings())
+    return run_openai_batch_feeder(ApiSettings())
 
 
 def _api(args: argparse.Namespace, _: list[str]) -> int:
@@ -150,12 +150,12 @@ def _batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def _batch(args: argparse.Namespace, _: list[str]) -> int:
     from rich.console import Console
 
-    from stoker.adapters.batchclient import BatchClient, describe, follow, save_results
+    from stoker.adapters.openai_batch_client import OpenAIBatchClient, describe, follow, save_results
     from stoker.settings import ClientSettings
 
     console = Console()
     settings = ClientSettings()
-    client = BatchClient(args.api or settings.api_url, args.key or settings.api_key)
+    client = OpenAIBatchClient(args.api or settings.api_url, args.key or settings.api_key)
     try:
         if args.batch_action == "status":
             describe(client.retrieve(args.batch_id), console)

@@ -271,7 +271,8 @@ def _start_all(settings: StackSettings, stack: Stack, env: dict[str, str]) -> No
     env = {**env, "STOKER_METRICS_HOST": settings.host}  # every metrics port on the stack's address, as the rest
     py = sys.executable
     # The API's metrics on a listener of their own, on the stack's address: never on the API's port.
-    # The API only serves; batches are fed by a process of their own, at a lower CPU priority (`api.batchfeeder`).
+    # The API only serves; OpenAI batches are fed by a process of their own, at a lower CPU priority
+    # (`api.openai_batch_feeder`).
     api_env = {**env, "STOKER_API_METRICS_PORT": str(api_metrics_port(settings)), "STOKER_BATCH_FEEDER": "false"}
     # The API's waits get what is left of the stack's own stop grace, so a request still waiting when the stack
     # stops is answered (its job as it stands, or `server_stopping`) rather than cut off with the API killed under it.

@@ -168,7 +168,7 @@ class JobCounts(Collector):
         yield family
 
 
-class BatchLines(Collector):
+class OpenAIBatchLines(Collector):
     """Batch lines (jobs of class `batch`) across the deployment, from the store at scrape time: fed, completed and
     failed (counters), waiting to be fed and in the pipeline (gauges)."""
 

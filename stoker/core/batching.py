@@ -1,6 +1,8 @@
 """Batching: when waiting requests form a batch (the policy), and how a batch is collated for the model.
 
 Pure values in, pure values out; the inference consumer applies the policy, the predictor makes tensors.
+Here, as everywhere in stoker's code, a bare "batch" is a device batch; OpenAI's Batch API object is an
+`OpenAIBatch` (`stoker.core.openai_batches`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.context import context_of
-from stoker.core.batchfiles import BatchRecord
+from stoker.core.openai_batches import OpenAIBatch
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
 from tests.fleet import SIM_RECOVERY, Fleet, own_fleet
@@ -225,7 +225,7 @@ def test_tenants_batches_are_fed_in_turn(stack: Stack) -> None:
             tenant = store.files.get(uploaded.id)
             assert tenant is not None
             now = int(time.time())
-            records[prefix] = BatchRecord(
+            records[prefix] = OpenAIBatch(
                 id=f"batch_{lead}{uuid.uuid4().hex[1:]}",
                 endpoint="/v1/chat/completions",
                 input_file_id=uploaded.id,
@@ -235,7 +235,7 @@ def test_tenants_batches_are_fed_in_turn(stack: Stack) -> None:
                 expires_at=now + 3600,
                 tenant=tenant.tenant,
             )
-            store.batches.create(records[prefix])
+            store.openai_batches.create(records[prefix])
     small = wait_batch(beta, records["b"].id, ("completed", "failed"), timeout_s=60)
     assert small.status == "completed"
     large = alpha.batches.retrieve(records["a"].id)

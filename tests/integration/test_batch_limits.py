@@ -25,12 +25,12 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.batchfeeder import BatchFeeder
 from api.context import context_of
+from api.openai_batch_feeder import OpenAIBatchFeeder
 from stoker.adapters.files import FileStorage, FileWriter
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import batch_key, tenant_batches_key, tenant_live_batches_key
-from stoker.core.batchfiles import BatchRecord
+from stoker.core.openai_batches import OpenAIBatch
 from stoker.core.pressure import StoreMemory
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
@@ -293,7 +293,7 @@ def test_an_ended_batch_s_record_expires(
     batch_id = create_batch(api, alpha, an_input_file(api, alpha)).json()["id"]
     assert store_redis.ttl(batch_key(batch_id)) == -1  # running: kept for as long as it runs
     assert api.post(f"/v1/batches/{batch_id}/cancel", headers=alpha.auth).status_code == 200
-    feeder = BatchFeeder(context_of(api.app))
+    feeder = OpenAIBatchFeeder(context_of(api.app))
 
     def ended() -> bool:
         api.portal.call(feeder.tick)  # type: ignore[union-attr]  # the portal of the entered client
@@ -316,7 +316,7 @@ def test_a_tenant_s_running_batches_are_capped(
     assert error_of(refused, 429)["code"] == "too_many_batches"
     assert int(refused.headers["retry-after"]) > 0
     assert create_batch(api, beta, an_input_file(api, beta)).status_code == 200  # another tenant's cap is its own
-    batches = context_of(api.app).store.batches
+    batches = context_of(api.app).store.openai_batches
     assert batches.move(first, "cancelled", int(time.time()), only_from=("validating",))
     batches.retire(first)  # as the feeder ends a batch
     assert create_batch(api, alpha, file_id).status_code == 200
@@ -346,7 +346,7 @@ def test_batches_are_listed_by_range_and_gone_ones_taken_off(
     now = int(time.time())
     made = [f"batch_{uuid.uuid4().hex}" for _ in range(5)]
     for age, batch_id in enumerate(reversed(made)):  # a second apart: the listing orders by creation time
-        record = BatchRecord(
+        record = OpenAIBatch(
             id=batch_id,
             endpoint="/v1/chat/completions",
             input_file_id="file-unused",
@@ -356,7 +356,7 @@ def test_batches_are_listed_by_range_and_gone_ones_taken_off(
             expires_at=now - age + 3600,
             tenant=alpha.name,
         )
-        context_of(api.app).store.batches.create(record)
+        context_of(api.app).store.openai_batches.create(record)
     newest = made[::-1]
     first = api.get("/v1/batches", params={"limit": 2}, headers=alpha.auth).json()
     assert [b["id"] for b in first["data"]] == newest[:2]

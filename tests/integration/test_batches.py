@@ -22,12 +22,12 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from api.batchfeeder import BatchFeeder
 from api.context import context_of
-from stoker.adapters.store.batches import PendingLine
+from api.openai_batch_feeder import OpenAIBatchFeeder
 from stoker.adapters.store.jobs import NewJob
-from stoker.core.batchfiles import BatchLine, BatchRecord, line_job_id, parse_line
+from stoker.adapters.store.openai_batches import PendingLine
 from stoker.core.deadlines import deadline_for
+from stoker.core.openai_batches import OpenAIBatch, OpenAIBatchLine, line_job_id, parse_line
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
 from tests.fleet import QUICK_RECOVERY, SIM_RECOVERY, Fleet, own_fleet
@@ -269,7 +269,7 @@ def test_a_batch_past_its_window_expires_with_its_unfinished_lines_in_the_error_
 ) -> None:
     batch = run_batch(client, jsonl([line(f"e{n}", f"Late {n}.") for n in range(150)]))
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, 60, "the batch running", [])
-    stack.api.app.state.context.store.batches.update(batch.id, expires_at=int(time.time()))  # its window is over
+    stack.api.app.state.context.store.openai_batches.update(batch.id, expires_at=int(time.time()))  # its window is over
     done = wait_batch(client, batch.id, ("expired", "completed"))
     assert done.status == "expired"
     assert done.expired_at is not None
@@ -398,7 +398,7 @@ def test_a_line_whose_job_was_made_but_never_sent_is_made_again(api: TestClient)
     context = context_of(api.app)
     store = context.store
     now = time.time()
-    record = BatchRecord(
+    record = OpenAIBatch(
         id=f"batch_{uuid.uuid4().hex}",
         endpoint="/v1/chat/completions",
         input_file_id="file-unused",
@@ -408,19 +408,19 @@ def test_a_line_whose_job_was_made_but_never_sent_is_made_again(api: TestClient)
         expires_at=int(now) + 3600,
     )
     parsed = parse_line(json.dumps(line("orphan", "Hello.")).encode(), 1, record.endpoint)
-    assert isinstance(parsed, BatchLine)
+    assert isinstance(parsed, OpenAIBatchLine)
     pending = PendingLine(line_job_id(record.id, 1), "orphan", 1)
-    feeder = BatchFeeder(context)
+    feeder = OpenAIBatchFeeder(context)
 
     def made_not_sent(sent: bool = False) -> None:
-        store.batches.pend(record.id, replace(pending, sent=sent))
+        store.openai_batches.pend(record.id, replace(pending, sent=sent))
         deadline = deadline_for(now, 60_000, 5_000)
         store.jobs.create(pending.job_id, NewJob("Hello.", [], now, deadline, 60_000, tenant=record.tenant))
 
     made_not_sent()
     assert feeder._prepare(record, pending, parsed) is not None  # to be made again
     assert store.jobs.load_job(pending.job_id) is None  # the orphan record is gone first
-    assert store.batches.pended(record.id, pending.job_id) == pending  # still in flight, not yet sent
+    assert store.openai_batches.pended(record.id, pending.job_id) == pending  # still in flight, not yet sent
 
     made_not_sent(sent=True)
     assert feeder._prepare(record, pending, parsed) is None  # its message went out: collected like any other

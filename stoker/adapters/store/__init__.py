@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import redis
 
 from stoker.adapters.store.answers import AnswerStreams
-from stoker.adapters.store.batches import BATCH_TTL_S, BatchRepository, FileRepository
 from stoker.adapters.store.blobs import BlobRepository
 from stoker.adapters.store.callbacks import CallbackRepository
 from stoker.adapters.store.clients import store_client
@@ -15,6 +14,7 @@ from stoker.adapters.store.consumers import ConsumerRegistry
 from stoker.adapters.store.coordination import DeliveryCounter, HandoffHold, Leases
 from stoker.adapters.store.idempotency import IdempotencyKeys
 from stoker.adapters.store.jobs import JobRepository
+from stoker.adapters.store.openai_batches import OPENAI_BATCH_TTL_S, FileRepository, OpenAIBatchRepository
 from stoker.adapters.store.stats import StatsRepository
 from stoker.adapters.store.tenants import TenantRepository
 from stoker.adapters.store.watch import Watchlist
@@ -40,7 +40,7 @@ class Store:
     idempotency: IdempotencyKeys
     callbacks: CallbackRepository
     files: FileRepository
-    batches: BatchRepository
+    openai_batches: OpenAIBatchRepository
 
     @classmethod
     def over(
@@ -51,7 +51,7 @@ class Store:
         job_ttl_s: int,
         max_record_bytes: int = MAX_RECORD_BYTES,
         max_result_bytes: int = MAX_RECORD_BYTES,
-        batch_ttl_s: int = BATCH_TTL_S,
+        batch_ttl_s: int = OPENAI_BATCH_TTL_S,
     ) -> Store:
         """Every repository over one client."""
         jobs = JobRepository(
@@ -72,7 +72,7 @@ class Store:
             idempotency=IdempotencyKeys(client),
             callbacks=CallbackRepository(client),
             files=FileRepository(client),
-            batches=BatchRepository(client, ended_ttl_s=batch_ttl_s),
+            openai_batches=OpenAIBatchRepository(client, ended_ttl_s=batch_ttl_s),
         )
 
     @classmethod

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 ENDED = ("completed", "failed", "expired", "cancelled")
 
 
-class BatchClient:
+class OpenAIBatchClient:
     """The Files and Batch endpoints of one stoker API, over httpx."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 60.0) -> None:
@@ -57,7 +57,7 @@ def _json(answer: httpx.Response) -> dict[str, Any]:
     return body
 
 
-def follow(client: BatchClient, batch: dict[str, Any], console: Console, poll_s: float = 1.0) -> dict[str, Any]:
+def follow(client: OpenAIBatchClient, batch: dict[str, Any], console: Console, poll_s: float = 1.0) -> dict[str, Any]:
     """Show the batch's progress (lines done of its total) until it ends; the batch as it ended."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -76,7 +76,7 @@ def follow(client: BatchClient, batch: dict[str, Any], console: Console, poll_s:
     return batch
 
 
-def save_results(client: BatchClient, batch: dict[str, Any], source: Path) -> list[Path]:
+def save_results(client: OpenAIBatchClient, batch: dict[str, Any], source: Path) -> list[Path]:
     """Write the batch's output and error files next to its input (`NAME.output.jsonl`, `NAME.errors.jsonl`)."""
     written = []
     for field, suffix in (("output_file_id", "output"), ("error_file_id", "errors")):

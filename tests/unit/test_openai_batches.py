@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import json
 
-from stoker.core.batchfiles import (
-    BatchLine,
-    BatchRecord,
+from stoker.core.batching import BatchPolicy, Waiting, top_up
+from stoker.core.openai_batches import (
     LineError,
+    OpenAIBatch,
+    OpenAIBatchLine,
     Room,
     Validation,
-    batch_room,
     index_entry,
     indexed_names,
     line_job_id,
+    line_room,
     parse_line,
     split_lines,
     tenant_turns,
     unrun_line,
 )
-from stoker.core.batching import BatchPolicy, Waiting, top_up
 
 ENDPOINT = "/v1/chat/completions"
 MARKS = Room(infer_high=64, infer_low=32, cpu_limit=500)
@@ -32,7 +32,7 @@ def raw(custom_id: str = "a", method: str = "POST", model: str = "m", url: str =
 
 def test_a_line_is_parsed_or_refused_with_its_number() -> None:
     parsed = parse_line(raw(), 3, ENDPOINT)
-    assert isinstance(parsed, BatchLine)
+    assert isinstance(parsed, OpenAIBatchLine)
     assert (parsed.number, parsed.custom_id, json.loads(parsed.body)["model"]) == (3, "a", "m")
     refused = [parse_line(b, 7, ENDPOINT) for b in (b"{nope", b"[1]", raw(method="GET"), raw(url="/v1/embeddings"))]
     assert all(isinstance(r, LineError) and r.line == 7 for r in refused)
@@ -68,12 +68,12 @@ def test_a_lines_job_id_is_the_same_every_time_it_is_fed() -> None:
 
 
 def test_batch_lines_are_fed_only_into_room_under_the_watermarks() -> None:
-    assert batch_room({"infer": 10, "decode": 0}, 20, max_in_flight=64, room=MARKS, holding=False) == 22
-    assert batch_room({"infer": 0}, 50, max_in_flight=64, room=MARKS, holding=False) == 14
-    assert batch_room({"infer": 70}, 0, max_in_flight=64, room=MARKS, holding=False) == 0  # over the high mark
-    assert batch_room({"infer": 40}, 0, max_in_flight=64, room=MARKS, holding=True) == 0  # not back at the low one
-    assert batch_room({"infer": 0, "ocr": 250}, 0, max_in_flight=64, room=MARKS, holding=False) == 0
-    assert batch_room({"infer": 0}, 64, max_in_flight=64, room=MARKS, holding=False) == 0
+    assert line_room({"infer": 10, "decode": 0}, 20, max_in_flight=64, room=MARKS, holding=False) == 22
+    assert line_room({"infer": 0}, 50, max_in_flight=64, room=MARKS, holding=False) == 14
+    assert line_room({"infer": 70}, 0, max_in_flight=64, room=MARKS, holding=False) == 0  # over the high mark
+    assert line_room({"infer": 40}, 0, max_in_flight=64, room=MARKS, holding=True) == 0  # not back at the low one
+    assert line_room({"infer": 0, "ocr": 250}, 0, max_in_flight=64, room=MARKS, holding=False) == 0
+    assert line_room({"infer": 0}, 64, max_in_flight=64, room=MARKS, holding=False) == 0
 
 
 def test_interactive_requests_go_before_older_batch_lines_in_a_batch_of_their_own() -> None:
@@ -140,8 +140,8 @@ def test_a_line_index_names_each_request_past_the_cursor() -> None:
     assert list(indexed_names(split_lines([index]), 3)) == [(4, "c")]
 
 
-def _record(tenant: str, created_at: int) -> BatchRecord:
-    return BatchRecord(
+def _record(tenant: str, created_at: int) -> OpenAIBatch:
+    return OpenAIBatch(
         id=f"batch_{tenant}{created_at}",
         endpoint=ENDPOINT,
         input_file_id="file-x",

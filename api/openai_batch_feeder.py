@@ -39,24 +39,26 @@ from api.context import ApiContext, close_clients
 from api.files import store_file, sweep_expired_files
 from api.intake import AcceptedRequest
 from api.submission import cancel, submit_line, unmake
-from stoker.adapters.store.batches import PendingLine, Progress
 from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.keys import BATCH_FEEDER_LEASE_KEY
-from stoker.core.batchfiles import (
-    BatchErrors,
-    BatchLine,
-    BatchRecord,
-    BatchStatus,
+from stoker.adapters.store.openai_batches import PendingLine, Progress
+from stoker.core.errors import BatchCancelled, BatchExpired, StokerError, error_class
+from stoker.core.jobs import ErrorInfo, Job
+from stoker.core.openai_batches import (
     LineError,
+    OpenAIBatch,
+    OpenAIBatchErrors,
+    OpenAIBatchLine,
+    OpenAIBatchStatus,
     RequestCounts,
     Room,
     Validation,
-    batch_room,
     index_entry,
     indexed_names,
     json_values,
     line_index_id,
     line_job_id,
+    line_room,
     now_s,
     output_line,
     parse_line,
@@ -64,8 +66,6 @@ from stoker.core.batchfiles import (
     tenant_turns,
     unrun_line,
 )
-from stoker.core.errors import BatchCancelled, BatchExpired, StokerError, error_class
-from stoker.core.jobs import ErrorInfo, Job
 from stoker.core.pacing import Pace
 from stoker.core.queues import inference_depth
 from stoker.settings import ApiSettings
@@ -81,11 +81,11 @@ FAULT_BACKOFF_S = 0.5
 #: Lines that never ran written to the store at a time (when a batch is cancelled, expires or loses its input).
 UNRUN_AT_ONCE = 1000
 #: The statuses a batch the feeder cannot move on fails from.
-_UNENDED: tuple[BatchStatus, ...] = ("validating", "in_progress", "finalizing", "cancelling")
+_UNENDED: tuple[OpenAIBatchStatus, ...] = ("validating", "in_progress", "finalizing", "cancelling")
 T = TypeVar("T")
 
 
-class BatchFeeder:
+class OpenAIBatchFeeder:
     """Moves every active batch on, a step per tick, while this process holds the feeder's lease."""
 
     def __init__(self, context: ApiContext) -> None:
@@ -128,7 +128,7 @@ class BatchFeeder:
         if time.time() - self._swept >= SWEEP_EVERY_S:
             self._swept = time.time()
             await run_in_threadpool(sweep_expired_files, self.context)
-        ids = await run_in_threadpool(store.batches.active)
+        ids = await run_in_threadpool(store.openai_batches.active)
         room = await run_in_threadpool(self._room, ids)
         running = []
         for batch_id in ids:
@@ -138,9 +138,9 @@ class BatchFeeder:
         await self._feed_in_turn(running, room)
         return bool(ids)
 
-    async def _advance(self, batch_id: str) -> BatchRecord | None:
+    async def _advance(self, batch_id: str) -> OpenAIBatch | None:
         """Move one batch on but for feeding; the batch if it has lines to feed."""
-        store = self.context.store.batches
+        store = self.context.store.openai_batches
         record = await run_in_threadpool(store.get, batch_id)
         if record is None or record.ended:
             await run_in_threadpool(store.retire, batch_id)
@@ -161,12 +161,12 @@ class BatchFeeder:
             await run_in_threadpool(self._fault, batch_id, exc)
             return None
         if self._retry_at.pop(batch_id, None) is not None:
-            await run_in_threadpool(self.context.store.batches.clear_faults, batch_id)
+            await run_in_threadpool(self.context.store.openai_batches.clear_faults, batch_id)
         return done
 
     def _fault(self, batch_id: str, exc: Exception) -> None:
         """Count a failed step of a batch: tried again after a pause that doubles, failed after too many."""
-        tries = self.context.store.batches.note_fault(batch_id)
+        tries = self.context.store.openai_batches.note_fault(batch_id)
         if tries == 1:
             log.error("batch %s: its step failed (tried up to %d times)", batch_id, MAX_STEP_FAULTS, exc_info=exc)
         if tries < MAX_STEP_FAULTS:
@@ -185,16 +185,16 @@ class BatchFeeder:
             return 0
         depths = {q.name: q.depth for q in snapshot.queues}
         marks = Room(settings.infer_high_watermark, settings.infer_low_watermark, settings.cpu_queue_limit)
-        in_flight = self.context.store.batches.in_flight(ids)
+        in_flight = self.context.store.openai_batches.in_flight(ids)
         most = settings.batch_max_in_flight
         if settings.auth and settings.max_jobs_in_flight > 0:  # leave a tenant room for its interactive jobs
             most = min(most, max(settings.max_jobs_in_flight // 2, 1))
-        room = batch_room(depths, in_flight, max_in_flight=most, room=marks, holding=self.holding)
+        room = line_room(depths, in_flight, max_in_flight=most, room=marks, holding=self.holding)
         infer = inference_depth(depths)
         self.holding = infer > settings.infer_high_watermark or (self.holding and infer > settings.infer_low_watermark)
         return room
 
-    async def step(self, record: BatchRecord) -> bool:
+    async def step(self, record: OpenAIBatch) -> bool:
         """Move one batch on, but for feeding it: validate it, end it (cancelled, expired, completed) or collect
         its ended lines; whether it is running, with lines to feed."""
         ending = self._ending(record)
@@ -207,7 +207,7 @@ class BatchFeeder:
             return False
         return True
 
-    def _ending(self, record: BatchRecord) -> Callable[[BatchRecord], None] | None:
+    def _ending(self, record: OpenAIBatch) -> Callable[[OpenAIBatch], None] | None:
         """What moves a batch on when it is not running: its validation, or its end; None while it runs."""
         expired = record.expires_at is not None and now_s() >= record.expires_at
         if record.in_progress_at is None:  # never started: no line of it ran, none is written anywhere
@@ -222,7 +222,7 @@ class BatchFeeder:
             return partial(self._stop, ending="cancelled")
         return None
 
-    async def _feed_in_turn(self, running: list[BatchRecord], room: int) -> None:
+    async def _feed_in_turn(self, running: list[OpenAIBatch], room: int) -> None:
         """Feed the room there is across tenants in turn: each tenant's next batch (its oldest first) is offered
         an equal share of the room left (at most `FEED_AT_ONCE` lines), the first tenant served changing every
         tick, so a small batch of one tenant never waits for a large one of another."""
@@ -237,7 +237,7 @@ class BatchFeeder:
                 turns.append(batches)
 
     # -- validation -------------------------------------------------------------------------------------------
-    def _validate(self, record: BatchRecord) -> None:
+    def _validate(self, record: OpenAIBatch) -> None:
         """Read the input file through once: every line a request to the endpoint, within a request's limits, each
         custom_id once, one model; the tenant's files within their quota (its batches' output and error files
         count: a tenant past it runs no new batch). The custom_ids are kept in the batch's line index."""
@@ -249,19 +249,19 @@ class BatchFeeder:
         if check.errors:
             self._refuse(record, check.errors)
             return
-        store = self.context.store.batches
+        store = self.context.store.openai_batches
         store.update(record.id, request_counts=RequestCounts(total=check.requests).model_dump())
         store.move(record.id, "in_progress", now_s(), only_from=("validating",))  # cancelled meanwhile: see _ending
 
-    def _refuse(self, record: BatchRecord, errors: list[LineError]) -> None:
+    def _refuse(self, record: OpenAIBatch, errors: list[LineError]) -> None:
         """A batch that failed validation: `failed`, with OpenAI's `errors` list."""
-        store = self.context.store.batches
+        store = self.context.store.openai_batches
         self._drop_index(record.id)
-        store.update(record.id, errors=BatchErrors(data=errors).model_dump(mode="json"))
+        store.update(record.id, errors=OpenAIBatchErrors(data=errors).model_dump(mode="json"))
         if store.move(record.id, "failed", now_s(), only_from=("validating",)):
             store.retire(record.id)
 
-    def _check_lines(self, record: BatchRecord) -> Validation:
+    def _check_lines(self, record: OpenAIBatch) -> Validation:
         """Check every line of the input file, each held to the limits of the request it stands for (a line over
         them is never held whole), writing the line index as it goes; the check, its errors found."""
         settings, files = self.context.settings, self.context.files
@@ -277,7 +277,7 @@ class BatchFeeder:
         check.finish()
         return check
 
-    def _storage_full(self, record: BatchRecord) -> LineError | None:
+    def _storage_full(self, record: OpenAIBatch) -> LineError | None:
         """Why the batch may not run: its tenant's stored files hold their whole quota; None if they do not."""
         quota = self.context.settings.files_tenant_max_bytes
         if quota == 0 or self.context.store.files.used(record.tenant) < quota:
@@ -286,11 +286,11 @@ class BatchFeeder:
         return LineError(code="tenant_storage_full", message=f"{message}: delete some first")
 
     # -- feeding ----------------------------------------------------------------------------------------------
-    async def _feed(self, record: BatchRecord, room: int) -> int:
+    async def _feed(self, record: OpenAIBatch, room: int) -> int:
         """Feed up to `room` of the batch's next lines (at most `FEED_AT_ONCE` a tick, taken in together, so the
         lines' outcomes are collected between rounds); a refusal that will pass (the tenant's slots, the store,
         the broker) stops the cursor at that line, tried again next tick."""
-        store = self.context.store.batches
+        store = self.context.store.openai_batches
         progress = await run_in_threadpool(store.progress, record.id)
         try:
             lines = await run_in_threadpool(_next_lines, self.context, record, progress, min(room, FEED_AT_ONCE))
@@ -316,7 +316,7 @@ class BatchFeeder:
             await run_in_threadpool(store.count_fed, fed)
         return fed
 
-    async def _feed_line(self, record: BatchRecord, line: BatchLine) -> str:
+    async def _feed_line(self, record: OpenAIBatch, line: OpenAIBatchLine) -> str:
         """Make one line a job (or write why it cannot run): "fed", "done" (nothing to feed) or "retry"."""
         job_id = line_job_id(record.id, line.number)
         pending = PendingLine(job_id, line.custom_id, line.number)
@@ -325,23 +325,23 @@ class BatchFeeder:
             if accepted is None:
                 return "fed"  # made before a crash, or settled already: collected like any other
             await submit_line(self.context, record.tenant, job_id, accepted, record.id)
-            await run_in_threadpool(self.context.store.batches.pend, record.id, replace(pending, sent=True))
+            await run_in_threadpool(self.context.store.openai_batches.pend, record.id, replace(pending, sent=True))
         except StokerError as exc:
             return await run_in_threadpool(self._refused, record, pending, exc)
         return "fed"
 
-    def _prepare(self, record: BatchRecord, pending: PendingLine, line: BatchLine) -> AcceptedRequest | None:
+    def _prepare(self, record: OpenAIBatch, pending: PendingLine, line: OpenAIBatchLine) -> AcceptedRequest | None:
         """Note the line as in flight (first: a crash from here on is resumed) and read its request the way
         `/v1/chat/completions` reads one; None when there is nothing to make (its job was sent, or it has its
         outcome). A job a feeder made but died before sending (still queued, its line not noted as sent) is
         unmade and made again: otherwise it would wait for a message that never comes."""
         store = self.context.store
-        if store.batches.settled(record.id, line.custom_id):
+        if store.openai_batches.settled(record.id, line.custom_id):
             return None
-        earlier = store.batches.pended(record.id, pending.job_id)
+        earlier = store.openai_batches.pended(record.id, pending.job_id)
         if earlier is not None and earlier.sent:
             return None
-        store.batches.pend(record.id, pending)
+        store.openai_batches.pend(record.id, pending)
         made = store.jobs.load_job(pending.job_id)
         if made is not None:
             if made.status != "queued":
@@ -351,9 +351,9 @@ class BatchFeeder:
         _, accepted = accept_chat(line.body, self.context.settings)
         return replace(accepted, deadline_ms=self._deadline_ms(record))
 
-    def _refused(self, record: BatchRecord, pending: PendingLine, exc: StokerError) -> str:
+    def _refused(self, record: OpenAIBatch, pending: PendingLine, exc: StokerError) -> str:
         """A line the intake refused: for now ("retry", not in flight), or for good (its error line, "done")."""
-        store = self.context.store.batches
+        store = self.context.store.openai_batches
         if not exc.permanent:
             store.unpend(record.id, pending.job_id)
             return "retry"
@@ -361,19 +361,19 @@ class BatchFeeder:
         store.settle(record.id, pending, body, ok=False)
         return "done"
 
-    def _deadline_ms(self, record: BatchRecord) -> int:
+    def _deadline_ms(self, record: OpenAIBatch) -> int:
         """A line's deadline: the longest a job may have, within what is left of the batch's window."""
         left_ms = max(((record.expires_at or 0) - now_s()) * 1000, 100)
         return int(min(self.context.settings.max_deadline_ms, left_ms))
 
     # -- collecting -------------------------------------------------------------------------------------------
-    def _collect(self, record: BatchRecord) -> int:
+    def _collect(self, record: OpenAIBatch) -> int:
         """Write the outcome of every line whose job ended; how many were written."""
         store = self.context.store
-        pending = store.batches.pending(record.id)
+        pending = store.openai_batches.pending(record.id)
         if not pending:
             return 0
-        progress = store.batches.progress(record.id)
+        progress = store.openai_batches.progress(record.id)
         jobs = store.jobs.load_many([p.job_id for p in pending])
         written = 0
         model = self.context.settings.public_model_name
@@ -381,15 +381,15 @@ class BatchFeeder:
             if job is None:
                 if line.line <= progress.lines:  # fed and gone (its record outlived): it never answered
                     body = unrun_line(line.custom_id, line.job_id, "job_lost", "the request's job was lost")
-                    written += store.batches.settle(record.id, line, body, ok=False)
+                    written += store.openai_batches.settle(record.id, line, body, ok=False)
                 continue  # not made yet: fed again from the cursor
             if job.terminal:
                 outcome, ok = line_outcome(line, job, model)
-                written += store.batches.settle(record.id, line, outcome, ok=ok)
+                written += store.openai_batches.settle(record.id, line, outcome, ok=ok)
         return written
 
-    def _all_done(self, record: BatchRecord) -> bool:
-        store = self.context.store.batches
+    def _all_done(self, record: OpenAIBatch) -> bool:
+        store = self.context.store.openai_batches
         fresh = store.get(record.id)
         if fresh is None or fresh.status != "in_progress":
             return False
@@ -397,20 +397,20 @@ class BatchFeeder:
         return counts.completed + counts.failed >= counts.total and not store.pending(record.id)
 
     # -- ending -----------------------------------------------------------------------------------------------
-    def _stop(self, record: BatchRecord, ending: BatchStatus) -> None:
+    def _stop(self, record: OpenAIBatch, ending: OpenAIBatchStatus) -> None:
         """Cancel or expire a batch: its queued lines cancelled (none reaches the device from now on), what had
         finished kept, every line that never ran written to the error file with why; then its files."""
         store = self.context.store
         reason: StokerError = BatchCancelled() if ending == "cancelled" else BatchExpired()
-        for line in store.batches.pending(record.id):
+        for line in store.openai_batches.pending(record.id):
             cancel(store, line.job_id, replace_stage(reason))
         self._collect(record)
-        progress = store.batches.progress(record.id)
+        progress = store.openai_batches.progress(record.id)
         if self._write_unrun(record, progress, reason.code, reason.message) is None:
             log.warning("batch %s: the lines it never fed cannot be named (its input file is gone)", record.id)
         self._finish(record, ending)
 
-    def _input_gone(self, record: BatchRecord, progress: Progress) -> None:
+    def _input_gone(self, record: OpenAIBatch, progress: Progress) -> None:
         """The input file of a running batch was deleted: every line not fed yet goes to the error file
         (`file_not_found`), and the batch completes once the lines in flight end. Without a line index to name its
         lines by (a batch validated before indexes were kept), the batch fails."""
@@ -419,9 +419,9 @@ class BatchFeeder:
         if last is None:
             self._give_up(record.id, message.replace("this line ran", "every line ran"))
             return
-        self.context.store.batches.advance(record.id, Progress(max(last, progress.lines), progress.offset))
+        self.context.store.openai_batches.advance(record.id, Progress(max(last, progress.lines), progress.offset))
 
-    def _write_unrun(self, record: BatchRecord, progress: Progress, code: str, message: str) -> int | None:
+    def _write_unrun(self, record: OpenAIBatch, progress: Progress, code: str, message: str) -> int | None:
         """Write every line past the feeding cursor that has no outcome yet to the error file, as one that never
         ran (`code`), a thousand at a time: named by the line index, read once without parsing the input again.
         The last line number seen; None if the lines cannot be named."""
@@ -429,7 +429,7 @@ class BatchFeeder:
             names = self._names_after(record, progress)
         except FileNotFoundError:
             return None
-        store, last = self.context.store.batches, progress.lines
+        store, last = self.context.store.openai_batches, progress.lines
         while chunk := list(islice(names, UNRUN_AT_ONCE)):
             rows = []
             for number, custom_id in chunk:
@@ -439,7 +439,7 @@ class BatchFeeder:
             last = chunk[-1][0]
         return last
 
-    def _names_after(self, record: BatchRecord, progress: Progress) -> Iterator[tuple[int, str]]:
+    def _names_after(self, record: OpenAIBatch, progress: Progress) -> Iterator[tuple[int, str]]:
         """The line number and custom_id of each request past the feeding cursor: from the line index, or (a batch
         validated before indexes were kept) from its input file; FileNotFoundError when neither is there."""
         files = self.context.files
@@ -449,10 +449,10 @@ class BatchFeeder:
             lines = _next_lines(self.context, record, progress, None)
             return ((parsed.number, parsed.custom_id) for parsed, _ in lines if parsed is not None)
 
-    def _end_unstarted(self, record: BatchRecord, ending: BatchStatus) -> None:
+    def _end_unstarted(self, record: OpenAIBatch, ending: OpenAIBatchStatus) -> None:
         """End a batch cancelled or expired before it started: no line of it ran, none is in a file (its counts
         all 0)."""
-        store = self.context.store.batches
+        store = self.context.store.openai_batches
         store.update(record.id, request_counts=RequestCounts().model_dump())
         if store.move(record.id, ending, now_s(), only_from=("validating", "cancelling")):
             store.retire(record.id)
@@ -469,16 +469,16 @@ class BatchFeeder:
         """Fail a batch the feeder cannot move on, saying why; its lines in flight are cancelled."""
         store = self.context.store
         error = LineError(code="internal_error", message=f"the batch could not go on: {problem}"[:500])
-        store.batches.update(batch_id, errors=BatchErrors(data=[error]).model_dump(mode="json"))
-        if store.batches.move(batch_id, "failed", now_s(), only_from=_UNENDED):
-            for line in store.batches.pending(batch_id):
+        store.openai_batches.update(batch_id, errors=OpenAIBatchErrors(data=[error]).model_dump(mode="json"))
+        if store.openai_batches.move(batch_id, "failed", now_s(), only_from=_UNENDED):
+            for line in store.openai_batches.pending(batch_id):
                 cancel(store, line.job_id, replace_stage(BatchCancelled()))
-            store.batches.retire(batch_id)
+            store.openai_batches.retire(batch_id)
         self._drop_index(batch_id)
 
-    def _finish(self, record: BatchRecord, ending: BatchStatus) -> None:
+    def _finish(self, record: OpenAIBatch, ending: OpenAIBatchStatus) -> None:
         """Write the output and error files and end the batch (through `finalizing` when it completed)."""
-        store = self.context.store.batches
+        store = self.context.store.openai_batches
         if ending == "completed" and not store.move(record.id, "finalizing", now_s(), only_from=("in_progress",)):
             fresh = store.get(record.id)
             if fresh is None or fresh.status != "finalizing":
@@ -493,7 +493,7 @@ class BatchFeeder:
                 files[name] = made.id
         counts = live.request_counts.model_dump()
         store.update(record.id, request_counts=counts, **files)
-        source: tuple[BatchStatus, ...] = ("finalizing",)
+        source: tuple[OpenAIBatchStatus, ...] = ("finalizing",)
         if ending != "completed":
             source = ("in_progress", "cancelling", "finalizing")
         store.move(record.id, ending, now_s(), only_from=source)
@@ -519,17 +519,17 @@ def replace_stage(reason: StokerError) -> StokerError:
 
 
 def _next_lines(
-    context: ApiContext, record: BatchRecord, progress: Progress, count: int | None
-) -> list[tuple[BatchLine | None, int]]:
+    context: ApiContext, record: OpenAIBatch, progress: Progress, count: int | None
+) -> list[tuple[OpenAIBatchLine | None, int]]:
     """The next `count` lines of a batch's input (all that are left: None) from where feeding got to, each with
     the offset after it; a blank line is None. FileNotFoundError when the input file is gone."""
-    found: list[tuple[BatchLine | None, int]] = []
+    found: list[tuple[OpenAIBatchLine | None, int]] = []
     number = progress.lines
     chunks = context.files.read(record.input_file_id, progress.offset)
     for raw, after in split_lines(chunks, context.settings.max_body_bytes):
         number += 1
         parsed = parse_line(raw, number, record.endpoint) if raw.strip() else None
-        found.append((parsed if isinstance(parsed, BatchLine) else None, progress.offset + after))
+        found.append((parsed if isinstance(parsed, OpenAIBatchLine) else None, progress.offset + after))
         if count is not None and sum(1 for p, _ in found if p is not None) >= count:
             break
     return found
@@ -544,7 +544,7 @@ def _missing_input(file_id: str) -> LineError:
     return LineError(code="file_not_found", message=f"the input file {file_id} is gone")
 
 
-def run_feeder_process(settings: ApiSettings) -> int:
+def run_openai_batch_feeder(settings: ApiSettings) -> int:
     """`stoker batch-feeder`: the batch feeder as a process of its own, at a lower CPU priority
     (`STOKER_BATCH_FEEDER_NICE`), beside API processes that run with `STOKER_BATCH_FEEDER=false` (as `stoker up`
     runs them). Feeding a batch is CPU work (each line read, checked and taken in as a job); in an API process it
@@ -565,7 +565,7 @@ async def _feed_until_stopped(context: ApiContext) -> None:
     background = [
         asyncio.create_task(context.monitor.run()),
         asyncio.create_task(asyncio.to_thread(context.prompts.load)),
-        asyncio.create_task(BatchFeeder(context).run()),
+        asyncio.create_task(OpenAIBatchFeeder(context).run()),
     ]
     log.info("batch feeder %s ready", os.getpid())
     await stopping.wait()

@@ -2,6 +2,13 @@
 input file's lines checked one by one, and each line's output or error line.
 
 Pure: the API reads and writes these through the store and the file storage; nothing here does I/O.
+
+Names: in stoker's code a bare *batch* is a device batch (requests run together in one backend call:
+`stoker.core.batching`, `stoker.runtime.batches`), as in LitServe's `batch → predict → unbatch`. OpenAI's Batch API
+object is an *OpenAI batch* (`OpenAIBatch`, `OpenAIBatchLine`, the `openai_batches` modules). What a client, an
+operator or the store sees keeps OpenAI's word: the paths (`/v1/batches`), the ids (`batch_…`, a job's `batch_id`),
+the job class `batch`, the error codes (and their classes, named for them), the `STOKER_BATCH_*` settings, the
+`stoker batch` command, the metrics and the Redis keys (and the `keys` functions that build them).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from stoker.core.pressure import room_to_enqueue
 from stoker.core.queues import INFER_QUEUES, inference_depth
 
 #: OpenAI's batch statuses; the last five end a batch.
-BatchStatus = Literal[
+OpenAIBatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
 ENDED: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
@@ -67,14 +74,14 @@ class LineError(BaseModel):
     line: int | None = None
 
 
-class BatchErrors(BaseModel):
+class OpenAIBatchErrors(BaseModel):
     """OpenAI's `errors` list of a batch."""
 
     object: Literal["list"] = "list"
     data: list[LineError] = Field(default_factory=list)
 
 
-class BatchRecord(BaseModel):
+class OpenAIBatch(BaseModel):
     """A batch, in OpenAI's `batch` shape (its tenant kept out of every answer)."""
 
     id: str
@@ -82,10 +89,10 @@ class BatchRecord(BaseModel):
     endpoint: str
     input_file_id: str
     completion_window: str
-    status: BatchStatus
+    status: OpenAIBatchStatus
     output_file_id: str | None = None
     error_file_id: str | None = None
-    errors: BatchErrors | None = None
+    errors: OpenAIBatchErrors | None = None
     created_at: int
     in_progress_at: int | None = None
     expires_at: int | None = None
@@ -110,7 +117,7 @@ def new_file_id() -> str:
     return f"file-{uuid.uuid4().hex}"
 
 
-def new_batch_id() -> str:
+def new_openai_batch_id() -> str:
     """A batch id in OpenAI's form."""
     return f"batch_{uuid.uuid4().hex}"
 
@@ -122,7 +129,7 @@ def line_job_id(batch_id: str, line: int) -> str:
 
 
 @dataclass(frozen=True)
-class BatchLine:
+class OpenAIBatchLine:
     """One valid line of an input file: its request body, as `/v1/chat/completions` would receive it."""
 
     number: int
@@ -132,7 +139,7 @@ class BatchLine:
     model: object = None
 
 
-def parse_line(raw: bytes, number: int, endpoint: str) -> BatchLine | LineError:
+def parse_line(raw: bytes, number: int, endpoint: str) -> OpenAIBatchLine | LineError:
     """A line of an input file, or why it is not a request to `endpoint` (1-based line numbers). Never raises:
     whatever reading a line fails with is that line's error."""
     try:
@@ -143,7 +150,7 @@ def parse_line(raw: bytes, number: int, endpoint: str) -> BatchLine | LineError:
         return LineError(code="invalid_json_line", message=f"line {number} is not valid JSON", line=number)
 
 
-def _parsed_line(raw: bytes, number: int, endpoint: str) -> BatchLine | LineError:
+def _parsed_line(raw: bytes, number: int, endpoint: str) -> OpenAIBatchLine | LineError:
     item = json.loads(raw)
     if not isinstance(item, dict):
         return LineError(code="invalid_json_line", message=f"line {number} is not a JSON object", line=number)
@@ -157,7 +164,7 @@ def _parsed_line(raw: bytes, number: int, endpoint: str) -> BatchLine | LineErro
         return LineError(code="mismatched_endpoint", message=message, param="url", line=number)
     if not isinstance(body, dict):
         return LineError(code="invalid_body", message="body must be a JSON object", param="body", line=number)
-    return BatchLine(number, custom_id, json.dumps(body, separators=(",", ":")).encode(), body.get("model"))
+    return OpenAIBatchLine(number, custom_id, json.dumps(body, separators=(",", ":")).encode(), body.get("model"))
 
 
 #: The bytes that open a JSON value after the first (counted as `/v1/chat/completions` counts a body's values).
@@ -296,10 +303,10 @@ def indexed_names(index: Iterable[tuple[bytes, int]], after: int) -> Iterator[tu
             yield number, str(json.loads(raw))
 
 
-def tenant_turns(batches: Iterable[BatchRecord], turn: int) -> deque[deque[BatchRecord]]:
+def tenant_turns(batches: Iterable[OpenAIBatch], turn: int) -> deque[deque[OpenAIBatch]]:
     """Running batches in the order they are fed: grouped by tenant, each tenant's oldest first, the tenants in
     turn (by name, rotated by `turn`, a count of rounds, so each goes first in its round)."""
-    by_tenant: dict[str, deque[BatchRecord]] = {}
+    by_tenant: dict[str, deque[OpenAIBatch]] = {}
     for record in sorted(batches, key=lambda r: (r.created_at, r.id)):
         by_tenant.setdefault(record.tenant, deque()).append(record)
     names = sorted(by_tenant)
@@ -307,7 +314,7 @@ def tenant_turns(batches: Iterable[BatchRecord], turn: int) -> deque[deque[Batch
     return deque(by_tenant[name] for name in names[first:] + names[:first])
 
 
-def batch_room(depths: dict[str, int], in_flight: int, *, max_in_flight: int, room: Room, holding: bool) -> int:
+def line_room(depths: dict[str, int], in_flight: int, *, max_in_flight: int, room: Room, holding: bool) -> int:
     """How many more batch lines may be fed now: none while the inference queue is over its watermarks (the same
     as tokenize's hand-off: above the high one, and after a pause until it is back at the low one; `holding`) or a
     CPU queue is past half its admission limit; else what keeps the lines in the pipeline under `max_in_flight` and

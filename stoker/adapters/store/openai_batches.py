@@ -1,6 +1,6 @@
 """Files' records and batches' progress in the job store: who owns a file and when it expires, the bytes a tenant's
-files hold, each batch's record, where its feeding got to, the lines in flight and each line's output, written once
-per `custom_id`."""
+files hold, each OpenAI batch's record, where its feeding got to, the lines in flight and each line's output, written
+once per `custom_id`. (An OpenAI batch, not a device batch: see `stoker.core.openai_batches` for the names.)"""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from stoker.adapters.store.keys import (
     tenant_files_key,
     tenant_live_batches_key,
 )
-from stoker.core.batchfiles import BatchRecord, BatchStatus, FileRecord
+from stoker.core.openai_batches import FileRecord, OpenAIBatch, OpenAIBatchStatus
 
 T = TypeVar("T")
 
@@ -244,7 +244,7 @@ def _file_record(raw: list[bytes | None]) -> FileRecord | None:
 #: Ids read off a listing at a time.
 LISTING_STEP = 100
 #: How long an ended batch's record is kept unless the repository is told otherwise (`batch_ttl_s`'s default).
-BATCH_TTL_S = 30 * 24 * 3600
+OPENAI_BATCH_TTL_S = 30 * 24 * 3600
 #: Slack on how long a listing keeps a batch past its window and its record's time: a feeder that was down ends it
 #: late.
 LISTING_SLACK_S = 24 * 3600
@@ -271,18 +271,18 @@ def _listed(
         step = LISTING_STEP
 
 
-class BatchRepository:
+class OpenAIBatchRepository:
     """Batches: their records (one hash field per OpenAI field, so status and counts move independently), feeding
     progress, lines in flight, and each line's outcome, written once per `custom_id`."""
 
-    def __init__(self, client: redis.Redis[bytes], ended_ttl_s: int = BATCH_TTL_S) -> None:
+    def __init__(self, client: redis.Redis[bytes], ended_ttl_s: int = OPENAI_BATCH_TTL_S) -> None:
         self.redis = client
         #: How long an ended batch's record is kept.
         self.ended_ttl_s = ended_ttl_s
         self._transition = client.register_script(_TRANSITION)
         self._create = client.register_script(_CREATE_BATCH)
 
-    def create(self, record: BatchRecord, max_live: int = 0) -> bool:
+    def create(self, record: OpenAIBatch, max_live: int = 0) -> bool:
         """Store a new batch and put it on the feeder's work list; False (nothing written) when its tenant has
         `max_live` batches not yet ended already (0: no cap)."""
         fields: dict[str, str | int] = {k: json.dumps(v) for k, v in record.model_dump(mode="json").items()}
@@ -297,12 +297,12 @@ class BatchRepository:
         args += [item for pair in fields.items() for item in pair]
         return bool(self._create(keys=keys, args=args))
 
-    def get(self, batch_id: str) -> BatchRecord | None:
+    def get(self, batch_id: str) -> OpenAIBatch | None:
         """A batch's record with its counts (live while it runs); None if there is none."""
         (found,) = self._records([batch_id])
         return found
 
-    def _records(self, batch_ids: list[str]) -> list[BatchRecord | None]:
+    def _records(self, batch_ids: list[str]) -> list[OpenAIBatch | None]:
         """Batches' records with their counts, in one round trip; None for each that is gone."""
         with self.redis.pipeline(transaction=False) as pipe:
             for batch_id in batch_ids:
@@ -310,9 +310,9 @@ class BatchRepository:
                 pipe.hlen(batch_output_key(batch_id))
                 pipe.hlen(batch_errors_key(batch_id))
             raw = pipe.execute()
-        return [_batch_record(*raw[i : i + 3]) for i in range(0, len(raw), 3)]
+        return [_openai_batch(*raw[i : i + 3]) for i in range(0, len(raw), 3)]
 
-    def page(self, tenant: str, after: str | None, limit: int) -> list[BatchRecord]:
+    def page(self, tenant: str, after: str | None, limit: int) -> list[OpenAIBatch]:
         """Up to `limit` of a tenant's batches, newest first, after the batch `after`: read a range of the listing
         at a time, and ids whose record is gone (expired) taken off it."""
         found = _listed(self.redis, tenant_batches_key(tenant), after, limit, self._records)
@@ -322,7 +322,7 @@ class BatchRepository:
         """Set some of a batch's OpenAI fields."""
         self.redis.hset(batch_key(batch_id), mapping={k: json.dumps(v) for k, v in fields.items()})
 
-    def move(self, batch_id: str, to: BatchStatus, at: int, *, only_from: Iterable[BatchStatus]) -> bool:
+    def move(self, batch_id: str, to: OpenAIBatchStatus, at: int, *, only_from: Iterable[OpenAIBatchStatus]) -> bool:
         """Move a batch to status `to` (stamping `<to>_at`), only if it is in one of `only_from` now."""
         keys = [batch_key(batch_id)]
         return bool(self._transition(keys=keys, args=[to, f"{to}_at", json.dumps(at), *only_from]))
@@ -460,15 +460,15 @@ class BatchRepository:
         return written
 
 
-def _batch_record(raw: dict[bytes, bytes], completed: int, failed: int) -> BatchRecord | None:
+def _openai_batch(raw: dict[bytes, bytes], completed: int, failed: int) -> OpenAIBatch | None:
     """A batch's record from its hash, with its live counts while it runs; None if there is none."""
     if not raw:
         return None
     fields = {k.decode(): v.decode() for k, v in raw.items()}
     values: dict[str, Any] = {
-        k: json.loads(fields[k]) for k in BatchRecord.model_fields if k in fields and k != "tenant"
+        k: json.loads(fields[k]) for k in OpenAIBatch.model_fields if k in fields and k != "tenant"
     }
-    record = BatchRecord.model_validate({**values, "tenant": fields.get("tenant", "local")})
+    record = OpenAIBatch.model_validate({**values, "tenant": fields.get("tenant", "local")})
     if record.ended:  # its final counts were written when it ended, and its working sets are gone
         return record
     counts = record.request_counts.model_copy(update={"completed": completed, "failed": failed})
