@@ -11,13 +11,14 @@ import numpy as np
 import numpy.typing as npt
 from celery import Task
 
+from stoker.adapters.tesseract import read_text
 from stoker.adapters.tracing import mark_failed, stage_span
 from stoker.core.arrays import array_from_bytes, array_to_bytes
 from stoker.core.cachekeys import OCR_IMAGE, PICTURE, CacheAddress
 from stoker.core.errors import StageKilled
 from stoker.core.imaging import DecodedImage, decode_image
 from stoker.core.jobs import InputRecord
-from stoker.core.ocr import Band, read_text
+from stoker.core.ocr import Band
 from stoker.runtime.bands import bands_for, run_band
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.handoff import fail_unfinished, tokenize_job

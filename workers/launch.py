@@ -97,7 +97,7 @@ def worker_env(kind: str, base: Mapping[str, str]) -> dict[str, str]:
     env["PROMETHEUS_MULTIPROC_DIR"] = str(scratch_dir(kind))
     # Tokenizers parallelise internally; after a fork that deadlocks, so prefork children stay single-threaded.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # No OMP_THREAD_LIMIT for the worker itself: tesseract gets its own (`stoker.core.ocr.read_text`), and the
+    # No OMP_THREAD_LIMIT for the worker itself: tesseract gets its own (`stoker.adapters.tesseract.read_text`), and the
     # speech model under OMP_THREAD_LIMIT=1 with its threads left to choose (CTranslate2) runs about 40x slower and
     # transcribes garbage (docs/bench/log/2026-11-30-stoker-bench-sweep-and-overhead.md); a CPU child may transcribe.
     env.pop("OMP_THREAD_LIMIT", None)

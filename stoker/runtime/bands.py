@@ -18,10 +18,11 @@ import numpy as np
 import numpy.typing as npt
 
 from stoker.adapters.cache import COST_FIELD
+from stoker.adapters.tesseract import read_text
 from stoker.core.cachekeys import CacheAddress, ocr_band_address
 from stoker.core.errors import StokerError
 from stoker.core.jobs import ErrorInfo, InputRecord
-from stoker.core.ocr import Band, band_limit, join_bands, lines_of_text, plan_bands, read_text
+from stoker.core.ocr import Band, band_limit, join_bands, lines_of_text, plan_bands
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.stage import follower_wait, handoff, has_work, input_stage, through_cache
 

@@ -35,6 +35,7 @@ from stoker.adapters.store import Store
 from stoker.adapters.store.clients import cache_client
 from stoker.adapters.store.coordination import DeviceTurns
 from stoker.adapters.store.keys import DEVICE_LOCK_KEY
+from stoker.adapters.tesseract import tesseract_version
 from stoker.adapters.urlfetch import FetchPolicy
 from stoker.core import asr, cachekeys, tenancy
 from stoker.core.asr import SpeechModel, speech_threads
@@ -43,7 +44,6 @@ from stoker.core.errors import StokerError
 from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_rgb, served_picture
 from stoker.core.media import ContentHash
 from stoker.core.model import Predictor
-from stoker.core.ocr import tesseract_version
 from stoker.core.queues import CPU_QUEUES, INFER_BATCH_QUEUE, INFER_QUEUE
 from stoker.core.urls import Allowlist
 from stoker.runtime.monitoring import sample_depths

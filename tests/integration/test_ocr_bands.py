@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 from PIL import Image, ImageDraw, ImageFont
 
 from stoker.adapters.store.keys import job_key
+from stoker.adapters.tesseract import read_text
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.jobs import TERMINAL
-from stoker.core.ocr import read_text
 from stoker.settings import ApiSettings
 from tests.conftest import pids_named, queued
 from tests.integration.conftest import SessionWorkers, SpySubmitter

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
+from stoker.adapters.tesseract import read_text
 from stoker.core.asr import speech_threads, transcribe
 from stoker.core.avmedia import decode_audio, extract_frame, keyframe_times, probe, wav_claimed_seconds
 from stoker.core.errors import ImageTooLarge, MediaCorrupt, MediaEmpty, MediaTooLong
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.media import sniff_format
-from stoker.core.ocr import read_text
 from tests.media import KEY_WORDS, flac_claiming, speech_wav, text_video, to_mp3, truncated, wav_header
 
 

@@ -7,11 +7,11 @@ import io
 import pytest
 from PIL import Image
 
+from stoker.adapters.tesseract import read_text
 from stoker.core.errors import ImageTooLarge
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.media import guess_kind, sniff_format
 from stoker.core.model import GenerationParams, ModelRequest, apply_stop, sampling_groups
-from stoker.core.ocr import read_text
 from tests.media import text_image
 
 

@@ -12,9 +12,10 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 
 from stoker.adapters.cache import StageCache
+from stoker.adapters.tesseract import read_text
 from stoker.core.errors import Cancelled, OcrFailed, OcrTimeout
 from stoker.core.imaging import DecodeParams, decode_image
-from stoker.core.ocr import Band, band_limit, join_bands, normalise_text, plan_bands, read_text
+from stoker.core.ocr import Band, band_limit, join_bands, normalise_text, plan_bands
 from stoker.runtime.bands import bands_for
 from stoker.runtime.context import WorkerContext
 from stoker.settings import WorkerSettings
