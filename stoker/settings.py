@@ -884,7 +884,8 @@ class WorkerSettings(CommonSettings):
         "picture's tensors from the stage cache, sampling parameters) and sent as vLLM's `GenerateRequest` to "
         "`/inference/v1/generate` (a `vllm serve` with `--enable-scale-out` or `--tokens-only`), so the server runs "
         "the model alone; `chat`: chat completions with each picture as a data URL; `auto`: `generate` while the "
-        "server offers it, chat completions from its first 404 on (logged once, counted in "
+        "server offers it, chat completions once it says it does not (404, or vLLM's 403 without scale-out; logged "
+        "once, counted in "
         "`stoker_openai_generate_fallbacks_total`).",
     )
     openai_image_embeds: bool = Field(

@@ -31,6 +31,18 @@ GENERATE_SCHEMA = json.loads(
 GENERATE_VALIDATOR = jsonschema.Draft202012Validator(GENERATE_SCHEMA)
 
 
+#: What vLLM 0.33.0's `vllm serve` answers on its scale-out routes when started without `--enable-scale-out`
+#: (`vllm/entrypoints/scale_out/factories.py`, `register_scale_out_api_routers`).
+SCALE_OUT_OFF = {
+    "error": {
+        "message": "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.",
+        "type": "PermissionDeniedError",
+        "param": None,
+        "code": 403,
+    }
+}
+
+
 @dataclass(frozen=True)
 class Generated:
     """One `GenerateRequest` the fake took: its body, and each picture's item decoded (tensors and fields)."""
@@ -65,8 +77,10 @@ class FakeServer:
     pieces: list[str] = field(default_factory=lambda: ["Hel", "lo ", "from ", "the ", "fake."])
     #: Each `image_embeds` part received, decoded as vLLM decodes it: (shape, dtype).
     embeds: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
-    #: Whether it offers vLLM's `/inference/v1/generate` (without: 404, as a server without `--enable-scale-out`).
+    #: Whether it offers vLLM's `/inference/v1/generate` (without: 404, as a server that has no such route).
     generate: bool = False
+    #: Without `generate`: answer as vLLM 0.33.0's `vllm serve` does without `--enable-scale-out` (403), not 404.
+    scale_out_off: bool = False
     #: Every request to the generate endpoint, answered or not.
     generate_calls: int = 0
     #: Every `GenerateRequest` that was schema-valid and whose items decoded, in arrival order.
@@ -76,6 +90,13 @@ class FakeServer:
     in_flight: int = 0
     most_in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _without_generate(state: FakeServer) -> JSONResponse:
+    """A server without the generate endpoint: vLLM's 403 for scale-out routes switched off, or a plain 404."""
+    if state.scale_out_off:
+        return JSONResponse(SCALE_OUT_OFF, status_code=403)
+    return JSONResponse({"detail": "Not Found"}, status_code=404)
 
 
 def _app(state: FakeServer) -> FastAPI:
@@ -117,7 +138,7 @@ def _app(state: FakeServer) -> FastAPI:
         with state.lock:
             state.generate_calls += 1
         if not state.generate:
-            return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return _without_generate(state)
         error = _invalid(body)
         if error:
             return JSONResponse({"error": {"message": error, "type": "BadRequestError"}}, status_code=400)
@@ -260,10 +281,10 @@ async def _sleep(seconds: float) -> None:
 
 
 @contextmanager
-def fake_openai_server(generate: bool = False) -> Iterator[FakeServer]:
+def fake_openai_server(generate: bool = False, scale_out_off: bool = False) -> Iterator[FakeServer]:
     """Serve the fake on a free loopback port for the duration of the block (`generate`: with vLLM's generate
     endpoint)."""
-    state = FakeServer(generate=generate)
+    state = FakeServer(generate=generate, scale_out_off=scale_out_off)
     with serve(_app(state)) as base:
         state.url = f"{base}/v1"
         yield state

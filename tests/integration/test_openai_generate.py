@@ -175,11 +175,16 @@ def test_tools_go_in_the_parse_context_and_a_forced_call_comes_back_parsed(
     assert sampling["skip_special_tokens"] is False  # the parser reads the call's markers
 
 
+@pytest.mark.parametrize("scale_out_off", [False, True], ids=["no-route-404", "scale-out-off-403"])
 def test_a_server_without_generate_gets_chat_completions_said_once_and_counted(
-    renderer: Renderer, picture: RenderedPicture, predictors: list[OpenAIPredictor], caplog: pytest.LogCaptureFixture
+    renderer: Renderer,
+    picture: RenderedPicture,
+    predictors: list[OpenAIPredictor],
+    caplog: pytest.LogCaptureFixture,
+    scale_out_off: bool,
 ) -> None:
     before = _fallbacks()
-    with fake_openai_server() as server, caplog.at_level(logging.WARNING):
+    with fake_openai_server(scale_out_off=scale_out_off) as server, caplog.at_level(logging.WARNING):
         predictor = _predictor(server, renderer, picture, predictors)
         first = run_predictor(predictor, [_chat("one", ["pic"])])
         second = run_predictor(predictor, [_chat("two", ["pic"]), _chat("three")])

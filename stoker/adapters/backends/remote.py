@@ -14,8 +14,9 @@ With `STOKER_OPENAI_PROTOCOL` `generate` (or `auto`, while the server offers it)
 (`RequestRendering`: token ids, each picture's tensors from the stage cache, never a picture) and POSTed as vLLM's
 `GenerateRequest` to `/inference/v1/generate` at the server's root (the base URL less its `/v1`); the answer comes
 back as a parsed chat message (`output_mode: derender`), or streamed as tokens detokenized here
-(`stoker.adapters.backends.generated`). In `auto`, a server that answers 404 there gets chat completions from then on
-(logged once, counted in `stoker_openai_generate_fallbacks_total`).
+(`stoker.adapters.backends.generated`). In `auto`, a server that does not offer it (404, or vLLM's 403 when started
+without `--enable-scale-out`) gets chat completions from then on (logged once, counted in
+`stoker_openai_generate_fallbacks_total`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ class RequestRendering(Protocol):
 
 
 class _NoGenerate(Exception):
-    """The server answered 404 for the generate endpoint."""
+    """The server does not offer the generate endpoint: 404, or vLLM's 403 for scale-out routes switched off."""
+
+
+#: What vLLM 0.33.0's `vllm serve` answers (403) on its scale-out routes, `/inference/v1/generate` among them, when
+#: it was started without `--enable-scale-out` (`vllm/entrypoints/scale_out/factories.py`).
+SCALE_OUT_OFF = "Scale-out endpoints are disabled"
 
 
 @dataclass(frozen=True)
@@ -281,7 +287,7 @@ class OpenAIPredictor:
         request); `generate` fails the request."""
         if self.protocol == "generate":
             raise InferenceFailed(
-                f"the inference server has no {GENERATE_PATH} (404): start vLLM with --enable-scale-out, or set "
+                f"the inference server does not offer {GENERATE_PATH}: start vLLM with --enable-scale-out, or set "
                 "STOKER_OPENAI_PROTOCOL=chat",
                 stage="infer",
             )
@@ -290,7 +296,7 @@ class OpenAIPredictor:
             if self.protocol == "auto":
                 self.protocol = "chat"
                 log.warning(
-                    "openai backend: %s answers 404 for %s: chat completions from now on", self.base_url, GENERATE_PATH
+                    "openai backend: %s does not offer %s: chat completions from now on", self.base_url, GENERATE_PATH
                 )
 
     def _generate(self, call: Call, sent: list[int]) -> Prediction:
@@ -370,8 +376,9 @@ def _reaching_the_server() -> Iterator[None]:
 
 
 def _check_generate(response: httpx.Response, detail: str) -> None:
-    """As `_check`, a 404 saying the server has no generate endpoint."""
-    if response.status_code == 404:
+    """As `_check`; a server without the generate endpoint raises `_NoGenerate`: 404, or vLLM's 403 saying its
+    scale-out routes are off (any other 403 is a refusal like another)."""
+    if response.status_code == 404 or (response.status_code == 403 and SCALE_OUT_OFF in detail):
         raise _NoGenerate
     _check(response, detail)
 
