@@ -7,8 +7,6 @@ batches are loaded, run and written; the fakes stand at stoker's own seams (the 
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -16,127 +14,19 @@ from typing import Any
 
 import pytest
 
-from stoker.adapters.store.jobs import Ending, Pending, Queued
+from stoker.adapters.store.jobs import Pending
 from stoker.core.batching import BatchPolicy
-from stoker.core.jobs import ErrorInfo, Job
+from stoker.core.jobs import Job
 from stoker.core.model import Continued, ModelRequest, Prediction
 from stoker.runtime.batches import BatchItem
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.feeder import STAMP_AFTER_S, Feeder
 from stoker.runtime.watchdog import BatchWatchdog
 from stoker.settings import WorkerSettings
+from tests.fakes.store import MemoryStore
 from workers.procs import wait_for
 
 WAIT_S = 10.0
-
-
-class MemoryJobs:
-    """The job repository as the consumer uses it: pending jobs, endings, stamps and cancellations, in memory."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, Pending] = {}
-        self.ended: dict[str, Ending] = {}
-        self.loads: list[list[str]] = []
-        self.started: dict[str, float] = {}
-        self.stamped_at: dict[str, float] = {}  # when each start stamp was written
-        self.cancelled: queue.Queue[str] = queue.Queue()
-        self._lock = threading.Lock()
-
-    def load_pending(self, job_ids: Sequence[str], also: Sequence[Queued] = ()) -> dict[str, Pending | None]:
-        for queued in also:  # before the reads, as the store's one pipeline runs them
-            queued(None)
-        with self._lock:
-            self.loads.append(list(job_ids))
-            return {j: None if j in self.ended else self.pending.get(j) for j in job_ids}
-
-    def finish(self, job_id: str, status: Any, error: ErrorInfo | None = None, **_: Any) -> bool:
-        return self.finish_many([Ending(job_id, "default", status, error=error)])[0]
-
-    def finish_many(self, endings: Sequence[Ending], also: Sequence[Queued] = ()) -> list[bool]:
-        with self._lock:
-            fresh = [e.job_id not in self.ended for e in endings]
-            for ending, new in zip(endings, fresh, strict=True):
-                if new:
-                    self.ended[ending.job_id] = ending
-        for queued in also:  # after the endings, as the store's one pipeline runs them
-            queued(None)
-        return fresh
-
-    def stamp_many(self, job_ids: Sequence[str], name: str, at: float, also: Sequence[Queued] = ()) -> None:
-        for job_id in job_ids:
-            self.started[job_id] = at
-            self.stamped_at[job_id] = time.time()
-        for queued in also:
-            queued(None)
-
-    @contextlib.contextmanager
-    def cancellations(self) -> Iterator[Any]:
-        yield self
-
-    def get_message(self, ignore_subscribe_messages: bool, timeout: float) -> dict[str, bytes] | None:
-        try:
-            return {"data": self.cancelled.get(timeout=timeout).encode()}
-        except queue.Empty:
-            return None
-
-
-class MemoryConsumers:
-    """Which jobs each consumer holds, and whether it left."""
-
-    def __init__(self) -> None:
-        self.held: set[str] = set()
-        #: Each write that named jobs as held: the jobs, and whether it rode on another round trip (a pipeline).
-        self.hold_writes: list[tuple[list[str], bool]] = []
-        self.left = False
-        self.beats: list[float] = []  # each beat's time to live
-
-    def hold(self, consumer: str, job_ids: Iterable[str]) -> None:
-        self.hold_writes.append((list(job_ids), False))
-        self.held |= set(job_ids)
-
-    def queue_hold(self, pipe: None, consumer: str, job_ids: Iterable[str]) -> None:
-        self.hold(consumer, job_ids)
-        self.hold_writes[-1] = (self.hold_writes[-1][0], True)
-
-    def release(self, consumer: str, job_ids: Iterable[str]) -> None:
-        self.held -= set(job_ids)
-
-    def queue_release(self, pipe: None, consumer: str, job_ids: Iterable[str]) -> None:
-        self.release(consumer, job_ids)
-
-    def beat(self, consumer: str, ttl_s: float) -> None:
-        self.beats.append(ttl_s)
-
-    def leave(self, consumer: str) -> None:
-        self.left = True
-
-
-class MemoryStats:
-    """Counters the consumer writes."""
-
-    def __init__(self) -> None:
-        self.drained = 0
-        self.batches: list[tuple[int, int]] = []
-
-    def count_drained(self, queue: str, n: int = 1) -> None:
-        self.drained += n
-
-    def queue_device_started(self, pipe: None, at: float) -> None:
-        pass
-
-    def queue_batch(
-        self, pipe: None, queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1
-    ) -> None:
-        self.batches.append((size, calls))
-
-
-class MemoryStore:
-    """The store's repositories the inference consumer touches."""
-
-    def __init__(self) -> None:
-        self.jobs = MemoryJobs()
-        self.consumers = MemoryConsumers()
-        self.stats = MemoryStats()
 
 
 class GatedPredictor:
@@ -192,10 +82,10 @@ class YieldingPredictor(GatedPredictor):
     def yield_to(self, waiting: Any, max_rows: int) -> None:
         self.waiting = waiting
 
-    def batch(self, requests: Sequence[ModelRequest]) -> list[Any]:  # type: ignore[override]
+    def batch(self, requests: Sequence[ModelRequest]) -> list[Any]:
         return [(r.messages[0]["content"], r.generated) for r in requests]
 
-    def predict(self, batch: list[Any]) -> list[Any]:  # type: ignore[override]
+    def predict(self, batch: list[Any]) -> list[Any]:
         self.calls.append([name for name, _ in batch])
         self.on_device.set()
         if not self._steps.acquire(timeout=WAIT_S):
@@ -203,6 +93,7 @@ class YieldingPredictor(GatedPredictor):
         self.seen_waiting.append(self.waiting())
         return batch
 
+    # A yielding call's outcomes may go on (`Continued`); a gated one's never do.
     def unbatch(self, output: list[Any]) -> list[Prediction | Continued]:  # type: ignore[override]
         outcomes: list[Prediction | Continued] = []
         for name, generated in output:
@@ -354,7 +245,7 @@ class Consumer:
         line_batch: int = 4,
         intake: MemoryIntake | None = None,
     ) -> None:
-        self.store = MemoryStore()
+        self.store = MemoryStore.empty()
         self.predictor = predictor
         self.lines = lines
         settings = WorkerSettings(line_batch_size=line_batch, max_batch_size=max_batch_size, prefetch_batches=2)
@@ -472,7 +363,7 @@ def test_jobs_whose_deadline_passed_never_reach_the_model(consumers: list[Consum
         assert (error.code, error.stage) == ("deadline_exceeded", "infer_queue")
     assert c.store.jobs.ended["running"].status == "succeeded"
     assert [m.settled for m in running + late_on_arrival + waits_for_device] == ["acked"] * 3
-    assert c.store.stats.drained == 2  # the two dropped messages are done with, as drained
+    assert c.store.stats.drained() == {"infer": 2}  # the two dropped messages are done with, as drained
 
 
 def test_a_failing_batch_is_retried_one_by_one_so_only_the_bad_item_fails(consumers: list[Consumer]) -> None:
@@ -554,14 +445,14 @@ def test_a_context_refuses_a_member_it_does_not_have() -> None:
 
 
 def test_a_given_member_is_used_and_no_other_is_built() -> None:
-    store = MemoryStore()
+    store = MemoryStore.empty()
     ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=store)
     assert ctx.store is store
     assert "predictor" not in vars(ctx)  # built only when asked for: only the inference worker loads a model
 
 
 def test_an_idle_consumer_beats_less_and_less_often_and_at_once_when_jobs_come() -> None:
-    store = MemoryStore()
+    store = MemoryStore.empty()
     settings = WorkerSettings(idle_max_wait_s=4.0)
     ctx = WorkerContext(settings, NoOutbox(), store=store, predictor=GatedPredictor())
     watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
@@ -594,7 +485,7 @@ class CountingCondition(threading.Condition):
 
 
 def test_an_arrival_wakes_the_collector_alone() -> None:
-    ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=MemoryStore(), predictor=GatedPredictor())
+    ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=MemoryStore.empty(), predictor=GatedPredictor())
     watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
     feeder = Feeder(ctx, BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.0), watchdog)
     conditions = {name: CountingCondition(feeder._lock) for name in ("_to_collect", "_to_run", "_to_take_lines")}
@@ -609,7 +500,7 @@ def test_an_arrival_wakes_the_collector_alone() -> None:
 def test_a_batch_wakes_the_errands_thread_only_when_it_sleeps_with_nothing_to_wake_for() -> None:
     """While batches follow each other, the errands thread sleeps until the one on the device is due its start
     stamp: a batch wakes it only from a sleep with no end (or with jobs to end), not once per batch."""
-    ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=MemoryStore(), predictor=GatedPredictor())
+    ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=MemoryStore.empty(), predictor=GatedPredictor())
     watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
     feeder = Feeder(ctx, BatchPolicy(max_batch_size=1, max_batch_tokens=100, max_wait_s=0.0), watchdog)
     feeder._errand = errand = CountingCondition()
@@ -683,7 +574,7 @@ def test_batch_lines_are_taken_only_into_room_and_step_aside_for_an_interactive_
 
 
 def test_an_answer_that_goes_on_runs_again_first_beside_the_request_that_waited(consumers: list[Consumer]) -> None:
-    c = _consumer(consumers, YieldingPredictor(), max_batch_size=4)  # type: ignore[arg-type]
+    c = _consumer(consumers, YieldingPredictor(), max_batch_size=4)
     predictor = c.predictor
     assert isinstance(predictor, YieldingPredictor)
     (long,) = c.arrive("long:3")

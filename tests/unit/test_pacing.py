@@ -6,6 +6,7 @@ from api.pressure import QueueMonitor, Snapshot, _moving
 from stoker.core.pacing import Pace
 from stoker.core.pressure import QueueState
 from stoker.settings import ApiSettings
+from tests.fakes.store import MemoryStore
 
 
 def test_a_pace_slows_while_idle_up_to_its_cap_and_snaps_back_on_activity() -> None:
@@ -33,7 +34,7 @@ def test_the_queue_monitor_sees_work_in_waiting_or_moving_queues() -> None:
 
 
 def test_a_submission_brings_a_slowed_queue_monitor_back_to_its_pace() -> None:
-    monitor = QueueMonitor(ApiSettings(idle_max_wait_s=4.0), store=None, interval_s=0.5, stale_s=5.0)  # type: ignore[arg-type]
+    monitor = QueueMonitor(ApiSettings(idle_max_wait_s=4.0), store=MemoryStore.empty(), interval_s=0.5, stale_s=5.0)
     assert monitor.pace.max_s == 2.5  # half the staleness: admission never acts on queue depths too old
     for _ in range(4):
         monitor.pace.next_wait(active=False)

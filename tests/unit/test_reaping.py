@@ -3,7 +3,6 @@ jobs it sends to preprocessing again, and which it leaves alone (no Redis, no Ce
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import pytest
@@ -14,55 +13,13 @@ from stoker.core.queues import CPU_QUEUES
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.reaping import lift_aged, reap_once
 from stoker.settings import WorkerSettings
+from tests.fakes.store import MemoryStore
 
 #: A started job is presumed to have lost its messages 300 (visibility timeout) + 120 (redrive_after_s) seconds
 #: after its last progress, at most 3 times.
 SETTINGS = WorkerSettings(visibility_timeout_s=300, redrive_after_s=120.0, max_redrives=3)
 STARTED = 1000.0
 STALLED = STARTED + 300 + 120
-
-
-class MemoryWatch:
-    """The reaper's watch list and job clocks."""
-
-    def __init__(self) -> None:
-        self.clocks: dict[str, JobClock] = {}
-        self.next_at: dict[str, float | None] = {}
-
-    def due_jobs(self, now: float, limit: int = 200) -> list[str]:
-        return [j for j, at in self.next_at.items() if at is not None and at <= now][:limit]
-
-    def clock(self, job_id: str) -> JobClock:
-        return self.clocks[job_id]
-
-    def watch_next(self, job_id: str, at: float | None) -> None:
-        self.next_at[job_id] = at
-
-    def count_redrive(self, job_id: str) -> None:
-        clock = self.clocks[job_id]
-        self.clocks[job_id] = dataclasses.replace(clock, redrives=clock.redrives + 1)
-
-
-class MemoryJobs:
-    """Job records as the reaper loads them."""
-
-    def __init__(self, watch: MemoryWatch) -> None:
-        self.watch = watch
-
-    def load_job(self, job_id: str) -> Job | None:
-        clock = self.watch.clocks.get(job_id)
-        if clock is None or clock.status is None:
-            return None
-        record = InputRecord(index=0, kind="image", content_hash="ab" * 32, size_bytes=10)
-        return Job(id=job_id, status=clock.status, prompt="What is the order number?", inputs=[record])
-
-
-class MemoryStore:
-    """The store's repositories the reaper touches for a restart."""
-
-    def __init__(self) -> None:
-        self.watch = MemoryWatch()
-        self.jobs = MemoryJobs(self.watch)
 
 
 class RecordingOutbox:
@@ -92,7 +49,7 @@ class RecordingOutbox:
 
 @pytest.fixture
 def store() -> MemoryStore:
-    return MemoryStore()
+    return MemoryStore.empty()
 
 
 @pytest.fixture
@@ -106,12 +63,20 @@ def _reap(store: MemoryStore, outbox: RecordingOutbox, now: float) -> list[str]:
     return outbox.resubmitted
 
 
-def _stalled_job(store: MemoryStore, **fields: float | int | None) -> str:
+def _stalled_job(store: MemoryStore, *, progressed: float | None = None, redrives: int = 0) -> str:
     """A job a stage started at STARTED and that is due for a look; its budget and deadline far off."""
-    base: dict[str, float | int | None] = {"accepted": STARTED - 1, "started": STARTED}
-    clock = JobClock(status="preprocessing", deadline=STARTED + 7200, preprocess_by=STARTED + 7000)
-    store.watch.clocks["j"] = dataclasses.replace(clock, **{**base, **fields})
+    store.watch.clocks["j"] = JobClock(
+        status="preprocessing",
+        deadline=STARTED + 7200,
+        preprocess_by=STARTED + 7000,
+        accepted=STARTED - 1,
+        started=STARTED,
+        progressed=progressed,
+        redrives=redrives,
+    )
     store.watch.next_at["j"] = STARTED
+    record = InputRecord(index=0, kind="image", content_hash="ab" * 32, size_bytes=10)
+    store.jobs.records["j"] = Job(id="j", status="preprocessing", prompt="What is the order number?", inputs=[record])
     return "j"
 
 

@@ -37,8 +37,7 @@ class ConsumerRegistry:
         """This consumer now holds these jobs too (named as they arrive: on their own, or with a batch's load)."""
         self.queue_hold(self.redis, consumer, job_ids)
 
-    @staticmethod
-    def queue_hold(pipe: redis.Redis[bytes], consumer: str, job_ids: Collection[str]) -> None:
+    def queue_hold(self, pipe: redis.Redis[bytes], consumer: str, job_ids: Collection[str]) -> None:
         """`hold` onto a client or pipeline (the consumer sends it with the load of the batch that takes them)."""
         if job_ids:
             pipe.sadd(consumer_jobs_key(consumer), *job_ids)
@@ -47,8 +46,7 @@ class ConsumerRegistry:
         """This consumer is done with these jobs (ended, expired, or handed back)."""
         self.queue_release(self.redis, consumer, job_ids)
 
-    @staticmethod
-    def queue_release(pipe: redis.Redis[bytes], consumer: str, job_ids: Collection[str]) -> None:
+    def queue_release(self, pipe: redis.Redis[bytes], consumer: str, job_ids: Collection[str]) -> None:
         """`release` onto a client or pipeline (the consumer sends it with its batch's endings)."""
         if job_ids:
             pipe.srem(consumer_jobs_key(consumer), *job_ids)

@@ -51,9 +51,8 @@ class StatsRepository:
         drained = {k: float(v) for k, v in self.drained().items()}
         return {"drained": drained, "refused": refused, "device": device, "cpu_s": self.cpu_time()}
 
-    @staticmethod
     def queue_batch(
-        pipe: redis.Redis[bytes], queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1
+        self, pipe: redis.Redis[bytes], queue: str, size: int, busy_s: float, gap_s: float | None, calls: int = 1
     ) -> None:
         """One batch done, queued onto `pipe` (the consumer sends it with the batch's endings): its messages
         drained, the device's busy seconds and backend calls, and the device's idle gap before it (when work was
@@ -68,8 +67,7 @@ class StatsRepository:
             pipe.lpush(DEVICE_GAPS_KEY, repr(gap_s))
             pipe.ltrim(DEVICE_GAPS_KEY, 0, GAPS_KEPT - 1)
 
-    @staticmethod
-    def queue_device_started(pipe: redis.Redis[bytes], at: float) -> None:
+    def queue_device_started(self, pipe: redis.Redis[bytes], at: float) -> None:
         """A batch went onto the device at `at`, queued onto `pipe` (the consumer sends it with the batch's start
         stamps): until the batch is recorded, readers count its time so far as busy."""
         pipe.hset(DEVICE_KEY, "running_since", repr(at))
