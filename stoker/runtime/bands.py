@@ -24,7 +24,7 @@ from stoker.core.errors import StokerError
 from stoker.core.jobs import ErrorInfo, InputRecord
 from stoker.core.ocr import Band, band_limit, join_bands, lines_of_text, plan_bands
 from stoker.runtime.context import WorkerContext
-from stoker.runtime.stage import follower_wait, handoff, has_work, input_stage, through_cache
+from stoker.runtime.stage import follower_wait, handoff, input_stage, through_cache, why_no_work, write_no_work
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,11 @@ def run_band(
 ) -> dict[str, Any]:
     """OCR one band of the page at `ref`, keep its outcome beside the page, and join the page if it was the last."""
     page = ctx.store.jobs.get_input(job_id, ref)
-    if not has_work(page, ctx, job_id, ref, "ocr"):
+    if page is None:
+        return handoff(job_id, ref, page)
+    skipped = why_no_work(ctx, job_id, page, "ocr")
+    if skipped is not None:
+        write_no_work(ctx, job_id, ref, page, skipped)
         return handoff(job_id, ref, page)
     part = InputRecord(index=index, kind="image", content_hash=page.content_hash, size_bytes=0)
     part.features = {"top": band.top, "bottom": band.bottom, "overlapped": band.overlapped}

@@ -8,7 +8,8 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any, TypeGuard
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 from celery import current_task
@@ -183,15 +184,21 @@ def run_input_stage(
     opens_job: bool = False,
     done: Callable[[InputRecord], bool] | None = None,
 ) -> dict[str, Any]:
-    """The skeleton of every per-input stage task: read the record, check there is work (`has_work`; `done` says
-    a redelivered message already did it), run `work(ctx, job_id, record)` as the stage (`input_stage`: timings, span,
-    failures onto the record), write the record, and hand over to the next stage. `opens_job`: the first stage of
-    a branch moves the job to preprocessing."""
+    """The skeleton of every per-input stage task: read the record, check there is work (`why_no_work`, and what it
+    found written by `write_no_work`; `done` says a redelivered message already did it), run `work(ctx, job_id,
+    record)` as the stage (`input_stage`: timings, span, failures onto the record), write the record, and hand over
+    to the next stage. `opens_job`: the first stage of a branch moves the job to preprocessing."""
     store = ctx.store
     if opens_job:
         store.jobs.mark_started(job_id)
     record = store.jobs.get_input(job_id, ref)
-    if not has_work(record, ctx, job_id, ref, stage) or (done is not None and done(record)):
+    if record is None:
+        return handoff(job_id, ref, record)
+    skipped = why_no_work(ctx, job_id, record, stage)
+    if skipped is not None:
+        write_no_work(ctx, job_id, ref, record, skipped)
+        return handoff(job_id, ref, record)
+    if done is not None and done(record):
         return handoff(job_id, ref, record)
     with input_stage(record, stage):
         work(ctx, job_id, record)
@@ -254,53 +261,50 @@ def input_bytes(ctx: WorkerContext, record: InputRecord, stage: str) -> bytes:
     return data
 
 
-def poison(ctx: WorkerContext, record: InputRecord, stage: str) -> bool:
-    """True (and the record failed as worker_lost) when this message already took its worker down too often.
+def poisoned(ctx: WorkerContext, stage: str) -> WorkerLost | None:
+    """What an input fails with when this message already took its worker down too often (it counts this delivery);
+    None when it did not.
 
     Late acks requeue a task whose worker died; a task that kills every worker it lands on would loop forever.
     """
     request = current_task.request if current_task else None
     if request is None or not request.id:
-        return False
+        return None
     # A retry re-sends the same task id: only deliveries beyond the retries mean a worker died.
     deliveries = ctx.store.deliveries.count_delivery(str(request.id)) - int(request.retries or 0)
     if deliveries <= ctx.settings.max_deliveries:
-        return False
+        return None
     log.error("%s delivered %d times, its worker died each time: giving up", stage, deliveries - 1)
-    _fail(record, WorkerLost(f"{stage} killed its worker {deliveries - 1} times", stage=stage))
-    return True
+    return WorkerLost(f"{stage} killed its worker {deliveries - 1} times", stage=stage)
 
 
-def give_up(ctx: WorkerContext, job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
-    """Whether to stop here because the message is poison; the failed record is then written."""
-    if not poison(ctx, record, stage):
-        return False
-    ctx.store.jobs.put_input(job_id, ref, record)
-    return True
+@dataclass(frozen=True)
+class NoWork:
+    """Why a stage leaves an input alone. `failure`: what the input fails with (`write_no_work` writes it); None
+    when there is nothing to write (already failed or skipped, or its job ended)."""
+
+    failure: StokerError | None = None
 
 
-def past_budget(ctx: WorkerContext, job_id: str, ref: str, record: InputRecord, stage: str) -> bool:
-    """Whether the job's preprocessing budget is spent (or it went on without this input): then fail the input.
-    A job that ended (cancelled) is past every budget too, and nothing is written for it."""
+def why_no_work(ctx: WorkerContext, job_id: str, record: InputRecord, stage: str) -> NoWork | None:
+    """Why this stage has no work on the record, or None when it has: nothing failed or skipped it, its job has not
+    ended, the job's preprocessing budget is not spent (or it went on without this input), and the message is not
+    poison. It writes no record: it reads the job's gate and, with the gate open, counts the delivery (`poisoned`)."""
+    if not runnable(record):
+        return NoWork()
     gate = ctx.store.watch.stage_gate(job_id)
-    if gate == "open":
-        return False
     if gate == "ended":
         log.info("job %s ended: %s skipped", job_id, stage)
-        return True
-    _fail(record, DeadlineExceeded(f"the job's preprocessing budget was spent before {stage}", stage=stage))
+        return NoWork()
+    if gate != "open":
+        return NoWork(DeadlineExceeded(f"the job's preprocessing budget was spent before {stage}", stage=stage))
+    lost = poisoned(ctx, stage)
+    return None if lost is None else NoWork(lost)
+
+
+def write_no_work(ctx: WorkerContext, job_id: str, ref: str, record: InputRecord, reason: NoWork) -> None:
+    """Fail the input as `why_no_work` found and write it; nothing is written when it found no failure."""
+    if reason.failure is None:
+        return
+    _fail(record, reason.failure)
     ctx.store.jobs.put_input(job_id, ref, record)  # refused once the job went to inference: nothing to say
-    return True
-
-
-def has_work(
-    record: InputRecord | None, ctx: WorkerContext, job_id: str, ref: str, stage: str
-) -> TypeGuard[InputRecord]:
-    """Whether this stage has work on the record: it exists, nothing failed or skipped it, the job's budget is
-    not spent, and the message is not poison."""
-    return (
-        record is not None
-        and runnable(record)
-        and not past_budget(ctx, job_id, ref, record, stage)
-        and not give_up(ctx, job_id, ref, record, stage)
-    )
