@@ -15,7 +15,15 @@ from starlette.concurrency import run_in_threadpool
 from stoker.adapters.broker import queue_depths, transport_options
 from stoker.adapters.store import Store
 from stoker.core.pacing import Pace
-from stoker.core.pressure import DrainMeter, QueueState, Refusal, StoreMemory, admit, drain_rate, room_to_enqueue
+from stoker.core.pressure import (
+    DrainMeter,
+    QueueState,
+    Refusal,
+    StoreMemory,
+    drain_rate,
+    queue_refusal,
+    room_to_enqueue,
+)
 from stoker.core.queues import CPU_QUEUES, INFER_BATCH_QUEUE, QUEUES, SYNC_QUEUE
 from stoker.settings import ApiSettings
 
@@ -148,7 +156,7 @@ class QueueMonitor:
             return None
         # Batch lines are fed only into the room the queues leave: their own queue never turns a client away.
         queues = [q for q in snapshot.queues if q.name != INFER_BATCH_QUEUE]
-        return admit(queues, self.settings.admission_resume_ratio)
+        return queue_refusal(queues, self.settings.admission_resume_ratio)
 
     def store_full(self) -> StoreMemory | None:
         """The store's memory, when it is too full for new jobs (as last seen)."""

@@ -150,7 +150,7 @@ async def _submit(
         accepted = await read()
         if claim is not None:
             await claim.confirm()  # the key is still ours: no other request made its job meanwhile
-        job = await _admit(context, accepted, job_id=job_id, tenant=tenant, remember_s=remember_s, watched=watched)
+        job = await _take_in(context, accepted, job_id=job_id, tenant=tenant, remember_s=remember_s, watched=watched)
     except Exception as exc:
         await release(context, tenant, job_id)  # not accepted after all: its in-flight slot is free again
         if isinstance(exc, BrokerUnavailable):
@@ -197,7 +197,7 @@ async def submit_line(context: ApiContext, tenant: str, job_id: str, accepted: A
     batch feeder only feeds into room under the queues' watermarks, so the admission limits are not met here."""
     await admit(context, tenant, job_id, rated=True)  # a line is not a request: the tenant's rate is not counted
     try:
-        job = await _admit(context, accepted, job_id=job_id, tenant=tenant, batch_id=batch_id)
+        job = await _take_in(context, accepted, job_id=job_id, tenant=tenant, batch_id=batch_id)
     except Exception:
         await release(context, tenant, job_id)
         raise
@@ -213,7 +213,7 @@ def cancel(store: Store, job_id: str, reason: StokerError) -> bool:
 
 
 @dataclass(frozen=True)
-class Admission:
+class PlannedJob:
     """A job being taken in: its inputs' records, where it enters the pipeline, and when it must be answered."""
 
     job_id: str
@@ -239,7 +239,7 @@ class Admission:
         return "interactive" if self.batch_id is None else "batch"
 
 
-async def _admit(
+async def _take_in(
     context: ApiContext,
     accepted: AcceptedRequest,
     *,
@@ -260,35 +260,35 @@ async def _admit(
     clients (`ApiContext.loop`), the cache looked up there too, a short prompt tokenized there; only a long
     prompt's tokenizing leaves it, and the cache's pipeline identity once a second.
     """
-    admission = replace(await _plan(context, accepted, job_id, tenant), batch_id=batch_id, watched=watched)
-    await _charge_tenant(context, admission)
-    with _job_span(admission) as traced:
+    planned = replace(await _plan(context, accepted, job_id, tenant), batch_id=batch_id, watched=watched)
+    await _charge_tenant(context, planned)
+    with _job_span(planned) as traced:
         # Shielded: a request cancelled meanwhile (its server stopping) still makes the job whole, record and
         # message, as the pool thread this ran on before did; never a record whose message was never sent.
-        return await asyncio.shield(_make(context, admission, traced, _recent_note(admission, remember_s)))
+        return await asyncio.shield(_make(context, planned, traced, _recent_note(planned, remember_s)))
 
 
 async def _make(
-    context: ApiContext, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
+    context: ApiContext, planned: PlannedJob, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
 ) -> Job:
     """The job's record written, then its first message published; the job as written."""
-    job = await _write_job(context, admission, traced, also)
-    await _enqueue(context, admission)
+    job = await _write_job(context, planned, traced, also)
+    await _enqueue(context, planned)
     return job
 
 
-def _recent_note(admission: Admission, window_s: int) -> list[Queued]:
+def _recent_note(planned: PlannedJob, window_s: int) -> list[Queued]:
     """Remember, by the request's fingerprint, that it made this job, for its deadline and `window_s` more (a
     request without an Idempotency-Key: its client's automatic retry gets the job back). Written with the record;
     if that one write fails, a retry makes another job, no worse."""
     if window_s <= 0:
         return []
-    digest = recent_digest(admission.tenant, idempotency.fingerprint(admission.accepted))
-    ttl_s = math.ceil(admission.accepted.deadline_ms / 1000) + window_s
-    return [functools.partial(IdempotencyKeys.queue_recent, digest=digest, job_id=admission.job_id, ttl_s=ttl_s)]
+    digest = recent_digest(planned.tenant, idempotency.fingerprint(planned.accepted))
+    ttl_s = math.ceil(planned.accepted.deadline_ms / 1000) + window_s
+    return [functools.partial(IdempotencyKeys.queue_recent, digest=digest, job_id=planned.job_id, ttl_s=ttl_s)]
 
 
-async def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: str) -> Admission:
+async def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, tenant: str) -> PlannedJob:
     """The job's input records, how far it may skip (in its tenant's cache scope), and its deadline from now."""
     settings = context.settings
     bounds = SizeBounds(settings.small_pixels, settings.large_pixels, settings.small_audio_s, settings.large_audio_s)
@@ -308,24 +308,24 @@ async def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, ten
     now = time.time()
     deadline = deadline_for(now, accepted.deadline_ms, settings.infer_reserve_ms)
     look_at = now + context.settings.redrive_after_s
-    return Admission(job_id, tenant, accepted, records, start, request, now, deadline, look_at=look_at)
+    return PlannedJob(job_id, tenant, accepted, records, start, request, now, deadline, look_at=look_at)
 
 
-async def _charge_tenant(context: ApiContext, admission: Admission) -> None:
+async def _charge_tenant(context: ApiContext, planned: PlannedJob) -> None:
     """Count the job's queue messages and the input bytes stored here against its tenant (raise if over)."""
-    kinds = [(r.kind, r.url is not None) for r in admission.records]
-    messages = job_messages(kinds, admission.start, context.settings.video_keyframes)
-    stored = sum(len(item.data) for item in admission.accepted.inputs if item.url is None)
-    await charge(context, admission.tenant, admission.job_id, messages, stored)
+    kinds = [(r.kind, r.url is not None) for r in planned.records]
+    messages = job_messages(kinds, planned.start, context.settings.video_keyframes)
+    stored = sum(len(item.data) for item in planned.accepted.inputs if item.url is None)
+    await charge(context, planned.tenant, planned.job_id, messages, stored)
 
 
 @contextlib.contextmanager
-def _job_span(admission: Admission) -> Iterator[tuple[str, dict[str, str]] | None]:
+def _job_span(planned: PlannedJob) -> Iterator[tuple[str, dict[str, str]] | None]:
     """The job's root span, open while it is written and enqueued; yields its trace (id, carrier) when traced."""
     attributes: dict[str, str | int] = {
-        "stoker.job_id": admission.job_id,
-        "stoker.inputs": len(admission.records),
-        "stoker.enters_at": admission.start,
+        "stoker.job_id": planned.job_id,
+        "stoker.inputs": len(planned.records),
+        "stoker.enters_at": planned.start,
     }
     with tracer.start_as_current_span("job", kind=SpanKind.SERVER, attributes=attributes) as span:
         trace_id = trace_id_hex(span)
@@ -333,13 +333,13 @@ def _job_span(admission: Admission) -> Iterator[tuple[str, dict[str, str]] | Non
 
 
 async def _write_job(
-    context: ApiContext, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
+    context: ApiContext, planned: PlannedJob, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
 ) -> Job:
     """The record, with the uploads' bytes, the hand-off to inference of a job that skips preprocessing, and
     `also`; the job as written. A store that is full or away is answered as such (`store_full`,
     `broker_unavailable`)."""
     try:
-        return await context.loop.jobs.create(admission.job_id, _new_job(context.store, admission, traced, also))
+        return await context.loop.jobs.create(planned.job_id, _new_job(context.store, planned, traced, also))
     except StoreOutOfMemory as exc:  # full before the monitor saw it: refused, not lost
         raise StoreFull("the job store is full: try again soon") from exc
     except redis.RedisError as exc:
@@ -347,53 +347,53 @@ async def _write_job(
 
 
 def _new_job(
-    store: Store, admission: Admission, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
+    store: Store, planned: PlannedJob, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
 ) -> NewJob:
     """The job's record, written in one transaction with its uploads' bytes, its hand-off and `also`: one too
     large (`record_too_large`) is refused before any byte is stored."""
-    accepted = admission.accepted
+    accepted = planned.accepted
     return NewJob(
         accepted.prompt,
-        admission.records,
-        admission.created_at,
-        admission.deadline,
+        planned.records,
+        planned.created_at,
+        planned.deadline,
         accepted.deadline_ms,
         trace=traced,
-        tenant=admission.tenant,
+        tenant=planned.tenant,
         chat=accepted.chat,
         callback_url=accepted.callback_url,
-        job_class=admission.job_class,
-        batch_id=admission.batch_id,
-        look_at=admission.look_at,
-        request=admission.model_request,
-        required=_uploads(store, admission),
+        job_class=planned.job_class,
+        batch_id=planned.batch_id,
+        look_at=planned.look_at,
+        request=planned.model_request,
+        required=_uploads(store, planned),
         also=also,
-        watched=admission.watched,
+        watched=planned.watched,
     )
 
 
-def _uploads(store: Store, admission: Admission) -> list[Required]:
+def _uploads(store: Store, planned: PlannedJob) -> list[Required]:
     """The uploaded inputs' bytes, each blob held by the job, written with its record; a URL input's bytes are
     stored by the worker that fetches them."""
-    job_id = admission.job_id
+    job_id = planned.job_id
     return [
         Required(
             functools.partial(store.blobs.queue_put, digest=item.digest, data=item.data, job_id=job_id),
             functools.partial(store.blobs.put_blob, item.digest, item.data, job_id),
         )
-        for item in admission.accepted.inputs
+        for item in planned.accepted.inputs
         if item.url is None
     ]
 
 
-async def _enqueue(context: ApiContext, admission: Admission) -> None:
+async def _enqueue(context: ApiContext, planned: PlannedJob) -> None:
     """Publish the job's first message (on the loop, where the submitter can: `Submitter.submit_on`); if
     that fails, the job is unmade (record and blobs gone) and the broker answered as away."""
-    job_id, request, submitter = admission.job_id, admission.model_request, context.submitter
-    start, deadline, job_class = admission.start, admission.deadline.at, admission.job_class
+    job_id, request, submitter = planned.job_id, planned.model_request, context.submitter
+    start, deadline, job_class = planned.start, planned.deadline.at, planned.job_class
     tokens = len(request.prompt_ids) if request else None
     try:
-        await submitter.submit_on(context.loop.broker, job_id, admission.records, start, deadline, tokens, job_class)
+        await submitter.submit_on(context.loop.broker, job_id, planned.records, start, deadline, tokens, job_class)
     except Exception as exc:
         log.warning("could not enqueue job %s: %r", job_id, exc)
         await run_in_threadpool(unmake, context.store, job_id)

@@ -38,8 +38,12 @@ class Refusal:
     retry_after_s: int
 
 
-def admit(states: Sequence[QueueState], resume_ratio: float, min_s: int = 1, max_s: int = 120) -> Refusal | None:
+def queue_refusal(
+    states: Sequence[QueueState], resume_ratio: float, min_s: int = 1, max_s: int = 120
+) -> Refusal | None:
     """None when every queue is under its limit; else the refusal for the queue that needs longest to recover.
+    One of admission control's two checks; the other, which also takes the job's place, is its tenant's
+    (`api.tenancy.admit`: in stoker's code only that admits).
 
     Retry-After is the time that queue needs, at its measured drain rate, to fall back to `resume_ratio` of its
     limit; with nothing draining, the longest wait.

@@ -142,7 +142,7 @@ class AllowEntry:
     network: IPNetwork | None = None
     port: int | None = None
 
-    def admits(self, host: str, port: int, address: IPAddress) -> bool:
+    def allows(self, host: str, port: int, address: IPAddress) -> bool:
         """Whether this entry lets a connection to address, for host on port, through."""
         if self.port is not None and self.port != port:
             return False
@@ -163,9 +163,9 @@ class Allowlist:
         `[::1]:8080`, `10.0.0.0/8`, `fd00::/8`. Raises ValueError on an entry that is none of these."""
         return cls(tuple(_parse_entry(item.strip()) for item in text.split(",") if item.strip()))
 
-    def admits(self, host: str, port: int, address: IPAddress) -> bool:
+    def allows(self, host: str, port: int, address: IPAddress) -> bool:
         """Whether any entry lets this connection through."""
-        return any(entry.admits(host, port, address) for entry in self.entries)
+        return any(entry.allows(host, port, address) for entry in self.entries)
 
 
 def _parse_entry(text: str) -> AllowEntry:
@@ -210,7 +210,7 @@ def vet_addresses(target: Target, addresses: list[IPAddress], allowlist: Allowli
     if not addresses:
         raise FetchFailed(f"{target.host} has no address")
     for address in addresses:
-        reason = None if allowlist.admits(target.host, target.port, address) else forbidden_reason(address)
+        reason = None if allowlist.allows(target.host, target.port, address) else forbidden_reason(address)
         if reason is not None:
             # The kind of address, never the address: a tenant must not map the private network through stoker.
             named = target.host.strip("[]") == str(address)

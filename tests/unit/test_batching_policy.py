@@ -9,7 +9,7 @@ import pytest
 
 from stoker.core.batching import BatchPolicy, Waiting, idle_gap_summary, plan_batch, start_at, top_up
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, sampling_groups
-from stoker.core.pressure import DrainMeter, QueueState, Refusal, admit, drain_rate
+from stoker.core.pressure import DrainMeter, QueueState, Refusal, drain_rate, queue_refusal
 from stoker.runtime.batches import predict_grouped, predict_isolated
 
 POLICY = BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.05)
@@ -214,7 +214,7 @@ def test_a_steady_drain_predicts_the_time_back_to_the_resume_level(rate: float, 
     _steady(meter, {"decode": rate}, seconds=30)
     assert meter.rate("decode") == pytest.approx(rate, rel=0.02)
     limit, ratio = 40, 0.8  # resumes at 32
-    refusal = admit([QueueState("decode", depth, limit, meter.rate("decode"))], ratio)
+    refusal = queue_refusal([QueueState("decode", depth, limit, meter.rate("decode"))], ratio)
     assert refusal is not None
     expected = (depth - 32) / rate  # (d - resume) / r
     assert expected <= refusal.retry_after_s <= expected + 1  # whole seconds, rounded up
@@ -235,12 +235,12 @@ def test_a_burst_after_a_quiet_spell_is_measured_at_the_speed_it_is_served() -> 
 
 def test_the_queue_needing_longest_decides_and_nothing_draining_is_the_longest_wait() -> None:
     states = [QueueState("decode", 50, 40, 5.0), QueueState("ocr", 45, 40, 0.5), QueueState("infer", 3, 20, 9.0)]
-    refusal = admit(states, 0.8)
+    refusal = queue_refusal(states, 0.8)
     assert refusal == Refusal("ocr", 45, 40, 26)  # (45 - 32) / 0.5 = 26 s; decode needs only (50 - 32) / 5
-    stuck = admit([QueueState("asr", 41, 40, 0.0)], 0.8)
+    stuck = queue_refusal([QueueState("asr", 41, 40, 0.0)], 0.8)
     assert stuck is not None
     assert stuck.retry_after_s == 120
-    assert admit([QueueState("decode", 39, 40, 0.0)], 0.8) is None  # under its limit: admitted
+    assert queue_refusal([QueueState("decode", 39, 40, 0.0)], 0.8) is None  # under its limit: admitted
 
 
 def test_an_ocr_bottleneck_is_not_hidden_by_fast_inference() -> None:
@@ -250,7 +250,7 @@ def test_an_ocr_bottleneck_is_not_hidden_by_fast_inference() -> None:
     _steady(meter, {"ocr": 1.0, "infer": 20.0}, seconds=30)
     rates = {queue: meter.rate(queue) for queue in ("ocr", "infer", "tokenize")}
     assert drain_rate("ocr", rates) == pytest.approx(1.0, rel=0.02)
-    refusal = admit([QueueState("ocr", 52, 40, drain_rate("ocr", rates))], 0.8)
+    refusal = queue_refusal([QueueState("ocr", 52, 40, drain_rate("ocr", rates))], 0.8)
     assert refusal is not None
     assert 19 <= refusal.retry_after_s <= 21  # (52 - 32) / 1, not (52 - 32) / 20 = 1
 
