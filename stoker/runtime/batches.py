@@ -5,6 +5,9 @@ nothing else: no Redis, no spans, no logging per job) and written (`write_batch`
 pipelined round trips, then spans, metrics and the log line of each job). The pipeline's consumer
 (`stoker.runtime.feeder.Feeder`) does the three in three threads so the device never waits; the synchronous baseline
 (`stoker.sync`, `tasks.baseline`) does them one after another in its one thread.
+
+A batch here is a device batch, as a bare "batch" is everywhere in stoker's code; OpenAI's Batch API object is an
+`OpenAIBatch` (`stoker.core.openai_batches`, docs/architecture.md#names).
 """
 
 from __future__ import annotations
