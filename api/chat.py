@@ -91,7 +91,7 @@ async def chat_completions(request: Request, context: Context, tenant: Annotated
     async with watching(request.receive) as client:
         if spec[0].stream:
             return await _start_stream(context, client, job, tenant, until, spec[0], replayed)
-        ended = await _wait(context, client, job.id, tenant, until)
+        ended = await wait_job(context, client, job.id, tenant, until)
         if ended is not None and _cut_by_stop(context.announcements, ended, until):
             return _stopping(ended, replayed)
     return _answer(job.id, ended, settings.public_model_name, replayed)
@@ -102,7 +102,7 @@ def _answer(job_id: str, job: Job | None, model: str, extra: dict[str, str]) -> 
     if job is None:
         return JSONResponse(ClientGone().envelope(), status_code=499, headers={JOB_ID: job_id, **extra})
     headers = {**job_headers(job), **extra}
-    failure = _failure(job)
+    failure = job_failure(job)
     if failure is not None:
         return _refusal(failure, headers)
     return JSONResponse(completion(job, model).model_dump(mode="json"), headers=headers)
@@ -136,12 +136,12 @@ async def _start_stream(
     """A streamed answer, started once the job's inputs are read (as vLLM reads a request's images before its
     stream starts): its headers then say whether it is degraded, and a job that failed on an input is a 422."""
     if job.inputs:
-        settled = await _wait(context, client, job.id, tenant, until, settled=True)
+        settled = await wait_job(context, client, job.id, tenant, until, settled=True)
         if settled is None:
             return JSONResponse(ClientGone().envelope(), status_code=499, headers={JOB_ID: job.id, **extra})
         if _cut_by_stop(context.announcements, settled, until, settled=True):
             return _stopping(settled, extra)
-        failure = _failure(settled) if settled.terminal else None
+        failure = job_failure(settled) if settled.terminal else None
         if failure is not None:
             return _refusal(failure, {**job_headers(settled), **extra})
         job = settled
@@ -162,7 +162,7 @@ async def _start_stream(
     )
 
 
-async def _wait(
+async def wait_job(
     context: ApiContext, client: ClientWatch, job_id: str, tenant: str, until: float, settled: bool = False
 ) -> Job | None:
     """The job once it ended (with `settled`: once its inputs were read and it went on to the model), or as it
@@ -212,7 +212,7 @@ def give_up(store: Store, job_id: str) -> None:
         log.info("job %s cancelled: its client went away", job_id)
 
 
-def _failure(job: Job) -> tuple[int, dict[str, Any]] | None:
+def job_failure(job: Job) -> tuple[int, dict[str, Any]] | None:
     """Why a job has no answer, as an HTTP status and error body: its own error (an unreadable input's code, 422,
     for a chat that asked to fail on one), or the deadline when it had not ended in time."""
     if not job.terminal:
@@ -338,7 +338,7 @@ def _closing(
 ) -> list[dict[str, Any]]:
     """What ends a stream: the answer (if it was not streamed) and its calls, the finish reason and usage; or the
     error."""
-    failure = _failure(job)
+    failure = job_failure(job)
     if failure is not None:
         return [failure[1]]
     result = job.result

@@ -3,11 +3,15 @@ the bodies of the chat and completions endpoints and answer vLLM's `GenerateRequ
 completion), rendered as vLLM 0.33.0's render tier renders them (`stoker.adapters.render`): token ids, each picture's
 placeholder range, hash and tensors in vLLM's encoding, sampling parameters, parse context.
 
-A render is a tenant's request like any other (its key, its rate, 429 while the queues or the store are full). A
-picture is a data URL; its rendering is kept in the stage cache by its content hash in the tenant's scope, so a
-repeated picture costs a cache read and one tenant never learns what another sent. A picture that cannot be read is a
-structured 4xx naming its part (`param`) and its error code, unless the body asks `stoker_on_input_error: degrade`:
-it is then left out (`x-stoker-degraded` names its code).
+A render is a job (`Conversation.render`) taken in like a chat (`api.submission`: its key, its tenant's rate and
+slots, 429 with Retry-After under queue pressure, the deadline and the reaper), whose answer is its pictures'
+renderings instead of a model call: the CPU workers decode and render each picture into the stage cache, by its
+content hash in the tenant's scope (a picture the tenant sent before is a cache read there, the stage's work not
+done again), and the job ends at its hand-off, before the inference queue (`stoker.runtime.handoff`). This API then
+only assembles the `GenerateRequest`: the chat template over the messages, and the renderings read from the cache.
+A picture that cannot be read is a structured 4xx naming its part (`param`) and its error code, unless the body asks
+`stoker_on_input_error: degrade`: it is then left out (`x-stoker-degraded` names its code). An answer says nothing of
+where a picture's rendering came from: one tenant's render is the same whether or not the picture was seen before.
 """
 
 from __future__ import annotations
@@ -16,27 +20,41 @@ import base64
 import binascii
 import functools
 import time
-import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from api.chat import DEADLINE_SLACK_S, job_failure, wait_job
 from api.context import ApiContext, Context
+from api.disconnects import watching
+from api.headers import SHOULD_RETRY, job_headers
+from api.intake import AcceptedRequest, first_error, validate_inputs
+from api.limits import read_json
 from api.schemas import error_responses
-from api.tenancy import within_rate
+from api.submission import submit_job
+from api.tenancy import authenticate
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.render import ITEM, Rendered, RenderedPicture, Renderer
 from stoker.adapters.vllm_render import features, generate_request, parse_context, sampling_params
-from stoker.core.errors import InvalidRequest, ModelNotFound, Overloaded, StokerError, StoreFull
-from stoker.core.imaging import DecodeParams, decode_rgb
-from stoker.core.media import content_hash
+from stoker.core.errors import (
+    ClientGone,
+    InvalidRequest,
+    ModelNotFound,
+    RenderingLost,
+    UnsupportedMediaType,
+    error_envelope,
+)
+from stoker.core.jobs import Conversation, InputRecord, Job
 from stoker.core.tenancy import cache_scope
+from stoker.settings import ApiSettings
 
 router = APIRouter()
-DEGRADED = "x-stoker-degraded"
+RESPONSES = error_responses(400, 401, 404, 413, 415, 422, 429, 499, 503, 504)
 
 
 class RenderBody(BaseModel):
@@ -82,43 +100,176 @@ class CompletionRenderCreate(RenderBody):
     prompt: str = Field(min_length=1)
 
 
+_Body = TypeVar("_Body", ChatRenderCreate, CompletionRenderCreate)
+
+
 @functools.cache
 def _renderer(model_path: str, dtype: str) -> Renderer:
     """The served model's renderer, loaded once per process (the tokenizer and image processor: seconds)."""
     return Renderer(model_path, dtype)
 
 
-async def renderer(context: Context) -> Renderer:
+async def renderer(context: ApiContext) -> Renderer:
     """The renderer of the model this API serves, loaded off the loop on first use."""
     settings = context.settings
     path = str(resolve_model(settings.model, settings.model_cache, fetch=False))
     return await run_in_threadpool(_renderer, path, "bfloat16")
 
 
-def _refuse_under_pressure(context: ApiContext) -> None:
-    """503 while the store is nearly full, 429 while a queue is over its limit: a render is refused like a job."""
-    if context.monitor.store_full() is not None:
-        raise StoreFull("the job store is nearly full: try again soon")
-    refusal = context.monitor.refusal()
-    if refusal is not None:
-        message = f"queue {refusal.queue} holds {refusal.depth} messages (limit {refusal.limit})"
-        raise Overloaded(message, retry_after_s=refusal.retry_after_s)
+@dataclass
+class _Read:
+    """A render's body as read by its job's intake: the body, and where each of its pictures is (`param`)."""
+
+    body: ChatRenderCreate | CompletionRenderCreate | None = None
+    parts: list[str] = field(default_factory=list)
 
 
-@router.post("/v1/chat/completions/render", responses=error_responses(400, 401, 404, 413, 415, 422, 429, 503))
+@router.post("/v1/chat/completions/render", responses=RESPONSES)
 async def render_chat(
-    body: ChatRenderCreate, context: Context, tenant: Annotated[str, Depends(within_rate)]
+    request: Request, context: Context, tenant: Annotated[str, Depends(authenticate)]
 ) -> JSONResponse:
     """The chat rendered into vLLM's `GenerateRequest`."""
-    _refuse_under_pressure(context)
-    _check_model(context, body.model)
     model = await renderer(context)
+    read = _Read()
+
+    async def accept() -> AcceptedRequest:
+        raw = await _json(request, context.settings)
+        read.body, accepted, read.parts = await run_in_threadpool(_accept_chat, raw, context.settings, model)
+        return accepted
+
+    job = await _render_job(context, request, tenant, accept)
+    failed = _refusal(job, read.parts)
+    if failed is not None:
+        return failed
+    assert isinstance(read.body, ChatRenderCreate)
+    answer = await _assemble_chat(context, model, read.body, job, tenant)
+    return JSONResponse(answer, headers=job_headers(job))
+
+
+@router.post("/v1/completions/render", responses=RESPONSES)
+async def render_completion(
+    request: Request, context: Context, tenant: Annotated[str, Depends(authenticate)]
+) -> JSONResponse:
+    """The completion rendered into vLLM's `GenerateRequest` (a list of one, as vLLM answers)."""
+    model = await renderer(context)
+    read = _Read()
+
+    async def accept() -> AcceptedRequest:
+        raw = await _json(request, context.settings)
+        read.body, accepted = await run_in_threadpool(_accept_completion, raw, context.settings)
+        return accepted
+
+    job = await _render_job(context, request, tenant, accept)
+    failed = _refusal(job, [])
+    if failed is not None:
+        return failed
+    body = read.body
+    assert isinstance(body, CompletionRenderCreate)
+    rendered = await run_in_threadpool(model.completion, body.prompt)
+    sampling = _sampling(body, model, rendered, body.max_tokens)
+    answer = generate_request(
+        body.request_id or f"cmpl-{job.id}",
+        rendered.token_ids,
+        sampling,
+        model=body.model,
+        stream=body.stream,
+        priority=body.priority,
+        cache_salt=body.cache_salt,
+    )
+    return JSONResponse([answer], headers=job_headers(job))
+
+
+async def _json(request: Request, settings: ApiSettings) -> bytes:
+    if not request.headers.get("content-type", "").startswith("application/json"):
+        raise UnsupportedMediaType("send application/json")
+    return await read_json(request, settings.max_json_values)
+
+
+async def _render_job(
+    context: ApiContext,
+    request: Request,
+    tenant: str,
+    accept: Callable[[], Awaitable[AcceptedRequest]],
+) -> Job:
+    """Take the render in as a job (admission, slots, the record and its first message) and wait for its end (or
+    its deadline); a client gone meanwhile gives the job up (499)."""
+    submitted = await submit_job(context, tenant, None, accept, watched=True)
+    job = submitted.job
+    until = time.monotonic() + (job.deadline_ms or context.settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
+    async with watching(request.receive) as client:
+        ended = await wait_job(context, client, job.id, tenant, until)
+    if ended is None:
+        raise ClientGone(stage="api")
+    return ended
+
+
+def _refusal(job: Job, parts: list[str]) -> JSONResponse | None:
+    """Why an ended render has no answer, or None: a picture that failed a render asked to fail on one is a 422
+    naming its part and code; anything else as the chat's answer would say it."""
+    headers = {**job_headers(job), SHOULD_RETRY: "false"}
+    failed = next((r for r in job.inputs if r.status == "failed"), None)
+    if job.status == "failed" and failed is not None and failed.error is not None and failed.index < len(parts):
+        where = parts[failed.index]
+        message = f"{where}: {failed.error.message}"
+        body = error_envelope(422, failed.error.code, message, param=where, stage=failed.error.stage)
+        return JSONResponse(body, status_code=422, headers=headers)
+    if job.status in ("succeeded", "degraded"):
+        return None
+    status, body = job_failure(job) or (500, error_envelope(500, "internal_error", "the render ended unanswered"))
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _accept_chat(
+    raw: bytes, settings: ApiSettings, model: Renderer
+) -> tuple[ChatRenderCreate, AcceptedRequest, list[str]]:
+    """The body, the render job it makes (its pictures as inputs, sniffed and hashed as a chat's are), and each
+    picture's part (`messages[i].content[j]`)."""
+    body = _validated(ChatRenderCreate, raw)
+    _check_model(settings, body.model)
+    parts: list[str] = []
+    pictures: list[bytes] = []
+    for i, message in enumerate(body.messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                where = f"messages[{i}].content[{j}]"
+                if not model.sees:
+                    raise InvalidRequest(f"{where}: the model `{body.model}` reads no pictures", param=where)
+                pictures.append(_data_url(str((part.get("image_url") or {}).get("url") or ""), where))
+                parts.append(where)
+    inputs = validate_inputs([("image", data) for data in pictures], settings)
+    chat = Conversation(turns=[], on_input_error=body.stoker_on_input_error, render=True)
+    return body, AcceptedRequest(prompt="", inputs=inputs, deadline_ms=settings.deadline_ms, chat=chat), parts
+
+
+def _accept_completion(raw: bytes, settings: ApiSettings) -> tuple[CompletionRenderCreate, AcceptedRequest]:
+    body = _validated(CompletionRenderCreate, raw)
+    _check_model(settings, body.model)
+    chat = Conversation(turns=[], on_input_error="fail", render=True)
+    return body, AcceptedRequest(prompt="", inputs=[], deadline_ms=settings.deadline_ms, chat=chat)
+
+
+def _validated(schema: type[_Body], raw: bytes) -> _Body:
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as exc:
+        where, message = first_error(exc)
+        raise InvalidRequest(f"{where}: {message}", param=where) from exc
+
+
+async def _assemble_chat(
+    context: ApiContext, model: Renderer, body: ChatRenderCreate, job: Job, tenant: str
+) -> dict[str, Any]:
+    """The `GenerateRequest` of an ended render: its pictures' renderings read from the cache (those that failed
+    left out), the messages through the chat template."""
     scope = cache_scope(tenant, context.settings.cache_shared)
-    messages, pictures, degraded = await _pictures(context, model, body, scope)
+    pictures = [await _cached(context, model, r, scope) for r in job.inputs if r.status == "ok"]
+    kept = iter(r.status == "ok" for r in job.inputs)
+    messages = [_with_pictures(m, kept) for m in body.messages]
     rendered = await run_in_threadpool(
         model.chat,
         messages,
-        [p.layout for _, p in pictures],
+        [p.layout for p in pictures],
         body.tools,
         body.add_generation_prompt,
         body.continue_final_message,
@@ -128,46 +279,49 @@ async def render_chat(
         sampling["logprobs"] = body.top_logprobs or 0
     if body.tools and body.tool_choice != "none":
         sampling["skip_special_tokens"] = False
-    hashes = [model.picture_hash(digest) for digest, _ in pictures]
-    answer = generate_request(
-        body.request_id or f"chatcmpl-{uuid.uuid4().hex}",
+    hashes = [model.picture_hash(r.content_hash) for r in job.inputs if r.status == "ok"]
+    return generate_request(
+        body.request_id or f"chatcmpl-{job.id}",
         rendered.token_ids,
         sampling,
         model=body.model,
-        mm_features=features(hashes, rendered.placeholders, [p.item for _, p in pictures]),
+        mm_features=features(hashes, rendered.placeholders, [p.item for p in pictures]),
         parse_context=_parse_context(body),
         stream=body.stream,
         priority=body.priority,
         cache_salt=body.cache_salt,
     )
-    return JSONResponse(answer, headers={DEGRADED: ",".join(degraded)} if degraded else None)
 
 
-@router.post("/v1/completions/render", responses=error_responses(400, 401, 404, 413, 415, 422, 429, 503))
-async def render_completion(
-    body: CompletionRenderCreate, context: Context, tenant: Annotated[str, Depends(within_rate)]
-) -> JSONResponse:
-    """The completion rendered into vLLM's `GenerateRequest` (a list of one, as vLLM answers)."""
-    _refuse_under_pressure(context)
-    _check_model(context, body.model)
-    model = await renderer(context)
-    rendered = await run_in_threadpool(model.completion, body.prompt)
-    sampling = _sampling(body, model, rendered, body.max_tokens)
-    request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
-    answer = generate_request(
-        request_id,
-        rendered.token_ids,
-        sampling,
-        model=body.model,
-        stream=body.stream,
-        priority=body.priority,
-        cache_salt=body.cache_salt,
-    )
-    return JSONResponse([answer])
+def _with_pictures(message: dict[str, Any], kept: Any) -> dict[str, Any]:
+    """A message with each picture part an image part for the template, and a picture that failed left out."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            if next(kept):
+                parts.append({"type": "image"})
+            continue
+        parts.append(part)
+    return {**message, "content": parts}
 
 
-def _check_model(context: ApiContext, name: str) -> None:
-    if name != context.settings.public_model_name:
+async def _cached(context: ApiContext, model: Renderer, record: InputRecord, scope: str) -> RenderedPicture:
+    """A picture's rendering as the CPU stage cached it (where its record says), read from the cache."""
+    made = record.prepared or {}
+    if made.get("render") != model.identity:
+        raise RenderingLost(f"input {record.index} was rendered by another renderer: send the render again")
+    address = model.picture_address(record.content_hash, str(made.get("decode")), scope)
+    found = await run_in_threadpool(context.cache.get_bytes, address, ITEM)
+    if found is None:
+        raise RenderingLost(f"input {record.index}'s rendering left the cache: send the render again")
+    return await run_in_threadpool(RenderedPicture.from_bytes, found)
+
+
+def _check_model(settings: ApiSettings, name: str) -> None:
+    if name != settings.public_model_name:
         raise ModelNotFound(f"the model `{name}` does not exist here", param="model")
 
 
@@ -199,67 +353,6 @@ def _parse_context(body: ChatRenderCreate) -> dict[str, Any]:
         continue_final_message=body.continue_final_message,
         history_tool_call_cnt=calls,
     )
-
-
-async def _pictures(
-    context: ApiContext, model: Renderer, body: ChatRenderCreate, scope: str
-) -> tuple[list[dict[str, Any]], list[tuple[str, RenderedPicture]], list[str]]:
-    """The messages with each picture part made an image part, the pictures (content hash, rendering) in order, and
-    the codes of the pictures left out (`degrade`)."""
-    messages: list[dict[str, Any]] = []
-    pictures: list[tuple[str, RenderedPicture]] = []
-    degraded: list[str] = []
-    for i, message in enumerate(body.messages):
-        content = message.get("content")
-        if not isinstance(content, list):
-            messages.append(message)
-            continue
-        parts: list[dict[str, Any]] = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "image_url":
-                parts.append(part)
-                continue
-            where = f"messages[{i}].content[{j}]"
-            try:
-                pictures.append(await _picture(context, model, part, where, scope))
-            except StokerError as exc:
-                if body.stoker_on_input_error == "fail" or not exc.permanent:
-                    raise
-                degraded.append(exc.code)
-                continue
-            parts.append({"type": "image"})
-        messages.append({**message, "content": parts})
-    return messages, pictures, degraded
-
-
-async def _picture(
-    context: ApiContext, model: Renderer, part: dict[str, Any], where: str, scope: str
-) -> tuple[str, RenderedPicture]:
-    """One picture part's rendering: from the stage cache by its content hash (in the tenant's scope), or decoded
-    and prepared now and cached. Its errors name the part."""
-    if not model.sees:
-        raise InvalidRequest(
-            f"{where}: the model `{context.settings.public_model_name}` reads no pictures", param=where
-        )
-    data = _data_url(str((part.get("image_url") or {}).get("url") or ""), where)
-    digest = content_hash(data)
-    params = DecodeParams()
-    address = model.picture_address(digest, repr(params), scope)
-    cached = await run_in_threadpool(context.cache.get_bytes, address, ITEM)
-    if cached is not None:
-        context.cache.record("render", hit=True, cost_s=0.0)
-        return digest, RenderedPicture.from_bytes(cached)
-    started = time.perf_counter()
-    try:
-        picture = await run_in_threadpool(lambda: model.picture(decode_rgb(data, params)))
-    except StokerError as exc:
-        exc.param = where
-        exc.message = f"{where}: {exc.message}"
-        raise
-    limit = context.settings.cache_max_tensor_bytes
-    await run_in_threadpool(context.cache.put_bytes, address, picture.to_bytes(), ITEM, limit)
-    context.cache.record("render", hit=False, cost_s=time.perf_counter() - started)
-    return digest, picture
 
 
 def _data_url(url: str, where: str) -> bytes:

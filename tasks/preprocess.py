@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,12 +12,13 @@ import numpy as np
 import numpy.typing as npt
 from celery import Task
 
+from stoker.adapters.render import ITEM
 from stoker.adapters.tesseract import read_text
 from stoker.adapters.tracing import mark_failed, stage_span
 from stoker.core.arrays import array_from_bytes, array_to_bytes
 from stoker.core.cachekeys import OCR_IMAGE, PICTURE, CacheAddress
 from stoker.core.errors import StageKilled
-from stoker.core.imaging import DecodedImage, decode_image
+from stoker.core.imaging import DecodedImage, decode_image, decode_rgb
 from stoker.core.jobs import InputRecord
 from stoker.core.ocr import Band
 from stoker.runtime.bands import bands_for, run_band
@@ -56,6 +58,10 @@ def decode(job_id: str, ref: str) -> dict[str, Any]:
 
 
 def _decode(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:
+    chat = ctx.store.jobs.conversation(job_id)
+    if chat is not None and chat.render:
+        _render(ctx, record, cache_scope(ctx, job_id))
+        return
     address = ctx.decode_address(record.content_hash, cache_scope(ctx, job_id))
     wait = follower_wait(ctx.settings.decode_soft_s)
     value = through_cache(ctx, record, address, lambda: _decode_and_cache(ctx, record, address)[0], wait)
@@ -63,6 +69,23 @@ def _decode(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:
     record.prepared = value.get("prepared")
     if not ctx.ocr_runs:
         record.status = "ok"  # nothing more to read from it: the OCR stage passes it through
+
+
+def _render(ctx: WorkerContext, record: InputRecord, scope: str) -> None:
+    """A render job's picture: its rendering found in the stage cache (the tenant's scope), or decoded and rendered
+    here and cached there (the rendering the generate backend reads too). The record says where (`prepared`), the
+    API reads the tensors from there; nothing is left for OCR."""
+    address = ctx.rendering_address(record.content_hash, scope)
+    hit = ctx.cache.has(address, part=ITEM)
+    started = time.perf_counter()
+    if not hit:
+        ctx.render_picture(
+            record.content_hash, scope, decode_rgb(input_bytes(ctx, record, "decode"), ctx.decode_params)
+        )
+    ctx.cache.record(address.stage, hit=hit, cost_s=time.perf_counter() - started)
+    record.cache_hit[address.stage] = hit
+    record.prepared = {"render": ctx.renderer.identity, "decode": ctx.rendering_decode}
+    record.status = "ok"
 
 
 def _ocr_pixels(ctx: WorkerContext, record: InputRecord, scope: str) -> npt.NDArray[np.uint8]:
@@ -85,7 +108,8 @@ def ocr(self: Task, previous: dict[str, Any]) -> dict[str, Any]:
     # Bands join the job's chord; called in-line (the synchronous baseline) there is none: the page is read whole.
     spread: list[Band] | None = [] if self.request.chord else None
     work = functools.partial(_ocr, spread=spread)
-    outcome = run_input_stage(ctx, job_id, ref, "ocr", work, done=lambda _: not ctx.ocr_runs)
+    # done: OCR does not run here, or the record was finished before it (a render's picture, a redelivery)
+    outcome = run_input_stage(ctx, job_id, ref, "ocr", work, done=lambda r: not ctx.ocr_runs or r.status == "ok")
     deadline = ctx.store.watch.clock(job_id).deadline or None if spread else None
     bands = spread or []
     for index, band in enumerate(bands):  # sent once the page's record says it waits for them

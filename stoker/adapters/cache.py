@@ -83,6 +83,16 @@ class StageCache:
             return None
         return bytes(value) if value is not None else None
 
+    def has(self, address: CacheAddress, part: str = "value") -> bool:
+        """Whether a part is cached, without reading it (False also when the cache is unreachable)."""
+        if self.redis is None:
+            return False
+        try:
+            return bool(self.redis.exists(cache_key(address, part)))
+        except redis.RedisError as exc:
+            log.warning("cache read failed, treating as a miss: %s", exc)
+            return False
+
     def put_json(self, address: CacheAddress, value: dict[str, Any]) -> bool:
         """Cache a JSON result; False when it is over the size cap or the cache is unavailable."""
         return self.put_bytes(address, json.dumps(value).encode())

@@ -444,6 +444,12 @@ class StoreFull(TransientError):
     code = "store_full"
 
 
+class RenderingLost(TransientError):
+    """A picture's rendering left the stage cache before its render was answered: send the render again."""
+
+    code = "rendering_lost"
+
+
 class IdempotencyKeyInUse(TransientError):
     """A request with this Idempotency-Key is still being taken in: retry in a moment."""
 

@@ -159,6 +159,9 @@ class Conversation(BaseModel):
     #: An input that cannot be read: `degrade` answers from what is left (the job `degraded`); `fail` ends the job
     #: `failed` with that input's error before the model runs.
     on_input_error: Literal["degrade", "fail"] = "degrade"
+    #: A render (`/v1/chat/completions/render`): its pictures are rendered into the stage cache and the job ends
+    #: there, never reaching the model; left out of a record when false.
+    render: bool = Field(False, exclude_if=lambda render: not render)
 
 
 class CallbackState(BaseModel):

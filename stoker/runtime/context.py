@@ -192,20 +192,32 @@ class WorkerContext:
         s = self.settings
         if s.backend != "openai" or s.openai_protocol == "chat" or s.openai_image_embeds:
             return None
-        renderer = Renderer(self.model_path, RENDER_DTYPE, tokenizer=self.prompt_tokenizer)
+        renderer = self.renderer
         if not renderer.renders_pictures:
             log.info("openai backend: %s's pictures cannot be rendered for vLLM here: chat completions", s.model)
             return None
         return RequestRenderer(renderer, self.rendered_picture, s.openai_model)
 
+    @cached_property
+    def renderer(self) -> Renderer:
+        """The served model's renderer as vLLM's render tier renders (its tokenizer and image processor, floats in
+        `RENDER_DTYPE`): the one home of a picture's rendering, for the generate endpoint and for render jobs."""
+        return Renderer(self.model_path, RENDER_DTYPE, tokenizer=self.prompt_tokenizer)
+
+    @property
+    def rendering_decode(self) -> str:
+        """The decode parameters a picture's rendering is made from, as its cache address names them."""
+        return repr(self.decode_params)
+
+    def rendering_address(self, digest: str, scope: str) -> CacheAddress:
+        """Where a picture's rendering is cached, in `scope`."""
+        return self.renderer.picture_address(digest, self.rendering_decode, scope)
+
     def rendered_picture(self, digest: str, scope: str) -> RenderedPicture | None:
         """A picture's rendering for the generate endpoint, as the decode stage cached it (in the scope it was
         decoded in), or made again from the input's bytes while the job store still holds them (and cached); None
         when neither has it."""
-        assert self.request_renderer is not None
-        renderer = self.request_renderer.renderer
-        address = renderer.picture_address(digest, repr(self.decode_params), scope)
-        found = self.cache.get_bytes(address, part=ITEM)
+        found = self.cache.get_bytes(self.rendering_address(digest, scope), part=ITEM)
         if found is not None:
             try:
                 return RenderedPicture.from_bytes(found)
@@ -219,17 +231,19 @@ class WorkerContext:
     def put_rendered(self, digest: str, scope: str, picture: Image.Image) -> RenderedPicture | None:
         """Render a decoded picture for the generate endpoint and cache it (under the tensors' size cap); None for
         a model that reads no pictures, or one its processor cannot read."""
-        assert self.request_renderer is not None
-        renderer = self.request_renderer.renderer
-        if not renderer.sees:
+        if not self.renderer.sees:
             return None
         try:
-            rendered = renderer.picture(picture)
+            return self.render_picture(digest, scope, picture)
         except StokerError:
             return None
-        address = renderer.picture_address(digest, repr(self.decode_params), scope)
+
+    def render_picture(self, digest: str, scope: str, picture: Image.Image) -> RenderedPicture:
+        """Render a decoded picture as vLLM's item and cache it in `scope` (under the tensors' size cap); the
+        processor's refusal is raised (`image_corrupt`)."""
+        rendered = self.renderer.picture(picture)
         limit = self.settings.cache_max_tensor_bytes
-        self.cache.put_bytes(address, rendered.to_bytes(), part=ITEM, limit=limit)
+        self.cache.put_bytes(self.rendering_address(digest, scope), rendered.to_bytes(), part=ITEM, limit=limit)
         return rendered
 
     def _local_predictor(self) -> TransformersPredictor:

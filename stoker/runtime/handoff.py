@@ -15,7 +15,7 @@ from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.adapters.tracing import stage_span
 from stoker.core.cachekeys import PipelineContext, prompt_address
 from stoker.core.errors import DeadlineExceeded, StokerError
-from stoker.core.jobs import ErrorInfo, InputRecord, Job, JobClass, input_failure, settle_video
+from stoker.core.jobs import ErrorInfo, InputRecord, Job, JobClass, final_status, input_failure, settle_video
 from stoker.core.model import ModelRequest
 from stoker.core.pressure import room_to_enqueue
 from stoker.core.prompting import attachment_for, build_prompt, model_request, offered_tools
@@ -48,8 +48,9 @@ def tokenize_job(ctx: WorkerContext, job_id: str, backpressure: bool = True, enq
             return {"job_id": job_id, "skipped": True}
         if _settle_videos(ctx, job_id, job.inputs):
             continue
-        if _fails_on_input(ctx, job):
-            return {"job_id": job_id, "failed": "input"}
+        ended = _ends_before_model(ctx, job)
+        if ended is not None:
+            return ended
         scope = ctx.cache_scope(job.tenant)
         try:
             context = ctx.pipeline_context()
@@ -151,6 +152,15 @@ def _settle_videos(ctx: WorkerContext, job_id: str, inputs: list[InputRecord]) -
     return changed
 
 
+def _ends_before_model(ctx: WorkerContext, job: Job) -> dict[str, Any] | None:
+    """How a job that never reaches the model ends here (one failing on its input, a render), or None."""
+    if _fails_on_input(ctx, job):
+        return {"job_id": job.id, "failed": "input"}
+    if job.chat is not None and job.chat.render:
+        return _end_render(ctx, job)
+    return None
+
+
 def _fails_on_input(ctx: WorkerContext, job: Job) -> bool:
     """A chat that asked to fail on an unreadable input (`stoker_on_input_error: fail`) and has one ends `failed`
     with that input's error here: it never reaches the model."""
@@ -160,6 +170,14 @@ def _fails_on_input(ctx: WorkerContext, job: Job) -> bool:
     ctx.store.jobs.finish(job.id, "failed", error=failure)
     log.info("job %s failed on its input: %s", job.id, failure.code)
     return True
+
+
+def _end_render(ctx: WorkerContext, job: Job) -> dict[str, Any]:
+    """A render ends where its pictures' renderings are cached: its answer is those renderings, which the API
+    assembles, so it never reaches the inference queue (every path to the hand-off, the chord's, a rescue's, the
+    reaper's cut-off, ends it here)."""
+    ctx.store.jobs.finish(job.id, final_status(job.inputs))
+    return {"job_id": job.id, "rendered": True}
 
 
 def _tokenize_failed(ctx: WorkerContext, job_id: str, exc: Exception) -> dict[str, Any]:

@@ -573,6 +573,11 @@ class JobRepository:
         raw = self.redis.hget(job_key(job_id), "tenant")
         return raw.decode() if raw is not None else None
 
+    def conversation(self, job_id: str) -> Conversation | None:
+        """A chat job's turns and parameters (a render's among them); None for another job or an unknown one."""
+        raw = self.redis.hget(job_key(job_id), "chat")
+        return Conversation.model_validate_json(raw) if raw is not None else None
+
 
 class LoopJobs:
     """A job's record made and read on an asyncio loop: what the API does per request (a new job, a long-poll's
