@@ -169,6 +169,6 @@ def tiny_vlm() -> Path:
     return path
 
 
-def queued(broker: redis.Redis, queue: str) -> int:
+def queued(broker: redis.Redis[bytes], queue: str) -> int:
     """Messages waiting in a stage queue on a Redis broker: every priority step's list together."""
     return sum(int(broker.llen(key)) for key in priority_keys(queue))

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 from celery import Celery
@@ -89,7 +90,7 @@ class Fleet:
 
         wait_for(answer, 180, f"workers {kinds}", [self.procs[k] for k in kinds])
 
-    def api(self, submitter: Submitter | None = None, **settings: object) -> TestClient:
+    def api(self, submitter: Submitter | None = None, **settings: Any) -> TestClient:
         """Another API on this fleet, with other settings (enter it as a context manager); its Celery producer
         from these settings unless a `submitter` is given."""
         urls = {k: self.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
@@ -107,7 +108,7 @@ class Fleet:
 
 @contextmanager
 def own_fleet(
-    settings: dict[str, str], kinds: tuple[str, ...] = KINDS, api: dict[str, object] | None = None
+    settings: dict[str, str], kinds: tuple[str, ...] = KINDS, api: dict[str, Any] | None = None
 ) -> Iterator[Fleet]:
     """Valkey (AOF) on a free port, the given workers and a reaper, and an API in this process (with `api`
     settings on top of the fleet's addresses)."""

@@ -205,7 +205,8 @@ def _descendants(pid: int) -> set[int]:
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
                 parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
+    found: set[int] = set()
+    frontier = {pid}
     while frontier:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier

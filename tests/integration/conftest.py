@@ -30,7 +30,7 @@ ROOMY_TOKENS = 64
 
 
 @pytest.fixture(scope="session")
-def store_redis() -> Iterator[redis.Redis]:
+def store_redis() -> Iterator[redis.Redis[bytes]]:
     """The test store database, flushed at start."""
     client = redis.Redis.from_url(os.environ["STOKER_RESULT_URL"])
     others = [redis.Redis.from_url(os.environ[v]) for v in ("STOKER_BROKER_URL", "STOKER_CACHE_URL")]
@@ -50,7 +50,9 @@ class SessionWorkers:
 
 
 @pytest.fixture(scope="session")
-def session_workers(store_redis: redis.Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SessionWorkers]:
+def session_workers(
+    store_redis: redis.Redis[bytes], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SessionWorkers]:
     """A CPU worker (prefork: every CPU stage, speech included, as `stoker up` runs it), an inference worker and
     the reaper, as real processes."""
     from tasks.worker import app

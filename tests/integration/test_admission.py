@@ -36,7 +36,7 @@ def idle_spy() -> SpySubmitter:
 
 
 @pytest.fixture
-def api(idle_spy: SpySubmitter, store_redis: redis.Redis) -> Iterator[TestClient]:
+def api(idle_spy: SpySubmitter, store_redis: redis.Redis[bytes]) -> Iterator[TestClient]:
     """The API with a small body limit, its submitter a spy (the jobs it accepts are never run)."""
     with TestClient(create_app(ApiSettings(max_body_bytes=LIMIT), submitter=idle_spy)) as test_client:
         yield test_client
@@ -44,7 +44,7 @@ def api(idle_spy: SpySubmitter, store_redis: redis.Redis) -> Iterator[TestClient
         store_redis.zrem(ACTIVE_KEY, *(job_id for job_id, _ in idle_spy.calls))
 
 
-def _job_keys(store: redis.Redis) -> int:
+def _job_keys(store: redis.Redis[bytes]) -> int:
     return sum(1 for _ in store.scan_iter("stoker:job:*"))
 
 
@@ -107,7 +107,7 @@ BAD_REQUESTS = {
 
 @pytest.mark.parametrize(("kwargs", "status", "code"), BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
 def test_bad_request_is_refused_and_nothing_is_enqueued(
-    api: TestClient, idle_spy: SpySubmitter, store_redis: redis.Redis, kwargs: dict, status: int, code: str
+    api: TestClient, idle_spy: SpySubmitter, store_redis: redis.Redis[bytes], kwargs: dict, status: int, code: str
 ) -> None:
     before = _job_keys(store_redis)
     queued_before = _queued(os.environ["STOKER_BROKER_URL"])
@@ -196,7 +196,7 @@ def _read_some(sock: socket.socket) -> bytes:
 
 
 def test_accepted_job_is_stored_before_the_answer(
-    api: TestClient, idle_spy: SpySubmitter, store_redis: redis.Redis
+    api: TestClient, idle_spy: SpySubmitter, store_redis: redis.Redis[bytes]
 ) -> None:
     response = api.post("/v1/jobs", data={"prompt": "x"}, files=[("image", ("a.png", PNG, "image/png"))])
     assert response.status_code == 202
@@ -206,7 +206,7 @@ def test_accepted_job_is_stored_before_the_answer(
     assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
 
 
-def test_unreachable_broker_gets_503_and_no_job(store_redis: redis.Redis) -> None:
+def test_unreachable_broker_gets_503_and_no_job(store_redis: redis.Redis[bytes]) -> None:
     dead = Celery("dead", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)
     dead.conf.broker_connection_timeout = 0.5
     dead.conf.task_publish_retry_policy = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1}
@@ -222,7 +222,7 @@ def test_unreachable_broker_gets_503_and_no_job(store_redis: redis.Redis) -> Non
     assert ready.status_code == 200  # the API's own broker is fine; only this submitter's is dead
 
 
-def test_readyz_is_503_when_the_broker_is_unreachable(store_redis: redis.Redis) -> None:
+def test_readyz_is_503_when_the_broker_is_unreachable(store_redis: redis.Redis[bytes]) -> None:
     settings = ApiSettings(broker_url=f"redis://127.0.0.1:{free_port()}/0")
     with TestClient(create_app(settings, submitter=SpySubmitter(forward=False))) as test_client:
         response = test_client.get("/readyz")

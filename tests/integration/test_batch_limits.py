@@ -66,7 +66,7 @@ class Tenant:
 
 
 @pytest.fixture
-def store(store_redis: redis.Redis) -> Store:
+def store(store_redis: redis.Redis[bytes]) -> Store:
     """The test store, as the API sees it."""
     return Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
 
@@ -285,7 +285,7 @@ def test_batch_metadata_is_held_to_openai_s_limits(
 
 
 def test_an_ended_batch_s_record_expires(
-    make_api: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], store_redis: redis.Redis
+    make_api: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], store_redis: redis.Redis[bytes]
 ) -> None:
     """Cancelled, and ended by the feeder: its record lives `batch_ttl_s` more, and it no longer counts as running."""
     api = make_api(batch_ttl_s=300)
@@ -339,7 +339,7 @@ def test_new_batches_are_refused_while_the_store_is_full(
 
 
 def test_batches_are_listed_by_range_and_gone_ones_taken_off(
-    make_api: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], store_redis: redis.Redis
+    make_api: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], store_redis: redis.Redis[bytes]
 ) -> None:
     api = make_api()
     alpha, _ = tenants

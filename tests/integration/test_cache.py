@@ -227,7 +227,7 @@ def test_a_killed_leader_does_not_block_its_twins(client: TestClient) -> None:
     cache.close()
 
 
-def _kill_while_holding(cache: redis.Redis, pattern: str, timeout_s: float = 60.0) -> None:
+def _kill_while_holding(cache: redis.Redis[bytes], pattern: str, timeout_s: float = 60.0) -> None:
     """Kill the process that holds a lease matching `pattern` while it holds it: it is stopped first and killed only
     if the lease is still its own (a holder that let go between the lease's read and the signal, its work done, goes
     on: killing it then would leave its twins nothing to take over)."""

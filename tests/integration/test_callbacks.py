@@ -109,12 +109,12 @@ def _settled(client: TestClient, job_id: str) -> dict[str, Any]:
     return job
 
 
-def _secret(store_redis: redis.Redis) -> str:
+def _secret(store_redis: redis.Redis[bytes]) -> str:
     return Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600).callbacks.secret(DEFAULT_TENANT)
 
 
 def test_a_receiver_gets_one_signed_post_per_job(
-    client: TestClient, receiver: Receiver, store_redis: redis.Redis
+    client: TestClient, receiver: Receiver, store_redis: redis.Redis[bytes]
 ) -> None:
     job_id = _submit(client, receiver.url("/hook"))
     ended = _wait(client, job_id)
@@ -175,7 +175,9 @@ def _keys_cli(*args: str, **env: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(argv, capture_output=True, cwd=ROOT, env={**os.environ, **env}, timeout=60)
 
 
-def test_each_tenant_gets_a_callback_secret_of_its_own_whatever_the_deployment_sets(store_redis: redis.Redis) -> None:
+def test_each_tenant_gets_a_callback_secret_of_its_own_whatever_the_deployment_sets(
+    store_redis: redis.Redis[bytes],
+) -> None:
     callbacks = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600).callbacks
     printed = {}
     for name in ("acme", "globex"):
@@ -190,7 +192,7 @@ def test_each_tenant_gets_a_callback_secret_of_its_own_whatever_the_deployment_s
     assert "whsec_deployment" not in printed.values()
 
 
-def test_a_rotated_secret_signs_beside_the_new_one_until_its_grace_ends(store_redis: redis.Redis) -> None:
+def test_a_rotated_secret_signs_beside_the_new_one_until_its_grace_ends(store_redis: redis.Redis[bytes]) -> None:
     callbacks = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600).callbacks
     tenant = f"rotate-{uuid.uuid4().hex[:8]}"
     first = callbacks.secret(tenant)
@@ -205,7 +207,7 @@ def test_a_rotated_secret_signs_beside_the_new_one_until_its_grace_ends(store_re
     assert len({first, second, third, fourth, fifth}) == 5
 
 
-def test_the_deprecated_deployment_secret_stands_in_until_a_rotation(store_redis: redis.Redis) -> None:
+def test_the_deprecated_deployment_secret_stands_in_until_a_rotation(store_redis: redis.Redis[bytes]) -> None:
     callbacks = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600).callbacks
     tenant = f"single-{uuid.uuid4().hex[:8]}"
     assert callbacks.live_secrets(tenant, "whsec_deployment") == ["whsec_deployment"]
@@ -214,7 +216,7 @@ def test_the_deprecated_deployment_secret_stands_in_until_a_rotation(store_redis
 
 
 def test_after_a_rotation_deliveries_carry_both_signatures(
-    client: TestClient, receiver: Receiver, store_redis: redis.Redis
+    client: TestClient, receiver: Receiver, store_redis: redis.Redis[bytes]
 ) -> None:
     old = _secret(store_redis)
     rotated = _keys_cli("rotate-callback-secret", "--tenant", DEFAULT_TENANT, "--grace", "3600")

@@ -49,7 +49,7 @@ def client(base_url: str) -> Iterator[openai.OpenAI]:
 
 
 @pytest.fixture
-def secured(workers: dict[str, Path], store_redis: redis.Redis) -> Callable[..., AbstractContextManager[str]]:
+def secured(workers: dict[str, Path], store_redis: redis.Redis[bytes]) -> Callable[..., AbstractContextManager[str]]:
     """Serves APIs with auth on and the given settings; yields a maker of (base URL, key) pairs."""
     store = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
     issued = issue_key(f"chat-{uuid.uuid4().hex[:8]}", time.time())

@@ -44,20 +44,22 @@ from workers.procs import stop, wait_for
 SAMPLED_DB = 9
 
 
-def _clients(server: redis.Redis, db: int) -> int:
+def _clients(server: redis.Redis[bytes], db: int) -> int:
     """Connections the server holds on one database."""
     return sum(1 for client in server.client_list() if int(client.get("db", -1)) == db)
 
 
 @pytest.fixture
-def broker_url(store_redis: redis.Redis) -> str:
+def broker_url(store_redis: redis.Redis[bytes]) -> str:
     """An empty broker database: every stage queue is missing, the case that used to open a connection per queue."""
     url = f"{os.environ['STOKER_TEST_REDIS']}/{SAMPLED_DB}"
     redis.Redis.from_url(url).flushdb()
     return url
 
 
-def test_sampling_queue_depths_over_and_over_opens_no_connection(store_redis: redis.Redis, broker_url: str) -> None:
+def test_sampling_queue_depths_over_and_over_opens_no_connection(
+    store_redis: redis.Redis[bytes], broker_url: str
+) -> None:
     store = Store.over(store_redis, blob_ttl_s=60, job_ttl_s=60)
     monitor = QueueMonitor(ApiSettings(broker_url=broker_url), store)
     try:
@@ -71,7 +73,7 @@ def test_sampling_queue_depths_over_and_over_opens_no_connection(store_redis: re
         monitor.close()
 
 
-def test_readiness_probes_open_no_connection(store_redis: redis.Redis, broker_url: str) -> None:
+def test_readiness_probes_open_no_connection(store_redis: redis.Redis[bytes], broker_url: str) -> None:
     settings = ApiSettings(broker_url=broker_url)
     with TestClient(create_app(settings, submitter=SpySubmitter(forward=False))) as client:
         assert client.get("/readyz").status_code == 200
@@ -138,7 +140,7 @@ def _sent_on_loop(direct: DirectPublisher, signature: Signature, settings: ApiSe
 
 @pytest.mark.parametrize("on_loop", [False, True], ids=["thread", "loop"])
 def test_a_plain_signature_published_directly_is_the_message_celery_sends(
-    store_redis: redis.Redis, broker_url: str, on_loop: bool
+    store_redis: redis.Redis[bytes], broker_url: str, on_loop: bool
 ) -> None:
     """The API's hand-off to inference skips Celery's producer machinery; the worker must not see a difference,
     whether it was pushed from a thread or from the API's loop."""

@@ -102,7 +102,7 @@ def test_a_lone_job_on_an_idle_device_starts_at_once(fleet: Fleet) -> None:
 HOLD = BATCH * 3
 
 
-def _held_for_inference(broker: redis.Redis) -> int:
+def _held_for_inference(broker: redis.Redis[bytes]) -> int:
     """Messages the broker delivered to the inference worker and it has not acked yet (kombu's `unacked` hash: each
     entry is [message, exchange, routing key]); the ground truth of what the worker holds, reserved or running."""
     return sum(json.loads(raw)[2] == "infer" for raw in broker.hvals("unacked"))

@@ -14,7 +14,7 @@ from stoker.adapters.store.coordination import DeviceTurns
 from workers.procs import wait_for
 
 
-def test_turns_never_overlap_and_a_waiter_is_woken_by_the_release(store_redis: redis.Redis) -> None:
+def test_turns_never_overlap_and_a_waiter_is_woken_by_the_release(store_redis: redis.Redis[bytes]) -> None:
     key = f"stoker:test:device:{uuid.uuid4().hex}"
     # A recheck far beyond the test's waits: a waiter that got its turn was woken by a release, not by polling.
     turns = DeviceTurns(store_redis, key, hold_s=30, recheck_s=120)
@@ -45,7 +45,7 @@ def test_turns_never_overlap_and_a_waiter_is_woken_by_the_release(store_redis: r
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
 
 
-def test_a_turn_whose_holder_died_expires_and_the_next_waiter_gets_the_device(store_redis: redis.Redis) -> None:
+def test_a_turn_whose_holder_died_expires_and_the_next_waiter_gets_the_device(store_redis: redis.Redis[bytes]) -> None:
     key = f"stoker:test:device:{uuid.uuid4().hex}"
     dead = store_redis.lock(key, timeout=1, thread_local=False)
     assert dead.acquire(blocking=False)  # taken and never released: its process died

@@ -41,7 +41,7 @@ def _message(channel: Any, tag: str, priority: int = 0) -> Any:
     return channel.message_to_python(payload)
 
 
-def _index(client: redis.Redis, keys: list[str], tag: str) -> tuple[bool, Any]:
+def _index(client: redis.Redis[bytes], keys: list[str], tag: str) -> tuple[bool, Any]:
     """Whether the tag is in kombu's unacked index, and its entry in the unacked hash (parsed)."""
     entry = client.hget(keys[1], tag)
     return client.zscore(keys[0], tag) is not None, None if entry is None else json.loads(entry)

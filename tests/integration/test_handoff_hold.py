@@ -32,7 +32,7 @@ HIGH, LOW = 4, 2
 class ListOutbox:
     """The inference queue's depth as the broker holds it (the list a test fills), and who looked at it."""
 
-    def __init__(self, broker: redis.Redis) -> None:
+    def __init__(self, broker: redis.Redis[bytes]) -> None:
         self.broker = broker
         self.looks: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -61,7 +61,7 @@ def _scratch_url() -> str:
 
 
 @pytest.fixture
-def scratch() -> Iterator[redis.Redis]:
+def scratch() -> Iterator[redis.Redis[bytes]]:
     client = redis.Redis.from_url(_scratch_url())
     client.flushdb()
     yield client
@@ -69,7 +69,7 @@ def scratch() -> Iterator[redis.Redis]:
     client.close()
 
 
-def _depth(broker: redis.Redis, depth: int) -> None:
+def _depth(broker: redis.Redis[bytes], depth: int) -> None:
     """Set the inference queue's depth: junk entries only the depth readers see."""
     with broker.pipeline() as pipe:
         pipe.delete("infer")
@@ -89,7 +89,7 @@ def _holder(ctx: WorkerContext, name: str, done: list[str]) -> threading.Thread:
 
 
 def test_a_held_job_is_not_overtaken_by_later_ones_that_find_the_queue_between_its_watermarks(
-    scratch: redis.Redis,
+    scratch: redis.Redis[bytes],
 ) -> None:
     url = _scratch_url()
     store = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60)
@@ -128,7 +128,7 @@ def test_a_held_job_is_not_overtaken_by_later_ones_that_find_the_queue_between_i
         monitor.close()
 
 
-def test_the_first_held_job_to_go_in_leaves_the_hold_on_for_those_still_held(scratch: redis.Redis) -> None:
+def test_the_first_held_job_to_go_in_leaves_the_hold_on_for_those_still_held(scratch: redis.Redis[bytes]) -> None:
     """Two jobs held: the first goes in (the device took one: the queue at its low watermark, then above it again
     with that job); the API still sends its next job behind the second until that one has gone in too."""
     url = _scratch_url()
@@ -150,7 +150,7 @@ def test_the_first_held_job_to_go_in_leaves_the_hold_on_for_those_still_held(scr
         monitor.close()
 
 
-def test_the_hold_of_a_holder_that_died_lapses_on_its_own(scratch: redis.Redis) -> None:
+def test_the_hold_of_a_holder_that_died_lapses_on_its_own(scratch: redis.Redis[bytes]) -> None:
     hold = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60).handoff_hold
     hold.hold("died", 0.3)
     hold.hold("alive", 30)
@@ -159,7 +159,7 @@ def test_the_hold_of_a_holder_that_died_lapses_on_its_own(scratch: redis.Redis) 
     wait_for(lambda: not hold.held(), 5, "the hold to lapse", [])
 
 
-def test_a_short_hold_after_a_long_one_leaves_the_long_one_standing(scratch: redis.Redis) -> None:
+def test_a_short_hold_after_a_long_one_leaves_the_long_one_standing(scratch: redis.Redis[bytes]) -> None:
     hold = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60).handoff_hold
     hold.hold("long", 30)
     hold.hold("short", 0.3)
@@ -172,7 +172,7 @@ def test_a_short_hold_after_a_long_one_leaves_the_long_one_standing(scratch: red
     assert scratch.zscore(HANDOFF_HOLD_KEY, "long") is not None
 
 
-def test_a_batch_line_held_for_the_queue_holds_no_interactive_job_back(scratch: redis.Redis) -> None:
+def test_a_batch_line_held_for_the_queue_holds_no_interactive_job_back(scratch: redis.Redis[bytes]) -> None:
     store = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60)
     settings = WorkerSettings(infer_high_watermark=HIGH, infer_low_watermark=LOW, handoff_max_wait_s=60)
     outbox = ListOutbox(scratch)
@@ -191,7 +191,7 @@ def test_a_batch_line_held_for_the_queue_holds_no_interactive_job_back(scratch: 
     assert len(done) == 1
 
 
-def test_stats_show_operators_when_jobs_are_held(scratch: redis.Redis) -> None:
+def test_stats_show_operators_when_jobs_are_held(scratch: redis.Redis[bytes]) -> None:
     url = _scratch_url()
     marks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
     settings = ApiSettings(**marks, broker_url=url, result_url=url, cache_url=url)

@@ -37,7 +37,7 @@ def broker_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def broker(broker_url: str) -> Iterator[redis.Redis]:
+def broker(broker_url: str) -> Iterator[redis.Redis[bytes]]:
     client = redis.Redis.from_url(broker_url)
     yield client
     client.close()
@@ -69,7 +69,7 @@ def _jobs(messages: list) -> list[str]:  # type: ignore[type-arg]
 
 
 def test_what_waits_is_taken_oldest_first_up_to_the_room_and_held_in_kombu_s_unacked_index(
-    broker_url: str, broker: redis.Redis
+    broker_url: str, broker: redis.Redis[bytes]
 ) -> None:
     _send(broker_url, "a", "b")
     _send(broker_url, "c", "d", direct=True)  # the API's own publisher: the same messages
@@ -93,7 +93,7 @@ def test_what_waits_is_taken_oldest_first_up_to_the_room_and_held_in_kombu_s_una
 
 
 def test_an_ack_leaves_the_index_with_the_next_round_trip_and_a_message_handed_back_is_taken_first(
-    broker_url: str, broker: redis.Redis
+    broker_url: str, broker: redis.Redis[bytes]
 ) -> None:
     _send(broker_url, "a", "b", "c")
     intake = _intake(broker_url)
@@ -116,7 +116,9 @@ def test_an_ack_leaves_the_index_with_the_next_round_trip_and_a_message_handed_b
     assert broker.hlen("unacked") == 0
 
 
-def test_a_dead_reader_s_messages_are_restored_by_kombu_s_own_sweep(broker_url: str, broker: redis.Redis) -> None:
+def test_a_dead_reader_s_messages_are_restored_by_kombu_s_own_sweep(
+    broker_url: str, broker: redis.Redis[bytes]
+) -> None:
     _send(broker_url, "a", "b")
     dead = _intake(broker_url)
     assert _jobs(dead.take(5, block_s=1.0)) == ["a", "b"]
@@ -134,7 +136,7 @@ def test_a_dead_reader_s_messages_are_restored_by_kombu_s_own_sweep(broker_url: 
 
 
 def test_an_empty_queue_is_waited_on_and_the_first_message_to_come_is_taken_and_held(
-    broker_url: str, broker: redis.Redis
+    broker_url: str, broker: redis.Redis[bytes]
 ) -> None:
     intake = _intake(broker_url)
     taken: list = []  # type: ignore[type-arg]
@@ -151,7 +153,7 @@ def test_an_empty_queue_is_waited_on_and_the_first_message_to_come_is_taken_and_
         intake.close()
 
 
-def test_a_message_that_is_no_task_message_is_dropped_alone(broker_url: str, broker: redis.Redis) -> None:
+def test_a_message_that_is_no_task_message_is_dropped_alone(broker_url: str, broker: redis.Redis[bytes]) -> None:
     broker.lpush(INFER_QUEUE, b"not json")
     broker.lpush(INFER_QUEUE, json.dumps({"properties": {"delivery_tag": "t1"}, "content-type": "text/plain"}))
     _send(broker_url, "good")
@@ -215,7 +217,7 @@ def _popped_when_the_script_failed(url: str) -> RedisIntake:
 
 
 def test_a_message_popped_when_the_broker_failed_the_script_is_held_by_the_next_round_trip(
-    broker_url: str, broker: redis.Redis
+    broker_url: str, broker: redis.Redis[bytes]
 ) -> None:
     intake = _popped_when_the_script_failed(broker_url)
     try:
@@ -227,7 +229,7 @@ def test_a_message_popped_when_the_broker_failed_the_script_is_held_by_the_next_
 
 
 def test_a_message_popped_and_never_held_goes_back_to_its_queue_when_the_intake_closes(
-    broker_url: str, broker: redis.Redis
+    broker_url: str, broker: redis.Redis[bytes]
 ) -> None:
     intake = _popped_when_the_script_failed(broker_url)
     intake.close()

@@ -162,7 +162,7 @@ def test_a_jobs_prompt_over_the_limit_is_prompt_too_long_as_a_chats_is(client: T
 
 
 def test_answers_are_bounded_where_they_are_asked_for_and_stored(
-    plain: openai.OpenAI, store_redis: redis.Redis
+    plain: openai.OpenAI, store_redis: redis.Redis[bytes]
 ) -> None:
     asked = {"model": MODEL, "messages": [{"role": "user", "content": "Count to ten."}], "logprobs": True}
     with pytest.raises(openai.BadRequestError) as refused:
@@ -191,7 +191,7 @@ def _answer(logprobs: int) -> ResultInfo:
     return ResultInfo(text="one", model="m", prompt_tokens=3, completion_tokens=2, logprobs=entries, more=more)
 
 
-def test_a_result_over_its_size_limit_is_not_stored_and_its_job_fails(store_redis: redis.Redis) -> None:
+def test_a_result_over_its_size_limit_is_not_stored_and_its_job_fails(store_redis: redis.Redis[bytes]) -> None:
     store = Store.over(store_redis, blob_ttl_s=60, job_ttl_s=60, max_result_bytes=64 * 1024)
     small, large, alone = _job(store), _job(store), _job(store)
     endings = [

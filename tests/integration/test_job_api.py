@@ -48,7 +48,7 @@ TERMINAL = ("succeeded", "degraded", "failed", "cancelled")
 
 
 @pytest.fixture
-def job_store(store_redis: redis.Redis) -> Store:
+def job_store(store_redis: redis.Redis[bytes]) -> Store:
     """The test store, as the API and the workers see it."""
     return Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
 
@@ -119,7 +119,7 @@ def test_cancelling_a_job_while_its_ocr_runs(
 
 
 def test_jobs_cancelled_behind_a_busy_queue_stay_cancelled(
-    api: Callable[..., TestClient], job_store: Store, store_redis: redis.Redis
+    api: Callable[..., TestClient], job_store: Store, store_redis: redis.Redis[bytes]
 ) -> None:
     from tasks.worker import app
 
@@ -156,7 +156,7 @@ def test_jobs_cancelled_behind_a_busy_queue_stay_cancelled(
 
 
 def test_cancelling_twice_is_409_and_another_tenants_cancel_is_404(
-    api: Callable[..., TestClient], job_store: Store, store_redis: redis.Redis
+    api: Callable[..., TestClient], job_store: Store, store_redis: redis.Redis[bytes]
 ) -> None:
     idle = SpySubmitter(forward=False)  # never runs: it stays cancellable
     client = api(submitter=idle)
@@ -207,7 +207,7 @@ def test_a_job_cancelled_while_it_waits_for_the_device_never_reaches_it(one_at_a
 
 
 def test_a_tenants_list_pages_through_every_job_once_newest_first(
-    api: Callable[..., TestClient], job_store: Store, store_redis: redis.Redis
+    api: Callable[..., TestClient], job_store: Store, store_redis: redis.Redis[bytes]
 ) -> None:
     client = api(submitter=SpySubmitter(forward=False))
     mine, theirs = _tenant(job_store, "lister"), _tenant(job_store, "neighbour")
@@ -243,7 +243,7 @@ def test_a_tenants_list_pages_through_every_job_once_newest_first(
 
 
 def test_twenty_concurrent_posts_with_one_key_make_one_job(
-    workers: dict[str, Path], job_store: Store, store_redis: redis.Redis
+    workers: dict[str, Path], job_store: Store, store_redis: redis.Redis[bytes]
 ) -> None:
     auth = _tenant(job_store, "retrier")
     spy = SpySubmitter(forward=False)  # what is enqueued is what counts: the job never runs

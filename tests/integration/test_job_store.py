@@ -37,7 +37,7 @@ from workers.procs import stop
 
 
 @pytest.fixture
-def job_store(store_redis: redis.Redis) -> Store:
+def job_store(store_redis: redis.Redis[bytes]) -> Store:
     """The test store, as the API and the workers see it."""
     return Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
 
@@ -144,7 +144,7 @@ def test_a_job_never_accepted_lets_go_of_its_blobs_and_a_held_blob_cannot_be_rev
     assert not job_store.client.exists(blob_holders_key(digest), job_blobs_key(job_id))
 
 
-def test_a_record_over_its_size_limit_is_refused_before_anything_is_written(store_redis: redis.Redis) -> None:
+def test_a_record_over_its_size_limit_is_refused_before_anything_is_written(store_redis: redis.Redis[bytes]) -> None:
     store = Store.over(store_redis, blob_ttl_s=60, job_ttl_s=60, max_record_bytes=64 * 1024)
     job_id, now = uuid.uuid4().hex, time.time()
     with pytest.raises(RecordTooLarge) as refused:

@@ -164,7 +164,9 @@ def test_no_cpu_child_idles_while_ocr_work_waits_behind_a_transcription(client: 
     _wait(client, speech.json()["id"])  # over before the next test
 
 
-def test_a_small_page_after_three_large_ones_is_read_before_them(client: TestClient, store_redis: redis.Redis) -> None:
+def test_a_small_page_after_three_large_ones_is_read_before_them(
+    client: TestClient, store_redis: redis.Redis[bytes]
+) -> None:
     # Drawn beforehand, so they arrive back to back: drawing and encoding a page between two submissions gave the
     # pool time to start the second large page's bands before the small one came.
     pages, small_page = [_dense_page(_tag()) for _ in range(3)], text_image(f"SMALL {_tag()}")
@@ -180,7 +182,7 @@ def test_a_small_page_after_three_large_ones_is_read_before_them(client: TestCli
 
 
 def test_small_pages_waiting_with_large_ones_are_taken_first(
-    session_workers: SessionWorkers, store_redis: redis.Redis
+    session_workers: SessionWorkers, store_redis: redis.Redis[bytes]
 ) -> None:
     from api.app import create_app
     from tasks.worker import app

@@ -39,7 +39,7 @@ class Tenant:
 
 
 @pytest.fixture
-def job_store(store_redis: redis.Redis) -> Store:
+def job_store(store_redis: redis.Redis[bytes]) -> Store:
     return Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
 
 
@@ -83,7 +83,7 @@ def _ended(api: TestClient, tenant: Tenant | None, prompt: str) -> str:
     return str(job["id"])
 
 
-def _stored(store_redis: redis.Redis, job_id: str) -> int:
+def _stored(store_redis: redis.Redis[bytes], job_id: str) -> int:
     """The bytes of the result a job's record keeps."""
     result = store_redis.hget(job_key(job_id), "result")
     assert result is not None
@@ -100,7 +100,7 @@ def _refused(response: Any) -> int:
 
 
 def test_a_tenant_whose_results_hold_its_quota_is_refused_while_another_is_admitted(
-    keyed: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store, store_redis: redis.Redis
+    keyed: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store, store_redis: redis.Redis[bytes]
 ) -> None:
     acme, globex = tenants
     first = keyed(tenant_max_result_bytes=1)  # any result fills it
@@ -130,7 +130,7 @@ def test_a_tenant_whose_results_hold_its_quota_is_refused_while_another_is_admit
 
 
 def test_results_are_let_go_of_when_their_records_expire(
-    keyed: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store, store_redis: redis.Redis
+    keyed: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store, store_redis: redis.Redis[bytes]
 ) -> None:
     acme, _ = tenants
     api = keyed(job_ttl_s=SHORT_TTL_S, tenant_max_result_bytes=1)
@@ -148,7 +148,7 @@ def test_results_are_let_go_of_when_their_records_expire(
     assert not store_redis.exists(job_key(again))
 
 
-def test_a_deleted_job_gives_its_result_back_once(store_redis: redis.Redis) -> None:
+def test_a_deleted_job_gives_its_result_back_once(store_redis: redis.Redis[bytes]) -> None:
     store = Store.over(store_redis, blob_ttl_s=60, job_ttl_s=60)
     tenant = f"acme-{uuid.uuid4().hex[:8]}"
     now = time.time()
@@ -170,7 +170,7 @@ def test_a_deleted_job_gives_its_result_back_once(store_redis: redis.Redis) -> N
     assert store_redis.ttl(tenant_result_bytes_key(tenant)) == ttl
 
 
-def test_without_keys_no_result_is_charged(client: TestClient, store_redis: redis.Redis) -> None:
+def test_without_keys_no_result_is_charged(client: TestClient, store_redis: redis.Redis[bytes]) -> None:
     assert _stored(store_redis, _ended(client, None, "Say hello.")) > 0
     assert not store_redis.exists(tenant_results_key(DEFAULT_TENANT), tenant_result_bytes_key(DEFAULT_TENANT))
     assert "tenant" not in client.get("/v1/stats").json()

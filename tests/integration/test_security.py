@@ -82,7 +82,7 @@ class Tenant:
 
 
 @pytest.fixture
-def job_store(store_redis: redis.Redis) -> Store:
+def job_store(store_redis: redis.Redis[bytes]) -> Store:
     """The test store, as the API and the workers see it."""
     return Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
 
@@ -114,7 +114,7 @@ def secure(workers: dict[str, Path], spy: SpySubmitter) -> Iterator[Callable[...
         api.__exit__(None, None, None)
 
 
-def _job_keys(store: redis.Redis) -> int:
+def _job_keys(store: redis.Redis[bytes]) -> int:
     return sum(1 for _ in store.scan_iter("stoker:job:*"))
 
 
@@ -140,7 +140,7 @@ def _unauthorized(response: Any) -> dict[str, Any]:
 
 
 def test_no_key_is_401_and_nothing_is_written(
-    secure: Callable[..., TestClient], spy: SpySubmitter, store_redis: redis.Redis
+    secure: Callable[..., TestClient], spy: SpySubmitter, store_redis: redis.Redis[bytes]
 ) -> None:
     api = secure()
     before = _job_keys(store_redis)
@@ -176,7 +176,7 @@ def test_a_wrong_unknown_or_revoked_key_is_401(
 
 
 def test_another_tenants_job_is_404_like_an_unknown_one(
-    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store, store_redis: redis.Redis
+    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store, store_redis: redis.Redis[bytes]
 ) -> None:
     api = secure()
     acme, globex = tenants
@@ -201,7 +201,7 @@ def test_another_tenants_job_is_404_like_an_unknown_one(
 
 
 def test_a_malformed_job_id_is_404_like_an_unknown_one_and_reaches_no_store_key(
-    tenants: tuple[Tenant, Tenant], store_redis: redis.Redis
+    tenants: tuple[Tenant, Tenant], store_redis: redis.Redis[bytes]
 ) -> None:
     acme, globex = tenants
     spy = SpySubmitter(forward=False)
@@ -226,7 +226,10 @@ def test_a_malformed_job_id_is_404_like_an_unknown_one_and_reaches_no_store_key(
 
 
 def test_over_the_request_rate_is_429_with_retry_after(
-    secure: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], spy: SpySubmitter, store_redis: redis.Redis
+    secure: Callable[..., TestClient],
+    tenants: tuple[Tenant, Tenant],
+    spy: SpySubmitter,
+    store_redis: redis.Redis[bytes],
 ) -> None:
     api = secure(rate_limit_per_s=0.5, rate_limit_burst=2)  # a request every 2 s, two at once
     acme, globex = tenants
@@ -351,7 +354,7 @@ def _refused(response: Any, code: str) -> None:
 
 
 def test_a_tenant_over_its_fair_share_is_refused_while_another_is_accepted(
-    paused: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store, store_redis: redis.Redis
+    paused: Callable[..., TestClient], tenants: tuple[Tenant, Tenant], job_store: Store, store_redis: redis.Redis[bytes]
 ) -> None:
     # 40 messages of queue capacity, half of it at most per tenant: 20 messages. An image job fans out into 4
     # (decode, ocr, tokenize, infer), so four of acme's fill 16 of its 20.
@@ -432,7 +435,7 @@ def test_the_same_image_is_a_cache_miss_for_another_tenant(
     assert other["text"] == first["text"]
 
 
-def test_keys_cli_creates_lists_and_revokes(secure: Callable[..., TestClient], store_redis: redis.Redis) -> None:
+def test_keys_cli_creates_lists_and_revokes(secure: Callable[..., TestClient], store_redis: redis.Redis[bytes]) -> None:
     tenant = f"cli-{uuid.uuid4().hex[:8]}"
 
     def keys(*args: str) -> subprocess.CompletedProcess[str]:

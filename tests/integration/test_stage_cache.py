@@ -30,7 +30,7 @@ class Clock:
 
 
 @pytest.fixture(scope="module")
-def cache_redis() -> Iterator[redis.Redis]:
+def cache_redis() -> Iterator[redis.Redis[bytes]]:
     """A Valkey of this module's own: the tests here publish pipeline identities, which the session's stacks, on
     the suite's cache database, would otherwise read."""
     valkey, port = start_embedded(persist=False)
@@ -42,7 +42,9 @@ def cache_redis() -> Iterator[redis.Redis]:
         stop(valkey)
 
 
-def test_the_pipeline_identity_is_read_once_a_second_and_a_missing_one_every_time(cache_redis: redis.Redis) -> None:
+def test_the_pipeline_identity_is_read_once_a_second_and_a_missing_one_every_time(
+    cache_redis: redis.Redis[bytes],
+) -> None:
     clock = Clock()
     cache = StageCache(cache_redis, ttl_s=60, max_value_bytes=1 << 20, clock=clock)
     cache_redis.delete(PIPELINE_IDENTITY_KEY)
@@ -61,7 +63,7 @@ def test_the_pipeline_identity_is_read_once_a_second_and_a_missing_one_every_tim
 
 @pytest.mark.parametrize("on_loop", [False, True], ids=["sync", "loop"])
 def test_a_miss_is_cached_with_its_cost_and_counted_and_one_over_the_cap_only_counted(
-    cache_redis: redis.Redis, on_loop: bool
+    cache_redis: redis.Redis[bytes], on_loop: bool
 ) -> None:
     cache = StageCache(cache_redis, ttl_s=60, max_value_bytes=200)
     stage = f"test-{uuid.uuid4().hex[:8]}"
@@ -84,7 +86,7 @@ def test_a_miss_is_cached_with_its_cost_and_counted_and_one_over_the_cap_only_co
     assert cache.stats()[stage] == {"misses": 2, "spent_s": 0.75, "oversize": 1}
 
 
-def _on_loop(client: redis.Redis, call: Callable[[LoopCache], Awaitable[Any]]) -> Any:
+def _on_loop(client: redis.Redis[bytes], call: Callable[[LoopCache], Awaitable[Any]]) -> Any:
     """`call` with a `LoopCache` over the same Valkey, on a loop of its own."""
 
     async def run() -> Any:
@@ -98,7 +100,9 @@ def _on_loop(client: redis.Redis, call: Callable[[LoopCache], Awaitable[Any]]) -
     return asyncio.run(run())
 
 
-def test_a_jobs_inputs_are_found_whole_on_the_loop_as_in_a_thread_or_not_at_all(cache_redis: redis.Redis) -> None:
+def test_a_jobs_inputs_are_found_whole_on_the_loop_as_in_a_thread_or_not_at_all(
+    cache_redis: redis.Redis[bytes],
+) -> None:
     # The API looks a job's inputs up on its loop (one round trip for them all): the records a worker cached,
     # each with its own index and counted as a hit; one missing, and none is found.
     cache = StageCache(cache_redis, ttl_s=60, max_value_bytes=1 << 20)
@@ -120,7 +124,7 @@ def test_a_jobs_inputs_are_found_whole_on_the_loop_as_in_a_thread_or_not_at_all(
     assert _on_loop(cache_redis, lambda c: c.get_inputs(identity, [], scope)) == []
 
 
-def test_deferred_counts_are_kept_until_written_in_one_round_trip(cache_redis: redis.Redis) -> None:
+def test_deferred_counts_are_kept_until_written_in_one_round_trip(cache_redis: redis.Redis[bytes]) -> None:
     """The API keeps its cache counts in memory (a hit per cached submission) and writes them in one pipeline: the
     first count since a write is announced once, the write adds every count kept, and counts after it are
     announced again."""

@@ -314,7 +314,7 @@ def test_https_goes_to_the_vetted_address_and_checks_the_certificate_against_the
 
 
 def test_a_download_that_would_pass_its_tenants_stored_bytes_fails_its_input(
-    workers: dict[str, Path], media: Served, store_redis: redis.Redis
+    workers: dict[str, Path], media: Served, store_redis: redis.Redis[bytes]
 ) -> None:
     store = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
     issued = issue_key(f"fetcher-{uuid.uuid4().hex[:8]}", time.time())

@@ -63,7 +63,7 @@ class Pictures:
 
 
 @pytest.fixture(scope="module")
-def shared(store_redis: redis.Redis) -> Iterator[SharedEmbeddings]:
+def shared(store_redis: redis.Redis[bytes]) -> Iterator[SharedEmbeddings]:
     """The shared vision-embeddings store in the test cache Redis."""
     client = redis.Redis.from_url(os.environ["STOKER_CACHE_URL"])
     yield SharedEmbeddings(client, max_bytes=256 * 1024**2, ttl_s=600)

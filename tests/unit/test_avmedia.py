@@ -90,7 +90,9 @@ def test_a_keyframe_shows_the_rendered_text() -> None:
     assert taken is not None
     at, png = taken
     assert 1.0 <= at <= 2.0
-    assert "SLIDE" in read_text(decode_image(png, DecodeParams()).ocr_image, "eng", timeout_s=10)
+    picture = decode_image(png, DecodeParams()).ocr_image
+    assert picture is not None
+    assert "SLIDE" in read_text(picture, "eng", timeout_s=10)
 
 
 def test_a_keyframe_gets_the_pixel_limit_of_an_uploaded_image() -> None:

@@ -73,6 +73,7 @@ class _Picky:
     """A predictor that fails any batch holding a request with no prompt tokens."""
 
     name = "picky"
+    mixes_sampling = True
 
     def __init__(self) -> None:
         self.batches: list[int] = []

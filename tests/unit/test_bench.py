@@ -120,7 +120,11 @@ def test_the_line_policy_model_has_lines_cost_interactive_requests_a_wait() -> N
 
     cost = (0.04, 0.025)
     medians = [percentile(latencies(n, 16.7, 300, cost, 8, 11)[0], 0.5) for n in (0, 1, 8)]
-    assert medians[0] < medians[1] < medians[2]
+    low, mid, high = medians
+    assert low is not None
+    assert mid is not None
+    assert high is not None
+    assert low < mid < high
 
 
 def _row(mode: str, latencies: list[float], rate: float = 2.0, **extra: Any) -> dict[str, Any]:

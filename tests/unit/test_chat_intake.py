@@ -40,7 +40,7 @@ def _accept(messages: list[dict[str, Any]], **fields: Any) -> Any:
 
 def test_turns_media_and_parameters_become_the_job() -> None:
     wav = base64.b64encode(speech_wav("hello")).decode()
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "developer", "content": "Be brief."},
         {
             "role": "user",
@@ -103,7 +103,9 @@ def test_the_input_error_choice_comes_from_the_body_or_else_the_header() -> None
     assert _accept(messages)[1].chat.on_input_error == "degrade"
     assert _accept(messages, stoker_on_input_error="fail")[1].chat.on_input_error == "fail"
     body = json.dumps({"model": MODEL, "messages": messages}).encode()
-    assert accept_chat(body, SETTINGS, on_input_error_header("FAIL"))[1].chat.on_input_error == "fail"
+    chat = accept_chat(body, SETTINGS, on_input_error_header("FAIL"))[1].chat
+    assert chat is not None
+    assert chat.on_input_error == "fail"
     with pytest.raises(InvalidRequest):
         on_input_error_header("maybe")
     with pytest.raises(InvalidRequest):
@@ -236,6 +238,7 @@ def test_prompt_material_is_counted_to_the_character() -> None:
         return json.dumps({"model": MODEL, "messages": [*head, turn, *head]}).encode()
 
     _, accepted = accept_chat(chat("a" * (room - 2)), settings)  # the last user turn's 2 characters too
+    assert accepted.chat is not None
     assert accepted.chat.turns[1].tool_calls[0]["function"]["arguments"] == "a" * (room - 2)
     with pytest.raises(PromptTooLong):
         accept_chat(chat("a" * (room - 1)), settings)
@@ -264,6 +267,7 @@ def test_answers_that_could_hold_too_many_token_entries_are_refused_at_intake() 
     assert "4 × 128 × 21 = 10752" in refused.value.message
     one = {"model": MODEL, "messages": [ASKED], "logprobs": True, "top_logprobs": 20, "max_tokens": 390}
     _, accepted = accept_chat(json.dumps(one).encode(), settings)  # 390 × 21 = 8190: within
+    assert accepted.chat is not None
     assert (accepted.chat.params.top_logprobs, accepted.chat.params.max_tokens) == (20, 390)
     with pytest.raises(AnswerTooLarge) as uncapped:  # no max_tokens: the cap's 512 is what the answer may take
         accept_chat(json.dumps({**one, "max_tokens": None}).encode(), settings)

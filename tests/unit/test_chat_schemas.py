@@ -57,4 +57,6 @@ def test_a_seed_outside_a_signed_64_bit_integer_is_refused_at_intake(seed: int) 
 @pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), 0])
 def test_a_seed_within_a_signed_64_bit_integer_is_taken(seed: int) -> None:
     body = json.dumps({**BASE, "model": ApiSettings().public_model_name, "seed": seed}).encode()
-    assert accept_chat(body, ApiSettings())[1].chat.params.seed == seed
+    chat = accept_chat(body, ApiSettings())[1].chat
+    assert chat is not None
+    assert chat.params.seed == seed

@@ -55,7 +55,7 @@ def _instructions(dockerfile: str) -> list[list[str]]:
 
 def _copy_sources(dockerfile: str) -> list[str]:
     """The build-context paths the Dockerfile's COPY and ADD instructions read (not those from another stage)."""
-    sources = []
+    sources: list[str] = []
     for words in _instructions(dockerfile):
         if words[0].upper() not in ("COPY", "ADD"):
             continue

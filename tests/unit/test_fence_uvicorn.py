@@ -79,7 +79,8 @@ def test_a_request_is_still_run_through_start_asgi_task() -> None:
 
 def test_a_cycle_still_has_the_state_the_protocol_reads() -> None:
     parameters = inspect.signature(RequestResponseCycle).parameters
-    cycle = RequestResponseCycle(**dict.fromkeys(parameters))  # its constructor only keeps what it is given
+    nothing: dict[str, Any] = dict.fromkeys(parameters)  # None for each, whatever its type
+    cycle = RequestResponseCycle(**nothing)  # its constructor only keeps what it is given
     for name in ("response_started", "response_complete", "keep_alive", "message_event"):
         assert hasattr(cycle, name), f"uvicorn's RequestResponseCycle has no {name} any more"
 

@@ -16,7 +16,7 @@ from tests.media import text_image
 
 
 def _request(**params: object) -> ModelRequest:
-    return ModelRequest([1], params=GenerationParams(**params))  # type: ignore[arg-type]
+    return ModelRequest([1], params=GenerationParams(**params))
 
 
 def test_greedy_requests_share_a_call_whatever_their_seed_and_samplers_group_by_their_parameters() -> None:
@@ -81,6 +81,7 @@ def test_avif_and_heif_pictures_decode_under_the_same_pixel_limit(fmt: str, monk
     Image.open(io.BytesIO(text_image("PHONE 42"))).convert("RGB").save(buffer, format=fmt)
     decoded = decode_image(buffer.getvalue(), DecodeParams())
     assert (decoded.features.format, decoded.features.width, decoded.features.height) == (fmt, 800, 200)
+    assert decoded.ocr_image is not None
     assert "PHONE" in read_text(decoded.ocr_image, "eng", timeout_s=10)
     with pytest.raises(ImageTooLarge):
         decode_image(buffer.getvalue(), DecodeParams(max_pixels=800 * 200 - 1))

@@ -90,6 +90,7 @@ def test_big_jpeg_is_downscaled_while_decoding() -> None:
     big = Image.new("RGB", (8000, 6000), "white")
     decoded = decode_image(encode(big, "JPEG", quality=70), PARAMS)
     assert (decoded.features.width, decoded.features.height) == (8000, 6000)
+    assert decoded.ocr_image is not None
     assert max(decoded.ocr_image.shape) <= 2048
     assert decoded.features.megapixels == 48.0
 
@@ -118,11 +119,13 @@ def test_exif_orientation_is_applied() -> None:
     exif[0x0112] = 6  # rotate 90° clockwise to view
     decoded = decode_image(encode(image, "JPEG", exif=exif), PARAMS)
     assert (decoded.features.width, decoded.features.height) == (100, 300)
+    assert decoded.ocr_image is not None
     assert decoded.ocr_image.shape == (300, 100)
 
 
 def test_transparent_pixels_become_white() -> None:
     decoded = decode_image(encode(Image.new("RGBA", (20, 20), (0, 0, 0, 0)), "PNG"), PARAMS)
+    assert decoded.ocr_image is not None
     assert decoded.ocr_image.min() == 255
 
 
@@ -131,6 +134,7 @@ def test_animated_gif_is_flagged_and_its_first_frame_used() -> None:
     data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
     decoded = decode_image(data, PARAMS)
     assert decoded.features.animated is True
+    assert decoded.ocr_image is not None
     assert decoded.ocr_image.max() == 0
 
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from api.intake import _read_json, validate
+from api.intake import UrlInput, _read_json, validate
 from stoker.core.errors import InvalidRequest, PromptTooLong, TooManyInputs, UnsupportedMediaType
+from stoker.core.jobs import InputKind
 from stoker.core.media import content_hash
 from stoker.settings import ApiSettings
 from tests.media import text_image
@@ -33,7 +34,9 @@ def test_valid_request_is_hashed_and_sniffed() -> None:
     ],
     ids=["missing", "empty", "too-long", "too-many", "bad-magic"],
 )
-def test_invalid_requests_raise_their_error(prompt: str | None, raw: list[tuple[str, bytes]], error: type) -> None:
+def test_invalid_requests_raise_their_error(
+    prompt: str | None, raw: list[tuple[InputKind, bytes | UrlInput]], error: type
+) -> None:
     with pytest.raises(error):
         validate(prompt, raw, SETTINGS)
 

@@ -173,7 +173,7 @@ def test_real_tokenizer_trims_to_budget(real_tokenizer: PromptTokenizer) -> None
 
 
 def _turn(role: str, text: str, inputs: list[int] | None = None) -> ChatTurn:
-    return ChatTurn(role=role, text=text, inputs=inputs or [])  # type: ignore[arg-type]
+    return ChatTurn(role=role, text=text, inputs=inputs or [])
 
 
 def test_a_chat_keeps_its_turns_and_each_turns_own_attachments() -> None:

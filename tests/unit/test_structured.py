@@ -55,7 +55,7 @@ def test_calls_of_offered_tools_are_parsed_out_of_the_answer_and_anything_else_s
 
 def test_a_chat_with_tools_reads_in_plain_turns_for_a_template_without_tools() -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Oslo and the time?"},
         {"role": "assistant", "content": "", "tool_calls": [call]},

@@ -10,6 +10,7 @@ from ipaddress import ip_address
 import httpx
 import pytest
 
+from stoker.adapters import urlfetch
 from stoker.adapters.urlfetch import FetchPolicy, fetch, resolve
 from stoker.core.errors import FetchFailed, FetchTimeout, FetchTooLarge, FetchUnavailable, UrlRejected
 from stoker.core.urls import Allowlist, IPAddress
@@ -210,7 +211,7 @@ def test_a_last_temporary_failure_fails_the_input_as_fetch_failed(monkeypatch: p
     def unavailable(url: str, policy: FetchPolicy) -> bytes:
         raise FetchUnavailable("files.example answered HTTP 503")
 
-    monkeypatch.setattr(fetch_task.urlfetch, "fetch", unavailable)
+    monkeypatch.setattr(urlfetch, "fetch", unavailable)
     from stoker.core.jobs import InputRecord
 
     record = InputRecord(index=0, kind="image", content_hash="", size_bytes=0, url="http://files.example/a")

@@ -27,11 +27,15 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm_render"
 
 
 def _recorded_items() -> dict[str, Any]:
-    return json.loads(gzip.decompress((FIXTURES / "tiny-vlm-v1" / "flat_picture.items.json.gz").read_bytes()))
+    items: dict[str, Any] = json.loads(
+        gzip.decompress((FIXTURES / "tiny-vlm-v1" / "flat_picture.items.json.gz").read_bytes())
+    )
+    return items
 
 
 def _summary() -> dict[str, Any]:
-    return json.loads((FIXTURES / "tiny-vlm-v1" / "flat_picture.json").read_text())["features"]
+    features: dict[str, Any] = json.loads((FIXTURES / "tiny-vlm-v1" / "flat_picture.json").read_text())["features"]
+    return features
 
 
 def test_recorded_by_the_vllm_this_module_mirrors() -> None:

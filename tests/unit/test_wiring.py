@@ -304,7 +304,8 @@ def test_the_result_backend_class_is_looked_up_once_however_many_threads_publish
 
     def counted(url: str, loader: object) -> tuple[type, str]:
         lookups.append(url)
-        return by_url(url, loader)
+        found: tuple[type, str] = by_url(url, loader)
+        return found
 
     monkeypatch.setattr(celery_backends, "by_url", counted)
     app = make_app(ApiSettings())
