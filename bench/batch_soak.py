@@ -38,6 +38,8 @@ KEEP_S = 60
 #: The window every batch gets: a batch of `EXPIRING_LINES` lines cannot finish in it behind the others.
 WINDOW_S = 20
 EXPIRING_LINES = 600
+#: The batch cancelled while it runs, to time a cancel (OpenAI's most lines a batch).
+BIG_LINES = 50_000
 
 
 @dataclass
@@ -131,6 +133,35 @@ def run_load(base: str, tokens: list[str], seconds: float, seed: int) -> Tally:
     return tally
 
 
+def big_cancel(base: str, token: str, lines: int = BIG_LINES) -> str:
+    """Cancel a batch of `lines` lines once it runs: how long the cancel took to end it, and whether every line is
+    in exactly one of its two files."""
+    with httpx.Client(base_url=base, timeout=120, headers={"Authorization": f"Bearer {token}"}) as http:
+        data = input_file("complete", lines, 0)
+        upload = http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("big.jsonl", data)}).json()
+        spec = {"input_file_id": upload["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        batch_id = http.post("/v1/batches", json=spec).json()["id"]
+        while http.get(f"/v1/batches/{batch_id}").json()["status"] == "validating":
+            time.sleep(0.05)  # a client's polling interval
+        started = time.monotonic()
+        http.post(f"/v1/batches/{batch_id}/cancel")
+        while (batch := http.get(f"/v1/batches/{batch_id}").json())["status"] != "cancelled":
+            if time.monotonic() - started > 300:
+                raise SystemExit(f"the cancelled batch {batch_id} did not end in 300 s: {batch['status']}")
+            time.sleep(0.05)
+        took = time.monotonic() - started
+        named = [
+            json.loads(row)["custom_id"]
+            for file_id in (batch["output_file_id"], batch["error_file_id"])
+            if file_id
+            for row in http.get(f"/v1/files/{file_id}/content").content.splitlines()
+        ]
+    whole = len(named) == len(set(named)) == lines
+    return f"A {lines}-line batch cancelled while it ran: `cancelled` {took:.2f} s after the cancel; every line in " + (
+        "exactly one of its files." if whole else f"its files: {len(named)} lines, {len(set(named))} distinct (WRONG)."
+    )
+
+
 def settled(server: redis.Redis[bytes], wait_s: float, every_s: float = 5.0) -> Reading:
     """The reading once every ended batch's and file's time is up (and the feeder's sweep has run)."""
     deadline = time.monotonic() + wait_s
@@ -193,8 +224,10 @@ def main() -> None:
             run_load(s.base, tokens, 20.0, args.seed - 1)  # every kind once: the processes' first connections
             before = settled(server, KEEP_S + WINDOW_S)
             tally = run_load(s.base, tokens, args.load_s, args.seed)
+            cancelled = big_cancel(s.base, tokens[0])
             after = settled(server, KEEP_S + WINDOW_S)
         print(report(before, after, tally, args))
+        print(cancelled)
         print(f"(logs: {logs})")
 
 
