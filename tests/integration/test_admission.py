@@ -8,6 +8,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -107,7 +108,12 @@ BAD_REQUESTS = {
 
 @pytest.mark.parametrize(("kwargs", "status", "code"), BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
 def test_bad_request_is_refused_and_nothing_is_enqueued(
-    api: TestClient, idle_spy: SpySubmitter, store_redis: redis.Redis[bytes], kwargs: dict, status: int, code: str
+    api: TestClient,
+    idle_spy: SpySubmitter,
+    store_redis: redis.Redis[bytes],
+    kwargs: dict[str, Any],
+    status: int,
+    code: str,
 ) -> None:
     before = _job_keys(store_redis)
     queued_before = _queued(os.environ["STOKER_BROKER_URL"])

@@ -346,7 +346,8 @@ def test_a_job_is_announced_ended_only_where_a_client_waits_on_it(own_store: Sto
         assert client.hgetall(job_key(unwatched)) == ended  # an ended job's record no longer changes
         marker = uuid.uuid4().hex
         client.publish(done_channel(marker), "")  # heard after every announcement made before it
-        heard, records = [], []
+        heard: list[str] = []
+        records: list[Job | None] = []
         while marker not in heard:
             message = pubsub.get_message(timeout=10)
             assert message is not None, f"no announcement within 10 s (heard {heard})"

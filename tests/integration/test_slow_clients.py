@@ -308,7 +308,8 @@ def _exchange(port: int, payload: bytes, answers: int = 1) -> list[tuple[int, by
     server closes it first."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(payload)
-        received, parsed = b"", []
+        received = b""
+        parsed: list[tuple[int, bytes]] = []
         while len(parsed) < answers and (chunk := sock.recv(65536)):
             received += chunk
             while b"\r\n\r\n" in received:
