@@ -22,7 +22,7 @@ TEST_WORKERS ?= 2
 help:
 	@echo "make up    - install everything (venv, Debian packages, model) and start the stack"
 	@echo "make test  - install everything, then ruff, mypy and all tests (unit, integration, e2e)"
-	@echo "make docs  - write docs/configuration.md from the settings (stoker/settings.py)"
+	@echo "make docs  - write docs/configuration.md from the settings (stoker/settings/)"
 	@echo "make bench - pipeline vs synchronous baseline, results and plots in docs/bench (bench-quick: < 3 min)"
 
 $(VENV)/.installed: pyproject.toml
@@ -92,7 +92,7 @@ bench-quick: install model
 bench: install model
 	$(BIN)/stoker bench --out docs/bench
 
-# The pages generated from the code: docs/configuration.md from stoker/settings.py (a unit test fails while stale).
+# The pages generated from the code: docs/configuration.md from stoker/settings/ (a unit test fails while stale).
 docs: $(VENV)/.installed
 	$(BIN)/stoker docs config > docs/configuration.md
 

@@ -63,17 +63,26 @@ def configuration_page() -> str:
 
 
 def _section(cls: type[BaseSettings]) -> str:
-    """One settings class: its docstring, what it inherits, and a table of the fields it declares itself."""
+    """One settings class: its docstring, what it inherits, and a table of the fields it adds to what it inherits."""
     lines = [f"## {cls.__name__}", "", (cls.__doc__ or "").strip(), ""]
     parent = next((base for base in cls.__mro__[1:] if base in SETTINGS_CLASSES), None)
     if parent is not None:
         lines += [f"It also reads every setting of [{parent.__name__}](#{parent.__name__.lower()}).", ""]
     lines += ["| variable | type | default | description |", "| --- | --- | --- | --- |"]
-    own = inspect.get_annotations(cls)  # this class's own, not its bases'
-    for name, field in cls.model_fields.items():
-        if name in own:
-            lines.append(_row(cls, name, field, parent))
+    lines += [_row(cls, name, cls.model_fields[name], parent) for name in _own_fields(cls, parent)]
     return "\n".join(lines) + "\n"
+
+
+def _own_fields(cls: type[BaseSettings], parent: type[BaseSettings] | None) -> list[str]:
+    """The fields a class declares in its body or takes from its parts, not those it only inherits from the settings
+    class it extends: first the inherited ones it gives a default of its own, in that class's order, then its new
+    ones in the order they are written (its body's, then each part's in the order of its bases: the method
+    resolution order, where pydantic's own field order runs from the last base to the first)."""
+    inherited = set(parent.__mro__) if parent is not None else set()
+    written = (name for klass in cls.__mro__ if klass not in inherited for name in inspect.get_annotations(klass))
+    own = [name for name in dict.fromkeys(written) if name in cls.model_fields]
+    replaced = [name for name in (parent.model_fields if parent is not None else ()) if name in own]
+    return replaced + [name for name in own if name not in replaced]
 
 
 def _row(cls: type[BaseSettings], name: str, field: FieldInfo, parent: type[BaseSettings] | None) -> str:
