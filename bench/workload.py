@@ -156,6 +156,13 @@ def _page(rng: random.Random, width: int, height: int) -> Image.Image:
     return image
 
 
+def scene_jpeg(rng: random.Random, width: int, height: int, quality: int = 88) -> bytes:
+    """A photo-like scene (gradient, shapes, noise, a caption) as a JPEG of the size a camera's would be."""
+    out = io.BytesIO()
+    _scene(rng, width, height).save(out, "JPEG", quality=quality)
+    return out.getvalue()
+
+
 def _scene(rng: random.Random, width: int, height: int) -> Image.Image:
     """A photo-like scene: a colour gradient with shapes and noise, and a caption."""
     y, x = np.mgrid[0:height, 0:width].astype(np.float32)
@@ -201,10 +208,12 @@ def _bad_image(rng: random.Random) -> Media:
     if rng.random() < 0.5:
         good = _image(rng, WorkloadSpec(sizes=(((1024, 768), 1.0),))).data
         return Media("image", good[: len(good) // 3], "corrupt", bad=True)
-    return Media("image", _png_bomb(40_000, 40_000), "bomb", bad=True)
+    return Media("image", png_bomb(40_000, 40_000), "bomb", bad=True)
 
 
-def _png_bomb(width: int, height: int) -> bytes:
+def png_bomb(width: int, height: int) -> bytes:
+    """A PNG whose header claims `width` × `height` pixels over a few bytes of data: a decompression bomb."""
+
     def chunk(kind: bytes, payload: bytes) -> bytes:
         return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
