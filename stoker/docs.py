@@ -44,8 +44,9 @@ Every setting is an environment variable with the prefix `STOKER_`, declared in 
 `stoker/settings/` (the store, stages, inference, tenancy, the Batch API, the benchmarks' simulated device and
 baseline) and read by one pydantic-settings class per process kind composed of those parts (the only place the
 environment is read). `CommonSettings` is what every process reads; the API, the workers and `stoker up` each add
-their own, and a class may give an inherited setting a default of its own (shown beside the one it replaces). Booleans take `true`/`false` (or `on`/`off`, `1`/`0`);
-a duration's unit is in its name (`_s` seconds, `_ms` milliseconds). Unknown `STOKER_*` variables are ignored.
+their own, and a class may give an inherited setting a default of its own (shown beside the one it replaces).
+Booleans take `true`/`false` (or `on`/`off`, `1`/`0`); a duration's unit is in its name (`_s` seconds, `_ms`
+milliseconds). Unknown `STOKER_*` variables are ignored.
 Where each process gets them from in a deployment: [operations](operations.md).
 """
 
