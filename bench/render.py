@@ -430,7 +430,7 @@ def _row(mine: dict[str, Phase]) -> dict[str, Any]:
         "4xx": sum(n for s, n in statuses.items() if s.startswith("4")),
         "5xx": sum(n for s, n in statuses.items() if s.startswith("5")),
         "no_answer": statuses.get("none", 0),
-        "refusals": dict(Counter(a.detail[:100] for p in every for a in p.answers if a.status != 200)),
+        "refusals": dict(Counter((a.error or a.detail)[:100] for p in every for a in p.answers if a.status != 200)),
     }
 
 
@@ -524,13 +524,13 @@ def profile(model: Path, n: int, seed: int) -> dict[str, Any]:
     assert renderer.preparer is not None, f"{model} reads no pictures"
     rng = random.Random(f"{seed}:profile")
     jpegs = [scene_jpeg(rng, 1280, 960) for _ in range(n + 1)]
-    steps, processor = Steps(), cProfile.Profile()
+    steps, processor = Steps(), cProfile.Profile(time.process_time)
     sizes: Counter[str] = Counter()
     with valkey("allkeys-lru", 2048) as (pid, port), redis.Redis(port=port) as client:
         _picture(renderer, steps, processor, client, jpegs[0], sizes)  # first-of-a-kind costs, not counted
         steps.spent.clear()
         sizes.clear()
-        processor = cProfile.Profile()
+        processor = cProfile.Profile(time.process_time)
         server_before = sum(p.cpu_s for p in tree(pid))
         for jpeg in jpegs[1:]:
             _picture(renderer, steps, processor, client, jpeg, sizes)
@@ -570,7 +570,8 @@ def _picture(
 
 
 def _hottest(profiled: cProfile.Profile, n: int, top: int = 8) -> list[tuple[str, float]]:
-    """The processor's functions with the most CPU of their own (ms per picture)."""
+    """The processor's functions with the most CPU of their own (ms per picture; CPU time, not wall time, so a busy
+    machine does not inflate them)."""
     stats: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = pstats.Stats(profiled).stats  # type: ignore[attr-defined]
     own = sorted(((tt, where) for where, (_, _, tt, _, _) in stats.items()), reverse=True)[:top]
     return [(f"{func} ({Path(file).name}:{line})", round(tt * 1000 / n, 2)) for tt, (file, line, func) in own]
