@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -40,7 +40,7 @@ from api.submission import submit_job
 from api.tenancy import authenticate
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.render import ITEM, Rendered, RenderedPicture, Renderer
-from stoker.adapters.vllm_render import features, generate_request, parse_context, sampling_params
+from stoker.adapters.vllm_render import features, generate_request, parse_context, request_json, sampling_params
 from stoker.core.errors import (
     ClientGone,
     InvalidRequest,
@@ -125,9 +125,7 @@ class _Read:
 
 
 @router.post("/v1/chat/completions/render", responses=RESPONSES)
-async def render_chat(
-    request: Request, context: Context, tenant: Annotated[str, Depends(authenticate)]
-) -> JSONResponse:
+async def render_chat(request: Request, context: Context, tenant: Annotated[str, Depends(authenticate)]) -> Response:
     """The chat rendered into vLLM's `GenerateRequest`."""
     model = await renderer(context)
     read = _Read()
@@ -143,7 +141,8 @@ async def render_chat(
         return failed
     assert isinstance(read.body, ChatRenderCreate)
     answer = await _assemble_chat(context, model, read.body, job, tenant)
-    return JSONResponse(answer, headers=job_headers(job))
+    body = await run_in_threadpool(request_json, answer)  # the bytes JSONResponse would write, items copied in
+    return Response(body, media_type="application/json", headers=job_headers(job))
 
 
 @router.post("/v1/completions/render", responses=RESPONSES)
@@ -285,7 +284,7 @@ async def _assemble_chat(
         rendered.token_ids,
         sampling,
         model=body.model,
-        mm_features=features(hashes, rendered.placeholders, [p.item for p in pictures]),
+        mm_features=features(hashes, rendered.placeholders, [p.wire for p in pictures]),
         parse_context=_parse_context(body),
         stream=body.stream,
         priority=body.priority,

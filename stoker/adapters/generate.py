@@ -45,7 +45,7 @@ class RequestRenderer:
             rendered.token_ids,
             sampling,
             model=self.model,
-            mm_features=features(hashes, rendered.placeholders, [p.item for p in pictures]),
+            mm_features=features(hashes, rendered.placeholders, [p.wire for p in pictures]),
             parse_context=parse_context(tools, _tool_choice(params), history_tool_call_cnt=calls),
             stream=stream,
             priority=priority,

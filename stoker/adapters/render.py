@@ -14,7 +14,6 @@ bit-equal where both run the same image processor backend: see that folder's REA
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 from collections.abc import Sequence
@@ -23,36 +22,61 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+import msgspec
 from PIL import Image
 
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_prompt_tokenizer
 from stoker.adapters.backends.vision import ImagePreparer
-from stoker.adapters.vllm_render import ItemElement, decode_item, idefics3_item, item_bytes
+from stoker.adapters.vllm_render import ItemElement, WireItem, decode_item, idefics3_item
 from stoker.core.cachekeys import CacheAddress, fingerprint
 from stoker.core.errors import StokerError
 
 #: Bump when what a render makes of a picture changes (its cache entries are then missed).
 VERSION = "1"
-#: The part of a render's cache entry that holds a picture's rendering (`RenderedPicture.to_bytes`).
-ITEM = "item"
+#: The part of a render's cache entry that holds a picture's rendering (`RenderedPicture.to_bytes`). It names the
+#: entry's layout: "item" held the layout as JSON, then the item's msgpack bytes; "wire" holds `_Entry`, so an entry of
+#: the earlier layout is never read as one of this.
+ITEM = "wire"
+
+
+class _Entry(msgspec.Struct, array_like=True, frozen=True):
+    """A picture's rendering as cached: its layout and its item as a render sends it (`WireItem`)."""
+
+    layout: dict[str, Any]
+    kwargs_data: str
+    mm_metadata: str | None
+
+
+_ENTRIES = msgspec.msgpack.Decoder(_Entry)
 
 
 @dataclass(frozen=True)
 class RenderedPicture:
-    """One picture ready for a render: its layout (for its placeholder tokens) and its vLLM item."""
+    """One picture ready for a render: its layout (for its placeholder tokens) and its vLLM item, encoded as a
+    render sends it."""
 
     layout: dict[str, Any]
-    item: dict[str, ItemElement]
+    wire: WireItem
+
+    @classmethod
+    def of(cls, layout: dict[str, Any], item: dict[str, ItemElement]) -> RenderedPicture:
+        """A picture's layout and item, the item encoded once here."""
+        return cls(layout, WireItem.of(item))
+
+    @property
+    def item(self) -> dict[str, ItemElement]:
+        """The item's tensors and fields, decoded from what a render sends."""
+        return decode_item(self.wire.kwargs_data)
 
     def to_bytes(self) -> bytes:
-        """As cached: the layout as one line of JSON, then the item's msgpack bytes."""
-        return json.dumps(self.layout).encode() + b"\n" + item_bytes(self.item)
+        """As cached: msgpack of `_Entry` (the base64 text as it is sent, so a read copies it and decodes nothing)."""
+        return msgspec.msgpack.encode(_Entry(self.layout, self.wire.kwargs_data, self.wire.mm_metadata))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RenderedPicture:
-        """The inverse of `to_bytes`; ValueError for anything else."""
-        layout, _, item = data.partition(b"\n")
-        return cls(json.loads(layout), decode_item(base64.b64encode(item).decode()))
+        """The inverse of `to_bytes`; ValueError for anything else (msgspec's DecodeError is one)."""
+        entry = _ENTRIES.decode(data)
+        return cls(entry.layout, WireItem(entry.kwargs_data, entry.mm_metadata))
 
 
 @dataclass(frozen=True)
@@ -106,7 +130,7 @@ class Renderer:
         if self.preparer is None:
             raise StokerError("this model reads no pictures", stage="render")
         prepared = self.preparer.prepare(rgb)
-        return RenderedPicture(self.preparer.layout(prepared), idefics3_item(prepared.tensors, self.dtype))
+        return RenderedPicture.of(self.preparer.layout(prepared), idefics3_item(prepared.tensors, self.dtype))
 
     def chat(
         self,

@@ -18,7 +18,10 @@ fails it.
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -207,6 +210,22 @@ def metadata_item(item: Mapping[str, ItemElement]) -> dict[str, ItemElement]:
     return {key: element for key, element in item.items() if element.field.keep_on_cpu}
 
 
+@dataclass(frozen=True)
+class WireItem:
+    """One picture's item in the form a render sends it: `kwargs_data` (the whole item, msgpack then base64) and
+    `mm_metadata` (its fields kept on the CPU, encoded alike; None for an item without one). Made once where the
+    picture is rendered and cached as it is, so a render only copies the text into its answer."""
+
+    kwargs_data: str
+    mm_metadata: str | None
+
+    @classmethod
+    def of(cls, item: KwargsItem) -> WireItem:
+        """The item encoded as `features` carries it."""
+        metadata = metadata_item(item)
+        return cls(encode_item(item), encode_item(metadata) if metadata else None)
+
+
 #: vLLM's SamplingParams defaults that an int equal to them leaves out of its JSON (msgspec's `omit_defaults`
 #: compares by identity, so a small int equal to its default is omitted, a computed float is not).
 _INT_DEFAULTS = {"max_tokens": 16, "n": 1}
@@ -261,19 +280,55 @@ def sampling_params(
 
 
 def features(
-    hashes: list[str], placeholders: list[tuple[int, int]], items: list[Mapping[str, ItemElement]]
+    hashes: list[str], placeholders: list[tuple[int, int]], items: Sequence[WireItem]
 ) -> dict[str, Any] | None:
     """`MultiModalFeatures` for a render's pictures (None for a render without one): their hashes, placeholder
-    ranges and items, each item's fields kept on the CPU again in `mm_metadata`."""
+    ranges and encoded items, each item's fields kept on the CPU again in `mm_metadata`."""
     if not hashes:
         return None
-    metadata = [metadata_item(item) for item in items]
+    metadata = [item.mm_metadata for item in items]
     return {
         "mm_hashes": {"image": hashes},
         "mm_placeholders": {"image": [{"offset": offset, "length": length} for offset, length in placeholders]},
-        "kwargs_data": {"image": [encode_item(item) for item in items]},
-        "mm_metadata": {"image": [encode_item(m) if m else None for m in metadata]} if any(metadata) else None,
+        "kwargs_data": {"image": [item.kwargs_data for item in items]},
+        "mm_metadata": {"image": metadata} if any(m is not None for m in metadata) else None,
     }
+
+
+def request_json(request: dict[str, Any]) -> bytes:
+    """A `GenerateRequest` as JSON, the very bytes Starlette's `JSONResponse` writes for it (compact, UTF-8, no
+    NaN), with its items' base64 text copied in rather than scanned by the json module: megabytes a picture, and
+    base64's alphabet needs no escaping in JSON, so the copy is what `json.dumps` would have written. By hand: no JSON
+    library takes a string as a raw piece, and msgspec or orjson write floats and escapes their own way."""
+    marker = f"stoker-item-{uuid.uuid4().hex}"  # random: no string a caller sends can spell it
+    items: list[str] = []
+    skeleton = (
+        {**request, "features": _marked(request["features"], marker, items)} if "features" in request else request
+    )
+    text = json.dumps(skeleton, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+    pieces = re.split(f'"{marker}:([0-9]+)"', text)
+    out = [pieces[0].encode()]
+    for at in range(1, len(pieces), 2):
+        out += [b'"', items[int(pieces[at])].encode("ascii"), b'"', pieces[at + 1].encode()]
+    return b"".join(out)
+
+
+def _marked(found: dict[str, Any] | None, marker: str, items: list[str]) -> dict[str, Any] | None:
+    """`features` with each base64 item replaced by a marker naming its place in `items`."""
+    if found is None:
+        return None
+    out = dict(found)
+    for name in ("kwargs_data", "mm_metadata"):
+        if out.get(name) is not None:
+            out[name] = {kind: [_mark(v, marker, items) for v in values] for kind, values in out[name].items()}
+    return out
+
+
+def _mark(value: str | None, marker: str, items: list[str]) -> str | None:
+    if value is None:
+        return None
+    items.append(value)
+    return f"{marker}:{len(items) - 1}"
 
 
 def parse_context(

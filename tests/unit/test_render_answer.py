@@ -1,0 +1,92 @@
+"""A render's answer written the fast way (`RenderedPicture.wire` read from its cache entry, `request_json` copying
+the items in) is byte for byte the answer of the way before it: each picture's item decoded back to tensors,
+encoded again (`encode_item`) and the whole `GenerateRequest` written by Starlette's `JSONResponse`. For every
+recorded case of `tests/fixtures/vllm_render` (its token ids and vLLM's other fields), and for fields whose JSON
+needs escaping."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from starlette.responses import JSONResponse
+
+from stoker.adapters.render import RenderedPicture, Renderer
+from stoker.adapters.vllm_render import WireItem, encode_item, features, metadata_item, request_json
+from tests.fixtures.vllm_render import corpus
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm_render"
+MODELS = Path("~/.cache/stoker/models").expanduser()
+SEES = {"smollm2-135m-instruct": False, "tiny-vlm-v1": True}
+RECORDED = [(model, case) for model, sees in SEES.items() for case in corpus.cases_for(sees)]
+
+
+@cache
+def rendered_picture(name: str) -> RenderedPicture:
+    return Renderer(str(MODELS / "tiny-vlm-v1")).picture(corpus.picture(name))
+
+
+def slow_features(hashes: list[str], placeholders: list[tuple[int, int]], pictures: list[RenderedPicture]) -> Any:
+    """`features` as the API wrote it before: from each item's tensors, encoded again."""
+    if not hashes:
+        return None
+    items = [p.item for p in pictures]
+    metadata = [metadata_item(item) for item in items]
+    return {
+        "mm_hashes": {"image": hashes},
+        "mm_placeholders": {"image": [{"offset": offset, "length": length} for offset, length in placeholders]},
+        "kwargs_data": {"image": [encode_item(item) for item in items]},
+        "mm_metadata": {"image": [encode_item(m) if m else None for m in metadata]} if any(metadata) else None,
+    }
+
+
+def answer(model: str, case: str, mm_features: Any) -> dict[str, Any]:
+    """The recorded case's `GenerateRequest` in the field order stoker answers, with these features."""
+    recorded = json.loads((FIXTURES / model / f"{case}.json").read_text())
+    generate = recorded["generate"]
+    order = ["request_id", "token_ids", "token_offsets", "features", *sorted(generate)]
+    fields = {**generate, "request_id": f"chatcmpl-{case}", "token_ids": recorded["token_ids"], "features": mm_features}
+    return {name: fields[name] for name in dict.fromkeys(order)}
+
+
+@pytest.mark.parametrize(("model", "case"), RECORDED)
+def test_the_answer_is_the_bytes_it_was(model: str, case: str) -> None:
+    names = corpus.CASES[case]["pictures"] if SEES[model] else []
+    cached = [RenderedPicture.from_bytes(rendered_picture(name).to_bytes()) for name in names]
+    hashes = [f"{i:064x}" for i in range(len(names))]
+    placeholders = [(10 * i, 7) for i in range(len(names))]
+    fast = answer(model, case, features(hashes, placeholders, [p.wire for p in cached]))
+    slow = answer(model, case, slow_features(hashes, placeholders, [rendered_picture(name) for name in names]))
+    assert request_json(fast) == JSONResponse(slow).body
+    if names:
+        assert fast["features"]["kwargs_data"]["image"][0] == slow["features"]["kwargs_data"]["image"][0]
+
+
+def test_fields_that_need_escaping_are_written_as_json_writes_them() -> None:
+    item = rendered_picture("flat").wire
+    odd = ['quote " backslash \\ newline \n tab \t', "ünïcødé ✓", "\x00\x1f", "stoker-item-0:0", '"stoker-item-x:0"']
+    mm = features(["h"], [(1, 2)], [item, item])
+    body = {"request_id": "r", "features": mm, "sampling_params": {"temperature": 0.7, "top_p": 1e-05}, "stop": odd}
+    assert request_json(body) == JSONResponse(body).body
+    assert request_json({"features": None, "n": 3}) == JSONResponse({"features": None, "n": 3}).body
+    assert request_json({"token_ids": [1, 2]}) == JSONResponse({"token_ids": [1, 2]}).body
+
+
+def test_a_cache_entry_reads_back_as_it_was_written() -> None:
+    picture = rendered_picture("portrait")
+    back = RenderedPicture.from_bytes(picture.to_bytes())
+    assert back == picture
+    assert back.wire == WireItem.of(picture.item)
+    assert back.wire.mm_metadata is not None  # num_patches stays on the CPU
+
+
+def test_an_entry_of_the_earlier_layout_is_not_read_as_a_rendering() -> None:
+    """Before, an entry was the layout as a line of JSON, then the item's msgpack bytes."""
+    picture = rendered_picture("flat")
+    earlier = json.dumps(picture.layout).encode() + b"\n" + msgspec.msgpack.encode({"pixel_values": 1})
+    with pytest.raises(ValueError, match=r"Expected|msgpack"):
+        RenderedPicture.from_bytes(earlier)
