@@ -37,7 +37,7 @@ import httpx
 from stoker.adapters.backends.generated import StreamedTokens, chat_completion
 from stoker.adapters.backends.vlm import VisionEncoder, tensor_base64
 from stoker.adapters.metrics import OPENAI_GENERATE_FALLBACKS
-from stoker.core.errors import InferenceFailed, ModelUnavailable, StokerError
+from stoker.core.errors import ImageTensorsMissing, InferenceFailed, ModelUnavailable, StokerError
 from stoker.core.model import EncoderUse, GenerationParams, ModelRequest, Outcome, Prediction
 
 log = logging.getLogger(__name__)
@@ -271,12 +271,18 @@ class OpenAIPredictor:
         return error
 
     def _answer(self, call: Call, sent: list[int]) -> Prediction:
-        """The request's answer by the protocol it goes by: generate while the server offers it, else chat."""
+        """The request's answer by the protocol it goes by: generate while the server offers it, else chat. In
+        `auto`, a request with a picture that has no rendering here (the CPU stage did not render it, and it cannot
+        be rendered again: a served model whose pictures this worker cannot render) goes by chat completions."""
         if self.protocol != "chat":
             try:
                 return self._generate(call, sent)
             except _NoGenerate:
                 self._fall_back()
+            except ImageTensorsMissing as exc:
+                if self.protocol == "generate":
+                    raise
+                log.info("openai backend: %s: this request goes by chat completions", exc.message)
         if "chat" not in call.bodies:
             call.bodies["chat"] = self.body(call.request, call.encoder)
         body = call.bodies["chat"]
