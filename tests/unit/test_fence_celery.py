@@ -23,8 +23,9 @@ from stoker.adapters.celery_protocol import CELERY_VERSIONS, task_id, task_kwarg
 from stoker.settings import CommonSettings
 from tasks.app import make_app
 
-#: What differs between two messages of the same signature: their ids and the time stoker stamps.
-_PER_MESSAGE_HEADERS = {"id", "root_id", "stoker_sent"}
+#: What differs between two messages of the same signature: their ids, the time stoker stamps, and, once tracing is on
+#: in the process (an earlier test's, in a suite), the span each message was published in (W3C trace context).
+_PER_MESSAGE_HEADERS = {"id", "root_id", "stoker_sent", "traceparent", "tracestate"}
 _PER_MESSAGE_PROPERTIES = {"correlation_id", "delivery_tag"}
 
 
