@@ -3,8 +3,8 @@
 deployment at a time, by lease. It validates a new batch's input file; feeds its lines as stoker jobs of class
 `batch` through the same intake as `/v1/chat/completions` (`api.chat_intake.accept_chat`,
 `api.submission.submit_line`), only into the room the queues' watermarks leave and never more than
-`STOKER_BATCH_MAX_IN_FLIGHT` at once; collects each ended line's outcome; and writes the output and error files
-when the batch completes, is cancelled or expires.
+`STOKER_BATCH_MAX_IN_FLIGHT` at once; and has each ended line's outcome collected and the batch ended (its output
+and error files written) when it completes, is cancelled or expires, by `api.openai_batch_ends`.
 
 Every step's progress is in the store, so a feeder that dies (SIGKILLed) is replaced by the next lease
 holder, which resumes where it left off: a line's job id is derived from its batch and line number, so a line
@@ -24,26 +24,24 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
-from itertools import islice
 from typing import TypeVar
 
 import redis
 from starlette.concurrency import run_in_threadpool
 
-from api.chat import completion
 from api.chat_intake import accept_chat
 from api.context import ApiContext, close_clients
-from api.files import store_file, sweep_expired_files
+from api.files import sweep_expired_files
 from api.intake import AcceptedRequest
-from api.submission import cancel, submit_line, unmake
+from api.openai_batch_ends import OpenAIBatchEnds, missing_input, next_lines
+from api.submission import submit_line, unmake
 from stoker.adapters.store.coordination import give_up_lease
 from stoker.adapters.store.keys import BATCH_FEEDER_LEASE_KEY
 from stoker.adapters.store.openai_batches import PendingLine, Progress
-from stoker.core.errors import BatchCancelled, BatchExpired, StokerError, error_class
-from stoker.core.jobs import ErrorInfo, Job
+from stoker.core.errors import StokerError
 from stoker.core.openai_batches import (
     LineError,
     OpenAIBatch,
@@ -54,17 +52,14 @@ from stoker.core.openai_batches import (
     Room,
     Validation,
     index_entry,
-    indexed_names,
     json_values,
     line_index_id,
     line_job_id,
     line_room,
     now_s,
     output_line,
-    parse_line,
     split_lines,
     tenant_turns,
-    unrun_line,
 )
 from stoker.core.pacing import Pace
 from stoker.core.queues import inference_depth
@@ -78,10 +73,6 @@ SWEEP_EVERY_S = 10.0
 #: A batch whose step fails this many times in a row fails; it is tried again after 0.5 s, 1 s, 2 s, ...
 MAX_STEP_FAULTS = 5
 FAULT_BACKOFF_S = 0.5
-#: Lines that never ran written to the store at a time (when a batch is cancelled, expires or loses its input).
-UNRUN_AT_ONCE = 1000
-#: The statuses a batch the feeder cannot move on fails from.
-_UNENDED: tuple[OpenAIBatchStatus, ...] = ("validating", "in_progress", "finalizing", "cancelling")
 T = TypeVar("T")
 
 
@@ -95,6 +86,7 @@ class OpenAIBatchFeeder:
         self._swept = 0.0
         self._turn = 0  # rounds of feeding so far: which tenant is served first in the next
         self._retry_at: dict[str, float] = {}  # batches whose last step failed: when they are tried again
+        self.ends = OpenAIBatchEnds(context)
 
     async def run(self) -> None:
         """Tick until cancelled (the API's lifespan, or `stoker batch-feeder`'s signal handler): every
@@ -175,7 +167,7 @@ class OpenAIBatchFeeder:
         problem = f"{type(exc).__name__}: {exc}"
         log.error("batch %s failed: its step failed %d times in a row (%s)", batch_id, tries, problem)
         self._retry_at.pop(batch_id, None)
-        self._give_up(batch_id, problem)
+        self.ends.give_up(batch_id, problem)
 
     def _room(self, ids: list[str]) -> int:
         """How many lines may be fed this tick, over every batch."""
@@ -201,9 +193,9 @@ class OpenAIBatchFeeder:
         if ending is not None:
             await run_in_threadpool(ending, record)
             return False
-        await run_in_threadpool(self._collect, record)
-        if await run_in_threadpool(self._all_done, record):
-            await run_in_threadpool(self._finish, record, "completed")
+        await run_in_threadpool(self.ends.collect, record)
+        if await run_in_threadpool(self.ends.all_done, record):
+            await run_in_threadpool(self.ends.finish, record, "completed")
             return False
         return True
 
@@ -212,14 +204,15 @@ class OpenAIBatchFeeder:
         expired = record.expires_at is not None and now_s() >= record.expires_at
         if record.in_progress_at is None:  # never started: no line of it ran, none is written anywhere
             if record.status == "cancelling" or expired:
-                return partial(self._end_unstarted, ending="cancelled" if record.status == "cancelling" else "expired")
+                ending: OpenAIBatchStatus = "cancelled" if record.status == "cancelling" else "expired"
+                return partial(self.ends.end_unstarted, ending=ending)
             return self._validate
         if record.status == "finalizing":
-            return partial(self._finish, ending="completed")
+            return partial(self.ends.finish, ending="completed")
         if expired:
-            return partial(self._stop, ending="expired")
+            return partial(self.ends.stop, ending="expired")
         if record.status == "cancelling":
-            return partial(self._stop, ending="cancelled")
+            return partial(self.ends.stop, ending="cancelled")
         return None
 
     async def _feed_in_turn(self, running: list[OpenAIBatch], room: int) -> None:
@@ -256,7 +249,7 @@ class OpenAIBatchFeeder:
     def _refuse(self, record: OpenAIBatch, errors: list[LineError]) -> None:
         """A batch that failed validation: `failed`, with OpenAI's `errors` list."""
         store = self.context.store.openai_batches
-        self._drop_index(record.id)
+        self.ends.drop_index(record.id)
         store.update(record.id, errors=OpenAIBatchErrors(data=errors).model_dump(mode="json"))
         if store.move(record.id, "failed", now_s(), only_from=("validating",)):
             store.retire(record.id)
@@ -273,7 +266,7 @@ class OpenAIBatchFeeder:
                 for raw, _ in lines:
                     index.write(index_entry(check.add(raw)))
         except FileNotFoundError:
-            check.errors.append(_missing_input(record.input_file_id))
+            check.errors.append(missing_input(record.input_file_id))
         check.finish()
         return check
 
@@ -293,9 +286,9 @@ class OpenAIBatchFeeder:
         store = self.context.store.openai_batches
         progress = await run_in_threadpool(store.progress, record.id)
         try:
-            lines = await run_in_threadpool(_next_lines, self.context, record, progress, min(room, FEED_AT_ONCE))
+            lines = await run_in_threadpool(next_lines, self.context, record, progress, min(room, FEED_AT_ONCE))
         except FileNotFoundError:
-            await run_in_threadpool(self._input_gone, record, progress)
+            await run_in_threadpool(self.ends.input_gone, record, progress)
             return 0
         requests = [parsed for parsed, _ in lines if parsed is not None]
         outcomes = dict(
@@ -366,182 +359,10 @@ class OpenAIBatchFeeder:
         left_ms = max(((record.expires_at or 0) - now_s()) * 1000, 100)
         return int(min(self.context.settings.max_deadline_ms, left_ms))
 
-    # -- collecting -------------------------------------------------------------------------------------------
-    def _collect(self, record: OpenAIBatch) -> int:
-        """Write the outcome of every line whose job ended; how many were written."""
-        store = self.context.store
-        pending = store.openai_batches.pending(record.id)
-        if not pending:
-            return 0
-        progress = store.openai_batches.progress(record.id)
-        jobs = store.jobs.load_many([p.job_id for p in pending])
-        written = 0
-        model = self.context.settings.public_model_name
-        for line, job in zip(pending, jobs, strict=True):
-            if job is None:
-                if line.line <= progress.lines:  # fed and gone (its record outlived): it never answered
-                    body = unrun_line(line.custom_id, line.job_id, "job_lost", "the request's job was lost")
-                    written += store.openai_batches.settle(record.id, line, body, ok=False)
-                continue  # not made yet: fed again from the cursor
-            if job.terminal:
-                outcome, ok = line_outcome(line, job, model)
-                written += store.openai_batches.settle(record.id, line, outcome, ok=ok)
-        return written
-
-    def _all_done(self, record: OpenAIBatch) -> bool:
-        store = self.context.store.openai_batches
-        fresh = store.get(record.id)
-        if fresh is None or fresh.status != "in_progress":
-            return False
-        counts = fresh.request_counts
-        return counts.completed + counts.failed >= counts.total and not store.pending(record.id)
-
-    # -- ending -----------------------------------------------------------------------------------------------
-    def _stop(self, record: OpenAIBatch, ending: OpenAIBatchStatus) -> None:
-        """Cancel or expire a batch: its queued lines cancelled (none reaches the device from now on), what had
-        finished kept, every line that never ran written to the error file with why; then its files."""
-        store = self.context.store
-        reason: StokerError = BatchCancelled() if ending == "cancelled" else BatchExpired()
-        for line in store.openai_batches.pending(record.id):
-            cancel(store, line.job_id, replace_stage(reason))
-        self._collect(record)
-        progress = store.openai_batches.progress(record.id)
-        if self._write_unrun(record, progress, reason.code, reason.message) is None:
-            log.warning("batch %s: the lines it never fed cannot be named (its input file is gone)", record.id)
-        self._finish(record, ending)
-
-    def _input_gone(self, record: OpenAIBatch, progress: Progress) -> None:
-        """The input file of a running batch was deleted: every line not fed yet goes to the error file
-        (`file_not_found`), and the batch completes once the lines in flight end. Without a line index to name its
-        lines by (a batch validated before indexes were kept), the batch fails."""
-        message = f"the input file {record.input_file_id} was deleted before this line ran"
-        last = self._write_unrun(record, progress, _missing_input(record.input_file_id).code, message)
-        if last is None:
-            self._give_up(record.id, message.replace("this line ran", "every line ran"))
-            return
-        self.context.store.openai_batches.advance(record.id, Progress(max(last, progress.lines), progress.offset))
-
-    def _write_unrun(self, record: OpenAIBatch, progress: Progress, code: str, message: str) -> int | None:
-        """Write every line past the feeding cursor that has no outcome yet to the error file, as one that never
-        ran (`code`), a thousand at a time: named by the line index, read once without parsing the input again.
-        The last line number seen; None if the lines cannot be named."""
-        try:
-            names = self._names_after(record, progress)
-        except FileNotFoundError:
-            return None
-        store, last = self.context.store.openai_batches, progress.lines
-        while chunk := list(islice(names, UNRUN_AT_ONCE)):
-            rows = []
-            for number, custom_id in chunk:
-                job_id = line_job_id(record.id, number)
-                rows.append((job_id, custom_id, unrun_line(custom_id, job_id, code, message)))
-            store.settle_unrun(record.id, rows)
-            last = chunk[-1][0]
-        return last
-
-    def _names_after(self, record: OpenAIBatch, progress: Progress) -> Iterator[tuple[int, str]]:
-        """The line number and custom_id of each request past the feeding cursor: from the line index, or (a batch
-        validated before indexes were kept) from its input file; FileNotFoundError when neither is there."""
-        files = self.context.files
-        try:
-            return indexed_names(split_lines(files.read(line_index_id(record.id))), progress.lines)
-        except FileNotFoundError:
-            lines = _next_lines(self.context, record, progress, None)
-            return ((parsed.number, parsed.custom_id) for parsed, _ in lines if parsed is not None)
-
-    def _end_unstarted(self, record: OpenAIBatch, ending: OpenAIBatchStatus) -> None:
-        """End a batch cancelled or expired before it started: no line of it ran, none is in a file (its counts
-        all 0)."""
-        store = self.context.store.openai_batches
-        store.update(record.id, request_counts=RequestCounts().model_dump())
-        if store.move(record.id, ending, now_s(), only_from=("validating", "cancelling")):
-            store.retire(record.id)
-        self._drop_index(record.id)
-
-    def _drop_index(self, batch_id: str) -> None:
-        """Delete a batch's line index (it ended, or never started)."""
-        try:
-            self.context.files.delete(line_index_id(batch_id))
-        except OSError as exc:  # the batch's end stands: a file left behind is only disk
-            log.warning("batch %s: its line index was not deleted (%s)", batch_id, exc)
-
-    def _give_up(self, batch_id: str, problem: str) -> None:
-        """Fail a batch the feeder cannot move on, saying why; its lines in flight are cancelled."""
-        store = self.context.store
-        error = LineError(code="internal_error", message=f"the batch could not go on: {problem}"[:500])
-        store.openai_batches.update(batch_id, errors=OpenAIBatchErrors(data=[error]).model_dump(mode="json"))
-        if store.openai_batches.move(batch_id, "failed", now_s(), only_from=_UNENDED):
-            for line in store.openai_batches.pending(batch_id):
-                cancel(store, line.job_id, replace_stage(BatchCancelled()))
-            store.openai_batches.retire(batch_id)
-        self._drop_index(batch_id)
-
-    def _finish(self, record: OpenAIBatch, ending: OpenAIBatchStatus) -> None:
-        """Write the output and error files and end the batch (through `finalizing` when it completed)."""
-        store = self.context.store.openai_batches
-        if ending == "completed" and not store.move(record.id, "finalizing", now_s(), only_from=("in_progress",)):
-            fresh = store.get(record.id)
-            if fresh is None or fresh.status != "finalizing":
-                return  # cancelled or expired meanwhile: that path ends it
-        live = store.get(record.id) or record
-        files: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
-        for ok, name in ((True, "output_file_id"), (False, "error_file_id")):
-            lines = list(store.outcomes(record.id, ok=ok))
-            if lines:
-                kind = "output" if ok else "error"
-                made = store_file(self.context, record.tenant, f"{record.id}_{kind}.jsonl", iter(lines))
-                files[name] = made.id
-        counts = live.request_counts.model_dump()
-        store.update(record.id, request_counts=counts, **files)
-        source: tuple[OpenAIBatchStatus, ...] = ("finalizing",)
-        if ending != "completed":
-            source = ("in_progress", "cancelling", "finalizing")
-        store.move(record.id, ending, now_s(), only_from=source)
-        store.retire(record.id)
-        self._drop_index(record.id)
-        log.info("batch %s %s: %s", record.id, ending, counts)
-
-
-def line_outcome(line: PendingLine, job: Job, model: str) -> tuple[dict[str, object], bool]:
-    """An ended line's output line (its answer, as `/v1/chat/completions` gives it) and whether it succeeded."""
-    if job.result is not None:
-        return output_line(line.custom_id, job.id, 200, completion(job, model).model_dump(mode="json")), True
-    info = job.error or ErrorInfo(code="internal_error", message="the job ended without an answer")
-    if info.code in (BatchCancelled.code, BatchExpired.code):
-        return unrun_line(line.custom_id, job.id, info.code, info.message), False
-    error = error_class(info.code)(info.message, stage=info.stage)
-    return output_line(line.custom_id, job.id, error.http_status, error.envelope()), False
-
-
-def replace_stage(reason: StokerError) -> StokerError:
-    """The reason a line's job was ended, said by the batch."""
-    return type(reason)(reason.message, stage="batch")
-
-
-def _next_lines(
-    context: ApiContext, record: OpenAIBatch, progress: Progress, count: int | None
-) -> list[tuple[OpenAIBatchLine | None, int]]:
-    """The next `count` lines of a batch's input (all that are left: None) from where feeding got to, each with
-    the offset after it; a blank line is None. FileNotFoundError when the input file is gone."""
-    found: list[tuple[OpenAIBatchLine | None, int]] = []
-    number = progress.lines
-    chunks = context.files.read(record.input_file_id, progress.offset)
-    for raw, after in split_lines(chunks, context.settings.max_body_bytes):
-        number += 1
-        parsed = parse_line(raw, number, record.endpoint) if raw.strip() else None
-        found.append((parsed if isinstance(parsed, OpenAIBatchLine) else None, progress.offset + after))
-        if count is not None and sum(1 for p, _ in found if p is not None) >= count:
-            break
-    return found
-
 
 def _json_values(raw: bytes) -> int:
     """A line's JSON values, counted as a request body's to `/v1/chat/completions` are."""
     return json_values(raw)
-
-
-def _missing_input(file_id: str) -> LineError:
-    return LineError(code="file_not_found", message=f"the input file {file_id} is gone")
 
 
 def run_openai_batch_feeder(settings: ApiSettings) -> int:
