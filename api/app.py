@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.chat import router as chat_router
+from api.completions import router as completions_router
 from api.context import ApiContext, close_clients
 from api.files import router as files_router
 from api.headers import SHOULD_RETRY, retry_headers
@@ -57,6 +58,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app.add_middleware(RequestTimer)
     app.include_router(router)
     app.include_router(chat_router)
+    app.include_router(completions_router)
     app.include_router(files_router)
     app.include_router(openai_batches_router)
     app.include_router(render_router)

@@ -34,7 +34,7 @@ from stoker.core.errors import (
     TooManyTokens,
     UnsupportedMediaType,
 )
-from stoker.core.jobs import ChatTurn, Conversation, InputKind
+from stoker.core.jobs import RAW_PROMPT, ChatTurn, Conversation, InputKind
 from stoker.core.model import GenerationParams
 from stoker.core.prompting import material_chars
 from stoker.settings import ApiSettings
@@ -78,29 +78,38 @@ def accept_chat(
     except ValidationError as exc:
         where, message = first_error(exc)
         raise InvalidRequest(f"{where}: {message}", param=where) from exc
+    return spec, accept_spec(spec, settings, on_input_error)
+
+
+def accept_spec(
+    spec: ChatCompletionCreate, settings: ApiSettings, on_input_error: OnInputError | None = None, raw: bool = False
+) -> AcceptedRequest:
+    """The job a parsed chat makes. With `raw`, a legacy completion's: its one user turn is the prompt the model
+    continues as it is, without the chat template (`stoker.core.prompting.raw_prompt`)."""
     _log_unknown(spec)
     if spec.model != settings.public_model_name:
         raise ModelNotFound(f"the model `{spec.model}` does not exist here", param="model")
-    turns, raw = _turns(spec.messages)
+    turns, raw_inputs = _turns(spec.messages)
     if not any(t.role == "user" for t in turns):
         raise InvalidRequest("the chat needs at least one user message", param="messages")
+    if raw:
+        turns = [ChatTurn(role=RAW_PROMPT, text=turns[0].text)]
     _within_prompt_limit(spec, turns, settings.max_prompt_chars)
     choice = spec.stoker_on_input_error or on_input_error or "degrade"
     params = _params(spec, settings)
     conversation = Conversation(turns=turns, params=params, stream=spec.stream, on_input_error=choice)
-    last_user = next(t.text for t in reversed(turns) if t.role == "user")
+    last_user = next(t.text for t in reversed(turns) if t.role in ("user", RAW_PROMPT))
     # the record is sized here, off the event loop and before any prompt is built from it (the store checks the
     # whole record again when it writes it)
     known: dict[str | bytes, str | bytes | float | int] = {"prompt": last_user, "chat": conversation.model_dump_json()}
     check_record_size(known, settings.max_record_bytes)
     check_grammar(params)
-    accepted = AcceptedRequest(
+    return AcceptedRequest(
         prompt=last_user,
-        inputs=validate_inputs(raw, settings),
+        inputs=validate_inputs(raw_inputs, settings),
         deadline_ms=settings.deadline_ms,
         chat=conversation,
     )
-    return spec, accepted
 
 
 def _within_prompt_limit(spec: ChatCompletionCreate, turns: list[ChatTurn], limit: int) -> None:

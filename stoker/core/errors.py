@@ -97,6 +97,14 @@ class AnswerTooLarge(InputError):
     http_status = 400
 
 
+class UnsupportedParameter(InputError):
+    """The request asks for something this server does not serve (a legacy completion's `echo` or `suffix`, several
+    prompts in one request, a prompt of token ids)."""
+
+    code = "unsupported_parameter"
+    http_status = 400
+
+
 class GrammarRefused(InputError):
     """The answer's format or a tool's parameters cannot be compiled into a grammar for decoding."""
 

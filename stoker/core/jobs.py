@@ -134,7 +134,11 @@ class BatchInfo(BaseModel):
     groups: int = 1
 
 
-ChatRole = Literal["system", "user", "assistant", "tool"]
+#: `prompt`: a legacy completion's prompt (`/v1/completions`), the only turn of its job, given to the model as it is,
+#: without the chat template.
+ChatRole = Literal["system", "user", "assistant", "tool", "prompt"]
+#: The role of a completion's raw prompt.
+RAW_PROMPT: ChatRole = "prompt"
 
 
 class ChatTurn(BaseModel):

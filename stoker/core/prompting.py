@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from stoker.core.jobs import ChatTurn, Conversation, InputRecord
+from stoker.core.jobs import RAW_PROMPT, ChatTurn, Conversation, InputRecord
 from stoker.core.model import ModelRequest
 from stoker.core.tools import ToolSpec
 
@@ -114,7 +114,10 @@ def build_prompt(
     """The whole chat prompt, fitted into budget: attachment text is trimmed first, then the oldest turns of a chat
     are dropped, then pictures (whole, the oldest first: a picture's placeholder tokens are never cut), then the
     last turn's text is cut. Without `turns` the chat is one user turn: the prompt with every attachment. `system`:
-    a system prompt of the deployment's, before the chat ("" for none); `tools`: the functions offered."""
+    a system prompt of the deployment's, before the chat ("" for none); `tools`: the functions offered. A completion's
+    raw prompt (its one turn's role `prompt`) is encoded as it is, without the template (`raw_prompt`)."""
+    if turns and turns[0].role == RAW_PROMPT:
+        return raw_prompt(tokenizer, turns[0].text, budget)
     chat = list(turns) if turns else [ChatTurn(role="user", text=prompt, inputs=[a.index for a in attachments])]
     attachments = list(attachments)
 
@@ -139,6 +142,13 @@ def build_prompt(
     if len(built.ids) > budget:  # the template alone does not fit (no picture is left): keep its end
         built = replace(built, ids=built.ids[len(built.ids) - budget :])
     return built
+
+
+def raw_prompt(tokenizer: ChatTokenizer, text: str, budget: int) -> BuiltPrompt:
+    """A completion's prompt as the model continues it: its text encoded as plain text (no chat template, no system
+    prompt, no control token), its end kept where it passes the budget (the text next to the answer)."""
+    ids = tokenizer.encode_text(text)
+    return BuiltPrompt(ids[max(len(ids) - budget, 0) :], [{"role": RAW_PROMPT, "content": text}])
 
 
 def build_prompt_ids(
