@@ -22,6 +22,7 @@ from stoker.adapters.store import Store
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
 from tests.fleet import Fleet
+from tests.integration.conftest import ROOMY_TOKENS
 from tests.media import speech_wav, text_image, truncated
 from tests.serving import serve
 from workers.procs import wait_for
@@ -186,6 +187,36 @@ def test_a_streamed_answer_comes_in_chunks_and_ends(client: openai.OpenAI) -> No
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens <= 6
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
+
+
+def test_a_stop_sequence_ends_a_streamed_answer_at_the_token_that_completes_it(workers: dict[str, Path]) -> None:
+    """The answer ends where the stop is completed: no text past it is streamed, and usage counts the tokens up to
+    and including the one that completed it (as vLLM counts them), not the `max_tokens` the answer would run to."""
+    story = [{"role": "user", "content": "Write a long story about a dragon and a castle."}]
+    with (
+        serve(create_app(ApiSettings(max_tokens_cap=ROOMY_TOKENS, sse_keepalive_s=0.2))) as base,
+        openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120) as roomy,
+    ):
+        whole = roomy.chat.completions.create(model=MODEL, messages=story, max_tokens=ROOMY_TOKENS, logprobs=True)
+        text, entries = whole.choices[0].message.content, whole.choices[0].logprobs.content
+        assert text is not None
+        assert entries is not None
+        word = text.split()[2]
+        through = next(k for k in range(1, len(entries) + 1) if word in "".join(e.token for e in entries[:k]))
+        assert through < whole.usage.completion_tokens // 2  # early in an answer that runs on
+        stream = roomy.chat.completions.create(
+            model=MODEL,
+            messages=story,
+            max_tokens=ROOMY_TOKENS,
+            stop=[word],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text[: text.index(word)].strip()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].usage.completion_tokens == through
 
 
 def test_a_stream_with_media_keeps_the_connection_alive_until_its_answer(one_at_a_time: Fleet) -> None:

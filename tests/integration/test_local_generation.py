@@ -75,6 +75,56 @@ def test_a_stop_sequence_ends_the_answer_before_it(model: tuple[TransformersPred
     assert whole.text.startswith(stopped.text)
 
 
+def _through(entries: list[dict[str, Any]], stop: str) -> int:
+    """How many of an answer's tokens (its log probability entries) there are up to and including the one whose text
+    completes the stop sequence."""
+    return next(k for k in range(1, len(entries) + 1) if stop in "".join(e["token"] for e in entries[:k]))
+
+
+def test_a_stop_sequence_ends_generation_at_the_token_that_completes_it(
+    model: tuple[TransformersPredictor, list[int]],
+) -> None:
+    predictor, ids = model
+    (whole,) = run_predictor(predictor, [_ask(ids, max_tokens=24, logprobs=True)])
+    assert isinstance(whole, Prediction)
+    assert whole.logprobs is not None
+    word = whole.text.split()[2]
+    through = _through(whole.logprobs, word)
+    assert through < 12  # early in an answer that runs on to 24 tokens
+    (stopped,) = run_predictor(predictor, [_ask(ids, max_tokens=24, logprobs=True, stop=[word])])
+    assert isinstance(stopped, Prediction)
+    assert (stopped.finish_reason, stopped.completion_tokens) == ("stop", through)
+    assert stopped.logprobs == whole.logprobs[:through]  # they end with the token that completed the stop
+    assert stopped.text == whole.text[: whole.text.index(word)].strip()
+
+
+def test_rows_of_one_call_stop_each_at_their_own_stop_sequence(
+    model: tuple[TransformersPredictor, list[int]], roomy: TransformersPredictor
+) -> None:
+    ids = model[1]
+    (whole,) = run_predictor(roomy, [_ask(ids, max_tokens=20, logprobs=True)])
+    assert isinstance(whole, Prediction)
+    assert whole.logprobs is not None
+    early, late = whole.text.split()[1], whole.text.split()[5]
+    ends = _through(whole.logprobs, early), _through(whole.logprobs, late)
+    assert ends[0] < ends[1] - 2  # the early stop's row is done a yield point or more before the late one's
+    waiting = [0]
+    yielding = TransformersPredictor(roomy.model_path, max_new_tokens=64, max_tokens_cap=64, yield_tokens=2)
+    yielding.setup("cpu")
+    yielding.yield_to(lambda: waiting[0], max_rows=8)
+    # the early stop's row is done first: the call stops at the yield point after it, the other row goes on
+    first, second = run_predictor(
+        yielding, [_ask(ids, max_tokens=20, stop=[early]), _ask(ids, max_tokens=20, stop=[late])]
+    )
+    assert isinstance(first, Prediction)
+    assert (first.finish_reason, first.completion_tokens) == ("stop", ends[0])
+    assert isinstance(second, Continued)
+    assert len(second.generated) == -(-ends[0] // 2) * 2  # the first yield point at or after the early stop
+    went_on, _ = _until_done(yielding, _ask(ids, max_tokens=20, stop=[late]).continued(second))
+    assert (went_on.finish_reason, went_on.completion_tokens) == ("stop", ends[1])
+    assert went_on.text == whole.text[: whole.text.index(late)].strip()
+
+
 def test_seeded_sampling_repeats_itself(model: tuple[TransformersPredictor, list[int]]) -> None:
     predictor, ids = model
     first, second = (
@@ -319,3 +369,23 @@ def test_a_streamed_answer_that_goes_on_sends_each_piece_once(model: tuple[Trans
     assert calls == 4
     assert "".join(sent) == answer.text
     assert len(sent) >= 4
+
+
+def test_a_stop_sequence_ends_an_answer_held_to_a_schema_without_failing_it(
+    model: tuple[TransformersPredictor, list[int]], roomy: TransformersPredictor
+) -> None:
+    """A row its stop ended is padded from then on: its grammar reads none of that, so the answer is not failed
+    as one that broke its format."""
+    schema = {"type": "json_schema", "json_schema": {"name": "book", "schema": ANSWER_SCHEMA, "strict": True}}
+    structured, stopped = run_predictor(
+        roomy,
+        [
+            _ask(model[1], max_tokens=48, response_format=schema, logprobs=True),
+            _ask(model[1], max_tokens=48, response_format=schema, logprobs=True, stop=['"pages"']),
+        ],
+    )
+    assert isinstance(structured, Prediction)
+    assert structured.logprobs is not None
+    assert isinstance(stopped, Prediction)
+    assert (stopped.finish_reason, stopped.completion_tokens) == ("stop", _through(structured.logprobs, '"pages"'))
+    assert stopped.text == structured.text[: structured.text.index('"pages"')].strip()

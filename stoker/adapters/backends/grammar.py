@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import llguidance
@@ -126,6 +126,8 @@ class GrammarMask:
         self.end = end
         #: Rows whose grammar failed, and why.
         self.failed: dict[int, str] = {}
+        #: Rows ended otherwise (a stop sequence): `generate` pads them, and their grammar reads no more.
+        self.ended: Collection[int] = ()
         self.matchers = [LLMatcher(tokenizer, g) if g is not None else None for g in grammars]
         for row, matcher in enumerate(self.matchers):
             if matcher is not None and row < len(done) and done[row]:
@@ -162,7 +164,7 @@ class GrammarMask:
 
     def _consume(self, tokens: list[int]) -> None:
         for row, (matcher, token) in enumerate(zip(self.matchers, tokens, strict=True)):
-            if matcher is None or row in self.failed or matcher.is_stopped():
+            if matcher is None or row in self.failed or row in self.ended or matcher.is_stopped():
                 continue
             if not matcher.consume_token(token) or matcher.is_error():
                 self._fail(row, f"its grammar refused token {token}: {matcher.get_error()}")

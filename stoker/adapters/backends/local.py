@@ -6,7 +6,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,9 +70,9 @@ class TransformersPredictor(YieldsToConsumer):
     One generate call takes one temperature / top_p / seed (`mixes_sampling` is False: the consumer groups a batch
     by them); a sampled row draws its tokens from a stream of its own (`RowSampler`), so a seeded answer is the
     same whatever shares its call and however often the call yields. Requests of a call may differ in
-    `max_tokens` (the call runs to the largest, each row is cut to its own), in stop sequences (applied to each
-    row's text), in the grammar their answer must follow (`response_format`, forced tool calls:
-    `grammar.GrammarMask`; a row that breaks its grammar is ended and its request fails alone), and in being
+    `max_tokens` (the call runs to the largest, each row is cut to its own), in stop sequences (a row ends at the
+    token that completes one: `StopSequences`), in the grammar their answer must follow (`response_format`, forced
+    tool calls: `grammar.GrammarMask`; a row that breaks its grammar is ended and its request fails alone), and in being
     streamed (`streams.RowStreams`, given `pieces`). An answer of a request with tools is parsed for its calls, and
     is not streamed: its text may turn out to be calls.
 
@@ -176,7 +176,9 @@ class TransformersPredictor(YieldsToConsumer):
         first = batch.params[0]
         ids = torch.tensor(batch.collated.input_ids, device=self._device).repeat_interleave(first.n, dim=0)
         mask = torch.tensor(batch.collated.attention_mask, device=self._device).repeat_interleave(first.n, dim=0)
-        streams, grammars = self._streams(batch), self._grammars(batch)
+        streams, grammars, stops = self._streams(batch), self._grammars(batch), self._stop_sequences(batch)
+        if grammars is not None and stops is not None:
+            grammars.ended = stops.done  # a row its stop ended is padded from then on: not text its grammar reads
         # after the grammars: a sampled row draws among the tokens its grammar allows; generate then takes the one
         # drawn as its greedy choice
         hooks = [hook for hook in (grammars, self._sampler(batch), streams) if hook is not None]
@@ -190,7 +192,10 @@ class TransformersPredictor(YieldsToConsumer):
                 return_dict_in_generate=True,
                 output_logits=first.logprobs,
                 logits_processor=LogitsProcessorList(hooks),
-                stopping_criteria=StoppingCriteriaList(self._yield_points(batch, rest)),
+                stopping_criteria=StoppingCriteriaList(
+                    # the stops first: a call's yield points count the rows they ended at this step as done
+                    [*([stops] if stops is not None else []), *self._yield_points(batch, rest, stops)]
+                ),
                 do_sample=False,
                 **inputs,
             )
@@ -212,14 +217,25 @@ class TransformersPredictor(YieldsToConsumer):
         top_k = getattr(self._model.generation_config, "top_k", None)
         return RowSampler(first.temperature, first.top_p, top_k, rows, batch.collated.width)
 
-    def _yield_points(self, batch: LocalBatch, rest: list[int]) -> list[YieldPoints]:
+    def _yield_points(self, batch: LocalBatch, rest: list[int], stops: StopSequences | None) -> list[YieldPoints]:
         """Where the call may stop between decoding steps (none: it runs to its end)."""
         first = batch.params[0]
         lines = any(r.background for r in batch.requests)
         if self._waiting is None or not self.yield_tokens or first.n > 1 or first.logprobs or lines:
             return []
-        width, stops = batch.collated.width, self._stop_ids()
-        return [YieldPoints(self.yield_tokens, width, rest, stops, self._waiting, self._max_rows)]
+        width, ends = batch.collated.width, self._stop_ids()
+        finished = stops.done if stops is not None else set()
+        return [YieldPoints(self.yield_tokens, width, rest, ends, self._waiting, self._max_rows, finished)]
+
+    def _stop_sequences(self, batch: LocalBatch) -> StopSequences | None:
+        """The rows' stop sequences (each request's, for each of its `n` rows), with the answer each row has so
+        far; None when no request has any."""
+        n = batch.params[0].n
+        if not any(r.params.stop for r in batch.requests):
+            return None
+        stops = [tuple(r.params.stop) for r in batch.requests for _ in range(n)]
+        prefixes = [list(r.generated) for r in batch.requests for _ in range(n)]
+        return StopSequences(stops, prefixes, batch.collated.width, self._decode, self._stop_ids())
 
     def _grammars(self, batch: LocalBatch) -> GrammarMask | None:
         """The rows' grammars (each request's, for each of its `n` rows), past any answer so far; None when no row
@@ -339,15 +355,67 @@ def _with_calls(answer: Prediction, params: GenerationParams) -> Prediction:
     return replace(answer, text=text, tool_calls=dumped, finish_reason="tool_calls")
 
 
+class StopSequences:
+    """A stopping criterion for `generate`: a row whose answer's text holds one of its request's stop sequences is
+    done at the step whose token completed it (`generate` pads it from then on, and the call ends when every row
+    is done), so its answer, usage and log probabilities end at that token.
+
+    By hand rather than transformers' `StopStringCriteria`: that one takes one list of stop strings for every row
+    of the call, where the rows of a call carry their own requests' stops; and it matches the stop against the
+    ends of tokens, where this decodes each row's answer and looks for a stop as the answer is then cut
+    (`apply_stop`), so a row ends at exactly the token the cut answer ends before."""
+
+    def __init__(
+        self,
+        stops: list[tuple[str, ...]],
+        prefixes: list[list[int]],
+        width: int,
+        decode: Callable[[list[int]], str],
+        stop_ids: set[int],
+    ) -> None:
+        self.stops = stops
+        #: Per row: the answer's tokens from earlier calls (a stop may span them and this call's).
+        self.prefixes = prefixes
+        self.width = width
+        self.decode = decode
+        self.stop_ids = stop_ids
+        #: The rows a stop sequence ended.
+        self.done: set[int] = set()
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch  # heavy: in the model's process only
+
+        if input_ids.shape[1] > self.width:
+            for row, stop in enumerate(self.stops):
+                if stop and row not in self.done and self._holds(row, stop, input_ids[row].tolist()):
+                    self.done.add(row)
+        ended = [row in self.done for row in range(input_ids.shape[0])]
+        return torch.tensor(ended, dtype=torch.bool, device=input_ids.device)
+
+    def _holds(self, row: int, stop: tuple[str, ...], ids: list[int]) -> bool:
+        """Whether a row's answer so far (up to its end of sequence) holds one of its stops."""
+        (new,) = strip_generated([ids], self.width, self.stop_ids)
+        return apply_stop(self.decode([*self.prefixes[row], *new]), stop)[1]
+
+
 class YieldPoints:
     """A stopping criterion for `generate`: every `every` new tokens, the whole call stops when some of its rows
     are done and others are not (the done answers go out now rather than with the longest), or when a request
-    waits for the device and the call has room for it (it joins the next call); else the call goes on."""
+    waits for the device and the call has room for it (it joins the next call); else the call goes on. A row is
+    done at its end of sequence, at its limit, or when one of its stop sequences ended it (`finished`)."""
 
     def __init__(
-        self, every: int, width: int, rest: list[int], stop_ids: set[int], waiting: Callable[[], int], max_rows: int
+        self,
+        every: int,
+        width: int,
+        rest: list[int],
+        stop_ids: set[int],
+        waiting: Callable[[], int],
+        max_rows: int,
+        finished: Collection[int] = (),
     ) -> None:
         self.every = every
+        self.finished = finished
         self.width = width
         #: Per row: the new tokens it may still have in this call.
         self.rest = rest
@@ -363,7 +431,8 @@ class YieldPoints:
         if steps == 0 or steps % self.every:
             return stop
         ended = torch.isin(input_ids[:, self.width :], torch.tensor(self.stop_ids, device=input_ids.device)).any(1)
-        done = [bool(e) or steps >= r for e, r in zip(ended.tolist(), self.rest, strict=True)]
+        rest = enumerate(zip(ended.tolist(), self.rest, strict=True))
+        done = [bool(e) or steps >= r or row in self.finished for row, (e, r) in rest]
         return ~stop if stops_now(rows - sum(done), rows, self.max_rows, self.waiting) else stop
 
 
