@@ -47,7 +47,14 @@ from api.schemas import error_responses
 from api.submission import REPLAYED, cancel, submit_job
 from api.tenancy import authenticate, within_rate
 from stoker.adapters.store import Store
-from stoker.core.errors import ClientGone, DeadlineExceeded, ServerStopping, StokerError, error_envelope
+from stoker.core.errors import (
+    ClientGone,
+    DeadlineExceeded,
+    ModelNotFound,
+    ServerStopping,
+    StokerError,
+    error_envelope,
+)
 from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
 from stoker.core.jobs import ChoiceInfo, ErrorInfo, Job, degraded_codes
 
@@ -62,9 +69,26 @@ _STARTED = int(time.time())
 @router.get("/v1/models", response_model=ModelList, dependencies=[Depends(within_rate)])
 async def list_models(context: Context) -> ModelList:
     """The model served here, in OpenAI's list shape, with the most new tokens one answer may have."""
+    return ModelList(data=[_card(context)])
+
+
+@router.get(
+    "/v1/models/{model_id:path}",
+    response_model=ModelCard,
+    dependencies=[Depends(within_rate)],
+    responses=error_responses(401, 404, 429),
+)
+async def retrieve_model(model_id: str, context: Context) -> ModelCard:
+    """The model served here by its id (`client.models.retrieve`); any other id is 404 `model_not_found`. The path
+    takes an id with slashes, as a Hugging Face name has."""
+    if model_id != context.settings.public_model_name:
+        raise ModelNotFound(f"the model `{model_id}` does not exist here", param="model")
+    return _card(context)
+
+
+def _card(context: ApiContext) -> ModelCard:
     settings = context.settings
-    card = ModelCard(id=settings.public_model_name, created=_STARTED, max_tokens_cap=settings.max_tokens_cap)
-    return ModelList(data=[card])
+    return ModelCard(id=settings.public_model_name, created=_STARTED, max_tokens_cap=settings.max_tokens_cap)
 
 
 @router.post(
