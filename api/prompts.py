@@ -12,8 +12,9 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_prompt_tokenizer
@@ -24,6 +25,7 @@ from stoker.core.tools import ToolSpec
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @functools.cache
@@ -104,6 +106,14 @@ class PromptBuilder:
         loop for milliseconds; from a thread, the interpreter's switch interval gives the loop its turns."""
         built = self._threads.submit(self.build_here, context, prompt, attachments, turns, tools)
         return await asyncio.wrap_future(built)
+
+    async def run_off_loop(self, context: PipelineContext, work: Callable[[PromptTokenizer], T]) -> T | None:
+        """`work` with the workers' tokenizer, on a tokenizing thread, awaited (`/tokenize`, `/detokenize`); None
+        when this API has no such tokenizer (not loaded, or another than the workers')."""
+        tokenizer = self._tokenizer_for(context)
+        if tokenizer is None:
+            return None
+        return await asyncio.wrap_future(self._threads.submit(work, tokenizer))
 
     def _tokenizer_for(self, context: PipelineContext) -> PromptTokenizer | None:
         with self._lock:

@@ -105,6 +105,13 @@ class UnsupportedParameter(InputError):
     http_status = 400
 
 
+class InvalidTokens(InputError):
+    """Token ids outside the model's vocabulary."""
+
+    code = "invalid_token_ids"
+    http_status = 400
+
+
 class GrammarRefused(InputError):
     """The answer's format or a tool's parameters cannot be compiled into a grammar for decoding."""
 
