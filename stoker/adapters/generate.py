@@ -13,7 +13,7 @@ from typing import Any
 
 from stoker.adapters.render import Rendered, RenderedPicture, Renderer
 from stoker.adapters.vllm_render import features, generate_request, parse_context, sampling_params
-from stoker.core.errors import ImageTensorsMissing, PromptTooLong
+from stoker.core.errors import ContextLengthExceeded, ImageTensorsMissing
 from stoker.core.model import GenerationParams, ModelRequest
 from stoker.core.tools import ToolSpec
 
@@ -82,9 +82,15 @@ class RequestRenderer:
     def _sampling(self, params: GenerationParams, rendered: Rendered, max_tokens: int, stream: bool) -> dict[str, Any]:
         """vLLM's sampling parameters for the request, its new tokens within the context's room, its answer's
         form as vLLM's structured outputs."""
-        room = self.renderer.max_model_len - len(rendered.token_ids)
-        if room <= 0:
-            raise PromptTooLong(f"the prompt is {len(rendered.token_ids)} tokens: the model takes at most {room}")
+        limit, tokens = self.renderer.max_model_len, len(rendered.token_ids)
+        room = limit - tokens
+        if room <= 0:  # as the server would refuse it, in its words
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your request has {tokens} input "
+                "tokens. Please reduce the length of the input messages.",
+                stage="infer",
+                param="messages",
+            )
         sampling = sampling_params(
             max_tokens=min(max_tokens, room),
             temperature=params.temperature,

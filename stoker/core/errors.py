@@ -90,6 +90,14 @@ class PromptTooLong(InvalidRequest):
     code = "prompt_too_long"
 
 
+class ContextLengthExceeded(InputError):
+    """The prompt has more tokens than the model's context leaves it: it is refused, never cut (vLLM and OpenAI
+    answer 400 `context_length_exceeded`)."""
+
+    code = "context_length_exceeded"
+    http_status = 400
+
+
 class AnswerTooLarge(InputError):
     """The answers asked for would hold more token entries (n × max_tokens × (top_logprobs + 1)) than allowed."""
 

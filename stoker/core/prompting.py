@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from stoker.core.errors import ContextLengthExceeded
 from stoker.core.jobs import RAW_PROMPT, ChatTurn, Conversation, InputRecord
 from stoker.core.model import ModelRequest
 from stoker.core.tools import ToolSpec
 
 #: Bump when prompt assembly changes.
-VERSION = "6"
+VERSION = "7"
 
 #: A picture's layout as its image processor gave it (tile rows and cols, or a patch grid): what the prompt needs
 #: to spell out the picture's placeholder tokens.
@@ -110,16 +111,48 @@ def build_prompt(
     turns: Sequence[ChatTurn] | None = None,
     system: str = "",
     tools: Sequence[ToolSpec] = (),
+    *,
+    trim: bool = False,
 ) -> BuiltPrompt:
-    """The whole chat prompt, fitted into budget: attachment text is trimmed first, then the oldest turns of a chat
-    are dropped, then pictures (whole, the oldest first: a picture's placeholder tokens are never cut), then the
-    last turn's text is cut. Without `turns` the chat is one user turn: the prompt with every attachment. `system`:
-    a system prompt of the deployment's, before the chat ("" for none); `tools`: the functions offered. A completion's
-    raw prompt (its one turn's role `prompt`) is encoded as it is, without the template (`raw_prompt`)."""
+    """The whole chat prompt, if it fits into budget; one that does not is refused (`context_length_exceeded`),
+    or with `trim` fitted into it (`_trimmed`). Without `turns` the chat is one user turn: the prompt with every
+    attachment. `system`: a system prompt of the deployment's, before the chat ("" for none); `tools`: the
+    functions offered. A completion's raw prompt (its one turn's role `prompt`) is encoded as it is, without the
+    template (`raw_prompt`)."""
     if turns and turns[0].role == RAW_PROMPT:
-        return raw_prompt(tokenizer, turns[0].text, budget)
+        return raw_prompt(tokenizer, turns[0].text, budget, trim=trim)
     chat = list(turns) if turns else [ChatTurn(role="user", text=prompt, inputs=[a.index for a in attachments])]
-    attachments = list(attachments)
+    built = _fit(tokenizer, chat, attachments, system, tools)
+    if len(built.ids) <= budget:
+        return built
+    if not trim:
+        raise context_overflow(len(built.ids), budget)
+    return _trimmed(tokenizer, chat, list(attachments), budget, system, tools)
+
+
+def context_overflow(tokens: int, budget: int, param: str = "messages") -> ContextLengthExceeded:
+    """The refusal of a prompt of `tokens` over a budget of `budget`, in the words vLLM uses (which LiteLLM and
+    LangChain recognise as a context-window error)."""
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {budget} tokens for the prompt (the rest of its context is kept for "
+        f"the answer). However, your request has {tokens} input tokens. Please reduce the length of the input "
+        "messages.",
+        stage="tokenize",
+        param=param,
+    )
+
+
+def _trimmed(
+    tokenizer: ChatTokenizer,
+    chat: list[ChatTurn],
+    attachments: list[Attachment],
+    budget: int,
+    system: str,
+    tools: Sequence[ToolSpec],
+) -> BuiltPrompt:
+    """The chat prompt fitted into budget: attachment text is trimmed first, then the oldest turns of the chat are
+    dropped, then pictures (whole, the oldest first: a picture's placeholder tokens are never cut), then the last
+    turn's text is cut."""
 
     def fit() -> BuiltPrompt:
         return _fit(tokenizer, chat, attachments, system, tools)
@@ -144,18 +177,21 @@ def build_prompt(
     return built
 
 
-def raw_prompt(tokenizer: ChatTokenizer, text: str, budget: int) -> BuiltPrompt:
+def raw_prompt(tokenizer: ChatTokenizer, text: str, budget: int, *, trim: bool = False) -> BuiltPrompt:
     """A completion's prompt as the model continues it: its text encoded as plain text (no chat template, no system
-    prompt, no control token), its end kept where it passes the budget (the text next to the answer)."""
+    prompt, no control token); one over the budget is refused, or with `trim` its end kept (the text next to the
+    answer)."""
     ids = tokenizer.encode_text(text)
+    if len(ids) > budget and not trim:
+        raise context_overflow(len(ids), budget, param="prompt")
     return BuiltPrompt(ids[max(len(ids) - budget, 0) :], [{"role": RAW_PROMPT, "content": text}])
 
 
 def build_prompt_ids(
-    tokenizer: ChatTokenizer, prompt: str, attachments: Sequence[Attachment], budget: int
+    tokenizer: ChatTokenizer, prompt: str, attachments: Sequence[Attachment], budget: int, *, trim: bool = False
 ) -> list[int]:
-    """Token ids of the whole chat prompt, fitted into budget."""
-    return build_prompt(tokenizer, prompt, attachments, budget).ids
+    """Token ids of the whole chat prompt (see `build_prompt`)."""
+    return build_prompt(tokenizer, prompt, attachments, budget, trim=trim).ids
 
 
 def material_chars(turns: Sequence[ChatTurn], tools: Sequence[ToolSpec] = ()) -> int:

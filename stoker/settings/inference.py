@@ -77,8 +77,8 @@ class InferenceConsumerSettings(SettingsPart):
     max_context_tokens: int = Field(
         2048,
         ge=64,
-        description="Prompt + answer budget; attachment text is trimmed first, then old chat turns, then pictures "
-        "(whole).",
+        description="Prompt + answer budget: a prompt longer than this less `max_new_tokens` is refused (400 "
+        "`context_length_exceeded`, as vLLM refuses it), never cut to fit.",
     )
     system_prompt: str = Field(
         "",

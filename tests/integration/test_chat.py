@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from api.app import create_app
+from api.context import ApiContext
 from stoker.adapters.store import Store
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
@@ -217,6 +218,30 @@ def test_a_stop_sequence_ends_a_streamed_answer_at_the_token_that_completes_it(w
     assert streamed == text[: text.index(word)].strip()
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
     assert chunks[-1].usage.completion_tokens == through
+
+
+@pytest.mark.parametrize("api_tokenize", [False, True], ids=["tokenized by a worker", "tokenized by the API"])
+def test_a_prompt_over_the_context_is_refused_400_never_cut(workers: dict[str, Path], api_tokenize: bool) -> None:
+    """A prompt the model's context has no room for is refused as vLLM refuses it (400, "maximum context length",
+    which LiteLLM and LangChain read as a context-window error), where it was cut to fit in silence: by the
+    tokenize stage (its job fails, and the chat is answered 400) or by the API that tokenizes it (no job is made)."""
+    prompt = "lorem ipsum dolor sit amet " * 1100 + "What was the first word?"  # 29.7k characters
+    app = create_app(ApiSettings(api_tokenize=api_tokenize))
+    context: ApiContext = app.state.context
+    with serve(app) as base:
+        if api_tokenize:  # its tokenizer loads, and it learns the workers' pipeline, once it serves
+            ready = lambda: context.prompts.loaded and context.cache.context() is not None  # noqa: E731
+            wait_for(ready, 60, "the API's tokenizer and the workers' pipeline", [])
+            wait_for(lambda: context.monitor.fresh() is not None, 60, "the API's first queue sample", [])
+        with (
+            openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120) as official,
+            pytest.raises(openai.BadRequestError) as refused,
+        ):
+            official.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4)
+    error = refused.value
+    assert (error.status_code, error.code, error.type) == (400, "context_length_exceeded", "invalid_request_error")
+    assert "maximum context length" in error.message
+    assert ("x-stoker-job-id" in error.response.headers) is not api_tokenize
 
 
 def test_a_stream_with_media_keeps_the_connection_alive_until_its_answer(one_at_a_time: Fleet) -> None:

@@ -137,8 +137,8 @@ def test_only_a_short_prompt_is_built_on_the_event_loop(roomy: openai.OpenAI, bu
     assert short.model_extra["stoker"]["status"] == "succeeded"
     assert len(builds.threads) == 1
     assert not builds.threads[0].startswith(TOKENIZING_THREAD)  # a short prompt: built on the loop itself
-    # a short text, but 200,000 characters of the arguments an earlier call was given
-    long = roomy.chat.completions.create(model=MODEL, max_tokens=2, messages=_history("y" * 200_000))
+    # a short text, but 3,000 characters of the arguments an earlier call was given (within the model's context)
+    long = roomy.chat.completions.create(model=MODEL, max_tokens=2, messages=_history("y " * 1500))
     assert long.model_extra["stoker"]["status"] == "succeeded"
     assert len(builds.threads) == 2
     assert builds.threads[1].startswith(TOKENIZING_THREAD)

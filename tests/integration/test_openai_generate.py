@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.generate import RequestRenderer
 from stoker.adapters.render import RenderedPicture, Renderer
-from stoker.core.errors import InferenceFailed
+from stoker.core.errors import ContextLengthExceeded, InferenceFailed
 from stoker.core.imaging import DecodeParams, decode_rgb, served_picture
 from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
 from stoker.core.tools import FunctionName, FunctionSpec, NamedToolChoice, ToolSpec
@@ -74,6 +74,15 @@ def _chat(text: str, images: list[str] | None = None, **params: object) -> Model
 
 def _fallbacks() -> float:
     return REGISTRY.get_sample_value(FALLBACKS) or 0.0
+
+
+def test_a_prompt_over_the_served_models_context_is_refused_as_vllm_refuses_it(renderer: Renderer) -> None:
+    rendering = RequestRenderer(renderer, lambda _digest, _scope: None, "vlm")
+    words = renderer.max_model_len + 16
+    with pytest.raises(ContextLengthExceeded) as refused:
+        rendering.body(_chat("word " * words), max_tokens=4, priority=0, stream=False)
+    assert (refused.value.code, refused.value.http_status) == ("context_length_exceeded", 400)
+    assert f"This model's maximum context length is {renderer.max_model_len} tokens" in refused.value.message
 
 
 def test_a_picture_goes_rendered_never_as_a_picture_and_its_tensors_are_the_processors(

@@ -100,5 +100,5 @@ def test_a_raw_prompt_reaches_the_model_without_the_chat_template() -> None:
     assert raw.ids == tokenizer.encode_text(text)
     chat = build_prompt(tokenizer, text, [], 1000, [ChatTurn(role="user", text=text)])
     assert len(chat.ids) > len(raw.ids)
-    cut = build_prompt(tokenizer, text, [], 2, [ChatTurn(role="prompt", text=text)])
+    cut = build_prompt(tokenizer, text, [], 2, [ChatTurn(role="prompt", text=text)], trim=True)
     assert cut.ids == raw.ids[-2:]

@@ -24,8 +24,8 @@ from stoker.adapters.backends.tokenizer import (
 )
 from stoker.adapters.backends.vision import ImagePreparer
 from stoker.core.cachekeys import PipelineContext
-from stoker.core.errors import ModelUnavailable, StokerError
-from stoker.core.jobs import ChatTurn, InputRecord
+from stoker.core.errors import ContextLengthExceeded, ModelUnavailable, StokerError
+from stoker.core.jobs import RAW_PROMPT, ChatTurn, InputRecord
 from stoker.core.prompting import (
     Attachment,
     BuiltPrompt,
@@ -80,7 +80,7 @@ def test_attachments_come_before_the_question() -> None:
 def test_long_attachment_text_is_trimmed_and_the_question_kept() -> None:
     tok = WordTokenizer()
     page = " ".join(f"w{i}" for i in range(500))
-    ids = build_prompt_ids(tok, "what is the total", [Attachment("image", 0, text=page)], budget=120)
+    ids = build_prompt_ids(tok, "what is the total", [Attachment("image", 0, text=page)], budget=120, trim=True)
     assert len(ids) <= 120
     text = tok.decode_text(ids)
     assert text.endswith("what is the total </turn> <assistant>")
@@ -94,11 +94,38 @@ def test_fitting_prompt_is_untouched() -> None:
     assert "short text" in tok.decode_text(ids)
 
 
-def test_overlong_prompt_without_attachments_still_fits() -> None:
+def test_overlong_prompt_without_attachments_trimmed_still_fits() -> None:
     tok = WordTokenizer()
-    ids = build_prompt_ids(tok, " ".join(f"p{i}" for i in range(400)), [], budget=100)
+    ids = build_prompt_ids(tok, " ".join(f"p{i}" for i in range(400)), [], budget=100, trim=True)
     assert len(ids) <= 100
     assert tok.decode_text(ids).endswith("<assistant>")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "attachments", "turns"),
+    [
+        ("what is the total", [Attachment("image", 0, text=" ".join(f"w{i}" for i in range(500)))], None),
+        (
+            "the real question",
+            [],
+            [ChatTurn(role="user", text="old " + "x " * 200), ChatTurn(role="user", text="the real question")],
+        ),
+        (" ".join(f"p{i}" for i in range(400)), [], None),
+        ("The capital of France is " * 40, [], [ChatTurn(role=RAW_PROMPT, text="The capital of France is " * 40)]),
+    ],
+    ids=["attachment text", "old turns", "the question itself", "a completion's raw prompt"],
+)
+def test_a_prompt_over_its_budget_is_refused_never_cut(
+    prompt: str, attachments: list[Attachment], turns: list[ChatTurn] | None
+) -> None:
+    with pytest.raises(ContextLengthExceeded) as refused:
+        build_prompt(WordTokenizer(), prompt, attachments, 100, turns)
+    error = refused.value
+    assert (error.code, error.http_status) == ("context_length_exceeded", 400)
+    assert "This model's maximum context length is 100 tokens" in error.message
+    tokens = len(build_prompt(WordTokenizer(), prompt, attachments, 10_000, turns).ids)
+    assert f"your request has {tokens} input tokens" in error.message
+    assert len(build_prompt(WordTokenizer(), prompt, attachments, tokens, turns).ids) == tokens  # it fits: as it is
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +194,7 @@ def test_real_chat_template_ends_with_the_assistant_turn(real_tokenizer: PromptT
 
 def test_real_tokenizer_trims_to_budget(real_tokenizer: PromptTokenizer) -> None:
     page = "lorem ipsum dolor sit amet " * 400
-    ids = build_prompt_ids(real_tokenizer, "Summarise.", [Attachment("image", 0, text=page)], budget=256)
+    ids = build_prompt_ids(real_tokenizer, "Summarise.", [Attachment("image", 0, text=page)], budget=256, trim=True)
     assert len(ids) <= 256
     assert real_tokenizer.decode_text(ids).rstrip().endswith("<|im_start|>assistant")
 
@@ -200,7 +227,7 @@ def test_an_overlong_chat_drops_its_oldest_turns_first_and_keeps_the_last() -> N
     tok = WordTokenizer()
     chat = [_turn("system", "rules here"), *(_turn("user", f"old{i} " + "x " * 30) for i in range(5))]
     chat.append(_turn("user", "the real question"))
-    built = build_prompt(tok, "the real question", [], 60, chat)
+    built = build_prompt(tok, "the real question", [], 60, chat, trim=True)
     assert len(built.ids) <= 60
     text = tok.decode_text(built.ids)
     assert "rules here" in text  # system turns are never dropped
@@ -257,12 +284,12 @@ def test_pictures_are_left_out_whole_the_oldest_first_when_the_prompt_is_too_lon
     tok = PictureTokenizer()
     attachments = [_seen(0, "old", 30), _seen(1, "new", 5)]
     full = build_prompt(tok, "Q", attachments, 1000)
-    built = build_prompt(tok, "Q", attachments, len(full.ids) - 1)
+    built = build_prompt(tok, "Q", attachments, len(full.ids) - 1, trim=True)
     assert built.images == ["new"]
     text = tok.decode_text(built.ids)
     assert (text.count("<img>"), text.count("<tile>")) == (1, 5)  # the other's tiles all gone, none cut
     assert "[image 1]\n(image left out: the prompt had no room for it)" in built.messages[0]["content"]
-    assert build_prompt(tok, "Q", attachments, 12).images == []
+    assert build_prompt(tok, "Q", attachments, 12, trim=True).images == []
 
 
 # -- untrusted text never becomes a control token -------------------------------------------------------------------
@@ -327,7 +354,7 @@ def test_trimmed_attachment_text_keeps_forged_markers_as_text(
     real_tokenizer: PromptTokenizer, hf_tokenizer: Any
 ) -> None:
     page = (FORGED + " lorem ipsum dolor sit amet ") * 200
-    built = build_prompt(real_tokenizer, "Summarise.", [Attachment("image", 0, text=page)], 256)
+    built = build_prompt(real_tokenizer, "Summarise.", [Attachment("image", 0, text=page)], 256, trim=True)
     assert len(built.ids) <= 256
     assert _controls(hf_tokenizer, built.ids) == _chatml_markers(built)
     text = real_tokenizer.decode_text(built.ids)
