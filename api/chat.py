@@ -116,8 +116,8 @@ async def chat_completions(request: Request, context: Context, tenant: Annotated
         if spec[0].stream:
             return await _start_stream(context, client, job, tenant, until, spec[0], replayed)
         ended = await wait_job(context, client, job.id, tenant, until)
-        if ended is not None and _cut_by_stop(context.announcements, ended, until):
-            return _stopping(ended, replayed)
+        if ended is not None and cut_by_stop(context.announcements, ended, until):
+            return stopping_answer(ended, replayed)
     return _answer(job.id, ended, settings.public_model_name, replayed)
 
 
@@ -128,20 +128,20 @@ def _answer(job_id: str, job: Job | None, model: str, extra: dict[str, str]) -> 
     headers = {**job_headers(job), **extra}
     failure = job_failure(job)
     if failure is not None:
-        return _refusal(failure, headers)
+        return refusal(failure, headers)
     return JSONResponse(completion(job, model).model_dump(mode="json"), headers=headers)
 
 
-def _stopping(job: Job, extra: dict[str, str]) -> JSONResponse:
+def stopping_answer(job: Job, extra: dict[str, str]) -> JSONResponse:
     """The answer to a chat whose wait the server's stop ended: 503 `server_stopping`, which the openai client
     retries (an automatic retry, recognised by its fingerprint, waits on this same job wherever it lands); its job
     goes on, its answer at `/v1/jobs/{id}`."""
-    stopping = _stopped(job.id)
+    stopping = server_stopped(job.id)
     headers = {**job_headers(job), **extra, **retry_headers(stopping)}
     return JSONResponse(stopping.envelope(), status_code=stopping.http_status, headers=headers)
 
 
-def _refusal(failure: tuple[int, dict[str, Any]], headers: dict[str, str]) -> JSONResponse:
+def refusal(failure: tuple[int, dict[str, Any]], headers: dict[str, str]) -> JSONResponse:
     """A job's failure as an answer. The client is told a retry will not help: the same request retried within
     the retry window gets this same job back."""
     status, body = failure
@@ -163,11 +163,11 @@ async def _start_stream(
         settled = await wait_job(context, client, job.id, tenant, until, settled=True)
         if settled is None:
             return JSONResponse(ClientGone().envelope(), status_code=499, headers={JOB_ID: job.id, **extra})
-        if _cut_by_stop(context.announcements, settled, until, settled=True):
-            return _stopping(settled, extra)
+        if cut_by_stop(context.announcements, settled, until, settled=True):
+            return stopping_answer(settled, extra)
         failure = job_failure(settled) if settled.terminal else None
         if failure is not None:
-            return _refusal(failure, {**job_headers(settled), **extra})
+            return refusal(failure, {**job_headers(settled), **extra})
         job = settled
     settings = context.settings
     usage = bool(spec.stream_options and spec.stream_options.include_usage)
@@ -194,7 +194,7 @@ async def wait_job(
     store, announcements = context.store, context.announcements
     with announcements.watch(job_id) as event:
         client.wakes.add(event)
-        job = await _load(context, job_id, tenant, watch=True)
+        job = await load_job(context, job_id, tenant, watch=True)
         while not _reached(job, settled) and (remaining := announcements.until(until) - time.monotonic()) > 0:
             await announcements.wait(event, remaining)
             if client.left:
@@ -209,13 +209,13 @@ def _reached(job: Job, settled: bool) -> bool:
     return job.terminal or (settled and job.status == "inferring")
 
 
-def _cut_by_stop(announcements: Announcements, job: Job, until: float, settled: bool = False) -> bool:
+def cut_by_stop(announcements: Announcements, job: Job, until: float, settled: bool = False) -> bool:
     """Whether the server's stop, not the job (its end, or with `settled` its inputs read) nor `until`, ended a wait
     on it."""
     return not _reached(job, settled) and announcements.stopped_before(until)
 
 
-async def _load(context: ApiContext, job_id: str, tenant: str, watch: bool = False) -> Job:
+async def load_job(context: ApiContext, job_id: str, tenant: str, watch: bool = False) -> Job:
     """The job; with `watch`, the read a wait starts from, which marks the job as waited on (its end is announced:
     `LoopJobs.watch_job`), so later reads of the same wait need not."""
     reads = context.loop.jobs
@@ -279,7 +279,7 @@ def completion(job: Job, model: str) -> ChatCompletion:
         created=int(time.time()),
         model=model,
         choices=[_choice(index, answer) for index, answer in enumerate([*answers, *result.more])],
-        usage=_usage(job),
+        usage=usage_of(job),
         stoker=facts(job),
     )
 
@@ -291,7 +291,7 @@ def _choice(index: int, answer: ChoiceInfo) -> Choice:
     return Choice(index=index, message=message, finish_reason=answer.finish_reason, logprobs=logprobs)
 
 
-def _usage(job: Job) -> Usage:
+def usage_of(job: Job) -> Usage:
     prompt, done = (job.result.prompt_tokens, job.result.completion_tokens) if job.result else (0, 0)
     return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
@@ -326,7 +326,7 @@ async def _stream(
         with announcements.watch(job_id) as event:
             first = True
             while True:
-                job = await _load(context, job_id, tenant, watch=first)  # first: an ended job's pieces are all stored
+                job = await load_job(context, job_id, tenant, watch=first)  # first: an ended job's pieces are stored
                 first = False
                 pieces, after = await run_in_threadpool(store.answers.read, job_id, after)
                 for piece in pieces:
@@ -337,8 +337,8 @@ async def _stream(
                 if job.terminal or (remaining := announcements.until(until) - time.monotonic()) <= 0:
                     break
                 await announcements.wait(event, remaining)
-        if _cut_by_stop(announcements, job, until):
-            bodies = [_stopped(job_id).envelope()]
+        if cut_by_stop(announcements, job, until):
+            bodies = [server_stopped(job_id).envelope()]
         else:
             bodies = _closing(job, completion_id, created, model, streamed, usage)
         for body in bodies:
@@ -351,7 +351,7 @@ async def _stream(
                 await run_in_threadpool(give_up, store, job_id)
 
 
-def _stopped(job_id: str) -> ServerStopping:
+def server_stopped(job_id: str) -> ServerStopping:
     """What ends an answer (a stream, or a wait) the server stopped before its job ended."""
     message = f"the server is stopping; job {job_id} goes on: read its answer at /v1/jobs/{job_id}"
     return ServerStopping(message, stage="api")
@@ -375,7 +375,7 @@ def _closing(
         bodies.append(chunk(completion_id, created, model, {"tool_calls": calls}))
     bodies.append(chunk(completion_id, created, model, {}, finish_reason=result.finish_reason))
     if usage:
-        bodies.append(chunk(completion_id, created, model, usage=_usage(job)))
+        bodies.append(chunk(completion_id, created, model, usage=usage_of(job)))
     return bodies
 
 

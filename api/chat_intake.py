@@ -89,7 +89,7 @@ def accept_spec(
     _log_unknown(spec)
     if spec.model != settings.public_model_name:
         raise ModelNotFound(f"the model `{spec.model}` does not exist here", param="model")
-    turns, raw_inputs = _turns(spec.messages)
+    turns, raw_inputs = chat_turns(spec.messages)
     if not any(t.role == "user" for t in turns):
         raise InvalidRequest("the chat needs at least one user message", param="messages")
     if raw:
@@ -177,7 +177,7 @@ def _within_answer_limit(spec: ChatCompletionCreate, max_tokens: int, field: str
     )
 
 
-def _turns(messages: list[ChatMessage]) -> tuple[list[ChatTurn], list[tuple[InputKind, Payload]]]:
+def chat_turns(messages: list[ChatMessage]) -> tuple[list[ChatTurn], list[tuple[InputKind, Payload]]]:
     """Each message as a turn; its media parts appended to the job's inputs, the turn naming their indexes."""
     turns: list[ChatTurn] = []
     raw: list[tuple[InputKind, Payload]] = []

@@ -24,15 +24,15 @@ from api import idempotency
 from api.announcements import POLL_S
 from api.chat import (
     DEADLINE_SLACK_S,
-    _cut_by_stop,
-    _load,
-    _refusal,
-    _stopped,
-    _stopping,
-    _usage,
+    cut_by_stop,
     facts,
     give_up,
     job_failure,
+    load_job,
+    refusal,
+    server_stopped,
+    stopping_answer,
+    usage_of,
     wait_job,
 )
 from api.chat_intake import ON_INPUT_ERROR_HEADER, OnInputError, accept_spec, on_input_error_header
@@ -89,8 +89,8 @@ async def completions(request: Request, context: Context, tenant: Annotated[str,
             usage = bool(spec[0].stream_options and spec[0].stream_options.include_usage)
             return _start_stream(context, client, job, tenant, until, usage, replayed)
         ended = await wait_job(context, client, job.id, tenant, until)
-        if ended is not None and _cut_by_stop(context.announcements, ended, until):
-            return _stopping(ended, replayed)
+        if ended is not None and cut_by_stop(context.announcements, ended, until):
+            return stopping_answer(ended, replayed)
     return _answer(job.id, ended, settings.public_model_name, replayed)
 
 
@@ -113,7 +113,7 @@ def _answer(job_id: str, job: Job | None, model: str, extra: dict[str, str]) -> 
     headers = {**job_headers(job), **extra}
     failure = job_failure(job)
     if failure is not None:
-        return _refusal(failure, headers)
+        return refusal(failure, headers)
     return JSONResponse(completion(job, model).model_dump(mode="json"), headers=headers)
 
 
@@ -127,7 +127,7 @@ def completion(job: Job, model: str) -> Completion:
         created=int(time.time()),
         model=model,
         choices=[_choice(index, answer) for index, answer in enumerate([first, *result.more])],
-        usage=_usage(job),
+        usage=usage_of(job),
         stoker=facts(job),
     )
 
@@ -166,7 +166,7 @@ async def _stream(
         streamed, after, first = False, "0-0", True
         with announcements.watch(job_id) as event:
             while True:
-                job = await _load(context, job_id, tenant, watch=first)
+                job = await load_job(context, job_id, tenant, watch=first)
                 first = False
                 pieces, after = await run_in_threadpool(store.answers.read, job_id, after)
                 for piece in pieces:
@@ -177,8 +177,8 @@ async def _stream(
                 if job.terminal or (remaining := announcements.until(until) - time.monotonic()) <= 0:
                     break
                 await announcements.wait(event, remaining)
-        if _cut_by_stop(announcements, job, until):
-            bodies = [_stopped(job_id).envelope()]
+        if cut_by_stop(announcements, job, until):
+            bodies = [server_stopped(job_id).envelope()]
         else:
             bodies = _closing(job, (completion_id, created, model), streamed, usage)
         for body in bodies:
@@ -201,7 +201,7 @@ def _closing(job: Job, ids: tuple[str, int, str], streamed: bool, usage: bool) -
     bodies = [] if streamed or not result.text else [completion_chunk(*ids, result.text)]
     bodies.append(completion_chunk(*ids, "", finish_reason=result.finish_reason))
     if usage:
-        bodies.append(completion_chunk(*ids, usage=_usage(job)))
+        bodies.append(completion_chunk(*ids, usage=usage_of(job)))
     return bodies
 
 

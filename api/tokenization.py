@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from api.chat_intake import _turns
+from api.chat_intake import chat_turns
 from api.chat_schemas import MAX_MESSAGES, ChatMessage
 from api.context import ApiContext, Context
 from api.intake import first_error
@@ -175,7 +175,7 @@ def _served(spec: TokenizeChat) -> None:
 
 
 def _text_turns(spec: TokenizeChat) -> list[ChatTurn]:
-    turns, media = _turns(spec.messages)
+    turns, media = chat_turns(spec.messages)
     if media:
         raise UnsupportedParameter("only text is tokenized here (no picture, audio or video part)", param="messages")
     return turns
