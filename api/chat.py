@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 import anyio
@@ -307,10 +307,36 @@ def facts(job: Job) -> StokerFacts:
     return StokerFacts(job_id=job.id, status=job.status, inputs=inputs, timings_ms=job.timings_ms)
 
 
-async def _stream(
+def _stream(
     context: ApiContext, job_id: str, tenant: str, model: str, until: float, usage: bool, stopping: anyio.Event
 ) -> AsyncIterator[dict[str, str]]:
-    """The answer as `chat.completion.chunk` events, ending with `[DONE]`; keep-alive comments come from the
+    """The answer as `chat.completion.chunk` events: the assistant's role, its pieces, its end (`stream_job`)."""
+    completion_id, created = f"chatcmpl-{job_id}", int(time.time())
+
+    def piece(text: str) -> dict[str, Any]:
+        return chunk(completion_id, created, model, {"content": text})
+
+    def closing(job: Job, streamed: bool) -> list[dict[str, Any]]:
+        return _closing(job, completion_id, created, model, streamed, usage)
+
+    opening = [chunk(completion_id, created, model, {"role": "assistant", "content": ""})]
+    return stream_job(context, job_id, tenant, until, stopping, opening=opening, piece=piece, closing=closing)
+
+
+async def stream_job(
+    context: ApiContext,
+    job_id: str,
+    tenant: str,
+    until: float,
+    stopping: anyio.Event,
+    *,
+    opening: list[dict[str, Any]],
+    piece: Callable[[str], dict[str, Any]],
+    closing: Callable[[Job, bool], list[dict[str, Any]]],
+) -> AsyncIterator[dict[str, str]]:
+    """A job's answer as server-sent events, for every endpoint that streams one (chat completions, completions):
+    the `opening` bodies, each piece as the backend streams it (`piece` makes its body), then what `closing` makes
+    of the ended job (told whether pieces were streamed), ending with `[DONE]`; keep-alive comments come from the
     response itself while this waits.
 
     Once the server is asked to stop (`Announcements.stop`, or sse-starlette's `stopping` under another server),
@@ -318,10 +344,10 @@ async def _stream(
     error (the openai client raises it), and its job goes on: the server leaving is not the client leaving, so the
     job is not given up."""
     store, announcements = context.store, context.announcements
-    completion_id, created = f"chatcmpl-{job_id}", int(time.time())
     ended = False
     try:
-        yield _event(chunk(completion_id, created, model, {"role": "assistant", "content": ""}))
+        for body in opening:
+            yield _event(body)
         streamed, after = False, "0-0"
         with announcements.watch(job_id) as event:
             first = True
@@ -329,19 +355,16 @@ async def _stream(
                 job = await load_job(context, job_id, tenant, watch=first)  # first: an ended job's pieces are stored
                 first = False
                 pieces, after = await run_in_threadpool(store.answers.read, job_id, after)
-                for piece in pieces:
+                for text in pieces:
                     streamed = True
-                    yield _event(chunk(completion_id, created, model, {"content": piece}))
+                    yield _event(piece(text))
                 if stopping.is_set():
                     announcements.stop()  # a stop only sse-starlette saw (the API served by another server)
                 if job.terminal or (remaining := announcements.until(until) - time.monotonic()) <= 0:
                     break
                 await announcements.wait(event, remaining)
-        if cut_by_stop(announcements, job, until):
-            bodies = [server_stopped(job_id).envelope()]
-        else:
-            bodies = _closing(job, completion_id, created, model, streamed, usage)
-        for body in bodies:
+        stopped = cut_by_stop(announcements, job, until)
+        for body in [server_stopped(job_id).envelope()] if stopped else closing(job, streamed):
             yield _event(body)
         ended = True
         yield {"data": "[DONE]"}

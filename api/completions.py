@@ -8,7 +8,6 @@ or streamed as `text_completion` chunks ending with `[DONE]`.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -26,12 +25,10 @@ from api.chat import (
     DEADLINE_SLACK_S,
     cut_by_stop,
     facts,
-    give_up,
     job_failure,
-    load_job,
     refusal,
-    server_stopped,
     stopping_answer,
+    stream_job,
     usage_of,
     wait_job,
 )
@@ -154,41 +151,20 @@ def _start_stream(
     )
 
 
-async def _stream(
+def _stream(
     context: ApiContext, job_id: str, tenant: str, model: str, until: float, usage: bool, stopping: anyio.Event
 ) -> AsyncIterator[dict[str, str]]:
     """The answer as `text_completion` chunks, piece by piece where the backend streams, then the finish reason
-    (and usage), ending with `[DONE]`; a stop and a client that leaves are handled as the chat's stream does."""
-    store, announcements = context.store, context.announcements
-    completion_id, created = f"cmpl-{job_id}", int(time.time())
-    ended = False
-    try:
-        streamed, after, first = False, "0-0", True
-        with announcements.watch(job_id) as event:
-            while True:
-                job = await load_job(context, job_id, tenant, watch=first)
-                first = False
-                pieces, after = await run_in_threadpool(store.answers.read, job_id, after)
-                for piece in pieces:
-                    streamed = True
-                    yield _event(completion_chunk(completion_id, created, model, piece))
-                if stopping.is_set():
-                    announcements.stop()
-                if job.terminal or (remaining := announcements.until(until) - time.monotonic()) <= 0:
-                    break
-                await announcements.wait(event, remaining)
-        if cut_by_stop(announcements, job, until):
-            bodies = [server_stopped(job_id).envelope()]
-        else:
-            bodies = _closing(job, (completion_id, created, model), streamed, usage)
-        for body in bodies:
-            yield _event(body)
-        ended = True
-        yield {"data": "[DONE]"}
-    finally:
-        if not ended and announcements.stop_by is None and not stopping.is_set():  # the client went away mid-stream
-            with anyio.CancelScope(shield=True):
-                await run_in_threadpool(give_up, store, job_id)
+    (and usage), ending with `[DONE]`: the chat's stream (`api.chat.stream_job`) in a completion's chunks."""
+    ids = (f"cmpl-{job_id}", int(time.time()), model)
+
+    def piece(text: str) -> dict[str, Any]:
+        return completion_chunk(*ids, text)
+
+    def closing(job: Job, streamed: bool) -> list[dict[str, Any]]:
+        return _closing(job, ids, streamed, usage)
+
+    return stream_job(context, job_id, tenant, until, stopping, opening=[], piece=piece, closing=closing)
 
 
 def _closing(job: Job, ids: tuple[str, int, str], streamed: bool, usage: bool) -> list[dict[str, Any]]:
@@ -203,7 +179,3 @@ def _closing(job: Job, ids: tuple[str, int, str], streamed: bool, usage: bool) -
     if usage:
         bodies.append(completion_chunk(*ids, usage=usage_of(job)))
     return bodies
-
-
-def _event(body: dict[str, Any]) -> dict[str, str]:
-    return {"data": json.dumps(body, separators=(",", ":"))}
