@@ -36,6 +36,7 @@ from api.chat_intake import accept_chat
 from api.context import ApiContext, close_clients
 from api.files import sweep_expired_files
 from api.intake import AcceptedRequest
+from api.limits import JsonValueCounter
 from api.openai_batch_ends import OpenAIBatchEnds, missing_input, next_lines
 from api.submission import submit_line, unmake
 from stoker.adapters.store.coordination import give_up_lease
@@ -52,7 +53,6 @@ from stoker.core.openai_batches import (
     Room,
     Validation,
     index_entry,
-    json_values,
     line_index_id,
     line_job_id,
     line_room,
@@ -361,8 +361,11 @@ class OpenAIBatchFeeder:
 
 
 def _json_values(raw: bytes) -> int:
-    """A line's JSON values, counted as a request body's to `/v1/chat/completions` are."""
-    return json_values(raw)
+    """A line's JSON values, counted as a request body's to `/v1/chat/completions` are (`api.limits`: never those
+    in strings, so a line with a CSV in its prompt is held to what the same body on the endpoint is)."""
+    counter = JsonValueCounter()
+    counter.feed(raw)
+    return counter.values
 
 
 def run_openai_batch_feeder(settings: ApiSettings) -> int:

@@ -172,7 +172,8 @@ _VALUE_OPENERS = b",[{"
 
 
 def json_values(raw: bytes) -> int:
-    """How many values a JSON text holds, at most: one, and one more for each `,` `[` `{` (inside strings too)."""
+    """How many values a JSON text holds, at most: one, and one more for each `,` `[` `{` (inside strings too: an
+    upper bound, where no exact count is given, e.g. `api.limits.JsonValueCounter`'s)."""
     return 1 + len(raw) - len(raw.translate(None, _VALUE_OPENERS))
 
 
