@@ -508,6 +508,13 @@ class ModelNotFound(StokerError):
     http_status = 404
 
 
+class EndpointNotServed(StokerError):
+    """This endpoint is not served here: the served models cannot answer it."""
+
+    code = "endpoint_not_served"
+    http_status = 404
+
+
 class ClientGone(StokerError):
     """The client closed the connection before the answer was ready; the job was given up."""
 
