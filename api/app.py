@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.audio import router as audio_router
 from api.chat import router as chat_router
 from api.completions import router as completions_router
 from api.context import ApiContext, close_clients
@@ -59,6 +60,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app.add_middleware(RequestTimer)
     app.include_router(router)
     app.include_router(chat_router)
+    app.include_router(audio_router)
     app.include_router(completions_router)
     app.include_router(files_router)
     app.include_router(openai_batches_router)

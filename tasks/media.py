@@ -63,12 +63,15 @@ def _transcribe(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:
         with time_limit(transcribe_limit_s(s, record), "transcribe"):
             samples = decode_audio(input_bytes(ctx, record, "transcribe"))
             transcript = transcribe_samples(model, samples, s.asr_beam_size)
-        return {"text": transcript.text, "segments": [asdict(x) for x in transcript.segments]}
+        segments = [asdict(x) for x in transcript.segments]
+        return {"text": transcript.text, "segments": segments, "language": transcript.language}
 
     address = ctx.transcribe_address(record.content_hash, cache_scope(ctx, job_id))
     value = through_cache(ctx, record, address, compute, follower_wait(s.transcribe_soft_s))
     record.text = value["text"]
     record.segments = [Segment(**x) for x in value["segments"]]
+    if value.get("language"):  # the language the speech model heard (an entry cached before it was kept has none)
+        record.features = {**(record.features or {}), "language": value["language"]}
     record.status = "ok"
 
 

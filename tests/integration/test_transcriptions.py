@@ -1,0 +1,102 @@
+"""`/v1/audio/transcriptions` (and the endpoints refused with their reason) with the official `openai` client, over
+HTTP, against the real workers and speech model."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from api.app import create_app
+from stoker.settings import ApiSettings
+from tests.media import speech_wav, truncated
+from tests.serving import serve
+
+MODEL = ApiSettings().public_model_name
+SRT_CUE = re.compile(r"^1\n\d\d:\d\d:\d\d,\d{3} --> \d\d:\d\d:\d\d,\d{3}\n\S")
+
+
+@pytest.fixture(scope="module")
+def base_url(workers: dict[str, Path]) -> Iterator[str]:
+    """The API (auth off, as `stoker up` runs locally), served over HTTP."""
+    with serve(create_app(ApiSettings())) as base:
+        yield base
+
+
+@pytest.fixture
+def client(base_url: str) -> Iterator[openai.OpenAI]:
+    """The official client, pointed at stoker; no retries, so a refusal surfaces as raised."""
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120) as official:
+        yield official
+
+
+@pytest.fixture(scope="module")
+def spoken() -> bytes:
+    return speech_wav("please send the quarterly report to the finance team")
+
+
+def test_a_spoken_wav_is_transcribed_as_text_json_verbose_json_and_srt(
+    client: openai.OpenAI, base_url: str, spoken: bytes
+) -> None:
+    plain = client.audio.transcriptions.with_raw_response.create(
+        model="whisper-1", file=("speech.wav", spoken), response_format="text"
+    )
+    text = plain.parse()
+    assert "quarterly report" in text.lower()
+    job = httpx.get(f"{base_url}/v1/jobs/{plain.headers['x-stoker-job-id']}").json()
+    assert job["status"] == "succeeded"
+    assert job["result"] is None  # the transcript is the answer: no model ran
+
+    as_json = client.audio.transcriptions.create(model=MODEL, file=("speech.wav", spoken))
+    assert as_json.text.strip() == text.strip()
+
+    verbose = client.audio.transcriptions.create(
+        model="whisper-1", file=("speech.wav", spoken), response_format="verbose_json"
+    )
+    assert verbose.text.strip() == text.strip()
+    assert verbose.language == "en"
+    assert verbose.duration > 1.0
+    segments = verbose.segments or []
+    assert segments
+    assert [s.id for s in segments] == list(range(len(segments)))
+    assert all(0.0 <= s.start < s.end <= verbose.duration + 0.5 for s in segments)
+    assert " ".join(s.text for s in segments).strip() == verbose.text.strip()
+
+    subtitles = client.audio.transcriptions.create(model="whisper-1", file=("speech.wav", spoken), response_format="srt")
+    assert SRT_CUE.match(subtitles)
+    assert "quarterly report" in subtitles.lower()
+
+
+def test_an_unreadable_recording_is_refused_with_its_code(client: openai.OpenAI, spoken: bytes) -> None:
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.audio.transcriptions.create(model="whisper-1", file=("cut.wav", truncated(spoken, 0.01)))
+    assert raised.value.code in ("media_corrupt", "media_empty")
+
+
+def test_word_timestamps_and_other_models_are_refused(client: openai.OpenAI, spoken: bytes) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.audio.transcriptions.create(
+            model="whisper-1",
+            file=("speech.wav", spoken),
+            response_format="verbose_json",
+            timestamp_granularities=["word"],
+        )
+    assert raised.value.code == "unsupported_parameter"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.audio.transcriptions.create(model="no-such-model", file=("speech.wav", spoken))
+    assert missing.value.code == "model_not_found"
+
+
+def test_translations_and_embeddings_are_refused_with_their_reason(client: openai.OpenAI, spoken: bytes) -> None:
+    with pytest.raises(openai.NotFoundError) as translation:
+        client.audio.translations.create(model="whisper-1", file=("speech.wav", spoken))
+    assert translation.value.code == "endpoint_not_served"
+    assert "does not translate" in translation.value.message
+    with pytest.raises(openai.NotFoundError) as embedding:
+        client.embeddings.create(model=MODEL, input="a sentence")
+    assert embedding.value.code == "endpoint_not_served"
+    assert "not an embedding model" in embedding.value.message
