@@ -66,7 +66,9 @@ def test_a_spoken_wav_is_transcribed_as_text_json_verbose_json_and_srt(
     assert all(0.0 <= s.start < s.end <= verbose.duration + 0.5 for s in segments)
     assert " ".join(s.text for s in segments).strip() == verbose.text.strip()
 
-    subtitles = client.audio.transcriptions.create(model="whisper-1", file=("speech.wav", spoken), response_format="srt")
+    subtitles = client.audio.transcriptions.create(
+        model="whisper-1", file=("speech.wav", spoken), response_format="srt"
+    )
     assert SRT_CUE.match(subtitles)
     assert "quarterly report" in subtitles.lower()
 
