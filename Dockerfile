@@ -1,7 +1,7 @@
 # One image for the API, the workers and Flower. TORCH_SPEC picks the torch build (CPU by default).
 FROM python:3.11-slim
 
-ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
 ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 
 RUN apt-get update \
@@ -12,7 +12,7 @@ RUN apt-get update \
 RUN useradd --create-home --uid 10001 stoker
 WORKDIR /app
 
-RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
+RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX}" ${TORCH_SPEC}
 # Celery's configuration is the top-level celeryconfig.py, installed as a module of its own.
 COPY pyproject.toml README.md celeryconfig.py ./
 COPY stoker ./stoker
