@@ -441,7 +441,7 @@ def test_what_arrives_after_the_consumer_stopped_goes_straight_back(consumers: l
 
 def test_a_context_refuses_a_member_it_does_not_have() -> None:
     with pytest.raises(TypeError, match="predictr"):
-        WorkerContext(WorkerSettings(), NoOutbox(), predictr=GatedPredictor())
+        WorkerContext(WorkerSettings(), NoOutbox(), predictr=GatedPredictor())  # type: ignore[call-arg]
 
 
 def test_a_given_member_is_used_and_no_other_is_built() -> None:
@@ -457,18 +457,19 @@ def test_an_idle_consumer_beats_less_and_less_often_and_at_once_when_jobs_come()
     ctx = WorkerContext(settings, NoOutbox(), store=store, predictor=GatedPredictor())
     watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
     feeder = Feeder(ctx, BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.0), watchdog, beat_s=0.5)
-    waits = [feeder._beat_at_pace(active=feeder._holding()) for _ in range(5)]  # the heartbeat's rounds, not started
+    beat, held = feeder.heartbeat, feeder.held
+    waits = [beat.beat_at_pace(active=held.holding()) for _ in range(5)]  # the heartbeat's rounds, not started
     assert waits == [1.0, 2.0, 4.0, 4.0, 4.0]  # nothing held: slower each round, up to idle_max_wait_s
     assert store.consumers.beats == [3.0, 6.0, 12.0, 12.0, 12.0]  # each beat outlives three of its waits
     feeder.add([FakeMessage("j1")])
     assert store.consumers.beats[-1] == 1.5  # a beat at once, for the pace of a consumer that holds jobs
-    assert feeder._beat_at_pace(active=feeder._holding()) == 0.5  # and it stays there while it holds them
+    assert beat.beat_at_pace(active=held.holding()) == 0.5  # and it stays there while it holds them
     feeder.add([FakeMessage("j2")])
     assert len(store.consumers.beats) == 7  # already at its own pace: no extra beat per arrival
-    with feeder._lock:
-        feeder._waiting.clear()  # both jobs gone (as if answered) before the heartbeat's next round
-    feeder._beat_now.set()  # the round's wait after its beat returns at once
-    feeder._beat()
+    with feeder.held._lock:
+        feeder.held._waiting.clear()  # both jobs gone (as if answered) before the heartbeat's next round
+    feeder.heartbeat.wake()  # the round's wait after its beat returns at once
+    feeder.heartbeat.step()
     assert store.consumers.beats[-1] == 1.5  # jobs came since its last beat: still at its own pace
 
 
@@ -488,9 +489,9 @@ def test_an_arrival_wakes_the_collector_alone() -> None:
     ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=MemoryStore.empty(), predictor=GatedPredictor())
     watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
     feeder = Feeder(ctx, BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.0), watchdog)
-    conditions = {name: CountingCondition(feeder._lock) for name in ("_to_collect", "_to_run", "_to_take_lines")}
+    conditions = {name: CountingCondition(feeder.held._lock) for name in ("_to_collect", "_to_run", "_to_take_lines")}
     for name, condition in conditions.items():
-        setattr(feeder, name, condition)
+        setattr(feeder.held, name, condition)
     feeder.add([FakeMessage("a"), FakeMessage("b")])
     feeder.add([_line("c")])
     # Nothing the device or the line taker waits for changed: only the collector has work
@@ -503,31 +504,31 @@ def test_a_batch_wakes_the_errands_thread_only_when_it_sleeps_with_nothing_to_wa
     ctx = WorkerContext(WorkerSettings(), NoOutbox(), store=MemoryStore.empty(), predictor=GatedPredictor())
     watchdog = BatchWatchdog(60.0, 60.0, on_overdue=lambda _: None, on_wedged=lambda _: None)
     feeder = Feeder(ctx, BatchPolicy(max_batch_size=1, max_batch_tokens=100, max_wait_s=0.0), watchdog)
-    feeder._errand = errand = CountingCondition()
+    feeder.errands._errand = errand = CountingCondition()
 
     def next_batch(job_id: str, deadline: float | None = None) -> None:
-        feeder._prepared.append(BatchItem(job_id, _pending(job_id, deadline), FakeMessage(job_id), time.time()))
-        feeder._next_batch()
+        feeder.held._prepared.append(BatchItem(job_id, _pending(job_id, deadline), FakeMessage(job_id), time.time()))
+        feeder.device.next_batch()
 
-    feeder._errands_idle = True  # asleep with nothing on the device
+    feeder.errands._idle = True  # asleep with nothing on the device
     next_batch("a")
     assert errand.notified == 1
-    feeder._errands_idle = False  # asleep until a's stamp is due: b's is later, the sleep ends in time
+    feeder.errands._idle = False  # asleep until a's stamp is due: b's is later, the sleep ends in time
     next_batch("b")
     assert errand.notified == 1
     next_batch("late", deadline=time.time() - 1)
     assert errand.notified == 2  # a job to end: at once
 
-    feeder._on_device = None
+    feeder.errands._on_device = None
     next_batch("c")
-    assert feeder._on_device is not None
-    items, at, turn = feeder._on_device
-    assert feeder._stamp_due(at + STAMP_AFTER_S / 2) is None  # not yet
-    assert feeder._stamp_due(at + STAMP_AFTER_S) == (items, at, turn)
-    assert feeder._stamp_due(at + 2 * STAMP_AFTER_S) is None  # stamped once
+    assert feeder.errands._on_device is not None
+    items, at, turn = feeder.errands._on_device
+    assert feeder.errands.stamp_due(at + STAMP_AFTER_S / 2) is None  # not yet
+    assert feeder.errands.stamp_due(at + STAMP_AFTER_S) == (items, at, turn)
+    assert feeder.errands.stamp_due(at + 2 * STAMP_AFTER_S) is None  # stamped once
     next_batch("d")
-    feeder._on_device[2].end()
-    assert feeder._stamp_due(time.time() + STAMP_AFTER_S) is None  # ended first: its results carry its stamps
+    feeder.errands._on_device[2].end()
+    assert feeder.errands.stamp_due(time.time() + STAMP_AFTER_S) is None  # ended first: its results carry its stamps
 
 
 def test_an_interactive_request_goes_before_the_prepared_batch_lines_in_a_batch_of_its_own(
