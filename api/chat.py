@@ -57,6 +57,8 @@ from stoker.core.errors import (
 )
 from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
 from stoker.core.jobs import ChoiceInfo, ErrorInfo, Job, degraded_codes
+from stoker.core.tool_stream import ToolCallStream
+from stoker.core.tools import drop_unclosed_call
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -172,7 +174,7 @@ async def _start_stream(
     settings = context.settings
     usage = bool(spec.stream_options and spec.stream_options.include_usage)
     stopping = anyio.Event()  # set by sse-starlette when the server is asked to stop
-    events = _stream(context, job.id, tenant, settings.public_model_name, until, usage, stopping)
+    events = _stream(context, job.id, tenant, settings.public_model_name, until, usage, stopping, _offered(job))
     headers = {**job_headers(job), **extra}
     return EventSourceResponse(
         events,
@@ -278,15 +280,18 @@ def completion(job: Job, model: str) -> ChatCompletion:
         id=f"chatcmpl-{job.id}",
         created=int(time.time()),
         model=model,
-        choices=[_choice(index, answer) for index, answer in enumerate([*answers, *result.more])],
+        choices=[_choice(index, answer, bool(_offered(job))) for index, answer in enumerate([*answers, *result.more])],
         usage=usage_of(job),
         stoker=facts(job),
     )
 
 
-def _choice(index: int, answer: ChoiceInfo) -> Choice:
+def _choice(index: int, answer: ChoiceInfo, offered: bool) -> Choice:
+    """One answer as a choice. Of a chat that offered tools, a call the answer opened and never closed (cut by its
+    token limit: `finish_reason` `length`) is dropped, never shown as the model's raw markup."""
     logprobs = ChoiceLogprobs(content=answer.logprobs) if answer.logprobs is not None else None
-    content = None if answer.tool_calls and not answer.text else answer.text
+    text = drop_unclosed_call(answer.text) if offered and not answer.tool_calls else answer.text
+    content = None if answer.tool_calls and not text else text
     message = AssistantMessage(content=content, tool_calls=answer.tool_calls)
     return Choice(index=index, message=message, finish_reason=answer.finish_reason, logprobs=logprobs)
 
@@ -307,17 +312,36 @@ def facts(job: Job) -> StokerFacts:
     return StokerFacts(job_id=job.id, status=job.status, inputs=inputs, timings_ms=job.timings_ms)
 
 
-def _stream(
-    context: ApiContext, job_id: str, tenant: str, model: str, until: float, usage: bool, stopping: anyio.Event
-) -> AsyncIterator[dict[str, str]]:
-    """The answer as `chat.completion.chunk` events: the assistant's role, its pieces, its end (`stream_job`)."""
-    completion_id, created = f"chatcmpl-{job_id}", int(time.time())
+def _offered(job: Job) -> list[str]:
+    """The names of the tools the chat's answer may call (none: its answer is text)."""
+    params = job.chat.params if job.chat is not None else None
+    return [t.function.name for t in params.tools] if params is not None and params.calls != "none" else []
 
-    def piece(text: str) -> dict[str, Any]:
-        return chunk(completion_id, created, model, {"content": text})
+
+def _stream(
+    context: ApiContext,
+    job_id: str,
+    tenant: str,
+    model: str,
+    until: float,
+    usage: bool,
+    stopping: anyio.Event,
+    tools: list[str],
+) -> AsyncIterator[dict[str, str]]:
+    """The answer as `chat.completion.chunk` events: the assistant's role, its pieces, its end (`stream_job`). With
+    `tools` offered, the pieces are read for calls (`ToolCallStream`): text goes out as content while it is text, and
+    a call as `tool_calls` deltas once the model opens it."""
+    completion_id, created = f"chatcmpl-{job_id}", int(time.time())
+    calls = ToolCallStream(tools) if tools else None
+
+    def piece(text: str) -> list[dict[str, Any]]:
+        deltas = calls.feed(text) if calls is not None else [{"content": text}]
+        return [chunk(completion_id, created, model, delta) for delta in deltas]
 
     def closing(job: Job, streamed: bool) -> list[dict[str, Any]]:
-        return _closing(job, completion_id, created, model, streamed, usage)
+        held = [chunk(completion_id, created, model, d) for d in calls.close()] if calls is not None else []
+        called = calls is not None and calls.called
+        return held + _closing(job, completion_id, created, model, streamed, usage, called)
 
     opening = [chunk(completion_id, created, model, {"role": "assistant", "content": ""})]
     return stream_job(context, job_id, tenant, until, stopping, opening=opening, piece=piece, closing=closing)
@@ -331,11 +355,12 @@ async def stream_job(
     stopping: anyio.Event,
     *,
     opening: list[dict[str, Any]],
-    piece: Callable[[str], dict[str, Any]],
+    piece: Callable[[str], dict[str, Any] | list[dict[str, Any]]],
     closing: Callable[[Job, bool], list[dict[str, Any]]],
 ) -> AsyncIterator[dict[str, str]]:
     """A job's answer as server-sent events, for every endpoint that streams one (chat completions, completions):
-    the `opening` bodies, each piece as the backend streams it (`piece` makes its body), then what `closing` makes
+    the `opening` bodies, each piece as the backend streams it (`piece` makes its body, or the bodies it makes, none
+    while it holds the piece back), then what `closing` makes
     of the ended job (told whether pieces were streamed), ending with `[DONE]`; keep-alive comments come from the
     response itself while this waits.
 
@@ -357,7 +382,9 @@ async def stream_job(
                 pieces, after = await run_in_threadpool(store.answers.read, job_id, after)
                 for text in pieces:
                     streamed = True
-                    yield _event(piece(text))
+                    made = piece(text)
+                    for body in made if isinstance(made, list) else [made]:
+                        yield _event(body)
                 if stopping.is_set():
                     announcements.stop()  # a stop only sse-starlette saw (the API served by another server)
                 if job.terminal or (remaining := announcements.until(until) - time.monotonic()) <= 0:
@@ -381,19 +408,20 @@ def server_stopped(job_id: str) -> ServerStopping:
 
 
 def _closing(
-    job: Job, completion_id: str, created: int, model: str, streamed: bool, usage: bool
+    job: Job, completion_id: str, created: int, model: str, streamed: bool, usage: bool, called: bool = False
 ) -> list[dict[str, Any]]:
-    """What ends a stream: the answer (if it was not streamed) and its calls, the finish reason and usage; or the
-    error."""
+    """What ends a stream: the answer (if it was not streamed) and its calls (unless they were, `called`), the
+    finish reason and usage; or the error."""
     failure = job_failure(job)
     if failure is not None:
         return [failure[1]]
     result = job.result
     assert result is not None
     bodies = []
-    if not streamed and (result.text or not result.tool_calls):  # an answer of calls alone has no content
-        bodies.append(chunk(completion_id, created, model, {"content": result.text}))
-    if result.tool_calls:  # whole, in one delta: the answer is parsed for its calls once it is complete
+    text = drop_unclosed_call(result.text) if _offered(job) and not result.tool_calls else result.text
+    if not streamed and (text or not result.tool_calls):  # an answer of calls alone has no content
+        bodies.append(chunk(completion_id, created, model, {"content": text}))
+    if result.tool_calls and not called:  # whole, in one delta: a backend that parses the calls from the whole answer
         calls = [{"index": i, **call} for i, call in enumerate(result.tool_calls)]
         bodies.append(chunk(completion_id, created, model, {"tool_calls": calls}))
     bodies.append(chunk(completion_id, created, model, {}, finish_reason=result.finish_reason))

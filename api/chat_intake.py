@@ -33,10 +33,12 @@ from stoker.core.errors import (
     PromptTooLong,
     TooManyTokens,
     UnsupportedMediaType,
+    UnsupportedParameter,
 )
 from stoker.core.jobs import RAW_PROMPT, ChatTurn, Conversation, InputKind
 from stoker.core.model import GenerationParams
 from stoker.core.prompting import material_chars
+from stoker.core.tools import strict_format, strict_tool
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -76,9 +78,25 @@ def accept_chat(
     try:
         spec = ChatCompletionCreate.model_validate_json(body)
     except ValidationError as exc:
+        unsupported_part(exc)
         where, message = first_error(exc)
         raise InvalidRequest(f"{where}: {message}", param=where) from exc
     return spec, accept_spec(spec, settings, on_input_error)
+
+
+def unsupported_part(exc: ValidationError) -> None:
+    """Refuse a content part of a type this endpoint does not read (400 `unsupported_parameter`, naming the part
+    and its type), rather than pass on pydantic's first error, which is the string the content was not."""
+    for error in exc.errors():
+        if error["type"] != "union_tag_invalid" or "content" not in error["loc"]:
+            continue
+        ctx = error.get("ctx") or {}
+        where = ".".join(str(p) for p in error["loc"] if not str(p).startswith("list["))
+        raise UnsupportedParameter(
+            f"{where}: a content part of type `{ctx.get('tag')}` is not read here; "
+            f"the part types read are {ctx.get('expected_tags')}",
+            param=where,
+        ) from exc
 
 
 def accept_spec(
@@ -155,9 +173,11 @@ def _params(spec: ChatCompletionCreate, settings: ApiSettings) -> GenerationPara
         n=spec.n or 1,
         logprobs=bool(spec.logprobs),
         top_logprobs=spec.top_logprobs or 0,
-        tools=tuple(spec.tools or ()),
+        # `strict: true` closes the schema's objects here, once, as OpenAI reads it: the grammar and the prompt
+        # both get the closed schema
+        tools=tuple(strict_tool(t) for t in spec.tools or ()),
         tool_choice=spec.tool_choice,
-        response_format=spec.response_format,
+        response_format=strict_format(spec.response_format),
     )
 
 

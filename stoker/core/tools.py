@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -106,6 +106,63 @@ def call_schema(tool: ToolSpec) -> dict[str, Any]:
     }
 
 
+def strict_tool(tool: ToolSpec) -> ToolSpec:
+    """A tool as its calls are held to it: its parameters closed (`closed_schema`) when it is `strict`."""
+    function = tool.function
+    if not function.strict:
+        return tool
+    closed = function.model_copy(update={"parameters": closed_schema(function.parameters)})
+    return tool.model_copy(update={"function": closed})
+
+
+def strict_format(answer: ResponseFormat | None) -> ResponseFormat | None:
+    """A `json_schema` answer format as the answer is held to it: its schema closed when it is `strict`."""
+    if answer is None or answer.json_schema is None or not answer.json_schema.strict:
+        return answer
+    closed = answer.json_schema.model_copy(update={"json_schema": closed_schema(answer.json_schema.json_schema)})
+    return answer.model_copy(update={"json_schema": closed})
+
+
+#: The keywords of a JSON schema whose value is a schema, a list of schemas, or a map of names to schemas.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_SUBSCHEMAS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema: Any) -> Any:
+    """A schema as OpenAI's `strict: true` reads it: every object in it takes no properties but those it names
+    (`additionalProperties: false` where the schema says nothing of them), however deep (`properties`, `items`,
+    `anyOf`, `$defs`, ...). An object that allows more properties explicitly keeps its choice."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in schema:
+            closed[key] = closed_schema(schema[key])
+    for key in _SUBSCHEMAS:
+        if isinstance(schema.get(key), list):
+            closed[key] = [closed_schema(item) for item in schema[key]]
+    for key in _NAMED_SUBSCHEMAS:
+        if isinstance(schema.get(key), dict):
+            closed[key] = {name: closed_schema(item) for name, item in schema[key].items()}
+    if isinstance(schema.get("additionalProperties"), dict):
+        closed["additionalProperties"] = closed_schema(schema["additionalProperties"])
+    kind = schema.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
+    if is_object and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def drop_unclosed_call(text: str) -> str:
+    """An answer's text without a call it opened and never closed (one cut by its token limit): the text before
+    that call's tag. A closed block stays, as `parse_tool_calls` leaves it."""
+    opened = text.rfind(CALL_OPEN)
+    if opened < 0 or CALL_CLOSE in text[opened:]:
+        return text
+    return text[:opened].rstrip()
+
+
 def tools_prompt(tools: Sequence[ToolSpec]) -> str:
     """The system turn's part that offers the tools, in the Hermes convention."""
     signatures = "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False) for t in tools)
@@ -171,7 +228,7 @@ def parse_tool_calls(text: str, tools: Sequence[ToolSpec]) -> tuple[str, list[To
     kept: list[str] = []
     start = 0
     for match in _CALL.finditer(text):
-        call = _call(match.group(1), names)
+        call = parse_call(match.group(1), names)
         if call is None:
             continue
         kept.append(text[start : match.start()])
@@ -181,7 +238,8 @@ def parse_tool_calls(text: str, tools: Sequence[ToolSpec]) -> tuple[str, list[To
     return "".join(kept).strip(), calls
 
 
-def _call(body: str, names: set[str]) -> ToolCall | None:
+def parse_call(body: str, names: Collection[str]) -> ToolCall | None:
+    """One call's body (the JSON between its tags) as a call of one of the named tools; None if it is not one."""
     try:
         data = json.loads(body)
     except ValueError:
