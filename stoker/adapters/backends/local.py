@@ -73,8 +73,9 @@ class TransformersPredictor(YieldsToConsumer):
     `max_tokens` (the call runs to the largest, each row is cut to its own), in stop sequences (a row ends at the
     token that completes one: `StopSequences`), in the grammar their answer must follow (`response_format`, forced
     tool calls: `grammar.GrammarMask`; a row that breaks its grammar is ended and its request fails alone), and in being
-    streamed (`streams.RowStreams`, given `pieces`). An answer of a request with tools is parsed for its calls, and
-    is not streamed: its text may turn out to be calls.
+    streamed (`streams.RowStreams`, given `pieces`). An answer of a request with tools is streamed as the model
+    writes it, its calls' markup with it (the API reads the pieces for calls: `stoker.core.tool_stream`), and is
+    parsed for its calls once complete.
 
     Given a consumer to yield to (`yield_to`), a call of interactive requests stops between decoding steps, every
     `yield_tokens` new tokens, when some of its answers are done and others are not, or when a request waits for
@@ -251,8 +252,7 @@ class TransformersPredictor(YieldsToConsumer):
         return GrammarMask(self._grammar_tokenizer, grammars, batch.collated.width, done, end=end)
 
     def _streams(self, batch: LocalBatch) -> RowStreams | None:
-        """The rows streamed to their jobs: a streamed request's (one answer each: a stream has no `n`) whose
-        answer cannot turn out to be tool calls."""
+        """The rows streamed to their jobs: a streamed request's (one answer each: a stream has no `n`)."""
         if self.pieces is None:
             return None
         n = batch.params[0].n
@@ -261,7 +261,7 @@ class TransformersPredictor(YieldsToConsumer):
                 i * n, r.stream_to, self._limit(r), TextStream(r.params.stop, sent=r.sent), prefix=list(r.generated)
             )
             for i, r in enumerate(batch.requests)
-            if r.stream_to is not None and r.params.calls == "none"
+            if r.stream_to is not None
         ]
         if not rows:
             return None
