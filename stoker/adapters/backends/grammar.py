@@ -173,3 +173,48 @@ class GrammarMask:
         """End the row at its next token: what it writes can no longer be held to its grammar."""
         log.warning("row %d: %s; the row is ended and its request fails", row, reason)
         self.failed[row] = reason
+
+
+class RowGrammar:
+    """One row's grammar for the decode engine (`engine.DecodeEngine`): the mask of the tokens it allows next, and
+    the tokens the row takes. A grammar that fails (it cannot load, refuses a token, or errors on a resource limit)
+    allows the end of sequence alone from then on, and `failure` says why (the row's request fails alone)."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, done: Sequence[int] = (), *, end: int) -> None:
+        self.end = end
+        self.failure: str | None = None
+        self.matcher = LLMatcher(tokenizer, grammar)
+        if done:
+            self.matcher.consume_tokens(list(done))  # an answer that goes on: past what it has
+        if self.matcher.is_error():
+            self._fail(f"its grammar failed to load: {self.matcher.get_error()}")
+
+    def mask(self, scores: Any, torch: Any) -> Any:
+        """The row's scores (one vector over the vocabulary) with the tokens its grammar refuses at -inf."""
+        vocab = int(scores.shape[0])
+        allowed = None if self.failure is not None else self._allowed(torch, vocab)
+        if allowed is None:  # failed: the end of sequence alone
+            allowed = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
+            allowed[self.end] = True
+        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+    def _allowed(self, torch: Any, vocab: int) -> Any | None:
+        packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
+        if self.matcher.is_error():  # a resource limit met while computing the mask
+            self._fail(f"its grammar failed: {self.matcher.get_error()}")
+            return None
+        allowed = ((packed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
+        if allowed.shape[0] < vocab:
+            allowed = torch.cat([allowed, torch.zeros(vocab - allowed.shape[0], dtype=torch.bool)])
+        return allowed[:vocab]
+
+    def consume(self, token: int) -> None:
+        """The row took `token` (nothing after its grammar completed or failed)."""
+        if self.failure is not None or self.matcher.is_stopped():
+            return
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            self._fail(f"its grammar refused token {token}: {self.matcher.get_error()}")
+
+    def _fail(self, reason: str) -> None:
+        log.warning("%s; the row is ended and its request fails", reason)
+        self.failure = reason
