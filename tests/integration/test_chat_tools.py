@@ -117,12 +117,15 @@ def test_a_required_call_streams_as_a_tool_call_delta(client: openai.OpenAI) -> 
         )
     )
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
-    (delta,) = deltas
-    assert delta.index == 0
-    assert delta.id
-    assert delta.function is not None
-    assert delta.function.name == "get_weather"
-    assert set(json.loads(delta.function.arguments or "")) == {"city"}
+    first, *fragments = deltas
+    assert first.index == 0
+    assert first.id
+    assert first.function is not None
+    assert first.function.name == "get_weather"
+    assert fragments  # the arguments follow the name, in fragments as the model writes them
+    assert all(d.index == 0 and d.id is None and d.function and d.function.name is None for d in fragments)
+    arguments = "".join((d.function.arguments or "") for d in deltas if d.function)
+    assert set(json.loads(arguments)) == {"city"}
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["tool_calls"]
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
@@ -170,6 +173,52 @@ def test_a_streamed_answer_arrives_in_pieces_before_its_job_ends(base_url: str) 
     assert len(pieces) >= 3
     job = httpx.get(f"{base_url}/v1/jobs/{job_id}").json()
     assert "".join(pieces) == job["result"]["text"]
+
+
+def test_a_streamed_chat_offering_tools_sends_its_text_while_its_job_infers(base_url: str) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story about a dragon and a castle."}],
+        "max_tokens": 48,
+        "tools": [WEATHER],
+        "stream": True,
+    }
+    pieces: list[str] = []
+    status_at_first_piece = ""
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as response:
+        job_id = response.headers["x-stoker-job-id"]
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                assert not choice["delta"].get("tool_calls")
+                piece = choice["delta"].get("content")
+                if piece and not pieces:
+                    status_at_first_piece = httpx.get(f"{base_url}/v1/jobs/{job_id}").json()["status"]
+                if piece:
+                    pieces.append(piece)
+    assert status_at_first_piece == "inferring"
+    assert len(pieces) >= 3
+    job = httpx.get(f"{base_url}/v1/jobs/{job_id}").json()
+    assert "".join(pieces) == job["result"]["text"]
+
+
+def test_a_forced_call_cut_by_max_tokens_is_length_without_markup(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=6, tools=[WEATHER], tool_choice=FORCED
+    )
+    (choice,) = answer.choices
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is None
+    assert "<tool_call>" not in (choice.message.content or "")
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=6, tools=[WEATHER], tool_choice=FORCED, stream=True
+        )
+    )
+    assert not any("<tool_call>" in (c.choices[0].delta.content or "") for c in streamed if c.choices)
+    finish = [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
 
 
 class Weather(BaseModel):
