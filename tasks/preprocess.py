@@ -42,12 +42,12 @@ def _decode_and_cache(
         ctx.cache.put_bytes(address, array_to_bytes(decoded.ocr_image), part=OCR_IMAGE)
     if decoded.picture is not None and ctx.image_preparer is not None:
         prepared = ctx.image_preparer.prepare(decoded.picture)
-        ctx.put_prepared(ctx.vision_address(record.content_hash, address.scope), prepared)
+        ctx.pictures.put_prepared(ctx.pictures.vision_address(record.content_hash, address.scope), prepared)
         value["prepared"] = {"processor": ctx.image_preparer.identity, "layout": ctx.image_preparer.layout(prepared)}
     if decoded.picture is not None and ctx.picture_bounds is not None:
-        ctx.cache.put_bytes(address, ctx.served(decoded.picture), part=PICTURE)
+        ctx.cache.put_bytes(address, ctx.pictures.served(decoded.picture), part=PICTURE)
     if decoded.picture is not None and ctx.request_renderer is not None:
-        ctx.put_rendered(record.content_hash, address.scope, decoded.picture)  # for the generate endpoint
+        ctx.pictures.put_rendered(record.content_hash, address.scope, decoded.picture)  # for the generate endpoint
     return value, decoded
 
 
@@ -75,16 +75,16 @@ def _render(ctx: WorkerContext, record: InputRecord, scope: str) -> None:
     """A render job's picture: its rendering found in the stage cache (the tenant's scope), or decoded and rendered
     here and cached there (the rendering the generate backend reads too). The record says where (`prepared`), the
     API reads the tensors from there; nothing is left for OCR."""
-    address = ctx.rendering_address(record.content_hash, scope)
+    address = ctx.pictures.rendering_address(record.content_hash, scope)
     hit = ctx.cache.has(address, part=ITEM)
     started = time.perf_counter()
     if not hit:
-        ctx.render_picture(
+        ctx.pictures.render_picture(
             record.content_hash, scope, decode_rgb(input_bytes(ctx, record, "decode"), ctx.decode_params)
         )
     ctx.cache.record(address.stage, hit=hit, cost_s=time.perf_counter() - started)
     record.cache_hit[address.stage] = hit
-    record.prepared = {"render": ctx.renderer.identity, "decode": ctx.rendering_decode}
+    record.prepared = {"render": ctx.renderer.identity, "decode": ctx.pictures.rendering_decode}
     record.status = "ok"
 
 

@@ -15,13 +15,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
 from stoker.adapters.backends.local import SimPredictor, TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.backends.tokenizer import PromptTokenizer, file_identity, load_prompt_tokenizer, load_tokenizer
-from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
+from stoker.adapters.backends.vision import ImagePreparer
 from stoker.adapters.backends.vlm import VisionEncoder, VisionLanguagePredictor, is_vision_language
 from stoker.adapters.broker import PulledQueue, RedisIntake, redis_transport, stage_queue, transport_options
 from stoker.adapters.cache import StageCache
@@ -29,7 +27,7 @@ from stoker.adapters.embeddings import EmbeddingCache, SharedEmbeddings
 from stoker.adapters.generate import RequestRenderer
 from stoker.adapters.metrics import DeviceClock
 from stoker.adapters.occupancy import PoolOccupancy
-from stoker.adapters.render import ITEM, RenderedPicture, Renderer
+from stoker.adapters.render import Renderer
 from stoker.adapters.speech import load_whisper
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import cache_client
@@ -39,14 +37,13 @@ from stoker.adapters.tesseract import tesseract_version
 from stoker.adapters.urlfetch import FetchPolicy
 from stoker.core import asr, cachekeys, tenancy
 from stoker.core.asr import SpeechModel, speech_threads
-from stoker.core.cachekeys import PICTURE, VISION_TENSORS, CacheAddress, DecodeOutputs, PipelineContext, fingerprint
-from stoker.core.errors import StokerError
-from stoker.core.imaging import DecodeNeeds, DecodeParams, decode_rgb, served_picture
-from stoker.core.media import ContentHash
+from stoker.core.cachekeys import CacheAddress, DecodeOutputs, PipelineContext, fingerprint
+from stoker.core.imaging import DecodeNeeds, DecodeParams
 from stoker.core.model import Predictor
 from stoker.core.queues import CPU_QUEUES, INFER_BATCH_QUEUE, INFER_QUEUE
 from stoker.core.urls import Allowlist
 from stoker.runtime.monitoring import sample_depths
+from stoker.runtime.pictures import Pictures
 from stoker.runtime.seams import Intake, LineSource, Outbox
 from stoker.settings import WorkerSettings
 
@@ -60,10 +57,20 @@ RENDER_DTYPE = "bfloat16"
 class WorkerContext:
     """Settings, the broker's outbox, and the lazily built store, cache, predictor, tokenizer and device clock.
 
-    A member given to the constructor is used as it is (a unit test's fake); any other is built on first use.
+    A member given to the constructor (the store, the cache, the predictor, the cores) is used as it is (a unit
+    test's fake); any other is built on first use.
     """
 
-    def __init__(self, settings: WorkerSettings, outbox: Outbox, **given: Any) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        outbox: Outbox,
+        *,
+        store: Store | None = None,
+        cache: StageCache | None = None,
+        predictor: Predictor | None = None,
+        cores: int | None = None,
+    ) -> None:
         self.settings = settings
         self.outbox = outbox
         self._speech_lock = threading.Lock()
@@ -71,10 +78,10 @@ class WorkerContext:
         self.pool_children = 1
         #: Which of them run a task now (a prefork pool's; `tasks.lifecycle` makes it before the pool forks).
         self.occupancy: PoolOccupancy | None = None
+        given = {"store": store, "cache": cache, "predictor": predictor, "cores": cores}
         for name, value in given.items():
-            if not isinstance(getattr(type(self), name, None), cached_property):
-                raise TypeError(f"WorkerContext has no lazily built member {name!r}")
-            self.__dict__[name] = value  # a cached_property reads the instance's own value first
+            if value is not None:
+                self.__dict__[name] = value  # a cached_property reads the instance's own value first
 
     @cached_property
     def cores(self) -> int:
@@ -170,7 +177,7 @@ class WorkerContext:
                 max_in_flight=s.openai_max_in_flight,
                 timeout_s=s.openai_timeout_s,
                 api_key=s.openai_api_key,
-                images=self.picture,
+                images=self.pictures.picture,
                 pieces=self.store.answers.append,
                 max_tokens_cap=s.max_tokens_cap,
                 batch_priority=s.openai_batch_priority,
@@ -196,55 +203,18 @@ class WorkerContext:
         if not renderer.renders_pictures:
             log.info("openai backend: %s's pictures cannot be rendered for vLLM here: chat completions", s.model)
             return None
-        return RequestRenderer(renderer, self.rendered_picture, s.openai_model)
+        return RequestRenderer(renderer, self.pictures.rendered_picture, s.openai_model)
+
+    @cached_property
+    def pictures(self) -> Pictures:
+        """This worker's pictures and their tensors in the stage cache (`Pictures`: made again where it lost one)."""
+        return Pictures(self)
 
     @cached_property
     def renderer(self) -> Renderer:
         """The served model's renderer as vLLM's render tier renders (its tokenizer and image processor, floats in
         `RENDER_DTYPE`): the one home of a picture's rendering, for the generate endpoint and for render jobs."""
         return Renderer(self.model_path, RENDER_DTYPE, tokenizer=self.prompt_tokenizer)
-
-    @property
-    def rendering_decode(self) -> str:
-        """The decode parameters a picture's rendering is made from, as its cache address names them."""
-        return repr(self.decode_params)
-
-    def rendering_address(self, digest: str, scope: str) -> CacheAddress:
-        """Where a picture's rendering is cached, in `scope`."""
-        return self.renderer.picture_address(digest, self.rendering_decode, scope)
-
-    def rendered_picture(self, digest: str, scope: str) -> RenderedPicture | None:
-        """A picture's rendering for the generate endpoint, as the decode stage cached it (in the scope it was
-        decoded in), or made again from the input's bytes while the job store still holds them (and cached); None
-        when neither has it."""
-        found = self.cache.get_bytes(self.rendering_address(digest, scope), part=ITEM)
-        if found is not None:
-            try:
-                return RenderedPicture.from_bytes(found)
-            except ValueError:
-                pass  # not what this version writes: rendered again below
-        picture = self._picture_again(digest)
-        if picture is None:
-            return None
-        return self.put_rendered(digest, scope, picture)
-
-    def put_rendered(self, digest: str, scope: str, picture: Image.Image) -> RenderedPicture | None:
-        """Render a decoded picture for the generate endpoint and cache it (under the tensors' size cap); None for
-        a model that reads no pictures, or one its processor cannot read."""
-        if not self.renderer.sees:
-            return None
-        try:
-            return self.render_picture(digest, scope, picture)
-        except StokerError:
-            return None
-
-    def render_picture(self, digest: str, scope: str, picture: Image.Image) -> RenderedPicture:
-        """Render a decoded picture as vLLM's item and cache it in `scope` (under the tensors' size cap); the
-        processor's refusal is raised (`image_corrupt`)."""
-        rendered = self.renderer.picture(picture)
-        limit = self.settings.cache_max_tensor_bytes
-        self.cache.put_bytes(self.rendering_address(digest, scope), rendered.to_bytes(), part=ITEM, limit=limit)
-        return rendered
 
     def _local_predictor(self) -> TransformersPredictor:
         """The `transformers` backend: a vision-language model when STOKER_MODEL names one, else a text model."""
@@ -254,7 +224,7 @@ class WorkerContext:
         options |= {"max_context_tokens": s.max_context_tokens, "pieces": self.store.answers.append}
         options |= {"yield_tokens": s.yield_tokens, "threads": s.torch_threads}
         if is_vision_language(self.model_path):
-            prepared = self.prepared_image
+            prepared = self.pictures.prepared_image
             return VisionLanguagePredictor(self.model_path, prepared=prepared, caches=self.embedding_cache, **options)
         return TransformersPredictor(self.model_path, **options)
 
@@ -262,7 +232,7 @@ class WorkerContext:
         """The `openai` backend's own vision encoder (STOKER_OPENAI_IMAGE_EMBEDS), set up with the backend."""
         if not self.settings.openai_image_embeds:
             return None
-        prepared = self.prepared_image
+        prepared = self.pictures.prepared_image
         return VisionEncoder(self.model_path, prepared, self.embedding_cache, self.settings.dtype)
 
     @cached_property
@@ -291,67 +261,6 @@ class WorkerContext:
         if s.backend != "sim" or not s.sim_shared:
             return None
         return DeviceTurns(self.store.client, DEVICE_LOCK_KEY, s.infer_batch_timeout_s + s.infer_wedge_grace_s)
-
-    def picture(self, digest: str, scope: str) -> bytes | None:
-        """A decoded picture as a server that sees images gets it (`served`), from the cache scope it was decoded
-        in, or made again from the input's bytes while the job store still holds them (the cache lost it); None when
-        neither has it."""
-        address = self.decode_address(digest, scope)
-        found = self.cache.get_bytes(address, part=PICTURE)
-        if found is not None or self.picture_bounds is None:
-            return found
-        picture = self._picture_again(digest)
-        if picture is None:
-            return None
-        served = self.served(picture)
-        self.cache.put_bytes(address, served, part=PICTURE)
-        return served
-
-    def served(self, picture: Image.Image) -> bytes:
-        """A decoded picture as the server gets it: at the served model's size, in a form the stage cache keeps
-        (`served_picture`: PNG, or the best JPEG within the cache's value limit), so that the inference worker only
-        ever reads it."""
-        assert self.picture_bounds is not None  # the `openai` backend's
-        return served_picture(picture, *self.picture_bounds, max_bytes=self.settings.cache_max_value_bytes)
-
-    def prepared_image(self, digest: str, scope: str) -> PreparedImage | None:
-        """One picture's tensors as the served model's image processor made them in the decode stage (from the
-        cache scope it was decoded in), or prepared again from the input's bytes while the job store still holds
-        them (and cached); None for a text-only model, or when neither has it."""
-        preparer = self.image_preparer
-        if preparer is None:
-            return None
-        address = self.vision_address(digest, scope)
-        found = self.cache.get_bytes(address, part=VISION_TENSORS)
-        if found is not None:
-            try:
-                return PreparedImage.from_bytes(found)
-            except ValueError:
-                pass  # not what this version writes: prepared again below
-        picture = self._picture_again(digest)
-        if picture is None:
-            return None
-        try:
-            prepared = preparer.prepare(picture)
-        except StokerError:
-            return None
-        self.put_prepared(address, prepared)
-        return prepared
-
-    def put_prepared(self, address: CacheAddress, prepared: PreparedImage) -> None:
-        """Cache a picture's tensors at its vision address (under the tensors' own size cap)."""
-        limit = self.settings.cache_max_tensor_bytes
-        self.cache.put_bytes(address, prepared.to_bytes(), part=VISION_TENSORS, limit=limit)
-
-    def _picture_again(self, digest: str) -> Image.Image | None:
-        """The decoded picture from the input's bytes in the job store; None when they are gone or undecodable."""
-        data = self.store.blobs.get_blob(ContentHash(digest))
-        if data is None:
-            return None
-        try:
-            return decode_rgb(data, self.decode_params)
-        except StokerError:
-            return None
 
     # -- the CPU stages ---------------------------------------------------------------------------------------
     @cached_property
@@ -477,11 +386,6 @@ class WorkerContext:
     def decode_address(self, digest: str, scope: str) -> CacheAddress:
         """Cache address of decode's output for this content under this worker's decode parameters and outputs."""
         return cachekeys.decode_address(digest, scope, self.decode_params, self.decode_outputs)
-
-    def vision_address(self, digest: str, scope: str) -> CacheAddress:
-        """Cache address of a picture's tensors from the configured model's image processor (a model that sees)."""
-        identity = self.image_preparer.identity if self.image_preparer else ""
-        return cachekeys.vision_address(digest, scope, self.decode_params, identity)
 
     def ocr_address(self, digest: str, scope: str) -> CacheAddress:
         """Cache address of OCR text under this worker's languages, tesseract and decode parameters."""

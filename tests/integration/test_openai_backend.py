@@ -153,19 +153,20 @@ def test_a_photo_too_big_as_png_is_prepared_once_in_a_form_the_cache_keeps_and_t
     server: FakeServer, store_redis: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from stoker.runtime import context as runtime
+    from stoker.runtime import pictures
     from tasks.preprocess import _decode_and_cache
 
     upload = encode(photo(4096, 3072, seed=21), "PNG")  # a camera's noise: far over the cache's 8 MiB as PNG
     digest, job_id = content_hash(upload), f"served-{uuid.uuid4().hex[:8]}"
     ctx = runtime.WorkerContext(WorkerSettings(backend="openai", openai_base_url=server.url), outbox=None)  # type: ignore[arg-type]
     decodes = [0]
-    real = runtime.decode_rgb
+    real = pictures.decode_rgb
 
     def counted(data: bytes, params: DecodeParams) -> Any:
         decodes[0] += 1
         return real(data, params)
 
-    monkeypatch.setattr(runtime, "decode_rgb", counted)  # the inference side's one way to decode a picture
+    monkeypatch.setattr(pictures, "decode_rgb", counted)  # the inference side's one way to decode a picture
     try:
         ctx.store.blobs.put_blob(digest, upload, job_id)  # held for the job: the inference side could decode it
         scope = cache_scope(DEFAULT_TENANT, shared=False)
@@ -175,7 +176,7 @@ def test_a_photo_too_big_as_png_is_prepared_once_in_a_form_the_cache_keeps_and_t
         assert ctx.cache.redis is not None
         stored = ctx.cache.redis.strlen(cache_key(address, cachekeys.PICTURE))
         assert 0 < stored <= ctx.settings.cache_max_value_bytes
-        predictor = _predictor(server, images=ctx.picture)
+        predictor = _predictor(server, images=ctx.pictures.picture)
         request = ModelRequest([1], [{"role": "user", "content": "What is it?"}], [digest], scope)
         answers = run_predictor(predictor, [request, request])
     finally:

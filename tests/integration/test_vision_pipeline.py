@@ -169,16 +169,16 @@ def test_the_inference_side_gets_tensors_from_the_cache_or_the_held_upload(
     urls = {k: fleet.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
     ctx = WorkerContext(WorkerSettings(**urls, model=str(tiny_vlm)), outbox=None)  # type: ignore[arg-type]
     direct = processor.image_processor(images=picture)["pixel_values"].astype(np.float16)
-    key = cache_key(ctx.vision_address(digest, scope), VISION_TENSORS)
+    key = cache_key(ctx.pictures.vision_address(digest, scope), VISION_TENSORS)
     assert ctx.cache.redis is not None
     try:
-        cached = ctx.prepared_image(digest, scope)
+        cached = ctx.pictures.prepared_image(digest, scope)
         assert cached is not None
         np.testing.assert_array_equal(cached.tensors["pixel_values"], direct)
         # The cache lost them while a job still holds the upload: prepared again from it, and cached again.
         ctx.store.blobs.put_blob(ContentHash(digest), upload, "a-job-still-running")
         ctx.cache.redis.delete(key)
-        again = ctx.prepared_image(digest, scope)
+        again = ctx.pictures.prepared_image(digest, scope)
         assert again is not None
         np.testing.assert_array_equal(again.tensors["pixel_values"], direct)
         assert ctx.cache.redis.exists(key)
@@ -186,7 +186,7 @@ def test_the_inference_side_gets_tensors_from_the_cache_or_the_held_upload(
         ctx.store.blobs.release("a-job-still-running")
         ctx.cache.redis.delete(key)
         assert ctx.store.blobs.get_blob(ContentHash(digest)) is None
-        assert ctx.prepared_image(digest, scope) is None
+        assert ctx.pictures.prepared_image(digest, scope) is None
     finally:
         ctx.close()
 
