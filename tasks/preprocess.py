@@ -1,10 +1,10 @@
-"""CPU stages of the image branch (decode → OCR), and tokenize, which joins every branch of a job."""
+"""CPU stages of the image branch (decode → OCR), and tokenize, which joins every branch of a job; decode's body is
+`stoker.runtime.stages.decode`."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -12,80 +12,28 @@ import numpy as np
 import numpy.typing as npt
 from celery import Task
 
-from stoker.adapters.render import ITEM
 from stoker.adapters.tesseract import read_text
 from stoker.adapters.tracing import mark_failed, stage_span
-from stoker.core.arrays import array_from_bytes, array_to_bytes
-from stoker.core.cachekeys import OCR_IMAGE, PICTURE, CacheAddress
+from stoker.core.arrays import array_from_bytes
+from stoker.core.cachekeys import OCR_IMAGE
 from stoker.core.errors import StageKilled
-from stoker.core.imaging import DecodedImage, decode_image, decode_rgb
 from stoker.core.jobs import InputRecord
 from stoker.core.ocr import Band
 from stoker.runtime.bands import bands_for, run_band
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.handoff import fail_unfinished, tokenize_job
-from stoker.runtime.stage import RETRY, cache_scope, follower_wait, input_bytes, run_input_stage, through_cache
+from stoker.runtime.stage import RETRY, cache_scope, follower_wait, run_input_stage, through_cache
+from stoker.runtime.stages.decode import decode_and_cache, run_decode
 from tasks.lifecycle import context
 from tasks.worker import app
 
 log = logging.getLogger(__name__)
 
 
-def _decode_and_cache(
-    ctx: WorkerContext, record: InputRecord, address: CacheAddress
-) -> tuple[dict[str, Any], DecodedImage]:
-    """Decode what this configuration needs and cache each part: the OCR image, the model's image tensors (their
-    layout goes into the record), the picture for a server that sees, its rendering for vLLM's generate endpoint."""
-    decoded = decode_image(input_bytes(ctx, record, "decode"), ctx.decode_params, ctx.decode_needs)
-    value: dict[str, Any] = {"features": decoded.features.to_dict()}
-    if decoded.ocr_image is not None:
-        ctx.cache.put_bytes(address, array_to_bytes(decoded.ocr_image), part=OCR_IMAGE)
-    if decoded.picture is not None and ctx.image_preparer is not None:
-        prepared = ctx.image_preparer.prepare(decoded.picture)
-        ctx.pictures.put_prepared(ctx.pictures.vision_address(record.content_hash, address.scope), prepared)
-        value["prepared"] = {"processor": ctx.image_preparer.identity, "layout": ctx.image_preparer.layout(prepared)}
-    if decoded.picture is not None and ctx.picture_bounds is not None:
-        ctx.cache.put_bytes(address, ctx.pictures.served(decoded.picture), part=PICTURE)
-    if decoded.picture is not None and ctx.request_renderer is not None:
-        ctx.pictures.put_rendered(record.content_hash, address.scope, decoded.picture)  # for the generate endpoint
-    return value, decoded
-
-
 @app.task(name="stoker.decode", **RETRY)
 def decode(job_id: str, ref: str) -> dict[str, Any]:
     """Decode one image: its parts into the cache, its features (and its picture's layout) into the record."""
-    return run_input_stage(context(), job_id, ref, "decode", _decode, opens_job=True)
-
-
-def _decode(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:
-    chat = ctx.store.jobs.conversation(job_id)
-    if chat is not None and chat.render:
-        _render(ctx, record, cache_scope(ctx, job_id))
-        return
-    address = ctx.decode_address(record.content_hash, cache_scope(ctx, job_id))
-    wait = follower_wait(ctx.settings.decode_soft_s)
-    value = through_cache(ctx, record, address, lambda: _decode_and_cache(ctx, record, address)[0], wait)
-    record.features = value["features"]
-    record.prepared = value.get("prepared")
-    if not ctx.ocr_runs:
-        record.status = "ok"  # nothing more to read from it: the OCR stage passes it through
-
-
-def _render(ctx: WorkerContext, record: InputRecord, scope: str) -> None:
-    """A render job's picture: its rendering found in the stage cache (the tenant's scope), or decoded and rendered
-    here and cached there (the rendering the generate backend reads too). The record says where (`prepared`), the
-    API reads the tensors from there; nothing is left for OCR."""
-    address = ctx.pictures.rendering_address(record.content_hash, scope)
-    hit = ctx.cache.has(address, part=ITEM)
-    started = time.perf_counter()
-    if not hit:
-        ctx.pictures.render_picture(
-            record.content_hash, scope, decode_rgb(input_bytes(ctx, record, "decode"), ctx.decode_params)
-        )
-    ctx.cache.record(address.stage, hit=hit, cost_s=time.perf_counter() - started)
-    record.cache_hit[address.stage] = hit
-    record.prepared = {"render": ctx.renderer.identity, "decode": ctx.pictures.rendering_decode}
-    record.status = "ok"
+    return run_decode(context(), job_id, ref)
 
 
 def _ocr_pixels(ctx: WorkerContext, record: InputRecord, scope: str) -> npt.NDArray[np.uint8]:
@@ -94,7 +42,7 @@ def _ocr_pixels(ctx: WorkerContext, record: InputRecord, scope: str) -> npt.NDAr
     raw = ctx.cache.get_bytes(address, part=OCR_IMAGE)
     if raw is not None:
         return array_from_bytes(raw)  # type: ignore[return-value]
-    pixels = _decode_and_cache(ctx, record, address)[1].ocr_image
+    pixels = decode_and_cache(ctx, record, address)[1].ocr_image
     assert pixels is not None  # OCR runs: decode made its image
     return pixels
 

@@ -154,7 +154,7 @@ def test_a_photo_too_big_as_png_is_prepared_once_in_a_form_the_cache_keeps_and_t
 ) -> None:
     from stoker.runtime import context as runtime
     from stoker.runtime import pictures
-    from tasks.preprocess import _decode_and_cache
+    from stoker.runtime.stages.decode import decode_and_cache
 
     upload = encode(photo(4096, 3072, seed=21), "PNG")  # a camera's noise: far over the cache's 8 MiB as PNG
     digest, job_id = content_hash(upload), f"served-{uuid.uuid4().hex[:8]}"
@@ -172,7 +172,7 @@ def test_a_photo_too_big_as_png_is_prepared_once_in_a_form_the_cache_keeps_and_t
         scope = cache_scope(DEFAULT_TENANT, shared=False)
         address = ctx.decode_address(digest, scope)
         record = InputRecord(index=0, kind="image", content_hash=digest, size_bytes=len(upload))
-        _decode_and_cache(ctx, record, address)  # the CPU stage
+        decode_and_cache(ctx, record, address)  # the CPU stage
         assert ctx.cache.redis is not None
         stored = ctx.cache.redis.strlen(cache_key(address, cachekeys.PICTURE))
         assert 0 < stored <= ctx.settings.cache_max_value_bytes
