@@ -171,6 +171,16 @@ def _image_branch(app: Celery, job_id: str, ref: str) -> Signature:
     return chain(app.signature("stoker.decode", args=(job_id, ref), immutable=True), app.signature("stoker.ocr"))
 
 
+def band_signatures(app: Celery, bands: Sequence[tuple[Any, ...]], deadline: float | None) -> list[Signature]:
+    """The tasks that read a dense page's bands (`stoker.ocr_band`, one per band's arguments, as
+    `stoker.runtime.stages.ocr.Spread` gives them), which join the job's chord and expire at its deadline."""
+    signatures = [app.signature("stoker.ocr_band", args=args, immutable=True) for args in bands]
+    if deadline is not None:
+        for signature in signatures:
+            signature.set(expires=datetime.fromtimestamp(deadline, UTC))
+    return signatures
+
+
 def infer_signature(
     job_id: str, prompt_tokens: int | None, deadline: float | None, app: Celery, job_class: JobClass = "interactive"
 ) -> Signature:

@@ -16,8 +16,8 @@ from stoker.adapters.tesseract import read_text
 from stoker.core.errors import Cancelled, OcrFailed, OcrTimeout
 from stoker.core.imaging import DecodeParams, decode_image
 from stoker.core.ocr import Band, band_limit, join_bands, normalise_text, plan_bands
-from stoker.runtime.bands import bands_for
 from stoker.runtime.context import WorkerContext
+from stoker.runtime.stages.ocr import bands_for
 from stoker.settings import WorkerSettings
 from tests.conftest import missing
 from tests.media import text_image

@@ -1,17 +1,22 @@
-"""Chunked OCR: a dense page is cut into horizontal bands (`stoker.core.ocr.plan_bands`), each OCR'd as a task of its
+"""The OCR stage of an image: its text, read whole, or cut into bands when the page is dense (or the pool idle).
+
+Chunked OCR: a dense page is cut into horizontal bands (`stoker.core.ocr.plan_bands`), each OCR'd as a task of its
 own on any CPU child, and the band that comes in last joins their texts into the page's record.
 
 The LLM servers' answer to one long prompt holding a server while short ones queue (chunked prefill), for
 preprocessing: a page that takes seconds of tesseract no longer holds one child while small pages wait behind it;
-its bands spread over every child that is free. The bands join the job's chord (`Task.add_to_chord`), so tokenize
-runs only once every band is in, and a band killed outright is the chord's failure, as for any stage (`rescue`).
-Each band is cached under the page's OCR address and its rows: a retry or a repeat reuses what was read.
+its bands spread over every child that is free. The bands join the job's chord (the task sends what `run_ocr`
+returns as a `Spread`), so tokenize runs only once every band is in, and a band killed outright is the chord's
+failure, as for any stage (`rescue`). Each band is cached under the page's OCR address and its rows: a retry or a
+repeat reuses what was read.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,12 +24,23 @@ import numpy.typing as npt
 
 from stoker.adapters.cache import COST_FIELD
 from stoker.adapters.tesseract import read_text
-from stoker.core.cachekeys import CacheAddress, ocr_band_address
+from stoker.core.arrays import array_from_bytes
+from stoker.core.cachekeys import OCR_IMAGE, CacheAddress, ocr_band_address
 from stoker.core.errors import StokerError
 from stoker.core.jobs import ErrorInfo, InputRecord
 from stoker.core.ocr import Band, band_limit, join_bands, lines_of_text, plan_bands
 from stoker.runtime.context import WorkerContext
-from stoker.runtime.stage import follower_wait, handoff, input_stage, through_cache, why_no_work, write_no_work
+from stoker.runtime.stage import (
+    cache_scope,
+    follower_wait,
+    handoff,
+    input_stage,
+    run_input_stage,
+    through_cache,
+    why_no_work,
+    write_no_work,
+)
+from stoker.runtime.stages.decode import decode_and_cache
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +48,74 @@ log = logging.getLogger(__name__)
 STAGE = "ocr_band"
 
 Pixels = Callable[[], npt.NDArray[np.uint8]]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The bands a page was cut into, each for a `stoker.ocr_band` task of the job's chord (none: it was read whole),
+    and the job's deadline, which their messages expire at."""
+
+    job_id: str
+    ref: str
+    bands: list[Band]
+    deadline: float | None = None
+
+    def band_args(self) -> list[tuple[str, str, int, int, int, bool, int]]:
+        """Each band's task arguments (`run_ocr_band`'s, after the context)."""
+        count = len(self.bands)
+        return [
+            (self.job_id, self.ref, index, band.top, band.bottom, band.overlapped, count)
+            for index, band in enumerate(self.bands)
+        ]
+
+
+def run_ocr(ctx: WorkerContext, job_id: str, ref: str, in_chord: bool) -> tuple[dict[str, Any], Spread]:
+    """Read the text of one decoded image; a record that failed or was skipped passes straight through, and so does
+    every record when OCR does not run for this model (`STOKER_OCR`). In a chord (`in_chord`) a dense page is cut
+    into bands instead: the `Spread` says which, for the task to send once the page's record says it waits for
+    them. Called in-line (the synchronous baseline) there is no chord: the page is read whole."""
+    spread: list[Band] | None = [] if in_chord else None
+    work = functools.partial(_ocr, spread=spread)
+    # done: OCR does not run here, or the record was finished before it (a render's picture, a redelivery)
+    outcome = run_input_stage(ctx, job_id, ref, "ocr", work, done=lambda r: not ctx.ocr_runs or r.status == "ok")
+    bands = spread or []
+    deadline = (ctx.store.watch.clock(job_id).deadline or None) if bands else None
+    return outcome, Spread(job_id, ref, bands, deadline)
+
+
+def _ocr(ctx: WorkerContext, job_id: str, record: InputRecord, spread: list[Band] | None) -> None:
+    s = ctx.settings
+    scope = cache_scope(ctx, job_id)
+    address = ctx.ocr_address(record.content_hash, scope)
+    found = ctx.cache.get_json(address)
+    pixels = None if found is not None else ocr_pixels(ctx, record, scope)
+    bands = [] if pixels is None or spread is None else bands_for(ctx, pixels)
+    if spread is not None and len(bands) > 1:  # the bands read it; the record waits for them
+        record.bands = len(bands)
+        spread.extend(bands)
+        return
+
+    def compute() -> dict[str, Any]:
+        page = pixels if pixels is not None else ocr_pixels(ctx, record, scope)
+        return {"text": read_text(page, s.ocr_langs, s.ocr_timeout_s, s.tesseract_cmd, cancelled=ended)}
+
+    def ended() -> bool:  # asked while tesseract runs: a cancelled job's OCR stops at once
+        return ctx.store.watch.ended(job_id)
+
+    value = through_cache(ctx, record, address, compute, follower_wait(s.ocr_soft_s))
+    record.text = value["text"]
+    record.status = "ok"
+
+
+def ocr_pixels(ctx: WorkerContext, record: InputRecord, scope: str) -> npt.NDArray[np.uint8]:
+    """The decoded grayscale image: from the cache, or decoded again if the cache lost it."""
+    address = ctx.decode_address(record.content_hash, scope)
+    raw = ctx.cache.get_bytes(address, part=OCR_IMAGE)
+    if raw is not None:
+        return array_from_bytes(raw)  # type: ignore[return-value]
+    pixels = decode_and_cache(ctx, record, address)[1].ocr_image
+    assert pixels is not None  # OCR runs: decode made its image
+    return pixels
 
 
 def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
@@ -63,6 +147,19 @@ def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
     # With room in the pool, a band sent now is taken at once: by this child, whose OCR task ends as it sends
     # them, and by any child that is free.
     return bands if lines_of_text(bands) and ctx.pool_has_room() else whole
+
+
+def run_ocr_band(ctx: WorkerContext, job_id: str, ref: str, index: int, band: Band, count: int) -> dict[str, Any]:
+    """OCR one band of a dense page; the last band of the page joins their texts into its record."""
+    record = ctx.store.jobs.get_input(job_id, ref)
+    scope = cache_scope(ctx, job_id)
+    page_at = ctx.ocr_address(record.content_hash if record else "", scope)
+    pixels = functools.partial(ocr_pixels, ctx, record, scope) if record else _no_pixels
+    return run_band(ctx, job_id, ref, index, band, count, page_at, pixels)
+
+
+def _no_pixels() -> npt.NDArray[np.uint8]:
+    raise AssertionError("a band of a page that is gone reads no pixels")  # run_band returns before asking
 
 
 def run_band(
