@@ -28,7 +28,7 @@ from stoker.core.queues import SYNC_QUEUE
 from stoker.runtime.batches import expire, serve_batch
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.feeder import as_waiting, take_arrived
-from stoker.runtime.handoff import tokenize_job
+from stoker.runtime.stages.tokenization import tokenize_job
 from tasks.lifecycle import context, watchdog
 from tasks.pipeline import preprocessing_branches
 from tasks.worker import app

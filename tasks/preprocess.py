@@ -3,23 +3,18 @@ of a job; each stage's body is its module under `stoker.runtime.stages`."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from celery import Task
 
-from stoker.adapters.tracing import mark_failed, stage_span
-from stoker.core.errors import StageKilled
 from stoker.core.ocr import Band
-from stoker.runtime.handoff import fail_unfinished, tokenize_job
 from stoker.runtime.stage import RETRY
 from stoker.runtime.stages.decode import run_decode
 from stoker.runtime.stages.ocr import run_ocr, run_ocr_band
+from stoker.runtime.stages.tokenization import run_rescue, run_tokenize
 from tasks.lifecycle import context
 from tasks.pipeline import band_signatures
 from tasks.worker import app
-
-log = logging.getLogger(__name__)
 
 
 @app.task(name="stoker.decode", **RETRY)
@@ -46,23 +41,11 @@ def ocr_band(job_id: str, ref: str, index: int, top: int, bottom: int, overlappe
 @app.task(name="stoker.tokenize", **RETRY)
 def tokenize(_results: list[dict[str, Any]] | None, job_id: str) -> dict[str, Any]:
     """Assemble the chat prompt from the user's prompt and every input, tokenize it, hand it to inference."""
-    with stage_span("tokenize", {"stoker.job_id": job_id}) as span:
-        outcome = tokenize_job(context(), job_id)
-        span.set_attribute("stoker.prompt_tokens", int(outcome.get("prompt_tokens", 0)))
-        if "failed" in outcome:
-            mark_failed(span, str(outcome["failed"]))
-        return outcome
+    return run_tokenize(context(), job_id)
 
 
 @app.task(name="stoker.rescue")
 def rescue(failed_task_id: str, *, job_id: str) -> dict[str, Any]:
-    """Errback of a job's chord: a stage died beyond what it could catch (hard time limit, lost worker).
-
-    Inputs still unfinished are marked failed, and the job goes on to tokenize with what it has.
-    """
-    ctx = context()
-    killed = StageKilled(f"task {failed_task_id} was killed")
-    if not fail_unfinished(ctx, job_id, killed):
-        return {"job_id": job_id, "skipped": True}
-    log.warning("job %s rescued after task %s was killed", job_id, failed_task_id)
-    return tokenize_job(ctx, job_id)
+    """Errback of a job's chord: a stage died beyond what it could catch (hard time limit, lost worker); the job
+    goes on to tokenize with what it has."""
+    return run_rescue(context(), job_id, failed_task_id)

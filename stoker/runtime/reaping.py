@@ -14,8 +14,9 @@ from stoker.core.errors import DeadlineExceeded, InferenceFailed, WorkerLost
 from stoker.core.jobs import ErrorInfo
 from stoker.core.queues import CPU_QUEUES
 from stoker.runtime.context import WorkerContext
-from stoker.runtime.handoff import cut_off, fail_unfinished
+from stoker.runtime.handoff import fail_unfinished
 from stoker.runtime.monitoring import log_finished
+from stoker.runtime.stages.tokenization import cut_off
 
 log = logging.getLogger(__name__)
 
