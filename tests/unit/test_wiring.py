@@ -25,9 +25,9 @@ from stoker.adapters.rlimits import cap_address_space
 from stoker.core.errors import BrokerUnavailable, ImageCorrupt, ModelUnavailable, StokerError, TransientError
 from stoker.core.jobs import InputRecord
 from stoker.runtime.stage import input_stage, time_limit
+from stoker.runtime.stages.audio import transcribe_limit_s
 from stoker.settings import ApiSettings, WorkerSettings
 from tasks.app import make_app
-from tasks.media import transcribe_limit_s
 from tasks.pipeline import job_canvas
 from tasks.preprocess import decode
 from workers.launch import worker_argv, worker_env
@@ -392,7 +392,7 @@ def test_a_recordings_own_limit_starts_once_its_speech_model_is_loaded(monkeypat
     recording, so the recording's own limit (here 0.3 s) does not count it (here 0.8 s)."""
     from stoker.core.asr import Transcript
     from stoker.runtime.context import WorkerContext
-    from tasks import media
+    from stoker.runtime.stages import audio as media
 
     def slow_load(self: WorkerContext) -> object:
         time.sleep(0.8)
@@ -407,5 +407,5 @@ def test_a_recordings_own_limit_starts_once_its_speech_model_is_loaded(monkeypat
     ctx = WorkerContext(WorkerSettings(transcribe_base_s=0.3, transcribe_per_media_s=0.0), outbox=None)  # type: ignore[arg-type]
     record = InputRecord(index=0, kind="audio", content_hash="a", size_bytes=1, features={"duration_s": 1.0})
     with input_stage(record, "transcribe"):
-        media._transcribe(ctx, "job", record)
+        media.transcribe(ctx, "job", record)
     assert (record.status, record.text, record.error) == ("ok", "heard", None)
