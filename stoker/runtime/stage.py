@@ -278,6 +278,14 @@ def poisoned(ctx: WorkerContext, stage: str) -> WorkerLost | None:
     return WorkerLost(f"{stage} killed its worker {deliveries - 1} times", stage=stage)
 
 
+def last_try() -> bool:
+    """Whether a transient failure now is final: the task's retries are spent, or it was called in-process (the
+    synchronous baseline's stages, a test's)."""
+    if not current_task or current_task.request.called_directly:
+        return True
+    return int(current_task.request.retries or 0) >= int(current_task.max_retries or 0)
+
+
 @dataclass(frozen=True)
 class NoWork:
     """Why a stage leaves an input alone. `failure`: what the input fails with (`write_no_work` writes it); None

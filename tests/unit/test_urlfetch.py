@@ -14,7 +14,8 @@ from stoker.adapters import urlfetch
 from stoker.adapters.urlfetch import FetchPolicy, fetch, resolve
 from stoker.core.errors import FetchFailed, FetchTimeout, FetchTooLarge, FetchUnavailable, UrlRejected
 from stoker.core.urls import Allowlist, IPAddress
-from tasks import fetch as fetch_task
+from stoker.runtime import stage
+from stoker.runtime.stages import fetch as fetch_stage
 
 PUBLIC = ip_address("93.184.216.34")
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 24
@@ -215,6 +216,6 @@ def test_a_last_temporary_failure_fails_the_input_as_fetch_failed(monkeypatch: p
     from stoker.core.jobs import InputRecord
 
     record = InputRecord(index=0, kind="image", content_hash="", size_bytes=0, url="http://files.example/a")
-    assert fetch_task.last_try()  # called in-process: there is no retry to wait for
+    assert stage.last_try()  # called in-process: there is no retry to wait for
     with pytest.raises(FetchFailed, match="503"):
-        fetch_task.download(record, POLICY)
+        fetch_stage.download(record, POLICY)
