@@ -25,6 +25,7 @@ from api.limits import BodyLimitMiddleware
 from api.openai_batch_feeder import OpenAIBatchFeeder
 from api.openai_batches import router as openai_batches_router
 from api.render import router as render_router
+from api.responses import router as responses_router
 from api.routes import router
 from api.tokenization import router as tokenization_router
 from stoker.adapters.cache import StageCache
@@ -65,6 +66,7 @@ def create_app(settings: ApiSettings | None = None, submitter: Submitter | None 
     app.include_router(files_router)
     app.include_router(openai_batches_router)
     app.include_router(render_router)
+    app.include_router(responses_router)
     app.include_router(tokenization_router)
     _add_error_handlers(app)
     return app

@@ -324,6 +324,13 @@ class JobNotFound(StokerError):
     http_status = 404
 
 
+class ResponseNotFound(StokerError):
+    """No stored response with that id (the Responses API: never stored, expired, deleted, or another tenant's)."""
+
+    code = "response_not_found"
+    http_status = 404
+
+
 class IdempotencyKeyReused(InputError):
     """This Idempotency-Key was used for a different request: use a new key for a new request."""
 

@@ -190,6 +190,11 @@ def tenant_index_key(tenant: str) -> str:
     return f"{PREFIX}:tenant:{tenant}:jobs"
 
 
+def response_key(response_id: str, tenant: str) -> str:
+    """A stored response of the Responses API (`previous_response_id`), readable only by the tenant that made it."""
+    return f"{PREFIX}:response:{response_id}:{tenant}"
+
+
 def idempotency_key(digest: str) -> str:
     """A tenant's idempotency key (by `core.idempotency.key_digest`): its claim, then the job it made."""
     return f"{PREFIX}:idempotency:{digest}"
