@@ -11,9 +11,9 @@ class TextStream:
     """The pieces of one answer, as its text grows token by token.
 
     A piece never has to be taken back: text is held while it may still turn out to be the start of a stop sequence
-    (the answer ends before one, dropping it), while it is whitespace at the end (the answer is stripped) or an
-    unfinished character (a token that ends inside a UTF-8 sequence decodes to U+FFFD). So the pieces joined are
-    always the start of the final answer, and `finish` sends the rest.
+    (the answer ends before one, dropping it) or is an unfinished character (a token that ends inside a UTF-8
+    sequence decodes to U+FFFD). So the pieces joined are always the start of the final answer, and `finish` sends
+    the rest. The answer keeps the model's whitespace, as vLLM's does.
     """
 
     def __init__(self, stop: Sequence[str] = (), sent: str = "") -> None:
@@ -29,9 +29,8 @@ class TextStream:
         cut, stopped = apply_stop(text, self.stop)
         if stopped:
             self.ended = True
-            return self._send(cut.strip())
-        safe = text[: len(text) - self._held(text)].rstrip("\ufffd")
-        return self._send(safe.rstrip().lstrip())
+            return self._send(cut)
+        return self._send(text[: len(text) - self._held(text)].rstrip("\ufffd"))
 
     def finish(self, final: str) -> str:
         """What is left to send of the final answer."""

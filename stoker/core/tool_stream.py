@@ -4,7 +4,7 @@ OpenAI's `tool_calls` deltas: first the call's index, id, type and name, then it
 are written, as vLLM's Hermes parser streams them.
 
 A delta never has to be taken back: text is held while it may be the start of `<tool_call>` or is whitespace at
-its end (the text before a call, and the answer, end without it, as `parse_tool_calls` strips them), and a call's
+its end (the text before a call ends without it, as `parse_tool_calls` strips it), and a call's
 arguments while their end may be the close of the call's object (`}`) or of its tag, so the fragments joined are
 the call's arguments. A call whose name comes after its arguments, or that is not a call of an offered tool, is
 sent when it closes: whole, or (not a call) as the text it was, as `parse_tool_calls` reads it.
@@ -73,7 +73,9 @@ class ToolCallStream:
     def close(self) -> list[dict[str, Any]]:
         """What is left at the answer's end: the text held back. A call never closed (its answer cut by its token
         limit) is dropped where nothing of it went out, and left as far as it was sent where its name did."""
-        return self._content(self._text.rstrip()) if self._body is None else []
+        if self._body is not None:
+            return []
+        return self._content(self._text.rstrip() if self.called else self._text)  # an answer of text keeps its own
 
     def _outside(self) -> list[dict[str, Any]]:
         opened = self._text.find(CALL_OPEN)

@@ -308,3 +308,14 @@ def test_a_short_chat_is_answered_while_a_long_answer_is_still_generating(base_u
     long_done = httpx.get(f"{base_url}/v1/jobs/{long_job}").json()
     assert long_done["status"] == "succeeded"
     assert long_done["result"]["completion_tokens"] > 32
+
+
+def test_answers_keep_the_models_whitespace(client: openai.OpenAI) -> None:
+    # a continued sentence's next word comes with its space, which a stripped answer would lose
+    answer = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, logprobs=0)
+    (choice,) = answer.choices
+    assert choice.logprobs is not None
+    assert choice.logprobs.tokens is not None
+    assert choice.text == "".join(choice.logprobs.tokens)
+    assert choice.text.startswith(" ")
+    assert choice.text.strip()

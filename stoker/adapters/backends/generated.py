@@ -77,8 +77,8 @@ class StreamedTokens:
         return self.stream.finish(self.text())
 
     def text(self) -> str:
-        """The whole answer: up to a stop sequence, stripped."""
-        return apply_stop(self.detokenize(self.token_ids), self.stop)[0].strip()
+        """The whole answer: up to a stop sequence, its whitespace kept."""
+        return apply_stop(self.detokenize(self.token_ids), self.stop)[0]
 
     def prediction(self) -> Prediction:
         """The whole answer as a prediction."""

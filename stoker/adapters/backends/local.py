@@ -10,8 +10,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from stoker.adapters.backends.engine import DecodeEngine, EngineFull, EngineRequest, Finished, Row
 from stoker.adapters.backends.grammar import GrammarMask, grammar_for, token_grammar
-from stoker.adapters.backends.streams import Pieces, RowStreams, StreamedRow
+from stoker.adapters.backends.streams import Pieces, RowStreams, StreamedRow, send_piece
 from stoker.adapters.backends.tokenizer import load_tokenizer
 from stoker.core.batching import Collated, collate_left, strip_generated
 from stoker.core.errors import InferenceFailed
@@ -101,8 +102,20 @@ class TransformersPredictor(YieldsToConsumer):
         pieces: Pieces | None = None,
         yield_tokens: int = 0,
         threads: int = 0,
+        engine: bool = True,
+        max_rows: int = 0,
+        kv_cache_tokens: int = 0,
     ) -> None:
         self.model_path = model_path
+        #: Whether calls run on the decode engine (every row's KV cache kept across steps and calls), or on
+        #: `generate` (the restart-based path: a call that yields is started again, its prompts re-read).
+        self.engine = engine
+        #: The engine's room: rows at once (0: the consumer's batch size), cache tokens in all (0: unbounded).
+        self.max_rows = max_rows
+        self.kv_cache_tokens = kv_cache_tokens
+        #: The engine samples, masks and stops each row by its own request: one call mixes any of them.
+        self.mixes_sampling = engine
+        self._engine: DecodeEngine | None = None
         #: CPU threads for torch's operations (0: torch's default).
         self.threads = threads
         self.pieces = pieces
@@ -162,11 +175,88 @@ class TransformersPredictor(YieldsToConsumer):
         collated = collate_left([[*r.prompt_ids, *r.generated] for r in requests], self.pad_id)
         return LocalBatch(collated, list(requests))
 
-    def predict(self, batch: LocalBatch) -> Generated:
-        """One generate call for the whole batch, as long as its longest-asking request needs: each prompt's row
-        repeated for its `n` answers (the call's requests share `n` and `logprobs`: they are in the sampling
-        key), and with `logprobs` each step's raw logits kept for the answers' log probabilities."""
+    def predict(self, batch: LocalBatch) -> Generated | EngineRun:
+        """The batch on the decode engine (`_run_engine`); without it, one generate call for the whole batch, as
+        long as its longest-asking request needs: each prompt's row repeated for its `n` answers (the call's
+        requests share `n` and `logprobs`: they are in the sampling key), and with `logprobs` each step's raw
+        logits kept for the answers' log probabilities."""
+        if self.engine:
+            return self._run_engine(batch)
         return self._generate(batch)
+
+    def _run_engine(self, batch: LocalBatch, features: Sequence[Sequence[Any]] = ()) -> EngineRun:
+        """Step the engine over the batch's requests (each joins as room frees) until every answer is done, or,
+        given a consumer to yield to, every `yield_tokens` steps when some answers are done and others are not or
+        a request waits for the device and the engine has room: the answers still going are parked with their
+        caches (`DecodeEngine.park`) and come back `Continued`, to go on from their caches in the next call."""
+        engine = self._decode_engine(len(batch.requests))
+        queued = [self._engine_request(i, r, features[i] if features else ()) for i, r in enumerate(batch.requests)]
+        finished: dict[int, Finished] = {}
+        steps, every = 0, self._yield_every(batch)
+        try:
+            while queued or engine.busy:
+                queued = _submit(engine, queued)
+                finished.update((int(f.key), f) for f in engine.step())  # type: ignore[call-overload]
+                steps += 1
+                if every and steps % every == 0 and self._yields(engine, len(batch.requests) - len(finished), batch):
+                    break
+            going = {i: engine.park(i) for i in range(len(batch.requests)) if i not in finished}
+        except BaseException:
+            self._engine = None  # rows of a call that broke never go on: the next call starts a fresh engine
+            raise
+        return EngineRun(batch, finished, going)
+
+    def _yield_every(self, batch: LocalBatch) -> int:
+        """How many steps apart the engine may stop for the consumer (0: it runs to the end). An answer with `n`
+        above 1 or `logprobs`, or a batch line, runs to its end: `Continued` carries neither."""
+        lines = any(r.background for r in batch.requests)
+        if self._waiting is None or lines or any(p.n > 1 or p.logprobs for p in batch.params):
+            return 0
+        return self.yield_tokens
+
+    def _yields(self, engine: DecodeEngine, going: int, batch: LocalBatch) -> bool:
+        assert self._waiting is not None
+        return stops_now(going, len(batch.requests), min(self._max_rows, engine.max_rows), self._waiting)
+
+    def _decode_engine(self, size: int) -> DecodeEngine:
+        """The engine (made at the first call: its room is the consumer's batch size unless `max_rows` says)."""
+        if self._engine is None:
+            rows = self.max_rows or self._max_rows or size
+            end = int(self._tokenizer.eos_token_id)
+            self._engine = DecodeEngine(
+                self._model,
+                self._decode,
+                self._stop_ids(),
+                max_rows=rows,
+                device=self._device,
+                grammar_tokenizer=self._token_grammar,
+                end=end,
+                max_tokens=self.kv_cache_tokens or None,
+            )
+        self._engine.pieces = self.pieces
+        return self._engine
+
+    def _token_grammar(self) -> Any:
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = token_grammar(self._tokenizer)
+        return self._grammar_tokenizer
+
+    def _engine_request(self, key: int, request: ModelRequest, features: Sequence[Any]) -> EngineRequest:
+        """A request as the engine takes it (a request with tools is not streamed: its text may turn out to be
+        calls)."""
+        streamed = request.stream_to if request.params.calls == "none" else None
+        return EngineRequest(
+            key,
+            request.prompt_ids,
+            request.params,
+            limit=self._limit(request),
+            generated=request.generated,
+            grammar=grammar_for(request.params),
+            stream_to=streamed,
+            sent=request.sent,
+            features=features,
+            images=tuple(request.images),
+        )
 
     def _generate(self, batch: LocalBatch, **inputs: Any) -> Generated:
         """The model's generate over the left-padded batch (with any further model inputs): every row's ids, with
@@ -277,11 +367,16 @@ class TransformersPredictor(YieldsToConsumer):
         room = self.max_context_tokens - prompt_tokens if self.max_context_tokens else None
         return request.params.new_tokens(self.max_new_tokens, self.max_tokens_cap, room)
 
-    def unbatch(self, output: Generated) -> list[Outcome]:
+    def unbatch(self, output: Generated | EngineRun) -> list[Outcome]:
         """Decode each row's answer (the tokens it had, then this call's), cut to its own limit and stop
         sequences; a request's `n` rows become its answer and the `more` after it. A streamed row's last piece is
         sent. An answer the call stopped before its end comes back `Continued`; a request a row of which broke its
-        grammar fails alone (`inference_failed`)."""
+        grammar fails alone (`inference_failed`). A call on the engine: `_engine_outcomes`."""
+        if isinstance(output, EngineRun):
+            return self._engine_outcomes(output)
+        return self._generated_outcomes(output)
+
+    def _generated_outcomes(self, output: Generated) -> list[Outcome]:
         batch, rows, steps = output.batch, output.rows, output.steps
         width = batch.collated.width
         ran = len(rows[0]) - width if rows else 0
@@ -309,6 +404,48 @@ class TransformersPredictor(YieldsToConsumer):
                 output.streams.finish(i * n, done[0].text)
         return outcomes
 
+    def _engine_outcomes(self, run: EngineRun) -> list[Outcome]:
+        """Each request's outcome from the engine: its answers, its failure, or (parked) its answer so far."""
+        outcomes: list[Outcome] = []
+        for i, request in enumerate(run.batch.requests):
+            done = run.finished.get(i)
+            if done is not None:
+                outcomes.append(self._finished(request, done.rows))
+                continue
+            rows = run.going.get(i, [])
+            stream = rows[0].stream if rows else None
+            generated = tuple(rows[0].tokens) if rows else request.generated
+            outcomes.append(Continued(generated, stream.sent if stream is not None else request.sent))
+        return outcomes
+
+    def _finished(self, request: ModelRequest, rows: list[Row]) -> Outcome:
+        """A request whose rows all ended: its answers (the first, and `more`), or its failure."""
+        failure = next((row.failure for row in rows if row.failure is not None), None)
+        if failure is not None or not rows or rows[0].end == "cancelled":
+            why = f"the answer could not be held to its format ({failure}): it was ended" if failure else "dropped"
+            return InferenceFailed(why, stage="infer")
+        answers = [self._row_answer(request, row) for row in rows]
+        first = answers[0]
+        stream = rows[0].stream
+        if stream is not None and self.pieces is not None and request.stream_to is not None:
+            send_piece(self.pieces, request.stream_to, stream.finish(first.text))
+        tokens = sum(a.completion_tokens for a in answers)
+        return replace(first, completion_tokens=tokens, more=tuple(answers[1:]))
+
+    def _row_answer(self, request: ModelRequest, row: Row) -> Prediction:
+        """One engine row's answer, cut to its limit and stop sequences."""
+        params = request.params
+        kept = row.tokens[: self._limit(request)]
+        text, _ = apply_stop(self._decode(kept), params.stop)
+        answer = Prediction(
+            text=text.strip(),
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=len(kept),
+            finish_reason="length" if row.end == "length" else "stop",
+            logprobs=[self._entry(step) for step in row.steps[: len(kept)]] if params.logprobs else None,
+        )
+        return _with_calls(answer, params)
+
     def _stop_ids(self) -> set[int]:
         """The ids a row ends at: padding and end of sequence."""
         return {self.pad_id, int(self._tokenizer.eos_token_id)}
@@ -326,7 +463,7 @@ class TransformersPredictor(YieldsToConsumer):
             return Continued(tuple(kept))
         ended = stopped or len(kept) < limit  # an end-of-sequence token (or a stop sequence) came first
         answer = Prediction(
-            text=text.strip(),
+            text=text,
             prompt_tokens=len(request.prompt_ids),
             completion_tokens=len(kept),
             finish_reason="stop" if ended else "length",
@@ -353,6 +490,26 @@ def _with_calls(answer: Prediction, params: GenerationParams) -> Prediction:
         return answer
     dumped = [c.model_dump() for c in calls]
     return replace(answer, text=text, tool_calls=dumped, finish_reason="tool_calls")
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """What one call on the decode engine made: the requests whose answers all ended (by position), and the rows
+    of those it parked, still going."""
+
+    batch: LocalBatch
+    finished: dict[int, Finished]
+    going: dict[int, list[Row]]
+
+
+def _submit(engine: DecodeEngine, queued: list[EngineRequest]) -> list[EngineRequest]:
+    """Submit the queued requests in order while the engine has room for them; the rest, still queued."""
+    for position, request in enumerate(queued):
+        try:
+            engine.submit(request)
+        except EngineFull:
+            return queued[position:]
+    return []
 
 
 class StopSequences:

@@ -438,7 +438,7 @@ class _Streamed:
     def prediction(self) -> Prediction:
         """The whole answer."""
         return Prediction(
-            text="".join(self.text).strip(),
+            text="".join(self.text),
             prompt_tokens=int(self.usage.get("prompt_tokens", 0)),
             completion_tokens=int(self.usage.get("completion_tokens", 0)),
             finish_reason="length" if self.finish_reason == "length" else "stop",
@@ -463,7 +463,7 @@ def _choice(choice: dict[str, Any]) -> Prediction:
     calls = choice["message"].get("tool_calls") or None
     ending = choice.get("finish_reason")
     return Prediction(
-        text=str(text).strip(),
+        text=str(text),
         prompt_tokens=0,
         completion_tokens=0,
         finish_reason="tool_calls" if calls else "length" if ending == "length" else "stop",
