@@ -44,13 +44,37 @@ class InferenceConsumerSettings(SettingsPart):
         "one being written (its messages are acked only once its results are).",
     )
     yield_tokens: int = Field(
-        16,
+        1,
         ge=0,
-        description="The local model: every this many new tokens, a running generate call of interactive requests "
-        "stops when some of its answers are done and others are not, or when a request waits for the device and "
-        "the call has room for it; the done answers are written, the others go on in the next call beside the waiting "
-        "requests (re-reading their prompts and tokens so far). A smaller number makes a request wait less for a "
-        "long answer on the device and costs more re-reading; 0: a call runs until its longest answer ends.",
+        description="The local model: every this many decoding steps, a running call of interactive requests stops "
+        "when some of its answers are done and others are not, or when a request waits for the device and the "
+        "call has room for it; the done answers are written, the others go on in the next call beside the waiting "
+        "requests. On the decode engine (`local_engine`) an answer goes on from its kept KV cache, so stopping "
+        "costs no re-reading and 1 lets a waiting request join at the next step; on `generate` it re-reads its "
+        "prompt and tokens so far, and a larger number (16) trades a longer wait for less re-reading. 0: a call "
+        "runs until its longest answer ends.",
+    )
+    local_engine: bool = Field(
+        True,
+        description="The local model runs on stoker's decode engine: each row's KV cache is kept across decoding "
+        "steps and calls, a request joins the running batch between steps, its prompt (a picture's image tokens "
+        "too) read once. `false`: batched `generate` calls, restarted at each yield (the path before the engine, "
+        "kept for comparison in benchmarks).",
+    )
+    engine_max_rows: int = Field(
+        0,
+        ge=0,
+        description="The decode engine's most rows at once (an answer each; a request with `n` takes `n`). 0: the "
+        "batch size (`max_batch_size`). On a CPU the batch size is about right; on CUDA a step costs nearly the "
+        "same for many more rows, so raise it with `max_batch_size` until the KV cache fills the memory left.",
+    )
+    kv_cache_tokens: int = Field(
+        0,
+        ge=0,
+        description="The decode engine's KV cache size in tokens: a request joins only while the rows running "
+        "and queued reach (prompt and token limit each) no more than this. 0: no bound but the rows' (a CPU's "
+        "memory holds far more than a batch of SmolLM2 rows). On CUDA set it from the memory left after the "
+        "weights: a token takes 2 × layers × KV heads × head width × the dtype's bytes.",
     )
     line_batch_size: int = Field(
         1,

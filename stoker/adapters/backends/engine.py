@@ -5,12 +5,13 @@ batch's), a row that ends or is cancelled leaves at once (its cache dropped), an
 one token: its last. A request that is set aside between calls (`park`) keeps its cache, and picks it up again when
 the same prompt and answer so far come back (`submit`), so a call that stops for waiting requests costs no re-read.
 
-By hand rather than on transformers' continuous batching manager (`init_continuous_batching`, 5.x): that one
-samples every request with one generation config and one global generator, takes no per-request logits processor,
-hands back no per-token log probabilities, and builds its inputs from token ids alone, so it carries neither a
-seeded answer that is the same beside any traffic, nor one llguidance matcher per row, nor logprobs, nor a
-vision-language model's image embeddings. Here each row is sampled by a draw of its own (`RowDraws`), masked by its
-own grammar (`RowGrammar`), and a picture's embeddings go in once, with its prompt.
+By hand rather than on transformers' continuous batching manager (`init_continuous_batching`, 5.25): that one
+draws every request from one generator (one seed for the manager, `do_sample` for all), runs one list of logits
+processors over all requests (only their parameters vary per request: no llguidance matcher of a row's own), hands
+back the chosen token's log probability alone (no `top_logprobs`), and builds its inputs from token ids alone (no
+vision-language model's image embeddings); so it carries neither a seeded answer that is the same beside any
+traffic, nor grammars, nor top_logprobs, nor pictures. Here each row is sampled by a draw of its own (`RowDraws`),
+masked by its own grammar (`RowGrammar`), and a picture's embeddings go in once, with its prompt.
 
 transformers' internals, fenced here: the batch's cache is one `DynamicCache` (5.x: `layers[i].keys`/`.values`, each
 batch × heads × tokens × head width) whose rows this module adds (left-padded to a common length, the attention mask
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stoker.adapters.backends.grammar import RowGrammar
+from stoker.adapters.backends.streams import Pieces, send_piece
 from stoker.core.model import GenerationParams, apply_stop
 from stoker.core.streaming import TextStream
 
@@ -36,8 +38,6 @@ log = logging.getLogger(__name__)
 
 #: One generated token's (id, log probability), and the likeliest tokens' at its place.
 Step = tuple[tuple[int, float], list[tuple[int, float]]]
-#: Where a piece of a streamed answer goes (job id, piece).
-Pieces = Callable[[str, str], None]
 
 
 class EngineFull(Exception):
@@ -135,12 +135,17 @@ class DecodeEngine:
         grammar_tokenizer: Callable[[], Any] | None = None,
         pieces: Pieces | None = None,
         parked_rows: int | None = None,
+        end: int | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.decode = decode
         self.stop_ids = stop_ids
-        self.end_id = min(stop_ids)
+        #: The token a row whose grammar failed is ended with (the end of sequence).
+        self.end_id = min(stop_ids) if end is None else end
         self.max_rows = max_rows
+        #: The KV cache's size in tokens: what running and queued rows may reach (prompt and limit) in all.
+        self.max_tokens = max_tokens
         self.device = device
         self.grammar_tokenizer = grammar_tokenizer
         self.pieces = pieces
@@ -172,10 +177,20 @@ class DecodeEngine:
         """Whether any request runs or waits to join."""
         return bool(self._rows or self._queued)
 
+    @property
+    def reserved(self) -> int:
+        """Cache tokens the running and queued rows may reach (each its prompt and its limit)."""
+        running = sum(_reach(row.request) for row in self._rows)
+        return running + sum(_reach(r) * r.params.n for r in self._queued)
+
     def submit(self, request: EngineRequest) -> None:
-        """Queue a request: it joins at the next step (raises `EngineFull` past the room)."""
+        """Queue a request: it joins at the next step (raises `EngineFull` past the room in rows, or in cache
+        tokens while any row runs)."""
         if request.params.n > self.room:
             raise EngineFull(f"{request.params.n} rows asked, {self.room} free")
+        tokens = _reach(request) * request.params.n
+        if self.max_tokens is not None and self.busy and self.reserved + tokens > self.max_tokens:
+            raise EngineFull(f"{tokens} cache tokens asked, {self.max_tokens - self.reserved} free")
         self._queued.append(request)
 
     def cancel(self, key: Hashable) -> None:
@@ -345,7 +360,7 @@ class DecodeEngine:
         if row.stream is not None and row.end is None and self.pieces is not None:
             piece = row.stream.advance(text)
             if piece and request.stream_to is not None:
-                _send(self.pieces, request.stream_to, piece)
+                send_piece(self.pieces, request.stream_to, piece)
 
     def _draw(self, row: Row, scores: Any, torch: Any) -> int:
         """The token where the row's own draw falls in its warped distribution (temperature, the model's top_k,
@@ -412,6 +427,11 @@ class DecodeEngine:
         return [(layer.keys, layer.values) for layer in self._cache.layers]
 
 
+def _reach(request: EngineRequest) -> int:
+    """The cache tokens one row of a request may reach: its prompt and its answer's limit."""
+    return len(request.prompt_ids) + request.limit
+
+
 def _pad(tensor: Any, length: int) -> Any:
     """A cache tensor (rows × heads × tokens × width) left-padded with zeros to `length` tokens."""
     import torch.nn.functional as functional  # heavy: in the model's process only
@@ -427,10 +447,3 @@ def _step(raw: Any, token: int, top: int, torch: Any) -> Step:
     best = logprobs.topk(top) if top else None
     alternatives = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
     return (token, float(logprobs[token])), alternatives
-
-
-def _send(pieces: Pieces, job_id: str, piece: str) -> None:
-    try:
-        pieces(job_id, piece)
-    except Exception:  # a piece that cannot be stored must not fail the batch: the whole answer still will be
-        log.warning("a piece of job %s's answer could not be stored", job_id, exc_info=True)

@@ -242,9 +242,7 @@ class TransformersPredictor(YieldsToConsumer):
         return self._grammar_tokenizer
 
     def _engine_request(self, key: int, request: ModelRequest, features: Sequence[Any]) -> EngineRequest:
-        """A request as the engine takes it (a request with tools is not streamed: its text may turn out to be
-        calls)."""
-        streamed = request.stream_to if request.params.calls == "none" else None
+        """A request as the engine takes it."""
         return EngineRequest(
             key,
             request.prompt_ids,
@@ -252,7 +250,7 @@ class TransformersPredictor(YieldsToConsumer):
             limit=self._limit(request),
             generated=request.generated,
             grammar=grammar_for(request.params),
-            stream_to=streamed,
+            stream_to=request.stream_to,
             sent=request.sent,
             features=features,
             images=tuple(request.images),
@@ -438,7 +436,7 @@ class TransformersPredictor(YieldsToConsumer):
         kept = row.tokens[: self._limit(request)]
         text, _ = apply_stop(self._decode(kept), params.stop)
         answer = Prediction(
-            text=text.strip(),
+            text=text,
             prompt_tokens=len(request.prompt_ids),
             completion_tokens=len(kept),
             finish_reason="length" if row.end == "length" else "stop",

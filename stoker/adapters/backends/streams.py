@@ -74,9 +74,15 @@ class RowStreams:
                 self._put(streamed.job_id, streamed.text.finish(final))
 
     def _put(self, job_id: str, piece: str) -> None:
-        if not piece:
-            return
-        try:
-            self.pieces(job_id, piece)
-        except Exception:  # a piece that cannot be stored must not fail the batch: the whole answer still will be
-            log.warning("a piece of job %s's answer could not be stored", job_id, exc_info=True)
+        send_piece(self.pieces, job_id, piece)
+
+
+def send_piece(pieces: Pieces, job_id: str, piece: str) -> None:
+    """Send a piece of a job's answer (nothing for an empty one); one that cannot be stored is logged, never
+    raised: the whole answer still will be."""
+    if not piece:
+        return
+    try:
+        pieces(job_id, piece)
+    except Exception:  # a piece that cannot be stored must not fail the batch
+        log.warning("a piece of job %s's answer could not be stored", job_id, exc_info=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from stoker.adapters.backends.local import Generated, LocalBatch, TransformersPredictor, torch_dtype
+from stoker.adapters.backends.local import EngineRun, Generated, LocalBatch, TransformersPredictor, torch_dtype
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.embeddings import CacheFactory, EmbeddingCache, model_identity
 from stoker.adapters.metrics import VISION_ENCODER_SECONDS
@@ -202,11 +202,17 @@ class VisionLanguagePredictor(TransformersPredictor):
             )
         return found, used
 
-    def predict(self, batch: VisionBatch) -> tuple[VisionBatch, Generated | None]:  # type: ignore[override]
-        """One generate over the kept requests, their pictures' embeddings in place of the encoder (each request's
-        repeated for each of its `n` rows, as its prompt is)."""
+    def predict(  # type: ignore[override]
+        self, batch: VisionBatch
+    ) -> tuple[VisionBatch, Generated | EngineRun | None]:
+        """The kept requests on the decode engine, each with its pictures' embeddings (read once, with its prompt:
+        a request that goes on from its parked cache reads none again); without the engine, one generate over
+        them, the embeddings in place of the encoder (each request's repeated for each of its `n` rows, as its
+        prompt is)."""
         if not batch.kept:
             return batch, None
+        if self.engine:
+            return batch, self._run_engine(batch.local, batch.features)
         n = batch.local.params[0].n
         pictures = [tensor for found in batch.features for _ in range(n) for tensor in found]
         if not pictures:
@@ -216,7 +222,9 @@ class VisionLanguagePredictor(TransformersPredictor):
         encoded = {"image": BaseModelOutputWithPooling(pooler_output=pictures)}
         return batch, self._generate(batch.local, mm_encoder_outputs=encoded)
 
-    def unbatch(self, output: tuple[VisionBatch, Generated | None]) -> list[Outcome]:  # type: ignore[override]
+    def unbatch(  # type: ignore[override]
+        self, output: tuple[VisionBatch, Generated | EngineRun | None]
+    ) -> list[Outcome]:
         """Every request's outcome in order: its answer (saying which pictures hit the cache), or its own error."""
         batch, generated = output
         answers = super().unbatch(generated) if generated is not None else []
