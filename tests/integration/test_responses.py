@@ -285,3 +285,16 @@ def test_another_tenant_never_reads_a_stored_response(
                 with pytest.raises(openai.NotFoundError):
                     attempt()
             assert owner.responses.retrieve(made.id).output_text == made.output_text
+
+
+def test_a_response_cancelled_while_it_streams_ends_cancelled(client: openai.OpenAI) -> None:
+    asked = "Count from one to one hundred in words, one number per line."
+    with client.responses.create(model=MODEL, input=asked, max_output_tokens=ROOMY_TOKENS, stream=True) as stream:
+        events: list[Any] = []
+        for event in stream:
+            events.append(event)
+            if event.type == "response.created":  # its id known: cancel it from elsewhere while it runs
+                assert client.responses.cancel(event.response.id).status == "cancelled"
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.status == "cancelled"
+    assert client.responses.retrieve(events[0].response.id).status == "cancelled"
