@@ -15,7 +15,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import redis
 from opentelemetry.trace import SpanKind
@@ -32,6 +31,7 @@ from stoker.adapters.store.clients import StoreOutOfMemory
 from stoker.adapters.store.idempotency import IdempotencyKeys
 from stoker.adapters.store.jobs import NewJob, Queued, Required
 from stoker.adapters.tracing import carrier, trace_id_hex, tracer
+from stoker.core.cached_prompt import CachedPrompt
 from stoker.core.cachekeys import CacheAddress, PipelineContext, prompt_address, prompt_worth_caching
 from stoker.core.costs import SizeBounds, size_class
 from stoker.core.deadlines import Deadline, deadline_for
@@ -39,7 +39,7 @@ from stoker.core.errors import BrokerUnavailable, ClientGone, Overloaded, RateLi
 from stoker.core.idempotency import recent_digest
 from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job, JobClass, input_failure, new_job_id
 from stoker.core.model import ModelRequest
-from stoker.core.prompting import Attachment, attachment_for, model_request, offered_tools
+from stoker.core.prompting import Attachment, attachment_for, offered_tools
 from stoker.core.queues import job_messages
 from stoker.core.tenancy import cache_scope
 from stoker.core.tools import ToolSpec
@@ -426,12 +426,12 @@ async def _shortcut(
     found = await _tokenized(context, pipeline, accepted, [attachment_for(r) for r in filled], scope)
     if found is None:
         return "tokenize", filled, None
-    return "infer", filled, model_request(found, scope, accepted.chat, job_id)
+    return "infer", filled, found.request(scope, accepted.chat, job_id)
 
 
 async def _tokenized(
     context: ApiContext, pipeline: PipelineContext, accepted: AcceptedRequest, attachments: list[Attachment], scope: str
-) -> dict[str, Any] | None:
+) -> CachedPrompt | None:
     """The job's prompt, tokenized, while the inference queue has room: from the cache, or here (a short text-only
     prompt is not looked up, `prompt_worth_caching`: tokenizing it again costs less). None: the tokenize stage
     makes it."""
@@ -445,7 +445,7 @@ async def _tokenized(
         found = await context.loop.cache.get_json(address)
         if found is not None:
             context.cache.record("tokenize", hit=True, cost_s=float(found.get(COST_FIELD, 0.0)))
-            return found
+            return CachedPrompt.from_dict(found)
     return await _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools)
 
 
@@ -457,7 +457,7 @@ async def _tokenize_here(
     attachments: list[Attachment],
     turns: list[ChatTurn] | None,
     tools: Sequence[ToolSpec],
-) -> dict[str, Any] | None:
+) -> CachedPrompt | None:
     """The tokenize stage's work, done here; cached like the stage's own at `address` (None: a prompt too short to
     be worth caching, `prompt_worth_caching`, which is tokenized on the loop itself: `PromptBuilder.build_here`).
     None: not possible here."""
@@ -470,8 +470,8 @@ async def _tokenize_here(
     if built is None:
         return None
     cost = time.perf_counter() - started
-    value = {"ids": built.ids, "messages": built.messages, "images": built.images}
+    value = CachedPrompt.of(built)
     if address is not None:
-        await context.loop.cache.put_miss(address, value, cost)
+        await context.loop.cache.put_miss(address, value.to_dict(), cost)
     STAGE_SECONDS.labels("tokenize", cache_label(False if address is not None else None)).observe(cost)
     return value

@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 from stoker.core.errors import ContextLengthExceeded
 from stoker.core.jobs import RAW_PROMPT, ChatTurn, Conversation, InputRecord
-from stoker.core.model import ModelRequest
 from stoker.core.tools import ToolSpec
 
 #: Bump when prompt assembly changes.
@@ -322,17 +321,4 @@ def attachment_for(record: InputRecord) -> Attachment:
         error_code=record.error.code if record.error else None,
         pictures=tuple(p.content_hash for p in pictures),
         layouts=layouts if len(layouts) == len(pictures) else (),
-    )
-
-
-def model_request(built: dict[str, Any], scope: str, chat: Conversation | None, job_id: str) -> ModelRequest:
-    """The model's request for a built prompt (`ids`, `messages`, `images`, as cached): with a chat's generation
-    parameters, and streamed to the job when its client reads a stream. Its pictures are those the prompt shows."""
-    return ModelRequest(
-        [int(i) for i in built["ids"]],
-        list(built.get("messages", [])),
-        list(built.get("images", [])),
-        scope,
-        chat.params if chat else ModelRequest([]).params,
-        job_id if chat and chat.stream else None,
     )

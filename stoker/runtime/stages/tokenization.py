@@ -13,11 +13,12 @@ from typing import Any
 
 from stoker.adapters.store.keys import input_ref
 from stoker.adapters.tracing import mark_failed, stage_span
+from stoker.core.cached_prompt import CachedPrompt
 from stoker.core.cachekeys import PipelineContext, prompt_address
 from stoker.core.errors import DeadlineExceeded, StageKilled, StokerError
 from stoker.core.jobs import ErrorInfo, InputRecord, Job, final_status, input_failure, settle_video
 from stoker.core.model import ModelRequest
-from stoker.core.prompting import attachment_for, build_prompt, model_request, offered_tools
+from stoker.core.prompting import attachment_for, build_prompt, offered_tools
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.handoff import fail_unfinished, wait_for_room
 from stoker.runtime.stage import follower_wait, through_cache, time_limit
@@ -161,8 +162,8 @@ def _model_request(ctx: WorkerContext, context: PipelineContext, job: Job, scope
     def compute() -> dict[str, Any]:
         tokenizer = ctx.prompt_tokenizer
         built = build_prompt(tokenizer, job.prompt, attachments, context.budget, turns, context.system, tools)
-        return {"ids": built.ids, "messages": built.messages, "images": built.images}
+        return CachedPrompt.of(built).to_dict()
 
     address = prompt_address(context, job.prompt, attachments, scope, turns, tools)
     value = through_cache(ctx, None, address, compute, follower_wait(ctx.settings.tokenize_soft_s))
-    return model_request(value, scope, job.chat, job.id)
+    return CachedPrompt.from_dict(value).request(scope, job.chat, job.id)
