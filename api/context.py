@@ -26,7 +26,8 @@ from stoker.adapters.store.tenants import LoopTenants
 from stoker.core.jobs import Job
 from stoker.settings import ApiSettings
 from tasks.app import make_app
-from tasks.pipeline import CelerySubmitter, Submitter, SyncSubmitter
+from tasks.baseline_submitter import SyncSubmitter
+from tasks.pipeline import CelerySubmitter, Submitter
 
 
 @dataclass(frozen=True)
@@ -124,13 +125,14 @@ class ApiContext:
         metrics = CollectorRegistry()
         metrics.register(JobCounts(store.stats.job_counts))
         metrics.register(OpenAIBatchLines(store.openai_batches.line_stats))
+        submitter = submitter or default_submitter(settings, producer)
         return cls(
             settings=settings,
             store=store,
             cache=StageCache.connect(settings),
             producer=producer,
-            submitter=submitter or default_submitter(settings, producer),
-            monitor=QueueMonitor(settings, store),
+            submitter=submitter,
+            monitor=QueueMonitor(settings, store, queues=submitter.queues),
             prompts=PromptBuilder(settings),
             announcements=Announcements(settings.stop_grace_s),
             metrics=metrics,
@@ -158,7 +160,8 @@ async def reread(context: ApiContext, job_id: str) -> Job | None:
 
 
 def default_submitter(settings: ApiSettings, producer: Celery) -> Submitter:
-    """Celery canvases per stage, or, for the synchronous baseline, one message per whole job."""
+    """Celery canvases per stage, or, for the synchronous baseline, one message per whole job: the one place the
+    baseline is chosen (its queue comes with its submitter)."""
     if settings.pipeline_mode == "sync":
         return SyncSubmitter(producer)
     return CelerySubmitter(producer, keyframes=settings.video_keyframes)

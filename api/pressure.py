@@ -7,6 +7,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kombu.connection import Connection
@@ -24,7 +25,7 @@ from stoker.core.pressure import (
     queue_refusal,
     room_to_enqueue,
 )
-from stoker.core.queues import CPU_QUEUES, INFER_BATCH_QUEUE, QUEUES, SYNC_QUEUE
+from stoker.core.queues import INFER_BATCH_QUEUE, INFER_QUEUES, QUEUES
 from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,14 @@ class QueueMonitor:
     queue stays empty and no job is submitted, less and less often (up to `idle_max_wait_s`, well within `stale_s`),
     until a submission (`touch`) or a queue that moves brings it back to `interval_s`."""
 
-    def __init__(self, settings: ApiSettings, store: Store, interval_s: float = 0.5, stale_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        settings: ApiSettings,
+        store: Store,
+        interval_s: float = 0.5,
+        stale_s: float = 5.0,
+        queues: Sequence[str] = QUEUES,
+    ) -> None:
         self.settings = settings
         self.store = store
         self.interval_s = interval_s
@@ -61,12 +69,13 @@ class QueueMonitor:
         self.pace = Pace(interval_s, min(settings.idle_max_wait_s, stale_s / 2))
         self._wake: asyncio.Event | None = None  # made in the serving loop, by `run`
         self._touched = False  # a job was submitted since the last round
-        #: The queues new jobs land in and wait behind: the synchronous baseline adds its one queue.
-        self.queues = QUEUES if settings.pipeline_mode == "pipeline" else (*QUEUES, SYNC_QUEUE)
+        #: The queues new jobs land in and wait behind (the submitter's: the synchronous baseline's adds its one).
+        self.queues = tuple(queues)
 
     def limit(self, queue: str) -> int:
-        """The admission limit of a queue."""
-        return self.settings.cpu_queue_limit if queue in (*CPU_QUEUES, SYNC_QUEUE) else self.settings.infer_queue_limit
+        """The admission limit of a queue: the inference queues' own, the CPU one for every queue before them (the
+        stages', and the synchronous baseline's of whole jobs)."""
+        return self.settings.infer_queue_limit if queue in INFER_QUEUES else self.settings.cpu_queue_limit
 
     def sample(self) -> Snapshot:
         """Read every queue's depth and drain counter now (blocking)."""

@@ -13,7 +13,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -25,10 +25,11 @@ from celery_batches.trace import apply_batches_task
 from stoker.adapters.kombu_redis import reply_waits, unread_brpop
 from stoker.core.batching import BatchPolicy, Waiting, plan_batch
 from stoker.core.queues import SYNC_QUEUE
-from stoker.runtime.batches import expire, serve_batch
+from stoker.runtime.batches import expire, load_batch, run_batch, write_batch
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.feeder import as_waiting, take_arrived
 from stoker.runtime.stages.tokenization import tokenize_job
+from stoker.runtime.watchdog import BatchWatchdog
 from tasks.lifecycle import context, watchdog
 from tasks.pipeline import preprocessing_branches
 from tasks.worker import app
@@ -191,6 +192,13 @@ def sync_jobs(requests: list[SimpleRequest]) -> None:
     ready = [job_id for job_id in job_ids if preprocess_inline(ctx, job_id)]
     ctx.store.stats.count_drained(SYNC_QUEUE, len(job_ids))
     serve_batch(ctx, ready, watchdog())
+
+
+def serve_batch(ctx: WorkerContext, job_ids: Sequence[str], watchdog: BatchWatchdog) -> None:
+    """Load, run and write one batch in this thread (the pipeline's consumer does each in a thread of its own)."""
+    items = load_batch(ctx, job_ids)
+    if items:
+        write_batch(ctx, run_batch(ctx, items, watchdog))
 
 
 def preprocess_inline(ctx: WorkerContext, job_id: str) -> bool:

@@ -24,7 +24,7 @@ from stoker.adapters.broker import class_priority, queue_depths, stage_priority
 from stoker.adapters.kombu_redis import promote_aged
 from stoker.adapters.store.keys import frame_ref, input_ref
 from stoker.core.jobs import InputRecord, Job, JobClass
-from stoker.core.queues import INFER_BATCH_QUEUE
+from stoker.core.queues import INFER_BATCH_QUEUE, QUEUES
 from tasks.publish import DirectPublisher
 
 #: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached).
@@ -40,6 +40,9 @@ class Submitter(Protocol):
     """Starts the processing of an accepted job. The API depends on this seam, not on Celery: it submits from its
     event loop (`submit_on`) and closes the submitter when it stops. A submitter that only has a blocking `submit`
     subclasses this and is given both: `submit` in a worker thread, and nothing to close."""
+
+    #: The queues the jobs it submits wait in: the API's queue monitor samples them for admission.
+    queues: tuple[str, ...] = QUEUES
 
     def submit(
         self,
@@ -301,26 +304,3 @@ class CelerySubmitter(Submitter):
         """Close the direct publisher's broker connection, if it opened one."""
         if self._direct is not None:
             self._direct.close()
-
-
-class SyncSubmitter(Submitter):
-    """The synchronous baseline (`STOKER_PIPELINE_MODE=sync`): the whole job goes to one worker as one message."""
-
-    def __init__(self, app: Celery) -> None:
-        self.app = app
-
-    def submit(
-        self,
-        job_id: str,
-        inputs: Sequence[InputRecord],
-        start: Start = "preprocess",
-        deadline: float | None = None,
-        prompt_tokens: int | None = None,
-        job_class: JobClass = "interactive",
-    ) -> None:
-        """Publish the job whole; the sync worker preprocesses what is not done yet, then infers.
-
-        No `expires`: there is no reaper in the baseline, so the consumer itself answers jobs whose deadline passed.
-        """
-        kwargs = {"job_id": job_id, "prompt_tokens": prompt_tokens, "deadline": deadline}
-        self.app.signature("stoker.sync", kwargs=kwargs, **UNWAITED).apply_async()

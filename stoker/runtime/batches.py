@@ -4,7 +4,7 @@ A batch is loaded (`load_batch`: one pipelined round trip for all its jobs), run
 nothing else: no Redis, no spans, no logging per job) and written (`write_batch`: results, stamps, counters in
 pipelined round trips, then spans, metrics and the log line of each job). The pipeline's consumer
 (`stoker.runtime.feeder.Feeder`) does the three in three threads so the device never waits; the synchronous baseline
-(`stoker.sync`, `tasks.baseline`) does them one after another in its one thread.
+(`tasks.baseline`, benchmarks only) calls them one after another in its one thread.
 
 A batch here is a device batch, as a bare "batch" is everywhere in stoker's code; OpenAI's Batch API object is an
 `OpenAIBatch` (`stoker.core.openai_batches`, docs/architecture.md#names).
@@ -183,13 +183,6 @@ def write_batch(ctx: WorkerContext, ran: RanBatch, consumer: str | None = None) 
             log_job(_ended_job(item.pending, ending))
     late = " (past its budget: results dropped)" if ran.overdue else ""
     log.info("batch %s: %d jobs in %.0f ms%s", ran.id, len(ran.items), (ran.ended - ran.started) * 1000, late)
-
-
-def serve_batch(ctx: WorkerContext, job_ids: Sequence[str], watchdog: BatchWatchdog) -> None:
-    """Load, run and write one batch in this thread (the synchronous baseline's way)."""
-    items = load_batch(ctx, job_ids)
-    if items:
-        write_batch(ctx, run_batch(ctx, items, watchdog))
 
 
 def fail_batch(ctx: WorkerContext, items: Sequence[BatchItem], exc: BaseException) -> None:
