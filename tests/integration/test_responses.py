@@ -153,17 +153,26 @@ def test_a_stream_sends_the_responses_events_in_order(client: openai.OpenAI) -> 
     assert client.responses.retrieve(final.id).output_text == final.output_text
 
 
-def test_a_forced_call_then_its_output_is_a_tool_loop(client: openai.OpenAI) -> None:
-    called = client.responses.create(
-        model=MODEL,
-        input=ASK,
-        tools=[WEATHER],
-        tool_choice=FORCED,
-        max_output_tokens=48,
+def test_a_streamed_forced_call_then_its_output_is_a_tool_loop(client: openai.OpenAI) -> None:
+    events: list[Any] = list(
+        client.responses.create(
+            model=MODEL, input=ASK, tools=[WEATHER], tool_choice=FORCED, max_output_tokens=48, stream=True
+        )
     )
-    (call,) = called.output
-    assert call.type == "function_call"
-    assert call.name == "get_weather"
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_text.delta" not in kinds  # a forced call's answer is the call alone
+    assert kinds[2:] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert events[2].item.arguments == ""
+    (call,) = events[-1].response.output
+    assert (call.type, call.name) == ("function_call", "get_weather")
+    assert events[4].arguments == call.arguments
     assert set(json.loads(call.arguments)) == {"city"}
     assert call.call_id
     loop: Any = [
@@ -171,42 +180,17 @@ def test_a_forced_call_then_its_output_is_a_tool_loop(client: openai.OpenAI) -> 
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21}'},
     ]
-    answered = client.responses.create(
-        model=MODEL,
-        input=loop,
-        tools=[WEATHER],
-        tool_choice="none",
-        max_output_tokens=6,
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input=loop, tools=[WEATHER], tool_choice="none", max_output_tokens=6
     )
+    answered = raw.parse()
     assert answered.output_text
     assert [item.type for item in answered.output] == ["message"]
-
-
-def test_a_streamed_forced_call_streams_its_arguments(client: openai.OpenAI) -> None:
-    events: list[Any] = list(
-        client.responses.create(
-            model=MODEL,
-            input=ASK,
-            tools=[WEATHER],
-            tool_choice="required",
-            max_output_tokens=48,
-            stream=True,
-        )
-    )
-    kinds = [e.type for e in events]
-    assert events[-1].response.error is None, events[-1].response.error
-    assert "response.output_text.delta" not in kinds
-    assert kinds[-5:] == [
-        "response.output_item.added",
-        "response.function_call_arguments.delta",
-        "response.function_call_arguments.done",
-        "response.output_item.done",
-        "response.completed",
-    ]
-    done = events[-3]
-    assert done.type == "response.function_call_arguments.done"
-    assert set(json.loads(done.arguments)) == {"city"}
-    assert events[-1].response.output[-1].type == "function_call"
+    job = httpx.get(f"{client.base_url}jobs/{raw.headers['x-stoker-job-id']}").json()
+    turns = job["chat"]["turns"]
+    assert [t["role"] for t in turns] == ["user", "assistant", "tool"]
+    assert turns[1]["tool_calls"][0]["id"] == call.call_id
+    assert turns[2]["tool_call_id"] == call.call_id
 
 
 def test_previous_response_id_carries_the_conversation_on(client: openai.OpenAI, base_url: str) -> None:
