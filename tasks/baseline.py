@@ -120,7 +120,7 @@ class DeviceBatches(Batches):  # type: ignore[misc]
     def _taken_unread(self) -> bool:
         """Whether the consumer's `BRPOP` took a message off the queue that the depth no longer counts and the
         event loop has not read yet (the queue's last message, taken while the receiver looked)."""
-        sock = unread_brpop(self._consumer)
+        sock = unread_brpop(self._consumer, SYNC_QUEUE)
         if sock is None:
             return False
         # The server writes each round's replies before it reads the next round's commands, so once a later command

@@ -40,7 +40,6 @@ from kombu.transport import virtual
 from kombu.utils.json import dumps
 
 from stoker.core.costs import LARGE, MEDIUM, SMALL
-from stoker.core.queues import SYNC_QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -351,8 +350,8 @@ return 1
 )
 
 
-def unread_brpop(consumer: Any) -> socket.socket | None:
-    """The socket of a `BRPOP` the consumer sent for the sync queue and has not read the reply of (None: none).
+def unread_brpop(consumer: Any, queue: str) -> socket.socket | None:
+    """The socket of a `BRPOP` the consumer sent for `queue` and has not read the reply of (None: none).
 
     A kombu Redis channel has at most one `BRPOP` out, for its `active_queues`, and keeps the connection it went out
     on in `_in_poll` until the event loop reads its reply (`_brpop_read`)."""
@@ -361,7 +360,7 @@ def unread_brpop(consumer: Any) -> socket.socket | None:
         return None
     for channel in transport.channels:
         connection = channel._in_poll
-        if connection and SYNC_QUEUE in channel.active_queues:
+        if connection and queue in channel.active_queues:
             sock: socket.socket | None = connection._sock
             return sock
     return None

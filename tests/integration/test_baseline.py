@@ -104,10 +104,10 @@ def test_a_message_the_consumer_took_and_has_not_read_is_seen() -> None:
                 message.ack()
 
             with Consumer(consuming.default_channel, [Queue(SYNC_QUEUE)], callbacks=[deliver]):
-                assert unread_brpop(consumer) is None  # the loop has not run: no BRPOP sent
+                assert unread_brpop(consumer, SYNC_QUEUE) is None  # the loop has not run: no BRPOP sent
                 for tick in list(hub.on_tick):  # the start of the loop's round: it sends the BRPOP
                     tick()
-                sock = unread_brpop(consumer)
+                sock = unread_brpop(consumer, SYNC_QUEUE)
                 assert sock is not None
                 assert not reply_waits(sock)  # blocked on the empty queue
                 looking.Producer().publish({"n": 1}, routing_key=SYNC_QUEUE)
@@ -116,7 +116,7 @@ def test_a_message_the_consumer_took_and_has_not_read_is_seen() -> None:
                 assert not delivered
                 _until(lambda: hub.run_once() or delivered, "the event loop never read it")
                 assert delivered == [{"n": 1}]
-                assert unread_brpop(consumer) is None  # read: nothing in flight
+                assert unread_brpop(consumer, SYNC_QUEUE) is None  # read: nothing in flight
     finally:
         server.kill()
         server.wait(10)
