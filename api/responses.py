@@ -55,7 +55,8 @@ async def create_response(request: Request, context: Context, tenant: Annotated[
         parsed = await run_in_threadpool(_parse, body)
         history = await _history(context, tenant, parsed.previous_response_id)
         chat, accepted = await run_in_threadpool(accept_response, parsed, history, settings, chosen)
-        taken.append((parsed, [m for m in chat.model_dump(exclude_none=True)["messages"] if m["role"] != "system"]))
+        turns = chat.model_dump(exclude_none=True)["messages"]
+        taken.append((parsed, turns[1:] if parsed.instructions else turns))  # instructions are not carried on
         return accepted
 
     key = idempotency.key_of(request.headers, tenant)

@@ -194,14 +194,14 @@ def test_a_streamed_forced_call_then_its_output_is_a_tool_loop(client: openai.Op
 
 
 def test_previous_response_id_carries_the_conversation_on(client: openai.OpenAI, base_url: str) -> None:
-    first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4)
+    first = client.responses.create(model=MODEL, input="My name is Ada.", instructions="Be brief.", max_output_tokens=4)
     raw = client.responses.with_raw_response.create(
         model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=4
     )
     assert raw.parse().previous_response_id == first.id
     job = httpx.get(f"{base_url}/v1/jobs/{raw.headers['x-stoker-job-id']}").json()
     turns = job["chat"]["turns"]
-    assert [(t["role"], t["text"]) for t in turns] == [
+    assert [(t["role"], t["text"]) for t in turns] == [  # the first one's instructions are not carried on
         ("user", "My name is Ada."),
         ("assistant", first.output_text),
         ("user", "What is my name?"),
