@@ -45,6 +45,8 @@ class ResponseEvents:
         """A piece of the answer's text as deltas (the message opened before the first)."""
         self.seen += piece
         safe = _before_call(self.seen) if self.gated else self.seen
+        if self.gated and not safe.strip():  # what comes before a call alone opens no message
+            return []
         return self._delta(safe[len(self.sent) :]) if safe.startswith(self.sent) else []
 
     def _delta(self, delta: str) -> list[dict[str, Any]]:

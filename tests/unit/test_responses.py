@@ -229,3 +229,15 @@ def test_an_answer_not_streamed_is_sent_whole_at_its_end_and_a_cut_one_is_incomp
     sent = _events(True, [], _result("Hel", "length"))
     assert [e["delta"] for e in sent if e["type"] == "response.output_text.delta"] == ["Hel"]
     assert sent[-1]["type"] == "response.incomplete"
+
+
+def test_with_tools_whitespace_before_a_call_opens_no_message() -> None:
+    sent = _events(True, ["\n", '<tool_call>\n{"name": "get_weather"}'], _result("", "tool_calls", [CALL]))
+    assert [e["type"] for e in sent][2:] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert sent[2]["item"]["type"] == "function_call"
