@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from stoker.adapters.backends import local
-from stoker.adapters.backends.grammar import GrammarMask
+from stoker.adapters.backends import engine
+from stoker.adapters.backends.grammar import RowGrammar
 from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
@@ -95,7 +95,7 @@ def test_a_stop_sequence_ends_generation_at_the_token_that_completes_it(
     assert isinstance(stopped, Prediction)
     assert (stopped.finish_reason, stopped.completion_tokens) == ("stop", through)
     assert stopped.logprobs == whole.logprobs[:through]  # they end with the token that completed the stop
-    assert stopped.text == whole.text[: whole.text.index(word)].strip()
+    assert stopped.text == whole.text[: whole.text.index(word)]
 
 
 def test_rows_of_one_call_stop_each_at_their_own_stop_sequence(
@@ -122,7 +122,7 @@ def test_rows_of_one_call_stop_each_at_their_own_stop_sequence(
     assert len(second.generated) == -(-ends[0] // 2) * 2  # the first yield point at or after the early stop
     went_on, _ = _until_done(yielding, _ask(ids, max_tokens=20, stop=[late]).continued(second))
     assert (went_on.finish_reason, went_on.completion_tokens) == ("stop", ends[1])
-    assert went_on.text == whole.text[: whole.text.index(late)].strip()
+    assert went_on.text == whole.text[: whole.text.index(late)]
 
 
 def test_seeded_sampling_repeats_itself(model: tuple[TransformersPredictor, list[int]]) -> None:
@@ -225,16 +225,24 @@ def test_one_call_holds_each_answer_to_its_own_schema_call_or_nothing(
     assert not free.text.startswith("{")
 
 
-def _derailed(token: int) -> type[GrammarMask]:
-    """A grammar mask whose first row writes `token` as its third, whatever its grammar allows (as when the grammar
+def _derailed(token: int) -> type[RowGrammar]:
+    """A row grammar whose first row writes `token` as its third, whatever its grammar allows (as when the grammar
     engine and the model fall out of step)."""
 
-    class Derailed(GrammarMask):
-        def __call__(self, input_ids: Any, scores: Any) -> Any:
-            scores = super().__call__(input_ids, scores)
-            if input_ids.shape[1] - self.width == 2:
-                scores[0] = float("-inf")
-                scores[0, token] = 0.0
+    class Derailed(RowGrammar):
+        made = 0
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.first, self.masks = Derailed.made == 0, 0
+            Derailed.made += 1
+
+        def mask(self, scores: Any, torch: Any) -> Any:
+            scores = super().mask(scores, torch)
+            self.masks += 1
+            if self.first and self.masks == 3:
+                scores = torch.full_like(scores, float("-inf"))
+                scores[token] = 0.0
             return scores
 
     return Derailed
@@ -246,7 +254,7 @@ def test_a_row_that_breaks_its_grammar_mid_answer_is_ended_and_fails_alone(
     ids = model[1]
     schema = {"type": "json_schema", "json_schema": {"name": "book", "schema": ANSWER_SCHEMA, "strict": True}}
     (newline,) = roomy._tokenizer.encode("\n", add_special_tokens=False)  # never in compact JSON, nor in a string
-    monkeypatch.setattr(local, "GrammarMask", _derailed(newline))
+    monkeypatch.setattr(engine, "RowGrammar", _derailed(newline))
     structured = _ask(ids, max_tokens=48, response_format=schema)
     broken, kept, free = run_predictor(roomy, [structured, structured, _ask(ids, max_tokens=6)])
     assert isinstance(broken, InferenceFailed)  # not an answer that went on unconstrained
@@ -388,4 +396,4 @@ def test_a_stop_sequence_ends_an_answer_held_to_a_schema_without_failing_it(
     assert structured.logprobs is not None
     assert isinstance(stopped, Prediction)
     assert (stopped.finish_reason, stopped.completion_tokens) == ("stop", _through(structured.logprobs, '"pages"'))
-    assert stopped.text == structured.text[: structured.text.index('"pages"')].strip()
+    assert stopped.text == structured.text[: structured.text.index('"pages"')]

@@ -229,6 +229,12 @@ class DecodeEngine:
         with torch.inference_mode():
             self._expire()
             self._leave(torch)
+            # a parked request rejoins before the step (its next token is this step's), a new one after it (its
+            # first token is its prompt's read)
+            resumed = [r for r in self._queued if self._parked_content(r) in self._parked]
+            for request in resumed:
+                self._queued.remove(request)
+                self._join(request, torch)
             if self._rows:
                 self._decode(torch)
             while self._queued:
@@ -238,6 +244,10 @@ class DecodeEngine:
         return finished
 
     # -- joining ---------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _parked_content(request: EngineRequest) -> tuple[Any, ...]:
+        return request.content
+
     def _join(self, request: EngineRequest, torch: Any) -> None:
         parked = self._parked.pop(request.content, None)
         if parked is not None:
