@@ -397,3 +397,29 @@ def test_a_stop_sequence_ends_an_answer_held_to_a_schema_without_failing_it(
     assert isinstance(stopped, Prediction)
     assert (stopped.finish_reason, stopped.completion_tokens) == ("stop", _through(structured.logprobs, '"pages"'))
     assert stopped.text == structured.text[: structured.text.index('"pages"')]
+
+
+def test_a_request_that_joins_between_calls_reads_its_prompt_once_and_the_answer_going_on_none_again(
+    model: tuple[TransformersPredictor, list[int]],
+) -> None:
+    ids = model[1]
+    other = [*ids[:-4], *ids[-2:]]
+    waiting = [1]
+    engine = TransformersPredictor(model[0].model_path, max_new_tokens=8, max_tokens_cap=8, yield_tokens=2)
+    engine.setup("cpu")
+    engine.yield_to(lambda: waiting[0], max_rows=8)
+    (first,) = run_predictor(engine, [_ask(ids, max_tokens=8)])
+    assert isinstance(first, Continued)
+    assert len(first.generated) == 2  # a request waited: the call stopped at its first yield point
+    assert engine.tokens_fed == len(ids) + 1  # the prompt, then the first answer token
+    engine.yield_tokens = 0  # the next call runs to its end
+    going_on = _ask(ids, max_tokens=8).continued(first)
+    answer, joined = run_predictor(engine, [going_on, _ask(other, max_tokens=8)])
+    assert isinstance(answer, Prediction)
+    assert isinstance(joined, Prediction)
+    # the answer went on from its kept cache: its prompt and its tokens so far were never fed again
+    fed = len(ids) + len(other) + (answer.completion_tokens - 1) + (joined.completion_tokens - 1)
+    assert engine.tokens_fed == fed
+    (alone,) = run_predictor(engine, [_ask(ids, max_tokens=8)])
+    assert isinstance(alone, Prediction)
+    assert answer.text == alone.text

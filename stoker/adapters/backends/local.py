@@ -206,6 +206,11 @@ class TransformersPredictor(YieldsToConsumer):
             raise
         return EngineRun(batch, finished, going)
 
+    @property
+    def tokens_fed(self) -> int:
+        """Tokens the decode engine has fed the model (prompts and answers; 0 before its first call)."""
+        return self._engine.fed if self._engine is not None else 0
+
     def _yield_every(self, batch: LocalBatch) -> int:
         """How many steps apart the engine may stop for the consumer (0: it runs to the end). An answer with `n`
         above 1 or `logprobs`, or a batch line, runs to its end: `Continued` carries neither."""
