@@ -79,8 +79,8 @@ def test_n_completions_with_logprobs(client: openai.OpenAI) -> None:
         assert logprobs is not None
         tokens = logprobs.tokens or []
         assert 1 <= len(tokens) <= 3
-        # the answer's text comes whitespace-stripped (as a chat's does, for now); its tokens are the model's own
-        assert "".join(tokens).strip() == choice.text
+        # the answer's text is its tokens', the model's whitespace kept
+        assert "".join(tokens) == choice.text
         assert all(lp <= 0 for lp in logprobs.token_logprobs or [])
         assert all(
             token in top and len(top) >= 2 for token, top in zip(tokens, logprobs.top_logprobs or [], strict=True)
