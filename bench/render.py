@@ -59,7 +59,7 @@ from bench.report import percentile
 from bench.stack import Device, bench_stack
 from bench.workload import png_bomb, scene_jpeg
 from stoker.adapters.render import RenderedPicture, Renderer
-from stoker.adapters.vllm_render import WireItem, features, idefics3_item, request_json
+from stoker.adapters.vllm_render import features, idefics3_item, request_json
 from stoker.core.imaging import DecodeParams, decode_rgb
 from workers.broker import free_port, start_embedded
 from workers.procs import ROOT
@@ -557,14 +557,14 @@ def _picture(
     prepared = steps.run("worker: image processor (resize, rescale, normalise, tiles)", renderer.preparer.prepare, rgb)
     processor.disable()
     item = steps.run("worker: cast to vLLM's item (bfloat16)", idefics3_item, prepared.tensors, "bfloat16")
-    wire = steps.run("worker: item as sent (msgpack, base64)", WireItem.of, item)
-    picture = RenderedPicture(renderer.preparer.layout(prepared), wire)
-    entry = steps.run("worker: cache entry (msgpack)", picture.to_bytes)
+    picture = RenderedPicture.of(renderer.preparer.layout(prepared), item)
+    entry = steps.run("worker: cache entry (msgpack, the mask as bits)", picture.to_bytes)
     steps.run("worker: cache write (client)", client.set, "render-profile", entry)
     found = steps.run("API: cache read (client)", client.get, "render-profile")
     assert found is not None
-    back = steps.run("API: cache entry read back (msgpack)", RenderedPicture.from_bytes, found)
-    answer = steps.run("API: features (the items as cached)", features, ["0" * 64], [(0, 1)], [back.wire])
+    back = steps.run("API: cache entry read back (msgpack, the mask widened)", RenderedPicture.from_bytes, found)
+    wire = steps.run("API: item as sent (msgpack, base64)", lambda: back.wire)
+    answer = steps.run("API: features", features, ["0" * 64], [(0, 1)], [wire])
     body = steps.run("API: the answer's JSON", request_json, {"features": answer})
     sizes.update({"JPEG": len(jpeg), "cache entry": len(entry), "answer's JSON": len(body)})
 

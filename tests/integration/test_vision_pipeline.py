@@ -106,7 +106,9 @@ def test_cpu_stage_tensors_and_prompt_are_the_processors_own(
         assert "ocr" not in record["timings_ms"]
         direct = processor.image_processor(images=picture, return_row_col_info=True)
         prepared = _tensors(fleet, record["content_hash"], preparer.identity)
-        np.testing.assert_array_equal(prepared.tensors["pixel_values"], direct["pixel_values"].astype(np.float16))
+        np.testing.assert_array_equal(
+            prepared.tensors["pixel_values"], np.asarray(direct["pixel_values"]).astype(np.float16)
+        )
         np.testing.assert_array_equal(prepared.tensors["pixel_attention_mask"], direct["pixel_attention_mask"] != 0)
         assert record["prepared"] == {
             "processor": preparer.identity,
@@ -168,7 +170,7 @@ def test_the_inference_side_gets_tensors_from_the_cache_or_the_held_upload(
     digest, scope = job["inputs"][0]["content_hash"], cache_scope(DEFAULT_TENANT, shared=False)
     urls = {k: fleet.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
     ctx = WorkerContext(WorkerSettings(**urls, model=str(tiny_vlm)), outbox=None)  # type: ignore[arg-type]
-    direct = processor.image_processor(images=picture)["pixel_values"].astype(np.float16)
+    direct = np.asarray(processor.image_processor(images=picture)["pixel_values"]).astype(np.float16)
     key = cache_key(ctx.pictures.vision_address(digest, scope), VISION_TENSORS)
     assert ctx.cache.redis is not None
     try:

@@ -1,4 +1,4 @@
-"""A render's answer written the fast way (`RenderedPicture.wire` read from its cache entry, `request_json` copying
+"""A render's answer written the fast way (`RenderedPicture.wire` made from its cache entry, `request_json` copying
 the items in) is byte for byte the answer of the way before it: each picture's item decoded back to tensors,
 encoded again (`encode_item`) and the whole `GenerateRequest` written by Starlette's `JSONResponse`. For every
 recorded case of `tests/fixtures/vllm_render` (its token ids and vLLM's other fields), and for fields whose JSON
@@ -90,3 +90,21 @@ def test_an_entry_of_the_earlier_layout_is_not_read_as_a_rendering() -> None:
     earlier = json.dumps(picture.layout).encode() + b"\n" + msgspec.msgpack.encode({"pixel_values": 1})
     with pytest.raises(ValueError, match=r"Expected|msgpack"):
         RenderedPicture.from_bytes(earlier)
+
+
+def test_an_entry_of_the_base64_layout_is_not_read_as_a_rendering() -> None:
+    """Before, an entry was the layout and the item's base64 text as sent (`[layout, kwargs_data, mm_metadata]`)."""
+    picture = rendered_picture("flat")
+    earlier = msgspec.msgpack.encode([picture.layout, picture.wire.kwargs_data, picture.wire.mm_metadata])
+    with pytest.raises(ValueError, match="Expected"):
+        RenderedPicture.from_bytes(earlier)
+
+
+def test_the_mask_is_cached_as_bits_and_read_back_as_vllms_int64() -> None:
+    picture = rendered_picture("portrait")
+    mask = picture.item["pixel_attention_mask"].tensor
+    assert mask.dtype == "int64"
+    entry = picture.to_bytes()
+    # the pixel values as they are, the mask at one bit a value (8 bytes a value as vLLM sends it)
+    assert len(entry) < len(picture.item["pixel_values"].tensor.data) + len(mask.data) // 60
+    assert RenderedPicture.from_bytes(entry).item["pixel_attention_mask"].tensor == mask

@@ -29,7 +29,7 @@ def test_it_loads_as_smolvlm_does(loaded: tuple[Any, Any]) -> None:
     model, processor = loaded
     assert type(model).__name__ == "Idefics3ForConditionalGeneration"
     assert type(processor).__name__ == "Idefics3Processor"
-    assert type(processor.image_processor).__name__ == "Idefics3ImageProcessorPil"  # no torchvision needed
+    assert type(processor.image_processor).__name__ == "Idefics3ImageProcessor"  # torchvision's, as vLLM's renderer
     assert processor.image_seq_len == IMAGE_SEQ_LEN
     tokenizer = processor.tokenizer
     for token in (*IMAGE_TOKENS, *TILE_TOKENS):

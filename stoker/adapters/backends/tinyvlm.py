@@ -120,10 +120,11 @@ def _vision_language_model(text: Any, tokenizer: Any) -> Any:
 
 
 def _processor(tokenizer: Any) -> Any:
-    # The PIL image processor: it needs no torchvision, which a CPU worker does not install.
-    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+    # The torchvision image processor, the backend vLLM's renderer and stoker's workers run (its saved config names
+    # the class both backends share, so a loader picks the backend).
+    from transformers import Idefics3ImageProcessor, Idefics3Processor
 
-    images = Idefics3ImageProcessorPil(
+    images = Idefics3ImageProcessor(
         do_image_splitting=True,
         max_image_size={"longest_edge": TILE},
         size={"longest_edge": LONGEST_EDGE},

@@ -49,6 +49,10 @@ _PATH_KEYS = ("name_or_path", "_path", "_dir", "_file", "_commit_hash")
 
 Tensors = dict[str, npt.NDArray[Any]]
 
+#: The image processors' backend (transformers 5): torchvision's resize is the one vLLM's renderer runs (its
+#: default wherever torchvision >= 0.27 is installed), so stoker's pixel values equal vLLM's bit for bit.
+BACKEND = "torchvision"
+
 #: The files `AutoProcessor` and `AutoImageProcessor` read a processor from.
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
@@ -128,7 +132,9 @@ class ImagePreparer:
         from transformers import AutoImageProcessor  # heavy (torch): only in the processes that prepare images
 
         try:
-            processor = AutoImageProcessor.from_pretrained(str(model_dir))
+            # The torchvision backend, pinned: vLLM's renderer runs it (the same pixels, bit for bit), at less CPU
+            # than the PIL one; without torchvision, transformers falls back to the PIL backend (a warning).
+            processor = AutoImageProcessor.from_pretrained(str(model_dir), backend=BACKEND)
         except OSError:  # no preprocessor_config.json: a text-only model
             return None
         identity = processor_identity(processor)
@@ -195,5 +201,5 @@ def _stored(name: str, value: Any, floats: str = "float16") -> npt.NDArray[Any]:
     if name.endswith("_mask"):
         return array.astype(np.bool_)
     if np.issubdtype(array.dtype, np.floating):
-        return array.astype(floats)
-    return array.astype(np.int64)
+        return array.astype(floats, copy=False)  # the processor's own float32 kept as it is: no copy of megabytes
+    return array.astype(np.int64, copy=False)
