@@ -145,7 +145,7 @@ def test_n_answers_with_their_tokens_log_probabilities(model: tuple[Transformers
     for choice in (answer, other):
         assert choice.logprobs is not None
         assert len(choice.logprobs) == 4  # one entry per token
-        assert "".join(entry["token"] for entry in choice.logprobs).strip() == choice.text
+        assert "".join(entry["token"] for entry in choice.logprobs) == choice.text
         for entry in choice.logprobs:
             assert entry["logprob"] <= 0
             assert bytes(entry["bytes"]).decode() == entry["token"]
