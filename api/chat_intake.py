@@ -115,7 +115,10 @@ def accept_spec(
     _within_prompt_limit(spec, turns, settings.max_prompt_chars)
     choice = spec.stoker_on_input_error or on_input_error or "degrade"
     params = _params(spec, settings)
-    conversation = Conversation(turns=turns, params=params, stream=spec.stream, on_input_error=choice)
+    truncate = settings.truncate_prompts if spec.stoker_truncate is None else spec.stoker_truncate
+    conversation = Conversation(
+        turns=turns, params=params, stream=spec.stream, on_input_error=choice, truncate=truncate
+    )
     last_user = next(t.text for t in reversed(turns) if t.role in ("user", RAW_PROMPT))
     # the record is sized here, off the event loop and before any prompt is built from it (the store checks the
     # whole record again when it writes it)

@@ -128,6 +128,9 @@ class ChatCompletionCreate(BaseModel):
     response_format: ResponseFormat | None = None
     #: What an input that cannot be read does: `degrade` (answer from the rest, 200) or `fail` (422 with its code).
     stoker_on_input_error: Literal["degrade", "fail"] | None = None
+    #: A prompt over the model's context: trimmed to fit (true; the answer then says so, `x-stoker-truncated`) or
+    #: refused 400 `context_length_exceeded` (false); unset: as the deployment says (`STOKER_TRUNCATE_PROMPTS`).
+    stoker_truncate: bool | None = None
 
     @model_validator(mode="after")
     def _tools_that_exist(self) -> ChatCompletionCreate:

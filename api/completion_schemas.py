@@ -37,6 +37,8 @@ class CompletionCreate(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    #: As a chat's: a prompt over the context trimmed to fit (its end kept) rather than refused.
+    stoker_truncate: bool | None = None
 
     def as_chat(self) -> dict[str, Any]:
         """The chat request this completion runs as (to be validated as a `ChatCompletionCreate`), its one user turn
@@ -46,7 +48,9 @@ class CompletionCreate(BaseModel):
             "model": self.model,
             "messages": [{"role": "user", "content": self.prompt_text()}],
             "stream": self.stream,
-            **self.model_dump(include={"max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream_options"}),
+            **self.model_dump(
+                include={"max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream_options", "stoker_truncate"}
+            ),
         }
         if self.logprobs is not None:
             chat.update(logprobs=True, top_logprobs=self.logprobs)

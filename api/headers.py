@@ -10,17 +10,22 @@ from stoker.core.jobs import Job, degraded_codes
 JOB_ID = "x-stoker-job-id"
 #: The error codes of the job's inputs that could not be read, comma-separated: the answer is from what was left.
 DEGRADED = "x-stoker-degraded"
+#: `true` when the prompt was trimmed to fit the model's context (as the request or the deployment allowed).
+TRUNCATED = "x-stoker-truncated"
 #: Whether sending the same request again can help (the openai client obeys it): `false` where it would fail the
 #: same way, `true` where the failure is of the moment (429, 503).
 SHOULD_RETRY = "x-should-retry"
 
 
 def job_headers(job: Job) -> dict[str, str]:
-    """The job's id and, when an input of it could not be read, those inputs' error codes."""
+    """The job's id; when an input of it could not be read, those inputs' error codes; when its prompt was trimmed
+    to fit the context, that it was."""
     headers = {JOB_ID: job.id}
     codes = degraded_codes(job.inputs)
     if codes:
         headers[DEGRADED] = ",".join(codes)
+    if job.result is not None and job.result.truncated:
+        headers[TRUNCATED] = "true"
     return headers
 
 

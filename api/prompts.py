@@ -82,9 +82,11 @@ class PromptBuilder:
         attachments: Sequence[Attachment],
         turns: Sequence[ChatTurn] | None = None,
         tools: Sequence[ToolSpec] = (),
+        trim: bool = False,
     ) -> BuiltPrompt | None:
-        """The prompt as the tokenize stage would build it, on the calling thread (the serving loop, for a short
-        prompt); None when this API cannot (not loaded, or another tokenizer than the workers').
+        """The prompt as the tokenize stage would build it (`trim`: fitted to the context rather than refused), on
+        the calling thread (the serving loop, for a short prompt); None when this API cannot (not loaded, or another
+        tokenizer than the workers').
 
         Rendering and encoding hold the GIL throughout (two threads building prompts take twice one's wall time),
         so a tokenizing thread never let the loop serve meanwhile: for a short prompt (50-60 µs here) it only
@@ -92,7 +94,7 @@ class PromptBuilder:
         tokenizer = self._tokenizer_for(context)
         if tokenizer is None:
             return None
-        return build_prompt(tokenizer, prompt, attachments, context.budget, turns, context.system, tools)
+        return build_prompt(tokenizer, prompt, attachments, context.budget, turns, context.system, tools, trim=trim)
 
     async def build_off_loop(
         self,
@@ -101,10 +103,11 @@ class PromptBuilder:
         attachments: Sequence[Attachment],
         turns: Sequence[ChatTurn] | None = None,
         tools: Sequence[ToolSpec] = (),
+        trim: bool = False,
     ) -> BuiltPrompt | None:
         """`build_here`, on a tokenizing thread, awaited: a long prompt (or one with pictures) would hold the
         loop for milliseconds; from a thread, the interpreter's switch interval gives the loop its turns."""
-        built = self._threads.submit(self.build_here, context, prompt, attachments, turns, tools)
+        built = self._threads.submit(self.build_here, context, prompt, attachments, turns, tools, trim)
         return await asyncio.wrap_future(built)
 
     async def run_off_loop(self, context: PipelineContext, work: Callable[[PromptTokenizer], T]) -> T | None:

@@ -439,14 +439,15 @@ async def _tokenized(
         return None  # a cached prompt too: it must not overtake the jobs held for the inference queue
     turns = accepted.chat.turns if accepted.chat else None
     tools = offered_tools(accepted.chat)
+    trim = accepted.chat is not None and accepted.chat.truncate
     address: CacheAddress | None = None
     if prompt_worth_caching(accepted.prompt, attachments, turns, tools, context.settings.api_tokenize_cache_min_chars):
-        address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns, tools)
+        address = prompt_address(pipeline, accepted.prompt, attachments, scope, turns, tools, trim=trim)
         found = await context.loop.cache.get_json(address)
         if found is not None:
             context.cache.record("tokenize", hit=True, cost_s=float(found.get(COST_FIELD, 0.0)))
             return CachedPrompt.from_dict(found)
-    return await _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools)
+    return await _tokenize_here(context, pipeline, address, accepted.prompt, attachments, turns, tools, trim)
 
 
 async def _tokenize_here(
@@ -457,16 +458,17 @@ async def _tokenize_here(
     attachments: list[Attachment],
     turns: list[ChatTurn] | None,
     tools: Sequence[ToolSpec],
+    trim: bool = False,
 ) -> CachedPrompt | None:
-    """The tokenize stage's work, done here; cached like the stage's own at `address` (None: a prompt too short to
-    be worth caching, `prompt_worth_caching`, which is tokenized on the loop itself: `PromptBuilder.build_here`).
-    None: not possible here."""
+    """The tokenize stage's work, done here (`trim`: a prompt over the context fitted to it, not refused); cached
+    like the stage's own at `address` (None: a prompt too short to be worth caching, `prompt_worth_caching`, which
+    is tokenized on the loop itself: `PromptBuilder.build_here`). None: not possible here."""
     started = time.perf_counter()
     prompts = context.prompts
     if address is None:
-        built = prompts.build_here(pipeline, prompt, attachments, turns, tools)
+        built = prompts.build_here(pipeline, prompt, attachments, turns, tools, trim)
     else:
-        built = await prompts.build_off_loop(pipeline, prompt, attachments, turns, tools)
+        built = await prompts.build_off_loop(pipeline, prompt, attachments, turns, tools, trim)
     if built is None:
         return None
     cost = time.perf_counter() - started

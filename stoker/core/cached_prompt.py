@@ -20,20 +20,27 @@ class CachedPrompt:
     ids: list[int]
     messages: list[dict[str, Any]]
     images: list[str] = field(default_factory=list)
+    #: It was trimmed to fit the model's context (`BuiltPrompt.truncated`).
+    truncated: bool = False
 
     @classmethod
     def of(cls, built: BuiltPrompt) -> CachedPrompt:
         """The prompt as built."""
-        return cls(built.ids, built.messages, built.images)
+        return cls(built.ids, built.messages, built.images, built.truncated)
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any]) -> CachedPrompt:
         """The prompt from its cache entry (fields the cache adds, as its cost, are left out)."""
-        return cls([int(i) for i in value["ids"]], list(value.get("messages", [])), list(value.get("images", [])))
+        ids, messages, images = [int(i) for i in value["ids"]], list(value.get("messages", [])), value.get("images")
+        return cls(ids, messages, list(images or []), bool(value.get("truncated", False)))
 
     def to_dict(self) -> dict[str, Any]:
-        """The cache entry's JSON object (the layout every cached prompt has had: `ids`, `messages`, `images`)."""
-        return {"ids": self.ids, "messages": self.messages, "images": self.images}
+        """The cache entry's JSON object (the layout every cached prompt has had: `ids`, `messages`, `images`; and
+        `truncated` where it was)."""
+        entry: dict[str, Any] = {"ids": self.ids, "messages": self.messages, "images": self.images}
+        if self.truncated:
+            entry["truncated"] = True
+        return entry
 
     def request(self, scope: str, chat: Conversation | None, job_id: str) -> ModelRequest:
         """The model's request for this prompt: with a chat's generation parameters, and streamed to the job when
@@ -45,4 +52,5 @@ class CachedPrompt:
             scope,
             chat.params if chat else ModelRequest([]).params,
             job_id if chat and chat.stream else None,
+            truncated=self.truncated,
         )

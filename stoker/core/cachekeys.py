@@ -149,13 +149,17 @@ def prompt_address(
     scope: str,
     turns: Sequence[ChatTurn] | None = None,
     tools: Sequence[ToolSpec] = (),
+    trim: bool = False,
 ) -> CacheAddress:
     """Cache address of a tokenized prompt: the whole prompt material (a chat's every turn, the tools it offers)
-    under this tokenizer, budget and system prompt."""
+    under this tokenizer, budget and system prompt; a prompt that may be trimmed to fit (`trim`) has an address of
+    its own, so a request that did not allow trimming never reads a trimmed prompt."""
     chat = [t.model_dump() for t in turns] if turns else None
     parts = [prompt, [asdict(a) for a in attachments], context.budget, chat, context.system]
     if tools:
         parts.append([t.model_dump() for t in tools])
+    if trim:
+        parts.append("trim")
     material = json.dumps(parts, sort_keys=True).encode()
     digest = blake3.blake3(material).hexdigest()
     return CacheAddress("tokenize", prompting.VERSION, digest, context.tokenizer, scope)

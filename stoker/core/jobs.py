@@ -121,6 +121,9 @@ class ResultInfo(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     #: With `n` above 1: the answers after the first.
     more: list[ChoiceInfo] = Field(default_factory=list)
+    #: The prompt was trimmed to fit the model's context, as the request (`stoker_truncate`) or the deployment
+    #: (`STOKER_TRUNCATE_PROMPTS`) allowed; left out of a record when it was not.
+    truncated: bool = Field(False, exclude_if=lambda truncated: not truncated)
 
 
 class BatchInfo(BaseModel):
@@ -166,6 +169,9 @@ class Conversation(BaseModel):
     #: A render (`/v1/chat/completions/render`): its pictures are rendered into the stage cache and the job ends
     #: there, never reaching the model; left out of a record when false.
     render: bool = Field(False, exclude_if=lambda render: not render)
+    #: A prompt over the model's context is trimmed to fit (`stoker_truncate`), instead of refused 400
+    #: `context_length_exceeded`; the answer then says it was (`ResultInfo.truncated`).
+    truncate: bool = Field(False, exclude_if=lambda truncate: not truncate)
 
 
 class CallbackState(BaseModel):

@@ -90,6 +90,8 @@ class ModelRequest:
     #: An answer under way (`Continued`): the tokens it has so far, and what of it was streamed. Never stored.
     generated: tuple[int, ...] = ()
     sent: str = ""
+    #: Its prompt was trimmed to fit the context (`stoker_truncate`): its answer says so.
+    truncated: bool = False
 
     def continued(self, progress: Continued) -> ModelRequest:
         """This request, to go on from where its answer is."""
@@ -105,6 +107,7 @@ class ModelRequest:
                 "scope": self.scope,
                 "params": self.params.model_dump(exclude_defaults=True),
                 "stream_to": self.stream_to,
+                **({"truncated": True} if self.truncated else {}),
             }
         )
 
@@ -119,6 +122,7 @@ class ModelRequest:
             str(data.get("scope", "")),
             GenerationParams.model_validate(data.get("params") or {}),
             data.get("stream_to"),
+            truncated=bool(data.get("truncated", False)),
         )
 
 

@@ -100,6 +100,8 @@ class BuiltPrompt:
     ids: list[int]
     messages: list[dict[str, Any]]
     images: list[str] = field(default_factory=list)
+    #: It was trimmed to fit (`trim`): attachment text cut, turns or pictures dropped, or the last turn cut.
+    truncated: bool = False
 
 
 def build_prompt(
@@ -173,7 +175,7 @@ def _trimmed(
         built = fit()
     if len(built.ids) > budget:  # the template alone does not fit (no picture is left): keep its end
         built = replace(built, ids=built.ids[len(built.ids) - budget :])
-    return built
+    return replace(built, truncated=True)
 
 
 def raw_prompt(tokenizer: ChatTokenizer, text: str, budget: int, *, trim: bool = False) -> BuiltPrompt:
@@ -183,7 +185,8 @@ def raw_prompt(tokenizer: ChatTokenizer, text: str, budget: int, *, trim: bool =
     ids = tokenizer.encode_text(text)
     if len(ids) > budget and not trim:
         raise context_overflow(len(ids), budget, param="prompt")
-    return BuiltPrompt(ids[max(len(ids) - budget, 0) :], [{"role": RAW_PROMPT, "content": text}])
+    kept = ids[max(len(ids) - budget, 0) :]
+    return BuiltPrompt(kept, [{"role": RAW_PROMPT, "content": text}], truncated=len(kept) < len(ids))
 
 
 def build_prompt_ids(

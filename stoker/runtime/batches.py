@@ -259,6 +259,7 @@ def _ending(ran: RanBatch, item: BatchItem, outcome: Prediction | StokerError, m
             ChoiceInfo(text=m.text, finish_reason=m.finish_reason, logprobs=m.logprobs, tool_calls=m.tool_calls)
             for m in outcome.more
         ],
+        truncated=item.pending.request.truncated,
     )
     status = final_status(item.pending.job.inputs)
     return Ending(item.job_id, tenant, status, result=result, batch=batch, stamps=stamps, encoder=outcome.encoder)

@@ -47,6 +47,13 @@ class RequestLimitSettings(SettingsPart):
         "422 `prompt_too_long`, before anything is built from it). A multipart field over 4 × this many bytes is "
         "refused by the parser (400 `bad_request`).",
     )
+    truncate_prompts: bool = Field(
+        False,
+        description="A prompt over the model's context is trimmed to fit (attachment text first, then the oldest "
+        "turns, pictures, the last turn's text; a completion keeps its end) instead of refused 400 "
+        "`context_length_exceeded`, and its answer says so (`x-stoker-truncated: true`, `result.truncated`); a "
+        "request's `stoker_truncate` decides for itself.",
+    )
 
 
 class DeadlineSettings(SettingsPart):

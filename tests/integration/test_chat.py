@@ -244,6 +244,25 @@ def test_a_prompt_over_the_context_is_refused_400_never_cut(workers: dict[str, P
     assert ("x-stoker-job-id" in error.response.headers) is not api_tokenize
 
 
+def test_a_prompt_over_the_context_with_stoker_truncate_is_trimmed_and_says_so(
+    client: openai.OpenAI, base_url: str
+) -> None:
+    prompt = "lorem ipsum dolor sit amet " * 1100 + "What was the first word?"
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2, extra_body={"stoker_truncate": True}
+    )
+    answer = raw.parse()
+    assert raw.headers["x-stoker-truncated"] == "true"
+    assert answer.usage is not None
+    job = httpx.get(f"{base_url}/v1/jobs/{raw.headers['x-stoker-job-id']}").json()
+    assert job["chat"]["truncate"] is True
+    assert job["result"]["truncated"] is True
+    short = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body={"stoker_truncate": True}
+    )
+    assert "x-stoker-truncated" not in short.headers  # allowed, not needed
+
+
 def test_a_stream_with_media_keeps_the_connection_alive_until_its_answer(one_at_a_time: Fleet) -> None:
     """The stream starts once the speech is read; the device (simulated: a second a batch) then takes longer to
     answer than the keep-alive interval, so comments keep the connection alive before the answer."""

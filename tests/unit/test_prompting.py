@@ -23,9 +23,11 @@ from stoker.adapters.backends.tokenizer import (
     tokenizer_identity,
 )
 from stoker.adapters.backends.vision import ImagePreparer
-from stoker.core.cachekeys import PipelineContext
+from stoker.core.cached_prompt import CachedPrompt
+from stoker.core.cachekeys import PipelineContext, prompt_address
 from stoker.core.errors import ContextLengthExceeded, ModelUnavailable, StokerError
-from stoker.core.jobs import RAW_PROMPT, ChatTurn, InputRecord
+from stoker.core.jobs import RAW_PROMPT, ChatTurn, Conversation, InputRecord
+from stoker.core.model import ModelRequest
 from stoker.core.prompting import (
     Attachment,
     BuiltPrompt,
@@ -426,9 +428,9 @@ def test_the_api_tokenizes_off_its_loop_on_its_own_few_threads_and_a_short_promp
 ) -> None:
     ran_on: list[str] = []
 
-    def recorded(*args: Any) -> Any:
+    def recorded(*args: Any, **kwargs: Any) -> Any:
         ran_on.append(threading.current_thread().name)
-        return build_prompt(*args)
+        return build_prompt(*args, **kwargs)
 
     monkeypatch.setattr("api.prompts.build_prompt", recorded)
     builder = PromptBuilder(ApiSettings(api_tokenize_threads=2))
@@ -555,3 +557,16 @@ def test_image_tokens_a_vlms_user_writes_stay_text(vlm: tuple[PromptTokenizer, A
     image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
     assert built.ids.count(image_id) == 4 * 64 + 64  # the picture's own tiles and global view, nothing more
     assert forged in tokenizer.decode_text(built.ids)
+
+
+def test_a_trimmed_prompt_says_so_from_its_build_to_its_model_request_and_has_a_cache_address_of_its_own() -> None:
+    tok = WordTokenizer()
+    long = " ".join(f"p{i}" for i in range(400))
+    assert build_prompt(tok, long, [], 100, trim=True).truncated
+    assert not build_prompt(tok, "short", [], 100, trim=True).truncated  # allowed, not needed
+    assert build_prompt(tok, "", [], 100, [ChatTurn(role=RAW_PROMPT, text=long)], trim=True).truncated
+    cached = CachedPrompt.from_dict(CachedPrompt.of(build_prompt(tok, long, [], 100, trim=True)).to_dict())
+    request = cached.request("scope", Conversation(turns=[], truncate=True), "job-1")
+    assert ModelRequest.from_json(request.to_json()).truncated
+    context = PipelineContext(identity="-", tokenizer="t", budget=100)
+    assert prompt_address(context, long, [], "s", trim=True) != prompt_address(context, long, [], "s")

@@ -158,12 +158,14 @@ def _model_request(ctx: WorkerContext, context: PipelineContext, job: Job, scope
     attachments = [attachment_for(r) for r in job.inputs]
     turns = job.chat.turns if job.chat else None
     tools = offered_tools(job.chat)
+    trim = job.chat is not None and job.chat.truncate  # else a prompt over the context is refused
 
     def compute() -> dict[str, Any]:
         tokenizer = ctx.prompt_tokenizer
-        built = build_prompt(tokenizer, job.prompt, attachments, context.budget, turns, context.system, tools)
+        system = context.system
+        built = build_prompt(tokenizer, job.prompt, attachments, context.budget, turns, system, tools, trim=trim)
         return CachedPrompt.of(built).to_dict()
 
-    address = prompt_address(context, job.prompt, attachments, scope, turns, tools)
+    address = prompt_address(context, job.prompt, attachments, scope, turns, tools, trim=trim)
     value = through_cache(ctx, None, address, compute, follower_wait(ctx.settings.tokenize_soft_s))
     return CachedPrompt.from_dict(value).request(scope, job.chat, job.id)
