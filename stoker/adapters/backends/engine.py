@@ -159,7 +159,8 @@ class DecodeEngine:
         self._cache: Any = None
         self._mask: Any = None
         self._parked: OrderedDict[tuple[Any, ...], _Parked] = OrderedDict()
-        self._parked_rows = max_rows if parked_rows is None else parked_rows
+        #: Parked rows kept at most (None: as many as the engine's room).
+        self.parked_rows = parked_rows
 
     # -- what the caller sees ------------------------------------------------------------------------------------
     @property
@@ -216,7 +217,8 @@ class DecodeEngine:
         kv = [(k[:, :, width - rows[0].cached :], v[:, :, width - rows[0].cached :]) for k, v in kv]
         first = rows[0].request
         self._parked[(*first.content[:2], tuple(rows[0].tokens))] = _Parked(rows, kv)
-        while sum(len(p.rows) for p in self._parked.values()) > self._parked_rows:
+        most = self.max_rows if self.parked_rows is None else self.parked_rows
+        while sum(len(p.rows) for p in self._parked.values()) > most:
             self._parked.popitem(last=False)
         self._keep([i for i in range(len(self._rows)) if i not in set(indices)], torch)
         return rows

@@ -224,9 +224,10 @@ class TransformersPredictor(YieldsToConsumer):
         return stops_now(going, len(batch.requests), min(self._max_rows, engine.max_rows), self._waiting)
 
     def _decode_engine(self, size: int) -> DecodeEngine:
-        """The engine (made at the first call: its room is the consumer's batch size unless `max_rows` says)."""
+        """The engine (made at the first call); its room is `max_rows`, else the consumer's batch size (or this
+        call's, when larger: between calls no row runs, so its room may change)."""
+        rows = self.max_rows or max(self._max_rows, size)
         if self._engine is None:
-            rows = self.max_rows or self._max_rows or size
             end = int(self._tokenizer.eos_token_id)
             self._engine = DecodeEngine(
                 self._model,
@@ -238,7 +239,7 @@ class TransformersPredictor(YieldsToConsumer):
                 end=end,
                 max_tokens=self.kv_cache_tokens or None,
             )
-        self._engine.pieces = self.pieces
+        self._engine.pieces, self._engine.max_rows = self.pieces, rows
         return self._engine
 
     def _token_grammar(self) -> Any:
