@@ -215,3 +215,19 @@ def test_a_parked_request_goes_on_from_its_cache_without_reading_its_prompt_agai
     done = run(engine)
     assert done["again"].rows[0].tokens == loaded.solo(loaded.story, 10)
     assert engine.fed - fed == 10 - 4  # the answer's tokens from where it was, never the prompt
+
+
+def test_requests_alike_are_parked_each_with_its_own_cache(loaded: Loaded) -> None:
+    engine = loaded.engine()
+    engine.submit(EngineRequest("one", loaded.short, limit=6))
+    engine.submit(EngineRequest("two", loaded.short, limit=6))
+    engine.step()
+    engine.step()
+    rows = [*engine.park("one"), *engine.park("two")]
+    assert [len(row.tokens) for row in rows] == [2, 2]
+    fed = engine.fed
+    for key, row in zip(("again-1", "again-2"), rows, strict=True):
+        engine.submit(EngineRequest(key, loaded.short, limit=6, generated=tuple(row.tokens)))
+    done = run(engine)
+    assert engine.fed - fed == 2 * (6 - 2)  # neither read its prompt again
+    assert done["again-1"].rows[0].tokens == done["again-2"].rows[0].tokens == loaded.solo(loaded.short, 6)

@@ -88,6 +88,8 @@ class Row:
     failure: str | None = None
     #: Prompt and answer tokens in its cache (its next position).
     cached: int = 0
+    #: Set aside between calls (`DecodeEngine.park`).
+    parked: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,8 @@ class RowDraws:
 @dataclass
 class _Parked:
     rows: list[Row]
-    kv: list[tuple[Any, Any]]
+    #: Their cache, once taken out of the batch (None: still in it).
+    kv: list[tuple[Any, Any]] | None
 
 
 class DecodeEngine:
@@ -158,7 +161,8 @@ class DecodeEngine:
         self._ended: dict[Hashable, list[Row]] = {}
         self._cache: Any = None
         self._mask: Any = None
-        self._parked: OrderedDict[tuple[Any, ...], _Parked] = OrderedDict()
+        #: Parked requests by what their caches hold (requests alike in prompt and answer so far share a key).
+        self._parked: OrderedDict[tuple[Any, ...], list[_Parked]] = OrderedDict()
         #: Parked rows kept at most (None: as many as the engine's room).
         self.parked_rows = parked_rows
 
@@ -166,17 +170,17 @@ class DecodeEngine:
     @property
     def room(self) -> int:
         """Rows that can still join (running and queued rows count)."""
-        return self.max_rows - len(self._rows) - sum(r.params.n for r in self._queued)
+        return self.max_rows - self.rows - sum(r.params.n for r in self._queued)
 
     @property
     def rows(self) -> int:
-        """Rows running now."""
-        return len(self._rows)
+        """Rows running now (rows set aside are not)."""
+        return sum(not row.parked for row in self._rows)
 
     @property
     def busy(self) -> bool:
         """Whether any request runs or waits to join."""
-        return bool(self._rows or self._queued)
+        return bool(self.rows or self._queued)
 
     @property
     def reserved(self) -> int:
@@ -204,24 +208,38 @@ class DecodeEngine:
             self._finished.append(Finished(key, []))
 
     def park(self, key: Hashable) -> list[Row]:
-        """Take a running request's rows out of the batch, keeping their cache for when it comes back (the
-        oldest parked caches are let go past the room)."""
-        import torch  # heavy: in the model's process only
-
-        indices = [i for i, row in enumerate(self._rows) if row.request.key == key]
-        if not indices:
+        """Set a running request's rows aside, keeping their cache for when it comes back. They stay in the batch
+        until the next step: a request that comes back by then goes on in place (nothing copied); the others'
+        caches are taken out of the batch then (`_stow`), the oldest let go past the room."""
+        rows = [row for row in self._rows if row.request.key == key and not row.parked]
+        if not rows:
             return []
-        rows = [self._rows[i] for i in indices]
-        kv = [(k[indices], v[indices]) for k, v in self._layers()]
-        width = int(self._mask.shape[1])
-        kv = [(k[:, :, width - rows[0].cached :], v[:, :, width - rows[0].cached :]) for k, v in kv]
+        for row in rows:
+            row.parked = True
         first = rows[0].request
-        self._parked[(*first.content[:2], tuple(rows[0].tokens))] = _Parked(rows, kv)
-        most = self.max_rows if self.parked_rows is None else self.parked_rows
-        while sum(len(p.rows) for p in self._parked.values()) > most:
-            self._parked.popitem(last=False)
-        self._keep([i for i in range(len(self._rows)) if i not in set(indices)], torch)
+        self._parked.setdefault((*first.content[:2], tuple(rows[0].tokens)), []).append(_Parked(rows, None))
         return rows
+
+    def _stow(self, torch: Any) -> None:
+        """Take the rows still set aside out of the batch, each request's cache on its own; let the oldest go
+        past the room."""
+        indices = [i for i, row in enumerate(self._rows) if row.parked]
+        if not indices:
+            return
+        width = int(self._mask.shape[1])
+        for alike in self._parked.values():
+            for parked in alike:
+                if parked.kv is None:
+                    at = [self._rows.index(row) for row in parked.rows]
+                    cut = width - parked.rows[0].cached
+                    parked.kv = [(k[at][:, :, cut:], v[at][:, :, cut:]) for k, v in self._layers()]
+        self._keep([i for i, row in enumerate(self._rows) if not row.parked], torch)
+        most = self.max_rows if self.parked_rows is None else self.parked_rows
+        while sum(len(p.rows) for alike in self._parked.values() for p in alike) > most:
+            oldest = next(iter(self._parked))
+            self._parked[oldest].pop(0)
+            if not self._parked[oldest]:
+                del self._parked[oldest]
 
     def step(self) -> list[Finished]:
         """One decoding step: the dropped rows leave, every running row gets one token, the queued requests join
@@ -233,10 +251,11 @@ class DecodeEngine:
             self._leave(torch)
             # a parked request rejoins before the step (its next token is this step's), a new one after it (its
             # first token is its prompt's read)
-            resumed = [r for r in self._queued if self._parked_content(r) in self._parked]
+            resumed = [r for r in self._queued if r.content in self._parked]
             for request in resumed:
                 self._queued.remove(request)
                 self._join(request, torch)
+            self._stow(torch)
             if self._rows:
                 self._decode(torch)
             while self._queued:
@@ -246,16 +265,13 @@ class DecodeEngine:
         return finished
 
     # -- joining ---------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _parked_content(request: EngineRequest) -> tuple[Any, ...]:
-        return request.content
-
     def _join(self, request: EngineRequest, torch: Any) -> None:
-        parked = self._parked.pop(request.content, None)
+        parked = self._unpark(request.content)
         if parked is not None:
             for row in parked.rows:
-                row.request = request  # its key and deadline as it came back
-            self._merge(parked.rows, parked.kv, torch)
+                row.request, row.parked = request, False  # its key and deadline as it came back
+            if parked.kv is not None:  # stowed: back into the batch (else it never left)
+                self._merge(parked.rows, parked.kv, torch)
             return
         ids = [*request.prompt_ids, *request.generated]
         cache, logits = self._prefill(ids, request.features, torch)
@@ -265,6 +281,15 @@ class DecodeEngine:
             self._choose(row, logits, torch)
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         self._merge(rows, kv, torch)
+
+    def _unpark(self, content: tuple[Any, ...]) -> _Parked | None:
+        alike = self._parked.get(content)
+        if not alike:
+            return None
+        parked = alike.pop(0)
+        if not alike:
+            del self._parked[content]
+        return parked
 
     def _row(self, request: EngineRequest, answer: int) -> Row:
         params = request.params
@@ -398,7 +423,7 @@ class DecodeEngine:
         now = time.time()
         for row in self._rows:
             deadline = row.request.deadline
-            if row.end is None and deadline is not None and deadline <= now:
+            if row.end is None and not row.parked and deadline is not None and deadline <= now:
                 row.end = "cancelled"
         for request in [r for r in self._queued if r.deadline is not None and r.deadline <= now]:
             self._queued.remove(request)
