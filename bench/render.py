@@ -519,6 +519,9 @@ def profile(model: Path, n: int, seed: int) -> dict[str, Any]:
     """N distinct 1280×960 pictures through the steps stoker's CPU worker and API take for a render, in this process
     (one thread, as one pool child and the API's loop run them): CPU ms per picture per step, the Valkey's own for its
     writes and reads, the bytes each picture becomes, and the processor's hottest functions."""
+    import torch  # loaded with the image processor already
+
+    torch.set_num_threads(1)  # as `tasks.lifecycle` sets it in a CPU pool child
     renderer = Renderer(str(model), "bfloat16")
     assert renderer.preparer is not None, f"{model} reads no pictures"
     rng = random.Random(f"{seed}:profile")

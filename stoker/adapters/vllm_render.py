@@ -18,6 +18,7 @@ fails it.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import re
 import uuid
@@ -163,7 +164,26 @@ def item_bytes(item: KwargsItem) -> bytes:
 
 def encode_item(item: KwargsItem) -> str:
     """The item as a render carries it: msgpack, base64 (`mm_serde.encode_mm_kwargs_item`)."""
-    return base64.b64encode(item_bytes(item)).decode("ascii")
+    return b64_repeats(item_bytes(item))
+
+
+#: The pieces `b64_repeats` encodes one at a time: a multiple of 3 bytes, so their base64 texts join into the whole's.
+B64_BLOCK = 3 * 4096
+
+
+def b64_repeats(data: bytes) -> str:
+    """`base64.b64encode(data)` as text, a block equal to the one before it not encoded again but its text reused.
+    An item's `pixel_attention_mask` is int64 0s and 1s, 10.5 of a 1280×960 picture's 18.4 MB, and its blocks are
+    mostly equal (a run of ones): this takes about a third off base64's cost, where a render spends it once per
+    picture per answer. By hand: no base64 library skips repeated input."""
+    pieces: list[bytes] = []
+    last, text = b"", b""
+    for at in range(0, len(data), B64_BLOCK):
+        block = data[at : at + B64_BLOCK]  # a bytes copy: memoryview's == compares item by item, far slower
+        if block != last:
+            last, text = block, binascii.b2a_base64(block, newline=False)
+        pieces.append(text)
+    return b"".join(pieces).decode("ascii")
 
 
 def decode_item(encoded: str) -> dict[str, ItemElement]:
