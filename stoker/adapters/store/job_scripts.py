@@ -93,7 +93,7 @@ end
 # A job deleted gives back its result's charge (`RESULTS`).
 DROP_RESULT = RESULTS + "drop_result(KEYS[1], KEYS[2], ARGV[1])\n"
 
-# One band of a page OCR'd in bands (`stoker.runtime.bands`): kept beside the page's record while the job is still
+# One band of a page OCR'd in bands (`stoker.runtime.stages.ocr`): kept beside the page's record while the job is still
 # preprocessing; the answer is how many of the page's bands are in, so the one that brings in the last joins them.
 # A band that comes in is progress too, stamped like an input record.
 PUT_BAND = (
