@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from fastapi.testclient import TestClient
 
 from api.context import context_of
 from tests.fakeopenai import fake_openai_server
@@ -39,10 +40,10 @@ def fleet() -> Iterator[Fleet]:
         yield crew
 
 
-def _text_job(client: object, n: int, deadline_ms: int = 300_000) -> tuple[int, dict[str, str], str]:
+def _text_job(client: TestClient, n: int, deadline_ms: int = 300_000) -> tuple[int, dict[str, str], str]:
     response = client.post(
         "/v1/jobs", data={"prompt": f"Question {n}: {time.time_ns()}", "deadline_ms": str(deadline_ms)}
-    )  # type: ignore[attr-defined]
+    )
     body = response.json()
     return response.status_code, dict(response.headers), body.get("id", "")
 

@@ -28,8 +28,8 @@ def harsh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient
     base = os.environ["STOKER_TEST_REDIS"]
     urls = {"STOKER_BROKER_URL": f"{base}/{DBS[0]}", "STOKER_RESULT_URL": f"{base}/{DBS[1]}"}
     for url in urls.values():
-        with redis.Redis.from_url(url) as client:
-            client.flushdb()
+        with redis.Redis.from_url(url) as flushed:
+            flushed.flushdb()
     root = tmp_path_factory.mktemp("harsh")
     pids = root / "pids"
     pids.mkdir()

@@ -54,7 +54,7 @@ def test_the_gathered_takes_and_acks_write_the_index_as_kombu_does(broker_url: s
         assert type(kombus.qos) is kombu_redis.QoS
         keys = unacked_keys(mine)
         assert keys == unacked_keys(kombus)
-        kombus.qos.append(_message(kombus, "by-kombu"), "by-kombu")
+        kombus.qos.append(_message(kombus, "by-kombu"), "by-kombu")  # type: ignore[no-untyped-call]  # kombu is unannotated
         ours.transport.loop_thread = threading.get_ident()  # as if on the consumer's loop: gathered, then written
         mine.qos.append(_message(mine, "by-stoker"), "by-stoker")
         assert _index(client, keys, "by-stoker") == (False, None)  # gathered, not written yet
@@ -65,7 +65,7 @@ def test_the_gathered_takes_and_acks_write_the_index_as_kombu_does(broker_url: s
         entry_by_kombu[0]["properties"]["delivery_tag"] = entry[0]["properties"]["delivery_tag"]
         entry_by_kombu[0]["headers"]["id"] = entry[0]["headers"]["id"]
         assert entry == entry_by_kombu, "kombu's QoS.append now writes another entry into the unacked hash"
-        kombus.qos.ack("by-kombu")
+        kombus.qos.ack("by-kombu")  # type: ignore[no-untyped-call]  # kombu is unannotated
         mine.qos.ack("by-stoker")
         mine.write_gathered()
         assert _index(client, keys, "by-kombu") == _index(client, keys, "by-stoker") == (False, None)

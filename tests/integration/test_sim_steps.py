@@ -20,7 +20,9 @@ DEVICE = {
 
 
 def _stamp(fleet: Fleet, job_id: str, name: str) -> float:
-    return float(fleet.store().hget(f"stoker:job:{job_id}", f"ts:{name}"))
+    stamp = fleet.store().hget(f"stoker:job:{job_id}", f"ts:{name}")
+    assert stamp is not None, f"no ts:{name} on {job_id}"
+    return float(stamp)
 
 
 def test_a_request_joins_an_answer_under_way_at_the_next_step() -> None:
