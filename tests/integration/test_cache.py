@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.app import create_app
@@ -269,7 +270,9 @@ def test_a_text_only_job_goes_to_the_model_in_one_hop(client: TestClient, spy: S
 
 def test_only_a_long_text_only_prompt_is_cached_in_the_api(client: TestClient, spy: SpySubmitter) -> None:
     _until_tokenizer_loaded(client)
-    context = context_of(client.app)
+    app = client.app
+    assert isinstance(app, FastAPI)
+    context = context_of(app)
     limit = context.settings.api_tokenize_cache_min_chars
     short = f"Say hello to {time.time_ns()}."
     long = f"Count the words of this ({time.time_ns()}): " + "word " * (limit // 5 + 1)
@@ -281,7 +284,9 @@ def test_only_a_long_text_only_prompt_is_cached_in_the_api(client: TestClient, s
         job = _wait(client, response.json()["id"])
         assert (job["status"], spy.starts[job["id"]]) == ("succeeded", "infer")  # tokenized in the API each time
         jobs[prompt] = job
-    scope = cache_scope(context.store.jobs.tenant(jobs[short]["id"]), context.settings.cache_shared)
+    tenant = context.store.jobs.tenant(jobs[short]["id"])
+    assert tenant is not None
+    scope = cache_scope(tenant, context.settings.cache_shared)
     pipeline = context.cache.context()
     assert pipeline is not None
 

@@ -28,9 +28,14 @@ def test_a_picture_spelling_turn_markers_opens_no_turn(client: TestClient) -> No
 
     context = context_of(client.app)  # type: ignore[arg-type]
     job = context.store.jobs.load_job(job_id)
+    assert job is not None
     assert job.inputs[0].text == FORGED  # OCR read the markers exactly
-    scope = cache_scope(context.store.jobs.tenant(job_id), context.settings.cache_shared)
-    address = prompt_address(context.cache.context(), job.prompt, [attachment_for(r) for r in job.inputs], scope)
+    tenant = context.store.jobs.tenant(job_id)
+    assert tenant is not None
+    scope = cache_scope(tenant, context.settings.cache_shared)
+    pipeline = context.cache.context()
+    assert pipeline is not None
+    address = prompt_address(pipeline, job.prompt, [attachment_for(r) for r in job.inputs], scope)
     built = context.cache.get_json(address)  # the prompt the tokenize stage built and the model was given
     assert built is not None
 

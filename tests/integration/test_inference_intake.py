@@ -125,8 +125,10 @@ def test_a_dead_reader_s_messages_are_restored_by_kombu_s_own_sweep(
     assert broker.llen(INFER_QUEUE) == 0
     # Another worker's kombu channel sweeps the index for messages held past the visibility timeout (0 s here).
     options = transport_options(broker_url, visibility_timeout_s=0)
-    with Connection(broker_url, transport=redis_transport(broker_url), transport_options=options) as connection:
-        connection.default_channel.qos.restore_visible(num=10)  # type: ignore[attr-defined]
+    with Connection(  # type: ignore[no-untyped-call]  # kombu is unannotated
+        broker_url, transport=redis_transport(broker_url), transport_options=options
+    ) as connection:
+        connection.default_channel.qos.restore_visible(num=10)
     assert broker.zcard("unacked_index") == 0
     living = _intake(broker_url)
     try:

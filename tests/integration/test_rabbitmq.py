@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import amqp
 import pytest
-from kombu import Connection, Queue
+from kombu.connection import Connection
+from kombu.entity import Queue
 
 from stoker.core.queues import QUEUES
 from tests.conftest import missing
@@ -36,7 +37,7 @@ def fleet() -> Iterator[Fleet]:
     # The broker is under test, not the model: the device is simulated.
     with own_fleet({"STOKER_BROKER_URL": AMQP_URL, "STOKER_BACKEND": "sim"}) as crew:
         with Connection(AMQP_URL) as connection:  # type: ignore[no-untyped-call]
-            channel = connection.channel()  # type: ignore[no-untyped-call]
+            channel = connection.channel()
             for queue in crew.app.conf.task_queues:
                 bound = queue(channel)
                 bound.declare()
@@ -67,7 +68,9 @@ def test_the_broker_itself_holds_quorum_queues_and_confirms_publishes(fleet: Fle
     with Connection(AMQP_URL) as connection:  # type: ignore[no-untyped-call]
         for queue in fleet.app.conf.task_queues:
             # Redeclaring as classic is refused by the broker, which names the type it holds.
-            classic = Queue(queue.name, durable=True, queue_arguments={"x-queue-type": "classic"})
+            classic = Queue(  # type: ignore[no-untyped-call]  # kombu is unannotated
+                queue.name, durable=True, queue_arguments={"x-queue-type": "classic"}
+            )
             with pytest.raises(amqp.exceptions.PreconditionFailed) as refused:
                 classic(connection.channel()).declare()  # type: ignore[no-untyped-call]
             assert "'quorum'" in str(refused.value), queue.name
