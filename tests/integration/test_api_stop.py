@@ -99,8 +99,13 @@ def _waited_jobs(fleet: Fleet) -> set[str]:
     return {
         k[prefix:]
         for k, (watched, status) in zip(keys, fields, strict=True)
-        if watched and status.decode() not in TERMINAL
+        if watched and _text(status) not in TERMINAL
     }
+
+
+def _text(value: bytes | None) -> str:
+    assert value is not None
+    return value.decode()
 
 
 def test_a_stream_in_flight_when_the_api_stops_gets_its_whole_answer(fleet: Fleet, tmp_path: Path) -> None:
@@ -197,7 +202,13 @@ def test_a_chat_retried_after_the_stop_gets_its_answer_from_another_api(fleet: F
         balancer = RetriesElsewhere(httpx.URL(other_base).port or 0)
         http = httpx.Client(transport=balancer)
         with openai.OpenAI(
-            base_url=f"{base}/v1", api_key="unused", max_retries=2, timeout=60, http_client=http
+            base_url=f"{base}/v1",
+            api_key="unused",
+            max_retries=2,
+            timeout=60,
+            # openai's stub names httpx2.Client only, yet the client takes a legacy httpx.Client as well
+            # (openai._httpx2.is_legacy_httpx_sync_client).
+            http_client=http,  # type: ignore[arg-type]
         ) as client:
             sent, job_id = _once_waiting(fleet, _chat(client))
             os.killpg(stopping.pid, signal.SIGTERM)

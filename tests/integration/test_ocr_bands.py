@@ -81,7 +81,9 @@ def test_a_dense_page_is_read_in_bands_that_join_into_the_whole_page_text(client
     assert read["bands"] == 3  # three band tasks, not one OCR of the whole page
     assert read["cache_hit"]["ocr_band"] is False
     assert read["timings_ms"]["ocr_band"] > 0
-    whole = read_text(decode_image(page, DecodeParams()).ocr_image, "eng", timeout_s=60)
+    ocr_image = decode_image(page, DecodeParams()).ocr_image
+    assert ocr_image is not None
+    whole = read_text(ocr_image, "eng", timeout_s=60)
     assert read["text"].split() == whole.split()
 
     again = _wait(client, _submit(client, page))["inputs"][0]  # a repeat: the input comes whole from the cache
@@ -227,7 +229,9 @@ def test_a_page_under_the_size_threshold_is_cut_only_while_no_cpu_work_waits(cli
     assert idle["status"] == "succeeded", idle
     read = idle["inputs"][0]
     assert read["bands"] == 2  # on an idle stack: two bands, on two children
-    whole = read_text(decode_image(page, DecodeParams()).ocr_image, "eng", timeout_s=60)
+    ocr_image = decode_image(page, DecodeParams()).ocr_image
+    assert ocr_image is not None
+    whole = read_text(ocr_image, "eng", timeout_s=60)
     assert read["text"].split() == whole.split()
 
     # A transcription waits in the ASR queue (its consumer held): the next such page is read whole.

@@ -43,13 +43,13 @@ def _request(text: str, images: list[str] | None = None) -> ModelRequest:
 
 
 def _predictor(server: FakeServer, **kwargs: object) -> OpenAIPredictor:
-    options: dict = {
+    options: dict[str, Any] = {
         "max_new_tokens": 16,
         "max_in_flight": 3,
         "timeout_s": 5,
         "images": lambda digest, _scope: {"pic": PICTURE}.get(digest),
     }
-    predictor = OpenAIPredictor(server.url, "fake-vlm", **{**options, **kwargs})  # type: ignore[arg-type]
+    predictor = OpenAIPredictor(server.url, "fake-vlm", **{**options, **kwargs})
     predictor.setup("cpu")
     _OPENED.append(predictor)
     return predictor
@@ -117,7 +117,7 @@ def test_a_streamed_request_hands_on_each_piece_and_returns_the_whole(server: Fa
 
 
 def test_each_turn_carries_its_own_pictures_and_the_request_its_parameters(server: FakeServer) -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "first", "images": ["pic"]},
         {"role": "assistant", "content": "ok"},
         {"role": "user", "content": "second"},
@@ -160,7 +160,7 @@ def test_a_photo_too_big_as_png_is_prepared_once_in_a_form_the_cache_keeps_and_t
     digest, job_id = content_hash(upload), f"served-{uuid.uuid4().hex[:8]}"
     ctx = runtime.WorkerContext(WorkerSettings(backend="openai", openai_base_url=server.url), outbox=None)  # type: ignore[arg-type]
     decodes = [0]
-    real = pictures.decode_rgb
+    real = decode_rgb  # what `pictures` calls
 
     def counted(data: bytes, params: DecodeParams) -> Any:
         decodes[0] += 1
@@ -174,7 +174,9 @@ def test_a_photo_too_big_as_png_is_prepared_once_in_a_form_the_cache_keeps_and_t
         record = InputRecord(index=0, kind="image", content_hash=digest, size_bytes=len(upload))
         decode_and_cache(ctx, record, address)  # the CPU stage
         assert ctx.cache.redis is not None
-        stored = ctx.cache.redis.strlen(cache_key(address, cachekeys.PICTURE))
+        stored = ctx.cache.redis.strlen(  # type: ignore[no-untyped-call]  # types-redis 4.6 leaves strlen untyped
+            cache_key(address, cachekeys.PICTURE)
+        )
         assert 0 < stored <= ctx.settings.cache_max_value_bytes
         predictor = _predictor(server, images=ctx.pictures.picture)
         request = ModelRequest([1], [{"role": "user", "content": "What is it?"}], [digest], scope)
