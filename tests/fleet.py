@@ -15,9 +15,11 @@ from typing import Any
 
 import redis
 from celery import Celery
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.context import ApiContext, context_of
 from stoker.settings import ApiSettings, CommonSettings
 from tasks.app import make_app
 from tasks.pipeline import Submitter
@@ -104,6 +106,13 @@ class Fleet:
     def logs(self) -> str:
         """The end of every log, for failure messages."""
         return "\n".join(f"--- {k}\n{tail(self.root / f'{k}.log')}" for k in self.procs)
+
+
+def client_context(client: TestClient) -> ApiContext:
+    """The context of the app a TestClient drives (Starlette types `client.app` as any ASGI app)."""
+    app = client.app
+    assert isinstance(app, FastAPI), app
+    return context_of(app)
 
 
 @contextmanager

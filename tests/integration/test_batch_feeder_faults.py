@@ -20,12 +20,12 @@ from typing import Any
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from openai.types import Batch, BatchRequestCounts
 
-from api.context import context_of
 from stoker.core.openai_batches import OpenAIBatch
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
-from tests.fleet import SIM_RECOVERY, Fleet, own_fleet
+from tests.fleet import SIM_RECOVERY, Fleet, client_context, own_fleet
 from tests.integration.test_batches import API, DEVICE, MODEL, jsonl, line, read_lines, run_batch, wait_batch
 from workers.procs import spawn, stop, wait_for
 
@@ -74,7 +74,7 @@ class Stack:
     def tenant(self, name: str) -> openai.OpenAI:
         """The official client for a new tenant of this name (made unique)."""
         issued = issue_key(f"{name}-{uuid.uuid4().hex[:8]}", time.time())
-        context_of(self.api.app).store.tenants.put_api_key(issued.record)
+        client_context(self.api).store.tenants.put_api_key(issued.record)
         return openai.OpenAI(base_url=API, api_key=issued.token, http_client=self.api, max_retries=0)
 
 
@@ -211,11 +211,16 @@ def _kib(pid: int, field: str) -> int:
     return int(next(row.split()[1] for row in status.splitlines() if row.startswith(f"{field}:")))
 
 
+def _counts(batch: Batch) -> BatchRequestCounts:
+    assert batch.request_counts is not None, batch
+    return batch.request_counts
+
+
 def test_tenants_batches_are_fed_in_turn(stack: Stack) -> None:
     """Beta's 3 lines run while most of alpha's 120 still wait, whichever batch the store lists first (alpha's is
     made to sort first: the order a feeder walks batches in must not decide)."""
     alpha, beta = stack.tenant("alpha"), stack.tenant("beta")
-    store = context_of(stack.api.app).store
+    store = client_context(stack.api).store
     records = {}
     with stack.feeder_stopped():
         for prefix, client, count, lead in (("a", alpha, 120, "0"), ("b", beta, 3, "f")):
@@ -240,7 +245,7 @@ def test_tenants_batches_are_fed_in_turn(stack: Stack) -> None:
     assert small.status == "completed"
     large = alpha.batches.retrieve(records["a"].id)
     assert large.status == "in_progress"
-    done = large.request_counts.completed + large.request_counts.failed
+    done = _counts(large).completed + _counts(large).failed
     assert done < 120 - 2 * IN_FLIGHT, done  # fed only after alpha's lines, beta's would end with alpha's last
     assert wait_batch(alpha, records["a"].id, ("completed", "failed"), timeout_s=120).status == "completed"
 
@@ -270,7 +275,7 @@ def test_a_running_batch_whose_input_file_is_deleted_ends_promptly(stack: Stack)
     client = stack.tenant("alpha")
     ids = {f"d{n}" for n in range(200)}
     batch = run_batch(client, jsonl([line(i, f"Say {i}.") for i in sorted(ids)]))
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, 60, "the batch running", [])
+    wait_for(lambda: _counts(client.batches.retrieve(batch.id)).completed >= 5, 60, "the batch running", [])
     client.files.delete(batch.input_file_id)
     done = wait_batch(client, batch.id, ("completed", "failed", "expired"), timeout_s=30)
     assert done.status == "completed"
@@ -284,7 +289,7 @@ def test_a_cancel_after_the_input_file_was_deleted_leaves_every_line_in_one_file
     client = stack.tenant("alpha")
     ids = {f"c{n}" for n in range(200)}
     batch = run_batch(client, jsonl([line(i, f"Say {i}.") for i in sorted(ids)]))
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, 60, "the batch running", [])
+    wait_for(lambda: _counts(client.batches.retrieve(batch.id)).completed >= 5, 60, "the batch running", [])
     with stack.feeder_stopped():
         client.files.delete(batch.input_file_id)
         assert client.batches.cancel(batch.id).status == "cancelling"
@@ -303,7 +308,7 @@ def test_a_tenant_past_its_quota_with_its_batches_files_runs_no_new_batch(stack:
     uploaded = client.files.create(
         file=("in.jsonl", jsonl([line(i, f"Say {i}.") for i in sorted(ids)])), purpose="batch"
     )
-    store = context_of(stack.api.app).store
+    store = client_context(stack.api).store
     tenant = store.files.get(uploaded.id)
     assert tenant is not None
     filler = (QUOTA - store.files.used(tenant.tenant) - 50_000) // 1000

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -34,6 +35,7 @@ from stoker.core.openai_batches import OpenAIBatch
 from stoker.core.pressure import StoreMemory
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
+from tests.fleet import client_context
 from tests.integration.test_slow_clients import (
     Server,
     _assert_unstalled,
@@ -115,12 +117,12 @@ def a_line(custom_id: str) -> dict[str, Any]:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
-def upload(api: TestClient, tenant: Tenant, content: bytes, filename: str = "input.jsonl") -> httpx.Response:
+def upload(api: TestClient, tenant: Tenant, content: bytes, filename: str = "input.jsonl") -> httpx2.Response:
     files = {"file": (filename, content, "application/jsonl")}
     return api.post("/v1/files", data={"purpose": "batch"}, files=files, headers=tenant.auth)
 
 
-def create_batch(api: TestClient, tenant: Tenant, file_id: str, **extra: Any) -> httpx.Response:
+def create_batch(api: TestClient, tenant: Tenant, file_id: str, **extra: Any) -> httpx2.Response:
     body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **extra}
     return api.post("/v1/batches", json=body, headers=tenant.auth)
 
@@ -131,7 +133,8 @@ def an_input_file(api: TestClient, tenant: Tenant) -> str:
     return str(made.json()["id"])
 
 
-def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+def error_of(response: httpx.Response | httpx2.Response, status: int) -> dict[str, Any]:
+    """The error body of a response from a served API (httpx) or from a TestClient (httpx2, as Starlette's is)."""
     assert response.status_code == status, response.text
     error: dict[str, Any] = response.json()["error"]
     return error
@@ -293,7 +296,7 @@ def test_an_ended_batch_s_record_expires(
     batch_id = create_batch(api, alpha, an_input_file(api, alpha)).json()["id"]
     assert store_redis.ttl(batch_key(batch_id)) == -1  # running: kept for as long as it runs
     assert api.post(f"/v1/batches/{batch_id}/cancel", headers=alpha.auth).status_code == 200
-    feeder = OpenAIBatchFeeder(context_of(api.app))
+    feeder = OpenAIBatchFeeder(client_context(api))
 
     def ended() -> bool:
         api.portal.call(feeder.tick)  # type: ignore[union-attr]  # the portal of the entered client
@@ -316,7 +319,7 @@ def test_a_tenant_s_running_batches_are_capped(
     assert error_of(refused, 429)["code"] == "too_many_batches"
     assert int(refused.headers["retry-after"]) > 0
     assert create_batch(api, beta, an_input_file(api, beta)).status_code == 200  # another tenant's cap is its own
-    batches = context_of(api.app).store.openai_batches
+    batches = client_context(api).store.openai_batches
     assert batches.move(first, "cancelled", int(time.time()), only_from=("validating",))
     batches.retire(first)  # as the feeder ends a batch
     assert create_batch(api, alpha, file_id).status_code == 200
@@ -329,7 +332,7 @@ def test_new_batches_are_refused_while_the_store_is_full(
     api = make_api()
     alpha, _ = tenants
     file_id = an_input_file(api, alpha)
-    monitor = context_of(api.app).monitor
+    monitor = client_context(api).monitor
     monitor.memory = StoreMemory(time.time() + 3600, 100 * MiB, 100 * MiB)  # as the monitor sees a full store
     try:
         refused = create_batch(api, alpha, file_id)
@@ -356,7 +359,7 @@ def test_batches_are_listed_by_range_and_gone_ones_taken_off(
             expires_at=now - age + 3600,
             tenant=alpha.name,
         )
-        context_of(api.app).store.openai_batches.create(record)
+        client_context(api).store.openai_batches.create(record)
     newest = made[::-1]
     first = api.get("/v1/batches", params={"limit": 2}, headers=alpha.auth).json()
     assert [b["id"] for b in first["data"]] == newest[:2]

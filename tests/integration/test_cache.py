@@ -16,11 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.context import context_of
 from stoker.adapters.cache import StageCache
 from stoker.adapters.store.keys import cache_key, cache_lease_key
 from stoker.core.cachekeys import CacheAddress, prompt_address
@@ -29,7 +27,7 @@ from stoker.core.tenancy import cache_scope
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.stage import LEASE_S, through_cache
 from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
-from tests.fleet import own_fleet
+from tests.fleet import client_context, own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import long_speech_wav, text_image
@@ -85,7 +83,7 @@ def test_without_a_tokenizer_the_api_sends_cached_inputs_to_tokenize(spy: SpySub
 def _until_tokenizer_loaded(client: TestClient, timeout_s: float = 60.0) -> None:
     """The API loads its tokenizer in the background at start, and samples the queues: until it has both, cheap
     jobs take the tokenize queue (without a fresh view of the inference queue, the one hop is not taken)."""
-    context = context_of(client.app)  # type: ignore[arg-type]
+    context = client_context(client)
     wait_for(lambda: context.prompts.loaded, timeout_s, "the API's tokenizer", [])
     wait_for(lambda: context.monitor.fresh() is not None, timeout_s, "the API's first queue sample", [])
 
@@ -270,9 +268,7 @@ def test_a_text_only_job_goes_to_the_model_in_one_hop(client: TestClient, spy: S
 
 def test_only_a_long_text_only_prompt_is_cached_in_the_api(client: TestClient, spy: SpySubmitter) -> None:
     _until_tokenizer_loaded(client)
-    app = client.app
-    assert isinstance(app, FastAPI)
-    context = context_of(app)
+    context = client_context(client)
     limit = context.settings.api_tokenize_cache_min_chars
     short = f"Say hello to {time.time_ns()}."
     long = f"Count the words of this ({time.time_ns()}): " + "word " * (limit // 5 + 1)
