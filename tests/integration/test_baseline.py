@@ -12,10 +12,13 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from kombu import Connection, Consumer, Queue
 from kombu.asynchronous import Hub
+from kombu.connection import Connection
+from kombu.entity import Queue
+from kombu.messaging import Consumer
 
-from stoker.adapters.broker import REDIS_TRANSPORT, queue_depths, transport_options
+from stoker.adapters.broker import queue_depths, transport_options
+from stoker.adapters.kombu_redis import REDIS_TRANSPORT
 from stoker.core.queues import SYNC_QUEUE
 from tests.conftest import queued
 from tests.fleet import Fleet, own_fleet
@@ -91,10 +94,11 @@ def test_a_message_the_consumer_took_and_has_not_read_is_seen() -> None:
     url = f"redis://127.0.0.1:{port}/0"
     options = transport_options(url, 3600)
     try:
+        # kombu is unannotated: its calls here are marked as untyped ones.
         with (
-            Connection(url, transport=REDIS_TRANSPORT, transport_options=options) as consuming,
-            Connection(url, transport=REDIS_TRANSPORT, transport_options=options) as looking,
-            closing(Hub()) as hub,
+            Connection(url, transport=REDIS_TRANSPORT, transport_options=options) as consuming,  # type: ignore[no-untyped-call]
+            Connection(url, transport=REDIS_TRANSPORT, transport_options=options) as looking,  # type: ignore[no-untyped-call]
+            closing(Hub()) as hub,  # type: ignore[no-untyped-call]
         ):
             consuming.transport.register_with_event_loop(consuming.connection, hub)
             consumer, delivered = SimpleNamespace(connection=consuming), []
@@ -103,7 +107,7 @@ def test_a_message_the_consumer_took_and_has_not_read_is_seen() -> None:
                 delivered.append(body)
                 message.ack()
 
-            with Consumer(consuming.default_channel, [Queue(SYNC_QUEUE)], callbacks=[deliver]):
+            with Consumer(consuming.default_channel, [Queue(SYNC_QUEUE)], callbacks=[deliver]):  # type: ignore[no-untyped-call]
                 assert unread_brpop(consumer, SYNC_QUEUE) is None  # the loop has not run: no BRPOP sent
                 for tick in list(hub.on_tick):  # the start of the loop's round: it sends the BRPOP
                     tick()
@@ -114,7 +118,7 @@ def test_a_message_the_consumer_took_and_has_not_read_is_seen() -> None:
                 _until(lambda: queue_depths(looking, [SYNC_QUEUE])[SYNC_QUEUE] == 0, "the BRPOP never took it")
                 assert reply_waits(sock)  # off the queue, not yet read: in flight
                 assert not delivered
-                _until(lambda: hub.run_once() or delivered, "the event loop never read it")
+                _until(lambda: hub.run_once() or delivered, "the event loop never read it")  # type: ignore[no-untyped-call]
                 assert delivered == [{"n": 1}]
                 assert unread_brpop(consumer, SYNC_QUEUE) is None  # read: nothing in flight
     finally:
