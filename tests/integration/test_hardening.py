@@ -211,9 +211,9 @@ def test_a_nearly_full_store_refuses_new_jobs_with_503_until_memory_is_freed() -
     valkey, port = start_embedded(maxmemory_mb=64)
     base = f"redis://127.0.0.1:{port}"
     store = redis_client.Redis.from_url(f"{base}/1")
-    urls = {"broker_url": f"{base}/0", "result_url": f"{base}/1", "cache_url": f"{base}/2"}
     try:
-        with TestClient(create_app(ApiSettings(auth=False, **urls), submitter=SpySubmitter(forward=False))) as api:
+        settings = ApiSettings(auth=False, broker_url=f"{base}/0", result_url=f"{base}/1", cache_url=f"{base}/2")
+        with TestClient(create_app(settings, submitter=SpySubmitter(forward=False))) as api:
             assert api.post("/v1/jobs", data={"prompt": "room"}).status_code == 202
             for n in range(60):  # ~60 MiB of someone's data: past 90% of the 64 MiB the server may hold
                 store.set(f"filler:{n}", b"x" * (1 << 20))

@@ -134,8 +134,11 @@ def hosts() -> Iterator[tuple[Net, TestClient, dict[str, subprocess.Popen[bytes]
         "STOKER_SIM_BASE_MS": "200",
         "STOKER_SIM_PER_ITEM_MS": "20",
     }
-    urls = {"broker_url": env["STOKER_BROKER_URL"], "result_url": env["STOKER_RESULT_URL"]}
-    app = make_app(CommonSettings(**urls, visibility_timeout_s=10))
+    app = make_app(
+        CommonSettings(
+            broker_url=env["STOKER_BROKER_URL"], result_url=env["STOKER_RESULT_URL"], visibility_timeout_s=10
+        )
+    )
     try:
         wait_for(lambda: redis_answers(f"{base}/0", 0.5), 30, "broker", [procs["broker"]])
         for host in ("1", "2"):

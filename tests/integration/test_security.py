@@ -535,7 +535,12 @@ def _celery_app(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Celery:
 def test_rediss_with_an_acl_user_and_a_private_ca(tls_redis: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     base, ca = tls_redis
     env = {"STOKER_BROKER_URL": f"{base}/0", "STOKER_RESULT_URL": f"{base}/1", "STOKER_CACHE_URL": f"{base}/2"}
-    settings = ApiSettings(**{k.removeprefix("STOKER_").lower(): v for k, v in env.items()}, redis_ca_file=ca)
+    settings = ApiSettings(
+        broker_url=env["STOKER_BROKER_URL"],
+        result_url=env["STOKER_RESULT_URL"],
+        cache_url=env["STOKER_CACHE_URL"],
+        redis_ca_file=ca,
+    )
     # Certificates are verified: without the CA, or in plain text, or with a wrong password, nothing connects.
     port = base.rsplit(":", 1)[1]
     assert not redis_answers(f"{base}/0", 1.0, ApiSettings().redis_tls(f"{base}/0"))
