@@ -423,3 +423,20 @@ def test_a_request_that_joins_between_calls_reads_its_prompt_once_and_the_answer
     (alone,) = run_predictor(engine, [_ask(ids, max_tokens=8)])
     assert isinstance(alone, Prediction)
     assert answer.text == alone.text
+
+
+def test_the_generate_path_kept_for_comparison_answers_as_the_engine_does(
+    model: tuple[TransformersPredictor, list[int]],
+) -> None:
+    predictor, ids = model
+    restarted = TransformersPredictor(predictor.model_path, max_new_tokens=16, max_tokens_cap=24, engine=False)
+    restarted.setup("cpu")
+    asked = [_ask(ids, max_tokens=10), _ask([*ids[:-4], *ids[-2:]], max_tokens=6)]
+    engine_answers = run_predictor(predictor, asked)
+    generate_answers = run_predictor(restarted, asked)
+    assert restarted.tokens_fed == 0  # no engine behind it
+    assert predictor.tokens_fed > 0
+    for ours, theirs in zip(engine_answers, generate_answers, strict=True):
+        assert isinstance(ours, Prediction)
+        assert isinstance(theirs, Prediction)
+        assert (ours.text, ours.completion_tokens) == (theirs.text, theirs.completion_tokens)

@@ -18,6 +18,7 @@ import redis
 import torch
 from prometheus_client import REGISTRY
 
+from stoker.adapters.backends.local import EngineRun
 from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.backends.vlm import VisionEncoder, VisionLanguagePredictor
@@ -140,6 +141,9 @@ def _generated(predictor: VisionLanguagePredictor, request: ModelRequest) -> tup
     assert generated is not None
     (answer,) = predictor.unbatch((batch, generated))
     assert isinstance(answer, Prediction), answer
+    if isinstance(generated, EngineRun):  # the decode engine's row, with the end of sequence generate writes
+        (row,) = generated.finished[0].rows
+        return answer, [*row.tokens, *([row.end_token] if row.end_token is not None else [])]
     return answer, generated.rows[0][batch.local.collated.width :]
 
 

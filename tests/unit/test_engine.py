@@ -231,3 +231,11 @@ def test_requests_alike_are_parked_each_with_its_own_cache(loaded: Loaded) -> No
     done = run(engine)
     assert engine.fed - fed == 2 * (6 - 2)  # neither read its prompt again
     assert done["again-1"].rows[0].tokens == done["again-2"].rows[0].tokens == loaded.solo(loaded.short, 6)
+
+
+def test_a_request_with_more_answers_than_the_room_runs_alone(loaded: Loaded) -> None:
+    engine = loaded.engine(max_rows=1)
+    engine.submit(EngineRequest("n", loaded.short, GenerationParams(n=2, temperature=1.0, seed=5), limit=3))
+    with pytest.raises(EngineFull):
+        engine.submit(EngineRequest("next", loaded.short, limit=3))
+    assert [row.answer for row in run(engine)["n"].rows] == [0, 1]

@@ -90,6 +90,8 @@ class Row:
     cached: int = 0
     #: Set aside between calls (`DecodeEngine.park`).
     parked: bool = False
+    #: The end-of-sequence token it ended at (never one of its `tokens`), if it did.
+    end_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -189,9 +191,9 @@ class DecodeEngine:
         return running + sum(_reach(r) * r.params.n for r in self._queued)
 
     def submit(self, request: EngineRequest) -> None:
-        """Queue a request: it joins at the next step (raises `EngineFull` past the room in rows, or in cache
-        tokens while any row runs)."""
-        if request.params.n > self.room:
+        """Queue a request: it joins at the next step (raises `EngineFull` past the room, in rows or in cache
+        tokens, while any other runs or waits: one larger than the whole room runs alone)."""
+        if request.params.n > self.room and self.busy:
             raise EngineFull(f"{request.params.n} rows asked, {self.room} free")
         tokens = _reach(request) * request.params.n
         if self.max_tokens is not None and self.busy and self.reserved + tokens > self.max_tokens:
@@ -380,7 +382,7 @@ class DecodeEngine:
         if row.grammar is not None and row.grammar.failure is not None:
             row.failure = row.grammar.failure
         if token in self.stop_ids:
-            row.end = "stop"
+            row.end, row.end_token = "stop", token
             return
         row.tokens.append(token)
         if row.grammar is not None:
