@@ -20,13 +20,23 @@ from typing import Any
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from openai.types import Batch, BatchRequestCounts
 
 from stoker.core.openai_batches import OpenAIBatch
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
 from tests.fleet import SIM_RECOVERY, Fleet, client_context, own_fleet
-from tests.integration.test_batches import API, DEVICE, MODEL, jsonl, line, read_lines, run_batch, wait_batch
+from tests.integration.test_batches import (
+    API,
+    DEVICE,
+    MODEL,
+    batch_errors,
+    jsonl,
+    line,
+    read_lines,
+    request_counts,
+    run_batch,
+    wait_batch,
+)
 from workers.procs import spawn, stop, wait_for
 
 #: What the feeder holds a line to (a request's body limit, smaller than the default so a test's oversized line
@@ -109,7 +119,7 @@ def every_line_once(client: openai.OpenAI, done: Any, ids: set[str]) -> tuple[di
     outputs, errors = read_lines(client, done.output_file_id), read_lines(client, done.error_file_id)
     assert not set(outputs) & set(errors)
     assert set(outputs) | set(errors) == ids
-    counts = done.request_counts
+    counts = request_counts(done)
     assert (counts.total, counts.completed, counts.failed) == (len(ids), len(outputs), len(errors))
     return outputs, errors
 
@@ -122,10 +132,10 @@ def test_a_line_that_cannot_be_read_fails_its_batch_alone(stack: Stack) -> None:
     other = small_batch(beta, "b")
     failed = wait_batch(alpha, poisoned.id, ("failed", "completed", "cancelled"), timeout_s=60)
     assert failed.status == "failed"
-    assert [(e.code, e.line) for e in failed.errors.data] == [("invalid_json_line", 2)]
+    assert [(e.code, e.line) for e in batch_errors(failed)] == [("invalid_json_line", 2)]
     done = wait_batch(beta, other.id, ("completed", "failed"), timeout_s=60)
     assert done.status == "completed"
-    assert done.request_counts.completed == 3
+    assert request_counts(done).completed == 3
 
 
 def test_a_batch_cancelled_before_it_was_validated_ends_with_nothing_run(stack: Stack) -> None:
@@ -142,7 +152,7 @@ def test_a_batch_cancelled_before_it_was_validated_ends_with_nothing_run(stack: 
         ended = wait_batch(alpha, batch.id, ("cancelled", "failed", "completed"), timeout_s=60)
         assert ended.status == "cancelled"
         assert ended.cancelled_at is not None
-        counts = ended.request_counts
+        counts = request_counts(ended)
         assert (counts.total, counts.completed, counts.failed) == (0, 0, 0)
         assert (ended.output_file_id, ended.error_file_id) == (None, None)
     assert wait_batch(beta, other.id, ("completed", "failed"), timeout_s=60).status == "completed"
@@ -197,7 +207,7 @@ def test_a_line_over_a_requests_limits_fails_the_batch_by_its_number(stack: Stac
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     failed = wait_batch(client, batch.id, ("failed", "completed", "in_progress"), timeout_s=60)
     assert failed.status == "failed"
-    assert [(e.code, e.line) for e in failed.errors.data] == [
+    assert [(e.code, e.line) for e in batch_errors(failed)] == [
         ("line_too_large", 2),
         ("line_too_large", 3),
         ("line_too_large", 4),
@@ -209,11 +219,6 @@ def test_a_line_over_a_requests_limits_fails_the_batch_by_its_number(stack: Stac
 def _kib(pid: int, field: str) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(row.split()[1] for row in status.splitlines() if row.startswith(f"{field}:")))
-
-
-def _counts(batch: Batch) -> BatchRequestCounts:
-    assert batch.request_counts is not None, batch
-    return batch.request_counts
 
 
 def test_tenants_batches_are_fed_in_turn(stack: Stack) -> None:
@@ -245,7 +250,8 @@ def test_tenants_batches_are_fed_in_turn(stack: Stack) -> None:
     assert small.status == "completed"
     large = alpha.batches.retrieve(records["a"].id)
     assert large.status == "in_progress"
-    done = _counts(large).completed + _counts(large).failed
+    counts = request_counts(large)
+    done = counts.completed + counts.failed
     assert done < 120 - 2 * IN_FLIGHT, done  # fed only after alpha's lines, beta's would end with alpha's last
     assert wait_batch(alpha, records["a"].id, ("completed", "failed"), timeout_s=120).status == "completed"
 
@@ -263,8 +269,10 @@ def test_a_batch_whose_step_keeps_failing_fails_alone_and_is_logged_once(stack: 
     assert wait_batch(beta, other.id, ("completed", "failed"), timeout_s=60).status == "completed"
     failed = wait_batch(alpha, broken.id, ("failed", "in_progress", "completed"), timeout_s=60)
     assert failed.status == "failed"
-    assert [e.code for e in failed.errors.data] == ["internal_error"]
-    assert "IsADirectoryError" in failed.errors.data[0].message
+    assert [e.code for e in batch_errors(failed)] == ["internal_error"]
+    message = batch_errors(failed)[0].message
+    assert message is not None
+    assert "IsADirectoryError" in message
     said = [row for row in stack.log.read_text().splitlines() if broken.id in row]
     assert len(said) == 2, said  # the first failure (with its traceback) and the end
     assert stack.log.read_text().count("IsADirectoryError") <= 3  # one traceback, the end's line and its error
@@ -275,7 +283,7 @@ def test_a_running_batch_whose_input_file_is_deleted_ends_promptly(stack: Stack)
     client = stack.tenant("alpha")
     ids = {f"d{n}" for n in range(200)}
     batch = run_batch(client, jsonl([line(i, f"Say {i}.") for i in sorted(ids)]))
-    wait_for(lambda: _counts(client.batches.retrieve(batch.id)).completed >= 5, 60, "the batch running", [])
+    wait_for(lambda: request_counts(client.batches.retrieve(batch.id)).completed >= 5, 60, "the batch running", [])
     client.files.delete(batch.input_file_id)
     done = wait_batch(client, batch.id, ("completed", "failed", "expired"), timeout_s=30)
     assert done.status == "completed"
@@ -289,7 +297,7 @@ def test_a_cancel_after_the_input_file_was_deleted_leaves_every_line_in_one_file
     client = stack.tenant("alpha")
     ids = {f"c{n}" for n in range(200)}
     batch = run_batch(client, jsonl([line(i, f"Say {i}.") for i in sorted(ids)]))
-    wait_for(lambda: _counts(client.batches.retrieve(batch.id)).completed >= 5, 60, "the batch running", [])
+    wait_for(lambda: request_counts(client.batches.retrieve(batch.id)).completed >= 5, 60, "the batch running", [])
     with stack.feeder_stopped():
         client.files.delete(batch.input_file_id)
         assert client.batches.cancel(batch.id).status == "cancelling"

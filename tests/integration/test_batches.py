@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from openai.types import Batch, BatchError, BatchRequestCounts
 
-from api.context import context_of
 from api.openai_batch_feeder import OpenAIBatchFeeder
 from stoker.adapters.store.jobs import NewJob
 from stoker.adapters.store.openai_batches import PendingLine
@@ -30,7 +30,7 @@ from stoker.core.deadlines import deadline_for
 from stoker.core.openai_batches import OpenAIBatch, OpenAIBatchLine, line_job_id, parse_line
 from stoker.core.tenancy import issue_key
 from stoker.settings import ApiSettings
-from tests.fleet import QUICK_RECOVERY, SIM_RECOVERY, Fleet, own_fleet
+from tests.fleet import QUICK_RECOVERY, SIM_RECOVERY, Fleet, client_context, own_fleet
 from tests.media import text_image, truncated
 from workers.broker import free_port
 from workers.procs import spawn, stop, tail, wait_for
@@ -112,13 +112,13 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
     return b"".join(json.dumps(item).encode() + b"\n" for item in lines)
 
 
-def run_batch(client: openai.OpenAI, body: bytes) -> Any:
+def run_batch(client: openai.OpenAI, body: bytes) -> Batch:
     uploaded = client.files.create(file=("input.jsonl", body), purpose="batch")
     return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
 
 
-def wait_batch(client: openai.OpenAI, batch_id: str, until: tuple[str, ...], timeout_s: float = 90) -> Any:
-    found: list[Any] = []
+def wait_batch(client: openai.OpenAI, batch_id: str, until: tuple[str, ...], timeout_s: float = 90) -> Batch:
+    found: list[Batch] = []
 
     def ended() -> bool:
         found[:] = [client.batches.retrieve(batch_id)]
@@ -126,6 +126,19 @@ def wait_batch(client: openai.OpenAI, batch_id: str, until: tuple[str, ...], tim
 
     wait_for(ended, timeout_s, f"batch {batch_id} to be {until}", [])
     return found[0]
+
+
+def request_counts(batch: Batch) -> BatchRequestCounts:
+    """A batch's request counts, which the API always gives (openai types them as optional)."""
+    assert batch.request_counts is not None, batch
+    return batch.request_counts
+
+
+def batch_errors(batch: Batch) -> list[BatchError]:
+    """The errors of a batch that failed validation (openai types them as optional)."""
+    assert batch.errors is not None, batch
+    assert batch.errors.data is not None, batch
+    return batch.errors.data
 
 
 def read_lines(client: openai.OpenAI, file_id: str | None) -> dict[str, dict[str, Any]]:
@@ -152,7 +165,8 @@ def test_a_mixed_batch_completes_with_one_answer_per_line(client: openai.OpenAI,
     assert batch.status == "validating"
     done = wait_batch(client, batch.id, ("completed", "failed"))
     assert done.status == "completed", done.errors
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (120, 119, 1)
+    counts = request_counts(done)
+    assert (counts.total, counts.completed, counts.failed) == (120, 119, 1)
     assert done.in_progress_at is not None
     assert done.finalizing_at is not None
     assert done.completed_at is not None
@@ -180,7 +194,7 @@ def test_validation_refuses_bad_files_with_line_numbers(client: openai.OpenAI) -
     failed = wait_batch(client, run_batch(client, body).id, ("failed", "completed"), timeout_s=30)
     assert failed.status == "failed"
     assert failed.failed_at is not None
-    found = {(e.code, e.line) for e in failed.errors.data}
+    found = {(e.code, e.line) for e in batch_errors(failed)}
     assert found == {
         ("duplicate_custom_id", 2),
         ("invalid_method", 3),
@@ -191,9 +205,9 @@ def test_validation_refuses_bad_files_with_line_numbers(client: openai.OpenAI) -
 
 
 def test_another_tenant_sees_no_file_batch_or_output(stack: Stack) -> None:
-    files_dir = stack.api.app.state.context.settings.files_dir
+    files_dir = client_context(stack.api).settings.files_dir
     with stack.fleet.api(auth=True, batch_feeder=False, files_dir=files_dir) as secured:
-        store = secured.app.state.context.store
+        store = client_context(secured).store
         clients = []
         for name in ("acme", "globex"):
             issued = issue_key(f"{name}-{uuid.uuid4().hex[:8]}", time.time())
@@ -203,17 +217,19 @@ def test_another_tenant_sees_no_file_batch_or_output(stack: Stack) -> None:
         batch = run_batch(acme, jsonl([line("x", "Say x.")]))
         done = wait_batch(acme, batch.id, ("completed",))  # fed by the module's API, whoever's it is
         owned = [batch.input_file_id, done.output_file_id]
-        for call in (
+        calls: tuple[Callable[[], object], ...] = (
             *(lambda f=f: globex.files.retrieve(f) for f in owned),
             *(lambda f=f: globex.files.content(f) for f in owned),
             lambda: globex.files.delete(batch.input_file_id),
             lambda: globex.batches.retrieve(batch.id),
             lambda: globex.batches.cancel(batch.id),
-        ):
+        )
+        for call in calls:
             with pytest.raises(openai.NotFoundError):
                 call()
         assert globex.files.list().data == []
         assert globex.batches.list().data == []
+        assert done.output_file_id is not None
         assert json.loads(acme.files.content(done.output_file_id).text)["custom_id"] == "x"
 
 
@@ -223,7 +239,7 @@ def test_interactive_requests_go_first_and_a_cancel_keeps_what_finished(client: 
     and one more while it travelled there through the broker, go first). Then the batch is cancelled: what finished is
     kept, the rest is in the error file, and nothing of it reaches the device any more."""
     batch = run_batch(client, jsonl([line(f"p{n}", f"Line {n}.") for n in range(300)]))
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 10, 60, "the batch running", [])
+    wait_for(lambda: request_counts(client.batches.retrieve(batch.id)).completed >= 10, 60, "the batch running", [])
     api, store = stack.api, stack.fleet.store()
     ids = []
     for n in range(20):
@@ -239,7 +255,8 @@ def test_interactive_requests_go_first_and_a_cancel_keeps_what_finished(client: 
     assert set(outputs) | set(errors) == {f"p{n}" for n in range(300)}
     assert not set(outputs) & set(errors)
     assert {row["error"]["code"] for row in errors.values()} == {"batch_cancelled"}
-    assert (done.request_counts.completed, done.request_counts.failed) == (len(outputs), len(errors))
+    counts = request_counts(done)
+    assert (counts.completed, counts.failed) == (len(outputs), len(errors))
     assert done.cancelling_at is not None
     assert done.cancelled_at is not None
     assert stack.api.post(f"/v1/batches/{batch.id}/cancel").status_code == 409
@@ -268,8 +285,8 @@ def test_a_batch_past_its_window_expires_with_its_unfinished_lines_in_the_error_
     client: openai.OpenAI, stack: Stack
 ) -> None:
     batch = run_batch(client, jsonl([line(f"e{n}", f"Late {n}.") for n in range(150)]))
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, 60, "the batch running", [])
-    stack.api.app.state.context.store.openai_batches.update(batch.id, expires_at=int(time.time()))  # its window is over
+    wait_for(lambda: request_counts(client.batches.retrieve(batch.id)).completed >= 5, 60, "the batch running", [])
+    client_context(stack.api).store.openai_batches.update(batch.id, expires_at=int(time.time()))  # its window is over
     done = wait_batch(client, batch.id, ("expired", "completed"))
     assert done.status == "expired"
     assert done.expired_at is not None
@@ -281,7 +298,7 @@ def test_a_batch_past_its_window_expires_with_its_unfinished_lines_in_the_error_
 
 
 def test_an_upload_over_the_limit_or_cut_short_is_refused_and_not_kept(stack: Stack) -> None:
-    files_dir = stack.api.app.state.context.settings.files_dir
+    files_dir = client_context(stack.api).settings.files_dir
     with stack.fleet.api(files_max_bytes=2048, batch_feeder=False, files_dir=files_dir) as small:
         official = openai.OpenAI(base_url=API, api_key="unused", http_client=small, max_retries=0)
         known = {f.id for f in official.files.list().data}
@@ -293,7 +310,7 @@ def test_an_upload_over_the_limit_or_cut_short_is_refused_and_not_kept(stack: St
         answer = small.post("/v1/files", content=cut, headers={"Content-Type": "multipart/form-data; boundary=bb"})
         assert answer.status_code == 400
         with pytest.raises(openai.UnprocessableEntityError):  # stoker's invalid_request, as for a bad chat
-            official.files.create(file=("a.jsonl", b"{}\n"), purpose="assistants")  # type: ignore[arg-type]
+            official.files.create(file=("a.jsonl", b"{}\n"), purpose="assistants")
         assert {f.id for f in official.files.list().data} == known
     assert not [p for p in files_dir.iterdir() if p.name.startswith(".")]  # no partial file left behind
 
@@ -367,14 +384,14 @@ def test_a_batch_survives_its_feeder_and_workers_being_killed(client: openai.Ope
         for n in range(10)
     ]
     batch = run_batch(client, jsonl(lines))
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5, 60, "the batch running", [])
+    wait_for(lambda: request_counts(client.batches.retrieve(batch.id)).completed >= 5, 60, "the batch running", [])
     stack.feeder.send_signal(signal.SIGKILL)
     stack.feeder.wait(10)
     stack.fleet.kill("infer")
     stack.fleet.kill("cpu")
     halfway = client.batches.retrieve(batch.id)
     assert halfway.status == "in_progress"
-    assert halfway.request_counts.completed < 60
+    assert request_counts(halfway).completed < 60
     for kind in ("cpu", "infer"):
         stack.fleet.start(kind)
     log = stack.fleet.root / "batch-feeder.log"
@@ -382,7 +399,7 @@ def test_a_batch_survives_its_feeder_and_workers_being_killed(client: openai.Ope
     done = wait_batch(client, batch.id, ("completed",), timeout_s=120)
     outputs = read_lines(client, done.output_file_id)  # fails on a custom_id written twice
     assert set(outputs) == {item["custom_id"] for item in lines}
-    assert done.request_counts.completed == 60
+    assert request_counts(done).completed == 60
     assert done.error_file_id is None
     lowered = os.getpriority(os.PRIO_PROCESS, stack.feeder.pid) - os.getpriority(os.PRIO_PROCESS, 0)
     assert lowered == ApiSettings().batch_feeder_nice > 0  # it runs on CPU time interactive work leaves
@@ -395,7 +412,7 @@ def test_a_line_whose_job_was_made_but_never_sent_is_made_again(api: TestClient)
     """The state a feeder SIGKILLed between a line's record and its publish leaves (the line noted, its job queued,
     no message anywhere): the next feeder unmakes that job and makes it again. A line noted as sent, or whose job a
     stage started, is left to be collected."""
-    context = context_of(api.app)
+    context = client_context(api)
     store = context.store
     now = time.time()
     record = OpenAIBatch(
