@@ -13,9 +13,8 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from api.context import context_of
 from tests.fakeopenai import fake_openai_server
-from tests.fleet import Fleet, own_fleet
+from tests.fleet import Fleet, client_context, own_fleet
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
 from workers.procs import wait_for
@@ -108,7 +107,7 @@ def test_overload_is_refused_with_retry_after_and_nothing_accepted_is_lost(fleet
         fleet.api(cpu_queue_limit=6, infer_queue_limit=10, api_tokenize=False) as client,
         redis.Redis.from_url(fleet.env["STOKER_BROKER_URL"]) as broker,
     ):
-        monitor = context_of(client.app).monitor  # type: ignore[arg-type]
+        monitor = client_context(client).monitor
         wait_for(lambda: monitor.fresh() is not None, 15, "the admission monitor's first sample", [])
         for n in range(80):
             records = _job_records(fleet)
@@ -174,7 +173,7 @@ def test_retry_after_predicts_how_long_the_queue_takes_to_drain(fleet: Fleet) ->
         api = fleet.api(infer_queue_limit=60, admission_resume_ratio=0.5, infer_high_watermark=1000)
         with api as client, redis.Redis.from_url(fleet.env["STOKER_BROKER_URL"]) as broker:
             assert int(broker.llen("infer")) == 0
-            monitor = context_of(client.app).monitor  # type: ignore[arg-type]
+            monitor = client_context(client).monitor
             wait_for(lambda: monitor.fresh() is not None, 15, "the admission monitor's first sample", [])
             retry_after = None
             for n in range(400):

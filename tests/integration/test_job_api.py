@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import kombu
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from kombu.connection import Connection
 
 from api.app import create_app
 from api.context import context_of
@@ -37,7 +37,7 @@ from stoker.core.media import ContentHash
 from stoker.core.tenancy import DEFAULT_TENANT, issue_key
 from stoker.settings import ApiSettings
 from tests.conftest import pids_named
-from tests.fleet import Fleet
+from tests.fleet import Fleet, client_context
 from tests.integration.conftest import SessionWorkers, SpySubmitter
 from tests.media import text_image
 from tests.serving import serve
@@ -292,8 +292,8 @@ class OwnValkey:
 
     def settings(self, **values: Any) -> ApiSettings:
         """API settings over this Valkey."""
-        urls = {"broker_url": f"{self.base}/0", "result_url": f"{self.base}/1", "cache_url": f"{self.base}/2"}
-        return ApiSettings(**urls, **values)
+        base = self.base
+        return ApiSettings(broker_url=f"{base}/0", result_url=f"{base}/1", cache_url=f"{base}/2", **values)
 
     def calls(self) -> int:
         """Every command the server has run so far (`INFO commandstats`)."""
@@ -380,7 +380,7 @@ def test_replays_count_against_the_rate_but_take_no_slot_and_pass_queue_pressure
         assert first.status_code == 202, first.text
         with redis.Redis.from_url(settings.broker_url) as broker:
             broker.lpush("decode", "a", "b")  # the queue at its limit: new jobs are refused
-        monitor = context_of(client.app).monitor  # type: ignore[arg-type]
+        monitor = client_context(client).monitor
         wait_for(lambda: monitor.refusal() is not None, 10, "queue pressure", [])
         new = client.post("/v1/jobs", data={"prompt": "Another."}, headers=auth)
         assert (new.status_code, new.json()["error"]["code"]) == (429, "overloaded"), new.text
@@ -474,7 +474,7 @@ def test_publishing_a_job_subscribes_the_api_to_no_result_channel(own_valkey: Ow
         posted = [client.post("/v1/jobs", data={"prompt": "What does it say?"}, files=image)]
         posted += [client.post("/v1/jobs", data={"prompt": f"Question {n}."}) for n in range(5)]
         assert [p.status_code for p in posted] == [202] * 6, [p.text for p in posted]
-        with kombu.Connection(f"{own_valkey.base}/0") as broker:
+        with Connection(f"{own_valkey.base}/0") as broker:  # type: ignore[no-untyped-call]  # kombu is unannotated
             assert sum(queue_depths(broker).values()) == 6  # published, to queues nobody here consumes
         assert subscribes() == before
 

@@ -20,7 +20,6 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.context import context_of
 from stoker.adapters.store import Store
 from stoker.adapters.store.clients import redis_answers
 from stoker.adapters.store.keys import BUSY_TENANTS_KEY, tokens_key
@@ -30,6 +29,7 @@ from stoker.settings import ApiSettings
 from tasks.app import make_app
 from tasks.pipeline import CelerySubmitter, Submitter
 from tests.conftest import missing, queued
+from tests.fleet import client_context
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
@@ -329,7 +329,7 @@ def paused(
         settings = ApiSettings(auth=True, broker_url=url, rate_limit_per_s=1000.0, rate_limit_burst=1000, **overrides)
         api = TestClient(create_app(settings, submitter=CelerySubmitter(make_app(settings))))
         opened.append(api.__enter__())
-        monitor = context_of(api.app).monitor  # type: ignore[arg-type]
+        monitor = client_context(api).monitor
         wait_for(lambda: monitor.fresh() is not None, 15, "the admission monitor's first sample", [])
         return api
 
