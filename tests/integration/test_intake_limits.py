@@ -18,6 +18,12 @@ import pytest
 import redis
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageFunctionToolCallParam,
+    ChatCompletionMessageParam,
+)
 
 import api.prompts
 from api.app import create_app
@@ -27,7 +33,7 @@ from stoker.adapters.store.jobs import Ending, NewJob
 from stoker.adapters.store.keys import job_key
 from stoker.core.deadlines import deadline_for
 from stoker.core.jobs import ChoiceInfo, ResultInfo
-from stoker.core.prompting import BuiltPrompt
+from stoker.core.prompting import BuiltPrompt, build_prompt
 from stoker.settings import ApiSettings
 from tests.serving import serve
 from workers.procs import wait_for
@@ -54,7 +60,7 @@ class Builds:
 @pytest.fixture
 def builds(monkeypatch: pytest.MonkeyPatch) -> Builds:
     """Every prompt the API builds from now on, and where."""
-    recorder = Builds(api.prompts.build_prompt)
+    recorder = Builds(build_prompt)  # the function `api.prompts` imported
     monkeypatch.setattr(api.prompts, "build_prompt", recorder)
     return recorder
 
@@ -89,11 +95,11 @@ def plain(workers: dict[str, Path]) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def _call(arguments: str) -> dict[str, Any]:
+def _call(arguments: str) -> ChatCompletionMessageFunctionToolCallParam:
     return {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": arguments}}
 
 
-def _history(arguments: str) -> list[dict[str, Any]]:
+def _history(arguments: str) -> list[ChatCompletionMessageParam]:
     """A chat whose assistant turn called a function with these arguments (no tools are offered now)."""
     return [
         {"role": "user", "content": "Look it up."},
@@ -103,7 +109,7 @@ def _history(arguments: str) -> list[dict[str, Any]]:
     ]
 
 
-def _tool(description: str) -> dict[str, Any]:
+def _tool(description: str) -> ChatCompletionFunctionToolParam:
     return {"type": "function", "function": {"name": "lookup", "description": description, "parameters": {}}}
 
 
@@ -132,14 +138,21 @@ def test_a_record_too_large_is_refused_before_any_prompt_is_built(roomy: openai.
     assert builds.threads == []
 
 
+def _stoker(completion: ChatCompletion) -> dict[str, Any]:
+    """The `stoker` object stoker adds to a chat completion (an extra field to openai's client)."""
+    assert completion.model_extra is not None, completion
+    stoker: dict[str, Any] = completion.model_extra["stoker"]
+    return stoker
+
+
 def test_only_a_short_prompt_is_built_on_the_event_loop(roomy: openai.OpenAI, builds: Builds) -> None:
     short = roomy.chat.completions.create(model=MODEL, max_tokens=2, messages=_history("{}"))
-    assert short.model_extra["stoker"]["status"] == "succeeded"
+    assert _stoker(short)["status"] == "succeeded"
     assert len(builds.threads) == 1
     assert not builds.threads[0].startswith(TOKENIZING_THREAD)  # a short prompt: built on the loop itself
     # a short text, but 3,000 characters of the arguments an earlier call was given (within the model's context)
     long = roomy.chat.completions.create(model=MODEL, max_tokens=2, messages=_history("y " * 1500))
-    assert long.model_extra["stoker"]["status"] == "succeeded"
+    assert _stoker(long)["status"] == "succeeded"
     assert len(builds.threads) == 2
     assert builds.threads[1].startswith(TOKENIZING_THREAD)
 
@@ -164,13 +177,16 @@ def test_a_jobs_prompt_over_the_limit_is_prompt_too_long_as_a_chats_is(client: T
 def test_answers_are_bounded_where_they_are_asked_for_and_stored(
     plain: openai.OpenAI, store_redis: redis.Redis[bytes]
 ) -> None:
-    asked = {"model": MODEL, "messages": [{"role": "user", "content": "Count to ten."}], "logprobs": True}
+    asked: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Count to ten."}]
     with pytest.raises(openai.BadRequestError) as refused:
-        plain.chat.completions.create(n=4, top_logprobs=20, max_tokens=128, **asked)
+        plain.chat.completions.create(model=MODEL, messages=asked, logprobs=True, n=4, top_logprobs=20, max_tokens=128)
     assert (refused.value.code, refused.value.param) == ("answer_too_large", "top_logprobs")
     assert "4 × 128 × 21 = 10752 token entries" in refused.value.message
-    answer = plain.chat.completions.with_raw_response.create(top_logprobs=20, max_tokens=16, **asked)
+    answer = plain.chat.completions.with_raw_response.create(
+        model=MODEL, messages=asked, logprobs=True, top_logprobs=20, max_tokens=16
+    )
     choice = answer.parse().choices[0]
+    assert choice.logprobs is not None
     assert choice.logprobs.content
     assert all(len(token.top_logprobs) == 20 for token in choice.logprobs.content)
     stored = store_redis.hget(job_key(answer.headers["x-stoker-job-id"]), "result")
