@@ -5,10 +5,19 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
+from openai.types.chat import (
+    ChatCompletionContentPartParam,
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageFunctionToolCallParam,
+    ChatCompletionMessageParam,
+    ChatCompletionNamedToolChoiceParam,
+)
+from openai.types.shared_params import ResponseFormatJSONSchema
 from PIL import Image
 
 from api.app import create_app
@@ -34,8 +43,13 @@ def chain(vlm_fleet: tuple[FakeServer, Fleet]) -> Iterator[tuple[FakeServer, ope
 
 
 def _settings(fleet: Fleet) -> ApiSettings:
-    urls = {k: fleet.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
-    return ApiSettings(**urls, auth=False)
+    env = fleet.env
+    return ApiSettings(
+        broker_url=env["STOKER_BROKER_URL"],
+        result_url=env["STOKER_RESULT_URL"],
+        cache_url=env["STOKER_CACHE_URL"],
+        auth=False,
+    )
 
 
 def _data_url(data: bytes) -> str:
@@ -52,7 +66,7 @@ def test_the_server_gets_the_whole_chat_a_resized_picture_and_the_parameters(
 ) -> None:
     fake, client = chain
     upload = text_image("TOTAL 99", size=(1600, 400))
-    messages = [
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": "You read documents."},
         {
             "role": "user",
@@ -94,7 +108,7 @@ def test_the_server_gets_the_whole_chat_a_resized_picture_and_the_parameters(
 def test_a_transcript_reaches_the_server(chain: tuple[FakeServer, openai.OpenAI]) -> None:
     fake, client = chain
     audio = base64.b64encode(speech_wav()).decode()
-    content = [
+    content: list[ChatCompletionContentPartParam] = [
         {"type": "text", "text": "Who gets the report (marker-two)?"},
         {"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}},
     ]
@@ -119,7 +133,9 @@ def test_a_streamed_answer_is_passed_on_piece_by_piece(chain: tuple[FakeServer, 
     assert _sent(fake, "marker-three")["stream"] is True
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["length"]  # the server's own finish reason
-    assert chunks[-1].usage.completion_tokens == 5
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.completion_tokens == 5
 
 
 def test_n_and_logprobs_reach_the_server_and_every_choice_comes_back(chain: tuple[FakeServer, openai.OpenAI]) -> None:
@@ -138,6 +154,9 @@ def test_n_and_logprobs_reach_the_server_and_every_choice_comes_back(chain: tupl
         "fake saw 0 image(s) (choice 1)",
     ]
     for choice in answer.choices:
+        assert choice.logprobs is not None
+        assert choice.logprobs.content is not None
+        assert choice.message.content is not None
         assert [t.token for t in choice.logprobs.content] == choice.message.content.split()
         assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
 
@@ -146,7 +165,7 @@ def test_tools_a_response_format_and_tool_turns_reach_the_server_unchanged(
     chain: tuple[FakeServer, openai.OpenAI],
 ) -> None:
     fake, client = chain
-    weather = {
+    weather: ChatCompletionFunctionToolParam = {
         "type": "function",
         "function": {
             "name": "get_weather",
@@ -155,25 +174,31 @@ def test_tools_a_response_format_and_tool_turns_reach_the_server_unchanged(
             "strict": True,
         },
     }
-    forced = {"type": "function", "function": {"name": "get_weather"}}
-    asked = [{"role": "user", "content": "Weather (marker-tools)?"}]
+    forced: ChatCompletionNamedToolChoiceParam = {"type": "function", "function": {"name": "get_weather"}}
+    asked: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather (marker-tools)?"}]
     answer = client.chat.completions.create(model=MODEL, messages=asked, tools=[weather], tool_choice=forced)
     body = _sent(fake, "marker-tools")
     assert (body["tools"], body["tool_choice"]) == ([weather], forced)
     (choice,) = answer.choices
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls or []
+    assert isinstance(call, ChatCompletionMessageFunctionToolCall), call
     assert (call.id, call.function.name, call.function.arguments) == ("call_fake", "get_weather", '{"city": "Oslo"}')
 
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    answer_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}}
+    schema: dict[str, object] = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    answer_format: ResponseFormatJSONSchema = {
+        "type": "json_schema",
+        "json_schema": {"name": "verdict", "schema": schema, "strict": True},
+    }
+    # The call as the client received it, sent back as is: a dump of openai's tool call has its param's shape.
+    called = cast(ChatCompletionMessageFunctionToolCallParam, call.model_dump())
     client.chat.completions.create(
         model=MODEL,
-        response_format=answer_format,  # type: ignore[arg-type]
+        response_format=answer_format,
         tools=[weather],
         messages=[
             {"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "assistant", "content": None, "tool_calls": [called]},
             {"role": "tool", "tool_call_id": "call_fake", "content": "sunny (marker-format)"},
         ],
     )
