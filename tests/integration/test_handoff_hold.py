@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable, Iterator
+from typing import TypedDict
 
 import pytest
 import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.context import context_of
 from api.pressure import QueueMonitor
 from stoker.adapters.store import Store
 from stoker.adapters.store.keys import HANDOFF_HOLD_KEY
@@ -21,12 +21,20 @@ from stoker.core.jobs import Job
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.handoff import wait_for_room
 from stoker.settings import ApiSettings, WorkerSettings
+from tests.fleet import client_context
 from tests.integration.conftest import SpySubmitter
 from workers.procs import wait_for
 
 #: A database of the test Redis no worker of the suite reads: the broker's inference list is junk here.
 SCRATCH_DB = 8
 HIGH, LOW = 4, 2
+
+
+class Watermarks(TypedDict):
+    """The inference queue's watermarks, as settings of the API and the workers alike."""
+
+    infer_high_watermark: int
+    infer_low_watermark: int
 
 
 class ListOutbox:
@@ -93,7 +101,7 @@ def test_a_held_job_is_not_overtaken_by_later_ones_that_find_the_queue_between_i
 ) -> None:
     url = _scratch_url()
     store = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60)
-    marks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
+    marks: Watermarks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
     outbox = ListOutbox(scratch)
     ctx = WorkerContext(WorkerSettings(**marks, handoff_max_wait_s=60), outbox, store=store)
     monitor = QueueMonitor(ApiSettings(**marks, broker_url=url), store)
@@ -133,7 +141,7 @@ def test_the_first_held_job_to_go_in_leaves_the_hold_on_for_those_still_held(scr
     with that job); the API still sends its next job behind the second until that one has gone in too."""
     url = _scratch_url()
     store = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60)
-    marks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
+    marks: Watermarks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
     monitor = QueueMonitor(ApiSettings(**marks, broker_url=url), store)
     hold = store.handoff_hold
     try:
@@ -193,14 +201,14 @@ def test_a_batch_line_held_for_the_queue_holds_no_interactive_job_back(scratch: 
 
 def test_stats_show_operators_when_jobs_are_held(scratch: redis.Redis[bytes]) -> None:
     url = _scratch_url()
-    marks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
+    marks: Watermarks = {"infer_high_watermark": HIGH, "infer_low_watermark": LOW}
     settings = ApiSettings(**marks, broker_url=url, result_url=url, cache_url=url)
     hold = Store.over(scratch, blob_ttl_s=60, job_ttl_s=60).handoff_hold
     with TestClient(create_app(settings, submitter=SpySubmitter(forward=False))) as client:
         _depth(scratch, LOW + 1)
         free = client.get("/v1/stats").json()["infer_watermarks"]
         hold.hold("a-job", 30)
-        context_of(client.app).monitor.sample()  # type: ignore[arg-type]
+        client_context(client).monitor.sample()
         held = client.get("/v1/stats").json()["infer_watermarks"]
     assert free == {"high": HIGH, "low": LOW, "held": False}
     assert held == {"high": HIGH, "low": LOW, "held": True}
