@@ -16,6 +16,14 @@ import httpx
 import openai
 import pytest
 import redis
+from openai.types import CompletionUsage
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionContentPartParam,
+    ChatCompletionMessageParam,
+)
+from pydantic import BaseModel
 
 from api.app import create_app
 from api.context import ApiContext
@@ -34,6 +42,18 @@ MODEL = ApiSettings().public_model_name
 def data_url(data: bytes, mime: str = "image/png") -> str:
     """A base64 data URL."""
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def _extra(model: BaseModel, name: str) -> Any:
+    """A field stoker adds to one of openai's objects (an extra field to the client), in its JSON form."""
+    assert model.model_extra is not None, model
+    return model.model_extra[name]
+
+
+def _usage(answer: ChatCompletion | ChatCompletionChunk) -> CompletionUsage:
+    """An answer's usage, which stoker always gives (openai types it as optional)."""
+    assert answer.usage is not None, answer
+    return answer.usage
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +167,7 @@ def test_audio_is_transcribed_for_the_chat(client: openai.OpenAI) -> None:
 
 
 def test_an_image_in_an_earlier_turn_stays_with_its_turn(client: openai.OpenAI, base_url: str) -> None:
-    messages = [
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": "Answer in one word."},
         {
             "role": "user",
@@ -160,7 +180,7 @@ def test_an_image_in_an_earlier_turn_stays_with_its_turn(client: openai.OpenAI, 
         {"role": "user", "content": "What was the password?"},
     ]
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=4)
-    facts = raw.parse().model_extra["stoker"]
+    facts = _extra(raw.parse(), "stoker")
     assert facts["status"] == "succeeded"
     assert "SWORDFISH" in facts["inputs"][0]["text"]
     job = httpx.get(f"{base_url}/v1/jobs/{raw.headers['x-stoker-job-id']}").json()
@@ -186,25 +206,30 @@ def test_a_streamed_answer_comes_in_chunks_and_ends(client: openai.OpenAI) -> No
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish in (["stop"], ["length"])
     assert chunks[-1].choices == []
-    assert chunks[-1].usage.completion_tokens <= 6
-    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
+    usage = _usage(chunks[-1])
+    assert usage.completion_tokens <= 6
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
 def test_a_stop_sequence_ends_a_streamed_answer_at_the_token_that_completes_it(workers: dict[str, Path]) -> None:
     """The answer ends where the stop is completed: no text past it is streamed, and usage counts the tokens up to
     and including the one that completed it (as vLLM counts them), not the `max_tokens` the answer would run to."""
-    story = [{"role": "user", "content": "Write a long story about a dragon and a castle."}]
+    story: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Write a long story about a dragon and a castle."}
+    ]
     with (
         serve(create_app(ApiSettings(max_tokens_cap=ROOMY_TOKENS, sse_keepalive_s=0.2))) as base,
         openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120) as roomy,
     ):
         whole = roomy.chat.completions.create(model=MODEL, messages=story, max_tokens=ROOMY_TOKENS, logprobs=True)
-        text, entries = whole.choices[0].message.content, whole.choices[0].logprobs.content
+        choice = whole.choices[0]
+        assert choice.logprobs is not None
+        text, entries = choice.message.content, choice.logprobs.content
         assert text is not None
         assert entries is not None
         word = text.split()[2]
         through = next(k for k in range(1, len(entries) + 1) if word in "".join(e.token for e in entries[:k]))
-        assert through < whole.usage.completion_tokens // 2  # early in an answer that runs on
+        assert through < _usage(whole).completion_tokens // 2  # early in an answer that runs on
         stream = roomy.chat.completions.create(
             model=MODEL,
             messages=story,
@@ -217,7 +242,7 @@ def test_a_stop_sequence_ends_a_streamed_answer_at_the_token_that_completes_it(w
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text[: text.index(word)]  # up to the stop, its whitespace kept
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
-    assert chunks[-1].usage.completion_tokens == through
+    assert _usage(chunks[-1]).completion_tokens == through
 
 
 @pytest.mark.parametrize("api_tokenize", [False, True], ids=["tokenized by a worker", "tokenized by the API"])
@@ -275,9 +300,15 @@ def test_a_stream_with_media_keeps_the_connection_alive_until_its_answer(one_at_
             {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}}]}
         ],
     }
-    urls = {key: one_at_a_time.env[f"STOKER_{key.upper()}"] for key in ("broker_url", "result_url", "cache_url")}
+    env = one_at_a_time.env
+    settings = ApiSettings(
+        broker_url=env["STOKER_BROKER_URL"],
+        result_url=env["STOKER_RESULT_URL"],
+        cache_url=env["STOKER_CACHE_URL"],
+        sse_keepalive_s=0.2,
+    )
     with (
-        serve(create_app(ApiSettings(**urls, sse_keepalive_s=0.2))) as base_url,
+        serve(create_app(settings)) as base_url,
         httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as response,
     ):
         assert response.status_code == 200
@@ -294,10 +325,11 @@ def test_refusals_raise_the_clients_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.UnprocessableEntityError) as many:
         _ask(client, "hi", n=5)
     assert many.value.code == "invalid_request"
+    assert isinstance(many.value.body, dict), many.value.body
     assert many.value.body["type"] == "invalid_request_error"
     assert many.value.response.headers["x-should-retry"] == "false"
     (card,) = client.models.list().data
-    cap = card.model_extra["max_tokens_cap"]
+    cap = _extra(card, "max_tokens_cap")
     with pytest.raises(openai.BadRequestError) as over:  # as vLLM: refused, not silently cut
         _ask(client, "hi", max_completion_tokens=cap + 1)
     assert (over.value.code, over.value.param) == ("max_tokens_over_cap", "max_completion_tokens")
@@ -339,7 +371,9 @@ def test_auth_size_and_rate_refusals(secured: Callable[..., AbstractContextManag
         keyed = openai.OpenAI(base_url=f"{base}/v1", api_key=token, max_retries=0)
         stack.enter_context(keyed)
         assert [m.id for m in keyed.models.list()] == [MODEL]  # the burst: one request
-        big = [{"type": "image_url", "image_url": {"url": data_url(text_image("BIG") * 4)}}]
+        big: list[ChatCompletionContentPartParam] = [
+            {"type": "image_url", "image_url": {"url": data_url(text_image("BIG") * 4)}}
+        ]
         with pytest.raises(openai.APIStatusError) as too_big:  # refused at the door, before any count
             keyed.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": big}])
         assert (too_big.value.status_code, too_big.value.code) == (413, "payload_too_large")
@@ -370,7 +404,9 @@ def test_a_deadline_that_passes_answers_504(workers: dict[str, Path]) -> None:
     # usual sentence could let the job reach the model, and be answered, within it). No inference reserve: with
     # one, preprocessing is cut off halfway and a fast model may start, and answer `degraded`, before the deadline.
     audio = base64.b64encode(speech_wav(f"The order number is {time.time_ns() % 100000}.")).decode()
-    content = [{"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}}]
+    content: list[ChatCompletionContentPartParam] = [
+        {"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}}
+    ]
     with serve(create_app(ApiSettings(deadline_ms=100, infer_reserve_ms=0))) as base:
         official = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
         with official, pytest.raises(openai.InternalServerError) as late:
@@ -408,7 +444,7 @@ def test_a_non_streamed_client_that_goes_away_gives_its_job_up(base_url: str) ->
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
     with socket.create_connection((url.host, url.port), timeout=30) as raw:
         raw.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        wait_for(lambda: _jobs_with_prompt(base_url, prompt), 30, "the chat's job", [])
+        wait_for(lambda: bool(_jobs_with_prompt(base_url, prompt)), 30, "the chat's job", [])
         (job,) = _jobs_with_prompt(base_url, prompt)
         assert job["status"] in ("queued", "preprocessing")  # its audio is still being transcribed
     ended = httpx.get(f"{base_url}/v1/jobs/{job['id']}", params={"wait": 30}, timeout=40).json()
