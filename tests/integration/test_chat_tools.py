@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import httpx
 import openai
@@ -17,6 +17,12 @@ import pytest
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from openai.types.chat import (
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageFunctionToolCallParam,
+    ChatCompletionMessageParam,
+    ChatCompletionNamedToolChoiceParam,
+)
 from pydantic import BaseModel, Field
 
 from api.app import create_app
@@ -25,7 +31,7 @@ from tests.integration.conftest import ROOMY_TOKENS
 from tests.serving import serve
 
 MODEL = ApiSettings().public_model_name
-WEATHER: dict[str, Any] = {
+WEATHER: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -38,8 +44,8 @@ WEATHER: dict[str, Any] = {
         },
     },
 }
-FORCED = {"type": "function", "function": {"name": "get_weather"}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORCED: ChatCompletionNamedToolChoiceParam = {"type": "function", "function": {"name": "get_weather"}}
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +62,7 @@ def client(base_url: str) -> Iterator[openai.OpenAI]:
 
 
 def test_a_json_schema_answer_parses_and_validates(client: openai.OpenAI) -> None:
-    schema = {
+    schema: dict[str, object] = {
         "type": "object",
         "properties": {"city": {"type": "string", "maxLength": 12}, "sunny": {"type": "boolean"}},
         "required": ["city", "sunny"],
@@ -93,13 +99,15 @@ def test_a_forced_call_comes_back_as_tool_calls_and_its_result_is_answered(clien
     job = httpx.get(f"{client.base_url}jobs/{raw.headers['x-stoker-job-id']}").json()
     assert job["result"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
+    # The call as the client received it, sent back as is: a dump of openai's tool call has its param's shape.
+    called = cast(ChatCompletionMessageFunctionToolCallParam, call.model_dump())
     followed = client.chat.completions.create(
         model=MODEL,
         max_tokens=6,
         tools=[WEATHER],
         messages=[
             *ASK,
-            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "assistant", "content": None, "tool_calls": [called]},
             {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "clear"}'},
         ],
     )
@@ -132,7 +140,7 @@ def test_a_required_call_streams_as_a_tool_call_delta(client: openai.OpenAI) -> 
 
 
 def test_a_schema_that_cannot_be_compiled_or_a_tool_that_is_not_offered_is_400(client: openai.OpenAI) -> None:
-    bad = {"type": "object", "properties": {"code": {"type": "string", "pattern": "(("}}}
+    bad: dict[str, object] = {"type": "object", "properties": {"code": {"type": "string", "pattern": "(("}}}
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
             model=MODEL,
@@ -143,7 +151,7 @@ def test_a_schema_that_cannot_be_compiled_or_a_tool_that_is_not_offered_is_400(c
     assert refused.value.code == "unsupported_schema"
     assert "response_format" in refused.value.message
     assert "unclosed group" in refused.value.message
-    elsewhere = {"type": "function", "function": {"name": "launch"}}
+    elsewhere: ChatCompletionNamedToolChoiceParam = {"type": "function", "function": {"name": "launch"}}
     with pytest.raises(openai.UnprocessableEntityError) as unknown:
         client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=elsewhere)
     assert "launch" in unknown.value.message
