@@ -27,6 +27,7 @@ from stoker.core.tenancy import cache_scope
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.stage import LEASE_S, through_cache
 from stoker.settings import ApiSettings, CommonSettings, WorkerSettings
+from tests.fakes.outbox import NoOutbox
 from tests.fleet import client_context, own_fleet
 from tests.integration.conftest import SpySubmitter
 from tests.integration.test_pipeline import _wait
@@ -159,7 +160,7 @@ def test_a_twin_that_finishes_between_a_followers_read_and_its_lease_is_not_comp
             computed.append(name)
             return {"features": {"by": name}}
 
-        ctx = WorkerContext(WorkerSettings(), outbox=None, cache=cache)  # type: ignore[arg-type]
+        ctx = WorkerContext(WorkerSettings(), outbox=NoOutbox(), cache=cache)
         return through_cache(ctx, None, address, compute, wait_s=5.0)
 
     leader = StageCache.connect(CommonSettings())
