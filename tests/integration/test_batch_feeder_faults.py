@@ -20,6 +20,7 @@ from typing import Any
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from openai.types.chat import ChatCompletionFunctionToolParam
 
 from stoker.core.openai_batches import OpenAIBatch
 from stoker.core.tenancy import issue_key
@@ -50,7 +51,10 @@ QUOTA = 48_000_000
 POISON = b'{"custom_id": "poison", "method": "POST", "url": "/v1/chat/completions", "body": ' + b"[" * 5000
 POISON += b"]" * 5000 + b"}"
 #: A tool whose parameters carry llguidance options that are not an object.
-BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"x-guidance": [1]}}}
+BAD_TOOL: ChatCompletionFunctionToolParam = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"x-guidance": [1]}},
+}
 
 
 @dataclass
@@ -182,7 +186,7 @@ def test_chat_completions_refuse_a_tool_schema_the_grammar_cannot_take(stack: St
         client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "What is f?"}],
-            tools=[BAD_TOOL],  # type: ignore[list-item]
+            tools=[BAD_TOOL],
             max_tokens=4,
         )
     assert refused.value.status_code == 400

@@ -299,7 +299,9 @@ def test_an_ended_batch_s_record_expires(
     feeder = OpenAIBatchFeeder(client_context(api))
 
     def ended() -> bool:
-        api.portal.call(feeder.tick)  # type: ignore[union-attr]  # the portal of the entered client
+        portal = api.portal  # the portal of the entered client
+        assert portal is not None
+        portal.call(feeder.tick)
         return bool(api.get(f"/v1/batches/{batch_id}", headers=alpha.auth).json()["status"] == "cancelled")
 
     wait_for(ended, 30, "the batch cancelled", [])

@@ -13,7 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +51,9 @@ class Stack:
 
     fleet: Fleet
     api: TestClient
-    feeder: subprocess.Popen[bytes]
     port: int
     env: dict[str, str]
+    feeder: subprocess.Popen[bytes] = field(init=False)  # started by `start_feeder`
 
     def start_feeder(self) -> None:
         """Start (or replace) the feeding API process, and wait until it serves."""
@@ -80,7 +80,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     api = {"files_dir": files, "batch_feeder": False}
     with own_fleet(settings, kinds=("cpu", "infer"), api=api) as fleet:
         env = {**fleet.env, "STOKER_FILES_DIR": str(files), "STOKER_BATCH_FEED_INTERVAL_S": "0.1"}
-        crew = Stack(fleet, fleet.client, None, free_port(), env)  # type: ignore[arg-type]
+        crew = Stack(fleet, fleet.client, free_port(), env)
         crew.start_feeder()
         try:
             yield crew

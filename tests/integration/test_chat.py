@@ -7,8 +7,9 @@ import json
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,18 +71,23 @@ def client(base_url: str) -> Iterator[openai.OpenAI]:
         yield official
 
 
+@dataclass
+class Secured:
+    """A maker of APIs served with auth on and the given settings (each yields its base URL), and a tenant's key."""
+
+    token: str
+
+    def __call__(self, **settings: Any) -> AbstractContextManager[str]:
+        return serve(create_app(ApiSettings(auth=True, **settings)))
+
+
 @pytest.fixture
-def secured(workers: dict[str, Path], store_redis: redis.Redis[bytes]) -> Callable[..., AbstractContextManager[str]]:
+def secured(workers: dict[str, Path], store_redis: redis.Redis[bytes]) -> Secured:
     """Serves APIs with auth on and the given settings; yields a maker of (base URL, key) pairs."""
     store = Store.over(store_redis, blob_ttl_s=3600, job_ttl_s=3600)
     issued = issue_key(f"chat-{uuid.uuid4().hex[:8]}", time.time())
     store.tenants.put_api_key(issued.record)
-
-    def make(**settings: Any) -> AbstractContextManager[str]:
-        return serve(create_app(ApiSettings(auth=True, **settings)))
-
-    make.token = issued.token  # type: ignore[attr-defined]
-    return make
+    return Secured(issued.token)
 
 
 def _ask(client: openai.OpenAI, content: Any, **kwargs: Any) -> Any:
@@ -360,8 +366,8 @@ def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
     assert answer.model_extra["stoker"]["status"] == "succeeded"
 
 
-def test_auth_size_and_rate_refusals(secured: Callable[..., AbstractContextManager[str]]) -> None:
-    token: str = secured.token  # type: ignore[attr-defined]
+def test_auth_size_and_rate_refusals(secured: Secured) -> None:
+    token = secured.token
     with ExitStack() as stack:
         base = stack.enter_context(secured(max_body_bytes=4096, rate_limit_per_s=0.01, rate_limit_burst=1))
         keyless = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-not-a-stoker-key", max_retries=0)

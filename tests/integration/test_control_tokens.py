@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from api.context import context_of
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
 from stoker.core.cachekeys import prompt_address
 from stoker.core.prompting import attachment_for
 from stoker.core.tenancy import cache_scope
+from tests.fleet import client_context
 from tests.integration.test_pipeline import _wait
 from tests.media import text_image
 
@@ -26,7 +26,7 @@ def test_a_picture_spelling_turn_markers_opens_no_turn(client: TestClient) -> No
     job_id = response.json()["id"]
     assert _wait(client, job_id)["status"] == "succeeded"
 
-    context = context_of(client.app)  # type: ignore[arg-type]
+    context = client_context(client)
     job = context.store.jobs.load_job(job_id)
     assert job is not None
     assert job.inputs[0].text == FORGED  # OCR read the markers exactly

@@ -8,14 +8,14 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 from kombu.connection import Connection
 
 from stoker.adapters.broker import redis_transport, transport_options
-from stoker.adapters.redis_intake import RedisIntake
+from stoker.adapters.redis_intake import IntakeMessage, RedisIntake
 from stoker.core.queues import INFER_QUEUE
 from stoker.settings import ApiSettings
 from tasks.app import make_app
@@ -64,8 +64,14 @@ def _send(url: str, *job_ids: str, direct: bool = False) -> None:
             publisher.close()
 
 
-def _jobs(messages: list) -> list[str]:  # type: ignore[type-arg]
-    return [m.kwargs["job_id"] for m in messages]
+def _jobs(messages: list[IntakeMessage]) -> list[str]:
+    return [_job_id(m) for m in messages]
+
+
+def _job_id(message: IntakeMessage) -> str:
+    assert message.kwargs is not None, message.id
+    job_id: str = message.kwargs["job_id"]
+    return job_id
 
 
 def test_what_waits_is_taken_oldest_first_up_to_the_room_and_held_in_kombu_s_unacked_index(
@@ -141,7 +147,7 @@ def test_an_empty_queue_is_waited_on_and_the_first_message_to_come_is_taken_and_
     broker_url: str, broker: redis.Redis[bytes]
 ) -> None:
     intake = _intake(broker_url)
-    taken: list = []  # type: ignore[type-arg]
+    taken: list[IntakeMessage] = []
     reader = threading.Thread(target=lambda: taken.extend(intake.take(5, block_s=30.0)))
     reader.start()
     try:
@@ -197,7 +203,7 @@ def test_the_inference_worker_s_celery_consumer_leaves_its_queue_to_the_intake(o
 class FailsOnce:
     """The intake's script, failing once as a broker that goes away would."""
 
-    def __init__(self, script: object) -> None:
+    def __init__(self, script: Callable[..., object]) -> None:
         self.script = script
         self.failed = False
 
@@ -205,7 +211,7 @@ class FailsOnce:
         if not self.failed:
             self.failed = True
             raise redis.ConnectionError("the broker went away")
-        return self.script(**kwargs)  # type: ignore[operator]
+        return self.script(**kwargs)
 
 
 def _popped_when_the_script_failed(url: str) -> RedisIntake:
