@@ -30,6 +30,7 @@ from stoker.settings import ApiSettings, WorkerSettings
 from tasks.app import make_app
 from tasks.pipeline import job_canvas
 from tasks.preprocess import decode
+from tests.fakes.outbox import NoOutbox
 from workers.launch import worker_argv, worker_env
 
 #: A producer app, as the API builds one: signatures need no broker until sent.
@@ -357,7 +358,7 @@ def test_the_speech_model_is_loaded_once_when_two_threads_ask_together(monkeypat
         return object()
 
     monkeypatch.setattr(WorkerContext, "_load_speech_model", slow_load)
-    ctx = WorkerContext(WorkerSettings(), outbox=None)  # type: ignore[arg-type]
+    ctx = WorkerContext(WorkerSettings(), outbox=NoOutbox())
     got: list[object] = []
     first = threading.Thread(target=lambda: got.append(ctx.speech_model))
     first.start()
@@ -375,7 +376,7 @@ def test_the_local_models_torch_threads_come_from_the_settings(monkeypatch: pyte
     from stoker.adapters.backends.local import TransformersPredictor
     from stoker.runtime.context import WorkerContext
 
-    predictor = WorkerContext(WorkerSettings(torch_threads=1), outbox=None)._local_predictor()  # type: ignore[arg-type]
+    predictor = WorkerContext(WorkerSettings(torch_threads=1), outbox=NoOutbox())._local_predictor()
     assert predictor.threads == 1
     monkeypatch.setattr(TransformersPredictor, "_load_model", lambda self, device: object())  # no weights needed
     before = torch.get_num_threads()
@@ -385,6 +386,16 @@ def test_the_local_models_torch_threads_come_from_the_settings(monkeypatch: pyte
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_local_models_engine_settings_reach_the_predictor() -> None:
+    """STOKER_LOCAL_ENGINE, STOKER_ENGINE_MAX_ROWS and STOKER_KV_CACHE_TOKENS reach the predictor the worker builds."""
+    from stoker.runtime.context import WorkerContext
+
+    settings = WorkerSettings(local_engine=False, engine_max_rows=3, kv_cache_tokens=4096)
+    predictor = WorkerContext(settings, outbox=NoOutbox())._local_predictor()
+    assert (predictor.engine, predictor.max_rows, predictor.kv_cache_tokens) == (False, 3, 4096)
+    assert not predictor.mixes_sampling
 
 
 def test_a_recordings_own_limit_starts_once_its_speech_model_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -404,7 +415,7 @@ def test_a_recordings_own_limit_starts_once_its_speech_model_is_loaded(monkeypat
     monkeypatch.setattr(media, "input_bytes", lambda ctx, record, stage: b"")
     monkeypatch.setattr(media, "decode_audio", lambda data: [])
     monkeypatch.setattr(media, "transcribe_samples", lambda model, samples, beam: Transcript("heard", []))
-    ctx = WorkerContext(WorkerSettings(transcribe_base_s=0.3, transcribe_per_media_s=0.0), outbox=None)  # type: ignore[arg-type]
+    ctx = WorkerContext(WorkerSettings(transcribe_base_s=0.3, transcribe_per_media_s=0.0), outbox=NoOutbox())
     record = InputRecord(index=0, kind="audio", content_hash="a", size_bytes=1, features={"duration_s": 1.0})
     with input_stage(record, "transcribe"):
         media.transcribe(ctx, "job", record)
