@@ -15,9 +15,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from stoker.adapters.backends.local import SimPredictor, TransformersPredictor
+from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.remote import OpenAIPredictor
+from stoker.adapters.backends.sim import SimPredictor
 from stoker.adapters.backends.tokenizer import PromptTokenizer, file_identity, load_prompt_tokenizer, load_tokenizer
 from stoker.adapters.backends.vision import ImagePreparer
 from stoker.adapters.backends.vlm import VisionEncoder, VisionLanguagePredictor, is_vision_language

@@ -18,7 +18,7 @@ import redis
 import torch
 from prometheus_client import REGISTRY
 
-from stoker.adapters.backends.local import EngineRun
+from stoker.adapters.backends.calls import EngineRun
 from stoker.adapters.backends.remote import OpenAIPredictor
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.backends.vlm import VisionEncoder, VisionLanguagePredictor

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from stoker.adapters.backends.local import SimPredictor
+from stoker.adapters.backends.sim import SimPredictor
 from stoker.core.model import Continued, ModelRequest, Prediction, run_predictor
 
 STEPS = 10

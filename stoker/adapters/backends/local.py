@@ -2,67 +2,41 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from stoker.adapters.backends.engine import DecodeEngine, EngineFull, EngineRequest, Finished, Row
+from stoker.adapters.backends.calls import (
+    EngineRun,
+    LocalBatch,
+    YieldsToConsumer,
+    stops_now,
+    submit_in_turn,
+    torch_dtype,
+    with_calls,
+)
+from stoker.adapters.backends.engine import DecodeEngine, EngineRequest, Finished, Row
+from stoker.adapters.backends.generation import (
+    Generated,
+    RowDraws,
+    RowSampler,
+    Step,
+    StopSequences,
+    YieldPoints,
+    step_logprobs,
+)
 from stoker.adapters.backends.grammar import GrammarMask, grammar_for, token_grammar
 from stoker.adapters.backends.streams import Pieces, RowStreams, StreamedRow, send_piece
 from stoker.adapters.backends.tokenizer import load_tokenizer
-from stoker.core.batching import Collated, collate_left, strip_generated
+from stoker.core.batching import collate_left, strip_generated
 from stoker.core.errors import InferenceFailed
-from stoker.core.model import Continued, GenerationParams, ModelRequest, Outcome, Prediction, apply_stop
+from stoker.core.model import Continued, ModelRequest, Outcome, Prediction, apply_stop
 from stoker.core.streaming import TextStream
-from stoker.core.tools import parse_tool_calls
 
 log = logging.getLogger(__name__)
-
-
-def torch_dtype(torch: Any, dtype: str, device: str) -> Any:
-    """The dtype a setting names; `auto`: bfloat16 on CUDA, float32 on a CPU."""
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    return torch.bfloat16 if device.startswith("cuda") else torch.float32
-
-
-@dataclass(frozen=True)
-class LocalBatch:
-    """Left-padded prompts (each with the answer it has so far, if it goes on), and the requests they are of (one
-    sampling key for the whole batch)."""
-
-    collated: Collated
-    requests: list[ModelRequest]
-
-    @property
-    def params(self) -> list[GenerationParams]:
-        """Each request's generation parameters."""
-        return [r.params for r in self.requests]
-
-
-class YieldsToConsumer:
-    """A backend whose calls can stop between decoding steps for the consumer's waiting requests: the consumer
-    hands it the count of those (`yield_to`); `stops_now` is the rule its calls stop by."""
-
-    #: How many interactive requests wait for the device (the consumer's), and the most rows a call may have.
-    _waiting: Callable[[], int] | None = None
-    _max_rows = 0
-
-    def yield_to(self, waiting: Callable[[], int], max_rows: int) -> None:
-        """Let calls stop between decoding steps for the requests `waiting` counts."""
-        self._waiting, self._max_rows = waiting, max_rows
-
-
-def stops_now(going: int, rows: int, max_rows: int, waiting: Callable[[], int]) -> bool:
-    """Whether a call of `rows` answers, `going` of them unfinished, stops at this step: when some are done and
-    others are not (the done ones go out now rather than with the longest: their clients gain, at the cost of the
-    others re-reading their prompts in the next call), or when a request waits for the device and the call has room
-    for it (it joins the next call)."""
-    return going > 0 and (going < rows or (going < max_rows and waiting() > 0))
 
 
 class TransformersPredictor(YieldsToConsumer):
@@ -195,7 +169,7 @@ class TransformersPredictor(YieldsToConsumer):
         steps, every = 0, self._yield_every(batch)
         try:
             while queued or engine.busy:
-                queued = _submit(engine, queued)
+                queued = submit_in_turn(engine, queued)
                 finished.update((int(f.key), f) for f in engine.step())  # type: ignore[call-overload]
                 steps += 1
                 if every and steps % every == 0 and self._yields(engine, len(batch.requests) - len(finished), batch):
@@ -294,7 +268,7 @@ class TransformersPredictor(YieldsToConsumer):
                 do_sample=False,
                 **inputs,
             )
-            steps = _steps(torch, out, batch.collated.width, first.top_logprobs) if first.logprobs else None
+            steps = step_logprobs(torch, out, batch.collated.width, first.top_logprobs) if first.logprobs else None
         return Generated(batch, out.sequences.tolist(), steps, streams, grammars)
 
     def _sampler(self, batch: LocalBatch) -> RowSampler | None:
@@ -305,7 +279,7 @@ class TransformersPredictor(YieldsToConsumer):
         if first.greedy:
             return None
         rows = [
-            _Stream(r.params.seed if r.params.seed is not None else secrets.randbits(63), answer, len(r.generated))
+            RowDraws(r.params.seed if r.params.seed is not None else secrets.randbits(63), answer, len(r.generated))
             for r in batch.requests
             for answer in range(first.n)
         ]
@@ -448,7 +422,7 @@ class TransformersPredictor(YieldsToConsumer):
             finish_reason="length" if row.end == "length" else "stop",
             logprobs=[self._entry(step) for step in row.steps[: len(kept)]] if params.logprobs else None,
         )
-        return _with_calls(answer, params)
+        return with_calls(answer, params)
 
     def _stop_ids(self) -> set[int]:
         """The ids a row ends at: padding and end of sequence."""
@@ -473,7 +447,7 @@ class TransformersPredictor(YieldsToConsumer):
             finish_reason="stop" if ended else "length",
             logprobs=[self._entry(step) for step in steps[: len(kept)]] if steps is not None else None,
         )
-        return _with_calls(answer, params)
+        return with_calls(answer, params)
 
     def _entry(self, step: Step) -> dict[str, Any]:
         """One answer token's log probability and its likeliest alternatives, in OpenAI's shape."""
@@ -483,312 +457,3 @@ class TransformersPredictor(YieldsToConsumer):
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self._tokenizer.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-
-def _with_calls(answer: Prediction, params: GenerationParams) -> Prediction:
-    """An answer of a request with tools, its calls parsed out of its text (`finish_reason` `tool_calls`)."""
-    if params.calls == "none":
-        return answer
-    text, calls = parse_tool_calls(answer.text, params.tools)
-    if not calls:
-        return answer
-    dumped = [c.model_dump() for c in calls]
-    return replace(answer, text=text, tool_calls=dumped, finish_reason="tool_calls")
-
-
-@dataclass(frozen=True)
-class EngineRun:
-    """What one call on the decode engine made: the requests whose answers all ended (by position), and the rows
-    of those it parked, still going."""
-
-    batch: LocalBatch
-    finished: dict[int, Finished]
-    going: dict[int, list[Row]]
-
-
-def _submit(engine: DecodeEngine, queued: list[EngineRequest]) -> list[EngineRequest]:
-    """Submit the queued requests in order while the engine has room for them; the rest, still queued."""
-    for position, request in enumerate(queued):
-        try:
-            engine.submit(request)
-        except EngineFull:
-            return queued[position:]
-    return []
-
-
-class StopSequences:
-    """A stopping criterion for `generate`: a row whose answer's text holds one of its request's stop sequences is
-    done at the step whose token completed it (`generate` pads it from then on, and the call ends when every row
-    is done), so its answer, usage and log probabilities end at that token.
-
-    By hand rather than transformers' `StopStringCriteria`: that one takes one list of stop strings for every row
-    of the call, where the rows of a call carry their own requests' stops; and it matches the stop against the
-    ends of tokens, where this decodes each row's answer and looks for a stop as the answer is then cut
-    (`apply_stop`), so a row ends at exactly the token the cut answer ends before."""
-
-    def __init__(
-        self,
-        stops: list[tuple[str, ...]],
-        prefixes: list[list[int]],
-        width: int,
-        decode: Callable[[list[int]], str],
-        stop_ids: set[int],
-    ) -> None:
-        self.stops = stops
-        #: Per row: the answer's tokens from earlier calls (a stop may span them and this call's).
-        self.prefixes = prefixes
-        self.width = width
-        self.decode = decode
-        self.stop_ids = stop_ids
-        #: The rows a stop sequence ended.
-        self.done: set[int] = set()
-
-    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-        import torch  # heavy: in the model's process only
-
-        if input_ids.shape[1] > self.width:
-            for row, stop in enumerate(self.stops):
-                if stop and row not in self.done and self._holds(row, stop, input_ids[row].tolist()):
-                    self.done.add(row)
-        ended = [row in self.done for row in range(input_ids.shape[0])]
-        return torch.tensor(ended, dtype=torch.bool, device=input_ids.device)
-
-    def _holds(self, row: int, stop: tuple[str, ...], ids: list[int]) -> bool:
-        """Whether a row's answer so far (up to its end of sequence) holds one of its stops."""
-        (new,) = strip_generated([ids], self.width, self.stop_ids)
-        return apply_stop(self.decode([*self.prefixes[row], *new]), stop)[1]
-
-
-class YieldPoints:
-    """A stopping criterion for `generate`: every `every` new tokens, the whole call stops when some of its rows
-    are done and others are not (the done answers go out now rather than with the longest), or when a request
-    waits for the device and the call has room for it (it joins the next call); else the call goes on. A row is
-    done at its end of sequence, at its limit, or when one of its stop sequences ended it (`finished`)."""
-
-    def __init__(
-        self,
-        every: int,
-        width: int,
-        rest: list[int],
-        stop_ids: set[int],
-        waiting: Callable[[], int],
-        max_rows: int,
-        finished: Collection[int] = (),
-    ) -> None:
-        self.every = every
-        self.finished = finished
-        self.width = width
-        #: Per row: the new tokens it may still have in this call.
-        self.rest = rest
-        self.stop_ids = sorted(stop_ids)
-        self.waiting = waiting
-        self.max_rows = max_rows
-
-    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-        import torch  # heavy: in the model's process only
-
-        rows, steps = input_ids.shape[0], input_ids.shape[1] - self.width
-        stop = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
-        if steps == 0 or steps % self.every:
-            return stop
-        ended = torch.isin(input_ids[:, self.width :], torch.tensor(self.stop_ids, device=input_ids.device)).any(1)
-        rest = enumerate(zip(ended.tolist(), self.rest, strict=True))
-        done = [bool(e) or steps >= r or row in self.finished for row, (e, r) in rest]
-        return ~stop if stops_now(rows - sum(done), rows, self.max_rows, self.waiting) else stop
-
-
-@dataclass(frozen=True)
-class Generated:
-    """What one generate call made: every row's ids, with `logprobs` each row's steps, the streamed rows, and the
-    rows' grammars (which say what rows broke theirs)."""
-
-    batch: LocalBatch
-    rows: list[list[int]]
-    steps: Steps | None
-    streams: RowStreams | None = None
-    grammars: GrammarMask | None = None
-
-    def broken(self, rows: range) -> InferenceFailed | None:
-        """The error of a request whose rows (one of them) broke their grammar mid-answer; None when none did."""
-        failed = self.grammars.failed if self.grammars is not None else {}
-        reason = next((failed[row] for row in rows if row in failed), None)
-        if reason is None:
-            return None
-        return InferenceFailed(f"the answer could not be held to its format ({reason}): it was ended", stage="infer")
-
-
-@dataclass(frozen=True)
-class _Stream:
-    """Where a sampled row's draws come from: its request's seed, which of the request's answers it is, and how
-    many tokens the answer had before this call."""
-
-    seed: int
-    answer: int
-    offset: int
-
-    def uniform(self, step: int) -> float:
-        """The draw for this call's `step`-th token: a number in [0, 1) fixed by the seed, the answer and the
-        token's place in it, and by nothing else (neither the other rows of the call nor the calls before)."""
-        place = f"{self.seed}:{self.answer}:{self.offset + step}".encode()
-        bits = int.from_bytes(hashlib.blake2b(place, digest_size=8).digest(), "little")
-        return (bits >> 11) * 2.0**-53  # the top 53 bits: every double in [0, 1) a draw can be
-
-
-class RowSampler:
-    """A logits processor that samples each row's next token itself and leaves it the only one `generate` can take:
-    the scores warped as transformers warps them (temperature; the model's own top_k, if its generation config sets
-    one; top_p), then the token where the row's own draw (`_Stream.uniform`) falls in their cumulative
-    distribution.
-
-    By hand, because generate's sampling draws every row from one global generator: a row's tokens would then
-    depend on the rows beside it, and a seed set at each call would start over at every continuation."""
-
-    def __init__(self, temperature: float, top_p: float, top_k: int | None, rows: list[_Stream], width: int) -> None:
-        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper  # heavy: see setup()
-
-        warpers: list[Any] = [TemperatureLogitsWarper(temperature)]
-        if top_k:
-            warpers.append(TopKLogitsWarper(top_k))
-        if top_p < 1:
-            warpers.append(TopPLogitsWarper(top_p))
-        self.warpers = warpers
-        self.rows = rows
-        self.width = width
-
-    def __call__(self, input_ids: Any, scores: Any) -> Any:
-        import torch  # heavy: in the model's process only
-
-        for warp in self.warpers:
-            scores = warp(input_ids, scores)
-        step = input_ids.shape[1] - self.width
-        probs = torch.softmax(scores.double(), dim=-1)
-        cumulative = probs.cumsum(-1)
-        draws = torch.tensor([[r.uniform(step)] for r in self.rows], dtype=torch.float64, device=scores.device)
-        chosen = torch.searchsorted(cumulative, draws * cumulative[:, -1:], right=True)
-        last = (probs > 0).long().cumsum(-1).argmax(-1, keepdim=True)  # each row's last token that can be drawn
-        chosen = torch.minimum(chosen, last)
-        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
-
-
-#: One generated token's (id, log probability), and the likeliest tokens' at its place.
-Step = tuple[tuple[int, float], list[tuple[int, float]]]
-#: Per row of a generate call, per new token.
-Steps = list[list[Step]]
-
-
-def _steps(torch: Any, out: Any, width: int, top: int) -> Steps:
-    """Each row's new tokens' log probabilities under the model's raw logits (before temperature or top_p, as
-    OpenAI's), with the `top` likeliest tokens at each place."""
-    logits = torch.stack(out.logits, dim=1).float()  # rows x new tokens x vocabulary
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = out.sequences[:, width : width + logits.shape[1]]
-    picked = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-    best = logprobs.topk(top, dim=-1) if top else None
-    rows: Steps = []
-    for row in range(logits.shape[0]):
-        tokens = list(zip(chosen[row].tolist(), picked[row].tolist(), strict=True))
-        rows.append(list(zip(tokens, _alternatives(best, row, len(tokens)), strict=True)))
-    return rows
-
-
-def _alternatives(best: Any, row: int, count: int) -> list[list[tuple[int, float]]]:
-    """A row's likeliest tokens at each of its `count` places (none when no `top_logprobs` were asked)."""
-    if best is None:
-        return [[] for _ in range(count)]
-    indices, values = best.indices[row].tolist(), best.values[row].tolist()
-    return [list(zip(i, v, strict=True)) for i, v in zip(indices, values, strict=True)]
-
-
-class SimPredictor(YieldsToConsumer):
-    """A simulated accelerator, for benchmarks and tests: a batch takes `base_ms + per_item_ms × items`.
-
-    The time is spent asleep, so the device is busy while the CPU stays free, as with a real GPU. The answers are
-    placeholders saying what was simulated: nothing here is a model.
-
-    With `steps`, each request is that many decoding steps, and a call of n requests spends `(base_ms + per_item_ms
-    × n) / steps` on each: run whole, a batch takes what it took without steps. Given a consumer to yield to
-    (`yield_to`), a call stops every `yield_steps` steps when some of its answers are done and others are not, or
-    when a request waits for the device and the call has room for it, as `TransformersPredictor`'s calls do: the
-    unfinished answers come back `Continued` (their steps so far) and go on in the next call beside the waiting
-    requests. Batch lines run to their end.
-    """
-
-    mixes_sampling = True
-
-    def __init__(
-        self,
-        base_ms: float,
-        per_item_ms: float,
-        name: str = "sim",
-        fault: str = "none",
-        steps: int = 0,
-        yield_steps: int = 0,
-    ) -> None:
-        self.base_ms = base_ms
-        self.per_item_ms = per_item_ms
-        self.name = name
-        #: `raise`: every call fails; `short`: one answer fewer than requests (tests of the consumer's guards).
-        self.fault = fault
-        self.steps = steps
-        self.yield_steps = yield_steps
-
-    def setup(self, device: str) -> None:
-        """Nothing to load."""
-        log.info("simulated device: %.1f ms + %.1f ms per item", self.base_ms, self.per_item_ms)
-
-    def batch(self, requests: Sequence[ModelRequest]) -> SimBatch:
-        """Each request's prompt length and the steps its answer has had; whether the call may stop early."""
-        yields = bool(self.steps and self.yield_steps and self._waiting) and not any(r.background for r in requests)
-        return SimBatch([len(r.prompt_ids) for r in requests], [len(r.generated) for r in requests], yields)
-
-    def predict(self, batch: SimBatch) -> SimBatch:
-        """Keep the simulated device busy for this call's time: the whole batch's, or its steps' until it yields."""
-        if self.steps:
-            ran = replace(batch, done=self._step(batch))
-        else:
-            time.sleep((self.base_ms + self.per_item_ms * len(batch.prompts)) / 1000)
-            ran = batch
-        if self.fault == "raise":
-            raise RuntimeError("simulated device fault")
-        return replace(ran, prompts=ran.prompts[:-1]) if self.fault == "short" else ran
-
-    def _step(self, batch: SimBatch) -> list[int]:
-        """Run the call's steps until its answers are done or it yields (see the class); each row's steps after."""
-        rows = len(batch.prompts)
-        step_s = (self.base_ms + self.per_item_ms * rows) / self.steps / 1000
-        if not batch.yields:  # one sleep for the whole call: the same time, without a sleep's overshoot per step
-            time.sleep((self.steps - min(batch.done)) * step_s)
-            return [self.steps] * rows
-        done, taken = list(batch.done), 0
-        while min(done) < self.steps:
-            time.sleep(step_s)
-            taken += 1
-            done = [min(d + 1, self.steps) for d in done]
-            going = sum(d < self.steps for d in done)
-            if (
-                taken % self.yield_steps == 0
-                and self._waiting
-                and stops_now(going, rows, self._max_rows, self._waiting)
-            ):
-                break
-        return done
-
-    def unbatch(self, output: SimBatch) -> list[Prediction | Continued]:
-        """One placeholder answer per request; with steps, an unfinished one comes back `Continued`."""
-        outcomes: list[Prediction | Continued] = []
-        for n, steps in zip(output.prompts, output.done, strict=False):  # `short` drops a prompt, not its steps
-            if self.steps and steps < self.steps:
-                outcomes.append(Continued(tuple([0] * steps)))
-            else:
-                text = f"[sim] batch of {len(output.prompts)}, {n} prompt tokens"
-                outcomes.append(Prediction(text=text, prompt_tokens=n, completion_tokens=self.steps))
-        return outcomes
-
-
-@dataclass(frozen=True)
-class SimBatch:
-    """A simulated call: each request's prompt length and its answer's steps so far; whether it may yield."""
-
-    prompts: list[int]
-    done: list[int]
-    yields: bool = False

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from stoker.adapters.backends.local import EngineRun, Generated, LocalBatch, TransformersPredictor, torch_dtype
+from stoker.adapters.backends.calls import EngineRun, LocalBatch, torch_dtype
+from stoker.adapters.backends.generation import Generated
+from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.vision import ImagePreparer, PreparedImage
 from stoker.adapters.embeddings import CacheFactory, EmbeddingCache, model_identity
 from stoker.adapters.metrics import VISION_ENCODER_SECONDS
