@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from stoker.runtime.stage import RETRY
 from stoker.runtime.stages.fetch import run_fetch
 from tasks.lifecycle import context
+from tasks.retry import RETRY
 from tasks.worker import app
 
 

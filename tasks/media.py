@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from stoker.runtime.stage import RETRY
 from stoker.runtime.stages.audio import run_probe, run_transcribe
 from stoker.runtime.stages.keyframes import run_keyframe
 from tasks.lifecycle import context
+from tasks.retry import RETRY
 from tasks.worker import app
 
 

@@ -32,7 +32,6 @@ from stoker.core.errors import (
     OcrTimeout,
     StageTimeout,
     StokerError,
-    TransientError,
     WorkerLost,
 )
 from stoker.core.jobs import QUEUE_SUFFIX, ErrorInfo, InputRecord
@@ -53,16 +52,6 @@ _TIMEOUTS: dict[str, type[StokerError]] = {
 _LIMIT_ERRORS = (StageTimeout, OcrTimeout)
 #: What an unexpected exception means, per stage.
 _CRASHES: dict[str, type[StokerError]] = {"ocr": OcrFailed, "transcribe": AsrFailed}
-
-#: Options of every stage task: a transient failure (the store away, a model not loaded yet) is retried with
-#: exponential backoff a bounded number of times; permanent ones become the input's structured error.
-RETRY: dict[str, Any] = {
-    "autoretry_for": (TransientError,),
-    "retry_backoff": 1,
-    "retry_backoff_max": 30,
-    "retry_jitter": True,
-    "max_retries": 3,
-}
 
 #: Single-flight lease, renewed while its holder works: a killed holder's twins take over within this.
 LEASE_S = 3.0
@@ -108,7 +97,7 @@ def _run_stage(record: InputRecord, stage: str, started: float) -> Iterator[Inpu
     try:
         yield record
     except (SoftTimeLimitExceeded, *_LIMIT_ERRORS) as exc:
-        if waiting_on_store(exc):  # the store's outage used the time, not the input: retried like one (RETRY)
+        if waiting_on_store(exc):  # the store's outage used the time, not the input: retried like one (`tasks.retry`)
             raise BrokerUnavailable(f"the store did not answer within {stage}'s time limit", stage=stage) from exc
         timeout = _TIMEOUTS.get(stage, StageTimeout)
         late = exc if isinstance(exc, StokerError) else timeout(f"{stage} exceeded its time limit", stage=stage)
@@ -116,7 +105,7 @@ def _run_stage(record: InputRecord, stage: str, started: float) -> Iterator[Inpu
         _fail(record, late)
     except StokerError as exc:
         if not exc.permanent:
-            raise  # transient: the task retries with backoff (RETRY)
+            raise  # transient: the task retries with backoff (`tasks.retry`)
         exc.stage = exc.stage or stage
         _fail(record, exc)
     except redis.RedisError as exc:  # the store stayed away past the client's own retries
