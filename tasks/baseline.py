@@ -28,7 +28,7 @@ from stoker.core.queues import SYNC_QUEUE
 from stoker.runtime.batches import expire, load_batch, run_batch, write_batch
 from stoker.runtime.context import WorkerContext
 from stoker.runtime.feeder import as_waiting, take_arrived
-from stoker.runtime.stages.tokenization import tokenize_job
+from stoker.runtime.stages.tokenization import hand_over
 from stoker.runtime.watchdog import BatchWatchdog
 from tasks.lifecycle import context, watchdog
 from tasks.pipeline import preprocessing_branches
@@ -204,7 +204,10 @@ def serve_batch(ctx: WorkerContext, job_ids: Sequence[str], watchdog: BatchWatch
 def preprocess_inline(ctx: WorkerContext, job_id: str) -> bool:
     """Run every pending stage of the job here (the same stage code the pipeline runs as tasks), then tokenize.
 
-    True when the job now waits for the model.
+    The stages' tasks are called in this thread, outside any chord, so a dense page is read whole (`tasks.preprocess`
+    picks `whole_page` there); tokenize is its hand-over alone (`hand_over`: the model request stored, no inference
+    message, no wait for room), since this thread serves the job itself; and this worker's settings have no speech
+    lookahead (`tasks.lifecycle.as_its_kind_runs`). True when the job now waits for the model.
     """
     store = ctx.store
     job = store.jobs.load_job(job_id)
@@ -214,7 +217,7 @@ def preprocess_inline(ctx: WorkerContext, job_id: str) -> bool:
         pending = [record for record in job.inputs if record.status == "pending"]
         for branch in preprocessing_branches(job_id, pending, app, ctx.settings.video_keyframes):
             run_inline(branch)
-        tokenize_job(ctx, job_id, backpressure=False, enqueue=False)
+        hand_over(ctx, job_id)  # no inference message: this thread serves the job itself
     return store.jobs.get_request(job_id) is not None
 
 

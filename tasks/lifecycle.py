@@ -125,8 +125,18 @@ def wire(app: Celery) -> None:
 def settings() -> WorkerSettings:
     """This process's settings, read once (when Celery configures the app, or at setup if that came first)."""
     if _process.settings is None:
-        _process.settings = WorkerSettings()
+        _process.settings = as_its_kind_runs(WorkerSettings())
     return _process.settings
+
+
+#: The synchronous baseline's worker kind (`workers.launch.BASELINE_KINDS`, benchmarks only).
+BASELINE_KIND = "sync"
+
+
+def as_its_kind_runs(s: WorkerSettings) -> WorkerSettings:
+    """A worker's settings as its kind runs with them: the synchronous baseline's decodes no speech fallback ahead
+    (`STOKER_ASR_LOOKAHEAD` off), the design of one thread per job that stoker replaces."""
+    return s.model_copy(update={"asr_lookahead": False}) if s.worker_kind == BASELINE_KIND else s
 
 
 def setup(kind: str) -> WorkerContext:

@@ -8,12 +8,12 @@ from typing import Any
 from celery import Task
 
 from stoker.core.ocr import Band
-from stoker.runtime.stage import RETRY
 from stoker.runtime.stages.decode import run_decode
-from stoker.runtime.stages.ocr import run_ocr, run_ocr_band
+from stoker.runtime.stages.ocr import bands_for, run_ocr, run_ocr_band, whole_page
 from stoker.runtime.stages.tokenization import run_rescue, run_tokenize
 from tasks.lifecycle import context
 from tasks.pipeline import band_signatures
+from tasks.retry import RETRY
 from tasks.worker import app
 
 
@@ -25,8 +25,10 @@ def decode(job_id: str, ref: str) -> dict[str, Any]:
 
 @app.task(name="stoker.ocr", bind=True, **RETRY)
 def ocr(self: Task, previous: dict[str, Any]) -> dict[str, Any]:
-    """Read the text of one decoded image; a dense page's bands join the job's chord, one task each."""
-    outcome, spread = run_ocr(context(), previous["job_id"], previous["ref"], in_chord=bool(self.request.chord))
+    """Read the text of one decoded image; a dense page's bands join the job's chord, one task each (called outside
+    a chord, there is none to join: the page is read whole)."""
+    cut = bands_for if self.request.chord else whole_page
+    outcome, spread = run_ocr(context(), previous["job_id"], previous["ref"], cut)
     for band in band_signatures(app, spread.band_args(), spread.deadline):  # the page's record waits for them
         self.add_to_chord(band)
     return outcome

@@ -350,11 +350,10 @@ class WorkerContext:
 
     def _looks_ahead(self, threads: int) -> bool:
         """Whether the speech model decodes the next fallback try ahead (`STOKER_ASR_LOOKAHEAD`): on the CPU, where
-        a second replica's threads fit beside the children's own, and never in the synchronous baseline, the design
-        of one thread per job that stoker replaces."""
+        a second replica's threads fit beside the children's own."""
         s = self.settings
         fits = s.asr_device == "cpu" and 2 * threads <= self.cores
-        return s.asr_lookahead and fits and s.worker_kind != "sync"  # `workers.launch.BASELINE_KINDS`
+        return s.asr_lookahead and fits
 
     def core_is_idle(self) -> bool:
         """Fewer of the pool's children run a task than the host has cores, and no CPU stage's message waits: work

@@ -18,6 +18,7 @@ from stoker.core import asr
 from stoker.core.avmedia import decode_audio
 from stoker.runtime.context import WorkerContext
 from stoker.settings import WorkerSettings
+from tasks.lifecycle import as_its_kind_runs
 from tests.media import speech_wav
 from tests.unit.test_feeder import NoOutbox
 from tests.unit.test_ocr import QueueDepths
@@ -109,13 +110,14 @@ def test_a_try_started_ahead_has_the_arguments_faster_whisper_gives_it() -> None
         ("cpu", 2, 2, "cpu", True),  # a thread each, and a core of the other child's for the replica
         ("cpu", 2, 1, "cpu", False),  # one child has both cores: a replica would only share them
         ("sync", 2, 1, "cpu", False),  # the synchronous baseline: one thread per job
+        ("sync", 2, 2, "cpu", False),  # where a replica would fit, the baseline's worker is assembled without it
         ("asr", 8, 2, "cuda", False),  # a GPU decodes a fallback in milliseconds
     ],
 )
 def test_the_lookahead_runs_where_a_core_is_left_for_it(
     kind: str, cores: int, children: int, device: str, expected: bool
 ) -> None:
-    settings = WorkerSettings(worker_kind=kind, asr_device=device)
+    settings = as_its_kind_runs(WorkerSettings(worker_kind=kind, asr_device=device))
     ctx = WorkerContext(settings, NoOutbox(), cores=cores)
     ctx.pool_children = children
     threads = asr.speech_threads(settings.asr_cpu_threads, cores, children)

@@ -49,6 +49,9 @@ STAGE = "ocr_band"
 
 Pixels = Callable[[], npt.NDArray[np.uint8]]
 
+#: How a page is cut into bands (`bands_for`, or `whole_page`): more than one, and its bands read it.
+Cut = Callable[[WorkerContext, npt.NDArray[np.uint8]], list[Band]]
+
 
 @dataclass(frozen=True)
 class Spread:
@@ -69,28 +72,27 @@ class Spread:
         ]
 
 
-def run_ocr(ctx: WorkerContext, job_id: str, ref: str, in_chord: bool) -> tuple[dict[str, Any], Spread]:
+def run_ocr(ctx: WorkerContext, job_id: str, ref: str, cut: Cut) -> tuple[dict[str, Any], Spread]:
     """Read the text of one decoded image; a record that failed or was skipped passes straight through, and so does
-    every record when OCR does not run for this model (`STOKER_OCR`). In a chord (`in_chord`) a dense page is cut
-    into bands instead: the `Spread` says which, for the task to send once the page's record says it waits for
-    them. Called in-line (the synchronous baseline) there is no chord: the page is read whole."""
-    spread: list[Band] | None = [] if in_chord else None
-    work = functools.partial(_ocr, spread=spread)
+    every record when OCR does not run for this model (`STOKER_OCR`). A page that `cut` cuts into more than one band
+    is not read here: the `Spread` says which bands, for the task to send once the page's record says it waits for
+    them."""
+    spread: list[Band] = []
+    work = functools.partial(_ocr, cut=cut, spread=spread)
     # done: OCR does not run here, or the record was finished before it (a render's picture, a redelivery)
     outcome = run_input_stage(ctx, job_id, ref, "ocr", work, done=lambda r: not ctx.ocr_runs or r.status == "ok")
-    bands = spread or []
-    deadline = (ctx.store.watch.clock(job_id).deadline or None) if bands else None
-    return outcome, Spread(job_id, ref, bands, deadline)
+    deadline = (ctx.store.watch.clock(job_id).deadline or None) if spread else None
+    return outcome, Spread(job_id, ref, spread, deadline)
 
 
-def _ocr(ctx: WorkerContext, job_id: str, record: InputRecord, spread: list[Band] | None) -> None:
+def _ocr(ctx: WorkerContext, job_id: str, record: InputRecord, cut: Cut, spread: list[Band]) -> None:
     s = ctx.settings
     scope = cache_scope(ctx, job_id)
     address = ctx.ocr_address(record.content_hash, scope)
     found = ctx.cache.get_json(address)
     pixels = None if found is not None else ocr_pixels(ctx, record, scope)
-    bands = [] if pixels is None or spread is None else bands_for(ctx, pixels)
-    if spread is not None and len(bands) > 1:  # the bands read it; the record waits for them
+    bands = [] if pixels is None else cut(ctx, pixels)
+    if len(bands) > 1:  # the bands read it; the record waits for them
         record.bands = len(bands)
         spread.extend(bands)
         return
@@ -147,6 +149,11 @@ def bands_for(ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
     # With room in the pool, a band sent now is taken at once: by this child, whose OCR task ends as it sends
     # them, and by any child that is free.
     return bands if lines_of_text(bands) and ctx.pool_has_room() else whole
+
+
+def whole_page(_ctx: WorkerContext, pixels: npt.NDArray[np.uint8]) -> list[Band]:
+    """The page as one band: it is read whole, by the task that decoded it."""
+    return [Band(0, pixels.shape[0])]
 
 
 def run_ocr_band(ctx: WorkerContext, job_id: str, ref: str, index: int, band: Band, count: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ killed stage (`run_rescue`, the chord's errback) or a spent budget (`cut_off`, t
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from stoker.adapters.store.keys import input_ref
@@ -16,7 +17,7 @@ from stoker.adapters.tracing import mark_failed, stage_span
 from stoker.core.cached_prompt import CachedPrompt
 from stoker.core.cachekeys import PipelineContext, prompt_address
 from stoker.core.errors import DeadlineExceeded, StageKilled, StokerError
-from stoker.core.jobs import ErrorInfo, InputRecord, Job, final_status, input_failure, settle_video
+from stoker.core.jobs import ErrorInfo, InputRecord, Job, JobClass, final_status, input_failure, settle_video
 from stoker.core.model import ModelRequest
 from stoker.core.prompting import attachment_for, build_prompt, offered_tools
 from stoker.runtime.context import WorkerContext
@@ -50,13 +51,38 @@ def run_rescue(ctx: WorkerContext, job_id: str, failed_task_id: str) -> dict[str
     return tokenize_job(ctx, job_id)
 
 
-def tokenize_job(ctx: WorkerContext, job_id: str, backpressure: bool = True, enqueue: bool = True) -> dict[str, Any]:
-    """Build and tokenize the job's prompt from its records, and hand it to the inference queue, exactly once.
+def tokenize_job(ctx: WorkerContext, job_id: str, backpressure: bool = True) -> dict[str, Any]:
+    """Hand the job over (`hand_over`) and send it to the inference queue. With `backpressure`, the job waits here
+    while the inference queue is above its high watermark (bounded by its deadline)."""
+    handed = hand_over(ctx, job_id)
+    if not isinstance(handed, HandedOver):
+        return handed
+    if backpressure:
+        wait_for_room(ctx, job_id, handed.deadline, handed.job_class)
+    ctx.outbox.enqueue_inference(job_id, handed.prompt_tokens, handed.deadline, handed.job_class)
+    return handed.outcome()
+
+
+@dataclass(frozen=True)
+class HandedOver:
+    """A job whose model request is stored, exactly once: what its inference message carries."""
+
+    job_id: str
+    prompt_tokens: int
+    deadline: float | None
+    job_class: JobClass
+
+    def outcome(self) -> dict[str, Any]:
+        """The tokenize stage's outcome for this job."""
+        return {"job_id": self.job_id, "prompt_tokens": self.prompt_tokens}
+
+
+def hand_over(ctx: WorkerContext, job_id: str) -> HandedOver | dict[str, Any]:
+    """Build and tokenize the job's prompt from its records, and store it as the job's model request, exactly once;
+    no message is sent. The stage's outcome when the job does not go on to the model (skipped, failed, rendered).
 
     The hand-over is checked against the records' revision: a stage that wrote a record meanwhile makes the
-    prompt be built again, so the job's record always shows what the model was given. With `backpressure`, the
-    job waits here while the inference queue is above its high watermark (bounded by its deadline). Without
-    `enqueue` the job is handed over but no message sent: the caller serves it (the synchronous baseline).
+    prompt be built again, so the job's record always shows what the model was given.
     """
     store = ctx.store
     store.jobs.mark_started(job_id)
@@ -83,11 +109,7 @@ def tokenize_job(ctx: WorkerContext, job_id: str, backpressure: bool = True, enq
             return {"job_id": job_id, "skipped": True}
         _remember_inputs(ctx, context, job.inputs, scope)
         deadline = store.watch.clock(job_id).deadline or None
-        if backpressure:
-            wait_for_room(ctx, job_id, deadline, job.job_class)
-        if enqueue:
-            ctx.outbox.enqueue_inference(job_id, len(request.prompt_ids), deadline, job.job_class)
-        return {"job_id": job_id, "prompt_tokens": len(request.prompt_ids)}
+        return HandedOver(job_id, len(request.prompt_ids), deadline, job.job_class)
     return {"job_id": job_id, "skipped": True}
 
 
