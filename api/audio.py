@@ -10,15 +10,17 @@ Its answer is the transcript the stage wrote into the job's input record, in the
 error code, never an empty transcript.
 
 The speech model is the workers' (`STOKER_ASR_MODEL`): the request's `model` may be the served model's name or
-`whisper-1` (OpenAI's, so clients written for OpenAI run unchanged); `language`, `prompt` and `temperature` are
-accepted and not applied (the speech model detects the language and decodes as the deployment set it); word
-timestamps and streaming are refused 400.
+`whisper-1` (OpenAI's, so clients written for OpenAI run unchanged). `language` (a Whisper language code, else 400),
+`prompt` (read by the speech model as the text before the recording) and `temperature` (the first try's; the
+fallback goes on from there) are carried with the recording to the speech stage, and are part of its transcript's
+cache address (a transcript made in one language is never read for another). Word timestamps and streaming are
+refused 400.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -37,13 +39,15 @@ from api.tenancy import authenticate, within_rate
 from stoker.core.errors import (
     ClientGone,
     EndpointNotServed,
+    InputError,
     InvalidRequest,
     ModelNotFound,
     UnsupportedMediaType,
     UnsupportedParameter,
     error_envelope,
 )
-from stoker.core.jobs import Conversation, InputRecord, Job
+from stoker.core.jobs import Conversation, InputRecord, Job, SpeechOptions
+from stoker.core.speech_languages import LANGUAGES, language_name
 from stoker.core.subtitles import srt, vtt
 from stoker.settings import ApiSettings
 
@@ -86,7 +90,7 @@ async def create_transcription(
 
     async def accept() -> AcceptedRequest:
         read.spec, data = await _read_form(request, context.settings)
-        return _accepted(data, context.settings)
+        return _accepted(data, read.spec, context.settings)
 
     # no Idempotency-Key: a replayed job would not bring back the format its first request asked for
     job = (await submit_job(context, tenant, None, accept, watched=True)).job
@@ -149,15 +153,24 @@ def _spec(values: dict[str, Any], settings: ApiSettings) -> TranscriptionCreate:
         )
     if spec.stream:
         raise UnsupportedParameter("a transcription is answered whole, not streamed", param="stream")
+    if spec.language and spec.language not in LANGUAGES:
+        raise InputError(
+            f"language: `{spec.language}` is not a language code the speech model knows (ISO-639-1, as `en`)",
+            param="language",
+        )
     return spec
 
 
-def _accepted(data: bytes, settings: ApiSettings) -> AcceptedRequest:
-    """The job: the recording as its one audio input, sniffed by its content; ending before the model."""
+def _accepted(data: bytes, spec: TranscriptionCreate, settings: ApiSettings) -> AcceptedRequest:
+    """The job: the recording as its one audio input, sniffed by its content, carrying how it is to be
+    transcribed; ending before the model."""
     try:
         inputs = validate_inputs([("audio", data)], settings)
     except UnsupportedMediaType as exc:
         raise UnsupportedMediaType(exc.message.replace("input 0", "`file`"), param="file") from exc
+    speech = SpeechOptions(language=spec.language or None, prompt=spec.prompt or None, temperature=spec.temperature)
+    if speech != SpeechOptions():  # a recording sent with no options has the record it had before they were taken
+        inputs = [replace(item, speech=speech) for item in inputs]
     chat = Conversation(turns=[], on_input_error="fail", render=True)
     return AcceptedRequest(prompt="", inputs=inputs, deadline_ms=settings.deadline_ms, chat=chat)
 
@@ -207,7 +220,7 @@ def _verbose(record: InputRecord, spec: TranscriptionCreate) -> dict[str, Any]:
     segments = [{"id": i, "start": s.start, "end": s.end, "text": s.text} for i, s in enumerate(record.segments or [])]
     return {
         "task": "transcribe",
-        "language": features.get("language") or spec.language,
+        "language": language_name(features.get("language") or spec.language),
         "duration": float(features.get("duration_s", segments[-1]["end"] if segments else 0.0)),
         "text": record.text or "",
         "segments": segments,

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from api.limits import read_json
 from api.schemas import MAX_JSON_INPUTS, JobCreate
 from stoker.core.errors import InvalidRequest, PromptTooLong, TooManyInputs, UnsupportedMediaType, UrlRejected
-from stoker.core.jobs import Conversation, InputKind
+from stoker.core.jobs import Conversation, InputKind, SpeechOptions
 from stoker.core.media import KIND_FORMATS, ContentHash, content_hash, sniff_format
 from stoker.core.urls import parse_url
 from stoker.settings import ApiSettings
@@ -43,6 +43,8 @@ class AcceptedInput:
     digest: ContentHash
     format: str
     url: str | None = None
+    #: A recording's transcription options, as its request asked (`/v1/audio/transcriptions`).
+    speech: SpeechOptions | None = None
 
 
 @dataclass(frozen=True)

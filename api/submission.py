@@ -300,6 +300,7 @@ async def _plan(context: ApiContext, accepted: AcceptedRequest, job_id: str, ten
             size_bytes=len(item.data),
             url=item.url,
             size_class=size_class(item.kind, item.data, item.format, bounds),
+            speech=item.speech,
         )
         for i, item in enumerate(accepted.inputs)
     ]

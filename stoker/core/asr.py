@@ -59,21 +59,54 @@ def next_temperature(temperature: float) -> float | None:
     return next((t for t in TEMPERATURES if t > temperature + 1e-6), None)
 
 
-def decode_options(beam_size: int, vad: bool = True) -> dict[str, Any]:
+def temperatures_from(temperature: float | None) -> list[float]:
+    """The temperatures a window is decoded at when the first is `temperature` (None or 0: faster-whisper's own
+    fallback from 0): that one, then the rest of the fallback above it, as Whisper's `--temperature` does."""
+    if not temperature:
+        return list(TEMPERATURES)
+    return [temperature, *(t for t in TEMPERATURES if t > temperature + 1e-6)]
+
+
+def decode_options(
+    beam_size: int,
+    vad: bool = True,
+    *,
+    language: str | None = None,
+    prompt: str | None = None,
+    temperature: float | None = None,
+) -> dict[str, Any]:
     """How a recording is decoded (`faster_whisper.WhisperModel.transcribe`'s options): by the ASR stage, and as
-    it does by the benchmarks and tests that time or check its fallbacks."""
-    return {
+    it does by the benchmarks and tests that time or check its fallbacks. `language` (a Whisper code; None:
+    detected), `prompt` (read as the text before the recording) and `temperature` (the first try's) as a
+    transcription request asks; an English-only model transcribes English whatever `language` says."""
+    options: dict[str, Any] = {
         "beam_size": beam_size,
         "vad_filter": vad,
         "condition_on_previous_text": False,
-        "temperature": list(TEMPERATURES),
+        "temperature": temperatures_from(temperature),
         "best_of": BEST_OF,
     }
+    if language is not None:
+        options["language"] = language
+    if prompt:
+        options["initial_prompt"] = prompt
+    return options
 
 
-def transcribe(model: SpeechModel, audio: npt.NDArray[np.float32], beam_size: int, vad: bool = True) -> Transcript:
-    """Transcribe, consuming the lazy segment generator here, so the caller's time limit covers all the work."""
-    generator, info = model.transcribe(audio, **decode_options(beam_size, vad))
+def transcribe(
+    model: SpeechModel,
+    audio: npt.NDArray[np.float32],
+    beam_size: int,
+    vad: bool = True,
+    *,
+    language: str | None = None,
+    prompt: str | None = None,
+    temperature: float | None = None,
+) -> Transcript:
+    """Transcribe, consuming the lazy segment generator here, so the caller's time limit covers all the work;
+    `language`, `prompt` and `temperature` as a request asked (`decode_options`)."""
+    asked = decode_options(beam_size, vad, language=language, prompt=prompt, temperature=temperature)
+    generator, info = model.transcribe(audio, **asked)
     segments = [Segment(round(s.start, 2), round(s.end, 2), s.text.strip()) for s in generator]
     text = " ".join(s.text for s in segments if s.text)
     return Transcript(text=text, segments=segments, language=getattr(info, "language", None))

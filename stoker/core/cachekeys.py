@@ -15,7 +15,7 @@ import PIL
 from stoker.core import asr, imaging, ocr, prompting
 from stoker.core.avmedia import KEYFRAMES_VERSION
 from stoker.core.imaging import DecodeParams
-from stoker.core.jobs import ChatTurn
+from stoker.core.jobs import ChatTurn, SpeechOptions
 from stoker.core.prompting import Attachment
 from stoker.core.tools import ToolSpec
 
@@ -130,10 +130,27 @@ def ocr_band_address(page: CacheAddress, top: int, bottom: int) -> CacheAddress:
     return CacheAddress("ocr_band", ocr.VERSION, page.digest, parts, page.scope)
 
 
-def transcribe_address(digest: str, scope: str, *, model: str, weights: str, beam: int) -> CacheAddress:
-    """Cache address of a transcript: the speech model, its weights, its beam and VAD (always on)."""
-    parts = fingerprint(model=model, weights=weights, beam=beam, vad=True)
+def transcribe_address(
+    digest: str, scope: str, *, model: str, weights: str, beam: int, speech: SpeechOptions | None = None
+) -> CacheAddress:
+    """Cache address of a transcript: the speech model, its weights, its beam and VAD (always on), and the
+    language, prompt and temperature a request asked for (`speech`); a request that asked for none of them (or the
+    defaults) has the address transcripts had before requests could ask."""
+    asked = speech_asked(speech)
+    if asked:
+        parts = fingerprint(model=model, weights=weights, beam=beam, vad=True, asked=asked)
+    else:
+        parts = fingerprint(model=model, weights=weights, beam=beam, vad=True)
     return CacheAddress("transcribe", asr.VERSION, digest, parts, scope)
+
+
+def speech_asked(speech: SpeechOptions | None) -> dict[str, Any]:
+    """What a request asked of its transcription that differs from the deployment's way: a language, a prompt, a
+    temperature above 0 (0 is the default fallback's first)."""
+    if speech is None:
+        return {}
+    asked = {"language": speech.language, "prompt": speech.prompt or None, "temperature": speech.temperature or None}
+    return {name: value for name, value in asked.items() if value is not None}
 
 
 def keyframe_address(digest: str, slot: int, count: int, scope: str, *, max_media_seconds: float) -> CacheAddress:

@@ -60,6 +60,19 @@ class Segment(BaseModel):
     text: str
 
 
+class SpeechOptions(BaseModel):
+    """How an audio input is transcribed, as its request asked (OpenAI's transcription `language`, `prompt` and
+    `temperature`): each None leaves the deployment's way (the language detected, no prompt, the temperature
+    fallback from 0)."""
+
+    #: A Whisper language code (`stoker.core.speech_languages`).
+    language: str | None = None
+    #: Text the speech model reads as what came before the recording (faster-whisper's `initial_prompt`).
+    prompt: str | None = None
+    #: The temperature the first try of each window is decoded at; the fallback goes on from there.
+    temperature: float | None = None
+
+
 class InputRecord(BaseModel):
     """One input of a job (or one keyframe of a video input) and what preprocessing made of it."""
 
@@ -94,6 +107,9 @@ class InputRecord(BaseModel):
     encoder: EncoderUse | None = None
     #: For a page OCR'd in bands (each its own task): how many it was cut into.
     bands: int | None = None
+    #: For a recording sent to be transcribed (`/v1/audio/transcriptions`): how, as its request asked; left out of
+    #: a record when it did not ask.
+    speech: SpeechOptions | None = Field(None, exclude_if=lambda speech: speech is None)
 
 
 class ChoiceInfo(BaseModel):

@@ -40,6 +40,7 @@ from stoker.core import asr, cachekeys, tenancy
 from stoker.core.asr import SpeechModel, speech_threads
 from stoker.core.cachekeys import CacheAddress, DecodeOutputs, PipelineContext, fingerprint
 from stoker.core.imaging import DecodeNeeds, DecodeParams
+from stoker.core.jobs import SpeechOptions
 from stoker.core.model import Predictor
 from stoker.core.queues import CPU_QUEUES, INFER_BATCH_QUEUE, INFER_QUEUE
 from stoker.core.urls import Allowlist
@@ -395,11 +396,12 @@ class WorkerContext:
             digest, scope, params=self.decode_params, langs=langs, tesseract=self.tesseract, outputs=self.decode_outputs
         )
 
-    def transcribe_address(self, digest: str, scope: str) -> CacheAddress:
-        """Cache address of a transcript under this worker's speech model and beam."""
-        s = self.settings
-        weights = self.asr_model_identity
-        return cachekeys.transcribe_address(digest, scope, model=s.asr_model, weights=weights, beam=s.asr_beam_size)
+    def transcribe_address(self, digest: str, scope: str, speech: SpeechOptions | None = None) -> CacheAddress:
+        """Cache address of a transcript under this worker's speech model and beam, as its request asked."""
+        s, weights = self.settings, self.asr_model_identity
+        return cachekeys.transcribe_address(
+            digest, scope, model=s.asr_model, weights=weights, beam=s.asr_beam_size, speech=speech
+        )
 
     def keyframe_address(self, digest: str, slot: int, count: int, scope: str) -> CacheAddress:
         """Cache address of one keyframe choice of a video under this worker's media limit."""

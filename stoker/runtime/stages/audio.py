@@ -43,17 +43,26 @@ def transcribe(ctx: WorkerContext, job_id: str, record: InputRecord) -> None:
         model = ctx.speech_model
         with time_limit(transcribe_limit_s(s, record), "transcribe"):
             samples = decode_audio(input_bytes(ctx, record, "transcribe"))
-            transcript = transcribe_samples(model, samples, s.asr_beam_size)
+            transcript = transcribe_samples(model, samples, s.asr_beam_size, **_asked(record))
         segments = [asdict(x) for x in transcript.segments]
         return {"text": transcript.text, "segments": segments, "language": transcript.language}
 
-    address = ctx.transcribe_address(record.content_hash, cache_scope(ctx, job_id))
+    address = ctx.transcribe_address(record.content_hash, cache_scope(ctx, job_id), record.speech)
     value = through_cache(ctx, record, address, compute, follower_wait(s.transcribe_soft_s))
     record.text = value["text"]
     record.segments = [Segment(**x) for x in value["segments"]]
     if value.get("language"):  # the language the speech model heard (an entry cached before it was kept has none)
         record.features = {**(record.features or {}), "language": value["language"]}
     record.status = "ok"
+
+
+def _asked(record: InputRecord) -> dict[str, Any]:
+    """The language, prompt and temperature the recording's request asked for, as `stoker.core.asr.transcribe`
+    takes them (none: the deployment's way)."""
+    speech = record.speech
+    if speech is None:
+        return {}
+    return {"language": speech.language, "prompt": speech.prompt, "temperature": speech.temperature}
 
 
 def transcribe_limit_s(s: WorkerSettings, record: InputRecord) -> float:
