@@ -92,6 +92,8 @@ class ModelRequest:
     sent: str = ""
     #: Its prompt was trimmed to fit the context (`stoker_truncate`): its answer says so.
     truncated: bool = False
+    #: The job it is of, for a backend that drops a job cancelled mid-call at its next step. Never stored.
+    job_id: str = ""
 
     def continued(self, progress: Continued) -> ModelRequest:
         """This request, to go on from where its answer is."""

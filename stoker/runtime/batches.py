@@ -62,7 +62,7 @@ class BatchItem:
     @property
     def request(self) -> ModelRequest:
         """What the model gets (a batch line's marked as background work)."""
-        request = self.pending.request
+        request = replace(self.pending.request, job_id=self.job_id)
         return replace(request, background=True) if self.pending.job.job_class == "batch" else request
 
 

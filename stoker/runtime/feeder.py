@@ -115,7 +115,7 @@ class Feeder:
             loops.append(("intake", self.intake_taker.step))
         yield_to = getattr(self.ctx.predictor, "yield_to", None)
         if callable(yield_to):  # a backend whose calls can stop between decoding steps for waiting requests
-            yield_to(self.held.interactive_waiting, self.policy.max_batch_size)
+            yield_to(self.held.interactive_waiting, self.policy.max_batch_size, self.cancellations.holds)
         for name, loop in loops:
             threading.Thread(target=_forever(loop, self._stopping), name=f"infer-{name}", daemon=True).start()
 

@@ -12,9 +12,11 @@ import pytest
 
 from stoker.adapters.backends.engine import DecodeEngine, EngineFull, EngineRequest, Finished
 from stoker.adapters.backends.grammar import grammar_for, token_grammar
+from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
-from stoker.core.model import GenerationParams
+from stoker.core.errors import InferenceFailed
+from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
 from stoker.core.prompting import build_prompt
 from stoker.core.tools import ResponseFormat
 from stoker.settings import WorkerSettings
@@ -186,6 +188,31 @@ def test_a_cancelled_row_leaves_at_the_next_step(loaded: Loaded) -> None:
     engine.submit(late)
     assert [f.key for f in engine.step()] == ["late"]
     assert run(engine)["stays"].rows[0].tokens == loaded.solo(loaded.story, 8)
+
+
+def test_a_job_cancelled_mid_call_stops_being_fed_at_the_next_step(loaded: Loaded) -> None:
+    settings = WorkerSettings()
+    predictor = TransformersPredictor(
+        str(resolve_model(settings.model, settings.model_cache, fetch=False)), max_new_tokens=64, max_tokens_cap=64
+    )
+    predictor.setup("cpu")
+    asked: list[str] = []
+
+    def cancelled(job_id: str) -> bool:  # the consumer hears "goes" cancelled after the call's third step
+        asked.append(job_id)
+        return job_id == "goes" and asked.count("goes") > 3
+
+    predictor.yield_to(lambda: 0, max_rows=4, cancelled=cancelled)
+    stays = ModelRequest(loaded.story, params=GenerationParams(max_tokens=12), job_id="stays")
+    goes = ModelRequest(loaded.story, params=GenerationParams(max_tokens=40), job_id="goes")
+    kept, dropped = run_predictor(predictor, [stays, goes])
+    assert isinstance(dropped, InferenceFailed)
+    assert isinstance(kept, Prediction)
+    assert kept.text == loaded.decode(loaded.solo(loaded.story, 12))
+    assert asked.count("goes") == 4  # asked before each step until it answered yes, never after
+    # both prompts once; "stays" fed each answer token but its last; "goes" fed the two tokens it chose in the
+    # steps before it was dropped (its third, chosen then too, never fed)
+    assert predictor.tokens_fed == 2 * len(loaded.story) + (12 - 1) + 2
 
 
 def test_the_engine_never_holds_more_rows_than_its_room(loaded: Loaded) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -23,6 +23,7 @@ from stoker.runtime.context import WorkerContext
 from stoker.runtime.feeder import STAMP_AFTER_S, Feeder
 from stoker.runtime.watchdog import BatchWatchdog
 from stoker.settings import WorkerSettings
+from tests.fakes.outbox import NoOutbox
 from tests.fakes.store import MemoryStore
 from workers.procs import wait_for
 
@@ -78,11 +79,16 @@ class YieldingPredictor(GatedPredictor):
         super().__init__(stepped=True)
         self.waiting: Any = None
         self.seen_waiting: list[int] = []
+        self.cancelled: Any = None
+        #: Per call: the jobs its requests are of, and those of them the consumer said were cancelled once it ran.
+        self.jobs: list[list[str]] = []
+        self.seen_cancelled: list[list[str]] = []
 
-    def yield_to(self, waiting: Any, max_rows: int) -> None:
-        self.waiting = waiting
+    def yield_to(self, waiting: Any, max_rows: int, cancelled: Any = None) -> None:
+        self.waiting, self.cancelled = waiting, cancelled
 
     def batch(self, requests: Sequence[ModelRequest]) -> list[Any]:
+        self.jobs.append([r.job_id for r in requests])
         return [(r.messages[0]["content"], r.generated) for r in requests]
 
     def predict(self, batch: list[Any]) -> list[Any]:
@@ -91,6 +97,7 @@ class YieldingPredictor(GatedPredictor):
         if not self._steps.acquire(timeout=WAIT_S):
             raise TimeoutError("the test never let the batch through")
         self.seen_waiting.append(self.waiting())
+        self.seen_cancelled.append([job for job in self.jobs[-1] if self.cancelled(job)])
         return batch
 
     # A yielding call's outcomes may go on (`Continued`); a gated one's never do.
@@ -211,27 +218,6 @@ def _line(job_id: str) -> FakeMessage:
     message = FakeMessage(job_id)
     message.kwargs["job_class"] = "batch"
     return message
-
-
-class NoOutbox:
-    """The consumer sends nothing through the broker."""
-
-    def enqueue_inference(
-        self, job_id: str, prompt_tokens: int | None, deadline: float | None, job_class: str = "interactive"
-    ) -> None:
-        raise AssertionError("the consumer never enqueues")
-
-    def send_callback(self, job_id: str) -> None:
-        raise AssertionError("the consumer never sends callbacks")
-
-    def resubmit(self, job: object, deadline: float | None) -> None:
-        raise AssertionError("the consumer never resubmits")
-
-    def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
-        raise AssertionError("the consumer never reads queue depths")
-
-    def promote_aged(self, queues: Iterable[str], max_age_s: float) -> int:
-        raise AssertionError("the consumer never reorders the CPU queues")
 
 
 class Consumer:
@@ -595,3 +581,17 @@ def test_an_answer_that_goes_on_runs_again_first_beside_the_request_that_waited(
     # the long answer's time on the device counts from its first call, before the short one's
     assert ended["long:3"].stamps["infer_start"] < ended["short:1"].stamps["infer_start"]
     c.until(lambda: not c.store.consumers.held, "every job released")
+
+
+def test_a_call_on_the_device_is_told_of_a_job_cancelled_while_it_runs(consumers: list[Consumer]) -> None:
+    c = _consumer(consumers, YieldingPredictor(), max_batch_size=4)
+    predictor = c.predictor
+    assert isinstance(predictor, YieldingPredictor)
+    c.arrive("long:3", "other:3")
+    c.until(predictor.on_device.is_set, "the call on the device")
+    c.store.jobs.cancelled.put("long:3")  # announced while the call runs
+    c.until(lambda: predictor.cancelled("long:3"), "the cancellation heard")
+    predictor.release(1)
+    c.until(lambda: len(predictor.seen_cancelled) == 1, "the call asked")
+    assert predictor.jobs[0] == ["long:3", "other:3"]  # each request carries its job's id
+    assert predictor.seen_cancelled == [["long:3"]]  # the running call learns it, by the job's id, before it ends

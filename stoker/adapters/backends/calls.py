@@ -36,15 +36,21 @@ class LocalBatch:
 
 class YieldsToConsumer:
     """A backend whose calls can stop between decoding steps for the consumer's waiting requests: the consumer
-    hands it the count of those (`yield_to`); `stops_now` is the rule its calls stop by."""
+    hands it the count of those (`yield_to`); `stops_now` is the rule its calls stop by. The consumer may hand it
+    too what says a job was cancelled, for a call that can drop a request between steps."""
 
     #: How many interactive requests wait for the device (the consumer's), and the most rows a call may have.
     _waiting: Callable[[], int] | None = None
     _max_rows = 0
+    #: Whether a job was cancelled (by id; the consumer's, as it hears them), asked between steps.
+    _cancelled: Callable[[str], bool] | None = None
 
-    def yield_to(self, waiting: Callable[[], int], max_rows: int) -> None:
-        """Let calls stop between decoding steps for the requests `waiting` counts."""
-        self._waiting, self._max_rows = waiting, max_rows
+    def yield_to(
+        self, waiting: Callable[[], int], max_rows: int, cancelled: Callable[[str], bool] | None = None
+    ) -> None:
+        """Let calls stop between decoding steps for the requests `waiting` counts (and drop those `cancelled`
+        says were cancelled)."""
+        self._waiting, self._max_rows, self._cancelled = waiting, max_rows, cancelled
 
 
 def stops_now(going: int, rows: int, max_rows: int, waiting: Callable[[], int]) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -170,6 +170,7 @@ class TransformersPredictor(YieldsToConsumer):
         try:
             while queued or engine.busy:
                 queued = submit_in_turn(engine, queued)
+                self._drop_cancelled(engine, batch, finished)
                 finished.update((int(f.key), f) for f in engine.step())  # type: ignore[call-overload]
                 steps += 1
                 if every and steps % every == 0 and self._yields(engine, len(batch.requests) - len(finished), batch):
@@ -179,6 +180,16 @@ class TransformersPredictor(YieldsToConsumer):
             self._engine = None  # rows of a call that broke never go on: the next call starts a fresh engine
             raise
         return EngineRun(batch, finished, going)
+
+    def _drop_cancelled(self, engine: DecodeEngine, batch: LocalBatch, finished: Collection[int]) -> None:
+        """Drop the rows of each request whose job was cancelled since the call began: it leaves at the next step
+        (its answer is not written: the job ended), the others go on."""
+        cancelled = self._cancelled
+        if cancelled is None:
+            return
+        for i, request in enumerate(batch.requests):
+            if i not in finished and request.job_id and cancelled(request.job_id):
+                engine.cancel(i)
 
     @property
     def tokens_fed(self) -> int:

@@ -46,6 +46,11 @@ class Cancellations:
             if len(self._cancelled) > CANCELLED_KEPT:  # forget those heard long ago: long gone from any batch
                 self._cancelled = {j: t for j, t in self._cancelled.items() if now - t < CANCELLED_TTL_S}
 
+    def holds(self, job_id: str) -> bool:
+        """Whether the job was heard cancelled (asked by a call on the device between its steps)."""
+        with self._lock:
+            return job_id in self._cancelled
+
     def among(self, job_ids: Sequence[str]) -> set[str]:
         """Those of the jobs heard cancelled."""
         with self._lock:
