@@ -159,8 +159,33 @@ async def _start_stream(
     spec: ChatCompletionCreate,
     extra: dict[str, str],
 ) -> Any:
-    """A streamed answer, started once the job's inputs are read (as vLLM reads a request's images before its
-    stream starts): its headers then say whether it is degraded, and a job that failed on an input is a 422."""
+    """A streamed `chat.completion.chunk` answer (`open_stream`)."""
+    usage = bool(spec.stream_options and spec.stream_options.include_usage)
+    model = context.settings.public_model_name
+
+    def events(settled: Job, stopping: anyio.Event) -> AsyncIterator[dict[str, str]]:
+        return _stream(context, settled.id, tenant, model, until, usage, stopping, _offered(settled))
+
+    return await open_stream(context, client, job, tenant, until, extra, events)
+
+
+#: A stream's events of a job whose inputs are read, ending once `stopping` (the server's stop) is set.
+StreamEvents = Callable[[Job, anyio.Event], AsyncIterator[dict[str, str]]]
+
+
+async def open_stream(
+    context: ApiContext,
+    client: ClientWatch,
+    job: Job,
+    tenant: str,
+    until: float,
+    extra: dict[str, str],
+    events: StreamEvents,
+) -> JSONResponse | EventSourceResponse:
+    """A streamed answer (a chat's, a response's), started once the job's inputs are read (as vLLM reads a
+    request's images before its stream starts): its headers then say whether it is degraded, and a job that failed
+    on an input is refused (422) before the stream starts; 499 when the client left meanwhile, 503 when the server
+    is stopping."""
     if job.inputs:
         settled = await wait_job(context, client, job.id, tenant, until, settled=True)
         if settled is None:
@@ -172,18 +197,15 @@ async def _start_stream(
             return refusal(failure, {**job_headers(settled), **extra})
         job = settled
     settings = context.settings
-    usage = bool(spec.stream_options and spec.stream_options.include_usage)
     stopping = anyio.Event()  # set by sse-starlette when the server is asked to stop
-    events = _stream(context, job.id, tenant, settings.public_model_name, until, usage, stopping, _offered(job))
-    headers = {**job_headers(job), **extra}
     return EventSourceResponse(
-        events,
+        events(job, stopping),
         ping=settings.sse_keepalive_s,
-        headers=headers,
+        headers={**job_headers(job), **extra},
         sep="\n",
         shutdown_event=stopping,
-        # sse-starlette would cut the stream at once on a stop; it waits this long instead, by when `_stream` has
-        # ended it (it sees the stop within one poll of its job)
+        # sse-starlette would cut the stream at once on a stop; it waits this long instead, by when the stream has
+        # ended it (`stream_job` sees the stop within one poll of its job)
         shutdown_grace_period=settings.stop_grace_s + POLL_S + 1.0,
     )
 

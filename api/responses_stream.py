@@ -13,17 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.announcements import POLL_S
-from api.chat import cut_by_stop, job_failure, refusal, stopping_answer, stream_job, wait_job
+from api.chat import open_stream, stream_job
 from api.context import ApiContext
 from api.disconnects import ClientWatch
-from api.headers import JOB_ID, job_headers
 from stoker.adapters.store.responses import ResponseRepository, StoredResponse
-from stoker.core.errors import ClientGone
 from stoker.core.jobs import Job
 from stoker.core.response_events import ResponseEvents
 from stoker.core.responses import finished, response_object
@@ -41,27 +36,13 @@ async def start_stream(
     stored: StoredResponse,
     extra: dict[str, str],
 ) -> Any:
-    """The response's events, once the job's inputs are read; or the refusal of a job that failed on one."""
-    if job.inputs:
-        settled = await wait_job(context, client, job.id, tenant, until, settled=True)
-        if settled is None:
-            return JSONResponse(ClientGone().envelope(), status_code=499, headers={JOB_ID: job.id, **extra})
-        if cut_by_stop(context.announcements, settled, until, settled=True):
-            return stopping_answer(settled, extra)
-        failure = job_failure(settled) if settled.terminal else None
-        if failure is not None:
-            return refusal(failure, {**job_headers(settled), **extra})
-        job = settled
-    settings = context.settings
-    stopping = anyio.Event()  # set by sse-starlette when the server is asked to stop
-    return EventSourceResponse(
-        _events(context, job.id, tenant, until, stored, stopping),
-        ping=settings.sse_keepalive_s,
-        headers={**job_headers(job), **extra},
-        sep="\n",
-        shutdown_event=stopping,
-        shutdown_grace_period=settings.stop_grace_s + POLL_S + 1.0,  # as the chat's stream (`api.chat`)
-    )
+    """The response's events, once the job's inputs are read (`api.chat.open_stream`); or the refusal of a job
+    that failed on one."""
+
+    def events(settled: Job, stopping: anyio.Event) -> AsyncIterator[dict[str, str]]:
+        return _events(context, settled.id, tenant, until, stored, stopping)
+
+    return await open_stream(context, client, job, tenant, until, extra, events)
 
 
 async def _events(
