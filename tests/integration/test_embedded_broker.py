@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 from rich.console import Console
 
 from api.app import create_app
-from api.context import context_of
 from stoker.adapters.cache import StageCache
 from stoker.core.cachekeys import CacheAddress
 from stoker.settings import ApiSettings, StackSettings
+from tests.fleet import client_context
 from tests.integration.conftest import SpySubmitter
 from workers import stack as stack_module
 from workers.broker import free_port
@@ -106,7 +106,7 @@ def test_a_cache_filled_past_its_memory_is_evicted_and_never_refuses_a_job(
                 assert answer.status_code == 202, answer.text
                 jobs.append(answer.json()["id"])
         filled = time.time()
-        monitor = context_of(api.app).monitor  # type: ignore[arg-type]
+        monitor = client_context(api).monitor
         wait_for(lambda: bool(monitor.memory and monitor.memory.at > filled), 15, "a memory sample after the fill", [])
         assert monitor.store_full() is None
         assert monitor.memory is not None

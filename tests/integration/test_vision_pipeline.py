@@ -26,6 +26,7 @@ from stoker.core.prompting import attachment_for
 from stoker.core.tenancy import DEFAULT_TENANT, cache_scope
 from stoker.settings import CommonSettings, WorkerSettings
 from tests.fakeopenai import FakeServer
+from tests.fakes.outbox import NoOutbox
 from tests.fleet import Fleet
 from tests.media import PICTURES, encode, photo, png_bomb, text_image, text_video, truncated
 
@@ -168,8 +169,14 @@ def test_the_inference_side_gets_tensors_from_the_cache_or_the_held_upload(
     upload = encode(picture, "PNG")
     job = _run(fleet, [("p.png", upload)])
     digest, scope = job["inputs"][0]["content_hash"], cache_scope(DEFAULT_TENANT, shared=False)
-    urls = {k: fleet.env[f"STOKER_{k.upper()}"] for k in ("broker_url", "result_url", "cache_url")}
-    ctx = WorkerContext(WorkerSettings(**urls, model=str(tiny_vlm)), outbox=None)  # type: ignore[arg-type]
+    env = fleet.env
+    settings = WorkerSettings(
+        broker_url=env["STOKER_BROKER_URL"],
+        result_url=env["STOKER_RESULT_URL"],
+        cache_url=env["STOKER_CACHE_URL"],
+        model=str(tiny_vlm),
+    )
+    ctx = WorkerContext(settings, outbox=NoOutbox())
     direct = np.asarray(processor.image_processor(images=picture)["pixel_values"]).astype(np.float16)
     key = cache_key(ctx.pictures.vision_address(digest, scope), VISION_TENSORS)
     assert ctx.cache.redis is not None

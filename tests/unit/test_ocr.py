@@ -20,6 +20,7 @@ from stoker.runtime.context import WorkerContext
 from stoker.runtime.stages.ocr import bands_for
 from stoker.settings import WorkerSettings
 from tests.conftest import missing
+from tests.fakes.outbox import NoOutbox
 from tests.media import text_image
 from workers.procs import running, wait_for
 
@@ -181,7 +182,7 @@ def test_a_worker_cuts_a_dense_page_into_what_its_pool_reads_at_once(cache_on: b
     would each decode the page again, the page is read whole."""
     gray = _page(22)
     settings = WorkerSettings(ocr_band_min_pixels=1, ocr_band_rows=200, cache_enabled=cache_on)
-    ctx = WorkerContext(settings, outbox=None, cache=StageCache.connect(settings), cores=2)  # type: ignore[arg-type]
+    ctx = WorkerContext(settings, outbox=NoOutbox(), cache=StageCache.connect(settings), cores=2)
     ctx.pool_children = children
     bands = bands_for(ctx, gray)
     assert round(gray.shape[0] / 200) > 2  # the rows alone would allow more

@@ -19,8 +19,8 @@ from stoker.core.avmedia import decode_audio
 from stoker.runtime.context import WorkerContext
 from stoker.settings import WorkerSettings
 from tasks.lifecycle import as_its_kind_runs
+from tests.fakes.outbox import NoOutbox
 from tests.media import speech_wav
-from tests.unit.test_feeder import NoOutbox
 from tests.unit.test_ocr import QueueDepths
 
 

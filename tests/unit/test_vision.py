@@ -18,6 +18,7 @@ from stoker.core.errors import ImageCorrupt, ModelUnavailable
 from stoker.core.imaging import DecodeParams, decode_rgb
 from stoker.settings import BUILTIN_MODEL, CommonSettings
 from tests.conftest import missing
+from tests.fakes.outbox import NoOutbox
 from tests.media import PICTURES, encode, exif_rotated, large_page, photo, png_alpha
 
 PARAMS = DecodeParams()
@@ -217,7 +218,7 @@ def test_what_decode_makes_follows_the_model_and_the_ocr_mode(
     from stoker.settings import WorkerSettings
 
     model = str(tiny_vlm) if vlm else BUILTIN_MODEL
-    ctx = WorkerContext(WorkerSettings(model=model, ocr=mode, backend=backend), outbox=None)  # type: ignore[arg-type]
+    ctx = WorkerContext(WorkerSettings(model=model, ocr=mode, backend=backend), outbox=NoOutbox())
     try:
         ctx.model_path  # noqa: B018 (the built-in model must be fetched)
     except ModelUnavailable as exc:
