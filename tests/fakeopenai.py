@@ -126,7 +126,9 @@ def _app(state: FakeServer) -> FastAPI:
             answer = f"fake saw {len(pictures)} image(s)"
             usage = {"prompt_tokens": len(text.split()), "completion_tokens": 5}
             if body.get("stream"):
-                return StreamingResponse(_chunks(state.pieces, usage), media_type="text/event-stream")
+                called = _forced(body)
+                chunks = _chunks(state.pieces, usage) if called is None else _call_chunks(called, usage)
+                return StreamingResponse(chunks, media_type="text/event-stream")
             return JSONResponse({"choices": _choices(body, answer), "usage": usage})
         finally:
             with state.lock:
@@ -272,6 +274,19 @@ def _chunks(pieces: list[str], usage: dict[str, int]) -> Iterator[str]:
     for delta in deltas:
         yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta, 'finish_reason': None}]})}\n\n"
     yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'length'}]})}\n\n"
+    yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _call_chunks(name: str, usage: dict[str, int]) -> Iterator[str]:
+    """A forced call streamed as vLLM streams one: role, the call's id, type and name, its arguments in fragments,
+    finish, usage, [DONE]."""
+    opening = {"index": 0, "id": "call_fake", "type": "function", "function": {"name": name, "arguments": ""}}
+    fragments = [{"index": 0, "function": {"arguments": part}} for part in ('{"city"', ': "Os', 'lo"}')]
+    deltas: list[dict[str, Any]] = [{"role": "assistant"}, *({"tool_calls": [c]} for c in [opening, *fragments])]
+    for delta in deltas:
+        yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta, 'finish_reason': None}]})}\n\n"
+    yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'tool_calls'}]})}\n\n"
     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
     yield "data: [DONE]\n\n"
 

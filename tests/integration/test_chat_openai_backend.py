@@ -138,6 +138,53 @@ def test_a_streamed_answer_is_passed_on_piece_by_piece(chain: tuple[FakeServer, 
     assert usage.completion_tokens == 5
 
 
+WEATHER: ChatCompletionFunctionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_a_tool_offering_stream_streams_its_text_and_its_call(chain: tuple[FakeServer, openai.OpenAI]) -> None:
+    fake, client = chain
+    fake.pieces = ["Es ", "ist ", "sonnig ", "in ", "Oslo."]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather, in words (marker-tool-text)?"}],
+        tools=[WEATHER],
+        stream=True,
+    )
+    chunks = list(stream)
+    assert _sent(fake, "marker-tool-text")["stream"] is True  # asked of the server as a stream, not whole
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == "Es ist sonnig in Oslo."
+    assert len(pieces) >= 3  # piece by piece, as the server sent them
+
+    forced: ChatCompletionNamedToolChoiceParam = {"type": "function", "function": {"name": "get_weather"}}
+    called = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather (marker-tool-call)?"}],
+            tools=[WEATHER],
+            tool_choice=forced,
+            stream=True,
+        )
+    )
+    deltas = [call for c in called if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert [c.choices[0].finish_reason for c in called if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert not any(c.choices[0].delta.content for c in called if c.choices)  # no markup as text
+    assert _sent(fake, "marker-tool-call")["stream"] is True
+    first = deltas[0]
+    assert first.function is not None
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
+    fragments = [d.function.arguments for d in deltas if d.function is not None and d.function.arguments]
+    assert "".join(fragments) == '{"city": "Oslo"}'
+    assert len(fragments) >= 2  # the arguments in fragments, as they came
+
+
 def test_n_and_logprobs_reach_the_server_and_every_choice_comes_back(chain: tuple[FakeServer, openai.OpenAI]) -> None:
     fake, client = chain
     answer = client.chat.completions.create(

@@ -38,7 +38,8 @@ from stoker.adapters.backends.generated import StreamedTokens, chat_completion
 from stoker.adapters.backends.vlm import VisionEncoder, tensor_base64
 from stoker.adapters.metrics import OPENAI_GENERATE_FALLBACKS
 from stoker.core.errors import ImageTensorsMissing, InferenceFailed, ModelUnavailable, StokerError
-from stoker.core.model import EncoderUse, GenerationParams, ModelRequest, Outcome, Prediction
+from stoker.core.model import EncoderUse, FinishReason, GenerationParams, ModelRequest, Outcome, Prediction
+from stoker.core.tools import CALL_CLOSE, CALL_OPEN
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +151,7 @@ class OpenAIPredictor:
 
     def batch(self, requests: Sequence[ModelRequest]) -> list[Call]:
         """One call per request (its body is made when it goes out, for the protocol it goes by)."""
-        calls = []
-        for r in requests:
-            streamed = self.pieces is not None and r.params.calls == "none"  # calls come whole (see _Streamed)
-            calls.append(Call(r, r.stream_to if streamed else None))
-        return calls
+        return [Call(r, r.stream_to if self.pieces is not None else None) for r in requests]
 
     def generate_body(self, request: ModelRequest, stream: bool = False) -> dict[str, Any]:
         """The request as vLLM's `GenerateRequest`, with its new tokens, priority and streaming."""
@@ -306,13 +303,16 @@ class OpenAIPredictor:
                 )
 
     def _generate(self, call: Call, sent: list[int]) -> Prediction:
-        """One request through vLLM's generate endpoint: a parsed message, or a stream of tokens."""
+        """One request through vLLM's generate endpoint: a parsed message, or a stream of tokens. A request that
+        offers tools is answered whole: a forced call's tokens are its arguments alone (vLLM's structured outputs),
+        which only the server's parsing (`derender`) makes a call of."""
         assert self.rendering is not None
+        streamed = call.stream_to is not None and call.request.params.calls == "none"
         if "generate" not in call.bodies:
-            call.bodies["generate"] = self.generate_body(call.request, stream=call.stream_to is not None)
+            call.bodies["generate"] = self.generate_body(call.request, stream=streamed)
         url = self.base_url.removesuffix("/v1") + GENERATE_PATH
         with _reaching_the_server():
-            if call.stream_to:
+            if streamed:
                 return self._generate_stream(url, call, sent)
             response = self._http().post(url, json=call.bodies["generate"])
         _check_generate(response, response.text)
@@ -357,12 +357,13 @@ class OpenAIPredictor:
         assert self._client is not None
         assert self.pieces is not None
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        answer = _Streamed()
+        answer = StreamedChat()
         try:
             with self._client.stream("POST", "/chat/completions", json=body) as response:
                 _check(response, response.read().decode(errors="replace") if response.status_code != 200 else "")
                 for chunk in _sse_chunks(response.iter_lines()):
                     self._hand_on(stream_to, answer.add(chunk), sent)
+            self._hand_on(stream_to, answer.rest(), sent)
         except httpx.TimeoutException as exc:
             raise ModelUnavailable(f"the inference server timed out: {exc}", stage="infer") from exc
         except httpx.TransportError as exc:
@@ -417,31 +418,78 @@ def _sse_chunks(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
         yield chunk
 
 
-class _Streamed:
-    """A streamed answer put back together: text, finish reason, usage."""
+class StreamedChat:
+    """A streamed chat answer put back together (text, calls, finish reason, usage), and handed on piece by piece
+    as the local model's answer is: its content as it comes, and each call the server streams as `tool_calls`
+    deltas written back as the Hermes markup the model would have written (`<tool_call>{"name": …, "arguments":
+    …}</tool_call>`, `stoker.core.tools`), its name once it comes and its arguments fragment by fragment, so the
+    API's `ToolCallStream` streams it on to the client as it arrives. A call cut by the token limit is left
+    unclosed, as the local model leaves it (the API drops it; the answer has no calls, `finish_reason` `length`)."""
 
     def __init__(self) -> None:
         self.text: list[str] = []
+        self.calls: list[dict[str, Any]] = []
         self.finish_reason = "stop"
         self.usage: dict[str, Any] = {}
+        self._open = False  # the last call's markup is open in the pieces handed on
+        self._arguments_sent = 0
 
     def add(self, chunk: dict[str, Any]) -> str:
-        """Take one chunk; its piece of text ('' for none)."""
+        """Take one chunk (its first choice: a stream is asked for with `n` 1); its piece ('' for none)."""
         self.usage = chunk.get("usage") or self.usage
         for choice in chunk.get("choices") or []:
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
-            piece = str((choice.get("delta") or {}).get("content") or "")
-            self.text.append(piece)
-            return piece
+            delta = choice.get("delta") or {}
+            content = str(delta.get("content") or "")
+            self.text.append(content)
+            piece = (self._close() + content) if content else ""  # text after a call: the call ended
+            return piece + "".join(self._call_piece(call) for call in delta.get("tool_calls") or [])
         return ""
 
+    def rest(self) -> str:
+        """What is left to hand on once the stream ended: the close of its last call, unless the limit cut it."""
+        return "" if self.finish_reason == "length" else self._close()
+
+    def _call_piece(self, delta: dict[str, Any]) -> str:
+        """The markup one `tool_calls` delta adds: a new call closes the one before it."""
+        piece = ""
+        if int(delta.get("index", max(len(self.calls) - 1, 0))) >= len(self.calls):
+            piece = self._close()
+            self.calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        call, function = self.calls[-1], delta.get("function") or {}
+        call["id"] = delta.get("id") or call["id"]
+        call["function"]["name"] += function.get("name") or ""
+        call["function"]["arguments"] += function.get("arguments") or ""
+        return piece + self._markup(call["function"])
+
+    def _markup(self, function: dict[str, str]) -> str:
+        """What of the call's markup is not handed on yet: its head once its name came, then its arguments."""
+        if not function["name"]:
+            return ""
+        head = ""
+        if not self._open:
+            self._open, self._arguments_sent = True, 0
+            head = f'{CALL_OPEN}\n{{"name": {json.dumps(function["name"])}, "arguments": '
+        fragment = function["arguments"][self._arguments_sent :]
+        self._arguments_sent += len(fragment)
+        return head + fragment
+
+    def _close(self) -> str:
+        if not self._open:
+            return ""
+        self._open = False
+        return ("{}" if self._arguments_sent == 0 else "") + f"}}\n{CALL_CLOSE}"
+
     def prediction(self) -> Prediction:
-        """The whole answer."""
+        """The whole answer: its text, and its calls unless the limit cut them."""
+        calls = self.calls if self.calls and self.finish_reason != "length" else None
+        ending: FinishReason = "tool_calls" if calls else "length" if self.finish_reason == "length" else "stop"
         return Prediction(
             text="".join(self.text),
             prompt_tokens=int(self.usage.get("prompt_tokens", 0)),
             completion_tokens=int(self.usage.get("completion_tokens", 0)),
-            finish_reason="length" if self.finish_reason == "length" else "stop",
+            finish_reason=ending,
+            tool_calls=calls,
         )
 
 
