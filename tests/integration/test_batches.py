@@ -152,7 +152,7 @@ def read_lines(client: openai.OpenAI, file_id: str | None) -> dict[str, dict[str
 
 def test_a_mixed_batch_completes_with_one_answer_per_line(client: openai.OpenAI, api: TestClient) -> None:
     """120 lines: text, images as data URLs (two distinct pictures), one truncated image (answered, degraded), one
-    with an unknown content part (refused at intake, in the error file with its code)."""
+    with an unknown content part (refused at intake as chat completions refuse it, in the error file with its code)."""
     pictures = [data_url(text_image(f"BOX {n}", size=(240, 60), font_size=32), "image/png") for n in range(2)]
     torn = data_url(truncated(text_image("TORN", size=(240, 60), font_size=32, fmt="JPEG")), "image/jpeg")
     lines = [line(f"text-{n}", f"Say {n}.") for n in range(110)]
@@ -173,8 +173,9 @@ def test_a_mixed_batch_completes_with_one_answer_per_line(client: openai.OpenAI,
     outputs, errors = read_lines(client, done.output_file_id), read_lines(client, done.error_file_id)
     assert set(outputs) == {item["custom_id"] for item in lines} - {"odd"}
     assert set(errors) == {"odd"}
-    assert errors["odd"]["response"]["status_code"] == 422
-    assert errors["odd"]["response"]["body"]["error"]["code"] == "invalid_request"
+    assert errors["odd"]["response"]["status_code"] == 400
+    assert errors["odd"]["response"]["body"]["error"]["code"] == "unsupported_parameter"
+    assert "hologram" in errors["odd"]["response"]["body"]["error"]["message"]
     answer = outputs["text-3"]["response"]
     assert answer["status_code"] == 200
     assert answer["body"]["object"] == "chat.completion"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import io
 from collections.abc import Iterator
 from typing import Any, cast
@@ -208,7 +209,7 @@ def test_n_and_logprobs_reach_the_server_and_every_choice_comes_back(chain: tupl
         assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
 
 
-def test_tools_a_response_format_and_tool_turns_reach_the_server_unchanged(
+def test_tools_a_response_format_and_tool_turns_reach_the_server_as_the_client_sent_them(
     chain: tuple[FakeServer, openai.OpenAI],
 ) -> None:
     fake, client = chain
@@ -225,7 +226,11 @@ def test_tools_a_response_format_and_tool_turns_reach_the_server_unchanged(
     asked: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather (marker-tools)?"}]
     answer = client.chat.completions.create(model=MODEL, messages=asked, tools=[weather], tool_choice=forced)
     body = _sent(fake, "marker-tools")
-    assert (body["tools"], body["tool_choice"]) == ([weather], forced)
+    # strict: true closes the schema's objects (OpenAI's rule, applied once at intake), so the server is held to the
+    # schema the client's strict tool means: additionalProperties false, the rest as sent.
+    closed = copy.deepcopy(weather)
+    closed["function"]["parameters"] = {**weather["function"]["parameters"], "additionalProperties": False}
+    assert (body["tools"], body["tool_choice"]) == ([closed], forced)
     (choice,) = answer.choices
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls or []
@@ -250,7 +255,11 @@ def test_tools_a_response_format_and_tool_turns_reach_the_server_unchanged(
         ],
     )
     body = _sent(fake, "marker-format")
-    assert body["response_format"] == answer_format
+    strict_schema = {**schema, "additionalProperties": False}
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {**answer_format["json_schema"], "schema": strict_schema},
+    }
     assert "tool_choice" not in body
     assistant, result = body["messages"][-2:]
     assert assistant["tool_calls"] == [call.model_dump()]

@@ -63,8 +63,9 @@ def _answer(in_process: tuple[Any, Any], data: bytes, prompt: str) -> str:
     inputs = processor(text=text, images=[decode_rgb(data, DecodeParams())], return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=TOKENS, do_sample=False)
+    # Whitespace and all: stoker's answer keeps the model's, as vLLM's does.
     answer: str = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    return answer.strip()
+    return answer
 
 
 def _run(
