@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -58,7 +59,7 @@ def test_a_spoken_wav_is_transcribed_as_text_json_verbose_json_and_srt(
         model="whisper-1", file=("speech.wav", spoken), response_format="verbose_json"
     )
     assert verbose.text.strip() == text.strip()
-    assert verbose.language == "en"
+    assert verbose.language == "english"  # by name, as OpenAI answers
     assert verbose.duration > 1.0
     segments = verbose.segments or []
     assert segments
@@ -71,6 +72,39 @@ def test_a_spoken_wav_is_transcribed_as_text_json_verbose_json_and_srt(
     )
     assert SRT_CUE.match(subtitles)
     assert "quarterly report" in subtitles.lower()
+
+
+def test_language_prompt_and_temperature_reach_the_speech_model_and_its_cache_address(
+    client: openai.OpenAI, base_url: str
+) -> None:
+    recording = speech_wav("the invoices for march are overdue")
+
+    def transcribe(**asked: Any) -> tuple[str, dict[str, Any]]:
+        raw = client.audio.transcriptions.with_raw_response.create(
+            model="whisper-1", file=("speech.wav", recording), response_format="verbose_json", **asked
+        )
+        job = httpx.get(f"{base_url}/v1/jobs/{raw.headers['x-stoker-job-id']}").json()
+        verbose = raw.parse()
+        assert verbose.language == "english"
+        return verbose.text, job["inputs"][0]
+
+    text, plain = transcribe()
+    assert "invoices" in text.lower()
+    assert "speech" not in plain  # a recording sent with no options has the record it always had
+    _, asked = transcribe(language="en", prompt="Invoices, March, overdue.", temperature=0.2)
+    assert asked["speech"] == {"language": "en", "prompt": "Invoices, March, overdue.", "temperature": 0.2}
+    assert asked["cache_hit"]["transcribe"] is False  # not the transcript made without them
+    _, again = transcribe(language="en", prompt="Invoices, March, overdue.", temperature=0.2)
+    assert again["cache_hit"]["transcribe"] is True
+    _, other = transcribe(language="en", prompt="A different glossary.", temperature=0.2)
+    assert other["cache_hit"]["transcribe"] is False  # another prompt, another transcript
+
+
+def test_a_language_that_is_no_whisper_code_is_refused(client: openai.OpenAI, spoken: bytes) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.audio.transcriptions.create(model="whisper-1", file=("speech.wav", spoken), language="klingon")
+    assert raised.value.param == "language"
+    assert "klingon" in raised.value.message
 
 
 def test_an_unreadable_recording_is_refused_with_its_code(client: openai.OpenAI) -> None:
