@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
+import redis
+from openai.types.chat import ChatCompletionMessageParam
 
+from api.app import create_app
 from stoker.adapters.backends import engine
 from stoker.adapters.backends.grammar import RowGrammar
 from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
+from stoker.adapters.store.keys import answer_key
 from stoker.core.errors import InferenceFailed
 from stoker.core.model import Continued, GenerationParams, ModelRequest, Prediction, run_predictor
 from stoker.core.prompting import build_prompt
-from stoker.settings import WorkerSettings
+from stoker.settings import ApiSettings, WorkerSettings
+from tests.integration.conftest import ROOMY_TOKENS
+from tests.serving import serve
 
 #: The model runs in this process: these tests run beside no other that does (tests/conftest.py).
 pytestmark = pytest.mark.real_model
@@ -440,3 +450,42 @@ def test_the_generate_path_kept_for_comparison_answers_as_the_engine_does(
         assert isinstance(ours, Prediction)
         assert isinstance(theirs, Prediction)
         assert (ours.text, ours.completion_tokens) == (theirs.text, theirs.completion_tokens)
+
+
+@pytest.fixture(scope="module")
+def base_url(workers: dict[str, Path]) -> Iterator[str]:
+    """The API over the session's workers (their inference worker runs the built-in model on the decode engine)."""
+    with serve(create_app(ApiSettings(max_tokens_cap=ROOMY_TOKENS))) as base:
+        yield base
+
+
+def test_a_job_cancelled_while_its_answer_generates_beside_another_stops_there(
+    base_url: str, store_redis: redis.Redis[bytes]
+) -> None:
+    story: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Write a long story about a dragon and a castle."}
+    ]
+    model = ApiSettings().public_model_name
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        # Two streamed answers of the cap's length, greedy, on the device together; nothing else arrives, so the
+        # call they share never yields: before the engine asked for cancellations, the cancelled one ran as long
+        # as the other.
+        kept = client.chat.completions.create(
+            model=model, messages=story, max_tokens=ROOMY_TOKENS, stream=True, temperature=0
+        )
+        other = next(iter(kept)).id.removeprefix("chatcmpl-")
+        dropped = client.chat.completions.create(
+            model=model, messages=story, max_tokens=ROOMY_TOKENS, stream=True, temperature=0
+        )
+        written = next(c for c in dropped if c.choices and c.choices[0].delta.content)  # it generates
+        job_id = written.id.removeprefix("chatcmpl-")
+        assert httpx.delete(f"{base_url}/v1/jobs/{job_id}", timeout=30).json()["status"] == "cancelled"
+        rest = list(kept)
+        dropped.close()
+    assert rest[-1].choices[0].finish_reason == "length"  # the other answer went on to its end
+    kept_pieces = store_redis.xlen(answer_key(other))
+    dropped_pieces = store_redis.xlen(answer_key(job_id))
+    assert kept_pieces >= ROOMY_TOKENS // 2
+    # the cancelled answer's row left the running call soon after the cancel, well before the other ended
+    assert 0 < dropped_pieces < kept_pieces // 2
+    assert httpx.get(f"{base_url}/v1/jobs/{job_id}", timeout=30).json()["status"] == "cancelled"
