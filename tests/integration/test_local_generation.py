@@ -54,7 +54,7 @@ def roomy(model: tuple[TransformersPredictor, list[int]]) -> TransformersPredict
 
 
 def _ask(ids: list[int], **params: object) -> ModelRequest:
-    return ModelRequest(ids, params=GenerationParams(**params))  # type: ignore[arg-type]
+    return ModelRequest(ids, params=GenerationParams(**params))
 
 
 def test_requests_of_one_call_get_their_own_token_limits(model: tuple[TransformersPredictor, list[int]]) -> None:
@@ -290,6 +290,8 @@ def test_a_streamed_request_sends_its_answer_while_the_call_generates(
         streamed, whole = predictor.unbatch(generated)
     finally:
         predictor.pieces = None
+    assert isinstance(streamed, Prediction), streamed
+    assert isinstance(whole, Prediction), whole
     assert len(during) >= 3
     assert {job for job, _ in sent} == {"job-s"}  # the row that was not streamed sent nothing
     assert "".join(piece for _, piece in sent) == streamed.text
