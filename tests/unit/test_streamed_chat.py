@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from stoker.adapters.backends.remote import StreamedChat
+from stoker.adapters.backends.chat_answers import StreamedChat
 from stoker.core.tool_stream import ToolCallStream
 
 
