@@ -19,7 +19,6 @@ refused 400.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
@@ -28,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import UploadFile
 
-from api.chat import DEADLINE_SLACK_S, job_failure, wait_job
+from api.chat import answer_deadline, job_failure, wait_job
 from api.context import ApiContext, Context
 from api.disconnects import watching
 from api.headers import SHOULD_RETRY, job_headers
@@ -176,7 +175,7 @@ def _accepted(data: bytes, spec: TranscriptionCreate, settings: ApiSettings) -> 
 
 
 async def _wait(context: ApiContext, request: Request, job: Job, tenant: str) -> Job:
-    until = time.monotonic() + (job.deadline_ms or context.settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
+    until = answer_deadline(job, context.settings)
     async with watching(request.receive) as client:
         ended = await wait_job(context, client, job.id, tenant, until)
     if ended is None:

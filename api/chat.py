@@ -59,12 +59,20 @@ from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
 from stoker.core.jobs import ChoiceInfo, ErrorInfo, Job, degraded_codes
 from stoker.core.tool_stream import ToolCallStream
 from stoker.core.tools import drop_unclosed_call
+from stoker.settings import ApiSettings
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 
 #: How long after its deadline an answer is waited for (the reaper ends an overdue job within it).
 DEADLINE_SLACK_S = 5.0
+
+
+def answer_deadline(job: Job, settings: ApiSettings) -> float:
+    """The monotonic time until which a job's answer is waited for: its deadline, and the reaper's slack after it."""
+    return time.monotonic() + (job.deadline_ms or settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
+
+
 _STARTED = int(time.time())
 
 
@@ -113,7 +121,7 @@ async def chat_completions(request: Request, context: Context, tenant: Annotated
     retried = is_automatic_retry(request.headers.get(RETRY_COUNT_HEADER))
     submitted = await submit_job(context, tenant, key, read, retried)
     job, replayed = submitted.job, {REPLAYED: "true"} if submitted.replayed else {}
-    until = time.monotonic() + (job.deadline_ms or settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
+    until = answer_deadline(job, settings)
     async with watching(request.receive) as client:
         if spec[0].stream:
             return await _start_stream(context, client, job, tenant, until, spec[0], replayed)

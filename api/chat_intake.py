@@ -23,7 +23,7 @@ from api.chat_schemas import (
     VideoUrlPart,
 )
 from api.intake import AcceptedRequest, Payload, UrlInput, first_error, validate_inputs
-from api.limits import read_json
+from api.limits import read_json_body
 from stoker.adapters.backends.grammar import check_grammar
 from stoker.adapters.store.jobs import check_record_size
 from stoker.core.errors import (
@@ -32,7 +32,6 @@ from stoker.core.errors import (
     ModelNotFound,
     PromptTooLong,
     TooManyTokens,
-    UnsupportedMediaType,
     UnsupportedParameter,
 )
 from stoker.core.jobs import RAW_PROMPT, ChatTurn, Conversation, InputKind
@@ -65,9 +64,7 @@ async def read_chat(
     request: Request, settings: ApiSettings, on_input_error: OnInputError | None = None
 ) -> tuple[ChatCompletionCreate, AcceptedRequest]:
     """Parse and check a chat request off the event loop (base64 media can be megabytes)."""
-    if not request.headers.get("content-type", "").startswith("application/json"):
-        raise UnsupportedMediaType("send application/json")
-    body = await read_json(request, settings.max_json_values)
+    body = await read_json_body(request, settings.max_json_values)
     return await run_in_threadpool(accept_chat, body, settings, on_input_error)
 
 

@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from api import idempotency
 from api.announcements import POLL_S
 from api.chat import (
-    DEADLINE_SLACK_S,
+    answer_deadline,
     cut_by_stop,
     facts,
     job_failure,
@@ -45,11 +45,11 @@ from api.context import ApiContext, Context
 from api.disconnects import ClientWatch, watching
 from api.headers import JOB_ID, job_headers
 from api.intake import AcceptedRequest, first_error
-from api.limits import read_json
+from api.limits import read_json_body
 from api.schemas import error_responses
 from api.submission import REPLAYED, submit_job
 from api.tenancy import authenticate
-from stoker.core.errors import ClientGone, InvalidRequest, UnsupportedMediaType
+from stoker.core.errors import ClientGone, InvalidRequest
 from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
 from stoker.core.jobs import ChoiceInfo, Job
 from stoker.settings import ApiSettings
@@ -69,9 +69,7 @@ async def completions(request: Request, context: Context, tenant: Annotated[str,
     chosen = on_input_error_header(request.headers.get(ON_INPUT_ERROR_HEADER))
 
     async def read() -> AcceptedRequest:
-        if not request.headers.get("content-type", "").startswith("application/json"):
-            raise UnsupportedMediaType("send application/json")
-        body = await read_json(request, settings.max_json_values)
+        body = await read_json_body(request, settings.max_json_values)
         parsed, accepted = await run_in_threadpool(accept_completion, body, settings, chosen)
         spec.append(parsed)
         return accepted
@@ -80,7 +78,7 @@ async def completions(request: Request, context: Context, tenant: Annotated[str,
     retried = is_automatic_retry(request.headers.get(RETRY_COUNT_HEADER))
     submitted = await submit_job(context, tenant, key, read, retried)
     job, replayed = submitted.job, {REPLAYED: "true"} if submitted.replayed else {}
-    until = time.monotonic() + (job.deadline_ms or settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
+    until = answer_deadline(job, settings)
     async with watching(request.receive) as client:
         if spec[0].stream:
             usage = bool(spec[0].stream_options and spec[0].stream_options.include_usage)

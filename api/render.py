@@ -7,7 +7,7 @@ A render is a job (`Conversation.render`) taken in like a chat (`api.submission`
 slots, 429 with Retry-After under queue pressure, the deadline and the reaper), whose answer is its pictures'
 renderings instead of a model call: the CPU workers decode and render each picture into the stage cache, by its
 content hash in the tenant's scope (a picture the tenant sent before is a cache read there, the stage's work not
-done again), and the job ends at its hand-off, before the inference queue (`stoker.runtime.handoff`). This API then
+done again), and the job ends at its hand-off, before the inference queue (`stoker.runtime.stages.tokenization`). This API then
 only assembles the `GenerateRequest`: the chat template over the messages, and the renderings read from the cache.
 A picture that cannot be read is a structured 4xx naming its part (`param`) and its error code, unless the body asks
 `stoker_on_input_error: degrade`: it is then left out (`x-stoker-degraded` names its code). An answer says nothing of
@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
@@ -29,12 +28,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from api.chat import DEADLINE_SLACK_S, job_failure, wait_job
+from api.chat import answer_deadline, job_failure, wait_job
 from api.context import ApiContext, Context
 from api.disconnects import watching
 from api.headers import SHOULD_RETRY, job_headers
 from api.intake import AcceptedRequest, first_error, validate_inputs
-from api.limits import read_json
+from api.limits import read_json_body
 from api.schemas import error_responses
 from api.submission import submit_job
 from api.tenancy import authenticate
@@ -46,7 +45,6 @@ from stoker.core.errors import (
     InvalidRequest,
     ModelNotFound,
     RenderingLost,
-    UnsupportedMediaType,
     error_envelope,
 )
 from stoker.core.jobs import Conversation, InputRecord, Job
@@ -131,7 +129,7 @@ async def render_chat(request: Request, context: Context, tenant: Annotated[str,
     read = _Read()
 
     async def accept() -> AcceptedRequest:
-        raw = await _json(request, context.settings)
+        raw = await read_json_body(request, context.settings.max_json_values)
         read.body, accepted, read.parts = await run_in_threadpool(_accept_chat, raw, context.settings, model)
         return accepted
 
@@ -154,7 +152,7 @@ async def render_completion(
     read = _Read()
 
     async def accept() -> AcceptedRequest:
-        raw = await _json(request, context.settings)
+        raw = await read_json_body(request, context.settings.max_json_values)
         read.body, accepted = await run_in_threadpool(_accept_completion, raw, context.settings)
         return accepted
 
@@ -178,12 +176,6 @@ async def render_completion(
     return JSONResponse([answer], headers=job_headers(job))
 
 
-async def _json(request: Request, settings: ApiSettings) -> bytes:
-    if not request.headers.get("content-type", "").startswith("application/json"):
-        raise UnsupportedMediaType("send application/json")
-    return await read_json(request, settings.max_json_values)
-
-
 async def _render_job(
     context: ApiContext,
     request: Request,
@@ -194,7 +186,7 @@ async def _render_job(
     its deadline); a client gone meanwhile gives the job up (499)."""
     submitted = await submit_job(context, tenant, None, accept, watched=True)
     job = submitted.job
-    until = time.monotonic() + (job.deadline_ms or context.settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
+    until = answer_deadline(job, context.settings)
     async with watching(request.receive) as client:
         ended = await wait_job(context, client, job.id, tenant, until)
     if ended is None:

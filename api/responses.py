@@ -18,20 +18,20 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api import idempotency
-from api.chat import DEADLINE_SLACK_S, cut_by_stop, job_failure, load_job, refusal, stopping_answer, wait_job
+from api.chat import answer_deadline, cut_by_stop, job_failure, load_job, refusal, stopping_answer, wait_job
 from api.chat_intake import ON_INPUT_ERROR_HEADER, OnInputError, accept_spec, on_input_error_header
 from api.chat_schemas import ChatCompletionCreate
 from api.context import ApiContext, Context
 from api.disconnects import watching
 from api.headers import JOB_ID, job_headers
 from api.intake import AcceptedRequest, first_error
-from api.limits import read_json
+from api.limits import read_json_body
 from api.responses_stream import start_stream
 from api.schemas import error_responses
 from api.submission import REPLAYED, Submitted, cancel, submit_job
 from api.tenancy import authenticate
 from stoker.adapters.store.responses import ResponseRepository, StoredResponse
-from stoker.core.errors import Cancelled, ClientGone, InvalidRequest, ResponseNotFound, UnsupportedMediaType
+from stoker.core.errors import Cancelled, ClientGone, InvalidRequest, ResponseNotFound
 from stoker.core.idempotency import RETRY_COUNT_HEADER, is_automatic_retry
 from stoker.core.jobs import JOB_ID as JOB_ID_FORM
 from stoker.core.responses import ResponseCreate, as_history, finished, input_messages, response_object
@@ -49,9 +49,7 @@ async def create_response(request: Request, context: Context, tenant: Annotated[
     chosen = on_input_error_header(request.headers.get(ON_INPUT_ERROR_HEADER))
 
     async def read() -> AcceptedRequest:
-        if not request.headers.get("content-type", "").startswith("application/json"):
-            raise UnsupportedMediaType("send application/json")
-        body = await read_json(request, settings.max_json_values)
+        body = await read_json_body(request, settings.max_json_values)
         parsed = await run_in_threadpool(_parse, body)
         history = await _history(context, tenant, parsed.previous_response_id)
         chat, accepted = await run_in_threadpool(accept_response, parsed, history, settings, chosen)
@@ -102,7 +100,7 @@ async def _answer(
     repository = _responses(context)
     if parsed.store:
         await run_in_threadpool(repository.put, response_id, tenant, own)
-    until = time.monotonic() + (job.deadline_ms or context.settings.deadline_ms) / 1000 + DEADLINE_SLACK_S
+    until = answer_deadline(job, context.settings)
     async with watching(request.receive) as client:
         if parsed.stream:
             return await start_stream(context, client, job, tenant, until, own, replayed)

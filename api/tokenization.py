@@ -22,7 +22,7 @@ from api.chat_intake import chat_turns
 from api.chat_schemas import MAX_MESSAGES, ChatMessage
 from api.context import ApiContext, Context
 from api.intake import first_error
-from api.limits import read_json
+from api.limits import read_json_body
 from api.schemas import error_responses
 from api.tenancy import within_rate
 from stoker.adapters.backends.tokenizer import PromptTokenizer
@@ -33,7 +33,6 @@ from stoker.core.errors import (
     ModelNotFound,
     ModelUnavailable,
     PromptTooLong,
-    UnsupportedMediaType,
     UnsupportedParameter,
 )
 from stoker.core.jobs import ChatTurn
@@ -107,7 +106,7 @@ class DetokenizeResponse(BaseModel):
 async def tokenize(request: Request, context: Context, _: Annotated[str, Depends(within_rate)]) -> TokenizeResponse:
     """A prompt or a chat as the token ids the model is given for it here."""
     settings = context.settings
-    body = await _body(request, settings)
+    body = await read_json_body(request, settings.max_json_values)
     spec = await run_in_threadpool(accept_tokenize, body, settings)
     pipeline = await _pipeline(context)
     ids, strs = await _on_tokenizer(context, pipeline, lambda tokenizer: _tokens(tokenizer, spec, pipeline.system))
@@ -121,7 +120,7 @@ async def tokenize(request: Request, context: Context, _: Annotated[str, Depends
 async def detokenize(request: Request, context: Context, _: Annotated[str, Depends(within_rate)]) -> DetokenizeResponse:
     """Token ids back to the text they spell (special tokens included, as vLLM's)."""
     settings = context.settings
-    spec = _parsed(Detokenize, await _body(request, settings))
+    spec = _parsed(Detokenize, await read_json_body(request, settings.max_json_values))
     _own_model(spec.model, settings)
     pipeline = await _pipeline(context)
     text = await _on_tokenizer(context, pipeline, lambda tokenizer: _text(tokenizer, spec.tokens))
@@ -201,12 +200,6 @@ def _text(tokenizer: PromptTokenizer, ids: list[int]) -> str:
     if unknown:
         raise InvalidTokens(f"token id {unknown[0]} is outside the vocabulary ({vocabulary} ids)", param="tokens")
     return tokenizer.decode_text(ids)
-
-
-async def _body(request: Request, settings: ApiSettings) -> bytes:
-    if not request.headers.get("content-type", "").startswith("application/json"):
-        raise UnsupportedMediaType("send application/json")
-    return await read_json(request, settings.max_json_values)
 
 
 async def _pipeline(context: ApiContext) -> PipelineContext:

@@ -7,7 +7,7 @@ needs to spell out one `<row_i_col_j>` and 64 `<image>` tokens per tile); Qwen2-
 inference side hands the tensors to the model as the processor would have. Only the image processor's config is
 read (`AutoImageProcessor.from_pretrained`): a CPU worker needs no weights.
 
-How the decode stage uses it (`tasks.preprocess`, through `WorkerContext.image_preparer`)::
+How the decode stage uses it (`stoker.runtime.stages.decode`, through `WorkerContext.image_preparer`)::
 
     preparer = ImagePreparer.load(model_dir)          # once per worker process; None for a text-only model
     ...
@@ -15,7 +15,7 @@ How the decode stage uses it (`tasks.preprocess`, through `WorkerContext.image_p
     prepared = preparer.prepare(rgb)                  # ImageCorrupt (stage "decode") if the processor rejects it
     cache.put_bytes(vision_address, prepared.to_bytes(), part=VISION_TENSORS)  # the address has preparer.identity
 
-and the inference side reads them back (`WorkerContext.prepared_image(digest, scope)`: `PreparedImage.from_bytes`),
+and the inference side reads them back (`WorkerContext.pictures.prepared_image(digest, scope)`: `PreparedImage.from_bytes`),
 checks `meta["processor"]` against its own processor's identity, and turns `tensors` into torch tensors
 (`torch.from_numpy`, cast to the model's dtype).
 
