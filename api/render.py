@@ -7,8 +7,9 @@ A render is a job (`Conversation.render`) taken in like a chat (`api.submission`
 slots, 429 with Retry-After under queue pressure, the deadline and the reaper), whose answer is its pictures'
 renderings instead of a model call: the CPU workers decode and render each picture into the stage cache, by its
 content hash in the tenant's scope (a picture the tenant sent before is a cache read there, the stage's work not
-done again), and the job ends at its hand-off, before the inference queue (`stoker.runtime.stages.tokenization`). This API then
-only assembles the `GenerateRequest`: the chat template over the messages, and the renderings read from the cache.
+done again), and the job ends at its hand-off, before the inference queue (`stoker.runtime.stages.tokenization`).
+This API then only assembles the `GenerateRequest`: the chat template over the messages, and the renderings read from
+the cache.
 A picture that cannot be read is a structured 4xx naming its part (`param`) and its error code, unless the body asks
 `stoker_on_input_error: degrade`: it is then left out (`x-stoker-degraded` names its code). An answer says nothing of
 where a picture's rendering came from: one tenant's render is the same whether or not the picture was seen before.

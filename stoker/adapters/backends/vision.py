@@ -15,9 +15,9 @@ How the decode stage uses it (`stoker.runtime.stages.decode`, through `WorkerCon
     prepared = preparer.prepare(rgb)                  # ImageCorrupt (stage "decode") if the processor rejects it
     cache.put_bytes(vision_address, prepared.to_bytes(), part=VISION_TENSORS)  # the address has preparer.identity
 
-and the inference side reads them back (`WorkerContext.pictures.prepared_image(digest, scope)`: `PreparedImage.from_bytes`),
-checks `meta["processor"]` against its own processor's identity, and turns `tensors` into torch tensors
-(`torch.from_numpy`, cast to the model's dtype).
+and the inference side reads them back (`WorkerContext.pictures.prepared_image(digest, scope)`:
+`PreparedImage.from_bytes`), checks `meta["processor"]` against its own processor's identity, and turns `tensors`
+into torch tensors (`torch.from_numpy`, cast to the model's dtype).
 
 The bytes are safetensors (arrays and a JSON header, never pickle): floating tensors as float16 (pixel values are
 normalised to about [-1, 1]: float16 keeps 3 significant digits, half the bytes of float32), masks as bool.
