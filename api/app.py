@@ -29,6 +29,7 @@ from api.responses import router as responses_router
 from api.routes import router
 from api.tokenization import router as tokenization_router
 from stoker.adapters.cache import StageCache
+from stoker.adapters.heap import keep_freed_memory
 from stoker.adapters.metrics import REQUESTS, serve_api_metrics
 from stoker.adapters.store.clients import StoreOutOfMemory, async_store_client
 from stoker.adapters.tracing import instrument_celery, setup_tracing
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 def create_app(settings: ApiSettings | None = None, submitter: Submitter | None = None) -> FastAPI:
     """Build the API for these settings; the submitter is the seam to the queue (Celery by default)."""
     settings = settings or ApiSettings()
+    keep_freed_memory(settings.heap_keep_mb)
     if setup_tracing("stoker-api", settings.trace_exporter, settings.trace_file):
         instrument_celery()  # the job's trace context rides in the headers of the messages it publishes
     context = ApiContext.build(settings, submitter)

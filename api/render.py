@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -40,7 +40,7 @@ from api.submission import submit_job
 from api.tenancy import authenticate
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.render import ITEM, Rendered, RenderedPicture, Renderer
-from stoker.adapters.vllm_render import features, generate_request, parse_context, request_json, sampling_params
+from stoker.adapters.vllm_render import features, generate_request, parse_context, request_json_pieces, sampling_params
 from stoker.core.errors import (
     ClientGone,
     InvalidRequest,
@@ -140,8 +140,9 @@ async def render_chat(request: Request, context: Context, tenant: Annotated[str,
         return failed
     assert isinstance(read.body, ChatRenderCreate)
     answer = await _assemble_chat(context, model, read.body, job, tenant)
-    body = await run_in_threadpool(request_json, answer)  # the bytes JSONResponse would write, items copied in
-    return Response(body, media_type="application/json", headers=job_headers(job))
+    pieces = await run_in_threadpool(request_json_pieces, answer)  # the bytes JSONResponse would write, in pieces
+    length = {"content-length": str(sum(len(piece) for piece in pieces))}  # so it is sent whole, not chunked
+    return StreamingResponse(iter(pieces), media_type="application/json", headers=job_headers(job) | length)
 
 
 @router.post("/v1/completions/render", responses=RESPONSES)

@@ -39,6 +39,7 @@ from celery.signals import (
     worker_shutting_down,
 )
 
+from stoker.adapters.heap import keep_freed_memory
 from stoker.adapters.metricfiles import forget_process, remove_own_scratch_dir
 from stoker.adapters.metrics import serve_worker_metrics
 from stoker.adapters.occupancy import PoolOccupancy
@@ -225,6 +226,7 @@ def _configure(sender: Celery, **_: Any) -> None:
 
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    keep_freed_memory(settings().heap_keep_mb)  # before the pool forks: every child inherits it
     ctx = setup(settings().worker_kind)
     ctx.pool_children = getattr(sender, "concurrency", None) or 1  # under --autoscale, its most children
     ctx.occupancy = PoolOccupancy(ctx.pool_children)  # before the pool forks: every child shares it

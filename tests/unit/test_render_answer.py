@@ -63,15 +63,19 @@ def test_the_answer_is_the_bytes_it_was(model: str, case: str) -> None:
     slow = answer(model, case, slow_features(hashes, placeholders, [rendered_picture(name) for name in names]))
     assert request_json(fast) == JSONResponse(slow).body
     if names:
-        assert fast["features"]["kwargs_data"]["image"][0] == slow["features"]["kwargs_data"]["image"][0]
+        assert (
+            fast["features"]["kwargs_data"]["image"][0].decode("ascii") == slow["features"]["kwargs_data"]["image"][0]
+        )
 
 
 def test_fields_that_need_escaping_are_written_as_json_writes_them() -> None:
     item = rendered_picture("flat").wire
     odd = ['quote " backslash \\ newline \n tab \t', "ünïcødé ✓", "\x00\x1f", "stoker-item-0:0", '"stoker-item-x:0"']
-    mm = features(["h"], [(1, 2)], [item, item])
-    body = {"request_id": "r", "features": mm, "sampling_params": {"temperature": 0.7, "top_p": 1e-05}, "stop": odd}
-    assert request_json(body) == JSONResponse(body).body
+    assert item.mm_metadata is not None
+    text = WireItem(item.kwargs_data.decode(), item.mm_metadata.decode())  # type: ignore[arg-type]  # as JSON takes it
+    body = {"request_id": "r", "sampling_params": {"temperature": 0.7, "top_p": 1e-05}, "stop": odd}
+    fast = body | {"features": features(["h"], [(1, 2)], [item, item])}
+    assert request_json(fast) == JSONResponse(body | {"features": features(["h"], [(1, 2)], [text, text])}).body
     assert request_json({"features": None, "n": 3}) == JSONResponse({"features": None, "n": 3}).body
     assert request_json({"token_ids": [1, 2]}) == JSONResponse({"token_ids": [1, 2]}).body
 
@@ -95,7 +99,9 @@ def test_an_entry_of_the_earlier_layout_is_not_read_as_a_rendering() -> None:
 def test_an_entry_of_the_base64_layout_is_not_read_as_a_rendering() -> None:
     """Before, an entry was the layout and the item's base64 text as sent (`[layout, kwargs_data, mm_metadata]`)."""
     picture = rendered_picture("flat")
-    earlier = msgspec.msgpack.encode([picture.layout, picture.wire.kwargs_data, picture.wire.mm_metadata])
+    wire = picture.wire
+    assert wire.mm_metadata is not None
+    earlier = msgspec.msgpack.encode([picture.layout, wire.kwargs_data.decode(), wire.mm_metadata.decode()])
     with pytest.raises(ValueError, match="Expected"):
         RenderedPicture.from_bytes(earlier)
 

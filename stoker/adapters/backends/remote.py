@@ -37,6 +37,7 @@ from stoker.adapters.backends.chat_answers import StreamedChat, answer_of, sse_c
 from stoker.adapters.backends.generated import StreamedTokens, chat_completion
 from stoker.adapters.backends.vlm import VisionEncoder, tensor_base64
 from stoker.adapters.metrics import OPENAI_GENERATE_FALLBACKS
+from stoker.adapters.vllm_render import request_json
 from stoker.core.errors import ImageTensorsMissing, InferenceFailed, ModelUnavailable, StokerError
 from stoker.core.model import EncoderUse, GenerationParams, ModelRequest, Outcome, Prediction
 
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 TRANSIENT_STATUS = frozenset({408, 429, 502, 503, 504})
 #: vLLM's token-in, token-out endpoint, at the server's root.
 GENERATE_PATH = "/inference/v1/generate"
+#: A generate request's body is written by `request_json` (its pictures' base64 copied in, not scanned by json).
+_JSON = {"content-type": "application/json"}
 ServerProtocol = Literal["auto", "generate", "chat"]
 
 
@@ -313,7 +316,7 @@ class OpenAIPredictor:
         with _reaching_the_server():
             if streamed:
                 return self._generate_stream(url, call, sent)
-            response = self._http().post(url, json=call.bodies["generate"])
+            response = self._http().post(url, content=request_json(call.bodies["generate"]), headers=_JSON)
         _check_generate(response, response.text)
         return answer_of(chat_completion(response.json(), self.rendering.detokenize))
 
@@ -322,7 +325,7 @@ class OpenAIPredictor:
         assert self.rendering is not None
         assert call.stream_to is not None
         answer = StreamedTokens(self.rendering.detokenize, call.request.params.stop)
-        with self._http().stream("POST", url, json=call.bodies["generate"]) as response:
+        with self._http().stream("POST", url, content=request_json(call.bodies["generate"]), headers=_JSON) as response:
             _check_generate(response, response.read().decode(errors="replace") if response.status_code != 200 else "")
             for chunk in sse_chunks(response.iter_lines()):
                 self._hand_on(call.stream_to, answer.add(chunk), sent)
