@@ -271,6 +271,12 @@ def main() -> None:
     p.add_argument("--peer", action="store_true", help="also transformers serve --continuous-batching (text)")
     p.add_argument("--paths", default="before,after", help="stoker's paths to run")
     p.add_argument("--out", type=Path, help="append each run's JSON line here")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=WorkerSettings().engine_prefill_chunk,
+        help="after: the engine's prompt tokens read at most a step while rows generate (0: whole prompts)",
+    )
     args = p.parse_args()
     settings = WorkerSettings()
     results = []
@@ -279,6 +285,8 @@ def main() -> None:
             engine = name == "after"
             options = {"max_new_tokens": args.max_tokens, "max_tokens_cap": args.max_tokens, "engine": engine}
             options |= {"yield_tokens": 1 if engine else 16, "threads": settings.torch_threads}
+            if engine:
+                options["prefill_chunk"] = args.prefill_chunk
             if args.pictures:
                 from stoker.adapters.backends.tinyvlm import tiny_vlm_path
 
@@ -290,6 +298,7 @@ def main() -> None:
             predictor.setup("cpu")
             run_stoker(predictor, requests[:1], 1, 1)  # warm up: the first call's one-off costs
             result = {"path": name, "pictures": args.pictures, "streams": streams}
+            result |= {"prefill_chunk": args.prefill_chunk} if engine else {}
             result |= run_stoker(predictor, requests, streams, args.per)
             results.append(result)
             print(json.dumps(result), flush=True)

@@ -226,6 +226,7 @@ class WorkerContext:
         options |= {"max_context_tokens": s.max_context_tokens, "pieces": self.store.answers.append}
         options |= {"yield_tokens": s.yield_tokens, "threads": s.torch_threads}
         options |= {"engine": s.local_engine, "max_rows": s.engine_max_rows, "kv_cache_tokens": s.kv_cache_tokens}
+        options |= {"prefill_chunk": s.engine_prefill_chunk}
         if is_vision_language(self.model_path):
             prepared = self.pictures.prepared_image
             return VisionLanguagePredictor(self.model_path, prepared=prepared, caches=self.embedding_cache, **options)

@@ -76,6 +76,16 @@ class InferenceConsumerSettings(SettingsPart):
         "memory holds far more than a batch of SmolLM2 rows). On CUDA set it from the memory left after the "
         "weights: a token takes 2 × layers × KV heads × head width × the dtype's bytes.",
     )
+    engine_prefill_chunk: int = Field(
+        512,
+        ge=0,
+        description="The decode engine's chunked prefill: while rows are generating, the prompts that join are "
+        "read at most this many tokens a step (padding counted) between the running rows' steps, so a long prompt "
+        "(a picture's image tokens) holds their next token back by one chunk's read at most, not by its whole "
+        "read. 0: a joining prompt is read whole at the next step. On a CPU a chunk costs about its tokens times "
+        "a prompt token's read (512: about one to two seconds for SmolLM2 on two cores); on CUDA a step costs "
+        "nearly the same up to a few thousand tokens, so 2048 or more.",
+    )
     line_batch_size: int = Field(
         1,
         ge=1,

@@ -266,3 +266,30 @@ def test_a_request_with_more_answers_than_the_room_runs_alone(loaded: Loaded) ->
     with pytest.raises(EngineFull):
         engine.submit(EngineRequest("next", loaded.short, limit=3))
     assert [row.answer for row in run(engine)["n"].rows] == [0, 1]
+
+
+def test_a_prompt_joining_running_rows_is_read_in_chunks_while_they_go_on(loaded: Loaded) -> None:
+    stop = {int(loaded.tokenizer.eos_token_id)}
+    engine = DecodeEngine(loaded.model, loaded.decode, stop, max_rows=4, prefill_chunk=8)
+    engine.submit(EngineRequest("story", loaded.story, limit=24))
+    engine.step()
+    (story,) = engine._rows
+    engine.submit(EngineRequest("short", loaded.short, limit=6))
+    engine.submit(EngineRequest("dropped", loaded.short, limit=6))
+    engine.step()  # the two prompts, read together: 4 tokens of each this step
+    assert engine.rows == 1
+    engine.cancel("dropped")  # cancelled while its prompt is read: it leaves at the next step, unanswered
+    finished, reads = [], 0
+    while engine.rows < 2:
+        before = len(story.tokens)
+        finished += [(f.key, f.rows) for f in engine.step()]
+        reads += 1
+        assert len(story.tokens) == before + 1  # the running row gets its token at every step of the read
+    assert finished == [("dropped", [])]
+    assert reads == -(-(len(loaded.short) - 4) // 8)  # the rest of the short prompt, 8 tokens a step
+    done = run(engine)
+    assert done["story"].rows[0].tokens == loaded.solo(loaded.story, 24)
+    assert done["short"].rows[0].tokens == loaded.solo(loaded.short, 6)
+    # each prompt once (the cancelled one: the 4 tokens read before it left), each answer token but the last once
+    answers = sum(len(done[key].rows[0].tokens) - 1 for key in ("story", "short"))
+    assert engine.fed == len(loaded.story) + len(loaded.short) + 4 + answers

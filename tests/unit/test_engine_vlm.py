@@ -36,11 +36,15 @@ def vlm(tiny_vlm: Path) -> tuple[Any, Any, Any, Any]:
     return model, processor, inputs, features
 
 
-def _engine(model: Any, processor: Any) -> DecodeEngine:
+def _engine(model: Any, processor: Any, prefill_chunk: int = 0) -> DecodeEngine:
     tokenizer = processor.tokenizer
     ends = model.generation_config.eos_token_id
     stop = {int(e) for e in (ends if isinstance(ends, list) else [ends])} | {int(tokenizer.eos_token_id)}
-    return DecodeEngine(model, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)), stop, max_rows=4)
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+    return DecodeEngine(model, decode, stop, max_rows=4, prefill_chunk=prefill_chunk)
 
 
 def _run(engine: DecodeEngine) -> dict[Hashable, Finished]:
@@ -50,7 +54,10 @@ def _run(engine: DecodeEngine) -> dict[Hashable, Finished]:
     return done
 
 
-def test_a_picture_is_read_once_and_its_greedy_answer_is_generates(vlm: tuple[Any, Any, Any, Any]) -> None:
+@pytest.mark.parametrize("chunk", [0, 40])
+def test_a_picture_is_read_once_and_its_greedy_answer_is_generates(vlm: tuple[Any, Any, Any, Any], chunk: int) -> None:
+    """Read whole, or (chunk 40) over several steps beside the running text row, its image tokens split between
+    chunks: the same answer either way."""
     model, processor, inputs, features = vlm
     ids = inputs["input_ids"][0].tolist()
     image_tokens = ids.count(model.config.image_token_id)
@@ -59,10 +66,12 @@ def test_a_picture_is_read_once_and_its_greedy_answer_is_generates(vlm: tuple[An
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     generated = out[0, len(ids) :].tolist()
-    engine = _engine(model, processor)
-    engine.submit(EngineRequest("text", text, limit=8))
+    engine = _engine(model, processor, chunk)
+    engine.submit(EngineRequest("text", text, limit=8 if not chunk else 40))
     engine.step()
     engine.submit(EngineRequest("picture", ids, limit=8, features=[features], images=("h",)))
+    engine.step()
+    assert engine.rows == (1 if chunk else 2)  # read in chunks: the text row runs while the picture waits
     done = _run(engine)
     ended = next((i for i, token in enumerate(generated) if token in engine.stop_ids), len(generated))
     assert done["picture"].rows[0].tokens == generated[:ended]

@@ -1,9 +1,12 @@
 """The local model's decode loop: every row keeps its KV cache across steps, so a prompt is read once.
 
-A request joins the running batch at the next step (its prompt read once, alone, then its cache merged into the
-batch's), a row that ends or is cancelled leaves at once (its cache dropped), and every step feeds each running row
-one token: its last. A request that is set aside between calls (`park`) keeps its cache, and picks it up again when
-the same prompt and answer so far come back (`submit`), so a call that stops for waiting requests costs no re-read.
+A request joins the running batch at the next step: the prompts that join together are read together, left-padded
+to one width (a picture's embeddings in place of its image tokens), then their caches merged into the batch's. While
+rows run, a joining prompt is read at most `prefill_chunk` tokens a step (chunked prefill), so the running rows go on
+getting a token every step instead of waiting for a long prompt (a picture's) to be read whole. A row that ends or
+is cancelled leaves at once (its cache dropped), and every step feeds each running row one token: its last. A
+request that is set aside between calls (`park`) keeps its cache, and picks it up again when the same prompt and
+answer so far come back (`submit`), so a call that stops for waiting requests costs no re-read.
 
 By hand rather than on transformers' continuous batching manager (`init_continuous_batching`, 5.25): that one
 draws every request from one generator (one seed for the manager, `do_sample` for all), runs one list of logits
@@ -15,12 +18,15 @@ masked by its own grammar (`RowGrammar`), and a picture's embeddings go in once,
 
 transformers' internals, fenced here: the batch's cache is one `DynamicCache` (5.x: `layers[i].keys`/`.values`, each
 batch × heads × tokens × head width) whose rows this module adds (left-padded to a common length, the attention mask
-saying what is padding) and removes between steps; models whose layers are all full attention (Llama: SmolLM2,
-Idefics3's text model).
+saying what is padding) and removes between steps, its layers `_growing_layer()`s that write each step's keys and
+values into room kept at their end (a `DynamicLayer` concatenates: it copies the whole cache at every step); models
+whose layers are all full attention (Llama: SmolLM2, Idefics3's text model), given `logits_to_keep` and, for
+pictures, `mm_encoder_outputs`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -125,6 +131,29 @@ class _Parked:
     kv: list[tuple[Any, Any]] | None
 
 
+@dataclass
+class _Filling:
+    """Requests whose prompts (with any answers so far) are read together: left-padded to one width, a chunk of
+    columns at a time, into a cache of their own that joins the batch's once the last column is read."""
+
+    requests: list[EngineRequest]
+    #: Their tokens and attention mask (requests × width, padding 0), each one's length.
+    ids: Any
+    mask: Any
+    lengths: list[int]
+    #: Per request, its pictures' embeddings in placeholder order as one tensor (None: no picture), and per column
+    #: how many image tokens it has up to there (None when no request has a picture).
+    pictures: list[Any]
+    images: Any
+    cache: Any
+    #: Columns read so far.
+    read: int = 0
+
+    @property
+    def width(self) -> int:
+        return int(self.ids.shape[1])
+
+
 class DecodeEngine:
     """A running batch of rows over one model (see the module): `submit` requests, `step` until they are
     `Finished`, `cancel` or `park` them between steps. `fed` counts the tokens the model was given."""
@@ -142,6 +171,7 @@ class DecodeEngine:
         parked_rows: int | None = None,
         end: int | None = None,
         max_tokens: int | None = None,
+        prefill_chunk: int = 0,
     ) -> None:
         self.model = model
         self.decode = decode
@@ -152,6 +182,10 @@ class DecodeEngine:
         #: The KV cache's size in tokens: what running and queued rows may reach (prompt and limit) in all.
         self.max_tokens = max_tokens
         self.device = device
+        #: Prompt tokens read at most in a step while rows run (0: joining prompts are read whole at once).
+        self.prefill_chunk = prefill_chunk
+        #: A vision-language model's image placeholder (its embeddings go in its place).
+        self.image_token = getattr(getattr(model, "config", None), "image_token_id", None)
         self.grammar_tokenizer = grammar_tokenizer
         self.pieces = pieces
         self.top_k = getattr(getattr(model, "generation_config", None), "top_k", None)
@@ -159,6 +193,10 @@ class DecodeEngine:
         self.fed = 0
         self._rows: list[Row] = []
         self._queued: list[EngineRequest] = []
+        #: Prompts being read (chunked prefill), in the order they came.
+        self._filling: list[_Filling] = []
+        #: Requests cancelled while their prompts were being read.
+        self._cancelled: set[Hashable] = set()
         self._finished: list[Finished] = []
         self._ended: dict[Hashable, list[Row]] = {}
         self._cache: Any = None
@@ -172,7 +210,7 @@ class DecodeEngine:
     @property
     def room(self) -> int:
         """Rows that can still join (running and queued rows count)."""
-        return self.max_rows - self.rows - sum(r.params.n for r in self._queued)
+        return self.max_rows - self.rows - sum(r.params.n for r in self._waiting)
 
     @property
     def rows(self) -> int:
@@ -182,13 +220,18 @@ class DecodeEngine:
     @property
     def busy(self) -> bool:
         """Whether any request runs or waits to join."""
-        return bool(self.rows or self._queued)
+        return bool(self.rows or self._waiting)
+
+    @property
+    def _waiting(self) -> list[EngineRequest]:
+        """Requests not running yet: queued, or their prompts being read."""
+        return [*self._queued, *(r for filling in self._filling for r in filling.requests)]
 
     @property
     def reserved(self) -> int:
         """Cache tokens the running and queued rows may reach (each its prompt and its limit)."""
         running = sum(_reach(row.request) for row in self._rows)
-        return running + sum(_reach(r) * r.params.n for r in self._queued)
+        return running + sum(_reach(r) * r.params.n for r in self._waiting)
 
     def submit(self, request: EngineRequest) -> None:
         """Queue a request: it joins at the next step (raises `EngineFull` past the room, in rows or in cache
@@ -208,6 +251,8 @@ class DecodeEngine:
         for request in [r for r in self._queued if r.key == key]:
             self._queued.remove(request)
             self._finished.append(Finished(key, []))
+        if any(r.key == key for r in self._waiting):
+            self._cancelled.add(key)  # its prompt is being read: it leaves at the next step
 
     def park(self, key: Hashable) -> list[Row]:
         """Set a running request's rows aside, keeping their cache for when it comes back. They stay in the batch
@@ -244,45 +289,44 @@ class DecodeEngine:
                 del self._parked[oldest]
 
     def step(self) -> list[Finished]:
-        """One decoding step: the dropped rows leave, every running row gets one token, the queued requests join
-        (their first token from their prompt's read); the requests whose answers all ended."""
+        """One decoding step: the dropped rows leave, every running row gets one token, the queued prompts are read
+        (a chunk of them while rows run: `prefill_chunk`), those read to their end join (their first token from
+        their prompt's read); the requests whose answers all ended."""
         import torch  # heavy: in the model's process only
 
         with torch.inference_mode():
-            self._expire()
+            self._expire(torch)
             self._leave(torch)
             # a parked request rejoins before the step (its next token is this step's), a new one after it (its
             # first token is its prompt's read)
             resumed = [r for r in self._queued if r.content in self._parked]
             for request in resumed:
                 self._queued.remove(request)
-                self._join(request, torch)
+                self._resume(request, torch)
             self._stow(torch)
-            if self._rows:
+            running = bool(self._rows)
+            if running:
                 self._decode(torch)
-            while self._queued:
-                self._join(self._queued.pop(0), torch)
+            self._fill(torch, self.prefill_chunk if running else 0)
             self._leave(torch)
         finished, self._finished = self._finished, []
         return finished
 
     # -- joining ---------------------------------------------------------------------------------------------------
-    def _join(self, request: EngineRequest, torch: Any) -> None:
+    def _resume(self, request: EngineRequest, torch: Any) -> None:
+        """A parked request back: its rows go on from their cache (back into the batch if it was taken out)."""
         parked = self._unpark(request.content)
-        if parked is not None:
-            for row in parked.rows:
-                row.request, row.parked = request, False  # its key and deadline as it came back
-            if parked.kv is not None:  # stowed: back into the batch (else it never left)
-                self._merge(parked.rows, parked.kv, torch)
-            return
-        ids = [*request.prompt_ids, *request.generated]
-        cache, logits = self._prefill(ids, request.features, torch)
-        rows = [self._row(request, answer) for answer in range(request.params.n)]
-        for row in rows:
-            row.cached = len(ids)
-            self._choose(row, logits, torch)
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        self._merge(rows, kv, torch)
+        assert parked is not None
+        for row in parked.rows:
+            row.request, row.parked = request, False  # its key and deadline as it came back
+        if parked.kv is not None:  # stowed: back into the batch (else it never left)
+            going = [i for i, row in enumerate(parked.rows) if row.end is None]
+            if going:
+                kv = [(k[going], v[going]) for k, v in parked.kv]
+                length = int(kv[0][0].shape[2])
+                mask = torch.ones((len(going), length), dtype=torch.long, device=self.device)
+                self._add([parked.rows[i] for i in going], kv, mask, torch)
+            self._settle(parked.rows)
 
     def _unpark(self, content: tuple[Any, ...]) -> _Parked | None:
         alike = self._parked.get(content)
@@ -304,53 +348,125 @@ class DecodeEngine:
         stream = TextStream(params.stop, sent=request.sent) if streamed else None
         return Row(request, answer, draws, grammar, stream, list(request.generated))
 
-    def _prefill(self, ids: list[int], features: Sequence[Any], torch: Any) -> tuple[Any, Any]:
-        """Read a prompt (and any answer so far) alone into a cache of its own; the logits after its last token."""
+    def _fill(self, torch: Any, budget: int) -> None:
+        """Read the waiting prompts: the queued ones start (in groups alike in length), then the groups are read in
+        the order they came, `budget` tokens in all this step (0: every one to its end); a group read to its end
+        joins the batch."""
+        if self._queued:
+            self._filling.extend(self._start(group, torch) for group in _groups(self._queued))
+            self._queued = []
+        left = budget
+        while self._filling and (not budget or left > 0):
+            filling = self._filling[0]
+            requests = len(filling.requests)
+            unread = filling.width - filling.read
+            columns = min(unread, max(1, left // requests)) if budget else unread
+            logits = self._read(filling, columns, torch)
+            left -= columns * requests
+            if logits is None:
+                return
+            self._filling.pop(0)
+            self._joined(filling, logits, torch)
+
+    def _start(self, requests: list[EngineRequest], torch: Any) -> _Filling:
+        """Requests whose prompts are read together: their tokens left-padded to the longest."""
         from transformers import DynamicCache
 
-        cache = DynamicCache()
+        prompts = [[*r.prompt_ids, *r.generated] for r in requests]
+        width = max(len(ids) for ids in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt, device=self.device)
+            mask[i, width - len(prompt) :] = 1
+        pictures = [torch.cat(list(r.features)) if r.features else None for r in requests]
+        images = None
+        if any(p is not None for p in pictures) and self.image_token is not None:
+            images = (ids == self.image_token).cumsum(1)
+        return _Filling(list(requests), ids, mask, [len(p) for p in prompts], pictures, images, DynamicCache())
+
+    def _read(self, filling: _Filling, columns: int, torch: Any) -> Any:
+        """Read the next `columns` columns of a group's prompts; after its last, the logits after each one."""
+        start, end = filling.read, filling.read + columns
+        mask = filling.mask[:, :end]
+        positions = (mask.cumsum(1) - 1).clamp(min=0)[:, start:]
         inputs: dict[str, Any] = {}
-        if features:
+        pictures = self._pictures_between(filling, start, end)
+        if pictures:
             from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-            inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=list(features))}
-        tokens = torch.tensor([ids], device=self.device)
+            inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=pictures)}
         out = self.model(
-            input_ids=tokens, attention_mask=torch.ones_like(tokens), cache=cache, use_cache=True, **inputs
+            input_ids=filling.ids[:, start:end],
+            attention_mask=mask,
+            position_ids=positions,
+            cache=filling.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **inputs,
         )
-        self.fed += len(ids)
-        return cache, out.logits[0, -1]
+        self.fed += int(filling.mask[:, start:end].sum())
+        filling.read = end
+        return out.logits[:, -1] if end == filling.width else None
 
-    def _merge(self, rows: list[Row], kv: list[tuple[Any, Any]], torch: Any) -> None:
-        """Add rows (one cache, repeated for each row) to the batch, left-padded to a common length."""
-        going = [i for i, row in enumerate(rows) if row.end is None]
+    @staticmethod
+    def _pictures_between(filling: _Filling, start: int, end: int) -> list[Any]:
+        """The embeddings of the image tokens in columns [start, end), request after request."""
+        if filling.images is None:
+            return []
+        found = []
+        for i, picture in enumerate(filling.pictures):
+            before = int(filling.images[i, start - 1]) if start else 0
+            upto = int(filling.images[i, end - 1])
+            if picture is not None and upto > before:
+                found.append(picture[before:upto])
+        return found
+
+    def _joined(self, filling: _Filling, logits: Any, torch: Any) -> None:
+        """A group read to its end: each request's rows choose their first token and join the batch."""
+        rows: list[Row] = []
+        going: list[int] = []
+        for i, request in enumerate(filling.requests):
+            for answer in range(request.params.n):
+                row = self._row(request, answer)
+                row.cached = filling.lengths[i]
+                self._choose(row, logits[i], torch)
+                rows.append(row)
+                if row.end is None:
+                    going.append(len(rows) - 1)
         if going:
-            self._add(rows, going, kv, torch)
+            index = torch.tensor(
+                [i for i, request in enumerate(filling.requests) for _ in range(request.params.n)], device=self.device
+            )[going]
+            kv = [(layer.keys[index], layer.values[index]) for layer in filling.cache.layers]
+            self._add([rows[i] for i in going], kv, filling.mask[index], torch)
         self._settle(rows)
 
-    def _add(self, rows: list[Row], going: list[int], kv: list[tuple[Any, Any]], torch: Any) -> None:
-        count, length = len(going), int(kv[0][0].shape[2])
-        if int(kv[0][0].shape[0]) == 1:  # one prompt's read, for each of its rows
-            kv = [(k.expand(count, -1, -1, -1), v.expand(count, -1, -1, -1)) for k, v in kv]
-        else:
-            kv = [(k[going], v[going]) for k, v in kv]
+    def _add(self, rows: list[Row], kv: list[tuple[Any, Any]], mask: Any, torch: Any) -> None:
+        """Add rows to the batch (their caches and masks, a row each), all left-padded to a common length."""
         width = int(self._mask.shape[1]) if self._cache is not None else 0
-        common = max(width, length)
-        mask = torch.zeros((count, common), dtype=torch.long, device=self.device)
-        mask[:, common - length :] = 1
+        common = max(width, int(mask.shape[1]))
         new = [(_pad(k, common), _pad(v, common)) for k, v in kv]
-        if self._cache is None:
-            from transformers import DynamicCache
+        mask = _pad_mask(mask, common)
+        if self._cache is not None:
+            new = [
+                (torch.cat([_pad(layer.keys, common), k]), torch.cat([_pad(layer.values, common), v]))
+                for layer, (k, v) in zip(self._cache.layers, new, strict=True)
+            ]
+            mask = torch.cat([_pad_mask(self._mask, common), mask])
+        self._rows.extend(rows)
+        self._hold(new, mask)
 
-            self._cache = DynamicCache(ddp_cache_data=[(k.contiguous(), v.contiguous()) for k, v in new])
-            self._mask = mask
-        else:
-            for layer, (k, v) in zip(self._cache.layers, new, strict=True):
-                layer.keys = torch.cat([_pad(layer.keys, common), k])
-                layer.values = torch.cat([_pad(layer.values, common), v])
-            old = torch.zeros((self._mask.shape[0], common - width), dtype=torch.long, device=self.device)
-            self._mask = torch.cat([torch.cat([old, self._mask], 1), mask])
-        self._rows.extend(rows[i] for i in going)
+    def _hold(self, kv: list[tuple[Any, Any]], mask: Any) -> None:
+        """Make these the batch's cache and mask, with room at the end for the steps its rows may still take."""
+        from transformers import DynamicCache
+
+        most = max((row.request.limit - len(row.tokens) for row in self._rows), default=0)
+        room = min(max(most, _ROOM_LEAST), _ROOM_MOST)
+        self._cache = DynamicCache()
+        layer = _growing_layer()
+        self._cache.layers = [layer(k, v, room) for k, v in kv]
+        self._mask = mask
 
     # -- decoding --------------------------------------------------------------------------------------------------
     def _decode(self, torch: Any) -> None:
@@ -421,7 +537,7 @@ class DecodeEngine:
         return min(chosen, last)
 
     # -- leaving ---------------------------------------------------------------------------------------------------
-    def _expire(self) -> None:
+    def _expire(self, torch: Any) -> None:
         now = time.time()
         for row in self._rows:
             deadline = row.request.deadline
@@ -430,6 +546,29 @@ class DecodeEngine:
         for request in [r for r in self._queued if r.deadline is not None and r.deadline <= now]:
             self._queued.remove(request)
             self._finished.append(Finished(request.key, []))
+        cancelled, self._cancelled = self._cancelled, set()
+        self._drop_filling(lambda r: r.key in cancelled or (r.deadline is not None and r.deadline <= now), torch)
+
+    def _drop_filling(self, dropped: Callable[[EngineRequest], bool], torch: Any) -> None:
+        """Drop the requests whose prompts are being read that `dropped` says (each `Finished` unanswered)."""
+        for filling in list(self._filling):
+            kept = [i for i, request in enumerate(filling.requests) if not dropped(request)]
+            if len(kept) == len(filling.requests):
+                continue
+            for request in filling.requests:
+                if dropped(request):
+                    self._finished.append(Finished(request.key, []))
+            if not kept:
+                self._filling.remove(filling)
+                continue
+            index = torch.tensor(kept, device=self.device)
+            filling.requests = [filling.requests[i] for i in kept]
+            filling.lengths = [filling.lengths[i] for i in kept]
+            filling.pictures = [filling.pictures[i] for i in kept]
+            filling.ids, filling.mask = filling.ids[index], filling.mask[index]
+            filling.images = filling.images[index] if filling.images is not None else None
+            for layer in filling.cache.layers:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
 
     def _leave(self, torch: Any) -> None:
         """Rows that ended leave the batch now; a request whose rows all ended is finished."""
@@ -455,15 +594,70 @@ class DecodeEngine:
             self._cache, self._mask = None, None
             return
         index = torch.tensor(indices, device=self.device)
-        self._mask = self._mask[index]
-        start = int(self._mask.any(0).nonzero()[0])
-        self._mask = self._mask[:, start:]
-        for layer in self._cache.layers:
-            layer.keys = layer.keys[index, :, start:]
-            layer.values = layer.values[index, :, start:]
+        mask = self._mask[index]
+        start = int(mask.any(0).nonzero()[0])
+        kv = [(layer.keys[index, :, start:], layer.values[index, :, start:]) for layer in self._cache.layers]
+        self._hold(kv, mask[:, start:])
 
     def _layers(self) -> list[tuple[Any, Any]]:
         return [(layer.keys, layer.values) for layer in self._cache.layers]
+
+
+#: The room a batch's cache keeps at its end, in tokens: what its rows may still generate, within these bounds.
+_ROOM_LEAST, _ROOM_MOST = 16, 256
+#: Prompts read together waste at most this share of what is read on padding (longer ones are read apart).
+_PADDING = 0.25
+
+
+def _groups(requests: list[EngineRequest]) -> list[list[EngineRequest]]:
+    """Requests whose prompts are read together, longest first, each group's padding within `_PADDING` of what it
+    reads."""
+    ordered = sorted(requests, key=lambda r: -(len(r.prompt_ids) + len(r.generated)))
+    groups: list[list[EngineRequest]] = []
+    for request in ordered:
+        length = len(request.prompt_ids) + len(request.generated)
+        group = groups[-1] if groups else None
+        if group is not None:
+            width = len(group[0].prompt_ids) + len(group[0].generated)
+            real = sum(len(r.prompt_ids) + len(r.generated) for r in group) + length
+            if width * (len(group) + 1) * (1 - _PADDING) <= real:
+                group.append(request)
+                continue
+        groups.append([request])
+    return groups
+
+
+@functools.cache
+def _growing_layer() -> Any:
+    """The class of the batch's cache layers: each writes a step's keys and values into room kept at its end (made
+    anew, larger, when it is full), where transformers' `DynamicLayer` concatenates, copying the whole cache at
+    every step. Its `keys` and `values` are views of what is written. Made at first use: transformers is heavy."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):  # type: ignore[misc]
+        def __init__(self, keys: Any, values: Any, room: int) -> None:
+            super().__init__()
+            self.device, self.is_initialized = keys.device, True
+            self._hold(keys, values, room)
+
+        def _hold(self, keys: Any, values: Any, room: int) -> None:
+            rows, heads, length, width = keys.shape
+            self._keys = keys.new_empty((rows, heads, length + room, width))
+            self._values = values.new_empty((rows, heads, length + room, values.shape[3]))
+            self._keys[:, :, :length] = keys
+            self._values[:, :, :length] = values
+            self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            length, new = int(self.keys.shape[2]), int(key_states.shape[2])
+            if length + new > int(self._keys.shape[2]):
+                self._hold(self.keys, self.values, max(new, _ROOM_LEAST, length // 4))
+            self._keys[:, :, length : length + new] = key_states
+            self._values[:, :, length : length + new] = value_states
+            self.keys, self.values = self._keys[:, :, : length + new], self._values[:, :, : length + new]
+            return self.keys, self.values
+
+    return GrowingLayer
 
 
 def _reach(request: EngineRequest) -> int:
@@ -477,6 +671,14 @@ def _pad(tensor: Any, length: int) -> Any:
 
     missing = length - int(tensor.shape[2])
     return functional.pad(tensor, (0, 0, missing, 0)) if missing else tensor
+
+
+def _pad_mask(mask: Any, length: int) -> Any:
+    """An attention mask (rows × tokens) left-padded with zeros to `length` tokens."""
+    import torch.nn.functional as functional  # heavy: in the model's process only
+
+    missing = length - int(mask.shape[1])
+    return functional.pad(mask, (missing, 0)) if missing else mask
 
 
 def _step(raw: Any, token: int, top: int, torch: Any) -> Step:

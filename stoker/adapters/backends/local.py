@@ -79,6 +79,7 @@ class TransformersPredictor(YieldsToConsumer):
         engine: bool = True,
         max_rows: int = 0,
         kv_cache_tokens: int = 0,
+        prefill_chunk: int = 0,
     ) -> None:
         self.model_path = model_path
         #: Whether calls run on the decode engine (every row's KV cache kept across steps and calls), or on
@@ -87,6 +88,8 @@ class TransformersPredictor(YieldsToConsumer):
         #: The engine's room: rows at once (0: the consumer's batch size), cache tokens in all (0: unbounded).
         self.max_rows = max_rows
         self.kv_cache_tokens = kv_cache_tokens
+        #: Prompt tokens the engine reads at most in a step while rows generate (0: a joining prompt whole).
+        self.prefill_chunk = prefill_chunk
         #: The engine samples, masks and stops each row by its own request: one call mixes any of them.
         self.mixes_sampling = engine
         self._engine: DecodeEngine | None = None
@@ -223,6 +226,7 @@ class TransformersPredictor(YieldsToConsumer):
                 grammar_tokenizer=self._token_grammar,
                 end=end,
                 max_tokens=self.kv_cache_tokens or None,
+                prefill_chunk=self.prefill_chunk,
             )
         self._engine.pieces, self._engine.max_rows = self.pieces, rows
         return self._engine
