@@ -58,9 +58,11 @@ from bench.rawload import Connections
 from bench.report import percentile
 from bench.stack import Device, bench_stack
 from bench.workload import png_bomb, scene_jpeg
+from stoker.adapters.heap import keep_freed_memory
 from stoker.adapters.render import RenderedPicture, Renderer
 from stoker.adapters.vllm_render import features, idefics3_item, request_json
 from stoker.core.imaging import DecodeParams, decode_rgb
+from stoker.settings import ApiSettings
 from workers.broker import free_port, start_embedded
 from workers.procs import ROOT
 from workers.vllm_peer import PEER_VENV, render_server
@@ -522,6 +524,7 @@ def profile(model: Path, n: int, seed: int) -> dict[str, Any]:
     import torch  # loaded with the image processor already
 
     torch.set_num_threads(1)  # as `tasks.lifecycle` sets it in a CPU pool child
+    keep_freed_memory(ApiSettings().heap_keep_mb)  # as the API and the CPU workers keep it
     renderer = Renderer(str(model), "bfloat16")
     assert renderer.preparer is not None, f"{model} reads no pictures"
     rng = random.Random(f"{seed}:profile")
