@@ -11,7 +11,8 @@ requests, `STOKER_YIELD_TOKENS`): before, batched `generate` restarted at each y
 re-read); after, the decode engine (a yield at every step, nothing re-read). Neither the broker nor the store is in
 the loop: what is measured is the model's side. The peer is driven over its OpenAI-compatible streaming chat
 completions by the same streams. Per run: output tokens/s, time to first token and between tokens (p50, p99), and
-for stoker the tokens the model was fed (prompts and answers).
+for stoker the tokens the model was fed (prompts and answers) and output tokens per CPU second of its process (on
+a host whose cores others share, steadier than tokens/s). `--prefill-chunk`: the engine's chunked prefill.
 """
 
 from __future__ import annotations
@@ -150,16 +151,18 @@ def run_stoker(
             )
             ended.wait()
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     clients = [threading.Thread(target=client, args=(s,)) for s in range(streams)]
     for c in clients:
         c.start()
     for c in clients:
         c.join()
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     consumer.stop()
     engine = getattr(predictor, "_engine", None)
     result = summary(list(timings.values()), wall)
+    # on a host whose cores others share, the CPU seconds the model's process spent move less than the wall time
+    result |= {"cpu_s": round(cpu, 1), "tokens_per_cpu_s": round(result["tokens"] / cpu, 2)}
     if engine is not None:
         result["fed_tokens"] = engine.fed - fed_before
     return result
@@ -204,7 +207,15 @@ def picture_predictor(path: Path, **options: Any) -> tuple[TransformersPredictor
     return predictor, requests
 
 
-def run_peer(path: str, requests: list[str], streams: int, per: int, max_tokens: int, port: int) -> dict[str, Any]:
+def _cpu_seconds(pid: int) -> float:
+    """The CPU seconds a process has spent (user and system, from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_peer(
+    path: str, requests: list[str], streams: int, per: int, max_tokens: int, port: int, pid: int
+) -> dict[str, Any]:
     """The same closed loop against `transformers serve --continuous-batching`, over streamed chat completions."""
     from openai import OpenAI
 
@@ -228,13 +239,15 @@ def run_peer(path: str, requests: list[str], streams: int, per: int, max_tokens:
             with lock:
                 timings.append(timing)
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu_seconds(pid)
     threads = [threading.Thread(target=one, args=(s,)) for s in range(streams)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return summary(timings, time.perf_counter() - started)
+    result = summary(timings, time.perf_counter() - started)
+    cpu = _cpu_seconds(pid) - cpu
+    return result | {"cpu_s": round(cpu, 1), "tokens_per_cpu_s": round(result["tokens"] / cpu, 2)}
 
 
 def start_peer(path: str, port: int, threads: int) -> subprocess.Popen[bytes]:
@@ -307,9 +320,9 @@ def main() -> None:
             port = _free_port()
             server = start_peer(path, port, settings.torch_threads)
             try:
-                run_peer(path, list(PROMPTS[:1]), 1, 1, args.max_tokens, port)  # warm up
+                run_peer(path, list(PROMPTS[:1]), 1, 1, args.max_tokens, port, server.pid)  # warm up
                 result = {"path": "transformers serve --continuous-batching", "pictures": False, "streams": streams}
-                result |= run_peer(path, list(PROMPTS), streams, args.per, args.max_tokens, port)
+                result |= run_peer(path, list(PROMPTS), streams, args.per, args.max_tokens, port, server.pid)
             finally:
                 server.terminate()
                 server.wait(30)

@@ -16,7 +16,7 @@ from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
 from stoker.core.errors import InferenceFailed
-from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
+from stoker.core.model import Continued, GenerationParams, ModelRequest, Prediction, run_predictor
 from stoker.core.prompting import build_prompt
 from stoker.core.tools import ResponseFormat
 from stoker.settings import WorkerSettings
@@ -293,3 +293,26 @@ def test_a_prompt_joining_running_rows_is_read_in_chunks_while_they_go_on(loaded
     # each prompt once (the cancelled one: the 4 tokens read before it left), each answer token but the last once
     answers = sum(len(done[key].rows[0].tokens) - 1 for key in ("story", "short"))
     assert engine.fed == len(loaded.story) + len(loaded.short) + 4 + answers
+
+
+def test_a_call_that_yields_every_step_never_stops_while_a_prompt_is_read(loaded: Loaded) -> None:
+    settings = WorkerSettings()
+    path = str(resolve_model(settings.model, settings.model_cache, fetch=False))
+    predictor = TransformersPredictor(path, max_new_tokens=12, max_tokens_cap=12, yield_tokens=1, prefill_chunk=8)
+    predictor.setup("cpu")
+    predictor.yield_to(lambda: 1, max_rows=4)  # a request always waits: every call stops as soon as it may
+    story = ModelRequest(loaded.story, params=GenerationParams(max_tokens=12))
+    (going,) = run_predictor(predictor, [story])
+    assert isinstance(going, Continued)
+    pending: list[ModelRequest] = [story.continued(going), ModelRequest(loaded.short)]
+    answers: list[Prediction] = []
+    while pending:  # the consumer's loop: what goes on, in the next call
+        outcomes = run_predictor(predictor, pending)
+        answers += [o for o in outcomes if isinstance(o, Prediction)]
+        pending = [r.continued(o) for r, o in zip(pending, outcomes, strict=True) if isinstance(o, Continued)]
+    assert sorted(a.text for a in answers) == sorted(
+        [loaded.decode(loaded.solo(loaded.story, 12)), loaded.decode(loaded.solo(loaded.short, 12))]
+    )
+    # the short prompt, read 8 tokens a step beside the story's row, read once: the call went on until it was read
+    tokens = sum(a.completion_tokens - 1 for a in answers)
+    assert predictor.tokens_fed == len(loaded.story) + len(loaded.short) + tokens

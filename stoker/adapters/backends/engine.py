@@ -223,6 +223,11 @@ class DecodeEngine:
         return bool(self.rows or self._waiting)
 
     @property
+    def reading(self) -> bool:
+        """Whether prompts are being read (`prefill_chunk`): a call that stopped now would have them read again."""
+        return bool(self._filling)
+
+    @property
     def _waiting(self) -> list[EngineRequest]:
         """Requests not running yet: queued, or their prompts being read."""
         return [*self._queued, *(r for filling in self._filling for r in filling.requests)]

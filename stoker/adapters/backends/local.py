@@ -165,7 +165,8 @@ class TransformersPredictor(YieldsToConsumer):
         """Step the engine over the batch's requests (each joins as room frees) until every answer is done, or,
         given a consumer to yield to, every `yield_tokens` steps when some answers are done and others are not or
         a request waits for the device and the engine has room: the answers still going are parked with their
-        caches (`DecodeEngine.park`) and come back `Continued`, to go on from their caches in the next call."""
+        caches (`DecodeEngine.park`) and come back `Continued`, to go on from their caches in the next call. A call
+        never stops while prompts of its are being read (chunked prefill): they would be read again."""
         engine = self._decode_engine(len(batch.requests))
         queued = [self._engine_request(i, r, features[i] if features else ()) for i, r in enumerate(batch.requests)]
         finished: dict[int, Finished] = {}
@@ -176,7 +177,8 @@ class TransformersPredictor(YieldsToConsumer):
                 self._drop_cancelled(engine, batch, finished)
                 finished.update((int(f.key), f) for f in engine.step())  # type: ignore[call-overload]
                 steps += 1
-                if every and steps % every == 0 and self._yields(engine, len(batch.requests) - len(finished), batch):
+                may_stop = every and steps % every == 0 and not engine.reading
+                if may_stop and self._yields(engine, len(batch.requests) - len(finished), batch):
                     break
             going = {i: engine.park(i) for i in range(len(batch.requests)) if i not in finished}
         except BaseException:
