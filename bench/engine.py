@@ -4,6 +4,7 @@ load: N concurrent streams, each sending its next chat when the last one's answe
     .venv/bin/python -m bench.engine                              # text, 1 / 4 / 16 streams, before and after
     .venv/bin/python -m bench.engine --pictures                   # the tiny VLM, one picture a chat
     .venv/bin/python -m bench.engine --peer --streams 1,4,16      # and transformers serve, over HTTP
+    .venv/bin/python -m bench.engine --pictures --burst 15 --prefill-chunk 0,512   # 15 joining one running chat
 
 Before and after run stoker's predictor in this process under a consumer loop of the shape of the inference
 worker's (the batch is what waits, up to the batch size, with the answers that go on; a call yields to waiting
@@ -168,6 +169,39 @@ def run_stoker(
     return result
 
 
+def run_burst(predictor: TransformersPredictor, requests: list[ModelRequest], joining: int) -> dict[str, Any]:
+    """One picture chat running when `joining` more arrive at once, on the decode engine itself: how long the
+    running row waits between its tokens while they are read (the longest gap), and until the last of them has
+    its first token."""
+    from stoker.adapters.backends.engine import EngineRequest
+
+    batch = predictor.batch(requests[:1])  # the picture's embeddings, once: every chat has the same picture
+    features = batch.features[0] if hasattr(batch, "features") else ()
+    engine = predictor._decode_engine(joining + 1)
+    first = requests[0]
+    engine.submit(EngineRequest("running", first.prompt_ids, limit=10_000, features=features, images=("p",)))
+    engine.step()
+    engine.step()
+    for k in range(joining):
+        request = requests[k % len(requests)]
+        engine.submit(EngineRequest(k, request.prompt_ids, limit=1, features=features, images=("p",)))
+    started, gaps, last, answered = time.perf_counter(), [], time.perf_counter(), 0
+    while answered < joining:  # each ends at its first token, chosen once its prompt is read
+        answered += sum(f.key != "running" for f in engine.step())
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    all_joined = time.perf_counter() - started
+    engine.cancel("running")
+    engine.step()
+    return {
+        "joining": joining,
+        "steps": len(gaps),
+        "longest_gap_ms": round(max(gaps) * 1000, 1),
+        "all_joined_ms": round(all_joined * 1000, 1),
+    }
+
+
 def text_requests(path: str, max_tokens: int) -> list[ModelRequest]:
     prompts = PromptTokenizer(load_tokenizer(path))
     params = GenerationParams(max_tokens=max_tokens)
@@ -208,9 +242,21 @@ def picture_predictor(path: Path, **options: Any) -> tuple[TransformersPredictor
 
 
 def _cpu_seconds(pid: int) -> float:
-    """The CPU seconds a process has spent (user and system, from /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The CPU seconds a process and the processes under it have spent (user and system, from /proc): the peer's
+    server runs its model in a process of its own."""
+    stats: dict[int, list[str]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        stats[int(stat.parent.name)] = fields
+    tree, grew = {pid}, True
+    while grew:
+        below = {p for p, fields in stats.items() if int(fields[1]) in tree} - tree
+        tree, grew = tree | below, bool(below)
+    ticks = sum(int(stats[p][11]) + int(stats[p][12]) for p in tree if p in stats)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def run_peer(
@@ -275,6 +321,35 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def loaded(
+    args: argparse.Namespace, settings: WorkerSettings, options: dict[str, Any]
+) -> tuple[TransformersPredictor, list[ModelRequest]]:
+    """The predictor the run asks for (the tiny VLM with pictures, else the text model), set up, and its chats."""
+    if args.pictures:
+        from stoker.adapters.backends.tinyvlm import tiny_vlm_path
+
+        predictor, requests = picture_predictor(tiny_vlm_path(settings.model_cache), **options)
+    else:
+        path = str(resolve_model(settings.model, settings.model_cache, fetch=False))
+        predictor, requests = TransformersPredictor(path, **options), text_requests(path, args.max_tokens)
+    predictor.setup("cpu")
+    return predictor, requests
+
+
+def bursts(args: argparse.Namespace, settings: WorkerSettings) -> list[dict[str, Any]]:
+    """`--burst`: chats joining one running chat at once, at each `--prefill-chunk`."""
+    results = []
+    for chunk in [int(c) for c in args.prefill_chunk.split(",")]:
+        options = {"max_new_tokens": args.max_tokens, "max_tokens_cap": args.max_tokens, "prefill_chunk": chunk}
+        predictor, requests = loaded(args, settings, options | {"threads": settings.torch_threads})
+        run_burst(predictor, requests, 1)  # warm up
+        result = {"burst": True, "pictures": args.pictures, "prefill_chunk": chunk}
+        result |= run_burst(predictor, requests, args.burst)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", default="1,4,16", help="concurrent streams to run at")
@@ -285,33 +360,34 @@ def main() -> None:
     p.add_argument("--paths", default="before,after", help="stoker's paths to run")
     p.add_argument("--out", type=Path, help="append each run's JSON line here")
     p.add_argument(
-        "--prefill-chunk",
+        "--burst",
         type=int,
-        default=WorkerSettings().engine_prefill_chunk,
+        default=0,
+        help="instead: this many chats joining one running chat at once, on the engine (the running row's longest "
+        "wait between tokens while they are read, at each --prefill-chunk given: comma-separated)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        default=str(WorkerSettings().engine_prefill_chunk),
         help="after: the engine's prompt tokens read at most a step while rows generate (0: whole prompts)",
     )
     args = p.parse_args()
     settings = WorkerSettings()
     results = []
-    for streams in [int(s) for s in args.streams.split(",")]:
+    if args.burst:
+        results += bursts(args, settings)
+        args.streams = ""
+    for streams in [int(s) for s in args.streams.split(",") if s]:
         for name in args.paths.split(","):
             engine = name == "after"
             options = {"max_new_tokens": args.max_tokens, "max_tokens_cap": args.max_tokens, "engine": engine}
             options |= {"yield_tokens": 1 if engine else 16, "threads": settings.torch_threads}
             if engine:
-                options["prefill_chunk"] = args.prefill_chunk
-            if args.pictures:
-                from stoker.adapters.backends.tinyvlm import tiny_vlm_path
-
-                predictor, requests = picture_predictor(tiny_vlm_path(settings.model_cache), **options)
-            else:
-                path = str(resolve_model(settings.model, settings.model_cache, fetch=False))
-                predictor = TransformersPredictor(path, **options)
-                requests = text_requests(path, args.max_tokens)
-            predictor.setup("cpu")
+                options["prefill_chunk"] = int(args.prefill_chunk)
+            predictor, requests = loaded(args, settings, options)
             run_stoker(predictor, requests[:1], 1, 1)  # warm up: the first call's one-off costs
             result = {"path": name, "pictures": args.pictures, "streams": streams}
-            result |= {"prefill_chunk": args.prefill_chunk} if engine else {}
+            result |= {"prefill_chunk": int(args.prefill_chunk)} if engine else {}
             result |= run_stoker(predictor, requests, streams, args.per)
             results.append(result)
             print(json.dumps(result), flush=True)
