@@ -173,7 +173,7 @@ def run_burst(predictor: TransformersPredictor, requests: list[ModelRequest], jo
     """One picture chat running when `joining` more arrive at once, on the decode engine itself: how long the
     running row waits between its tokens while they are read (the longest gap), and until the last of them has
     its first token."""
-    from stoker.adapters.backends.engine import EngineRequest
+    from stoker.adapters.backends.engine_rows import EngineRequest
 
     batch = predictor.batch(requests[:1])  # the picture's embeddings, once: every chat has the same picture
     features = batch.features[0] if hasattr(batch, "features") else ()

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from stoker.adapters.backends.engine import DecodeEngine, EngineFull, EngineRequest, Finished
+from stoker.adapters.backends.engine import DecodeEngine
+from stoker.adapters.backends.engine_rows import EngineFull, EngineRequest, Finished
 from stoker.adapters.backends.grammar import grammar_for, token_grammar
 from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model

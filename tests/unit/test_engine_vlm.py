@@ -12,7 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from stoker.adapters.backends.engine import DecodeEngine, EngineRequest, Finished
+from stoker.adapters.backends.engine import DecodeEngine
+from stoker.adapters.backends.engine_rows import EngineRequest, Finished
 from tests.media import text_image
 
 pytestmark = pytest.mark.real_model

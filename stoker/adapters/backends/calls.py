@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from stoker.adapters.backends.engine import DecodeEngine, EngineFull, EngineRequest, Finished, Row
+from stoker.adapters.backends.engine import DecodeEngine
+from stoker.adapters.backends.engine_rows import EngineFull, EngineRequest, Finished, Row
 from stoker.core.batching import Collated
 from stoker.core.model import GenerationParams, ModelRequest, Prediction
 from stoker.core.tools import parse_tool_calls

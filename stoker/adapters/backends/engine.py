@@ -18,7 +18,7 @@ masked by its own grammar (`RowGrammar`), and a picture's embeddings go in once,
 
 transformers' internals, fenced here: the batch's cache is one `DynamicCache` (5.x: `layers[i].keys`/`.values`, each
 batch × heads × tokens × head width) whose rows this module adds (left-padded to a common length, the attention mask
-saying what is padding) and removes between steps, its layers `_growing_layer()`s that write each step's keys and
+saying what is padding) and removes between steps, its layers `growing_layer()`s that write each step's keys and
 values into room kept at their end (a `DynamicLayer` concatenates: it copies the whole cache at every step); models
 whose layers are all full attention (Llama: SmolLM2, Idefics3's text model), given `logits_to_keep` and, for
 pictures, `mm_encoder_outputs`.
@@ -26,102 +26,37 @@ pictures, `mm_encoder_outputs`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
+from stoker.adapters.backends.engine_cache import (
+    ROOM_LEAST,
+    ROOM_MOST,
+    growing_layer,
+    pad_cache,
+    pad_mask,
+    read_groups,
+)
+from stoker.adapters.backends.engine_rows import (
+    EngineFull,
+    EngineRequest,
+    Finished,
+    Row,
+    RowDraws,
+    reach,
+    step_logprobs,
+)
 from stoker.adapters.backends.grammar import RowGrammar
 from stoker.adapters.backends.streams import Pieces, send_piece
-from stoker.core.model import GenerationParams, apply_stop
+from stoker.core.model import apply_stop
 from stoker.core.streaming import TextStream
 
 log = logging.getLogger(__name__)
-
-#: One generated token's (id, log probability), and the likeliest tokens' at its place.
-Step = tuple[tuple[int, float], list[tuple[int, float]]]
-
-
-class EngineFull(Exception):
-    """The engine has no room for the request's rows."""
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """One request as the engine takes it: its prompt, how it is sampled, how many new tokens its answers may have
-    (`limit`: in all, the answer so far counted), and what goes with it."""
-
-    key: Hashable
-    prompt_ids: Sequence[int]
-    params: GenerationParams = field(default_factory=GenerationParams)
-    limit: int = 64
-    #: An answer under way: the tokens it has (its parked cache is picked up when it holds them).
-    generated: tuple[int, ...] = ()
-    #: The llguidance grammar its answers must follow (None: free text).
-    grammar: str | None = None
-    #: The job its (first) answer is streamed to, and what of it was sent already.
-    stream_to: str | None = None
-    sent: str = ""
-    #: A vision-language model's: its pictures' embeddings in placeholder order, and their content hashes.
-    features: Sequence[Any] = ()
-    images: tuple[str, ...] = ()
-    #: When (time.time()) it is dropped at the next step, unanswered.
-    deadline: float | None = None
-
-    @property
-    def content(self) -> tuple[Any, ...]:
-        """What its cache holds: the same prompt, pictures and answer so far make the same cache."""
-        return (tuple(self.prompt_ids), self.images, self.generated)
-
-
-@dataclass
-class Row:
-    """One answer being generated: its tokens, its log probabilities, how it ended (None: it goes on)."""
-
-    request: EngineRequest
-    answer: int
-    draws: RowDraws | None
-    grammar: RowGrammar | None
-    stream: TextStream | None
-    tokens: list[int]
-    steps: list[Step] = field(default_factory=list)
-    end: str | None = None
-    #: Why its grammar failed (its request fails).
-    failure: str | None = None
-    #: Prompt and answer tokens in its cache (its next position).
-    cached: int = 0
-    #: Set aside between calls (`DecodeEngine.park`).
-    parked: bool = False
-    #: The end-of-sequence token it ended at (never one of its `tokens`), if it did.
-    end_token: int | None = None
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A request whose answers all ended (`stop`, `length`, or `cancelled`: dropped unanswered)."""
-
-    key: Hashable
-    rows: list[Row]
-
-
-@dataclass(frozen=True)
-class RowDraws:
-    """Where a sampled row's draws come from: its request's seed, which of its answers it is. The draw for the
-    answer's k-th token is fixed by these and k alone, never by the rows beside it."""
-
-    seed: int
-    answer: int
-
-    def uniform(self, place: int) -> float:
-        """A number in [0, 1) for the answer's token at `place`."""
-        import hashlib
-
-        digest = hashlib.blake2b(f"{self.seed}:{self.answer}:{place}".encode(), digest_size=8).digest()
-        return (int.from_bytes(digest, "little") >> 11) * 2.0**-53  # the top 53 bits: every double in [0, 1)
 
 
 @dataclass
@@ -235,15 +170,15 @@ class DecodeEngine:
     @property
     def reserved(self) -> int:
         """Cache tokens the running and queued rows may reach (each its prompt and its limit)."""
-        running = sum(_reach(row.request) for row in self._rows)
-        return running + sum(_reach(r) * r.params.n for r in self._waiting)
+        running = sum(reach(row.request) for row in self._rows)
+        return running + sum(reach(r) * r.params.n for r in self._waiting)
 
     def submit(self, request: EngineRequest) -> None:
         """Queue a request: it joins at the next step (raises `EngineFull` past the room, in rows or in cache
         tokens, while any other runs or waits: one larger than the whole room runs alone)."""
         if request.params.n > self.room and self.busy:
             raise EngineFull(f"{request.params.n} rows asked, {self.room} free")
-        tokens = _reach(request) * request.params.n
+        tokens = reach(request) * request.params.n
         if self.max_tokens is not None and self.busy and self.reserved + tokens > self.max_tokens:
             raise EngineFull(f"{tokens} cache tokens asked, {self.max_tokens - self.reserved} free")
         self._queued.append(request)
@@ -358,7 +293,7 @@ class DecodeEngine:
         the order they came, `budget` tokens in all this step (0: every one to its end); a group read to its end
         joins the batch."""
         if self._queued:
-            self._filling.extend(self._start(group, torch) for group in _groups(self._queued))
+            self._filling.extend(self._start(group, torch) for group in read_groups(self._queued))
             self._queued = []
         left = budget
         while self._filling and (not budget or left > 0):
@@ -451,14 +386,14 @@ class DecodeEngine:
         """Add rows to the batch (their caches and masks, a row each), all left-padded to a common length."""
         width = int(self._mask.shape[1]) if self._cache is not None else 0
         common = max(width, int(mask.shape[1]))
-        new = [(_pad(k, common), _pad(v, common)) for k, v in kv]
-        mask = _pad_mask(mask, common)
+        new = [(pad_cache(k, common), pad_cache(v, common)) for k, v in kv]
+        mask = pad_mask(mask, common)
         if self._cache is not None:
             new = [
-                (torch.cat([_pad(layer.keys, common), k]), torch.cat([_pad(layer.values, common), v]))
+                (torch.cat([pad_cache(layer.keys, common), k]), torch.cat([pad_cache(layer.values, common), v]))
                 for layer, (k, v) in zip(self._cache.layers, new, strict=True)
             ]
-            mask = torch.cat([_pad_mask(self._mask, common), mask])
+            mask = torch.cat([pad_mask(self._mask, common), mask])
         self._rows.extend(rows)
         self._hold(new, mask)
 
@@ -467,9 +402,9 @@ class DecodeEngine:
         from transformers import DynamicCache
 
         most = max((row.request.limit - len(row.tokens) for row in self._rows), default=0)
-        room = min(max(most, _ROOM_LEAST), _ROOM_MOST)
+        room = min(max(most, ROOM_LEAST), ROOM_MOST)
         self._cache = DynamicCache()
-        layer = _growing_layer()
+        layer = growing_layer()
         self._cache.layers = [layer(k, v, room) for k, v in kv]
         self._mask = mask
 
@@ -499,7 +434,7 @@ class DecodeEngine:
         scores = row.grammar.mask(raw.clone(), torch) if row.grammar is not None else raw
         token = int(scores.argmax()) if row.draws is None else self._draw(row, scores, torch)
         if row.request.params.logprobs:
-            row.steps.append(_step(raw, token, row.request.params.top_logprobs, torch))
+            row.steps.append(step_logprobs(raw, token, row.request.params.top_logprobs, torch))
         if row.grammar is not None and row.grammar.failure is not None:
             row.failure = row.grammar.failure
         if token in self.stop_ids:
@@ -606,90 +541,3 @@ class DecodeEngine:
 
     def _layers(self) -> list[tuple[Any, Any]]:
         return [(layer.keys, layer.values) for layer in self._cache.layers]
-
-
-#: The room a batch's cache keeps at its end, in tokens: what its rows may still generate, within these bounds.
-_ROOM_LEAST, _ROOM_MOST = 16, 256
-#: Prompts read together waste at most this share of what is read on padding (longer ones are read apart).
-_PADDING = 0.25
-
-
-def _groups(requests: list[EngineRequest]) -> list[list[EngineRequest]]:
-    """Requests whose prompts are read together, longest first, each group's padding within `_PADDING` of what it
-    reads."""
-    ordered = sorted(requests, key=lambda r: -(len(r.prompt_ids) + len(r.generated)))
-    groups: list[list[EngineRequest]] = []
-    for request in ordered:
-        length = len(request.prompt_ids) + len(request.generated)
-        group = groups[-1] if groups else None
-        if group is not None:
-            width = len(group[0].prompt_ids) + len(group[0].generated)
-            real = sum(len(r.prompt_ids) + len(r.generated) for r in group) + length
-            if width * (len(group) + 1) * (1 - _PADDING) <= real:
-                group.append(request)
-                continue
-        groups.append([request])
-    return groups
-
-
-@functools.cache
-def _growing_layer() -> Any:
-    """The class of the batch's cache layers: each writes a step's keys and values into room kept at its end (made
-    anew, larger, when it is full), where transformers' `DynamicLayer` concatenates, copying the whole cache at
-    every step. Its `keys` and `values` are views of what is written. Made at first use: transformers is heavy."""
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):  # type: ignore[misc]
-        def __init__(self, keys: Any, values: Any, room: int) -> None:
-            super().__init__()
-            self.device, self.is_initialized = keys.device, True
-            self._hold(keys, values, room)
-
-        def _hold(self, keys: Any, values: Any, room: int) -> None:
-            rows, heads, length, width = keys.shape
-            self._keys = keys.new_empty((rows, heads, length + room, width))
-            self._values = values.new_empty((rows, heads, length + room, values.shape[3]))
-            self._keys[:, :, :length] = keys
-            self._values[:, :, :length] = values
-            self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
-
-        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            length, new = int(self.keys.shape[2]), int(key_states.shape[2])
-            if length + new > int(self._keys.shape[2]):
-                self._hold(self.keys, self.values, max(new, _ROOM_LEAST, length // 4))
-            self._keys[:, :, length : length + new] = key_states
-            self._values[:, :, length : length + new] = value_states
-            self.keys, self.values = self._keys[:, :, : length + new], self._values[:, :, : length + new]
-            return self.keys, self.values
-
-    return GrowingLayer
-
-
-def _reach(request: EngineRequest) -> int:
-    """The cache tokens one row of a request may reach: its prompt and its answer's limit."""
-    return len(request.prompt_ids) + request.limit
-
-
-def _pad(tensor: Any, length: int) -> Any:
-    """A cache tensor (rows × heads × tokens × width) left-padded with zeros to `length` tokens."""
-    import torch.nn.functional as functional  # heavy: in the model's process only
-
-    missing = length - int(tensor.shape[2])
-    return functional.pad(tensor, (0, 0, missing, 0)) if missing else tensor
-
-
-def _pad_mask(mask: Any, length: int) -> Any:
-    """An attention mask (rows × tokens) left-padded with zeros to `length` tokens."""
-    import torch.nn.functional as functional  # heavy: in the model's process only
-
-    missing = length - int(mask.shape[1])
-    return functional.pad(mask, (missing, 0)) if missing else mask
-
-
-def _step(raw: Any, token: int, top: int, torch: Any) -> Step:
-    """A token's log probability under the model's raw logits (before temperature or top_p, as OpenAI's), with
-    the `top` likeliest tokens'."""
-    logprobs = torch.log_softmax(raw, dim=-1)
-    best = logprobs.topk(top) if top else None
-    alternatives = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
-    return (token, float(logprobs[token])), alternatives

@@ -18,7 +18,8 @@ from stoker.adapters.backends.calls import (
     torch_dtype,
     with_calls,
 )
-from stoker.adapters.backends.engine import DecodeEngine, EngineRequest, Finished, Row
+from stoker.adapters.backends.engine import DecodeEngine
+from stoker.adapters.backends.engine_rows import EngineRequest, Finished, Row
 from stoker.adapters.backends.generation import (
     Generated,
     RowDraws,
