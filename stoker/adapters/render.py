@@ -105,7 +105,8 @@ def _packed(element: ItemElement) -> _Tensor:
     if tensor.dtype in _INTEGERS and tensor.data:
         values = np.frombuffer(tensor.data, dtype=_INTEGERS[tensor.dtype])
         if values.min() >= 0 and values.max() <= 1:
-            return _Tensor(tensor.dtype, list(tensor.shape), np.packbits(values).tobytes(), True, field_)
+            bits = np.packbits(values.astype(np.bool_))  # bool first: numpy packs an int64 array 7x slower
+            return _Tensor(tensor.dtype, list(tensor.shape), bits.tobytes(), True, field_)
     return _Tensor(tensor.dtype, list(tensor.shape), tensor.data, False, field_)
 
 
