@@ -38,7 +38,6 @@ from stoker.adapters.backends.engine_cache import (
     ROOM_LEAST,
     ROOM_MOST,
     growing_layer,
-    pad_cache,
     pad_mask,
     read_groups,
 )
@@ -384,28 +383,25 @@ class DecodeEngine:
 
     def _add(self, rows: list[Row], kv: list[tuple[Any, Any]], mask: Any, torch: Any) -> None:
         """Add rows to the batch (their caches and masks, a row each), all left-padded to a common length."""
-        width = int(self._mask.shape[1]) if self._cache is not None else 0
-        common = max(width, int(mask.shape[1]))
-        new = [(pad_cache(k, common), pad_cache(v, common)) for k, v in kv]
+        common = max(int(self._mask.shape[1]) if self._cache is not None else 0, int(mask.shape[1]))
         mask = pad_mask(mask, common)
+        parts = [[(keys, values)] for keys, values in kv]
         if self._cache is not None:
-            new = [
-                (torch.cat([pad_cache(layer.keys, common), k]), torch.cat([pad_cache(layer.values, common), v]))
-                for layer, (k, v) in zip(self._cache.layers, new, strict=True)
-            ]
+            parts = [[(layer.keys, layer.values), *part] for layer, part in zip(self._cache.layers, parts, strict=True)]
             mask = torch.cat([pad_mask(self._mask, common), mask])
         self._rows.extend(rows)
-        self._hold(new, mask)
+        self._hold(parts, mask)
 
-    def _hold(self, kv: list[tuple[Any, Any]], mask: Any) -> None:
-        """Make these the batch's cache and mask, with room at the end for the steps its rows may still take."""
+    def _hold(self, layers: list[list[tuple[Any, Any]]], mask: Any) -> None:
+        """Make these the batch's cache (per layer, its rows' caches in order) and mask, with room at the end for
+        the steps its rows may still take."""
         from transformers import DynamicCache
 
         most = max((row.request.limit - len(row.tokens) for row in self._rows), default=0)
         room = min(max(most, ROOM_LEAST), ROOM_MOST)
         self._cache = DynamicCache()
         layer = growing_layer()
-        self._cache.layers = [layer(k, v, room) for k, v in kv]
+        self._cache.layers = [layer(parts, room) for parts in layers]
         self._mask = mask
 
     # -- decoding --------------------------------------------------------------------------------------------------
@@ -536,8 +532,8 @@ class DecodeEngine:
         index = torch.tensor(indices, device=self.device)
         mask = self._mask[index]
         start = int(mask.any(0).nonzero()[0])
-        kv = [(layer.keys[index, :, start:], layer.values[index, :, start:]) for layer in self._cache.layers]
-        self._hold(kv, mask[:, start:])
+        kept = [[(layer.keys[index, :, start:], layer.values[index, :, start:])] for layer in self._cache.layers]
+        self._hold(kept, mask[:, start:])
 
     def _layers(self) -> list[tuple[Any, Any]]:
         return [(layer.keys, layer.values) for layer in self._cache.layers]

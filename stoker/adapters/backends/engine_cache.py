@@ -4,6 +4,7 @@ joining prompts are read together (transformers' internals, fenced here and in `
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from stoker.adapters.backends.engine_rows import EngineRequest
@@ -34,43 +35,46 @@ def read_groups(requests: list[EngineRequest]) -> list[list[EngineRequest]]:
 
 @functools.cache
 def growing_layer() -> Any:
-    """The class of the batch's cache layers: each writes a step's keys and values into room kept at its end (made
-    anew, larger, when it is full), where transformers' `DynamicLayer` concatenates, copying the whole cache at
-    every step. Its `keys` and `values` are views of what is written. Made at first use: transformers is heavy."""
+    """The class of the batch's cache layers, made of its rows' caches (`parts`): each writes a step's keys and values
+    into room kept at its end (made anew, larger, when it is full), where transformers' `DynamicLayer` concatenates,
+    copying the whole cache at every step. Its `keys` and `values` are views of what is written. Made at first use:
+    transformers is heavy."""
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):  # type: ignore[misc]
-        def __init__(self, keys: Any, values: Any, room: int) -> None:
+        def __init__(self, parts: Sequence[tuple[Any, Any]], room: int) -> None:
             super().__init__()
-            self.device, self.is_initialized = keys.device, True
-            self._hold(keys, values, room)
+            self.device, self.is_initialized = parts[0][0].device, True
+            self._hold(parts, room)
 
-        def _hold(self, keys: Any, values: Any, room: int) -> None:
-            rows, heads, length, width = keys.shape
-            self._keys = keys.new_empty((rows, heads, length + room, width))
-            self._values = values.new_empty((rows, heads, length + room, values.shape[3]))
-            self._keys[:, :, :length] = keys
-            self._values[:, :, :length] = values
+        def _hold(self, parts: Sequence[tuple[Any, Any]], room: int) -> None:
+            """The rows of `parts` (each keys and values, rows × heads × tokens × width) one after another, each
+            left-padded with zeros to the longest, written once into new tensors with `room` tokens free at
+            their end (never concatenated first)."""
+            length = max(int(keys.shape[2]) for keys, _ in parts)
+            rows = sum(int(keys.shape[0]) for keys, _ in parts)
+            keys, values = parts[0]
+            self._keys = keys.new_empty((rows, keys.shape[1], length + room, keys.shape[3]))
+            self._values = values.new_empty((rows, values.shape[1], length + room, values.shape[3]))
+            at = 0
+            for keys, values in parts:
+                n, pad = int(keys.shape[0]), length - int(keys.shape[2])
+                for whole, part in ((self._keys, keys), (self._values, values)):
+                    whole[at : at + n, :, :pad] = 0  # padding the mask hides: zeros, never what memory held
+                    whole[at : at + n, :, pad:length] = part
+                at += n
             self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
 
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
             length, new = int(self.keys.shape[2]), int(key_states.shape[2])
             if length + new > int(self._keys.shape[2]):
-                self._hold(self.keys, self.values, max(new, ROOM_LEAST, length // 4))
+                self._hold([(self.keys, self.values)], max(new, ROOM_LEAST, length // 4))
             self._keys[:, :, length : length + new] = key_states
             self._values[:, :, length : length + new] = value_states
             self.keys, self.values = self._keys[:, :, : length + new], self._values[:, :, : length + new]
             return self.keys, self.values
 
     return GrowingLayer
-
-
-def pad_cache(tensor: Any, length: int) -> Any:
-    """A cache tensor (rows × heads × tokens × width) left-padded with zeros to `length` tokens."""
-    import torch.nn.functional as functional  # heavy: in the model's process only
-
-    missing = length - int(tensor.shape[2])
-    return functional.pad(tensor, (0, 0, missing, 0)) if missing else tensor
 
 
 def pad_mask(mask: Any, length: int) -> Any:
