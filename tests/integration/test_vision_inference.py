@@ -10,6 +10,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from stoker.adapters.metrics import VISION_EMBEDDING_STORE_FAILURES
 from stoker.adapters.store.keys import EMBEDDINGS_EVICTIONS_KEY, EMBEDDINGS_INDEX_KEY
 from stoker.core.errors import ImageFeaturesMismatch, ImageTensorsMissing
 from stoker.core.imaging import DecodeParams, decode_rgb
-from stoker.core.model import GenerationParams, ModelRequest, Prediction, run_predictor
+from stoker.core.model import Continued, GenerationParams, ModelRequest, Prediction, run_predictor
 from stoker.core.tenancy import cache_scope
 from stoker.settings import WorkerSettings
 from tests.fakeopenai import fake_openai_server
@@ -339,3 +340,37 @@ def test_the_openai_backend_sends_the_cached_embeddings_as_vllm_reads_them(
     for wrong in (sent[:, :-1], sent[:-1], sent.to(torch.float16), sent[None]):
         with pytest.raises(ImageFeaturesMismatch):
             embedder.check(wrong)
+
+
+def test_an_answer_going_on_in_the_next_call_is_not_encoded_again(
+    tiny_vlm: Path, processor: Any, pictures: Pictures
+) -> None:
+    """No embeddings cache (a worker's first sight of the picture): a request set aside with its KV cache at a yield
+    point comes back in the next call without its picture running through the encoder again, and its answer is
+    the one a call that never stopped gives."""
+    threads = WorkerSettings().torch_threads
+    yielding = VisionLanguagePredictor(
+        str(tiny_vlm),
+        prepared=pictures,
+        caches=lambda identity: None,
+        max_new_tokens=8,
+        yield_tokens=2,
+        threads=threads,
+    )
+    yielding.setup("cpu")
+    yielding.yield_to(lambda: 0, max_rows=4)
+    digest = pictures.add("GOING", WIDE)
+    long = replace(_request(processor, PROMPTS[0], pictures, [digest]), params=GenerationParams(max_tokens=8))
+    short = replace(long, params=GenerationParams(max_tokens=2))
+    done, going = run_predictor(yielding, [short, long])  # the short answer ends at the first yield point
+    assert isinstance(done, Prediction)
+    assert isinstance(going, Continued)
+    assert yielding.encoder.calls == 2  # no cache: each request's picture
+    (went_on,) = run_predictor(yielding, [long.continued(going)])
+    assert isinstance(went_on, Prediction)
+    assert yielding.encoder.calls == 2
+    assert went_on.encoder == {digest: "miss"}  # as it was found at its first call
+    (whole,) = run_predictor(yielding, [long])
+    assert isinstance(whole, Prediction)
+    assert (went_on.text, went_on.completion_tokens) == (whole.text, whole.completion_tokens)
+    assert yielding.encoder.calls == 3  # a new request: encoded again

@@ -159,6 +159,9 @@ class VisionLanguagePredictor(TransformersPredictor):
     def __init__(self, model_path: str, *, prepared: PreparedSource, caches: CacheFactory, **options: Any) -> None:
         super().__init__(model_path, **options)
         self.encoder = VisionEncoder(model_path, prepared, caches, self.dtype)
+        #: The embeddings of the requests the last engine call set aside, going on in the next, by (content hash,
+        #: scope), with how they were found: they are not looked up or encoded again when they come back.
+        self._carried: dict[tuple[str, str], tuple[Any, EncoderUse]] = {}
 
     def _load_model(self, device: str) -> Any:
         """The vision-language model, through its encoder (one set of weights for both)."""
@@ -193,7 +196,8 @@ class VisionLanguagePredictor(TransformersPredictor):
         found: list[Any] = []
         used: dict[str, EncoderUse] = {}
         for digest in request.images:
-            tensor, use = self.encoder.embeddings(digest, request.scope)
+            carried = self._carried.get((digest, request.scope))
+            tensor, use = carried if carried is not None else self.encoder.embeddings(digest, request.scope)
             found.append(tensor)
             used.setdefault(digest, use)
         tokens = request.prompt_ids.count(self.image_token_id)
@@ -214,7 +218,9 @@ class VisionLanguagePredictor(TransformersPredictor):
         if not batch.kept:
             return batch, None
         if self.engine:
-            return batch, self._run_engine(batch.local, batch.features)
+            run = self._run_engine(batch.local, batch.features)
+            self._carry(batch, run)
+            return batch, run
         n = batch.local.params[0].n
         pictures = [tensor for found in batch.features for _ in range(n) for tensor in found]
         if not pictures:
@@ -223,6 +229,14 @@ class VisionLanguagePredictor(TransformersPredictor):
 
         encoded = {"image": BaseModelOutputWithPooling(pooler_output=pictures)}
         return batch, self._generate(batch.local, mm_encoder_outputs=encoded)
+
+    def _carry(self, batch: VisionBatch, run: EngineRun) -> None:
+        """Keep the embeddings of the requests that go on in the next call (those of the call before let go)."""
+        self._carried = {}
+        for position in run.going:
+            request, used = batch.local.requests[position], batch.encoder[batch.kept[position]]
+            for digest, tensor in zip(request.images, batch.features[position], strict=True):
+                self._carried[(digest, request.scope)] = (tensor, used[digest])
 
     def unbatch(  # type: ignore[override]
         self, output: tuple[VisionBatch, Generated | EngineRun | None]
