@@ -208,7 +208,9 @@ def text_requests(path: str, max_tokens: int) -> list[ModelRequest]:
     return [ModelRequest(build_prompt(prompts, p, [], 512).ids, params=params) for p in PROMPTS]
 
 
-def picture_predictor(path: Path, **options: Any) -> tuple[TransformersPredictor, list[ModelRequest]]:
+def picture_predictor(
+    path: Path, size: tuple[int, int] = (1000, 400), **options: Any
+) -> tuple[TransformersPredictor, list[ModelRequest]]:
     """The tiny VLM with one prepared picture (no embeddings cache: the encoder runs for each chat, as on a
     worker's first sight of a picture), and chats about it."""
     from PIL import Image, ImageDraw
@@ -220,7 +222,7 @@ def picture_predictor(path: Path, **options: Any) -> tuple[TransformersPredictor
 
     preparer = ImagePreparer.load(path)
     assert preparer is not None
-    picture = Image.new("RGB", (1000, 400), "white")
+    picture = Image.new("RGB", size, "white")
     ImageDraw.Draw(picture).text((40, 150), "HELLO", fill="black")
     encoded = io.BytesIO()
     picture.save(encoded, format="PNG")
@@ -328,7 +330,8 @@ def loaded(
     if args.pictures:
         from stoker.adapters.backends.tinyvlm import tiny_vlm_path
 
-        predictor, requests = picture_predictor(tiny_vlm_path(settings.model_cache), **options)
+        width, height = (int(side) for side in args.picture_size.split("x"))
+        predictor, requests = picture_predictor(tiny_vlm_path(settings.model_cache), (width, height), **options)
     else:
         path = str(resolve_model(settings.model, settings.model_cache, fetch=False))
         predictor, requests = TransformersPredictor(path, **options), text_requests(path, args.max_tokens)
@@ -343,7 +346,7 @@ def bursts(args: argparse.Namespace, settings: WorkerSettings) -> list[dict[str,
         options = {"max_new_tokens": args.max_tokens, "max_tokens_cap": args.max_tokens, "prefill_chunk": chunk}
         predictor, requests = loaded(args, settings, options | {"threads": settings.torch_threads})
         run_burst(predictor, requests, 1)  # warm up
-        result = {"burst": True, "pictures": args.pictures, "prefill_chunk": chunk}
+        result = {"burst": True, "pictures": args.pictures and args.picture_size, "prefill_chunk": chunk}
         result |= run_burst(predictor, requests, args.burst)
         print(json.dumps(result), flush=True)
         results.append(result)
@@ -356,6 +359,11 @@ def main() -> None:
     p.add_argument("--per", type=int, default=2, help="chats per stream")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--pictures", action="store_true", help="the tiny VLM, one picture a chat")
+    p.add_argument(
+        "--picture-size",
+        default="1000x400",
+        help="the picture's width x height: 1000x400 is 3 tiles (192 image tokens), 1280x960 a photo's 5 (320)",
+    )
     p.add_argument("--peer", action="store_true", help="also transformers serve --continuous-batching (text)")
     p.add_argument("--paths", default="before,after", help="stoker's paths to run")
     p.add_argument("--out", type=Path, help="append each run's JSON line here")
@@ -386,7 +394,7 @@ def main() -> None:
                 options["prefill_chunk"] = int(args.prefill_chunk)
             predictor, requests = loaded(args, settings, options)
             run_stoker(predictor, requests[:1], 1, 1)  # warm up: the first call's one-off costs
-            result = {"path": name, "pictures": args.pictures, "streams": streams}
+            result = {"path": name, "pictures": args.pictures and args.picture_size, "streams": streams}
             result |= {"prefill_chunk": int(args.prefill_chunk)} if engine else {}
             result |= run_stoker(predictor, requests, streams, args.per)
             results.append(result)
