@@ -160,7 +160,8 @@ class VisionLanguagePredictor(TransformersPredictor):
         super().__init__(model_path, **options)
         self.encoder = VisionEncoder(model_path, prepared, caches, self.dtype)
         #: The embeddings of the requests the last engine call set aside, going on in the next, by (content hash,
-        #: scope), with how they were found: they are not looked up or encoded again when they come back.
+        #: scope), with how they were found: an answer going on does not look them up or encode them again (a new
+        #: request looks them up as ever).
         self._carried: dict[tuple[str, str], tuple[Any, EncoderUse]] = {}
 
     def _load_model(self, device: str) -> Any:
@@ -196,7 +197,7 @@ class VisionLanguagePredictor(TransformersPredictor):
         found: list[Any] = []
         used: dict[str, EncoderUse] = {}
         for digest in request.images:
-            carried = self._carried.get((digest, request.scope))
+            carried = self._carried.get((digest, request.scope)) if request.generated else None
             tensor, use = carried if carried is not None else self.encoder.embeddings(digest, request.scope)
             found.append(tensor)
             used.setdefault(digest, use)
