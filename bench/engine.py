@@ -3,6 +3,7 @@ load: N concurrent streams, each sending its next chat when the last one's answe
 
     .venv/bin/python -m bench.engine                              # text, 1 / 4 / 16 streams, before and after
     .venv/bin/python -m bench.engine --pictures                   # the tiny VLM, one picture a chat
+    .venv/bin/python -m bench.engine --pictures --picture-size 1280x960   # a photo's 5 tiles a chat
     .venv/bin/python -m bench.engine --peer --streams 1,4,16      # and transformers serve, over HTTP
     .venv/bin/python -m bench.engine --pictures --burst 15 --prefill-chunk 0,512   # 15 joining one running chat
 
