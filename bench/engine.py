@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.cost import tree
 from stoker.adapters.backends.local import TransformersPredictor
 from stoker.adapters.backends.modelstore import resolve_model
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_tokenizer
@@ -165,7 +166,7 @@ def run_stoker(
     engine = getattr(predictor, "_engine", None)
     result = summary(list(timings.values()), wall)
     # on a host whose cores others share, the CPU seconds the model's process spent move less than the wall time
-    result |= {"cpu_s": round(cpu, 1), "tokens_per_cpu_s": round(result["tokens"] / cpu, 2)}
+    result = _per_cpu(result, cpu)
     if engine is not None:
         result["fed_tokens"] = engine.fed - fed_before
     return result
@@ -246,21 +247,14 @@ def picture_predictor(
 
 
 def _cpu_seconds(pid: int) -> float:
-    """The CPU seconds a process and the processes under it have spent (user and system, from /proc): the peer's
-    server runs its model in a process of its own."""
-    stats: dict[int, list[str]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it ended meanwhile
-            continue
-        stats[int(stat.parent.name)] = fields
-    tree, grew = {pid}, True
-    while grew:
-        below = {p for p, fields in stats.items() if int(fields[1]) in tree} - tree
-        tree, grew = tree | below, bool(below)
-    ticks = sum(int(stats[p][11]) + int(stats[p][12]) for p in tree if p in stats)
-    return ticks / os.sysconf("SC_CLK_TCK")
+    """The CPU seconds a process and the processes under it have spent: the peer's server runs its model in a
+    process of its own."""
+    return sum(proc.cpu_s for proc in tree(pid))
+
+
+def _per_cpu(result: dict[str, Any], cpu: float) -> dict[str, Any]:
+    """A run's result with the CPU seconds it took and its output tokens per CPU second."""
+    return _per_cpu(result, cpu)
 
 
 def run_peer(
@@ -297,7 +291,7 @@ def run_peer(
         t.join()
     result = summary(timings, time.perf_counter() - started)
     cpu = _cpu_seconds(pid) - cpu
-    return result | {"cpu_s": round(cpu, 1), "tokens_per_cpu_s": round(result["tokens"] / cpu, 2)}
+    return _per_cpu(result, cpu)
 
 
 def start_peer(path: str, port: int, threads: int) -> subprocess.Popen[bytes]:

@@ -18,19 +18,24 @@ PADDING = 0.25
 def read_groups(requests: list[EngineRequest]) -> list[list[EngineRequest]]:
     """Requests whose prompts are read together, longest first, each group's padding within `PADDING` of what it
     reads."""
-    ordered = sorted(requests, key=lambda r: -(len(r.prompt_ids) + len(r.generated)))
+    ordered = sorted(requests, key=lambda r: -_read(r))
     groups: list[list[EngineRequest]] = []
     for request in ordered:
-        length = len(request.prompt_ids) + len(request.generated)
+        length = _read(request)
         group = groups[-1] if groups else None
         if group is not None:
-            width = len(group[0].prompt_ids) + len(group[0].generated)
-            real = sum(len(r.prompt_ids) + len(r.generated) for r in group) + length
+            width = _read(group[0])
+            real = sum(_read(r) for r in group) + length
             if width * (len(group) + 1) * (1 - PADDING) <= real:
                 group.append(request)
                 continue
         groups.append([request])
     return groups
+
+
+def _read(request: EngineRequest) -> int:
+    """The tokens a request's read takes: its prompt and its answer so far."""
+    return len(request.prompt_ids) + len(request.generated)
 
 
 @functools.cache
