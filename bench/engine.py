@@ -254,7 +254,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def _per_cpu(result: dict[str, Any], cpu: float) -> dict[str, Any]:
     """A run's result with the CPU seconds it took and its output tokens per CPU second."""
-    return _per_cpu(result, cpu)
+    return result | {"cpu_s": round(cpu, 1), "tokens_per_cpu_s": round(result["tokens"] / cpu, 2)}
 
 
 def run_peer(
