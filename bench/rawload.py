@@ -29,18 +29,26 @@ Request = Callable[[int], tuple[str, str, bytes | None]]
 
 
 class Reply(NamedTuple):
-    """One response: its status, its body, and its Retry-After header (None without one)."""
+    """One response: its status, its body (empty for a 200 read without its body), its Retry-After header (None
+    without one), and its body's length in bytes."""
 
     status: int
     body: bytes
     retry_after: bytes | None = None
+    length: int = 0
 
 
 class _Response:
-    """httptools' callbacks for one response: its body, its Retry-After, and whether it is complete."""
+    """httptools' callbacks for one response: its body, its Retry-After, and whether it is complete. With
+    `ok_body=False` a 200's body is counted, not kept: a client reading 25 MB answers would otherwise spend more CPU
+    gathering them than the server under test spends on some of its steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, ok_body: bool = True) -> None:
+        self.parser = httptools.HttpResponseParser(self)
         self.body = bytearray()
+        self.length = 0
+        self.keep = True
+        self.ok_body = ok_body
         self.retry_after: bytes | None = None
         self.complete = False
 
@@ -48,8 +56,13 @@ class _Response:
         if name.lower() == b"retry-after":
             self.retry_after = value
 
+    def on_headers_complete(self) -> None:
+        self.keep = self.ok_body or self.parser.get_status_code() != 200
+
     def on_body(self, body: bytes) -> None:
-        self.body += body
+        self.length += len(body)
+        if self.keep:
+            self.body += body
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -65,28 +78,31 @@ def encode(
     return f"{head}Content-Type: {kind}\r\nContent-Length: {len(form)}\r\n\r\n".encode() + form
 
 
-async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> Reply:
-    """Send one request on an open connection; its response."""
+async def exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes, ok_body: bool = True
+) -> Reply:
+    """Send one request on an open connection; its response (a 200's body left out unless `ok_body`)."""
     writer.write(request)
-    response = _Response()
-    parser = httptools.HttpResponseParser(response)
+    response = _Response(ok_body)
     while not response.complete:
-        data = await reader.read(65536)
+        data = await reader.read(1 << 20)
         if not data:
             raise ConnectionError("the server closed the connection")
-        parser.feed_data(data)
-    return Reply(parser.get_status_code(), bytes(response.body), response.retry_after)
+        response.parser.feed_data(data)
+    return Reply(response.parser.get_status_code(), bytes(response.body), response.retry_after, response.length)
 
 
 class Connections:
     """Kept-alive connections to one server, shared by the coroutines of one event loop: an exchange takes an idle
     one (or opens one) and puts it back once its response is in; a connection that failed or timed out is closed.
-    One left idle longer than `idle_s` is closed rather than reused, well before the server's keep-alive ends."""
+    One left idle longer than `idle_s` is closed rather than reused, well before the server's keep-alive ends.
+    `ok_body=False`: a 200's body is read and counted, not kept (`Reply.length`)."""
 
-    def __init__(self, base: str, idle_s: float = 30.0) -> None:
+    def __init__(self, base: str, idle_s: float = 30.0, ok_body: bool = True) -> None:
         parts = urlsplit(base)
         self.host, self.port, self.netloc = parts.hostname or "127.0.0.1", parts.port or 80, parts.netloc
         self.idle_s = idle_s
+        self.ok_body = ok_body
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
 
     def request(
@@ -100,7 +116,7 @@ class Connections:
         reader, writer = await self._take()
         try:
             async with asyncio.timeout(timeout_s):
-                reply = await exchange(reader, writer, request)
+                reply = await exchange(reader, writer, request, self.ok_body)
         except BaseException:
             writer.close()
             raise
@@ -137,7 +153,7 @@ async def _client(base: str, request: Request, numbers: Iterator[int], stop_at: 
         while time.monotonic() < stop_at:
             n = next(numbers)  # taken only to be sent: the numbers sent are 1, 2, ... with no gap
             try:
-                status, body, _ = await exchange(reader, writer, encode(netloc, *request(n)))
+                status, body, *_ = await exchange(reader, writer, encode(netloc, *request(n)))
             except (OSError, ConnectionError, httptools.HttpParserError) as exc:
                 tally.errors[type(exc).__name__] += 1
                 return
@@ -172,7 +188,7 @@ def wait_all(base: str, job_ids: list[str], clients: int = 16, wait_s: int = 30)
         try:
             for job_id in pending:
                 request = encode(netloc, "GET", f"/v1/jobs/{job_id}?wait={wait_s}", None)
-                status, body, _ = await exchange(reader, writer, request)
+                status, body, *_ = await exchange(reader, writer, request)
                 statuses[str(json.loads(body)["status"]) if status == 200 else f"HTTP {status}"] += 1
         finally:
             writer.close()

@@ -248,6 +248,8 @@ class Answer:
     error: str | None = None
     #: The start of a refusal's body (a 4xx or 5xx), to say what it was.
     detail: str = ""
+    #: The answer's length in bytes (a 200's body is counted, not kept: `bench.rawload`).
+    length: int = 0
 
 
 async def _send(connections: Connections, request: bytes, since: float) -> Answer:
@@ -256,12 +258,12 @@ async def _send(connections: Connections, request: bytes, since: float) -> Answe
     except (OSError, TimeoutError, ConnectionError, httptools.HttpParserError) as exc:
         return Answer(None, time.monotonic() - since, type(exc).__name__)
     detail = "" if reply.status == 200 else reply.body[:160].decode(errors="replace")
-    return Answer(reply.status, time.monotonic() - since, None, detail)
+    return Answer(reply.status, time.monotonic() - since, None, detail, reply.length)
 
 
 def closed_loop(base: str, bodies: Sequence[bytes], clients: int) -> list[Answer]:
     """`clients` clients, each sending its next request as soon as its last is answered."""
-    connections = Connections(base)
+    connections = Connections(base, ok_body=False)
     requests = [connections.request("POST", PATH, body, "application/json") for body in bodies]
     answers: list[Answer | None] = [None] * len(requests)
     pending = iter(enumerate(requests))  # shared: each request is sent once
@@ -286,7 +288,7 @@ def open_loop(base: str, bodies: Sequence[bytes], rate: float, seed: int) -> lis
     for _ in bodies:
         at += rng.expovariate(rate)
         arrivals.append(at)
-    connections = Connections(base)
+    connections = Connections(base, ok_body=False)
     requests = [connections.request("POST", PATH, body, "application/json") for body in bodies]
 
     async def one(request: bytes, due: float) -> Answer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -11,8 +12,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from stoker.adapters.cache import CONTEXT_REUSE_S, COST_FIELD, LoopCache, StageCache
-from stoker.adapters.store.keys import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY
+from stoker.adapters.cache import CONTEXT_REUSE_S, COST_FIELD, LARGE_VALUE_BYTES, LoopCache, StageCache
+from stoker.adapters.store.keys import CACHE_STATS_KEY, PIPELINE_IDENTITY_KEY, cache_key
 from stoker.core.cachekeys import CacheAddress, PipelineContext
 from stoker.core.jobs import InputRecord
 from workers.broker import start_embedded
@@ -153,3 +154,29 @@ def test_deferred_counts_are_kept_until_written_in_one_round_trip(cache_redis: r
     assert cache.stats()["ocr"] == {"hits": 1.0, "saved_s": 2.0}
     cache.write_counts()
     assert cache.stats()["tokenize"]["hits"] == 3.0
+
+
+def test_a_large_part_is_written_whole_with_its_ttl_and_a_refused_one_is_not_kept(
+    cache_redis: redis.Redis[bytes],
+) -> None:
+    # A part of a MiB or more (a picture's tensors) goes to the socket as it is, around a head and a tail packed
+    # by hand: the value read back is the one written, it expires as a small one does, and the connection it went
+    # over is fit for the next command.
+    cache = StageCache(cache_redis, ttl_s=60, max_value_bytes=1 << 20)
+    address = CacheAddress(f"test-{uuid.uuid4().hex[:8]}", "1", uuid.uuid4().hex, "f", "s")
+    value = os.urandom(LARGE_VALUE_BYTES * 3 + 7)
+    assert cache.put_bytes(address, value, part="tensors", limit=len(value))
+    assert cache.get_bytes(address, part="tensors") == value
+    assert 0 < cache_redis.ttl(cache_key(address, "tensors")) <= 60
+    # Refused by the server (out of memory: this Valkey refuses writes past its maxmemory): the write says so,
+    # nothing is kept, and the next write over the same client succeeds.
+    refused = CacheAddress(address.stage, "1", uuid.uuid4().hex, "f", "s")
+    limit = cache_redis.config_get("maxmemory")["maxmemory"]
+    cache_redis.config_set("maxmemory", str(int(cache_redis.info("memory")["used_memory"]) // 2))
+    try:
+        assert not cache.put_bytes(refused, value, part="tensors", limit=len(value))
+    finally:
+        cache_redis.config_set("maxmemory", limit)
+    assert cache.get_bytes(refused, part="tensors") is None
+    assert cache.put_bytes(refused, value[:LARGE_VALUE_BYTES], part="tensors", limit=len(value))
+    assert cache.get_bytes(refused, part="tensors") == value[:LARGE_VALUE_BYTES]

@@ -23,6 +23,8 @@ STORE_CONNECT_TIMEOUT_S = 2.0
 #: The cache is never worth waiting for.
 CACHE_CONNECT_TIMEOUT_S = 1.0
 CACHE_READ_TIMEOUT_S = 2.0
+#: Bytes the cache client reads from its socket at a time (`cache_client`).
+CACHE_READ_BYTES = 1 << 20
 #: Connections at most of each of an API process's asyncio clients for requests' calls (`async_request_client`).
 REQUEST_CONNECTIONS = 40
 
@@ -76,14 +78,16 @@ def async_broker_client(settings: CommonSettings) -> aioredis.Redis[bytes] | Non
 
 
 def cache_client(settings: CommonSettings) -> redis.Redis[bytes] | None:
-    """A client of the stage cache; None when caching is off."""
+    """A client of the stage cache; None when caching is off. It reads from its socket a MiB at a time (redis-py's
+    default is 64 KiB): a picture's tensors are megabytes, which its reply parser otherwise gathers in a hundred
+    pieces (an 8 MB read: 9 CPU ms against 6)."""
     if not settings.cache_enabled:
         return None
     return redis.Redis.from_url(
         settings.cache_url,
         socket_connect_timeout=CACHE_CONNECT_TIMEOUT_S,
         socket_timeout=CACHE_READ_TIMEOUT_S,
-        **settings.redis_tls(settings.cache_url),
+        **settings.redis_tls(settings.cache_url) | {"socket_read_size": CACHE_READ_BYTES},
     )
 
 
