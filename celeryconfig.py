@@ -24,6 +24,7 @@ result_accept_content = ["json"]
 task_default_queue = "tokenize"
 task_routes = {
     "stoker.decode": {"queue": "decode"},
+    "stoker.render": {"queue": "decode"},
     "stoker.ocr": {"queue": "ocr"},
     "stoker.ocr_band": {"queue": OCR_BANDS_QUEUE},
     "stoker.probe": {"queue": "decode"},
@@ -109,6 +110,8 @@ def limits(s: WorkerSettings) -> dict[str, Any]:
     return {
         "task_annotations": {
             "stoker.decode": {"soft_time_limit": s.decode_soft_s, "time_limit": s.decode_hard_s},
+            # A render of one picture: decode's soft limit on its picture; its end (tokenize's) inside the hard one.
+            "stoker.render": {"soft_time_limit": s.decode_soft_s, "time_limit": s.decode_hard_s + s.tokenize_hard_s},
             "stoker.ocr": {"soft_time_limit": s.ocr_soft_s, "time_limit": s.ocr_hard_s},
             "stoker.ocr_band": {"soft_time_limit": s.ocr_soft_s, "time_limit": s.ocr_hard_s},
             # Tokenize may also wait for room in the inference queue (backpressure); its own work has tokenize_soft_s.

@@ -413,7 +413,7 @@ async def _shortcut(
     """How far a job may skip: to inference when every input is cached (or it has none) and its prompt is cached
     or can be tokenized here; to tokenize when only its inputs are cached."""
     if accepted.chat is not None and accepted.chat.render:
-        return "preprocess", records, None  # a render ends at its hand-off; its stages look in the cache themselves
+        return "render", records, None  # a render ends at its hand-off; its stages look in the cache themselves
     cache = context.cache
     pipeline = cache.context() if cache.context_fresh() else await run_in_threadpool(cache.context)
     if pipeline is None or any(r.url is not None for r in records):  # nothing is known of a URL's content yet

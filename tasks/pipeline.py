@@ -27,8 +27,9 @@ from stoker.core.jobs import InputRecord, Job, JobClass
 from stoker.core.queues import INFER_BATCH_QUEUE, QUEUES
 from tasks.publish import DirectPublisher
 
-#: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached).
-Start = Literal["preprocess", "tokenize", "infer"]
+#: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached); a
+#: render (`/v1/chat/completions/render`) has a canvas of its own (`render_canvas`).
+Start = Literal["preprocess", "tokenize", "infer", "render"]
 #: Options of a message nobody waits on for a Celery result (stoker's results are in its job store). Without it,
 #: Celery's Redis result backend subscribes the publishing process to the task's result channel at every publish
 #: (and unsubscribes when the handle is collected): two commands and a result-consumer round per job in the API.
@@ -97,9 +98,16 @@ def job_canvas(
     broker = app.conf.broker_url or ""
     # Explicit, so tokenize (and the inference message it sends) never inherits a large input's priority.
     tokenize = app.signature("stoker.tokenize", kwargs={"job_id": job_id}, priority=class_priority(broker, job_class))
-    branches = preprocessing_branches(job_id, inputs if start == "preprocess" else [], app, keyframes, job_class)
+    if start == "render":
+        branches = render_branches(job_id, inputs, app, job_class)
+    else:
+        branches = preprocessing_branches(job_id, inputs if start == "preprocess" else [], app, keyframes, job_class)
+    canvas: Signature
     if not branches:
-        canvas: Signature = tokenize.clone(args=(None,), **UNWAITED)
+        canvas = tokenize.clone(args=(None,), **UNWAITED)
+    elif start == "render" and len(branches) == 1:
+        canvas = branches[0].clone(**UNWAITED)
+        canvas.link_error(app.signature("stoker.rescue", kwargs={"job_id": job_id}))
     else:
         # Stages catch their own errors; this errback covers what they cannot (a hard time limit, a killed child).
         tokenize.link_error(app.signature("stoker.rescue", kwargs={"job_id": job_id}))
@@ -142,6 +150,28 @@ def preprocessing_branches(
             _set_everywhere(branch, {"priority": priority})
             branches.append(branch)
     return branches
+
+
+def render_branches(
+    job_id: str, inputs: Sequence[InputRecord], app: Celery, job_class: JobClass = "interactive"
+) -> list[Signature]:
+    """A render's pictures: one picture is one task that renders it and ends the job (`stoker.render`); several are
+    rendered in parallel, one `stoker.decode` each (a render's decode renders), before tokenize ends the job. No OCR
+    task follows: a render reads no text. A render of one picture is the tier's usual request, and its bookkeeping
+    as a chord (a chain of two tasks, the chord's count, its body's message and result) cost the CPU worker about
+    as much as the picture's decode."""
+    broker = app.conf.broker_url or ""
+    pictures = [record for record in inputs if record.kind == "image"]
+    name = "stoker.render" if len(pictures) == 1 else "stoker.decode"
+    return [
+        app.signature(
+            name,
+            args=(job_id, input_ref(record.index)),
+            immutable=True,
+            priority=stage_priority(broker, job_class, record.size_class),
+        )
+        for record in pictures
+    ]
 
 
 def _branches(app: Celery, job_id: str, record: InputRecord, keyframes: int) -> list[Signature]:
@@ -224,8 +254,10 @@ class CeleryOutbox:
         self.app.signature("stoker.callback", args=(job_id,), **UNWAITED).apply_async()
 
     def resubmit(self, job: Job, deadline: float | None) -> None:
-        """The job's canvas from preprocessing, again (its stages skip what a first run already did)."""
-        self._submitter.submit(job.id, job.inputs, deadline=deadline, job_class=job.job_class)
+        """The job's canvas from preprocessing (a render's from its rendering), again (its stages skip what a first
+        run already did)."""
+        start: Start = "render" if job.chat is not None and job.chat.render else "preprocess"
+        self._submitter.submit(job.id, job.inputs, start, deadline=deadline, job_class=job.job_class)
 
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:
         """Each queue's depth; a connection that failed is closed, so the pool hands out a fresh one next time

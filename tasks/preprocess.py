@@ -1,5 +1,5 @@
 """CPU stages of the image branch (decode → OCR, a dense page's OCR in bands), and tokenize, which joins every branch
-of a job; each stage's body is its module under `stoker.runtime.stages`."""
+of a job; a render of one picture as one task; each stage's body is its module under `stoker.runtime.stages`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,15 @@ from tasks.worker import app
 def decode(job_id: str, ref: str) -> dict[str, Any]:
     """Decode one image: its parts into the cache, its features (and its picture's layout) into the record."""
     return run_decode(context(), job_id, ref)
+
+
+@app.task(name="stoker.render", **RETRY)
+def render(job_id: str, ref: str) -> dict[str, Any]:
+    """A render of one picture, whole: the picture rendered into the stage cache (decode's render), then the job
+    ended at its hand-off (tokenize's), in one task (`tasks.pipeline.render_branches`)."""
+    ctx = context()
+    run_decode(ctx, job_id, ref)
+    return run_tokenize(ctx, job_id)
 
 
 @app.task(name="stoker.ocr", bind=True, **RETRY)

@@ -92,6 +92,22 @@ def test_cached_jobs_enter_later() -> None:
     assert (straight.task, straight.kwargs) == ("stoker.infer", {"job_id": "j", "prompt_tokens": 42, "deadline": 9.0})
 
 
+def test_a_render_of_one_picture_is_one_task_and_of_several_a_decode_each_then_tokenize() -> None:
+    # One picture: one message that renders it and ends the job, rescued if its child is killed, expiring at the
+    # deadline; several: rendered in parallel, with no OCR task behind any (a render reads no text).
+    one = job_canvas("j", app=APP, inputs=_inputs(1), start="render", deadline=1_900_000_000.0)
+    assert (one.task, one.args, one.immutable) == ("stoker.render", ("j", "input:0"), True)
+    assert one.options["ignore_result"] is True
+    assert one.options["expires"] == datetime.fromtimestamp(1_900_000_000.0, UTC)
+    assert [(e["task"], e["kwargs"]) for e in one.options["link_error"]] == [("stoker.rescue", {"job_id": "j"})]
+    several = job_canvas("j", app=APP, inputs=_inputs(3), start="render")
+    assert isinstance(several, chord)
+    assert [(t.task, t.args) for t in several.tasks] == [("stoker.decode", ("j", f"input:{i}")) for i in range(3)]
+    assert several.body.task == "stoker.tokenize"
+    assert job_canvas("j", app=APP, inputs=[], start="render").task == "stoker.tokenize"
+    assert APP.amqp.router.route({}, "stoker.render")["queue"].name == "decode"
+
+
 def test_inference_worker_may_hold_whole_batches() -> None:
     settings = WorkerSettings(max_batch_size=8, prefetch_batches=3)
     argv = worker_argv("infer", settings)
