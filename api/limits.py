@@ -102,6 +102,9 @@ class JsonValueCounter:
         start = self._string_end(chunk) if self._in_string else 0
         if self._in_string:
             return
+        if chunk.find(b"\\", start) < 0:
+            self._feed_plain(chunk, start)
+            return
         shape = _CHUNK.fullmatch(chunk, start)
         assert shape is not None  # the pattern takes any bytes
         end = len(chunk)
@@ -119,8 +122,12 @@ class JsonValueCounter:
         start = 0
         if self._escaped:
             start, self._escaped = 1, False
-        if chunk.find(b'"', start) < 0 and chunk.find(b"\\", start) < 0:
-            return len(chunk)  # a chunk of a long string (inline media, base64): memchr is faster than `re`
+        if chunk.find(b"\\", start) < 0:  # no escape (inline media, base64): memchr finds its end, faster than `re`
+            quote = chunk.find(b'"', start)
+            if quote < 0:
+                return len(chunk)
+            self._in_string = False
+            return quote + 1
         rest = _STRING_REST.match(chunk, start)
         assert rest is not None  # the pattern takes the empty string
         end = rest.end()
@@ -129,6 +136,18 @@ class JsonValueCounter:
             return end + 1
         self._escaped = end < len(chunk)  # stopped at a backslash that ends the chunk: it escapes the next byte
         return len(chunk)
+
+    def _feed_plain(self, chunk: bytes, start: int) -> None:
+        """`feed` for the rest of a chunk, from `start` (outside strings), that holds no backslash: every quote
+        opens or closes a string, so splitting at them leaves the bytes outside strings at the even places. `split`
+        and `join` run at memchr's speed where `re` steps byte by byte (a picture's 270 KB of base64 in one chunk:
+        4 ms)."""
+        pieces = chunk[start:].split(b'"')
+        quotes = len(pieces) - 1
+        self.strings += (quotes + 1) // 2
+        self._in_string = quotes % 2 == 1
+        outside = b"".join(pieces[::2])
+        self.values += len(outside) - len(outside.translate(None, _VALUE_OPENERS))
 
 
 async def read_json_body(request: Request, max_values: int) -> bytes:

@@ -25,6 +25,7 @@ from typing import Any
 import blake3
 import msgspec
 import numpy as np
+import numpy.typing as npt
 from PIL import Image
 
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_prompt_tokenizer
@@ -115,9 +116,21 @@ def _unpacked(cached: _Tensor) -> ItemElement:
     data = cached.data
     if cached.bits:
         count = int(np.prod(cached.shape, dtype=np.int64))
-        bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count)
-        data = bits.astype(_INTEGERS[cached.dtype]).tobytes()
+        dtype = _INTEGERS[cached.dtype]
+        packed = np.frombuffer(data, dtype=np.uint8)
+        if _all_ones(packed, count):  # a mask over whole tiles, as a picture's is: its values written in one pass
+            data = np.ones(1, dtype=dtype).tobytes() * count
+        else:
+            data = np.unpackbits(packed, count=count).astype(dtype).tobytes()
     return ItemElement(WireTensor(cached.dtype, tuple(cached.shape), data), FieldSpec.from_wire(cached.field))
+
+
+def _all_ones(packed: npt.NDArray[np.uint8], count: int) -> bool:
+    """Whether the first `count` bits of `packed` (np.packbits' order: the first bit is a byte's highest) are all 1."""
+    whole, rest = divmod(count, 8)
+    if not bool((packed[:whole] == 0xFF).all()):
+        return False
+    return rest == 0 or int(packed[whole]) >> (8 - rest) == (1 << rest) - 1
 
 
 #: Integer dtypes (torch's names) whose tensors of 0s and 1s a cache entry keeps as bits.

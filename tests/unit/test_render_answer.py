@@ -12,11 +12,21 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 from starlette.responses import JSONResponse
 
 from stoker.adapters.render import RenderedPicture, Renderer
-from stoker.adapters.vllm_render import WireItem, encode_item, features, metadata_item, request_json
+from stoker.adapters.vllm_render import (
+    FieldSpec,
+    ItemElement,
+    WireItem,
+    WireTensor,
+    encode_item,
+    features,
+    metadata_item,
+    request_json,
+)
 from tests.fixtures.vllm_render import corpus
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm_render"
@@ -114,3 +124,16 @@ def test_the_mask_is_cached_as_bits_and_read_back_as_vllms_int64() -> None:
     # the pixel values as they are, the mask at one bit a value (8 bytes a value as vLLM sends it)
     assert len(entry) < len(picture.item["pixel_values"].tensor.data) + len(mask.data) // 60
     assert RenderedPicture.from_bytes(entry).item["pixel_attention_mask"].tensor == mask
+
+
+@pytest.mark.parametrize("count", [8, 13, 64])
+@pytest.mark.parametrize("zero", [None, 0, 7, -1])
+def test_a_mask_reads_back_whole_whether_all_ones_or_not(count: int, zero: int | None) -> None:
+    # All ones (a picture's whole tiles) is written in one pass, any other unpacked bit by bit: both give the mask
+    # as it was, whatever its length in bits (a last byte in part).
+    values = np.ones(count, dtype="<i8")
+    if zero is not None:
+        values[zero] = 0
+    mask = ItemElement(WireTensor.of(values), FieldSpec("batched"))
+    picture = RenderedPicture.of({"rows": 1}, {"pixel_attention_mask": mask})
+    assert RenderedPicture.from_bytes(picture.to_bytes()).item["pixel_attention_mask"] == mask
