@@ -418,9 +418,13 @@ def _set_large(client: redis.Redis[bytes], key: str, data: bytes, ttl_s: int) ->
     tail = b"\r\n$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
     pool = client.connection_pool
     connection = pool.get_connection()
-    try:
+
+    def send() -> object:
         connection.send_packed_command([head, data, tail])
-        reply = connection.read_response()
+        return connection.read_response()
+
+    try:  # a connection lost mid-way: sent again over a new one, as the client's own commands are (its Retry)
+        reply = connection.retry.call_with_retry(send, lambda _error: connection.disconnect())
     except redis.ResponseError:
         raise  # the server's refusal (out of memory, ...), read whole: the connection is fine
     except BaseException:

@@ -180,3 +180,19 @@ def test_a_large_part_is_written_whole_with_its_ttl_and_a_refused_one_is_not_kep
     assert cache.get_bytes(refused, part="tensors") is None
     assert cache.put_bytes(refused, value[:LARGE_VALUE_BYTES], part="tensors", limit=len(value))
     assert cache.get_bytes(refused, part="tensors") == value[:LARGE_VALUE_BYTES]
+
+
+def test_a_large_part_is_written_again_over_a_new_connection_when_the_server_dropped_the_old(
+    cache_redis: redis.Redis[bytes],
+) -> None:
+    # The cache restarted (here: its clients' connections killed) between two writes: the next large write does not
+    # go out over the dead pooled connection (the pool opens a new one, as for the client's own commands).
+    port = cache_redis.connection_pool.connection_kwargs["port"]
+    with redis.Redis(port=port) as client:
+        cache = StageCache(client, ttl_s=60, max_value_bytes=1 << 20)
+        first, second = (CacheAddress("test-drop", "1", uuid.uuid4().hex, "f", "s") for _ in range(2))
+        value = os.urandom(LARGE_VALUE_BYTES + 1)
+        assert cache.put_bytes(first, value, part="tensors", limit=len(value))
+        assert cache_redis.client_kill_filter(skipme=True) >= 1
+        assert cache.put_bytes(second, value, part="tensors", limit=len(value))
+        assert cache.get_bytes(second, part="tensors") == value
