@@ -37,7 +37,16 @@ from stoker.core.costs import SizeBounds, size_class
 from stoker.core.deadlines import Deadline, deadline_for
 from stoker.core.errors import BrokerUnavailable, ClientGone, Overloaded, RateLimited, StokerError, StoreFull
 from stoker.core.idempotency import recent_digest
-from stoker.core.jobs import ChatTurn, ErrorInfo, InputRecord, Job, JobClass, input_failure, new_job_id
+from stoker.core.jobs import (
+    ChatTurn,
+    ErrorInfo,
+    InputRecord,
+    Job,
+    JobClass,
+    input_failure,
+    new_job_id,
+    renders_pictures,
+)
 from stoker.core.model import ModelRequest
 from stoker.core.prompting import Attachment, attachment_for, offered_tools
 from stoker.core.queues import job_messages
@@ -413,7 +422,8 @@ async def _shortcut(
     """How far a job may skip: to inference when every input is cached (or it has none) and its prompt is cached
     or can be tokenized here; to tokenize when only its inputs are cached."""
     if accepted.chat is not None and accepted.chat.render:
-        return "render", records, None  # a render ends at its hand-off; its stages look in the cache themselves
+        # A render ends at its hand-off; its stages look in the cache themselves.
+        return ("render" if renders_pictures(accepted.chat, records) else "preprocess"), records, None
     cache = context.cache
     pipeline = cache.context() if cache.context_fresh() else await run_in_threadpool(cache.context)
     if pipeline is None or any(r.url is not None for r in records):  # nothing is known of a URL's content yet

@@ -23,7 +23,7 @@ from celery.canvas import Signature, _chain
 from stoker.adapters.broker import class_priority, queue_depths, stage_priority
 from stoker.adapters.kombu_redis import promote_aged
 from stoker.adapters.store.keys import frame_ref, input_ref
-from stoker.core.jobs import InputRecord, Job, JobClass
+from stoker.core.jobs import InputRecord, Job, JobClass, renders_pictures
 from stoker.core.queues import INFER_BATCH_QUEUE, QUEUES
 from tasks.publish import DirectPublisher
 
@@ -256,7 +256,7 @@ class CeleryOutbox:
     def resubmit(self, job: Job, deadline: float | None) -> None:
         """The job's canvas from preprocessing (a render's from its rendering), again (its stages skip what a first
         run already did)."""
-        start: Start = "render" if job.chat is not None and job.chat.render else "preprocess"
+        start: Start = "render" if renders_pictures(job.chat, job.inputs) else "preprocess"
         self._submitter.submit(job.id, job.inputs, start, deadline=deadline, job_class=job.job_class)
 
     def queue_depths(self, queues: Iterable[str], timeout_s: float | None = None) -> dict[str, int]:

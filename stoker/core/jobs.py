@@ -6,6 +6,7 @@ import base64
 import math
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -283,6 +284,14 @@ def preprocess_share(timings_ms: dict[str, float]) -> float | None:
     if not total or pre is None:
         return None
     return round(min(pre / total, 1.0), 3)
+
+
+def renders_pictures(chat: Conversation | None, inputs: Sequence[InputRecord]) -> bool:
+    """Whether a job is a render of pictures sent inline and nothing else: its canvas is its pictures' rendering
+    (`stoker.render`). A render of a sound (a transcription) or of a URL still to fetch goes through preprocessing."""
+    if chat is None or not chat.render:
+        return False
+    return all(record.kind == "image" and record.url is None for record in inputs)
 
 
 def final_status(inputs: list[InputRecord]) -> JobStatus:

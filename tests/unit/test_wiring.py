@@ -23,7 +23,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from stoker.adapters.rlimits import cap_address_space
 from stoker.core.errors import BrokerUnavailable, ImageCorrupt, ModelUnavailable, StokerError, TransientError
-from stoker.core.jobs import InputRecord
+from stoker.core.jobs import Conversation, InputRecord, renders_pictures
 from stoker.runtime.stage import input_stage, time_limit
 from stoker.runtime.stages.audio import transcribe_limit_s
 from stoker.settings import ApiSettings, WorkerSettings
@@ -106,6 +106,20 @@ def test_a_render_of_one_picture_is_one_task_and_of_several_a_decode_each_then_t
     assert several.body.task == "stoker.tokenize"
     assert job_canvas("j", app=APP, inputs=[], start="render").task == "stoker.tokenize"
     assert APP.amqp.router.route({}, "stoker.render")["queue"].name == "decode"
+
+
+def test_only_a_render_of_inline_pictures_skips_preprocessing() -> None:
+    # A transcription is a render of a sound, and a picture by URL must be fetched first: both keep their
+    # preprocessing canvas; a text-only render has nothing to render.
+    render = Conversation(turns=[], render=True)
+    pictures = _inputs(2)
+    assert renders_pictures(render, pictures)
+    assert renders_pictures(render, [])
+    assert not renders_pictures(Conversation(turns=[]), pictures)
+    assert not renders_pictures(None, pictures)
+    assert not renders_pictures(render, [*pictures, InputRecord(index=2, kind="audio", content_hash="c", size_bytes=1)])
+    by_url = InputRecord(index=0, kind="image", content_hash="", size_bytes=0, url="https://example.com/a.png")
+    assert not renders_pictures(render, [by_url])
 
 
 def test_inference_worker_may_hold_whole_batches() -> None:
