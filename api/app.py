@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 def create_app(settings: ApiSettings | None = None, submitter: Submitter | None = None) -> FastAPI:
     """Build the API for these settings; the submitter is the seam to the queue (Celery by default)."""
     settings = settings or ApiSettings()
-    keep_freed_memory(settings.heap_keep_mb)
+    keep_freed_memory(settings.heap_keep_mb, settings.heap_arenas)
     if setup_tracing("stoker-api", settings.trace_exporter, settings.trace_file):
         instrument_celery()  # the job's trace context rides in the headers of the messages it publishes
     context = ApiContext.build(settings, submitter)

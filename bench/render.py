@@ -526,7 +526,7 @@ def profile(model: Path, n: int, seed: int) -> dict[str, Any]:
     import torch  # loaded with the image processor already
 
     torch.set_num_threads(1)  # as `tasks.lifecycle` sets it in a CPU pool child
-    keep_freed_memory(ApiSettings().heap_keep_mb)  # as the API and the CPU workers keep it
+    keep_freed_memory(ApiSettings().heap_keep_mb, ApiSettings().heap_arenas)  # as the API and the CPU workers keep it
     renderer = Renderer(str(model), "bfloat16")
     assert renderer.preparer is not None, f"{model} reads no pictures"
     rng = random.Random(f"{seed}:profile")

@@ -226,7 +226,7 @@ def _configure(sender: Celery, **_: Any) -> None:
 
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
-    keep_freed_memory(settings().heap_keep_mb)  # before the pool forks: every child inherits it
+    keep_freed_memory(settings().heap_keep_mb, settings().heap_arenas)  # before the pool forks: every child inherits it
     ctx = setup(settings().worker_kind)
     ctx.pool_children = getattr(sender, "concurrency", None) or 1  # under --autoscale, its most children
     ctx.occupancy = PoolOccupancy(ctx.pool_children)  # before the pool forks: every child shares it

@@ -19,13 +19,20 @@ log = logging.getLogger(__name__)
 #: glibc's `mallopt` parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 #: The largest mmap threshold glibc takes on a 64-bit host (HEAP_MAX_SIZE / 2): buffers up to it come from the heap.
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
 
 
-def keep_freed_memory(megabytes: int) -> bool:
+def keep_freed_memory(megabytes: int, arenas: int = 0) -> bool:
     """Serve buffers up to 32 MiB from the heap and keep up to `megabytes` of freed heap for reuse instead of
-    handing it back at once (0: the C library's defaults). True when the C library took both settings."""
+    handing it back at once (0: the C library's defaults), in at most `arenas` heaps (0: glibc's, eight a core).
+    True when the C library took every setting.
+
+    Each thread of a process gets a heap of its own while there are fewer than the most: a buffer freed on one
+    thread of the API's thread pool is kept in that thread's heap, and the next picture's buffer, made on another,
+    is fresh memory again. Call before the process starts its threads: glibc fixes the most it makes once it has
+    eight."""
     if megabytes <= 0:
         return False
     libc = _glibc()
@@ -33,6 +40,8 @@ def keep_freed_memory(megabytes: int) -> bool:
         return False
     kept = int(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) == 1
     kept = int(libc.mallopt(_M_TRIM_THRESHOLD, megabytes * 1024 * 1024)) == 1 and kept
+    if arenas > 0:
+        kept = int(libc.mallopt(_M_ARENA_MAX, arenas)) == 1 and kept
     if not kept:
         log.warning("the C library refused stoker's heap settings: freed memory is handed back as it decides")
     return kept

@@ -4,6 +4,8 @@ again, comes back without the page faults of fresh memory."""
 from __future__ import annotations
 
 import resource
+import subprocess
+import sys
 
 from stoker.adapters.heap import keep_freed_memory
 
@@ -27,3 +29,43 @@ def test_freed_megabytes_are_reused_without_faults() -> None:
 
 def test_nothing_is_set_at_zero() -> None:
     assert not keep_freed_memory(0)
+
+
+#: Run in a process of its own (glibc fixes its most heaps once a process has eight): two threads alive together,
+#: as the API's thread pool has them; the second makes a buffer after the first freed one. Prints its faults.
+TWO_THREADS = """
+import sys, threading
+from stoker.adapters.heap import keep_freed_memory
+from tests.unit.test_heap import faults_making_a_buffer
+assert keep_freed_memory(512, arenas=int(sys.argv[1]))
+first_done, faults = threading.Event(), []
+
+def first():
+    faults_making_a_buffer()
+    first_done.set()
+
+def second():
+    bytearray(64)  # this thread has its heap before the first frees its buffer
+    first_done.wait()
+    faults.append(faults_making_a_buffer())
+
+threads = [threading.Thread(target=second), threading.Thread(target=first)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(faults[0])
+"""
+
+
+def _faults_on_the_second_thread(arenas: int) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_THREADS, str(arenas)], capture_output=True, text=True, check=True, timeout=60
+    )
+    return int(done.stdout)
+
+
+def test_a_buffer_freed_on_one_thread_is_reused_on_another_when_they_share_a_heap() -> None:
+    fresh = SIZE // 4096
+    assert _faults_on_the_second_thread(arenas=0) > fresh // 2  # glibc's default: a heap each, fresh memory
+    assert _faults_on_the_second_thread(arenas=1) < fresh // 20
