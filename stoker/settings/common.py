@@ -130,8 +130,8 @@ class HeapSettings(SettingsPart):
         le=1024,
         description="The most heaps (glibc's arenas) a process's threads share; the memory one keeps is kept for the "
         "threads of that heap only. glibc's default, eight a core, gives each thread of the API's pool a heap of its "
-        "own, so a render's buffers, freed on one thread, are fresh memory again on the next (a fault every 4 KiB page). "
-        "0 leaves glibc's default; only with `heap_keep_mb` above 0.",
+        "own, so a render's buffers, freed on one thread, are fresh memory again on the next (a fault every 4 KiB "
+        "page). 0 leaves glibc's default; only with `heap_keep_mb` above 0.",
     )
 
 
