@@ -58,6 +58,9 @@ class AcceptedRequest:
     chat: Conversation | None = None
     #: Where to POST the job when it ends (signed), if the client asked for that.
     callback_url: str | None = None
+    #: A render whose every picture the stage cache holds rendered (in its tenant's scope): where each is, as a
+    #: rendered picture's record says (`InputRecord.prepared`). It ends as it is taken in; no stage runs for it.
+    rendered: dict[str, str] | None = None
 
 
 async def read_request(request: Request, settings: ApiSettings) -> AcceptedRequest:

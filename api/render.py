@@ -21,7 +21,7 @@ import base64
 import binascii
 import functools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Request
@@ -132,7 +132,8 @@ async def render_chat(request: Request, context: Context, tenant: Annotated[str,
     async def accept() -> AcceptedRequest:
         raw = await read_json_body(request, context.settings.max_json_values)
         read.body, accepted, read.parts = await run_in_threadpool(_accept_chat, raw, context.settings, model)
-        return accepted
+        scope = cache_scope(tenant, context.settings.cache_shared)
+        return replace(accepted, rendered=await run_in_threadpool(_all_rendered, context, model, accepted, scope))
 
     job = await _render_job(context, request, tenant, accept)
     failed = _refusal(job, read.parts)
@@ -233,6 +234,22 @@ def _accept_chat(
     inputs = validate_inputs([("image", data) for data in pictures], settings)
     chat = Conversation(turns=[], on_input_error=body.stoker_on_input_error, render=True)
     return body, AcceptedRequest(prompt="", inputs=inputs, deadline_ms=settings.deadline_ms, chat=chat), parts
+
+
+def _all_rendered(context: ApiContext, model: Renderer, accepted: AcceptedRequest, scope: str) -> dict[str, str] | None:
+    """Where the render's pictures are, as their records would say, when the stage cache holds every one of them
+    rendered in `scope` (by the decode parameters the workers published, by this renderer); else None, and the CPU
+    stage renders what is missing. Existence only: the answer reads them as a stage-rendered render's does."""
+    if not accepted.inputs or any(item.url is not None for item in accepted.inputs):
+        return None
+    pipeline = context.cache.context()
+    if pipeline is None or not pipeline.render_decode:
+        return None
+    decode = pipeline.render_decode
+    for item in accepted.inputs:
+        if not context.cache.has(model.picture_address(item.digest, decode, scope), part=ITEM):
+            return None
+    return {"render": model.identity, "decode": decode}
 
 
 def _accept_completion(raw: bytes, settings: ApiSettings) -> tuple[CompletionRenderCreate, AcceptedRequest]:

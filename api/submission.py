@@ -43,6 +43,7 @@ from stoker.core.jobs import (
     InputRecord,
     Job,
     JobClass,
+    final_status,
     input_failure,
     new_job_id,
     renders_pictures,
@@ -280,10 +281,21 @@ async def _take_in(
 async def _make(
     context: ApiContext, planned: PlannedJob, traced: tuple[str, dict[str, str]] | None, also: Sequence[Queued]
 ) -> Job:
-    """The job's record written, then its first message published; the job as written."""
+    """The job's record written, then its first message published; the job as written. A render served from the
+    cache is ended instead: its answer is what the cache holds, and no stage runs for it."""
     job = await _write_job(context, planned, traced, also)
+    if planned.start == "ended":
+        await run_in_threadpool(_end_rendered, context, planned)
+        return job
     await _enqueue(context, planned)
     return job
+
+
+def _end_rendered(context: ApiContext, planned: PlannedJob) -> None:
+    """End a render served from the cache, each picture counted a hit of the render stage as the stage counts one."""
+    context.store.jobs.finish(planned.job_id, final_status(planned.records))
+    for _ in planned.records:
+        context.cache.record("render", hit=True, cost_s=0.0)
 
 
 def _recent_note(planned: PlannedJob, window_s: int) -> list[Queued]:
@@ -422,6 +434,8 @@ async def _shortcut(
     """How far a job may skip: to inference when every input is cached (or it has none) and its prompt is cached
     or can be tokenized here; to tokenize when only its inputs are cached."""
     if accepted.chat is not None and accepted.chat.render:
+        if accepted.rendered is not None and records and renders_pictures(accepted.chat, records):
+            return "ended", [_rendered(r, accepted.rendered) for r in records], None
         # A render ends at its hand-off; its stages look in the cache themselves.
         return ("render" if renders_pictures(accepted.chat, records) else "preprocess"), records, None
     cache = context.cache
@@ -438,6 +452,11 @@ async def _shortcut(
     if found is None:
         return "tokenize", filled, None
     return "infer", filled, found.request(scope, accepted.chat, job_id)
+
+
+def _rendered(record: InputRecord, where: dict[str, str]) -> InputRecord:
+    """A picture the cache holds rendered, as its render stage would have left its record."""
+    return record.model_copy(update={"status": "ok", "prepared": dict(where), "cache_hit": {"render": True}})
 
 
 async def _tokenized(

@@ -28,8 +28,9 @@ from stoker.core.queues import INFER_BATCH_QUEUE, QUEUES
 from tasks.publish import DirectPublisher
 
 #: Where a job enters the pipeline: from the start, at tokenize (inputs cached), at inference (prompt cached); a
-#: render (`/v1/chat/completions/render`) has a canvas of its own (`render_branches`).
-Start = Literal["preprocess", "tokenize", "infer", "render"]
+#: render (`/v1/chat/completions/render`) has a canvas of its own (`render_branches`), and one whose every picture
+#: is cached rendered has none: it is `ended` as it is taken in (no message is sent for it).
+Start = Literal["preprocess", "tokenize", "infer", "render", "ended"]
 #: Options of a message nobody waits on for a Celery result (stoker's results are in its job store). Without it,
 #: Celery's Redis result backend subscribes the publishing process to the task's result channel at every publish
 #: (and unsubscribes when the handle is collected): two commands and a result-consumer round per job in the API.

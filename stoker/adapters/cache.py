@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 import redis
@@ -265,7 +265,9 @@ class StageCache:
             return None
         if not raw:
             return None
-        found = PipelineContext(**json.loads(raw))
+        published = json.loads(raw)
+        known = {f.name for f in fields(PipelineContext)}  # a newer worker's fields, in a rolling restart, left out
+        found = PipelineContext(**{k: v for k, v in published.items() if k in known})
         self._context = (found, now + CONTEXT_REUSE_S)
         return found
 

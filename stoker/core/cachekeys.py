@@ -65,13 +65,16 @@ class CacheAddress:
 
 @dataclass(frozen=True)
 class PipelineContext:
-    """The workers' identity as published for the API: preprocessing fingerprint, tokenizer, prompt budget, and
-    the configured system prompt ("" for none)."""
+    """The workers' identity as published for the API: preprocessing fingerprint, tokenizer, prompt budget, the
+    configured system prompt ("" for none), and the decode parameters a picture's rendering is made from (their
+    repr, as its cache address names them; "" from workers that published none), by which the API finds a render's
+    pictures already rendered."""
 
     identity: str
     tokenizer: str
     budget: int
     system: str = ""
+    render_decode: str = ""
 
 
 def pipeline_context(
@@ -83,6 +86,7 @@ def pipeline_context(
     tokenizer: str,
     budget: int,
     system: str = "",
+    render_decode: str = "",
 ) -> PipelineContext:
     """The identity of whole cached inputs and prompts from every parameter that shapes them: the OCR and decode
     addresses' fingerprints (the decode's say whether OCR runs, and which image processor's tensors it makes), the
@@ -94,7 +98,9 @@ def pipeline_context(
         keyframes=list(keyframes),
         versions=[imaging.VERSION, ocr.VERSION, VISION_VERSION],
     )
-    return PipelineContext(identity=identity, tokenizer=tokenizer, budget=budget, system=system)
+    return PipelineContext(
+        identity=identity, tokenizer=tokenizer, budget=budget, system=system, render_decode=render_decode
+    )
 
 
 def decode_address(digest: str, scope: str, params: DecodeParams, outputs: DecodeOutputs | None = None) -> CacheAddress:

@@ -40,13 +40,18 @@ KEYFRAME_MESSAGES = 3
 
 
 def job_messages(
-    inputs: Iterable[tuple[str, bool]], start: Literal["preprocess", "tokenize", "infer", "render"], keyframes: int
+    inputs: Iterable[tuple[str, bool]],
+    start: Literal["preprocess", "tokenize", "infer", "render", "ended"],
+    keyframes: int,
 ) -> int:
     """How many queue messages a job fans out into, from where it enters: its weight in a tenant's fair share.
 
     `inputs` are (kind, is a URL) pairs; a URL input adds its fetch. Entering at tokenize costs tokenize + infer,
-    at inference one message; a render one for a single picture, else one per picture and tokenize.
+    at inference one message; a render one for a single picture, else one per picture and tokenize; a render
+    served from the cache none.
     """
+    if start == "ended":
+        return 0
     if start == "render":
         pictures = sum(kind == "image" for kind, _ in inputs)
         return 1 if pictures == 1 else pictures + 1

@@ -421,6 +421,7 @@ class WorkerContext:
             tokenizer=self.tokenizer_identity,
             budget=window - s.max_new_tokens,
             system=s.system_prompt,
+            render_decode=self.pictures.rendering_decode,
         )
 
     def cache_scope(self, tenant: str | None) -> str:

@@ -183,17 +183,31 @@ def test_a_completion_renders_through_a_job_as_vllm_renders_it(stack: Stack) -> 
     assert _record(stack, answer)["status"] == "succeeded"
 
 
-def test_a_repeated_picture_is_rendered_from_the_cache(stack: Stack) -> None:
+def _renders_run(stack: Stack) -> int:
+    """How many `stoker.render` tasks the CPU worker has run."""
+    app = stack.fleet.app
+    replies = app.control.ping(timeout=5, limit=1)  # the fleet's one worker
+    cpu = next(name for reply in replies for name in reply if name.startswith("cpu@"))
+    total: dict[str, int] = app.control.inspect(destination=[cpu], timeout=5).stats()[cpu]["total"]
+    return total.get("stoker.render", 0)
+
+
+def test_a_repeated_picture_is_rendered_from_the_cache_without_a_stage(stack: Stack) -> None:
     picture = text_image(f"repeat {uuid.uuid4().hex[:6]}", size=(640, 480))
+    before = _renders_run(stack)
     first = _render(stack, _picture_body(stack, picture, "What does it say?"))
     assert first.status_code == 200, first.text
     [made] = _record(stack, first)["inputs"]
     assert made["cache_hit"] == {"render": False}  # decoded and rendered by the CPU stage
+    assert _renders_run(stack) == before + 1
     second = _render(stack, _picture_body(stack, picture, "And now?"))
     assert second.status_code == 200, second.text
-    [read] = _record(stack, second)["inputs"]
-    assert read["cache_hit"] == {"render": True}  # the stage found the rendering: no decode, no processor
+    job = _record(stack, second)
+    assert job["status"] == "succeeded"
+    [read] = job["inputs"]
+    assert read["cache_hit"] == {"render": True}  # the API found it rendered: the job ended as it was taken in
     assert read["status"] == "ok"
+    assert _renders_run(stack) == before + 1  # no task ran for it: no decode, no processor, no worker
     assert second.json()["features"] == first.json()["features"]
     assert second.json()["token_ids"] != first.json()["token_ids"]  # another question, the same picture
 

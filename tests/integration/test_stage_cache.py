@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -60,6 +61,16 @@ def test_the_pipeline_identity_is_read_once_a_second_and_a_missing_one_every_tim
     assert cache.context() == first  # reused: no read
     clock.now += CONTEXT_REUSE_S
     assert cache.context() == second
+
+
+def test_a_pipeline_identity_from_newer_workers_is_read_without_what_it_adds(
+    cache_redis: redis.Redis[bytes],
+) -> None:
+    # In a rolling restart, workers of the next version may publish a field this API does not know.
+    published = {"identity": "i", "tokenizer": "t", "budget": 100, "render_decode": "d", "later": [1, 2]}
+    cache_redis.set(PIPELINE_IDENTITY_KEY, json.dumps(published))
+    found = StageCache(cache_redis, ttl_s=60, max_value_bytes=1 << 20, clock=Clock()).context()
+    assert found == PipelineContext(identity="i", tokenizer="t", budget=100, render_decode="d")
 
 
 @pytest.mark.parametrize("on_loop", [False, True], ids=["sync", "loop"])

@@ -125,6 +125,7 @@ def test_retry_after_rounds_up_and_is_never_zero() -> None:
         ([("image", False)], "infer", 1),  # prompt cached too
         ([("image", False)], "render", 1),  # one task renders it and ends the render
         ([("image", False)] * 4, "render", 5),  # a decode each, then tokenize
+        ([("image", False)] * 4, "ended", 0),  # every picture cached rendered: no message at all
     ],
 )
 def test_a_jobs_weight_is_the_messages_it_fans_out_into(
