@@ -8,9 +8,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,6 +213,37 @@ def test_a_repeated_picture_is_rendered_from_the_cache_without_a_stage(stack: St
     assert _renders_run(stack) == before + 1  # no task ran for it: no decode, no processor, no worker
     assert second.json()["features"] == first.json()["features"]
     assert second.json()["token_ids"] != first.json()["token_ids"]  # another question, the same picture
+
+
+def _running_render(stack: Stack, timeout_s: float = 60.0) -> int:
+    """The pid of the CPU worker's pool child running a `stoker.render`, once one is."""
+    app = stack.fleet.app
+    replies = app.control.ping(timeout=5, limit=1)
+    cpu = next(name for reply in replies for name in reply if name.startswith("cpu@"))
+    inspect = app.control.inspect(destination=[cpu], timeout=5)
+    until = time.monotonic() + timeout_s
+    while time.monotonic() < until:
+        running = [t for t in inspect.active()[cpu] if t["name"] == "stoker.render"]
+        if running:
+            return int(running[0]["worker_pid"])
+    raise AssertionError(f"no render started in {timeout_s} s")
+
+
+def test_a_render_whose_pool_child_dies_mid_render_is_rendered_again(stack: Stack) -> None:
+    # The most pixels a picture may have, at little cost to send: seconds of decoding and resizing, long enough to
+    # kill the child in the middle of them.
+    picture = text_image(f"killed {uuid.uuid4().hex[:6]}", size=(9000, 9000), fmt="JPEG")
+    before = _renders_run(stack)
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(_render, stack, _picture_body(stack, picture, "What does it say?"))
+        os.kill(_running_render(stack), signal.SIGKILL)
+        answer = sent.result(timeout=120)
+    assert answer.status_code == 200, answer.text
+    job = _record(stack, answer)
+    assert job["status"] == "succeeded"
+    assert job["inputs"][0]["cache_hit"] == {"render": False}
+    assert _renders_run(stack) == before + 2  # the message given back when its child died, and taken again
+    assert len(answer.json()["features"]["kwargs_data"]["image"]) == 1
 
 
 def test_a_broken_picture_is_a_4xx_naming_its_part(stack: Stack) -> None:
