@@ -240,16 +240,12 @@ def _all_rendered(context: ApiContext, model: Renderer, accepted: AcceptedReques
     """Where the render's pictures are, as their records would say, when the stage cache holds every one of them
     rendered in `scope` (by the decode parameters the workers published, by this renderer); else None, and the CPU
     stage renders what is missing. Existence only: the answer reads them as a stage-rendered render's does."""
-    if not accepted.inputs or any(item.url is not None for item in accepted.inputs):
-        return None
     pipeline = context.cache.context()
-    if pipeline is None or not pipeline.render_decode:
+    if not accepted.inputs or pipeline is None or not pipeline.render_decode:
         return None
     decode = pipeline.render_decode
-    for item in accepted.inputs:
-        if not context.cache.has(model.picture_address(item.digest, decode, scope), part=ITEM):
-            return None
-    return {"render": model.identity, "decode": decode}
+    addresses = [model.picture_address(item.digest, decode, scope) for item in accepted.inputs]
+    return {"render": model.identity, "decode": decode} if context.cache.has_all(addresses, part=ITEM) else None
 
 
 def _accept_completion(raw: bytes, settings: ApiSettings) -> tuple[CompletionRenderCreate, AcceptedRequest]:

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -87,10 +87,16 @@ class StageCache:
 
     def has(self, address: CacheAddress, part: str = "value") -> bool:
         """Whether a part is cached, without reading it (False also when the cache is unreachable)."""
+        return self.has_all([address], part)
+
+    def has_all(self, addresses: Sequence[CacheAddress], part: str = "value") -> bool:
+        """Whether a part is cached for every address, in one round trip, without reading them (False also when
+        the cache is unreachable)."""
         if self.redis is None:
             return False
+        keys = {cache_key(address, part) for address in addresses}
         try:
-            return bool(self.redis.exists(cache_key(address, part)))
+            return int(self.redis.exists(*keys)) == len(keys)
         except redis.RedisError as exc:
             log.warning("cache read failed, treating as a miss: %s", exc)
             return False

@@ -186,12 +186,16 @@ def test_a_completion_renders_through_a_job_as_vllm_renders_it(stack: Stack) -> 
     assert _record(stack, answer)["status"] == "succeeded"
 
 
+def _cpu_worker(stack: Stack) -> str:
+    """The fleet's one worker, by its Celery name."""
+    replies = stack.fleet.app.control.ping(timeout=5, limit=1)
+    return str(next(name for reply in replies for name in reply if name.startswith("cpu@")))
+
+
 def _renders_run(stack: Stack) -> int:
     """How many `stoker.render` tasks the CPU worker has run."""
-    app = stack.fleet.app
-    replies = app.control.ping(timeout=5, limit=1)  # the fleet's one worker
-    cpu = next(name for reply in replies for name in reply if name.startswith("cpu@"))
-    total: dict[str, int] = app.control.inspect(destination=[cpu], timeout=5).stats()[cpu]["total"]
+    cpu = _cpu_worker(stack)
+    total: dict[str, int] = stack.fleet.app.control.inspect(destination=[cpu], timeout=5).stats()[cpu]["total"]
     return total.get("stoker.render", 0)
 
 
@@ -217,10 +221,8 @@ def test_a_repeated_picture_is_rendered_from_the_cache_without_a_stage(stack: St
 
 def _running_render(stack: Stack, timeout_s: float = 60.0) -> int:
     """The pid of the CPU worker's pool child running a `stoker.render`, once one is."""
-    app = stack.fleet.app
-    replies = app.control.ping(timeout=5, limit=1)
-    cpu = next(name for reply in replies for name in reply if name.startswith("cpu@"))
-    inspect = app.control.inspect(destination=[cpu], timeout=5)
+    cpu = _cpu_worker(stack)
+    inspect = stack.fleet.app.control.inspect(destination=[cpu], timeout=5)
     until = time.monotonic() + timeout_s
     while time.monotonic() < until:
         running = [t for t in inspect.active()[cpu] if t["name"] == "stoker.render"]
