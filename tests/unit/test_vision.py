@@ -169,6 +169,56 @@ def test_qwen2_vl_tensors_are_its_patches_and_grid(qwen2_vl: ImagePreparer) -> N
     assert prepared.meta["processor_class"] == "Qwen2VLImageProcessor"
 
 
+def _plain(where: Path | str) -> Any:
+    """The model's image processor as transformers loads it, on its torchvision backend, untouched."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(str(where), backend="torchvision")
+
+
+def _random_pictures(count: int) -> list[Image.Image]:
+    rng = np.random.default_rng(64)
+    sizes = [(1280, 960), (600, 1400), (1, 1), (3, 700), (2100, 37)]
+    sizes += [(int(w), int(h)) for w, h in rng.integers(1, 1700, (count - len(sizes), 2))]
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+
+
+@pytest.mark.parametrize("model", ["tiny-vlm", "qwen2-vl"])
+def test_pictures_handed_over_pixel_by_pixel_make_the_processors_own_bits(
+    model: str, tiny_vlm: Path, qwen2_vl: ImagePreparer, tmp_path: Path
+) -> None:
+    # Idefics3 resizes with Lanczos, Qwen2-VL with bicubic: both on pictures of random sizes, against the processor as
+    # transformers runs it (each picture copied into planes first).
+    preparer = ImagePreparer.load(tiny_vlm) if model == "tiny-vlm" else qwen2_vl
+    assert preparer is not None
+    where: Path | str = tiny_vlm
+    if model == "qwen2-vl":
+        preparer.processor.save_pretrained(tmp_path)
+        where = tmp_path
+    plain = _plain(where)
+    for picture in _random_pictures(12):
+        try:
+            theirs = plain(images=picture, **preparer._extra())
+        except ValueError:  # Qwen2-VL refuses a sliver: so does the preparer
+            with pytest.raises(ImageCorrupt):
+                preparer.prepare(picture)
+            continue
+        mine = preparer.prepare(picture).tensors
+        for name, value in mine.items():
+            np.testing.assert_array_equal(value, np.asarray(theirs[name]).astype(value.dtype), err_msg=name)
+
+
+def test_the_processor_is_handed_a_picture_as_it_lies_in_memory(preparer: ImagePreparer, tiny_vlm: Path) -> None:
+    picture = Image.fromarray(np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3))
+    handed = preparer.processor.process_image(picture, do_convert_rgb=True)
+    assert tuple(handed.shape) == (3, 5, 7)
+    assert handed.permute(1, 2, 0).is_contiguous()  # pixels, not planes: the resize copies nothing
+    np.testing.assert_array_equal(handed.permute(1, 2, 0).numpy(), np.asarray(picture))
+    copied = _plain(tiny_vlm).process_image(picture, do_convert_rgb=True)
+    assert copied.is_contiguous()  # transformers' own: planes
+    assert not copied.permute(1, 2, 0).is_contiguous()
+
+
 def test_a_picture_the_processor_rejects_is_a_structured_error(qwen2_vl: ImagePreparer) -> None:
     # Qwen2-VL refuses an aspect ratio over 200: a 1×500 sliver is the picture's fault, not the model's.
     sliver = encode(Image.new("RGB", (1, 500), "white"), "PNG")

@@ -25,6 +25,7 @@ normalised to about [-1, 1]: float16 keeps 3 significant digits, half the bytes 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,6 +139,7 @@ class ImagePreparer:
         except OSError:  # no preprocessor_config.json: a text-only model
             return None
         identity = processor_identity(processor)
+        _hand_over_channels_last(processor)
         return cls(processor, identity if floats == "float16" else f"{identity}.{floats}", floats)
 
     def prepare(self, rgb: Image.Image) -> PreparedImage:
@@ -177,6 +179,35 @@ class ImagePreparer:
         # Idefics3 / SmolVLM tell how the picture was tiled only when asked; the prompt needs it.
         accepted = getattr(getattr(self.processor, "valid_kwargs", None), "__annotations__", {})
         return {"return_row_col_info": True} if "return_row_col_info" in accepted else {}
+
+
+def _hand_over_channels_last(processor: Any) -> None:
+    """Hand a torchvision-backed processor each decoded RGB picture as it lies in memory, pixel by pixel
+    (channels last, a view of its array), not copied into planes first.
+
+    Written here because no setting of transformers does it: its torchvision backend copies every picture into a
+    channels-first tensor, and torch's antialiased resize of 8-bit pictures is about three times faster on
+    channels-last ones (a 1280×960 picture to 1024×768 with Lanczos: 10.9 against 3.1 ms on one thread), with the
+    same bits (`tests/unit/test_vision.py` compares both ways on pictures of random sizes, Idefics3's Lanczos and
+    Qwen2-VL's bicubic; the render conformance tests compare with vLLM's). Idefics3 on a 1280×960 photo: 27 to 30
+    ms a picture down to 18 to 20."""
+    if getattr(processor, "backend", None) == BACKEND:
+        kind: Any = type(processor)
+        processor.__class__ = _channels_last(kind)
+
+
+@functools.cache
+def _channels_last(base: Any) -> Any:
+    """`base` whose `process_image` hands an RGB picture over as a view of its pixels; under `base`'s own name, so
+    what the processor says of itself (its config, its identity) is unchanged."""
+    import torch  # heavy: loaded with the processor
+
+    def process_image(self: Any, image: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(image, Image.Image) and image.mode == "RGB" and kwargs.get("device") is None:
+            return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+        return base.process_image(self, image, *args, **kwargs)
+
+    return type(base.__name__, (base,), {"process_image": process_image, "__module__": base.__module__})
 
 
 #: The most of an image processor's own reason a client is shown: a processor's message may quote whole arrays.
