@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -143,7 +143,13 @@ async def render_chat(request: Request, context: Context, tenant: Annotated[str,
     answer = await _assemble_chat(context, model, read.body, job, tenant)
     pieces = await run_in_threadpool(request_json_pieces, answer)  # the bytes JSONResponse would write, in pieces
     length = {"content-length": str(sum(len(piece) for piece in pieces))}  # so it is sent whole, not chunked
-    return StreamingResponse(iter(pieces), media_type="application/json", headers=job_headers(job) | length)
+    return StreamingResponse(_each(pieces), media_type="application/json", headers=job_headers(job) | length)
+
+
+async def _each(pieces: list[bytes]) -> AsyncIterator[bytes]:
+    """The pieces, as an async iterator: Starlette takes the next piece of a plain one on its thread pool."""
+    for piece in pieces:
+        yield piece
 
 
 @router.post("/v1/completions/render", responses=RESPONSES)

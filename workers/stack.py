@@ -214,7 +214,7 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
         cache = settings.cache_url
         if settings.cache_enabled and not redis_answers(cache, tls=settings.redis_tls(cache)):
             console.print(f"no cache answers at {_without_password(cache)}: an embedded Valkey for it (allkeys-lru)")
-            port = _embedded(stack, CACHE, settings.embedded_cache_maxmemory_mb, "allkeys-lru")
+            port = _embedded(stack, CACHE, settings.embedded_cache_maxmemory_mb, "allkeys-lru", settings.heap_keep_mb)
             urls["STOKER_CACHE_URL"] = f"redis://127.0.0.1:{port}/0"
         settings.broker_url, settings.result_url = urls["STOKER_BROKER_URL"], urls["STOKER_RESULT_URL"]
         settings.cache_url = urls.get("STOKER_CACHE_URL", settings.cache_url)
@@ -225,15 +225,21 @@ def _ensure_broker(settings: StackSettings, stack: Stack) -> dict[str, str]:
     return urls
 
 
-def _embedded(stack: Stack, name: str, maxmemory_mb: int, policy: str) -> int:
-    """Start an embedded Valkey as one of the stack's children; its port.
+def _embedded(stack: Stack, name: str, maxmemory_mb: int, policy: str, keep_freed_mb: int = 0) -> int:
+    """Start an embedded Valkey as one of the stack's children; its port. A cache keeps `keep_freed_mb` of freed
+    memory for its next entries (`start_embedded`).
 
     In memory only: the stack stops when its servers do, so a file could serve no restart, only outlive the stack
     with every job record and upload in it. Its directory goes when the stack stops."""
     data_dir = Path(tempfile.mkdtemp(prefix=f"stoker-{name}-"))
     stack.scratch.append(data_dir)
     proc, port = start_embedded(
-        data_dir=data_dir, preexec=stack.tether, maxmemory_mb=maxmemory_mb, persist=False, policy=policy
+        data_dir=data_dir,
+        preexec=stack.tether,
+        maxmemory_mb=maxmemory_mb,
+        persist=False,
+        policy=policy,
+        keep_freed_mb=keep_freed_mb,
     )
     stack.procs[name] = proc
     return port

@@ -47,6 +47,17 @@ def keep_freed_memory(megabytes: int, arenas: int = 0) -> bool:
     return kept
 
 
+def freed_memory_environment(megabytes: int) -> dict[str, str]:
+    """`keep_freed_memory`'s two heap settings as the environment glibc reads them when a process starts, for the
+    processes stoker starts that are not Python (the embedded cache Valkey, which links glibc's malloc); empty for
+    0. A cache writes and evicts entries of megabytes (a picture's rendering, 8 MB), each freed one handed back to
+    the system and the next one fresh memory: measured on a 2-core VM, the cache Valkey's 1,960 faults and 8.4 CPU
+    ms a picture became 86 faults and 5.4 ms."""
+    if megabytes <= 0:
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_MAX), "MALLOC_TRIM_THRESHOLD_": str(megabytes * 1024 * 1024)}
+
+
 def _glibc() -> ctypes.CDLL | None:
     """The process's C library when it is glibc (the only one whose `mallopt` takes these parameters)."""
     name = ctypes.util.find_library("c")

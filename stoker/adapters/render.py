@@ -30,7 +30,15 @@ from PIL import Image
 
 from stoker.adapters.backends.tokenizer import PromptTokenizer, load_prompt_tokenizer
 from stoker.adapters.backends.vision import ImagePreparer
-from stoker.adapters.vllm_render import FieldSpec, ItemElement, WireItem, WireTensor, idefics3_item
+from stoker.adapters.vllm_render import (
+    FieldSpec,
+    ItemElement,
+    ItemTensor,
+    Repeat,
+    WireItem,
+    WireTensor,
+    idefics3_item,
+)
 from stoker.core.cachekeys import CacheAddress, fingerprint
 from stoker.core.errors import StokerError
 
@@ -45,11 +53,12 @@ ITEM = "tensors"
 
 class _Tensor(msgspec.Struct, array_like=True, frozen=True):
     """One key of a cached item: its tensor (`bits`: an integer tensor of 0s and 1s, kept as one bit a value) and its
-    field as vLLM writes it."""
+    field as vLLM writes it. Read back, `data` is a view of the entry's bytes (msgspec decodes a memoryview without
+    a copy)."""
 
     dtype: str
     shape: list[int]
-    data: bytes
+    data: memoryview
     bits: bool
     field: list[Any]
 
@@ -65,30 +74,20 @@ class _Entry(msgspec.Struct, array_like=True, frozen=True):
 _ENTRIES = msgspec.msgpack.Decoder(_Entry)
 
 
-@dataclass(frozen=True)
 class RenderedPicture:
-    """One picture ready for a render: its layout (for its placeholder tokens) and its vLLM item."""
+    """One picture ready for a render: its layout (for its placeholder tokens) and its vLLM item, as a worker made
+    it (`of`) or as the cache holds it (`from_bytes`); each form made from the other only when asked for. Equal
+    when layout and item are."""
 
-    layout: dict[str, Any]
-    item: dict[str, ItemElement]
+    def __init__(self, layout: dict[str, Any], item: dict[str, ItemElement] | None, entry: _Entry | None) -> None:
+        self.layout = layout
+        self._item = item
+        self._entry = entry
 
     @classmethod
     def of(cls, layout: dict[str, Any], item: dict[str, ItemElement]) -> RenderedPicture:
         """A picture's layout and item."""
-        return cls(layout, dict(item))
-
-    @functools.cached_property
-    def wire(self) -> WireItem:
-        """The item encoded as a render sends it (msgpack, base64), once per reading. Made where the answer is
-        written, not cached: the base64 text is a third larger than the tensors, and the pixel attention mask, a
-        vLLM int64 of 0s and 1s, is 8 bytes a pixel that the cache keeps as one bit, so the cache moves about half
-        the bytes (8 MB, not 24 MB, a 1280×960 picture) for the same CPU spent on base64 (`_Entry`)."""
-        return WireItem.of(self.item)
-
-    def to_bytes(self) -> bytes:
-        """As cached: msgpack of `_Entry`, each tensor's bytes as they travel (a mask of 0s and 1s as bits)."""
-        tensors = [_packed(element) for element in self.item.values()]
-        return msgspec.msgpack.encode(_Entry(self.layout, list(self.item), tensors))
+        return cls(layout, dict(item), None)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RenderedPicture:
@@ -96,7 +95,45 @@ class RenderedPicture:
         entry = _ENTRIES.decode(data)
         if len(entry.keys) != len(entry.tensors):
             raise ValueError("a cached rendering whose keys and tensors differ in number")
-        return cls(entry.layout, {key: _unpacked(t) for key, t in zip(entry.keys, entry.tensors, strict=True)})
+        return cls(entry.layout, None, entry)
+
+    @functools.cached_property
+    def item(self) -> dict[str, ItemElement]:
+        """The item, each tensor's bytes spelled out (a cached mask widened again)."""
+        if self._item is not None:
+            return self._item
+        entry = self._cached
+        return {key: _unpacked(tensor) for key, tensor in zip(entry.keys, entry.tensors, strict=True)}
+
+    @functools.cached_property
+    def wire(self) -> WireItem:
+        """The item encoded as a render sends it (msgpack, base64), once per reading, from the cached tensors as
+        they lie: the pixel values base64-encoded from the entry's bytes, a mask of ones as its period's text
+        repeated (`Repeat`), never widened. Made where the answer is written, not cached: the base64 text is a
+        third larger than the tensors, and the pixel attention mask, a vLLM int64 of 0s and 1s, is 8 bytes a pixel
+        that the cache keeps as one bit, so the cache moves about a third of the bytes (8 MB, not 24 MB, a
+        1280×960 picture) for the same CPU spent on base64 (`_Entry`)."""
+        entry = self._cached
+        return WireItem.of_tensors([_as_sent(key, t) for key, t in zip(entry.keys, entry.tensors, strict=True)])
+
+    def to_bytes(self) -> bytes:
+        """As cached: msgpack of `_Entry`, each tensor's bytes as they travel (a mask of 0s and 1s as bits)."""
+        return msgspec.msgpack.encode(self._cached)
+
+    @functools.cached_property
+    def _cached(self) -> _Entry:
+        if self._entry is not None:
+            return self._entry
+        item = self.item
+        return _Entry(self.layout, list(item), [_packed(element) for element in item.values()])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RenderedPicture) and (self.layout, self.item) == (other.layout, other.item)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RenderedPicture(layout={self.layout!r}, keys={list(self._cached.keys)!r})"
 
 
 def _packed(element: ItemElement) -> _Tensor:
@@ -107,22 +144,30 @@ def _packed(element: ItemElement) -> _Tensor:
         values = np.frombuffer(tensor.data, dtype=_INTEGERS[tensor.dtype])
         if values.min() >= 0 and values.max() <= 1:
             bits = np.packbits(values.astype(np.bool_))  # bool first: numpy packs an int64 array 7x slower
-            return _Tensor(tensor.dtype, list(tensor.shape), bits.tobytes(), True, field_)
-    return _Tensor(tensor.dtype, list(tensor.shape), tensor.data, False, field_)
+            return _Tensor(tensor.dtype, list(tensor.shape), memoryview(bits.tobytes()), True, field_)
+    return _Tensor(tensor.dtype, list(tensor.shape), memoryview(tensor.data), False, field_)
 
 
 def _unpacked(cached: _Tensor) -> ItemElement:
     """The inverse of `_packed`: the tensor's bytes as they travel, and its field."""
-    data = cached.data
+    data = _as_sent("", cached).data
+    spelled = bytes(data.unit) * data.count if isinstance(data, Repeat) else bytes(data)
+    return ItemElement(WireTensor(cached.dtype, tuple(cached.shape), spelled), FieldSpec.from_wire(cached.field))
+
+
+def _as_sent(key: str, cached: _Tensor) -> ItemTensor:
+    """A cached tensor as an item's text is written from it: its bytes as they lie, bits widened to the dtype's
+    values (a mask over whole tiles, as a picture's is, all ones: a repeat of one value, never spelled out)."""
+    data: bytes | memoryview | Repeat = cached.data
     if cached.bits:
         count = int(np.prod(cached.shape, dtype=np.int64))
         dtype = _INTEGERS[cached.dtype]
-        packed = np.frombuffer(data, dtype=np.uint8)
-        if _all_ones(packed, count):  # a mask over whole tiles, as a picture's is: its values written in one pass
-            data = np.ones(1, dtype=dtype).tobytes() * count
+        packed = np.frombuffer(cached.data, dtype=np.uint8)
+        if _all_ones(packed, count):
+            data = Repeat(np.ones(1, dtype=dtype).tobytes(), count)
         else:
             data = np.unpackbits(packed, count=count).astype(dtype).tobytes()
-    return ItemElement(WireTensor(cached.dtype, tuple(cached.shape), data), FieldSpec.from_wire(cached.field))
+    return ItemTensor(key, cached.dtype, cached.shape, data, cached.field)
 
 
 def _all_ones(packed: npt.NDArray[np.uint8], count: int) -> bool:

@@ -17,6 +17,7 @@ fails it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -163,13 +164,158 @@ def item_bytes(item: KwargsItem) -> bytes:
 
 def encode_item(item: KwargsItem) -> str:
     """The item as a render carries it: msgpack, base64 (`mm_serde.encode_mm_kwargs_item`)."""
-    return encode_item_ascii(item).decode("ascii")
+    return pybase64.b64encode(item_bytes(item)).decode("ascii")
 
 
-def encode_item_ascii(item: KwargsItem) -> bytes:
-    """`encode_item`'s text as ASCII bytes, as an answer's body takes it (`request_json`): megabytes a picture, so
-    never held as a str between the two. pybase64: SIMD base64, ~25× the standard library's on a render's tensors."""
-    return pybase64.b64encode(item_bytes(item))
+@dataclass(frozen=True)
+class Repeat:
+    """A tensor's bytes that are one value's bytes over and over (a mask of ones): written out only as base64."""
+
+    unit: bytes
+    count: int
+
+    def __len__(self) -> int:
+        return len(self.unit) * self.count
+
+
+#: A tensor's bytes as an item's text is made from them: as they are, a view of a cache entry, or a repeat.
+TensorBytes = bytes | memoryview | Repeat
+
+
+@dataclass(frozen=True)
+class ItemTensor:
+    """One key of an item, as `item_text` writes it: the tensor's dtype (torch's name), shape, bytes and field."""
+
+    key: str
+    dtype: str
+    shape: Sequence[int]
+    data: TensorBytes
+    field: list[Any]
+
+
+@dataclass(frozen=True, eq=False)
+class Base64Text:
+    """Base64 text as ASCII bytes in pieces, written one after the other: an item's text is megabytes, and is never
+    joined on its way into an answer. Equal when the texts are."""
+
+    pieces: tuple[bytes, ...]
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.pieces)
+
+    def __len__(self) -> int:
+        return sum(len(piece) for piece in self.pieces)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Base64Text) and bytes(self) == bytes(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, and not frozen in value: no hash
+
+    def decode(self) -> str:
+        """The text as a str."""
+        return bytes(self).decode("ascii")
+
+
+class Base64Stream:
+    """Base64 of a byte stream written in parts, each part encoded as it comes (whole 3-byte groups; up to two bytes
+    carried to the next part), and a part that repeats a unit encoded once per period. By hand: no base64 library
+    encodes a stream in parts or a repeat without spelling it out, and an item is its msgpack framing around
+    tensors of megabytes, one of them (a mask of ones) the same 8 bytes a million times."""
+
+    def __init__(self) -> None:
+        self._pieces: list[bytes] = []
+        self._carry = b""
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Encode `data` after what was written."""
+        view = memoryview(data).cast("B")
+        if self._carry:
+            head = self._carry + bytes(view[: 3 - len(self._carry)])
+            view = view[3 - len(self._carry) :]
+            if len(head) < 3:
+                self._carry = head
+                return
+            self._pieces.append(pybase64.b64encode(head))
+        whole = len(view) - len(view) % 3
+        if whole:
+            self._pieces.append(pybase64.b64encode(view[:whole]))
+        self._carry = bytes(view[whole:])
+
+    def write_repeated(self, repeat: Repeat) -> None:
+        """Encode `repeat.unit` written `repeat.count` times: the groups of one period (3 units: a whole number of
+        groups) encoded once and repeated, what is left over written as it is."""
+        unit, total = repeat.unit, len(repeat)
+        lead = min((3 - len(self._carry)) % 3, total)  # bytes until the stream is at a group's start again
+        self.write((unit * 3)[:lead])
+        turned = unit[lead % len(unit) :] + unit[: lead % len(unit)]  # the unit as it continues from there
+        period = turned * 3
+        periods, rest = divmod(total - lead, len(period))
+        if periods:
+            text = pybase64.b64encode(period)
+            block = _periods(text)  # shared by every repeat of this period: never megabytes a picture
+            blocks, left = divmod(periods, len(block) // len(text))
+            self._pieces += [block] * blocks + ([block[: left * len(text)]] if left else [])
+        self.write((turned * (rest // len(unit) + 1))[:rest])
+
+    def text(self) -> Base64Text:
+        """Everything written, padded as base64 ends."""
+        tail = [pybase64.b64encode(self._carry)] if self._carry else []
+        return Base64Text(tuple(self._pieces + tail))
+
+
+#: The text a repeat's pieces share (`Base64Stream.write_repeated`): about 4 MiB of whole periods.
+_PERIODS_BYTES = 4 << 20
+
+
+@functools.lru_cache(maxsize=8)
+def _periods(text: bytes) -> bytes:
+    """A period's text repeated to about `_PERIODS_BYTES`, made once: a picture's mask is a few of these pieces."""
+    return text * max(1, _PERIODS_BYTES // len(text))
+
+
+#: msgpack's fixext 16 marker: how msgspec writes an extension of 16 bytes (`item_text`'s placeholders).
+_FIXEXT16 = 0xD8
+
+
+def item_text(tensors: Sequence[ItemTensor]) -> Base64Text:
+    """An item's base64 text (`encode_item`'s, in pieces) made without its msgpack bytes: msgspec writes the item's
+    framing with a 16-byte placeholder for each tensor's bytes, and each placeholder is replaced in the stream by
+    the extension's head and the tensor's bytes, which are base64-encoded straight from where they lie."""
+    marker = uuid.uuid4().bytes  # random: no shape, dtype or field can spell it
+    wire = {
+        t.key: {"data": [t.dtype, list(t.shape), msgspec.msgpack.Ext(RAW_VIEW, marker)], "field": t.field}
+        for t in tensors
+    }
+    framing = msgspec.msgpack.encode(wire).split(bytes([_FIXEXT16, RAW_VIEW]) + marker)
+    if len(framing) != len(tensors) + 1:
+        raise ValueError("an item's framing did not keep one placeholder per tensor")
+    stream = Base64Stream()
+    stream.write(framing[0])
+    for tensor, after in zip(tensors, framing[1:], strict=True):
+        stream.write(_ext_head(len(tensor.data)))
+        if isinstance(tensor.data, Repeat):
+            stream.write_repeated(tensor.data)
+        else:
+            stream.write(tensor.data)
+        stream.write(after)
+    return stream.text()
+
+
+def _ext_head(length: int) -> bytes:
+    """The head msgpack writes before an extension's `length` bytes of type RAW_VIEW (the smallest form that holds
+    the length, as msgspec writes it)."""
+    fixed = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: _FIXEXT16}
+    if length in fixed:
+        return bytes([fixed[length], RAW_VIEW])
+    for code, width in ((0xC7, 1), (0xC8, 2), (0xC9, 4)):
+        if length < 1 << (8 * width):
+            return bytes([code]) + length.to_bytes(width, "big") + bytes([RAW_VIEW])
+    raise ValueError(f"an extension of {length} bytes is more than msgpack holds")
+
+
+def item_tensors(item: KwargsItem) -> list[ItemTensor]:
+    """An item's keys as `item_text` takes them."""
+    return [ItemTensor(key, e.tensor.dtype, e.tensor.shape, e.tensor.data, e.field.wire()) for key, e in item.items()]
 
 
 def decode_item(encoded: str) -> dict[str, ItemElement]:
@@ -220,16 +366,21 @@ class WireItem:
     """One picture's item in the form a render sends it: `kwargs_data` (the whole item, msgpack then base64) and
     `mm_metadata` (its fields kept on the CPU, encoded alike; None for an item without one). Made once per answer
     from the cached tensors (`stoker.adapters.render.RenderedPicture.wire`), and copied into the answer's JSON as it
-    is (`request_json`)."""
+    is, piece by piece (`request_json_pieces`)."""
 
-    kwargs_data: bytes
-    mm_metadata: bytes | None
+    kwargs_data: Base64Text
+    mm_metadata: Base64Text | None
 
     @classmethod
     def of(cls, item: KwargsItem) -> WireItem:
-        """The item encoded as `features` carries it (base64 text as ASCII bytes: `encode_item_ascii`)."""
-        metadata = metadata_item(item)
-        return cls(encode_item_ascii(item), encode_item_ascii(metadata) if metadata else None)
+        """The item encoded as `features` carries it."""
+        return cls.of_tensors(item_tensors(item))
+
+    @classmethod
+    def of_tensors(cls, tensors: Sequence[ItemTensor]) -> WireItem:
+        """An item given as `item_text` takes it, encoded as `features` carries it."""
+        metadata = [t for t in tensors if FieldSpec.from_wire(t.field).keep_on_cpu]
+        return cls(item_text(tensors), item_text(metadata) if metadata else None)
 
 
 #: vLLM's SamplingParams defaults that an int equal to them leaves out of its JSON (msgspec's `omit_defaults`
@@ -314,7 +465,7 @@ def request_json_pieces(request: dict[str, Any]) -> list[bytes]:
     `json.dumps` would have written. By hand: no JSON library takes a string as a raw piece, and msgspec or orjson
     write floats and escapes their own way."""
     marker = f"stoker-item-{uuid.uuid4().hex}"  # random: no string a caller sends can spell it
-    items: list[bytes | str] = []
+    items: list[Base64Text | str] = []
     skeleton = (
         {**request, "features": _marked(request["features"], marker, items)} if "features" in request else request
     )
@@ -324,11 +475,12 @@ def request_json_pieces(request: dict[str, Any]) -> list[bytes]:
     for at in range(1, len(pieces), 2):
         item = items[int(pieces[at])]
         out[-1] += b'"'
-        out += [item if isinstance(item, bytes) else item.encode("ascii"), b'"' + pieces[at + 1].encode()]
+        out += [*item.pieces] if isinstance(item, Base64Text) else [item.encode("ascii")]
+        out.append(b'"' + pieces[at + 1].encode())
     return out
 
 
-def _marked(found: dict[str, Any] | None, marker: str, items: list[bytes | str]) -> dict[str, Any] | None:
+def _marked(found: dict[str, Any] | None, marker: str, items: list[Base64Text | str]) -> dict[str, Any] | None:
     """`features` with each base64 item replaced by a marker naming its place in `items`."""
     if found is None:
         return None
@@ -339,7 +491,7 @@ def _marked(found: dict[str, Any] | None, marker: str, items: list[bytes | str])
     return out
 
 
-def _mark(value: bytes | str | None, marker: str, items: list[bytes | str]) -> str | None:
+def _mark(value: Base64Text | str | None, marker: str, items: list[Base64Text | str]) -> str | None:
     if value is None:
         return None
     items.append(value)

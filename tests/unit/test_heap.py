@@ -7,7 +7,7 @@ import resource
 import subprocess
 import sys
 
-from stoker.adapters.heap import keep_freed_memory
+from stoker.adapters.heap import MMAP_THRESHOLD_MAX, freed_memory_environment, keep_freed_memory
 
 SIZE = 24 * 1024 * 1024  # a 1280×960 picture's item as sent
 
@@ -69,3 +69,11 @@ def test_a_buffer_freed_on_one_thread_is_reused_on_another_when_they_share_a_hea
     fresh = SIZE // 4096
     assert _faults_on_the_second_thread(arenas=0) > fresh // 2  # glibc's default: a heap each, fresh memory
     assert _faults_on_the_second_thread(arenas=1) < fresh // 20
+
+
+def test_a_process_stoker_starts_is_given_the_same_heap_settings_in_its_environment() -> None:
+    assert freed_memory_environment(512) == {
+        "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_MAX),
+        "MALLOC_TRIM_THRESHOLD_": str(512 * 1024 * 1024),
+    }
+    assert freed_memory_environment(0) == {}

@@ -6,6 +6,7 @@ needs escaping."""
 
 from __future__ import annotations
 
+import base64
 import json
 from functools import cache
 from pathlib import Path
@@ -24,6 +25,7 @@ from stoker.adapters.vllm_render import (
     WireTensor,
     encode_item,
     features,
+    item_bytes,
     metadata_item,
     request_json,
 )
@@ -73,9 +75,7 @@ def test_the_answer_is_the_bytes_it_was(model: str, case: str) -> None:
     slow = answer(model, case, slow_features(hashes, placeholders, [rendered_picture(name) for name in names]))
     assert request_json(fast) == JSONResponse(slow).body
     if names:
-        assert (
-            fast["features"]["kwargs_data"]["image"][0].decode("ascii") == slow["features"]["kwargs_data"]["image"][0]
-        )
+        assert fast["features"]["kwargs_data"]["image"][0].decode() == slow["features"]["kwargs_data"]["image"][0]
 
 
 def test_fields_that_need_escaping_are_written_as_json_writes_them() -> None:
@@ -128,7 +128,7 @@ def test_the_mask_is_cached_as_bits_and_read_back_as_vllms_int64() -> None:
 
 @pytest.mark.parametrize("count", [8, 13, 64])
 @pytest.mark.parametrize("zero", [None, 0, 7, -1])
-def test_a_mask_reads_back_whole_whether_all_ones_or_not(count: int, zero: int | None) -> None:
+def test_a_mask_reads_back_and_is_sent_whole_whether_all_ones_or_not(count: int, zero: int | None) -> None:
     # All ones (a picture's whole tiles) is written in one pass, any other unpacked bit by bit: both give the mask
     # as it was, whatever its length in bits (a last byte in part).
     values = np.ones(count, dtype="<i8")
@@ -136,4 +136,7 @@ def test_a_mask_reads_back_whole_whether_all_ones_or_not(count: int, zero: int |
         values[zero] = 0
     mask = ItemElement(WireTensor.of(values), FieldSpec("batched"))
     picture = RenderedPicture.of({"rows": 1}, {"pixel_attention_mask": mask})
-    assert RenderedPicture.from_bytes(picture.to_bytes()).item["pixel_attention_mask"] == mask
+    back = RenderedPicture.from_bytes(picture.to_bytes())
+    assert back.item["pixel_attention_mask"] == mask
+    # as sent: all ones as a repeat of one value's text, any other spelled out; the same text either way
+    assert bytes(back.wire.kwargs_data) == base64.b64encode(item_bytes({"pixel_attention_mask": mask}))

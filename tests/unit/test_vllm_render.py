@@ -15,13 +15,18 @@ import torch
 
 from stoker.adapters.vllm_render import (
     VLLM_VERSION,
+    Base64Stream,
     FieldSpec,
     ItemElement,
+    ItemTensor,
+    Repeat,
+    WireItem,
     WireTensor,
     decode_item,
     encode_item,
-    encode_item_ascii,
     item_bytes,
+    item_tensors,
+    item_text,
 )
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm_render"
@@ -124,4 +129,57 @@ def test_an_item_is_written_in_standard_base64(size: int) -> None:
     noise = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     item = {"pixel_values": ItemElement(WireTensor("uint8", (size,), noise.tobytes()))}
     assert encode_item(item) == base64.b64encode(item_bytes(item)).decode("ascii")
-    assert encode_item_ascii(item) == base64.b64encode(item_bytes(item))
+    assert bytes(WireItem.of(item).kwargs_data) == base64.b64encode(item_bytes(item))
+
+
+def test_a_stream_written_in_parts_is_the_base64_of_the_whole() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        parts = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in rng.integers(0, 9, rng.integers(1, 7))]
+        stream = Base64Stream()
+        for part in parts:
+            stream.write(part)
+        assert bytes(stream.text()) == base64.b64encode(b"".join(parts)), [len(p) for p in parts]
+
+
+@pytest.mark.parametrize("unit", [b"\x01", b"\x01\x00", b"abc", b"\x01" + bytes(7), b"\x05\x06\x07\x08\x09"])
+def test_a_repeat_is_the_base64_of_its_unit_spelled_out(unit: bytes) -> None:
+    for before in (b"", b"x", b"xy"):  # the stream's carry when the repeat starts: 0, 1 or 2 bytes
+        for count in [0, 1, 2, 3, 4, 5, 7, 8, 23, 24, 25, 100]:
+            stream = Base64Stream()
+            stream.write(before)
+            stream.write_repeated(Repeat(unit, count))
+            stream.write(b"!")
+            assert bytes(stream.text()) == base64.b64encode(before + unit * count + b"!"), (before, count)
+
+
+@pytest.mark.parametrize("length", [0, 1, 2, 3, 4, 8, 15, 16, 17, 255, 256, 65535, 65536, 70001])
+def test_an_items_text_made_in_pieces_is_its_msgpack_in_base64(length: int) -> None:
+    # Every form of msgpack's extension head (fixext 1 to 16, ext 8, 16 and 32), as msgspec writes it.
+    data = np.random.default_rng(length).integers(0, 256, length, dtype=np.uint8).tobytes()
+    item = {
+        "pixel_values": ItemElement(WireTensor("uint8", (length,), data), FieldSpec("flat", slices=(((0, 1, None),),))),
+        "num_patches": ItemElement(WireTensor.of(np.array(1, dtype=np.int64)), FieldSpec("batched", True)),
+    }
+    assert bytes(item_text(item_tensors(item))) == base64.b64encode(item_bytes(item))
+
+
+def test_a_repeated_tensor_is_written_as_its_bytes_spelled_out() -> None:
+    ones = np.ones((3, 7, 5), dtype=np.int64)
+    item = {"pixel_attention_mask": ItemElement(WireTensor.of(ones), FieldSpec("flat", slices=(((0, 3, None),),)))}
+    field = item["pixel_attention_mask"].field.wire()
+    repeated = [ItemTensor("pixel_attention_mask", "int64", (3, 7, 5), Repeat(np.int64(1).tobytes(), 105), field)]
+    text = item_text(repeated)
+    assert bytes(text) == base64.b64encode(item_bytes(item))
+    assert len(text.pieces) > 1  # written in pieces, never joined on the way
+
+
+def test_a_repeat_longer_than_its_shared_pieces_is_written_whole() -> None:
+    # A picture's mask, five 512 × 512 tiles of int64 ones and a few more: more text than one shared piece holds.
+    unit, count = np.int64(1).tobytes(), 5 * 512 * 512 + 3
+    stream = Base64Stream()
+    stream.write(b"\x93")
+    stream.write_repeated(Repeat(unit, count))
+    text = stream.text()
+    assert bytes(text) == base64.b64encode(b"\x93" + unit * count)
+    assert len(set(map(id, text.pieces))) < len(text.pieces)  # the same piece, written again
