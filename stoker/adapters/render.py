@@ -141,9 +141,11 @@ def _packed(element: ItemElement) -> _Tensor:
     tensor = element.tensor
     field_ = element.field.wire()
     if tensor.dtype in _INTEGERS and tensor.data:
-        values = np.frombuffer(tensor.data, dtype=_INTEGERS[tensor.dtype])
-        if values.min() >= 0 and values.max() <= 1:
-            bits = np.packbits(values.astype(np.bool_))  # bool first: numpy packs an int64 array 7x slower
+        dtype = _INTEGERS[tensor.dtype]
+        values = np.frombuffer(tensor.data, dtype=f"<u{dtype.itemsize}")  # as unsigned: a negative one is large
+        if not bool((values > 1).any()):  # 0s and 1s only, in one pass
+            low = np.frombuffer(tensor.data, dtype=np.uint8)[:: dtype.itemsize]  # each value's low byte: 0 or 1
+            bits = np.packbits(low)  # of bytes, not of the dtype: numpy packs an int64 array 7x slower
             return _Tensor(tensor.dtype, list(tensor.shape), memoryview(bits.tobytes()), True, field_)
     return _Tensor(tensor.dtype, list(tensor.shape), memoryview(tensor.data), False, field_)
 

@@ -140,3 +140,15 @@ def test_a_mask_reads_back_and_is_sent_whole_whether_all_ones_or_not(count: int,
     assert back.item["pixel_attention_mask"] == mask
     # as sent: all ones as a repeat of one value's text, any other spelled out; the same text either way
     assert bytes(back.wire.kwargs_data) == base64.b64encode(item_bytes({"pixel_attention_mask": mask}))
+
+
+@pytest.mark.parametrize("odd", [-1, 2, 256])
+def test_an_integer_tensor_not_of_0s_and_1s_is_cached_as_it_is(odd: int) -> None:
+    values = np.ones(64, dtype="<i8")
+    values[5] = odd  # -1 is all ones in two's complement, 256 a 1 in its second byte: neither is a bit
+    mask = ItemElement(WireTensor.of(values), FieldSpec("batched"))
+    entry = RenderedPicture.of({"rows": 1}, {"pixel_attention_mask": mask}).to_bytes()
+    assert len(entry) > values.nbytes  # the values as they are, not bits
+    back = RenderedPicture.from_bytes(entry)
+    assert back.item["pixel_attention_mask"] == mask
+    assert bytes(back.wire.kwargs_data) == base64.b64encode(item_bytes({"pixel_attention_mask": mask}))
