@@ -459,8 +459,8 @@ def request_json(request: dict[str, Any]) -> bytes:
 
 
 def request_json_pieces(request: dict[str, Any]) -> list[bytes]:
-    """`request_json`'s bytes in pieces, each item's base64 text one of them as it is: an answer is written piece
-    by piece, never joined (a picture's item is 24 MB; four of them joined would be a 98 MB buffer). Copied rather
+    """`request_json`'s bytes in pieces, each item's base64 text in its own pieces as they are: an answer is written
+    piece by piece, never joined (a picture's item is 24 MB; four of them joined would be a 98 MB buffer). Copied rather
     than scanned by the json module: base64's alphabet needs no escaping in JSON, so the pieces are what
     `json.dumps` would have written. By hand: no JSON library takes a string as a raw piece, and msgspec or orjson
     write floats and escapes their own way."""

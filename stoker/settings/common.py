@@ -122,7 +122,8 @@ class HeapSettings(SettingsPart):
         description="Freed heap memory (MB) a process keeps for its next buffers instead of handing it back to the "
         "system at once, with buffers up to 32 MB served from the heap (glibc only). A picture's render moves tens of "
         "megabytes, and memory handed back faults on every page when touched again: most of the API's CPU per picture "
-        "on a small VM. 0 leaves the C library's defaults.",
+        "on a small VM. The embedded cache Valkey `stoker up` starts keeps as much (through glibc's environment). 0 "
+        "leaves the C library's defaults.",
     )
     heap_arenas: int = Field(
         2,
