@@ -61,7 +61,7 @@ from bench.stack import Device, bench_stack
 from bench.workload import png_bomb, scene_jpeg
 from stoker.adapters.heap import keep_freed_memory
 from stoker.adapters.render import RenderedPicture, Renderer
-from stoker.adapters.vllm_render import features, idefics3_item, request_json_pieces
+from stoker.adapters.vllm_render import features, idefics3_tensors, request_json_pieces
 from stoker.core.imaging import DecodeParams, decode_rgb
 from stoker.settings import ApiSettings
 from workers.broker import free_port, start_embedded
@@ -590,8 +590,8 @@ def _picture(
     processor.enable()
     prepared = steps.run("worker: image processor (resize, rescale, normalise, tiles)", renderer.preparer.prepare, rgb)
     processor.disable()
-    item = steps.run("worker: cast to vLLM's item (bfloat16)", idefics3_item, prepared.tensors, "bfloat16")
-    picture = RenderedPicture.of(renderer.preparer.layout(prepared), item)
+    item = steps.run("worker: cast to vLLM's item (bfloat16)", idefics3_tensors, prepared.tensors, "bfloat16")
+    picture = RenderedPicture.of_tensors(renderer.preparer.layout(prepared), item)
     entry = steps.run("worker: cache entry (msgpack, the mask as bits)", picture.to_bytes)
     steps.run("worker: cache write (client)", client.set, "render-profile", entry)
     found = steps.run("API: cache read (client)", client.get, "render-profile")

@@ -37,7 +37,9 @@ from stoker.adapters.vllm_render import (
     Repeat,
     WireItem,
     WireTensor,
-    idefics3_item,
+    idefics3_tensors,
+    item_tensors,
+    spelled,
 )
 from stoker.core.cachekeys import CacheAddress, fingerprint
 from stoker.core.errors import StokerError
@@ -90,6 +92,11 @@ class RenderedPicture:
         return cls(layout, dict(item), None)
 
     @classmethod
+    def of_tensors(cls, layout: dict[str, Any], tensors: Sequence[ItemTensor]) -> RenderedPicture:
+        """A picture's layout and item as a renderer makes it (`idefics3_tensors`): kept as the cache holds it."""
+        return cls(layout, None, _Entry(layout, [t.key for t in tensors], [_packed(t) for t in tensors]))
+
+    @classmethod
     def from_bytes(cls, data: bytes) -> RenderedPicture:
         """The inverse of `to_bytes`; ValueError for anything else (msgspec's DecodeError is one)."""
         entry = _ENTRIES.decode(data)
@@ -125,7 +132,7 @@ class RenderedPicture:
         if self._entry is not None:
             return self._entry
         item = self.item
-        return _Entry(self.layout, list(item), [_packed(element) for element in item.values()])
+        return _Entry(self.layout, list(item), [_packed(t) for t in item_tensors(item)])
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RenderedPicture) and (self.layout, self.item) == (other.layout, other.item)
@@ -136,25 +143,34 @@ class RenderedPicture:
         return f"RenderedPicture(layout={self.layout!r}, keys={list(self._cached.keys)!r})"
 
 
-def _packed(element: ItemElement) -> _Tensor:
-    """A tensor as cached: an integer one whose values are all 0 or 1 as bits (np.packbits), any other as it is."""
-    tensor = element.tensor
-    field_ = element.field.wire()
-    if tensor.dtype in _INTEGERS and tensor.data:
+def _packed(tensor: ItemTensor) -> _Tensor:
+    """A tensor as cached: an integer one whose values are all 0 or 1 as bits (np.packbits; a repeat of ones as
+    bytes of ones), any other as it is."""
+    data = tensor.data
+    if isinstance(data, Repeat) and tensor.dtype in _INTEGERS and data.unit == _one(tensor.dtype):
+        whole, rest = divmod(data.count, 8)
+        bits = b"\xff" * whole + (bytes([(0xFF << (8 - rest)) & 0xFF]) if rest else b"")
+        return _Tensor(tensor.dtype, list(tensor.shape), memoryview(bits), True, tensor.field)
+    data = spelled(data) if isinstance(data, Repeat) else data
+    if tensor.dtype in _INTEGERS and len(data):
         dtype = _INTEGERS[tensor.dtype]
-        values = np.frombuffer(tensor.data, dtype=f"<u{dtype.itemsize}")  # as unsigned: a negative one is large
+        values = np.frombuffer(data, dtype=f"<u{dtype.itemsize}")  # as unsigned: a negative one is large
         if not bool((values > 1).any()):  # 0s and 1s only, in one pass
-            low = np.frombuffer(tensor.data, dtype=np.uint8)[:: dtype.itemsize]  # each value's low byte: 0 or 1
-            bits = np.packbits(low)  # of bytes, not of the dtype: numpy packs an int64 array 7x slower
-            return _Tensor(tensor.dtype, list(tensor.shape), memoryview(bits.tobytes()), True, field_)
-    return _Tensor(tensor.dtype, list(tensor.shape), memoryview(tensor.data), False, field_)
+            low = np.frombuffer(data, dtype=np.uint8)[:: dtype.itemsize]  # each value's low byte: 0 or 1
+            packed = np.packbits(low)  # of bytes, not of the dtype: numpy packs an int64 array 7x slower
+            return _Tensor(tensor.dtype, list(tensor.shape), memoryview(packed.tobytes()), True, tensor.field)
+    return _Tensor(tensor.dtype, list(tensor.shape), memoryview(data), False, tensor.field)
+
+
+def _one(dtype: str) -> bytes:
+    """A value of 1 in an integer dtype (torch's name), as its bytes travel."""
+    return np.ones(1, dtype=_INTEGERS[dtype]).tobytes()
 
 
 def _unpacked(cached: _Tensor) -> ItemElement:
     """The inverse of `_packed`: the tensor's bytes as they travel, and its field."""
-    data = _as_sent("", cached).data
-    spelled = bytes(data.unit) * data.count if isinstance(data, Repeat) else bytes(data)
-    return ItemElement(WireTensor(cached.dtype, tuple(cached.shape), spelled), FieldSpec.from_wire(cached.field))
+    data = spelled(_as_sent("", cached).data)
+    return ItemElement(WireTensor(cached.dtype, tuple(cached.shape), data), FieldSpec.from_wire(cached.field))
 
 
 def _as_sent(key: str, cached: _Tensor) -> ItemTensor:
@@ -166,7 +182,7 @@ def _as_sent(key: str, cached: _Tensor) -> ItemTensor:
         dtype = _INTEGERS[cached.dtype]
         packed = np.frombuffer(cached.data, dtype=np.uint8)
         if _all_ones(packed, count):
-            data = Repeat(np.ones(1, dtype=dtype).tobytes(), count)
+            data = Repeat(_one(cached.dtype), count)
         else:
             data = np.unpackbits(packed, count=count).astype(dtype).tobytes()
     return ItemTensor(key, cached.dtype, cached.shape, data, cached.field)
@@ -216,7 +232,7 @@ class Renderer:
     @property
     def renders_pictures(self) -> bool:
         """Whether its pictures can be rendered as vLLM's items: the Idefics3 / SmolVLM family's processor (the one
-        item layout mirrored, `idefics3_item`), or a model that reads no pictures."""
+        item layout mirrored, `idefics3_tensors`), or a model that reads no pictures."""
         return self.preparer is None or "Idefics3" in type(self.preparer.processor).__name__
 
     @property
@@ -240,7 +256,9 @@ class Renderer:
         if self.preparer is None:
             raise StokerError("this model reads no pictures", stage="render")
         prepared = self.preparer.prepare(rgb)
-        return RenderedPicture.of(self.preparer.layout(prepared), idefics3_item(prepared.tensors, self.dtype))
+        return RenderedPicture.of_tensors(
+            self.preparer.layout(prepared), idefics3_tensors(prepared.tensors, self.dtype)
+        )
 
     def chat(
         self,

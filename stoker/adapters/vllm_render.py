@@ -340,20 +340,43 @@ def _element(value: dict[str, Any]) -> ItemElement:
 
 
 def idefics3_item(tensors: Mapping[str, npt.NDArray[Any]], dtype: str = "bfloat16") -> dict[str, ItemElement]:
+    """One picture's item as vLLM's Idefics3 / SmolVLM processor makes it (`idefics3_tensors`), every tensor's
+    bytes spelled out."""
+    return {
+        t.key: ItemElement(WireTensor(t.dtype, tuple(t.shape), spelled(t.data)), FieldSpec.from_wire(t.field))
+        for t in idefics3_tensors(tensors, dtype)
+    }
+
+
+def idefics3_tensors(tensors: Mapping[str, npt.NDArray[Any]], dtype: str = "bfloat16") -> list[ItemTensor]:
     """One picture's item as vLLM's Idefics3 / SmolVLM processor makes it (`Idefics3MultiModalProcessor`'s fields):
     `pixel_values` (tiles × 3 × side × side, floats cast to the served model's `dtype`) and `pixel_attention_mask`
     (int64), both `flat` over the picture's tiles, and `num_patches` (the tile count, 0-d int64, `batched`, kept on
-    the CPU). `tensors`: the image processor's output for one picture (a leading batch of one), floats as float32."""
+    the CPU). `tensors`: the image processor's output for one picture (a leading batch of one), floats as float32.
+    A mask of ones (every tile whole, as a picture's are once it is split) is a `Repeat` of one int64 one, not 8
+    bytes a pixel spelled out."""
     pixels = np.asarray(tensors["pixel_values"])[0]
     tiles = int(pixels.shape[0])
-    spread = FieldSpec("flat", slices=(((0, tiles, None),),))
+    spread = FieldSpec("flat", slices=(((0, tiles, None),),)).wire()
     values = WireTensor.bfloat16(pixels) if dtype == "bfloat16" else WireTensor.of(pixels.astype(dtype))
-    mask = np.asarray(tensors["pixel_attention_mask"])[0].astype(np.int64)
-    return {
-        "pixel_values": ItemElement(values, spread),
-        "pixel_attention_mask": ItemElement(WireTensor.of(mask), spread),
-        "num_patches": ItemElement(WireTensor.of(np.array(tiles, dtype=np.int64)), FieldSpec("batched", True)),
-    }
+    mask = np.asarray(tensors["pixel_attention_mask"])[0]
+    ones = Repeat(_int64(1), int(mask.size))
+    kept = FieldSpec("batched", True).wire()
+    return [
+        ItemTensor("pixel_values", values.dtype, values.shape, values.data, spread),
+        ItemTensor("pixel_attention_mask", "int64", tuple(mask.shape), ones if mask.all() else _int64(mask), spread),
+        ItemTensor("num_patches", "int64", (), _int64(tiles), kept),
+    ]
+
+
+def _int64(values: Any) -> bytes:
+    """Values as int64, little-endian, in C order."""
+    return np.ascontiguousarray(values, dtype="<i8").tobytes()
+
+
+def spelled(data: TensorBytes) -> bytes:
+    """A tensor's bytes written out (a repeat's unit as many times as it repeats)."""
+    return data.unit * data.count if isinstance(data, Repeat) else bytes(data)
 
 
 def metadata_item(item: Mapping[str, ItemElement]) -> dict[str, ItemElement]:

@@ -21,10 +21,13 @@ from stoker.adapters.render import RenderedPicture, Renderer
 from stoker.adapters.vllm_render import (
     FieldSpec,
     ItemElement,
+    Repeat,
     WireItem,
     WireTensor,
     encode_item,
     features,
+    idefics3_item,
+    idefics3_tensors,
     item_bytes,
     metadata_item,
     request_json,
@@ -152,3 +155,22 @@ def test_an_integer_tensor_not_of_0s_and_1s_is_cached_as_it_is(odd: int) -> None
     back = RenderedPicture.from_bytes(entry)
     assert back.item["pixel_attention_mask"] == mask
     assert bytes(back.wire.kwargs_data) == base64.b64encode(item_bytes({"pixel_attention_mask": mask}))
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_rendering_made_from_the_processors_tensors_is_its_item(whole: bool) -> None:
+    # A mask of ones (whole tiles) travels as a repeat of one value, from the processor to the answer; any other
+    # mask as vLLM's int64 values. Either way: the same item, the same cache entry read back, the same text sent.
+    rng = np.random.default_rng(5)
+    mask = np.ones((1, 2, 4, 4), dtype=bool)
+    if not whole:
+        mask[0, 1, 3, :] = False
+    tensors = {"pixel_values": rng.standard_normal((1, 2, 3, 4, 4)).astype(np.float32), "pixel_attention_mask": mask}
+    made = idefics3_tensors(tensors)
+    assert isinstance(made[1].data, Repeat) is whole
+    picture = RenderedPicture.of_tensors({"rows": 1}, made)
+    item = idefics3_item(tensors)
+    assert picture.item == item
+    back = RenderedPicture.from_bytes(picture.to_bytes())
+    assert back == RenderedPicture.of({"rows": 1}, item)
+    assert back.wire == WireItem.of(item)
