@@ -179,12 +179,11 @@ def _as_sent(key: str, cached: _Tensor) -> ItemTensor:
     data: bytes | memoryview | Repeat = cached.data
     if cached.bits:
         count = int(np.prod(cached.shape, dtype=np.int64))
-        dtype = _INTEGERS[cached.dtype]
         packed = np.frombuffer(cached.data, dtype=np.uint8)
         if _all_ones(packed, count):
             data = Repeat(_one(cached.dtype), count)
         else:
-            data = np.unpackbits(packed, count=count).astype(dtype).tobytes()
+            data = np.unpackbits(packed, count=count).astype(_INTEGERS[cached.dtype]).tobytes()
     return ItemTensor(key, cached.dtype, cached.shape, data, cached.field)
 
 

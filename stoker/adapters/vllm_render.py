@@ -203,9 +203,6 @@ class Base64Text:
     def __bytes__(self) -> bytes:
         return b"".join(self.pieces)
 
-    def __len__(self) -> int:
-        return sum(len(piece) for piece in self.pieces)
-
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Base64Text) and bytes(self) == bytes(other)
 
