@@ -208,6 +208,49 @@ def test_pictures_handed_over_pixel_by_pixel_make_the_processors_own_bits(
             np.testing.assert_array_equal(value, np.asarray(theirs[name]).astype(value.dtype), err_msg=name)
 
 
+def _same_bits(mine: Any, theirs: Any) -> None:
+    assert set(mine) == set(theirs)
+    for name, value in theirs.items():
+        a, b = np.asarray(mine[name]), np.asarray(value)
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), name
+        if a.dtype == np.float32:  # bit for bit: -0.0 is not 0.0 here
+            a, b = a.view(np.uint32), b.view(np.uint32)
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_one_pictures_tiles_written_in_place_are_the_processors_own_bits(tiny_vlm: Path) -> None:
+    preparer = ImagePreparer.load(tiny_vlm, floats="float32")
+    assert preparer is not None
+    plain = _plain(tiny_vlm)
+    for picture in _random_pictures(16):
+        mine = preparer.processor(images=picture, return_row_col_info=True)
+        # Written in place (its mask a view of one value), not by transformers' own code.
+        assert mine["pixel_attention_mask"].stride() == (0, 0, 0, 0)
+        _same_bits(mine, plain(images=picture, return_row_col_info=True))
+        _same_bits(preparer.processor(images=picture), plain(images=picture))
+
+
+def test_pictures_the_tiles_path_does_not_take_go_through_the_processors_own_code(tiny_vlm: Path) -> None:
+    preparer = ImagePreparer.load(tiny_vlm, floats="float32")
+    assert preparer is not None
+    plain = _plain(tiny_vlm)
+    two = _random_pictures(7)[5:]
+    asks: list[tuple[Any, dict[str, Any]]] = [
+        (two, {}),  # two pictures in one call
+        (two[0], {"do_pad": False}),
+        (two[0], {"do_image_splitting": False}),
+        (two[0], {"do_normalize": False}),
+        (np.asarray(two[0]).astype(np.float32) / 255, {"do_rescale": False}),  # not 8-bit
+    ]
+    for images, options in asks:
+        mine = preparer.processor(images=images, return_row_col_info=True, **options)
+        if options.get("do_pad") is False:  # no mask at all, as transformers' own code answers
+            assert "pixel_attention_mask" not in mine
+        else:
+            assert mine["pixel_attention_mask"].stride() != (0, 0, 0, 0)
+        _same_bits(mine, plain(images=images, return_row_col_info=True, **options))
+
+
 def test_the_processor_is_handed_a_picture_as_it_lies_in_memory(preparer: ImagePreparer, tiny_vlm: Path) -> None:
     picture = Image.fromarray(np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3))
     handed = preparer.processor.process_image(picture, do_convert_rgb=True)

@@ -198,8 +198,9 @@ def _hand_over_channels_last(processor: Any) -> None:
 
 @functools.cache
 def _channels_last(base: Any) -> Any:
-    """`base` whose `process_image` hands an RGB picture over as a view of its pixels; under `base`'s own name, so
-    what the processor says of itself (its config, its identity) is unchanged."""
+    """`base` whose `process_image` hands an RGB picture over as a view of its pixels (and, for Idefics3, whose
+    `_preprocess` writes one picture's tiles in place: `stoker.adapters.backends.tiling`); under `base`'s own name,
+    so what the processor says of itself (its config, its identity) is unchanged."""
     import torch  # heavy: loaded with the processor
 
     def process_image(self: Any, image: Any, *args: Any, **kwargs: Any) -> Any:
@@ -207,7 +208,12 @@ def _channels_last(base: Any) -> Any:
             return torch.from_numpy(np.array(image)).permute(2, 0, 1)
         return base.process_image(self, image, *args, **kwargs)
 
-    return type(base.__name__, (base,), {"process_image": process_image, "__module__": base.__module__})
+    methods: dict[str, Any] = {"process_image": process_image, "__module__": base.__module__}
+    if any(kind.__name__ == "Idefics3ImageProcessor" for kind in base.__mro__):
+        from stoker.adapters.backends.tiling import preprocess_tiles
+
+        methods["_preprocess"] = preprocess_tiles(base)  # its tiles written in place: the same bits, fewer copies
+    return type(base.__name__, (base,), methods)
 
 
 #: The most of an image processor's own reason a client is shown: a processor's message may quote whole arrays.
