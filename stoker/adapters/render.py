@@ -34,7 +34,9 @@ from stoker.adapters.vllm_render import (
     FieldSpec,
     ItemElement,
     ItemTensor,
+    Mapped,
     Repeat,
+    TensorBytes,
     WireItem,
     WireTensor,
     idefics3_tensors,
@@ -48,21 +50,26 @@ from stoker.core.errors import StokerError
 VERSION = "1"
 #: The part of a render's cache entry that holds a picture's rendering (`RenderedPicture.to_bytes`). It names the
 #: entry's layout: "item" held the layout as JSON, then the item's msgpack bytes; "wire" the item's base64 text as
-#: sent; "tensors" holds `_Entry`, each tensor's raw bytes (a 0/1 integer tensor as bits), so an entry of an earlier
-#: layout is never read as one of this.
-ITEM = "tensors"
+#: sent; "tensors" held `_Entry`, each tensor's raw bytes (a 0/1 integer tensor as bits); "pixels" holds `_Entry`
+#: whose pixel values may be 8-bit with their channels' tables (`Mapped`), so an entry of an earlier layout is never
+#: read as one of this.
+ITEM = "pixels"
 
 
 class _Tensor(msgspec.Struct, array_like=True, frozen=True):
-    """One key of a cached item: its tensor (`bits`: an integer tensor of 0s and 1s, kept as one bit a value) and its
-    field as vLLM writes it. Read back, `data` is a view of the entry's bytes (msgspec decodes a memoryview without
-    a copy)."""
+    """One key of a cached item: its tensor (`bits`: an integer tensor of 0s and 1s, kept as one bit a value;
+    `tables`: 8-bit values looked up in them, `plane` values a channel at a time, `width` bytes an entry, as `Mapped`)
+    and its field as vLLM writes it. Read back, `data` is a view of the entry's bytes (msgspec decodes a memoryview
+    without a copy)."""
 
     dtype: str
     shape: list[int]
     data: memoryview
     bits: bool
     field: list[Any]
+    tables: bytes = b""
+    plane: int = 0
+    width: int = 0
 
 
 class _Entry(msgspec.Struct, array_like=True, frozen=True):
@@ -147,6 +154,9 @@ def _packed(tensor: ItemTensor) -> _Tensor:
     """A tensor as cached: an integer one whose values are all 0 or 1 as bits (np.packbits; a repeat of ones as
     bytes of ones), any other as it is."""
     data = tensor.data
+    if isinstance(data, Mapped):
+        shape = list(tensor.shape)
+        return _Tensor(tensor.dtype, shape, data.indices, False, tensor.field, data.tables, data.plane, data.width)
     if isinstance(data, Repeat) and tensor.dtype in _INTEGERS and data.unit == _one(tensor.dtype):
         whole, rest = divmod(data.count, 8)
         bits = b"\xff" * whole + (bytes([(0xFF << (8 - rest)) & 0xFF]) if rest else b"")
@@ -176,8 +186,10 @@ def _unpacked(cached: _Tensor) -> ItemElement:
 def _as_sent(key: str, cached: _Tensor) -> ItemTensor:
     """A cached tensor as an item's text is written from it: its bytes as they lie, bits widened to the dtype's
     values (a mask over whole tiles, as a picture's is, all ones: a repeat of one value, never spelled out)."""
-    data: bytes | memoryview | Repeat = cached.data
-    if cached.bits:
+    data: TensorBytes = cached.data
+    if cached.tables:
+        data = Mapped(cached.data, cached.tables, cached.plane, cached.width)
+    elif cached.bits:
         count = int(np.prod(cached.shape, dtype=np.int64))
         packed = np.frombuffer(cached.data, dtype=np.uint8)
         if _all_ones(packed, count):
@@ -220,7 +232,7 @@ class Renderer:
         self.dtype = dtype
         self.tokenizer = tokenizer or load_prompt_tokenizer(model_path)
         # float32: the processor's own values, cast once to the model's dtype as vLLM casts them
-        self.preparer = ImagePreparer.load(model_path, floats="float32") if self.sees else None
+        self.preparer = ImagePreparer.load(model_path, floats="float32", eight_bit=True) if self.sees else None
         self.max_model_len = _max_model_len(Path(model_path))
 
     @property

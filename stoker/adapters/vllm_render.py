@@ -21,7 +21,7 @@ import functools
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -178,8 +178,50 @@ class Repeat:
         return len(self.unit) * self.count
 
 
-#: A tensor's bytes as an item's text is made from them: as they are, a view of a cache entry, or a repeat.
-TensorBytes = bytes | memoryview | Repeat
+@dataclass(frozen=True)
+class Mapped:
+    """A tensor's bytes that are a table's entries looked up by 8-bit values: a picture's pixel values, each the
+    processor's rescaled and normalised 8-bit pixel cast to the served model's dtype, are its channel's entry for
+    that pixel. `indices` hold the tensor's values in its order, `plane` of them in a row for one channel (a tile's
+    height × width), the channels in turn; `tables` per channel 256 entries of `width` bytes. Spelled out only where
+    the item's text is written, a plane at a time (`planes`)."""
+
+    indices: memoryview
+    tables: bytes
+    plane: int
+    width: int
+
+    def __len__(self) -> int:
+        return len(self.indices) * self.width
+
+    def planes(self) -> Iterator[memoryview]:
+        """The tensor's bytes, a plane at a time: each plane's 8-bit values looked up in its channel's table, two
+        at a time where the plane's length is even (a table of pairs: half the lookups). Each plane is written
+        into the same buffer: it holds one plane until the next is asked for."""
+        indices = np.frombuffer(self.indices, dtype=np.uint8).reshape(-1, self.plane)
+        if self.plane % 2 == 0 and self.width <= 4:
+            tables, indices = _pairs(self.tables, self.width), indices.view("<u2")
+        else:
+            tables = np.frombuffer(self.tables, dtype=f"<u{self.width}").reshape(-1, 256)
+        out = np.empty(indices.shape[1], dtype=tables.dtype)  # one buffer: a fresh one a plane costs its pages
+        for number, plane in enumerate(indices):
+            tables[number % len(tables)].take(plane, mode="clip", out=out)  # clip: no checked (slower) path
+            yield memoryview(out.data).cast("B")
+
+
+@functools.lru_cache(maxsize=8)
+def _pairs(tables: bytes, width: int) -> npt.NDArray[Any]:
+    """Per channel, the entries of every pair of 8-bit values (65,536: the pair read as a little-endian 16-bit
+    index), each the two values' entries one after the other; made once per set of tables (a model's)."""
+    singles = np.frombuffer(tables, dtype=f"<u{width}").reshape(-1, 256).astype(f"<u{2 * width}")
+    pair = np.arange(1 << 16)
+    paired: npt.NDArray[Any] = singles[:, pair & 0xFF] | (singles[:, pair >> 8] << (8 * width))
+    return paired
+
+
+#: A tensor's bytes as an item's text is made from them: as they are, a view of a cache entry, a repeat, or 8-bit
+#: values looked up in a table.
+TensorBytes = bytes | memoryview | Repeat | Mapped
 
 
 @dataclass(frozen=True)
@@ -292,6 +334,9 @@ def item_text(tensors: Sequence[ItemTensor]) -> Base64Text:
         stream.write(_ext_head(len(tensor.data)))
         if isinstance(tensor.data, Repeat):
             stream.write_repeated(tensor.data)
+        elif isinstance(tensor.data, Mapped):
+            for plane in tensor.data.planes():
+                stream.write(plane)
         else:
             stream.write(tensor.data)
         stream.write(after)
@@ -349,21 +394,32 @@ def idefics3_tensors(tensors: Mapping[str, npt.NDArray[Any]], dtype: str = "bflo
     """One picture's item as vLLM's Idefics3 / SmolVLM processor makes it (`Idefics3MultiModalProcessor`'s fields):
     `pixel_values` (tiles × 3 × side × side, floats cast to the served model's `dtype`) and `pixel_attention_mask`
     (int64), both `flat` over the picture's tiles, and `num_patches` (the tile count, 0-d int64, `batched`, kept on
-    the CPU). `tensors`: the image processor's output for one picture (a leading batch of one), floats as float32.
-    A mask of ones (every tile whole, as a picture's are once it is split) is a `Repeat` of one int64 one, not 8
-    bytes a pixel spelled out."""
+    the CPU). `tensors`: the image processor's output for one picture (a leading batch of one), floats as float32,
+    or 8-bit pixel values with their channels' tables (`pixel_values_table`: `ImagePreparer.eight_bit`), which
+    stay 8-bit (`Mapped`) until the item's text is written. A mask of ones (every tile whole, as a picture's are
+    once it is split) is a `Repeat` of one int64 one, not 8 bytes a pixel spelled out."""
     pixels = np.asarray(tensors["pixel_values"])[0]
     tiles = int(pixels.shape[0])
     spread = FieldSpec("flat", slices=(((0, tiles, None),),)).wire()
-    values = WireTensor.bfloat16(pixels) if dtype == "bfloat16" else WireTensor.of(pixels.astype(dtype))
+    values = _cast(pixels if pixels.dtype != np.uint8 else np.asarray(tensors["pixel_values_table"]), dtype)
+    data: TensorBytes = values.data
+    if pixels.dtype == np.uint8:  # 8-bit pixels and their channels' tables: looked up where the text is written
+        plane = int(np.prod(pixels.shape[2:], dtype=np.int64))
+        width = len(values.data) // int(np.prod(values.shape, dtype=np.int64))
+        data = Mapped(memoryview(np.ascontiguousarray(pixels).data).cast("B"), values.data, plane, width)
     mask = np.asarray(tensors["pixel_attention_mask"])[0]
     ones = Repeat(_int64(1), int(mask.size))
     kept = FieldSpec("batched", True).wire()
     return [
-        ItemTensor("pixel_values", values.dtype, values.shape, values.data, spread),
+        ItemTensor("pixel_values", values.dtype, tuple(int(n) for n in pixels.shape), data, spread),
         ItemTensor("pixel_attention_mask", "int64", tuple(mask.shape), ones if mask.all() else _int64(mask), spread),
         ItemTensor("num_patches", "int64", (), _int64(tiles), kept),
     ]
+
+
+def _cast(values: npt.NDArray[Any], dtype: str) -> WireTensor:
+    """Floating values cast to the served model's dtype, as vLLM casts a processor's floats."""
+    return WireTensor.bfloat16(values) if dtype == "bfloat16" else WireTensor.of(values.astype(dtype))
 
 
 def _int64(values: Any) -> bytes:
@@ -372,8 +428,12 @@ def _int64(values: Any) -> bytes:
 
 
 def spelled(data: TensorBytes) -> bytes:
-    """A tensor's bytes written out (a repeat's unit as many times as it repeats)."""
-    return data.unit * data.count if isinstance(data, Repeat) else bytes(data)
+    """A tensor's bytes written out (a repeat's unit as many times as it repeats, 8-bit values looked up)."""
+    if isinstance(data, Repeat):
+        return data.unit * data.count
+    if isinstance(data, Mapped):
+        return b"".join(bytes(plane) for plane in data.planes())  # each copied before the next overwrites it
+    return bytes(data)
 
 
 def metadata_item(item: Mapping[str, ItemElement]) -> dict[str, ItemElement]:

@@ -21,6 +21,7 @@ from stoker.adapters.render import RenderedPicture, Renderer
 from stoker.adapters.vllm_render import (
     FieldSpec,
     ItemElement,
+    Mapped,
     Repeat,
     WireItem,
     WireTensor,
@@ -172,5 +173,30 @@ def test_a_rendering_made_from_the_processors_tensors_is_its_item(whole: bool) -
     item = idefics3_item(tensors)
     assert picture.item == item
     back = RenderedPicture.from_bytes(picture.to_bytes())
+    assert back == RenderedPicture.of({"rows": 1}, item)
+    assert back.wire == WireItem.of(item)
+
+
+def test_a_rendering_of_8_bit_pixels_is_the_item_of_their_looked_up_values() -> None:
+    # Pixel values kept as 8-bit pixels and their channels' tables make the item of the values the tables give, and
+    # travel through the cache as 8 bits a value.
+    rng = np.random.default_rng(8)
+    pixels = rng.integers(0, 256, (1, 2, 3, 4, 4), dtype=np.uint8)
+    tables = rng.standard_normal((3, 1, 256)).astype(np.float32)
+    mask = np.ones((1, 2, 4, 4), dtype=bool)
+    eight: dict[str, np.ndarray[Any, Any]] = {
+        "pixel_values": pixels,
+        "pixel_values_table": tables,
+        "pixel_attention_mask": mask,
+    }
+    values = tables[np.arange(3)[None, None, :, None, None], 0, pixels]
+    made = idefics3_tensors(eight)
+    assert isinstance(made[0].data, Mapped)
+    item = idefics3_item({"pixel_values": values, "pixel_attention_mask": mask})
+    picture = RenderedPicture.of_tensors({"rows": 1}, made)
+    assert picture.item == item
+    entry = picture.to_bytes()
+    assert len(entry) < pixels.nbytes + tables.nbytes  # 8 bits a value and the tables (as bfloat16), not 16 bits
+    back = RenderedPicture.from_bytes(entry)
     assert back == RenderedPicture.of({"rows": 1}, item)
     assert back.wire == WireItem.of(item)

@@ -230,6 +230,24 @@ def test_one_pictures_tiles_written_in_place_are_the_processors_own_bits(tiny_vl
         _same_bits(preparer.processor(images=picture), plain(images=picture))
 
 
+def test_eight_bit_tiles_looked_up_in_their_tables_are_the_processors_own_bits(tiny_vlm: Path) -> None:
+    eight = ImagePreparer.load(tiny_vlm, floats="float32", eight_bit=True)
+    floats = ImagePreparer.load(tiny_vlm, floats="float32")
+    assert eight is not None
+    assert floats is not None
+    assert eight.identity != floats.identity
+    for picture in _random_pictures(8):
+        mine, theirs = eight.prepare(picture).tensors, floats.prepare(picture).tensors
+        pixels, tables = mine.pop("pixel_values"), mine.pop("pixel_values_table")
+        assert pixels.dtype == np.dtype(np.uint8)
+        assert tables.shape == (3, 1, 256)
+        looked_up = tables[np.arange(3)[None, None, :, None, None], 0, pixels]
+        np.testing.assert_array_equal(looked_up.view(np.uint32), theirs.pop("pixel_values").view(np.uint32))
+        assert mine.keys() == theirs.keys()
+        for name, value in theirs.items():
+            np.testing.assert_array_equal(mine[name], value, err_msg=name)
+
+
 def test_pictures_the_tiles_path_does_not_take_go_through_the_processors_own_code(tiny_vlm: Path) -> None:
     preparer = ImagePreparer.load(tiny_vlm, floats="float32")
     assert preparer is not None

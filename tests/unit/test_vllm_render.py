@@ -19,6 +19,7 @@ from stoker.adapters.vllm_render import (
     FieldSpec,
     ItemElement,
     ItemTensor,
+    Mapped,
     Repeat,
     WireItem,
     WireTensor,
@@ -183,3 +184,22 @@ def test_a_repeat_longer_than_its_shared_pieces_is_written_whole() -> None:
     text = stream.text()
     assert bytes(text) == base64.b64encode(b"\x93" + unit * count)
     assert len(set(map(id, text.pieces))) < len(text.pieces)  # the same piece, written again
+
+
+@pytest.mark.parametrize(("width", "side"), [(2, (4, 5)), (4, (4, 5)), (2, (3, 5)), (8, (4, 5)), (1, (2, 2))])
+def test_mapped_values_are_their_channels_table_entries(width: int, side: tuple[int, int]) -> None:
+    # Three tiles of three channels of planes: each plane looked up in its channel's table, channels in turn (two
+    # values at a time in planes of even length, one at a time in the others and for 8-byte entries).
+    rng = np.random.default_rng(width)
+    indices = rng.integers(0, 256, (3, 3, *side), dtype=np.uint8)
+    tables = rng.integers(0, 1 << min(8 * width, 63), (3, 256), dtype=np.uint64).astype(f"<u{width}")
+    plane = side[0] * side[1]
+    mapped = Mapped(memoryview(indices.tobytes()), tables.tobytes(), plane, width)
+    expected = tables[np.arange(3)[None, :, None, None], indices].tobytes()
+    assert b"".join(bytes(p) for p in mapped.planes()) == expected
+    assert len(mapped) == len(expected)
+    field = FieldSpec("flat", slices=(((0, 3, None),),)).wire()
+    dtype = {1: "uint8", 2: "bfloat16", 4: "float32", 8: "int64"}[width]
+    text = item_text([ItemTensor("pixel_values", dtype, (3, 3, *side), mapped, field)])
+    spelled = ItemElement(WireTensor(dtype, (3, 3, *side), expected), FieldSpec.from_wire(field))
+    assert bytes(text) == base64.b64encode(item_bytes({"pixel_values": spelled}))

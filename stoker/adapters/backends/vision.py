@@ -124,9 +124,13 @@ class ImagePreparer:
     #: them), or float32, the processor's own values, which a render casts to the served model's dtype exactly as
     #: vLLM does (`stoker.adapters.render`). Part of `identity`, so the two never share a cache entry.
     floats: str = "float16"
+    #: Idefics3's pixel values as the tiles' 8-bit pixels before rescaling and normalising, with each channel's
+    #: table of what those make of its 256 values (`pixel_values_table`, in `floats`): a render looks them up where
+    #: it writes its answer (`stoker.adapters.backends.tiling`). Part of `identity`.
+    eight_bit: bool = False
 
     @classmethod
-    def load(cls, model_dir: str | Path, floats: str = "float16") -> ImagePreparer | None:
+    def load(cls, model_dir: str | Path, floats: str = "float16", eight_bit: bool = False) -> ImagePreparer | None:
         """The image processor a model directory (or hub id) declares; None when the model reads no images."""
         if not declares_processor(str(model_dir)):
             return None
@@ -139,8 +143,9 @@ class ImagePreparer:
         except OSError:  # no preprocessor_config.json: a text-only model
             return None
         identity = processor_identity(processor)
-        _hand_over_channels_last(processor)
-        return cls(processor, identity if floats == "float16" else f"{identity}.{floats}", floats)
+        _hand_over_channels_last(processor, eight_bit)
+        identity += "" if floats == "float16" else f".{floats}"
+        return cls(processor, identity + (".8bit" if eight_bit else ""), floats, eight_bit)
 
     def prepare(self, rgb: Image.Image) -> PreparedImage:
         """The model's tensors for one decoded picture (RGB, already EXIF-rotated, as decode makes it)."""
@@ -150,7 +155,7 @@ class ImagePreparer:
             output = self.processor(images=rgb, **self._extra())
         except ValueError as exc:
             raise ImageCorrupt(_refusal(self.processor, rgb, exc), stage="decode") from exc
-        tensors = {name: _stored(name, value, self.floats) for name, value in output.items()}
+        tensors = {name: _stored(name, value, self.floats, self.eight_bit) for name, value in output.items()}
         meta = {"processor": self.identity, "processor_class": type(self.processor).__name__, "size": list(rgb.size)}
         return PreparedImage(tensors=tensors, meta=meta)
 
@@ -181,7 +186,7 @@ class ImagePreparer:
         return {"return_row_col_info": True} if "return_row_col_info" in accepted else {}
 
 
-def _hand_over_channels_last(processor: Any) -> None:
+def _hand_over_channels_last(processor: Any, eight_bit: bool = False) -> None:
     """Hand a torchvision-backed processor each decoded RGB picture as it lies in memory, pixel by pixel
     (channels last, a view of its array), not copied into planes first.
 
@@ -193,11 +198,11 @@ def _hand_over_channels_last(processor: Any) -> None:
     ms a picture down to 18 to 20."""
     if getattr(processor, "backend", None) == BACKEND:
         kind: Any = type(processor)
-        processor.__class__ = _channels_last(kind)
+        processor.__class__ = _channels_last(kind, eight_bit)
 
 
 @functools.cache
-def _channels_last(base: Any) -> Any:
+def _channels_last(base: Any, eight_bit: bool = False) -> Any:
     """`base` whose `process_image` hands an RGB picture over as a view of its pixels (and, for Idefics3, whose
     `_preprocess` writes one picture's tiles in place: `stoker.adapters.backends.tiling`); under `base`'s own name,
     so what the processor says of itself (its config, its identity) is unchanged."""
@@ -212,7 +217,7 @@ def _channels_last(base: Any) -> Any:
     if any(kind.__name__ == "Idefics3ImageProcessor" for kind in base.__mro__):
         from stoker.adapters.backends.tiling import preprocess_tiles
 
-        methods["_preprocess"] = preprocess_tiles(base)  # its tiles written in place: the same bits, fewer copies
+        methods["_preprocess"] = preprocess_tiles(base, eight_bit)  # its tiles written in place: fewer copies
     return type(base.__name__, (base,), methods)
 
 
@@ -232,11 +237,14 @@ def _refusal(processor: Any, rgb: Image.Image, exc: ValueError) -> str:
     return f"the model's image processor ({name}) cannot read this {width}×{height} picture: {reason}"
 
 
-def _stored(name: str, value: Any, floats: str = "float16") -> npt.NDArray[Any]:
-    """The dtype a tensor travels in: `floats` for values, bool for masks, int64 for counts and grids."""
+def _stored(name: str, value: Any, floats: str = "float16", eight_bit: bool = False) -> npt.NDArray[Any]:
+    """The dtype a tensor travels in: `floats` for values, bool for masks, int64 for counts and grids; 8-bit pixels
+    as they are (`eight_bit`)."""
     array = np.asarray(value)
     if name.endswith("_mask"):
         return array.astype(np.bool_)
+    if eight_bit and array.dtype == np.uint8:
+        return array
     if np.issubdtype(array.dtype, np.floating):
         return array.astype(floats, copy=False)  # the processor's own float32 kept as it is: no copy of megabytes
     return array.astype(np.int64, copy=False)
