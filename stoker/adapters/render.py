@@ -122,11 +122,12 @@ class RenderedPicture:
     @functools.cached_property
     def wire(self) -> WireItem:
         """The item encoded as a render sends it (msgpack, base64), once per reading, from the cached tensors as
-        they lie: the pixel values base64-encoded from the entry's bytes, a mask of ones as its period's text
-        repeated (`Repeat`), never widened. Made where the answer is written, not cached: the base64 text is a
-        third larger than the tensors, and the pixel attention mask, a vLLM int64 of 0s and 1s, is 8 bytes a pixel
-        that the cache keeps as one bit, so the cache moves about a third of the bytes (8 MB, not 24 MB, a
-        1280×960 picture) for the same CPU spent on base64 (`_Entry`)."""
+        they lie: the pixel values looked up from the entry's 8-bit pixels a plane at a time (`Mapped`) or
+        base64-encoded from its bytes, a mask of ones as its period's text repeated (`Repeat`), never widened.
+        Made where the answer is written, not cached: the base64 text is a third larger than the tensors, a pixel
+        value is 2 bytes of bfloat16 where the cache keeps its 8-bit pixel, and the pixel attention mask, a vLLM
+        int64 of 0s and 1s, is 8 bytes a pixel that the cache keeps as one bit, so the cache moves a sixth of the
+        bytes (4 MB, not 24 MB, a 1280×960 picture) for the lookups and the base64 (`_Entry`)."""
         entry = self._cached
         return WireItem.of_tensors([_as_sent(key, t) for key, t in zip(entry.keys, entry.tensors, strict=True)])
 
