@@ -232,7 +232,8 @@ class Renderer:
         self.model_path = model_path
         self.dtype = dtype
         self.tokenizer = tokenizer or load_prompt_tokenizer(model_path)
-        # float32: the processor's own values, cast once to the model's dtype as vLLM casts them
+        # 8-bit pixels and each channel's float32 table of the processor's own values, the table cast once to the
+        # model's dtype as vLLM casts the values: looked up where the answer is written, the same bits
         self.preparer = ImagePreparer.load(model_path, floats="float32", eight_bit=True) if self.sees else None
         self.max_model_len = _max_model_len(Path(model_path))
 
