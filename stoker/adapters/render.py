@@ -42,6 +42,7 @@ from stoker.adapters.vllm_render import (
     idefics3_tensors,
     item_tensors,
     spelled,
+    value_width,
 )
 from stoker.core.cachekeys import CacheAddress, fingerprint
 from stoker.core.errors import StokerError
@@ -58,9 +59,9 @@ ITEM = "pixels"
 
 class _Tensor(msgspec.Struct, array_like=True, frozen=True):
     """One key of a cached item: its tensor (`bits`: an integer tensor of 0s and 1s, kept as one bit a value;
-    `tables`: 8-bit values looked up in them, `plane` values a channel at a time, `width` bytes an entry, as `Mapped`)
-    and its field as vLLM writes it. Read back, `data` is a view of the entry's bytes (msgspec decodes a memoryview
-    without a copy)."""
+    `tables`: 8-bit values looked up in them, `plane` values a channel at a time, as `Mapped`, an entry the dtype's
+    width) and its field as vLLM writes it. Read back, `data` is a view of the entry's bytes (msgspec decodes a
+    memoryview without a copy)."""
 
     dtype: str
     shape: list[int]
@@ -69,7 +70,6 @@ class _Tensor(msgspec.Struct, array_like=True, frozen=True):
     field: list[Any]
     tables: bytes = b""
     plane: int = 0
-    width: int = 0
 
 
 class _Entry(msgspec.Struct, array_like=True, frozen=True):
@@ -156,8 +156,7 @@ def _packed(tensor: ItemTensor) -> _Tensor:
     bytes of ones), any other as it is."""
     data = tensor.data
     if isinstance(data, Mapped):
-        shape = list(tensor.shape)
-        return _Tensor(tensor.dtype, shape, data.indices, False, tensor.field, data.tables, data.plane, data.width)
+        return _Tensor(tensor.dtype, list(tensor.shape), data.indices, False, tensor.field, data.tables, data.plane)
     if isinstance(data, Repeat) and tensor.dtype in _INTEGERS and data.unit == _one(tensor.dtype):
         whole, rest = divmod(data.count, 8)
         bits = b"\xff" * whole + (bytes([(0xFF << (8 - rest)) & 0xFF]) if rest else b"")
@@ -189,7 +188,7 @@ def _as_sent(key: str, cached: _Tensor) -> ItemTensor:
     values (a mask over whole tiles, as a picture's is, all ones: a repeat of one value, never spelled out)."""
     data: TensorBytes = cached.data
     if cached.tables:
-        data = Mapped(cached.data, cached.tables, cached.plane, cached.width)
+        data = Mapped(cached.data, cached.tables, cached.plane, value_width(cached.dtype))
     elif cached.bits:
         count = int(np.prod(cached.shape, dtype=np.int64))
         packed = np.frombuffer(cached.data, dtype=np.uint8)

@@ -370,13 +370,17 @@ def decode_item(encoded: str) -> dict[str, ItemElement]:
         raise ValueError(f"not a multimodal kwargs item: {exc}") from exc
 
 
+def value_width(dtype: str) -> int:
+    """Bytes a value of a dtype (torch's name) takes as it travels."""
+    return 2 if dtype == "bfloat16" else _NUMPY_NAMES[dtype].itemsize
+
+
 def _element(value: dict[str, Any]) -> ItemElement:
     dtype, shape, data = value["data"]
     if not isinstance(data, msgspec.msgpack.Ext) or data.code != RAW_VIEW:
         raise ValueError("a tensor that is not inline")
     tensor = WireTensor(str(dtype), tuple(int(n) for n in shape), bytes(data.data))
-    width = 2 if tensor.dtype == "bfloat16" else _NUMPY_NAMES[tensor.dtype].itemsize
-    if len(tensor.data) != width * int(np.prod(tensor.shape, dtype=np.int64)):
+    if len(tensor.data) != value_width(tensor.dtype) * int(np.prod(tensor.shape, dtype=np.int64)):
         raise ValueError(f"{len(tensor.data)} bytes for a {tensor.dtype} tensor of shape {list(tensor.shape)}")
     return ItemElement(tensor, FieldSpec.from_wire(value["field"]))
 
@@ -405,8 +409,8 @@ def idefics3_tensors(tensors: Mapping[str, npt.NDArray[Any]], dtype: str = "bflo
     data: TensorBytes = values.data
     if pixels.dtype == np.uint8:  # 8-bit pixels and their channels' tables: looked up where the text is written
         plane = int(np.prod(pixels.shape[2:], dtype=np.int64))
-        width = len(values.data) // int(np.prod(values.shape, dtype=np.int64))
-        data = Mapped(memoryview(np.ascontiguousarray(pixels).data).cast("B"), values.data, plane, width)
+        indices = memoryview(np.ascontiguousarray(pixels).data).cast("B")
+        data = Mapped(indices, values.data, plane, value_width(values.dtype))
     mask = np.asarray(tensors["pixel_attention_mask"])[0]
     ones = Repeat(_int64(1), int(mask.size))
     kept = FieldSpec("batched", True).wire()
