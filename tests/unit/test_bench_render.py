@@ -7,7 +7,7 @@ import base64
 import json
 from dataclasses import replace
 
-from bench.render import SCENARIOS, Answer, Phase, RenderRequest, ratios, requests_for, summarise
+from bench.render import SCENARIOS, Answer, Phase, RenderRequest, ratios, requests_for, steady, summarise
 
 SMALL = {key: replace(s, size=(64, 48)) for key, s in SCENARIOS.items()}
 
@@ -65,3 +65,12 @@ def test_the_summary_divides_cpu_by_pictures_and_the_ratios_put_stoker_over_vllm
     assert rows[0]["cpu_s_per_picture"] == round(3.0 / 33, 4)
     assert rows[0]["cpu_s_per_distinct_picture"] == 0.1
     assert ratios(rows)["a"] == {"renders": 2.0, "p99_at_90": 0.5, "cpu": 0.5, "cpu_distinct": 0.5}
+
+
+def test_a_server_is_settled_once_a_round_no_longer_grows_its_memory() -> None:
+    filling = [2400.0, 3600.0, 4800.0, 6000.0]  # a processor cache filling: 1.2 GB a round
+    assert not steady(filling)
+    assert steady([*filling, 6100.0])  # +1.7 %: full, recycling what it evicts
+    assert not steady([2400.0, 2400.0])  # one round is not enough to say
+    assert steady([2400.0, 2400.0, 2410.0])
+    assert not steady([2400.0, 2400.0, 2500.0])  # +4.2 %
