@@ -7,7 +7,7 @@ import base64
 import json
 from dataclasses import replace
 
-from bench.render import SCENARIOS, Answer, Phase, RenderRequest, ratios, requests_for, steady, summarise
+from bench.render import SCENARIOS, SETTLE_MIN, Answer, Phase, RenderRequest, ratios, requests_for, steady, summarise
 
 SMALL = {key: replace(s, size=(64, 48)) for key, s in SCENARIOS.items()}
 
@@ -68,9 +68,8 @@ def test_the_summary_divides_cpu_by_pictures_and_the_ratios_put_stoker_over_vllm
 
 
 def test_a_server_is_settled_once_a_round_no_longer_grows_its_memory() -> None:
-    filling = [2400.0, 3600.0, 4800.0, 6000.0]  # a processor cache filling: 1.2 GB a round
-    assert not steady(filling)
-    assert steady([*filling, 6100.0])  # +1.7 %: full, recycling what it evicts
-    assert not steady([2400.0, 2400.0])  # one round is not enough to say
-    assert steady([2400.0, 2400.0, 2410.0])
-    assert not steady([2400.0, 2400.0, 2500.0])  # +4.2 %
+    full = [6000.0] * SETTLE_MIN
+    filling = [2400.0, 3600.0, 4800.0, *full]  # a processor cache filling (1.2 GB a round), then full
+    assert steady([*filling, 6100.0])  # +1.7 %: recycling what it evicts
+    assert not steady([*filling, 6300.0])  # +5 %
+    assert not steady([*filling[: SETTLE_MIN - 1], filling[SETTLE_MIN - 2]])  # flat, but too few rounds to say
