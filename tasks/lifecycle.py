@@ -161,6 +161,11 @@ def start(ctx: WorkerContext, queues: set[str]) -> None:
         ctx.cache.publish_context(ctx.pipeline_context())  # the API can tokenize cheap jobs from now on
     if {"decode", "ocr"} & queues:
         _ = ctx.decode_outputs  # the served model's image processor (or that it has none): OCR runs or not
+        if ctx.image_preparer is not None:
+            # A render job's pictures are rendered here (`stages.decode`): its renderer (tokenizer, 8-bit image
+            # processor) loaded once before the pool forks, not by each child on its first render and again by
+            # every child that replaces a recycled one (`max_tasks_per_child`).
+            _ = ctx.renderer
     if "ocr" in queues:
         _ = ctx.tesseract
     if SYNC_QUEUE in queues:
