@@ -782,12 +782,15 @@ def report(
 
 def settled_line(settled: Sequence[Settled]) -> str:
     """How each server was settled before the scenarios."""
+    if not settled:
+        return "Not settled (`--settle-rounds 0`): each server measured from its start."
     each = [
         f"{s.server} {s.pictures} pictures in {s.rounds} rounds, resident {s.resident_mb[0]:,.0f} → "
         f"{s.resident_mb[1]:,.0f} MB, {s.cpu_ms[0]:.0f} → {s.cpu_ms[1]:.0f} CPU ms a picture"
         for s in settled
     ]
-    return "Settled first (distinct (a) pictures until a round grows resident memory by < 3 %): " + "; ".join(each)
+    least = SETTLE_MIN * SETTLE_PICTURES
+    return f"Settled first (≥ {least} distinct (a) pictures, until a round grows memory < 3 %): {'; '.join(each)}"
 
 
 def _host() -> str:

@@ -7,7 +7,19 @@ import base64
 import json
 from dataclasses import replace
 
-from bench.render import SCENARIOS, SETTLE_MIN, Answer, Phase, RenderRequest, ratios, requests_for, steady, summarise
+from bench.render import (
+    SCENARIOS,
+    SETTLE_MIN,
+    Answer,
+    Phase,
+    RenderRequest,
+    Settled,
+    ratios,
+    requests_for,
+    settled_line,
+    steady,
+    summarise,
+)
 
 SMALL = {key: replace(s, size=(64, 48)) for key, s in SCENARIOS.items()}
 
@@ -73,3 +85,9 @@ def test_a_server_is_settled_once_a_round_no_longer_grows_its_memory() -> None:
     assert steady([*filling, 6100.0])  # +1.7 %: recycling what it evicts
     assert not steady([*filling, 6300.0])  # +5 %
     assert not steady([*filling[: SETTLE_MIN - 1], filling[SETTLE_MIN - 2]])  # flat, but too few rounds to say
+
+
+def test_the_report_says_how_each_server_was_settled_or_that_none_was() -> None:
+    line = settled_line([Settled("vLLM", 12, 480, (1158.0, 6790.0), (180.0, 106.0))])
+    assert line.endswith("vLLM 480 pictures in 12 rounds, resident 1,158 → 6,790 MB, 180 → 106 CPU ms a picture")
+    assert settled_line([]).startswith("Not settled")
