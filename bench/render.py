@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 import httptools
 import redis
 
-from bench.cost import tree
+from bench.cost import resident_mb, tree
 from bench.rawload import Connections
 from bench.report import percentile
 from bench.stack import Device, bench_stack
@@ -173,15 +173,7 @@ class Server:
 
     def resident_mb(self) -> float:
         """Resident memory of every process of the server now (MB)."""
-        return sum(_resident_kb(p.pid) for pid in self.roots.values() for p in tree(pid)) / 1024
-
-
-def _resident_kb(pid: int) -> int:
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+        return resident_mb([p.pid for pid in self.roots.values() for p in tree(pid)])
 
 
 @contextmanager
@@ -432,10 +424,14 @@ class Settled:
 
     server: str
     rounds: int
-    pictures: int
     resident_mb: tuple[float, float]
     #: CPU ms a picture, every process of the server, in the first and the last round.
     cpu_ms: tuple[float, float]
+
+    @property
+    def pictures(self) -> int:
+        """The pictures sent to settle it."""
+        return self.rounds * SETTLE_PICTURES
 
 
 #: The settling rounds: distinct (a) pictures from `SETTLE_CLIENTS` clients, until a round grows the server's resident
@@ -464,8 +460,7 @@ def settle(server: Server, seed: int, model: str, max_rounds: int = SETTLE_MAX) 
         resident.append(server.resident_mb())
         if steady(resident):
             break
-    rounds = len(cpu_ms)
-    return Settled(server.name, rounds, rounds * SETTLE_PICTURES, (resident[0], resident[-1]), (cpu_ms[0], cpu_ms[-1]))
+    return Settled(server.name, len(cpu_ms), (resident[0], resident[-1]), (cpu_ms[0], cpu_ms[-1]))
 
 
 def steady(resident: Sequence[float]) -> bool:
@@ -789,8 +784,8 @@ def settled_line(settled: Sequence[Settled]) -> str:
         f"{s.resident_mb[1]:,.0f} MB, {s.cpu_ms[0]:.0f} → {s.cpu_ms[1]:.0f} CPU ms a picture"
         for s in settled
     ]
-    least = SETTLE_MIN * SETTLE_PICTURES
-    return f"Settled first (≥ {least} distinct (a) pictures, until a round grows memory < 3 %): {'; '.join(each)}"
+    least, growth = SETTLE_MIN * SETTLE_PICTURES, f"{SETTLE_GROWTH * 100:.0f} %"
+    return f"Settled first (≥ {least} distinct (a) pictures, until a round grows memory < {growth}): {'; '.join(each)}"
 
 
 def _host() -> str:

@@ -88,6 +88,6 @@ def test_a_server_is_settled_once_a_round_no_longer_grows_its_memory() -> None:
 
 
 def test_the_report_says_how_each_server_was_settled_or_that_none_was() -> None:
-    line = settled_line([Settled("vLLM", 12, 480, (1158.0, 6790.0), (180.0, 106.0))])
+    line = settled_line([Settled("vLLM", 12, (1158.0, 6790.0), (180.0, 106.0))])
     assert line.endswith("vLLM 480 pictures in 12 rounds, resident 1,158 → 6,790 MB, 180 → 106 CPU ms a picture")
     assert settled_line([]).startswith("Not settled")
