@@ -41,7 +41,9 @@ class Reply(NamedTuple):
 class _Response:
     """httptools' callbacks for one response: its body, its Retry-After, and whether it is complete. With
     `ok_body=False` a 200's body is counted, not kept: a client reading 25 MB answers would otherwise spend more CPU
-    gathering them than the server under test spends on some of its steps."""
+    gathering them than the server under test spends on some of its steps. Such a body of a known length is not
+    parsed either, once its head is in: what arrives is counted against its Content-Length (`take`), so it is
+    copied once, from the kernel, and never again."""
 
     def __init__(self, ok_body: bool = True) -> None:
         self.parser = httptools.HttpResponseParser(self)
@@ -50,11 +52,28 @@ class _Response:
         self.keep = True
         self.ok_body = ok_body
         self.retry_after: bytes | None = None
+        self.declared: int | None = None
+        self.counting = False
         self.complete = False
 
+    def take(self, data: bytes | memoryview) -> None:
+        """What arrived of the response: parsed, or only counted once its head says it is a 200 of a known length
+        that is not kept. More bytes than that length are an HttpParserError: one request is in flight at a time."""
+        if not self.counting:
+            self.parser.feed_data(data)
+            self.counting = not (self.keep or self.complete) and self.declared is not None
+            return
+        self.length += len(data)
+        if self.length > (self.declared or 0):
+            raise httptools.HttpParserError("more bytes than the response's Content-Length")
+        self.complete = self.length == self.declared
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"retry-after":
+        lowered = name.lower()
+        if lowered == b"retry-after":
             self.retry_after = value
+        elif lowered == b"content-length":
+            self.declared = int(value)
 
     def on_headers_complete(self) -> None:
         self.keep = self.ok_body or self.parser.get_status_code() != 200
@@ -66,6 +85,10 @@ class _Response:
 
     def on_message_complete(self) -> None:
         self.complete = True
+
+    def reply(self) -> Reply:
+        """The response as read."""
+        return Reply(self.parser.get_status_code(), bytes(self.body), self.retry_after, self.length)
 
 
 def encode(
@@ -88,8 +111,73 @@ async def exchange(
         data = await reader.read(1 << 20)
         if not data:
             raise ConnectionError("the server closed the connection")
-        response.parser.feed_data(data)
-    return Reply(response.parser.get_status_code(), bytes(response.body), response.retry_after, response.length)
+        response.take(data)
+    return response.reply()
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One kept-alive connection, read straight into one buffer of its own (the event loop's `recv_into`), one
+    exchange at a time: a response arrives at one copy, from the kernel, where a `StreamReader` copies each read
+    twice more (into its buffer, then out as bytes). Measured on a 2-core VM, 25 MB answers over loopback: 13-16 ms
+    of the client's CPU an answer through a `StreamReader` and httptools' body callbacks, 5.1-5.2 ms here."""
+
+    def __init__(self, ok_body: bool) -> None:
+        self.ok_body = ok_body
+        self.buffer = bytearray(READ_BYTES)
+        self.transport: asyncio.Transport | None = None
+        self.response: _Response | None = None
+        self.answered: asyncio.Future[Reply] | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self.buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.response is None or self.answered is None or self.answered.done():
+            self._end(ConnectionError("bytes that answer no request"))
+            return
+        try:
+            self.response.take(memoryview(self.buffer)[:nbytes])
+        except httptools.HttpParserError as exc:
+            self._end(exc)
+            return
+        if self.response.complete:
+            self.answered.set_result(self.response.reply())
+
+    def eof_received(self) -> bool:
+        self._end(ConnectionError("the server closed the connection"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._end(exc or ConnectionError("the server closed the connection"))
+
+    async def exchange(self, request: bytes) -> Reply:
+        """Send one request; its response."""
+        assert self.transport is not None
+        self.response = _Response(self.ok_body)
+        self.answered = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        return await self.answered
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _end(self, exc: BaseException) -> None:
+        """The exchange in flight fails with `exc`, and the connection is closed."""
+        self.lost = True
+        if self.answered is not None and not self.answered.done():
+            self.answered.set_exception(exc)
+        self.close()
+
+
+#: What one read of a connection takes at most.
+READ_BYTES = 1 << 20
 
 
 class Connections:
@@ -103,7 +191,7 @@ class Connections:
         self.host, self.port, self.netloc = parts.hostname or "127.0.0.1", parts.port or 80, parts.netloc
         self.idle_s = idle_s
         self.ok_body = ok_body
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
+        self._idle: list[tuple[_Connection, float]] = []
 
     def request(
         self, method: str, target: str, body: bytes | None = None, kind: str = "application/x-www-form-urlencoded"
@@ -113,29 +201,33 @@ class Connections:
 
     async def exchange(self, request: bytes, timeout_s: float) -> Reply:
         """Send `request` on a kept-alive connection; its response, or TimeoutError after `timeout_s`."""
-        reader, writer = await self._take()
+        connection = await self._take()
         try:
             async with asyncio.timeout(timeout_s):
-                reply = await exchange(reader, writer, request, self.ok_body)
+                reply = await connection.exchange(request)
         except BaseException:
-            writer.close()
+            connection.close()
             raise
-        self._idle.append((reader, writer, time.monotonic()))
+        self._idle.append((connection, time.monotonic()))
         return reply
 
     def close(self) -> None:
         """Close every idle connection."""
-        for _, writer, _ in self._idle:
-            writer.close()
+        for connection, _ in self._idle:
+            connection.close()
         self._idle.clear()
 
-    async def _take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _take(self) -> _Connection:
         while self._idle:
-            reader, writer, since = self._idle.pop()  # the last put back: the others age out
-            if time.monotonic() - since < self.idle_s and not reader.at_eof():
-                return reader, writer
-            writer.close()
-        return await asyncio.open_connection(self.host, self.port)
+            connection, since = self._idle.pop()  # the last put back: the others age out
+            if time.monotonic() - since < self.idle_s and not connection.lost:
+                return connection
+            connection.close()
+        ok_body = self.ok_body
+        _, connection = await asyncio.get_running_loop().create_connection(
+            lambda: _Connection(ok_body), self.host, self.port
+        )
+        return connection
 
 
 @dataclass
