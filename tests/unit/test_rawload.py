@@ -17,6 +17,18 @@ from bench import rawload
 from tests.serving import serve_handler
 
 
+def _write(
+    handler: BaseHTTPRequestHandler, status: int, body: bytes, headers: dict[str, str], length: int | None = None
+) -> None:
+    """An answer of `body`, its Content-Length `length` (the body's own unless given)."""
+    handler.send_response(status)
+    for name, value in headers.items():
+        handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(body) if length is None else length))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class JobsHandler(BaseHTTPRequestHandler):
     """`POST /v1/jobs` answers 202 with a job named after its prompt (429 for a prompt that says so); `GET
     /v1/jobs/{id}` answers the job succeeded, or 404 for one never made. One connection serves many requests."""
@@ -44,12 +56,7 @@ class JobsHandler(BaseHTTPRequestHandler):
             self._answer(404, {"error": {"code": "not_found"}})
 
     def _answer(self, status: int, body: dict[str, object]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        _write(self, status, json.dumps(body).encode(), {"Content-Type": "application/json"})
 
     def log_message(self, format: str, *args: object) -> None:  # the base class names it so
         return
@@ -101,19 +108,11 @@ class AnswersHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if self.path == "/refuse":
-            self._answer(429, b'{"error":{"code":"queue_full"}}', {"Retry-After": "3"})
+            _write(self, 429, b'{"error":{"code":"queue_full"}}', {"Retry-After": "3"})
             return
         size = int(self.path.rsplit("/", 1)[-1]) if self.path.startswith("/big/") else 10
         body = bytes(i % 251 for i in range(size))
-        self._answer(200, body + (b"surplus" if self.path == "/overlong" else b""), {}, len(body))
-
-    def _answer(self, status: int, body: bytes, headers: dict[str, str], length: int | None = None) -> None:
-        self.send_response(status)
-        for name, value in headers.items():
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(len(body) if length is None else length))
-        self.end_headers()
-        self.wfile.write(body)
+        _write(self, 200, body + (b"surplus" if self.path == "/overlong" else b""), {}, len(body))
 
     def log_message(self, format: str, *args: object) -> None:  # the base class names it so
         return
