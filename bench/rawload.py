@@ -1,11 +1,12 @@
 """HTTP/1.1 clients that cost next to nothing, for a load generator that shares the stack's cores: closed-loop
-clients here (`run`, `wait_all`), and kept-alive connections (`Connections`) for `bench.drive`'s open loop.
+clients here (`run`, `wait_all`), and the kept-alive connections (`Connections`) they and the open loops of
+`bench.drive` and `bench.render` exchange on.
 
 httpx spends about 0.8 ms of CPU per request here (its request and response models, h11 in pure Python, a thread
 per client): at the hundreds of requests a second the admission phase sends, that is a fifth of a two-core machine
 taken from the stack it measures (docs/bench/log/2026-12-04-cost-free-load-generator-and-admission.md). These
 clients are coroutines on one event loop, each on a keep-alive connection (the closed-loop ones one each; the open
-loop's share theirs, `Connections`), writing requests built as bytes and reading responses with httptools (llhttp,
+loops' share theirs), writing requests built as bytes and reading responses with httptools (llhttp,
 the C parser uvicorn uses). No HTTP client library offers that: they all build request and response objects per
 exchange, which is the cost to avoid. The requests are the same bytes a client library would send.
 """
@@ -101,20 +102,6 @@ def encode(
     return f"{head}Content-Type: {kind}\r\nContent-Length: {len(form)}\r\n\r\n".encode() + form
 
 
-async def exchange(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes, ok_body: bool = True
-) -> Reply:
-    """Send one request on an open connection; its response (a 200's body left out unless `ok_body`)."""
-    writer.write(request)
-    response = _Response(ok_body)
-    while not response.complete:
-        data = await reader.read(1 << 20)
-        if not data:
-            raise ConnectionError("the server closed the connection")
-        response.take(data)
-    return response.reply()
-
-
 class _Connection(asyncio.BufferedProtocol):
     """One kept-alive connection, read straight into one buffer of its own (the event loop's `recv_into`), one
     exchange at a time: a response arrives at one copy, from the kernel, where a `StreamReader` copies each read
@@ -153,7 +140,6 @@ class _Connection(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
         self._end(exc or ConnectionError("the server closed the connection"))
 
     async def exchange(self, request: bytes) -> Reply:
@@ -199,8 +185,9 @@ class Connections:
         """A request to this server, as bytes to hand to `exchange`."""
         return encode(self.netloc, method, target, body, kind)
 
-    async def exchange(self, request: bytes, timeout_s: float) -> Reply:
-        """Send `request` on a kept-alive connection; its response, or TimeoutError after `timeout_s`."""
+    async def exchange(self, request: bytes, timeout_s: float | None = None) -> Reply:
+        """Send `request` on a kept-alive connection; its response, or TimeoutError after `timeout_s` (None: no
+        limit)."""
         connection = await self._take()
         try:
             async with asyncio.timeout(timeout_s):
@@ -240,12 +227,12 @@ class Tally:
 
 
 async def _client(base: str, request: Request, numbers: Iterator[int], stop_at: float, tally: Tally) -> None:
-    reader, writer, netloc = await _connect(base)
+    connections = Connections(base)  # one client, one kept-alive connection
     try:
         while time.monotonic() < stop_at:
             n = next(numbers)  # taken only to be sent: the numbers sent are 1, 2, ... with no gap
             try:
-                status, body, *_ = await exchange(reader, writer, encode(netloc, *request(n)))
+                status, body, *_ = await connections.exchange(connections.request(*request(n)))
             except (OSError, ConnectionError, httptools.HttpParserError) as exc:
                 tally.errors[type(exc).__name__] += 1
                 return
@@ -253,7 +240,7 @@ async def _client(base: str, request: Request, numbers: Iterator[int], stop_at: 
             if status == 202:
                 tally.accepted.append(json.loads(body)["id"])
     finally:
-        writer.close()
+        connections.close()
 
 
 def run(base: str, request: Request, clients: int, seconds: float) -> Tally:
@@ -276,24 +263,17 @@ def wait_all(base: str, job_ids: list[str], clients: int = 16, wait_s: int = 30)
     pending = iter(job_ids)  # shared: each job is asked for once
 
     async def client() -> None:
-        reader, writer, netloc = await _connect(base)
+        connections = Connections(base)  # one client, one kept-alive connection
         try:
             for job_id in pending:
-                request = encode(netloc, "GET", f"/v1/jobs/{job_id}?wait={wait_s}", None)
-                status, body, *_ = await exchange(reader, writer, request)
+                request = connections.request("GET", f"/v1/jobs/{job_id}?wait={wait_s}")
+                status, body, *_ = await connections.exchange(request)
                 statuses[str(json.loads(body)["status"]) if status == 200 else f"HTTP {status}"] += 1
         finally:
-            writer.close()
+            connections.close()
 
     async def main() -> None:
         await asyncio.gather(*(client() for _ in range(clients)))
 
     asyncio.run(main())
     return statuses
-
-
-async def _connect(base: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
-    """A connection to `base`'s host and port, and the Host header's value."""
-    parts = urlsplit(base)
-    reader, writer = await asyncio.open_connection(parts.hostname or "127.0.0.1", parts.port or 80)
-    return reader, writer, parts.netloc
